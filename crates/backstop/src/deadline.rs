@@ -1,1 +1,484 @@
-//! deadline
+//! Deadlines: one absolute end time per logical request, shrinking hop by hop (seed 2.2).
+//!
+//! A timeout says "how long I am willing to wait"; a deadline says "when this request must be
+//! done". Over several hops only the deadline stays correct: a gateway that forwards with a fresh
+//! timeout resets the caller's budget, and the server goes on committing effects long after the
+//! caller gave up. So a request carries its *remaining* budget on the wire (`grpc-timeout`, a
+//! relative value immune to clock skew between hosts), and the receiver turns it back into an
+//! absolute [`Deadline`] on its own monotonic clock the moment the request arrives.
+//!
+//! Every retry shares that one deadline, and every outbound call gets a [`Deadline::child`] that
+//! leaves a [`Margin`] for the reply to travel back. When nothing would be left, `child` fails at
+//! once: a call that cannot finish in time must not be started.
+//!
+//! Time is `tokio::time::Instant`, so tests pause it instead of sleeping.
+//!
+//! ```
+//! use std::time::Duration;
+//! use backstop::deadline::{Deadline, decode_grpc_timeout, encode_grpc_timeout};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let deadline = Deadline::from_grpc_timeout("250m").unwrap();
+//! assert_eq!(deadline.remaining(), Duration::from_millis(250));
+//!
+//! // Forward to the next hop with 20 ms kept for the way back.
+//! let child = deadline.child(Duration::from_millis(20)).unwrap();
+//! assert_eq!(encode_grpc_timeout(child.remaining()), "230000u");
+//! assert_eq!(decode_grpc_timeout("230000u").unwrap(), Duration::from_millis(230));
+//!
+//! // Nothing left after the margin: fail fast instead of calling.
+//! assert!(deadline.child(Duration::from_secs(1)).is_err());
+//! # }
+//! ```
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Header (HTTP) and metadata key (gRPC) carrying the remaining budget.
+pub const GRPC_TIMEOUT: &str = "grpc-timeout";
+
+/// Largest value a `grpc-timeout` may carry: eight decimal digits.
+const MAX_TIMEOUT_VALUE: u64 = 99_999_999;
+
+/// Units of `grpc-timeout`, finest first, with their length in nanoseconds.
+const UNITS: [(u8, u64); 6] = [
+    (b'n', 1),
+    (b'u', 1_000),
+    (b'm', 1_000_000),
+    (b'S', 1_000_000_000),
+    (b'M', 60 * 1_000_000_000),
+    (b'H', 3_600 * 1_000_000_000),
+];
+
+/// How far in the future a deadline lies when its budget overflows the clock (about 30 years).
+const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
+
+/// An absolute point on the monotonic clock by which a request must be finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Deadline {
+    end: Instant,
+}
+
+/// A child deadline could not be made: the margin takes all the time that is left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("deadline exceeded: {remaining:?} left, {margin:?} needed for the margin")]
+pub struct DeadlineExceeded {
+    /// Budget left on the parent deadline when the child was asked for.
+    pub remaining: Duration,
+    /// Margin the child had to leave.
+    pub margin: Duration,
+}
+
+/// A `grpc-timeout` value that does not follow the wire format
+/// (`1*8DIGIT unit`, value positive, unit one of `H M S m u n`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum GrpcTimeoutError {
+    /// The value is empty.
+    #[error("grpc-timeout is empty")]
+    Empty,
+    /// The last character is not one of `H M S m u n`.
+    #[error("grpc-timeout unit must be one of H, M, S, m, u, n")]
+    UnknownUnit,
+    /// A unit without digits before it.
+    #[error("grpc-timeout has no digits")]
+    MissingValue,
+    /// Something other than ASCII digits before the unit (sign, space, dot, ...).
+    #[error("grpc-timeout value must be ASCII digits")]
+    InvalidDigit,
+    /// More than eight digits.
+    #[error("grpc-timeout value has more than 8 digits")]
+    TooManyDigits,
+    /// The value is zero; the wire format asks for a positive integer.
+    #[error("grpc-timeout value must be positive")]
+    Zero,
+}
+
+impl Deadline {
+    /// A deadline `budget` from now. A budget too large for the clock is clamped to about 30 years.
+    pub fn after(budget: Duration) -> Self {
+        let now = Instant::now();
+        let end = now.checked_add(budget).unwrap_or_else(|| now + FAR_FUTURE);
+        Self { end }
+    }
+
+    /// A deadline at `end`.
+    pub fn at(end: Instant) -> Self {
+        Self { end }
+    }
+
+    /// Decodes a `grpc-timeout` value and starts the budget now: call this as soon as a request
+    /// arrives, so time spent queueing and decoding counts against it.
+    pub fn from_grpc_timeout(value: &str) -> Result<Self, GrpcTimeoutError> {
+        decode_grpc_timeout(value).map(Self::after)
+    }
+
+    /// The instant the deadline falls on.
+    pub fn instant(&self) -> Instant {
+        self.end
+    }
+
+    /// Budget left; zero once the deadline has passed.
+    pub fn remaining(&self) -> Duration {
+        self.end.saturating_duration_since(Instant::now())
+    }
+
+    /// Whether no budget is left.
+    pub fn expired(&self) -> bool {
+        self.end <= Instant::now()
+    }
+
+    /// A deadline `margin` earlier than this one, for an outbound call that must leave time for
+    /// its reply to come back. Fails when the remaining budget is not larger than `margin`: the
+    /// call could not produce a useful answer, so it should not be made.
+    pub fn child(&self, margin: Duration) -> Result<Deadline, DeadlineExceeded> {
+        let remaining = self.remaining();
+        if remaining <= margin {
+            return Err(DeadlineExceeded { remaining, margin });
+        }
+        Ok(Deadline {
+            end: self.end - margin,
+        })
+    }
+
+    /// The remaining budget as a `grpc-timeout` value, or an error when nothing is left.
+    pub fn to_grpc_timeout(&self) -> Result<String, DeadlineExceeded> {
+        let remaining = self.remaining();
+        if remaining.is_zero() {
+            return Err(DeadlineExceeded {
+                remaining,
+                margin: Duration::ZERO,
+            });
+        }
+        Ok(encode_grpc_timeout(remaining))
+    }
+}
+
+/// Encodes `d` as a `grpc-timeout` value: the finest unit whose value fits in eight digits,
+/// rounded up so the receiver never gets less than the sender had, and at least one unit
+/// (a zero duration becomes `1n`). Durations beyond `99999999H` are capped to it.
+pub fn encode_grpc_timeout(d: Duration) -> String {
+    let nanos = d.as_nanos();
+    for (unit, unit_nanos) in UNITS {
+        let value = nanos.div_ceil(u128::from(unit_nanos)).max(1);
+        if value <= u128::from(MAX_TIMEOUT_VALUE) {
+            return format!("{value}{}", char::from(unit));
+        }
+    }
+    format!("{MAX_TIMEOUT_VALUE}H")
+}
+
+/// Decodes a `grpc-timeout` value (`1*8DIGIT unit`). Malformed input is an error, never a panic.
+pub fn decode_grpc_timeout(value: &str) -> Result<Duration, GrpcTimeoutError> {
+    let bytes = value.as_bytes();
+    let (&unit, digits) = bytes.split_last().ok_or(GrpcTimeoutError::Empty)?;
+    let unit_nanos = UNITS
+        .iter()
+        .find(|(u, _)| *u == unit)
+        .map(|(_, n)| *n)
+        .ok_or(GrpcTimeoutError::UnknownUnit)?;
+    if digits.is_empty() {
+        return Err(GrpcTimeoutError::MissingValue);
+    }
+    if !digits.iter().all(u8::is_ascii_digit) {
+        return Err(GrpcTimeoutError::InvalidDigit);
+    }
+    if digits.len() > 8 {
+        return Err(GrpcTimeoutError::TooManyDigits);
+    }
+    let n = digits
+        .iter()
+        .fold(0u64, |acc, d| acc * 10 + u64::from(d - b'0'));
+    if n == 0 {
+        return Err(GrpcTimeoutError::Zero);
+    }
+    // At most 99_999_999 * 3.6e12 ns, about 3.6e20: split into seconds and nanoseconds.
+    let total = u128::from(n) * u128::from(unit_nanos);
+    let secs = (total / 1_000_000_000) as u64;
+    let sub = (total % 1_000_000_000) as u32;
+    Ok(Duration::new(secs, sub))
+}
+
+/// Per-peer margin estimator: `2 x RTT_p99 + 5 ms`, never below a configured floor (seed 2.2.2).
+///
+/// It keeps a fixed ring of the most recent round-trip samples; `current()` takes the p99 of
+/// that window. Memory is fixed at construction.
+///
+/// ```
+/// use std::time::Duration;
+/// use backstop::deadline::Margin;
+///
+/// let margin = Margin::new(Duration::from_millis(1));
+/// for _ in 0..100 {
+///     margin.observe(Duration::from_millis(40));
+/// }
+/// assert_eq!(margin.current(), Duration::from_millis(85));
+/// ```
+#[derive(Debug)]
+pub struct Margin {
+    floor: Duration,
+    ring: Mutex<Ring>,
+}
+
+#[derive(Debug)]
+struct Ring {
+    samples: Vec<Duration>,
+    next: usize,
+    capacity: usize,
+}
+
+impl Margin {
+    /// Samples kept by [`Margin::new`].
+    pub const DEFAULT_WINDOW: usize = 128;
+    /// The constant part of the margin.
+    pub const FIXED: Duration = Duration::from_millis(5);
+
+    /// An estimator with the default window and `floor` as the smallest margin it returns.
+    pub fn new(floor: Duration) -> Self {
+        Self::with_window(floor, Self::DEFAULT_WINDOW)
+    }
+
+    /// An estimator keeping the last `window` samples (at least one).
+    pub fn with_window(floor: Duration, window: usize) -> Self {
+        let capacity = window.max(1);
+        Self {
+            floor,
+            ring: Mutex::new(Ring {
+                samples: Vec::with_capacity(capacity),
+                next: 0,
+                capacity,
+            }),
+        }
+    }
+
+    /// Records one round-trip time to the peer.
+    pub fn observe(&self, rtt: Duration) {
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        if ring.samples.len() < ring.capacity {
+            ring.samples.push(rtt);
+        } else {
+            let i = ring.next;
+            ring.samples[i] = rtt;
+        }
+        ring.next = (ring.next + 1) % ring.capacity;
+    }
+
+    /// p99 of the sampled round trips (zero before any sample).
+    pub fn rtt_p99(&self) -> Duration {
+        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        if ring.samples.is_empty() {
+            return Duration::ZERO;
+        }
+        let mut sorted = ring.samples.clone();
+        drop(ring);
+        // Nearest-rank p99: the ceil(0.99 n)-th smallest sample.
+        let rank = (sorted.len() * 99).div_ceil(100).max(1);
+        let (_, p99, _) = sorted.select_nth_unstable(rank - 1);
+        *p99
+    }
+
+    /// The margin to keep: `max(floor, 2 x RTT_p99 + 5 ms)`.
+    pub fn current(&self) -> Duration {
+        let m = self.rtt_p99().saturating_mul(2).saturating_add(Self::FIXED);
+        m.max(self.floor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn encode_picks_finest_unit_that_fits() {
+        let cases = [
+            (Duration::ZERO, "1n"),
+            (Duration::from_nanos(1), "1n"),
+            (Duration::from_nanos(99_999_999), "99999999n"),
+            (Duration::from_nanos(100_000_000), "100000u"),
+            (Duration::from_nanos(100_000_001), "100001u"),
+            (Duration::from_millis(1), "1000000n"),
+            (Duration::from_secs(1), "1000000u"),
+            (Duration::from_secs(100), "100000m"),
+            (Duration::from_secs(100_000), "100000S"),
+            (Duration::from_secs(100_000_000), "1666667M"),
+            (Duration::from_secs(6_000_000_000), "1666667H"),
+            (Duration::from_secs(99_999_999 * 3_600), "99999999H"),
+            (Duration::MAX, "99999999H"),
+        ];
+        for (d, want) in cases {
+            assert_eq!(encode_grpc_timeout(d), want, "{d:?}");
+        }
+    }
+
+    #[test]
+    fn encode_rounds_up() {
+        // 100_000_000.4 ms does not fit in ns; in us it is 100000000.4 -> no; in ms 100000.0004 -> 100001.
+        let d = Duration::from_millis(100_000) + Duration::from_nanos(400);
+        assert_eq!(encode_grpc_timeout(d), "100001m");
+    }
+
+    #[test]
+    fn decode_valid_values() {
+        let cases = [
+            ("1n", Duration::from_nanos(1)),
+            ("7u", Duration::from_micros(7)),
+            ("250m", Duration::from_millis(250)),
+            ("1S", Duration::from_secs(1)),
+            ("2M", Duration::from_secs(120)),
+            ("3H", Duration::from_secs(3 * 3_600)),
+            ("00000001S", Duration::from_secs(1)),
+            ("99999999m", Duration::from_millis(99_999_999)),
+            ("99999999H", Duration::from_secs(99_999_999 * 3_600)),
+        ];
+        for (s, want) in cases {
+            assert_eq!(decode_grpc_timeout(s), Ok(want), "{s}");
+        }
+    }
+
+    #[test]
+    fn decode_rejects_malformed_values() {
+        use GrpcTimeoutError::*;
+        let cases = [
+            ("", Empty),
+            ("S", MissingValue),
+            ("0m", Zero),
+            ("00000000H", Zero),
+            ("123456789m", TooManyDigits),
+            ("10x", UnknownUnit),
+            ("10", UnknownUnit),
+            ("10s", UnknownUnit),
+            ("-1S", InvalidDigit),
+            ("+1S", InvalidDigit),
+            (" 1S", InvalidDigit),
+            ("1 S", InvalidDigit),
+            ("1S ", UnknownUnit),
+            ("1.5S", InvalidDigit),
+            ("١S", InvalidDigit),
+            ("1é", UnknownUnit),
+            ("１S", InvalidDigit),
+        ];
+        for (s, want) in cases {
+            assert_eq!(decode_grpc_timeout(s), Err(want), "{s:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip_is_never_shorter_and_within_one_unit(nanos in 0u64..=u64::MAX) {
+            let d = Duration::from_nanos(nanos);
+            let encoded = encode_grpc_timeout(d);
+            let decoded = decode_grpc_timeout(&encoded).unwrap();
+            let unit = *encoded.as_bytes().last().unwrap();
+            let unit_nanos = UNITS.iter().find(|(u, _)| *u == unit).unwrap().1;
+            prop_assert!(decoded >= d, "{d:?} -> {encoded} -> {decoded:?}");
+            prop_assert!(decoded - d < Duration::from_nanos(unit_nanos), "{d:?} -> {encoded}");
+            prop_assert!(encoded.len() <= 9);
+        }
+
+        #[test]
+        fn roundtrip_of_large_durations(secs in 0u64..(99_999_999 * 3_600), sub in 0u32..1_000_000_000) {
+            let d = Duration::new(secs, sub);
+            let encoded = encode_grpc_timeout(d);
+            let decoded = decode_grpc_timeout(&encoded).unwrap();
+            let unit = *encoded.as_bytes().last().unwrap();
+            let unit_nanos = UNITS.iter().find(|(u, _)| *u == unit).unwrap().1;
+            prop_assert!(decoded >= d);
+            prop_assert!(decoded - d < Duration::from_nanos(unit_nanos));
+        }
+
+        #[test]
+        fn decode_never_panics(s in "\\PC*") {
+            let _ = decode_grpc_timeout(&s);
+        }
+
+        #[test]
+        fn decode_never_panics_on_near_misses(s in "[-+ .0-9]{0,12}[HMSmunx ]?") {
+            if let Ok(d) = decode_grpc_timeout(&s) {
+                prop_assert!(d > Duration::ZERO);
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn remaining_shrinks_and_expires() {
+        let d = Deadline::after(Duration::from_millis(100));
+        assert_eq!(d.remaining(), Duration::from_millis(100));
+        assert!(!d.expired());
+        tokio::time::advance(Duration::from_millis(60)).await;
+        assert_eq!(d.remaining(), Duration::from_millis(40));
+        tokio::time::advance(Duration::from_millis(40)).await;
+        assert_eq!(d.remaining(), Duration::ZERO);
+        assert!(d.expired());
+        tokio::time::advance(Duration::from_millis(40)).await;
+        assert_eq!(d.remaining(), Duration::ZERO);
+        assert!(d.to_grpc_timeout().is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn child_leaves_the_margin_and_fails_fast_when_nothing_is_left() {
+        let parent = Deadline::after(Duration::from_millis(100));
+        let child = parent.child(Duration::from_millis(30)).unwrap();
+        assert_eq!(child.remaining(), Duration::from_millis(70));
+        assert!(child < parent);
+        assert_eq!(
+            parent.child(Duration::from_millis(100)),
+            Err(DeadlineExceeded {
+                remaining: Duration::from_millis(100),
+                margin: Duration::from_millis(100),
+            })
+        );
+        tokio::time::advance(Duration::from_millis(80)).await;
+        assert!(parent.child(Duration::from_millis(30)).is_err());
+        assert!(parent.child(Duration::from_millis(19)).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn from_grpc_timeout_starts_now() {
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let d = Deadline::from_grpc_timeout("2S").unwrap();
+        assert_eq!(d.instant(), Instant::now() + Duration::from_secs(2));
+        assert_eq!(d.to_grpc_timeout().unwrap(), "2000000u");
+        assert_eq!(
+            Deadline::from_grpc_timeout("0S"),
+            Err(GrpcTimeoutError::Zero)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn huge_budget_does_not_overflow() {
+        let d = Deadline::after(Duration::MAX);
+        assert!(d.remaining() >= FAR_FUTURE);
+        let h = Deadline::from_grpc_timeout("99999999H").unwrap();
+        assert!(!h.expired());
+    }
+
+    #[test]
+    fn margin_is_two_p99_plus_five_ms_with_floor() {
+        let m = Margin::new(Duration::from_millis(10));
+        assert_eq!(m.current(), Duration::from_millis(10));
+        for i in 1..=100u64 {
+            m.observe(Duration::from_micros(i * 100));
+        }
+        // p99 of 0.1..=10 ms by 0.1 ms is 9.9 ms.
+        assert_eq!(m.rtt_p99(), Duration::from_micros(9_900));
+        assert_eq!(m.current(), Duration::from_micros(2 * 9_900 + 5_000));
+
+        let low = Margin::new(Duration::ZERO);
+        low.observe(Duration::from_micros(500));
+        assert_eq!(low.current(), Duration::from_millis(6));
+    }
+
+    #[test]
+    fn margin_window_forgets_old_samples() {
+        let m = Margin::with_window(Duration::ZERO, 4);
+        m.observe(Duration::from_millis(500));
+        for _ in 0..4 {
+            m.observe(Duration::from_millis(1));
+        }
+        assert_eq!(m.rtt_p99(), Duration::from_millis(1));
+        assert_eq!(m.current(), Duration::from_millis(7));
+    }
+}
