@@ -1,0 +1,727 @@
+//! [`Db`]: a SQLite handle with one writer thread that group-commits.
+//!
+//! With `synchronous=FULL` every COMMIT waits for an fsync of the WAL, so a store that commits
+//! once per claim is bounded by the disk's sync rate (a few thousand per second here). The writer
+//! here does what PostgreSQL's group commit does: while one COMMIT is syncing, new jobs queue up;
+//! the next round drains them all (up to [`SqliteOptions::max_batch`]) into ONE
+//! `BEGIN IMMEDIATE ... COMMIT`, so one fsync makes a whole batch durable.
+//!
+//! Each job runs inside its own `SAVEPOINT`: a job that fails is rolled back alone and only its
+//! caller sees the error. Every caller is answered only after the COMMIT that made its writes
+//! durable; if that COMMIT fails, every job of the batch gets the error and nothing was written.
+//!
+//! Reads run on a small pool of separate connections (WAL lets them proceed while the writer
+//! commits) on tokio's blocking pool.
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+/// How hard SQLite syncs on COMMIT (`PRAGMA synchronous`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// `synchronous=FULL`: a committed transaction survives a power cut. The default: a lost
+    /// idempotency record would let a retry run the side effect a second time.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: in WAL mode a power cut may lose the last transactions (never
+    /// corrupts). Faster, but only safe when losing recent records is acceptable.
+    Normal,
+}
+
+impl Synchronous {
+    fn pragma_value(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Options for [`Db::open`] (and `SqliteStore::open`).
+#[derive(Debug, Clone)]
+pub struct SqliteOptions {
+    /// `PRAGMA synchronous`; [`Synchronous::Full`] by default.
+    pub synchronous: Synchronous,
+    /// Batch concurrent write jobs into one transaction (default `true`). With `false` every job
+    /// runs in its own `BEGIN IMMEDIATE ... COMMIT` (the autocommit baseline).
+    pub group_commit: bool,
+    /// Most jobs per transaction (default 256; 0 counts as 1).
+    pub max_batch: usize,
+    /// `busy_timeout` for every connection (default 5 s): how long to wait for a lock held by
+    /// another process before failing with `SQLITE_BUSY`.
+    pub busy_timeout: Duration,
+    /// Size of the read connection pool (default 4; 0 counts as 1).
+    pub read_connections: usize,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        SqliteOptions {
+            synchronous: Synchronous::Full,
+            group_commit: true,
+            max_batch: 256,
+            busy_timeout: Duration::from_secs(5),
+            read_connections: 4,
+        }
+    }
+}
+
+/// Errors of [`Db`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DbError {
+    /// The database file could not be opened or configured.
+    #[error("cannot open SQLite database {}", path.display())]
+    Open {
+        /// The path given to [`Db::open`].
+        path: PathBuf,
+        /// What SQLite said.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The database refused WAL mode (for instance `:memory:`); [`Db`] needs a file in WAL mode.
+    #[error("SQLite database {} is in journal mode {mode:?}, not WAL", path.display())]
+    NotWal {
+        /// The path given to [`Db::open`].
+        path: PathBuf,
+        /// The journal mode SQLite reported.
+        mode: String,
+    },
+    /// The writer thread could not be started.
+    #[error("cannot start the SQLite writer thread")]
+    Spawn(#[source] std::io::Error),
+    /// The job's own statement failed; only this job was rolled back.
+    #[error("SQLite statement failed")]
+    Sqlite(#[from] rusqlite::Error),
+    /// BEGIN or COMMIT of the batch failed: every job of the batch was rolled back.
+    #[error("SQLite transaction failed; the batch was rolled back")]
+    Transaction(#[source] Arc<rusqlite::Error>),
+    /// A job ended the batch's transaction itself (e.g. ran COMMIT or ROLLBACK); the batch was
+    /// rolled back.
+    #[error("a write job ended the batch transaction; the batch was rolled back")]
+    Aborted,
+    /// The job panicked; its writes were rolled back.
+    #[error("a database job panicked")]
+    Panicked,
+    /// The writer thread has stopped; nothing was written.
+    #[error("the SQLite writer has stopped")]
+    Closed,
+    /// The blocking read task was cancelled (runtime shutting down).
+    #[error("SQLite read task failed")]
+    ReadTask(#[source] tokio::task::JoinError),
+    /// A migration failed; it was rolled back.
+    #[error("migration {name} failed")]
+    Migration {
+        /// The migration's name.
+        name: String,
+        /// Why.
+        #[source]
+        source: Box<DbError>,
+    },
+}
+
+impl DbError {
+    /// The underlying SQLite error, if this error carries one (e.g. to recognise a UNIQUE
+    /// constraint violation).
+    pub fn sqlite_error(&self) -> Option<&rusqlite::Error> {
+        match self {
+            DbError::Open { source, .. } => Some(source),
+            DbError::Sqlite(e) => Some(e),
+            DbError::Transaction(e) => Some(e),
+            DbError::Migration { source, .. } => source.sqlite_error(),
+            _ => None,
+        }
+    }
+}
+
+/// How the batch a job ran in ended.
+enum BatchEnd<'a> {
+    Committed,
+    Failed(&'a Arc<rusqlite::Error>),
+    Aborted,
+}
+
+/// A queued write job, type-erased.
+trait Job: Send {
+    /// Runs the job on the writer connection; `true` when it succeeded.
+    fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Reply>);
+    /// Fails the job without running it.
+    fn abort(self: Box<Self>, end: BatchEnd<'_>);
+}
+
+/// A job that ran and waits for its batch to end.
+trait Reply: Send {
+    fn finish(self: Box<Self>, end: BatchEnd<'_>);
+}
+
+struct WriteJob<F, T> {
+    f: F,
+    tx: oneshot::Sender<Result<T, DbError>>,
+}
+
+struct Done<T> {
+    out: Result<T, DbError>,
+    tx: oneshot::Sender<Result<T, DbError>>,
+}
+
+fn end_error(end: BatchEnd<'_>) -> Option<DbError> {
+    match end {
+        BatchEnd::Committed => None,
+        BatchEnd::Failed(e) => Some(DbError::Transaction(Arc::clone(e))),
+        BatchEnd::Aborted => Some(DbError::Aborted),
+    }
+}
+
+impl<F, T> Job for WriteJob<F, T>
+where
+    F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    T: Send + 'static,
+{
+    fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Reply>) {
+        let WriteJob { f, tx } = *self;
+        let out = match catch_unwind(AssertUnwindSafe(|| f(conn))) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(DbError::Sqlite(e)),
+            Err(_) => Err(DbError::Panicked),
+        };
+        (out.is_ok(), Box::new(Done { out, tx }))
+    }
+
+    fn abort(self: Box<Self>, end: BatchEnd<'_>) {
+        let err = end_error(end).unwrap_or(DbError::Aborted);
+        let _ = self.tx.send(Err(err));
+    }
+}
+
+impl<T: Send + 'static> Reply for Done<T> {
+    fn finish(self: Box<Self>, end: BatchEnd<'_>) {
+        let out = match (self.out, end_error(end)) {
+            // The job's own error wins: it was rolled back whatever happened next.
+            (Err(e), _) => Err(e),
+            (Ok(_), Some(e)) => Err(e),
+            (Ok(v), None) => Ok(v),
+        };
+        // The caller may have stopped waiting; the write stands either way.
+        let _ = self.tx.send(out);
+    }
+}
+
+struct Inner {
+    path: PathBuf,
+    options: SqliteOptions,
+    jobs: mpsc::Sender<Box<dyn Job>>,
+    readers: Mutex<Vec<Connection>>,
+    read_slots: Arc<Semaphore>,
+}
+
+/// A SQLite database with one group-committing writer thread and a pool of read connections.
+///
+/// Cheap to clone (an `Arc`); the idempotency store and the application share one `Db`, so their
+/// writes are batched together. The writer thread stops when the last clone is dropped.
+///
+/// ```
+/// use backstop::idempotency::sqlite::{Db, SqliteOptions};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = tempfile::tempdir()?;
+/// let db = Db::open(dir.path().join("app.db"), SqliteOptions::default())?;
+/// db.migrate("note_v1", "CREATE TABLE note (id INTEGER PRIMARY KEY, body TEXT NOT NULL);")
+///     .await?;
+/// // Answered only once the COMMIT that holds this row is durable.
+/// let id = db
+///     .write(|conn| {
+///         conn.execute("INSERT INTO note (body) VALUES (?1)", ["hello"])?;
+///         Ok(conn.last_insert_rowid())
+///     })
+///     .await?;
+/// let body: String = db
+///     .read(move |conn| conn.query_row("SELECT body FROM note WHERE id = ?1", [id], |r| r.get(0)))
+///     .await?;
+/// assert_eq!(body, "hello");
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Db {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Db {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Db")
+            .field("path", &self.inner.path)
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS backstop_migration (
+  name       TEXT    PRIMARY KEY,
+  applied_at INTEGER NOT NULL
+);";
+
+impl Db {
+    /// Opens (creating if needed) the database file at `path` in WAL mode and starts the writer
+    /// thread. Does not need a tokio runtime; `write`/`read` do.
+    pub fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Db, DbError> {
+        let path = path.as_ref().to_path_buf();
+        let open_err = |source| DbError::Open {
+            path: path.clone(),
+            source,
+        };
+        let conn = Connection::open(&path).map_err(open_err)?;
+        conn.busy_timeout(options.busy_timeout).map_err(open_err)?;
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .map_err(open_err)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(DbError::NotWal { path, mode });
+        }
+        conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())
+            .map_err(open_err)?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(open_err)?;
+        conn.set_prepared_statement_cache_capacity(64);
+
+        let max_batch = if options.group_commit {
+            options.max_batch.max(1)
+        } else {
+            1
+        };
+        let (jobs, rx) = mpsc::channel(max_batch.saturating_mul(4).max(64));
+        std::thread::Builder::new()
+            .name("backstop-sqlite-writer".into())
+            .spawn(move || writer_loop(conn, rx, max_batch))
+            .map_err(DbError::Spawn)?;
+
+        let slots = options.read_connections.max(1);
+        Ok(Db {
+            inner: Arc::new(Inner {
+                path,
+                options,
+                jobs,
+                readers: Mutex::new(Vec::with_capacity(slots)),
+                read_slots: Arc::new(Semaphore::new(slots)),
+            }),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The options this handle was opened with.
+    pub fn options(&self) -> &SqliteOptions {
+        &self.inner.options
+    }
+
+    /// Runs `f` on the writer connection inside the current batch's transaction (in its own
+    /// SAVEPOINT) and returns its value once the batch's COMMIT is durable.
+    ///
+    /// If `f` returns an error (or panics) only its own writes are rolled back and only this call
+    /// fails. If the batch's COMMIT fails, every call of the batch fails with
+    /// [`DbError::Transaction`]. `f` must not run `BEGIN`/`COMMIT`/`ROLLBACK` itself (savepoints
+    /// are fine). If the returned future is dropped, the job still runs and commits.
+    pub async fn write<T, F>(&self, f: F) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.inner
+            .jobs
+            .send(Box::new(WriteJob { f, tx }))
+            .await
+            .map_err(|_| DbError::Closed)?;
+        rx.await.map_err(|_| DbError::Closed)?
+    }
+
+    /// Runs `f` on a read connection (`query_only`) on tokio's blocking pool. Sees every write
+    /// whose `write` call has returned.
+    pub async fn read<T, F>(&self, f: F) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let permit = Arc::clone(&self.inner.read_slots)
+            .acquire_owned()
+            .await
+            .map_err(|_| DbError::Closed)?;
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let pooled = inner
+                .readers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            let conn = match pooled {
+                Some(conn) => conn,
+                None => open_reader(&inner.path, &inner.options)?,
+            };
+            let out = catch_unwind(AssertUnwindSafe(|| f(&conn)));
+            // A connection left inside a transaction would pin an old snapshot: drop it.
+            if out.is_ok() && conn.is_autocommit() {
+                inner
+                    .readers
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(conn);
+            }
+            match out {
+                Ok(r) => r.map_err(DbError::Sqlite),
+                Err(_) => Err(DbError::Panicked),
+            }
+        })
+        .await
+        .map_err(DbError::ReadTask)?
+    }
+
+    /// Applies the migration `sql` (one or more statements) once: if a migration called `name`
+    /// was already applied to this database, does nothing. Returns whether it ran. The script
+    /// and its bookkeeping row commit atomically.
+    pub async fn migrate(&self, name: &str, sql: &str) -> Result<bool, DbError> {
+        let owned_name = name.to_owned();
+        let sql = sql.to_owned();
+        self.write(move |conn| {
+            conn.execute_batch(MIGRATIONS_TABLE)?;
+            let done: bool = conn.query_row(
+                "SELECT EXISTS (SELECT 1 FROM backstop_migration WHERE name = ?1)",
+                [&owned_name],
+                |r| r.get(0),
+            )?;
+            if done {
+                return Ok(false);
+            }
+            conn.execute_batch(&sql)?;
+            conn.execute(
+                "INSERT INTO backstop_migration (name, applied_at) \
+                 VALUES (?1, CAST(unixepoch('subsec') * 1000 AS INTEGER))",
+                [&owned_name],
+            )?;
+            Ok(true)
+        })
+        .await
+        .map_err(|e| DbError::Migration {
+            name: name.to_owned(),
+            source: Box::new(e),
+        })
+    }
+}
+
+fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, DbError> {
+    let open_err = |source| DbError::Open {
+        path: path.to_path_buf(),
+        source,
+    };
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_URI;
+    let conn = Connection::open_with_flags(path, flags).map_err(open_err)?;
+    conn.busy_timeout(options.busy_timeout).map_err(open_err)?;
+    conn.pragma_update(None, "query_only", "ON")
+        .map_err(open_err)?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+fn writer_loop(conn: Connection, mut rx: mpsc::Receiver<Box<dyn Job>>, max_batch: usize) {
+    let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(max_batch);
+    let mut replies: Vec<Box<dyn Reply>> = Vec::with_capacity(max_batch);
+    // Block for the first job; then take whatever queued up meanwhile (while the previous COMMIT
+    // was syncing), without waiting for more.
+    while let Some(job) = rx.blocking_recv() {
+        batch.push(job);
+        while batch.len() < max_batch {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        run_batch(&conn, &mut batch, &mut replies);
+    }
+}
+
+const SAVEPOINT: &str = "SAVEPOINT backstop_job";
+const RELEASE: &str = "RELEASE backstop_job";
+const ROLLBACK_TO: &str = "ROLLBACK TO backstop_job; RELEASE backstop_job";
+
+/// Runs `batch` in as few transactions as possible; answers every job.
+fn run_batch(
+    conn: &Connection,
+    batch: &mut Vec<Box<dyn Job>>,
+    replies: &mut Vec<Box<dyn Reply>>,
+) {
+    tracing::trace!(jobs = batch.len(), "sqlite write batch");
+    let mut queue = std::mem::take(batch).into_iter();
+    // Normally one pass; another only if a job ended the transaction, for the jobs after it.
+    while queue.len() > 0 {
+        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+            let e = Arc::new(e);
+            for job in queue {
+                job.abort(BatchEnd::Failed(&e));
+            }
+            return;
+        }
+        let mut aborted = false;
+        for job in queue.by_ref() {
+            if conn.execute_batch(SAVEPOINT).is_err() {
+                // The transaction is unusable: what ran so far is lost, this job never ran.
+                job.abort(BatchEnd::Aborted);
+                aborted = true;
+                break;
+            }
+            let (ok, reply) = job.run(conn);
+            replies.push(reply);
+            let closed = if ok {
+                conn.is_autocommit() || conn.execute_batch(RELEASE).is_err()
+            } else {
+                conn.is_autocommit() || conn.execute_batch(ROLLBACK_TO).is_err()
+            };
+            if closed {
+                aborted = true;
+                break;
+            }
+        }
+        if aborted {
+            rollback(conn);
+            finish_all(replies, BatchEnd::Aborted);
+            continue;
+        }
+        match conn.execute_batch("COMMIT") {
+            Ok(()) => finish_all(replies, BatchEnd::Committed),
+            Err(e) => {
+                rollback(conn);
+                let e = Arc::new(e);
+                finish_all(replies, BatchEnd::Failed(&e));
+            }
+        }
+    }
+}
+
+fn rollback(conn: &Connection) {
+    if !conn.is_autocommit() {
+        if let Err(e) = conn.execute_batch("ROLLBACK") {
+            tracing::error!(error = %e, "sqlite rollback failed");
+        }
+    }
+}
+
+fn finish_all(replies: &mut Vec<Box<dyn Reply>>, end: BatchEnd<'_>) {
+    for reply in replies.drain(..) {
+        let end = match &end {
+            BatchEnd::Committed => BatchEnd::Committed,
+            BatchEnd::Failed(e) => BatchEnd::Failed(e),
+            BatchEnd::Aborted => BatchEnd::Aborted,
+        };
+        reply.finish(end);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(dir: &tempfile::TempDir, options: SqliteOptions) -> Db {
+        Db::open(dir.path().join("t.db"), options).unwrap()
+    }
+
+    async fn with_table(db: &Db) {
+        db.migrate(
+            "t_v1",
+            "CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT NOT NULL UNIQUE);",
+        )
+        .await
+        .unwrap();
+    }
+
+    async fn count(db: &Db) -> i64 {
+        db.read(|c| c.query_row("SELECT count(*) FROM t", [], |r| r.get(0)))
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn write_then_read_sees_the_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('a')", []))
+            .await
+            .unwrap();
+        assert_eq!(count(&db).await, 1);
+    }
+
+    #[tokio::test]
+    async fn migration_runs_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        let sql = "CREATE TABLE m (x INTEGER);";
+        assert!(db.migrate("m_v1", sql).await.unwrap());
+        assert!(!db.migrate("m_v1", sql).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn failed_migration_is_rolled_back_and_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        let err = db
+            .migrate("bad", "CREATE TABLE ok1 (x INTEGER); NOT SQL;")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DbError::Migration { ref name, .. } if name == "bad"));
+        assert!(err.sqlite_error().is_some());
+        let exists: bool = db
+            .read(|c| {
+                c.query_row(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'ok1')",
+                    [],
+                    |r| r.get(0),
+                )
+            })
+            .await
+            .unwrap();
+        assert!(!exists, "the half-applied migration must be rolled back");
+    }
+
+    #[tokio::test]
+    async fn memory_database_is_refused() {
+        let err = Db::open(":memory:", SqliteOptions::default()).unwrap_err();
+        assert!(matches!(err, DbError::NotWal { .. }), "{err:?}");
+    }
+
+    /// Many concurrent jobs, some failing: each failure rolls back only its own writes and
+    /// fails only its own caller; all the others commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn failing_job_rolls_back_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('taken')", []))
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..200 {
+            let db = db.clone();
+            tasks.push(tokio::spawn(async move {
+                db.write(move |c| {
+                    c.execute("INSERT INTO t (v) VALUES (?1)", [format!("first-{i}")])?;
+                    if i % 5 == 0 {
+                        // Violates UNIQUE after a successful insert: both must vanish.
+                        c.execute("INSERT INTO t (v) VALUES ('taken')", [])?;
+                    }
+                    Ok(i)
+                })
+                .await
+            }));
+        }
+        let mut failed = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(_) => {}
+                Err(e) => {
+                    assert!(matches!(e, DbError::Sqlite(_)), "{e:?}");
+                    failed += 1;
+                }
+            }
+        }
+        assert_eq!(failed, 40);
+        assert_eq!(count(&db).await, 1 + 160);
+    }
+
+    #[tokio::test]
+    async fn panicking_job_fails_only_its_caller() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        let err = db
+            .write(|c| -> rusqlite::Result<()> {
+                c.execute("INSERT INTO t (v) VALUES ('p')", [])?;
+                panic!("job bug")
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DbError::Panicked));
+        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('after')", []))
+            .await
+            .unwrap();
+        assert_eq!(count(&db).await, 1);
+    }
+
+    #[tokio::test]
+    async fn job_that_ends_the_transaction_aborts_the_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        let err = db
+            .write(|c| c.execute_batch("INSERT INTO t (v) VALUES ('x'); ROLLBACK;"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DbError::Aborted), "{err:?}");
+        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('y')", []))
+            .await
+            .unwrap();
+        assert_eq!(count(&db).await, 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn autocommit_mode_commits_every_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(
+            &dir,
+            SqliteOptions {
+                group_commit: false,
+                synchronous: Synchronous::Normal,
+                ..SqliteOptions::default()
+            },
+        );
+        with_table(&db).await;
+        let tasks: Vec<_> = (0..50)
+            .map(|i| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
+                        .await
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
+        assert_eq!(count(&db).await, 50);
+    }
+
+    #[tokio::test]
+    async fn writes_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = open(&dir, SqliteOptions::default());
+            with_table(&db).await;
+            db.write(|c| c.execute("INSERT INTO t (v) VALUES ('kept')", []))
+                .await
+                .unwrap();
+        }
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        assert_eq!(count(&db).await, 1);
+    }
+
+    #[tokio::test]
+    async fn read_connections_are_query_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        let err = db
+            .read(|c| c.execute("INSERT INTO t (v) VALUES ('no')", []))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DbError::Sqlite(_)));
+    }
+}
