@@ -16,6 +16,7 @@
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -212,8 +213,24 @@ impl<T: Send + 'static> Reply for Done<T> {
     }
 }
 
+/// Counters of the writer, for benchmarks and tests: `jobs / transactions` is the mean batch size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DbStats {
+    /// Transactions committed by the writer.
+    pub transactions: u64,
+    /// Write jobs committed by the writer.
+    pub jobs: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    transactions: AtomicU64,
+    jobs: AtomicU64,
+}
+
 struct Inner {
     path: PathBuf,
+    counters: Arc<Counters>,
     options: SqliteOptions,
     jobs: mpsc::Sender<Box<dyn Job>>,
     readers: Mutex<Vec<Connection>>,
@@ -295,15 +312,18 @@ impl Db {
             1
         };
         let (jobs, rx) = mpsc::channel(max_batch.saturating_mul(4).max(64));
+        let counters = Arc::new(Counters::default());
+        let writer_counters = Arc::clone(&counters);
         std::thread::Builder::new()
             .name("backstop-sqlite-writer".into())
-            .spawn(move || writer_loop(conn, rx, max_batch))
+            .spawn(move || writer_loop(conn, rx, max_batch, &writer_counters))
             .map_err(DbError::Spawn)?;
 
         let slots = options.read_connections.max(1);
         Ok(Db {
             inner: Arc::new(Inner {
                 path,
+                counters,
                 options,
                 jobs,
                 readers: Mutex::new(Vec::with_capacity(slots)),
@@ -315,6 +335,14 @@ impl Db {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// What the writer has committed so far.
+    pub fn stats(&self) -> DbStats {
+        DbStats {
+            transactions: self.inner.counters.transactions.load(Ordering::Relaxed),
+            jobs: self.inner.counters.jobs.load(Ordering::Relaxed),
+        }
     }
 
     /// The options this handle was opened with.
@@ -432,7 +460,12 @@ fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, DbErr
     Ok(conn)
 }
 
-fn writer_loop(conn: Connection, mut rx: mpsc::Receiver<Box<dyn Job>>, max_batch: usize) {
+fn writer_loop(
+    conn: Connection,
+    mut rx: mpsc::Receiver<Box<dyn Job>>,
+    max_batch: usize,
+    counters: &Counters,
+) {
     let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(max_batch);
     let mut replies: Vec<Box<dyn Reply>> = Vec::with_capacity(max_batch);
     // Block for the first job; then take whatever queued up meanwhile (while the previous COMMIT
@@ -445,7 +478,7 @@ fn writer_loop(conn: Connection, mut rx: mpsc::Receiver<Box<dyn Job>>, max_batch
                 Err(_) => break,
             }
         }
-        run_batch(&conn, &mut batch, &mut replies);
+        run_batch(&conn, &mut batch, &mut replies, counters);
     }
 }
 
@@ -458,6 +491,7 @@ fn run_batch(
     conn: &Connection,
     batch: &mut Vec<Box<dyn Job>>,
     replies: &mut Vec<Box<dyn Reply>>,
+    counters: &Counters,
 ) {
     tracing::trace!(jobs = batch.len(), "sqlite write batch");
     let mut queue = std::mem::take(batch).into_iter();
@@ -496,7 +530,13 @@ fn run_batch(
             continue;
         }
         match conn.execute_batch("COMMIT") {
-            Ok(()) => finish_all(replies, BatchEnd::Committed),
+            Ok(()) => {
+                counters.transactions.fetch_add(1, Ordering::Relaxed);
+                counters
+                    .jobs
+                    .fetch_add(replies.len() as u64, Ordering::Relaxed);
+                finish_all(replies, BatchEnd::Committed);
+            }
             Err(e) => {
                 rollback(conn);
                 let e = Arc::new(e);
@@ -634,6 +674,51 @@ mod tests {
         }
         assert_eq!(failed, 40);
         assert_eq!(count(&db).await, 1 + 160);
+    }
+
+    /// Jobs that queue up while the writer is busy are committed together in one transaction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_jobs_share_one_transaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        let (unblock, blocked) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = oneshot::channel::<()>();
+        let first = {
+            let db = db.clone();
+            tokio::spawn(async move {
+                db.write(move |c| {
+                    let _ = started_tx.send(());
+                    blocked.recv().ok();
+                    c.execute("INSERT INTO t (v) VALUES ('first')", [])
+                })
+                .await
+            })
+        };
+        // The writer is now inside the first job's batch.
+        started.await.unwrap();
+        let before = db.stats();
+        let tasks: Vec<_> = (0..63)
+            .map(|i| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
+                        .await
+                })
+            })
+            .collect();
+        while db.inner.jobs.max_capacity() - db.inner.jobs.capacity() < 63 {
+            tokio::task::yield_now().await;
+        }
+        unblock.send(()).unwrap();
+        first.await.unwrap().unwrap();
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
+        let after = db.stats();
+        assert_eq!(after.jobs - before.jobs, 64);
+        assert_eq!(after.transactions - before.transactions, 2);
+        assert_eq!(count(&db).await, 64);
     }
 
     #[tokio::test]

@@ -5,4 +5,4 @@
 
 mod group_commit;
 
-pub use group_commit::{Db, DbError, SqliteOptions, Synchronous};
+pub use group_commit::{Db, DbError, DbStats, SqliteOptions, Synchronous};
