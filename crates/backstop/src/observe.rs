@@ -1,1 +1,276 @@
-//! observe
+//! Metric and log names, in one place (DESIGN section 6, seed 2.8).
+//!
+//! Dashboards, alerts and the PromQL of seed 2.8.3 depend on these names, so every layer takes
+//! them from here instead of spelling them out. Two rules come with them:
+//!
+//! - labels have bounded cardinality: `service`, `method`, `outcome` (five values, see
+//!   [`Outcome`]), `attempt` (see [`attempt_label`]), `reason`, `result`. Never an
+//!   idempotency key, tenant or user id as a label: those go into logs.
+//! - the retry ratio is `retries / logical requests`
+//!   (`rpc_client_retries_total / rpc_client_requests_total`), never retries / attempts.
+//!
+//! ```
+//! use backstop::observe::{self, Outcome, label};
+//!
+//! observe::describe_metrics(); // once, after installing a recorder
+//! metrics::counter!(
+//!     observe::RPC_SERVER_REQUESTS_TOTAL,
+//!     label::SERVICE => "payment",
+//!     label::METHOD => "Charge",
+//!     label::OUTCOME => Outcome::Ok.as_str(),
+//! )
+//! .increment(1);
+//! assert_eq!(observe::attempt_label(2), "2");
+//! assert_eq!(observe::attempt_label(9), "6+");
+//! ```
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+pub use crate::status::Outcome;
+
+/// Client: logical requests (one per user intent, whatever the attempts).
+pub const RPC_CLIENT_REQUESTS_TOTAL: &str = "rpc_client_requests_total";
+/// Client: attempts, labelled `attempt` and `outcome`.
+pub const RPC_CLIENT_ATTEMPTS_TOTAL: &str = "rpc_client_attempts_total";
+/// Client: retries (attempts after the first, hedges excluded).
+pub const RPC_CLIENT_RETRIES_TOTAL: &str = "rpc_client_retries_total";
+/// Client: hedged attempts.
+pub const RPC_CLIENT_HEDGES_TOTAL: &str = "rpc_client_hedges_total";
+/// Client: duration of each attempt in seconds, labelled `attempt`.
+pub const RPC_CLIENT_ATTEMPT_DURATION_SECONDS: &str = "rpc_client_attempt_duration_seconds";
+/// Server: requests, labelled `outcome`.
+pub const RPC_SERVER_REQUESTS_TOTAL: &str = "rpc_server_requests_total";
+/// Server: request duration in seconds.
+pub const RPC_SERVER_DURATION_SECONDS: &str = "rpc_server_duration_seconds";
+/// Server: requests being served now.
+pub const RPC_SERVER_INFLIGHT: &str = "rpc_server_inflight";
+/// Server: requests refused by admission control, labelled `reason` (see [`reject_reason`]).
+pub const RPC_SERVER_REJECTED_TOTAL: &str = "rpc_server_rejected_total";
+/// Server: idempotency claims, labelled `result` (see [`claim_result`]).
+pub const IDEMPOTENCY_CLAIMS_TOTAL: &str = "idempotency_claims_total";
+
+/// Histogram buckets (seconds) suited to RPC latencies, 1 ms to 10 s.
+pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Label names.
+pub mod label {
+    /// The service name; on every metric.
+    pub const SERVICE: &str = "service";
+    /// The method name; on every metric.
+    pub const METHOD: &str = "method";
+    /// One of the five [`Outcome`](super::Outcome) values.
+    pub const OUTCOME: &str = "outcome";
+    /// The attempt number, see [`attempt_label`](super::attempt_label).
+    pub const ATTEMPT: &str = "attempt";
+    /// Why a request was refused, see [`reject_reason`](super::reject_reason).
+    pub const REASON: &str = "reason";
+    /// The result of an idempotency claim, see [`claim_result`](super::claim_result).
+    pub const RESULT: &str = "result";
+}
+
+/// Values of the `reason` label on [`RPC_SERVER_REJECTED_TOTAL`].
+pub mod reject_reason {
+    /// The server's own capacity (gate full): 503.
+    pub const OVERLOADED: &str = "overloaded";
+    /// The tenant's quota: 429.
+    pub const RATE_LIMITED: &str = "rate_limited";
+    /// Too little budget left to serve the request in time.
+    pub const DEADLINE: &str = "deadline";
+}
+
+/// Values of the `result` label on [`IDEMPOTENCY_CLAIMS_TOTAL`].
+pub mod claim_result {
+    /// The key was free (or taken over): this request runs.
+    pub const CLAIMED: &str = "claimed";
+    /// A stored response was replayed.
+    pub const REPLAY: &str = "replay";
+    /// The key was used with other parameters.
+    pub const CONFLICT: &str = "conflict";
+    /// Another request with the key is running.
+    pub const IN_PROGRESS: &str = "in_progress";
+}
+
+/// The `rpc_attempt` log event and its fields.
+pub mod event {
+    /// Event name (the tracing message / `event` field).
+    pub const RPC_ATTEMPT: &str = "rpc_attempt";
+    /// Field: timestamp.
+    pub const TS: &str = "ts";
+    /// Field: method.
+    pub const METHOD: &str = "method";
+    /// Field: idempotency key (a log field, never a metric label).
+    pub const IDEMPOTENCY_KEY: &str = "idempotency_key";
+    /// Field: attempt number, 1-based.
+    pub const ATTEMPT: &str = "attempt";
+    /// Field: outcome label.
+    pub const OUTCOME: &str = "outcome";
+    /// Field: budget left when the attempt started, in milliseconds.
+    pub const DEADLINE_REMAINING_MS: &str = "deadline_remaining_ms";
+    /// Field: peer address.
+    pub const PEER: &str = "peer";
+    /// Field: W3C trace id.
+    pub const TRACE_ID: &str = "trace_id";
+}
+
+/// The `attempt` label for a 1-based attempt number: `"1"` to `"5"`, then `"6+"`, so the label
+/// stays bounded whatever a caller's configuration (`"0"` for zero).
+pub fn attempt_label(attempt: u32) -> &'static str {
+    const LABELS: [&str; 7] = ["0", "1", "2", "3", "4", "5", "6+"];
+    LABELS[(attempt as usize).min(LABELS.len() - 1)]
+}
+
+/// Registers units and help texts of every metric above with the installed `metrics` recorder.
+pub fn describe_metrics() {
+    describe_counter!(
+        RPC_CLIENT_REQUESTS_TOTAL,
+        Unit::Count,
+        "Logical client requests (one per user intent, all attempts together)."
+    );
+    describe_counter!(
+        RPC_CLIENT_ATTEMPTS_TOTAL,
+        Unit::Count,
+        "Client attempts (first sends, retries and hedges) by attempt number and outcome."
+    );
+    describe_counter!(
+        RPC_CLIENT_RETRIES_TOTAL,
+        Unit::Count,
+        "Client retries; retry ratio = retries / logical requests."
+    );
+    describe_counter!(
+        RPC_CLIENT_HEDGES_TOTAL,
+        Unit::Count,
+        "Hedged client attempts."
+    );
+    describe_histogram!(
+        RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
+        Unit::Seconds,
+        "Duration of each client attempt by attempt number."
+    );
+    describe_counter!(
+        RPC_SERVER_REQUESTS_TOTAL,
+        Unit::Count,
+        "Requests served, by outcome (ok, retryable, fatal, timeout, rejected)."
+    );
+    describe_histogram!(
+        RPC_SERVER_DURATION_SECONDS,
+        Unit::Seconds,
+        "Server request duration."
+    );
+    describe_gauge!(
+        RPC_SERVER_INFLIGHT,
+        Unit::Count,
+        "Requests being served now."
+    );
+    describe_counter!(
+        RPC_SERVER_REJECTED_TOTAL,
+        Unit::Count,
+        "Requests refused by admission control, by reason."
+    );
+    describe_counter!(
+        IDEMPOTENCY_CLAIMS_TOTAL,
+        Unit::Count,
+        "Idempotency key claims by result (claimed, replay, conflict, in_progress)."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString};
+    use std::sync::Mutex;
+
+    #[derive(Debug, Default)]
+    struct Descriptions(Mutex<Vec<(String, &'static str, Option<Unit>)>>);
+
+    impl Descriptions {
+        fn push(&self, kind: &'static str, key: KeyName, unit: Option<Unit>) {
+            self.0
+                .lock()
+                .unwrap()
+                .push((key.as_str().to_owned(), kind, unit));
+        }
+    }
+
+    impl Recorder for Descriptions {
+        fn describe_counter(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.push("counter", key, unit);
+        }
+        fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.push("gauge", key, unit);
+        }
+        fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+            self.push("histogram", key, unit);
+        }
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    #[test]
+    fn every_metric_is_described_once_with_its_kind() {
+        let recorder = Descriptions::default();
+        metrics::with_local_recorder(&recorder, describe_metrics);
+        let mut got = recorder.0.into_inner().unwrap();
+        got.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut want = vec![
+            (IDEMPOTENCY_CLAIMS_TOTAL, "counter", Unit::Count),
+            (RPC_CLIENT_ATTEMPTS_TOTAL, "counter", Unit::Count),
+            (
+                RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
+                "histogram",
+                Unit::Seconds,
+            ),
+            (RPC_CLIENT_HEDGES_TOTAL, "counter", Unit::Count),
+            (RPC_CLIENT_REQUESTS_TOTAL, "counter", Unit::Count),
+            (RPC_CLIENT_RETRIES_TOTAL, "counter", Unit::Count),
+            (RPC_SERVER_DURATION_SECONDS, "histogram", Unit::Seconds),
+            (RPC_SERVER_INFLIGHT, "gauge", Unit::Count),
+            (RPC_SERVER_REJECTED_TOTAL, "counter", Unit::Count),
+            (RPC_SERVER_REQUESTS_TOTAL, "counter", Unit::Count),
+        ]
+        .into_iter()
+        .map(|(n, k, u)| (n.to_owned(), k, Some(u)))
+        .collect::<Vec<_>>();
+        want.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        for name in [
+            RPC_CLIENT_REQUESTS_TOTAL,
+            RPC_CLIENT_ATTEMPTS_TOTAL,
+            RPC_CLIENT_RETRIES_TOTAL,
+            RPC_CLIENT_HEDGES_TOTAL,
+            RPC_SERVER_REQUESTS_TOTAL,
+            RPC_SERVER_REJECTED_TOTAL,
+            IDEMPOTENCY_CLAIMS_TOTAL,
+        ] {
+            assert!(name.ends_with("_total"), "{name}");
+        }
+        for name in [
+            RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
+            RPC_SERVER_DURATION_SECONDS,
+        ] {
+            assert!(name.ends_with("_seconds"), "{name}");
+        }
+        assert!(LATENCY_BUCKETS_SECONDS.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn attempt_labels_are_bounded() {
+        assert_eq!(attempt_label(0), "0");
+        assert_eq!(attempt_label(1), "1");
+        assert_eq!(attempt_label(5), "5");
+        assert_eq!(attempt_label(6), "6+");
+        assert_eq!(attempt_label(u32::MAX), "6+");
+    }
+}

@@ -1,1 +1,51 @@
-//! admission
+//! Admission control: say "not now" early and cheaply instead of collapsing (seed 2.6, 2.7).
+//!
+//! Two different questions, two different answers:
+//!
+//! - **capacity** (backpressure, protects this server): [`Gate`] bounds how many requests run
+//!   at once, and how long a request may wait for a slot: never longer than its remaining
+//!   budget minus the least time serving it takes. A request that could not finish in time is
+//!   refused at once with [`Overloaded`], answered `503` / `UNAVAILABLE` + `Retry-After`.
+//! - **quota** (rate limiting, protects everyone else from one tenant): [`TokenBucket`] and
+//!   [`KeyedTokenBucket`] allow bursts and bound the mean rate; over quota is `429` /
+//!   `RESOURCE_EXHAUSTED` + `Retry-After`.
+//!
+//! Both refusals carry a wait, formatted by [`RetryAfter`] (never `0`, which would invite an
+//! immediate retry). Neither is ever a `500`.
+//!
+//! ```
+//! use std::num::{NonZeroU32, NonZeroUsize};
+//! use std::time::Duration;
+//! use backstop::admission::{Gate, KeyedTokenBucket, Quota, RetryAfter};
+//! use backstop::deadline::Deadline;
+//! use backstop::status::Status;
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let quota = Quota::per_second(NonZeroU32::new(100).unwrap(), NonZeroU32::new(1).unwrap());
+//! let tenants = KeyedTokenBucket::new(quota, NonZeroUsize::new(10_000).unwrap());
+//! let gate = Gate::new(64, Duration::from_millis(5));
+//!
+//! async fn admit(tenants: &KeyedTokenBucket, gate: &Gate, tenant: &str) -> Result<(), Status> {
+//!     tenants.check(tenant).map_err(Status::rate_limited)?;
+//!     let _permit = gate.enter(&Deadline::after(Duration::from_millis(200))).await?;
+//!     Ok(()) // serve the request while holding the permit
+//! }
+//!
+//! assert!(admit(&tenants, &gate, "acme").await.is_ok());
+//! let refused = admit(&tenants, &gate, "acme").await.unwrap_err();
+//! assert_eq!(refused.http_status(), http::StatusCode::TOO_MANY_REQUESTS);
+//! let header = RetryAfter::from(refused.pushback().unwrap()).to_header_value();
+//! assert_eq!(header, "1"); // 10 ms, rounded up to whole seconds
+//! # }
+//! ```
+
+mod gate;
+mod keyed;
+mod retry_after;
+mod token_bucket;
+
+pub use gate::{Gate, GatePermit, Overloaded};
+pub use keyed::KeyedTokenBucket;
+pub use retry_after::{RetryAfter, RetryAfterError};
+pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};
