@@ -1,5 +1,17 @@
 //! The reference payment service and the PSP simulator it charges through.
+//!
+//! # Layout
+//! - [`service`]: the HTTP payment service (`POST /v1/payments`, `GET /v1/payments/{id}`,
+//!   `/metrics`, `/healthz`, `/readyz`), its start-up and graceful shutdown.
+//! - [`intents`]: the `payment_intent` table (seed 2.10.3) on the shared group-commit database.
+//! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, retry executor.
+//! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).
+//! - [`config`]: what `backstop serve` flags configure, validated before start.
+//! - [`psp`]: the PSP simulator (a fake payment provider with its own store and dedup).
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod config;
+pub mod intents;
 pub mod psp;
+pub mod service;

@@ -1,0 +1,308 @@
+//! Configuration of the payment service (what `backstop serve` flags fill in).
+//!
+//! [`Config::validate`] runs before anything is opened or bound: an open service (no API keys)
+//! on a non-loopback address is a start-up error, not a warning.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Default HTTP listen address.
+pub const DEFAULT_HTTP: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8081));
+/// Default gRPC listen address (accepted; gRPC is not served yet).
+pub const DEFAULT_GRPC: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 50051));
+/// Default store file, relative to the working directory.
+pub const DEFAULT_STORE: &str = "backstop.db";
+/// Largest accepted request body (DESIGN section 5): 1 MiB.
+pub const BODY_LIMIT: usize = 1024 * 1024;
+/// Merchant of every request when the service runs without API keys.
+pub const DEFAULT_MERCHANT: &str = "default";
+
+/// Where the service keeps its tables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// A SQLite file (WAL, `synchronous=FULL`, group commit).
+    Sqlite(PathBuf),
+}
+
+impl StoreLocation {
+    /// Parses `sqlite://PATH` or a bare path. `postgres://` is recognised and refused (not
+    /// supported yet); any other `scheme://` is refused.
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        if s.is_empty() {
+            return Err(ConfigError::EmptyStore);
+        }
+        if let Some(path) = s.strip_prefix("sqlite://") {
+            if path.is_empty() {
+                return Err(ConfigError::EmptyStore);
+            }
+            return Ok(StoreLocation::Sqlite(PathBuf::from(path)));
+        }
+        if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            return Err(ConfigError::PostgresNotSupported);
+        }
+        if let Some((scheme, _)) = s.split_once("://") {
+            return Err(ConfigError::UnknownStoreScheme(
+                scheme.chars().take(32).collect(),
+            ));
+        }
+        Ok(StoreLocation::Sqlite(PathBuf::from(s)))
+    }
+
+    /// The SQLite file path.
+    pub fn path(&self) -> &Path {
+        match self {
+            StoreLocation::Sqlite(p) => p,
+        }
+    }
+
+    /// The embedded PSP's own database file, next to the store: `backstop.db` ->
+    /// `backstop-psp.db`.
+    pub fn psp_sibling(&self) -> PathBuf {
+        let path = self.path();
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "backstop".to_owned());
+        path.with_file_name(format!("{stem}-psp.db"))
+    }
+}
+
+/// Which PSP the service charges through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PspTarget {
+    /// A PSP already running at this base URL (for example `backstop psp`).
+    Url(String),
+    /// Start the simulator in-process on an OS-chosen loopback port, with its own database file.
+    Embedded {
+        /// The simulator's database file.
+        db: PathBuf,
+    },
+}
+
+/// One `MERCHANT=KEY` pair.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    /// Merchant (tenant) the key authenticates.
+    pub merchant: String,
+    /// The bearer token.
+    pub key: String,
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.debug_struct("ApiKey")
+            .field("merchant", &self.merchant)
+            .field("key", &"<redacted>")
+            .finish()
+    }
+}
+
+impl ApiKey {
+    /// Parses `MERCHANT=KEY`: a merchant of 1..=64 characters from `[A-Za-z0-9._-]` and a key of
+    /// 1..=256 visible ASCII characters.
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        let (merchant, key) = s.split_once('=').ok_or(ConfigError::ApiKeyFormat)?;
+        let merchant_ok = (1..=64).contains(&merchant.len())
+            && merchant
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        let key_ok =
+            (1..=256).contains(&key.len()) && key.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        if !merchant_ok || !key_ok {
+            return Err(ConfigError::ApiKeyFormat);
+        }
+        Ok(ApiKey {
+            merchant: merchant.to_owned(),
+            key: key.to_owned(),
+        })
+    }
+}
+
+/// Everything the service needs to start.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// HTTP listen address (`127.0.0.1:0` picks a free port).
+    pub http: SocketAddr,
+    /// gRPC listen address: accepted and logged, not served yet.
+    pub grpc: SocketAddr,
+    /// The store.
+    pub store: StoreLocation,
+    /// The PSP.
+    pub psp: PspTarget,
+    /// Requests executing at once before the gate answers 503 + Retry-After.
+    pub max_inflight: usize,
+    /// Sustained requests per second per merchant before 429 + Retry-After.
+    pub tenant_rate: NonZeroU32,
+    /// Burst per merchant.
+    pub tenant_burst: NonZeroU32,
+    /// Bearer keys; empty means open (loopback only, merchant `default`).
+    pub api_keys: Vec<ApiKey>,
+    /// Budget of a request that carries no `grpc-timeout`.
+    pub default_timeout: Duration,
+    /// Smallest margin kept back from the request deadline for the PSP call (the margin is
+    /// otherwise 2 x RTT_p99 + 5 ms of the PSP, seed 2.2.2).
+    pub psp_margin_floor: Duration,
+    /// How long an idempotency record is kept (DESIGN section 4: 7 days for payments).
+    pub key_ttl: Duration,
+    /// How long a claimed key stays `running` before another request may take it over.
+    pub lease: Duration,
+    /// Bound on draining in-flight requests at shutdown.
+    pub drain_timeout: Duration,
+}
+
+impl Config {
+    /// Defaults for everything, storing in `store` and spawning the embedded PSP next to it.
+    pub fn new(store: StoreLocation) -> Self {
+        let psp = PspTarget::Embedded {
+            db: store.psp_sibling(),
+        };
+        Config {
+            http: DEFAULT_HTTP,
+            grpc: DEFAULT_GRPC,
+            store,
+            psp,
+            max_inflight: 256,
+            tenant_rate: NonZeroU32::new(1000).expect("non-zero"),
+            tenant_burst: NonZeroU32::new(2000).expect("non-zero"),
+            api_keys: Vec::new(),
+            default_timeout: Duration::from_secs(10),
+            psp_margin_floor: Duration::from_millis(20),
+            key_ttl: Duration::from_secs(7 * 24 * 3600),
+            lease: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Checks the combination before anything starts.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.api_keys.is_empty() && !self.http.ip().is_loopback() {
+            return Err(ConfigError::OpenOnNonLoopback(self.http));
+        }
+        if self.max_inflight == 0 {
+            return Err(ConfigError::ZeroInflight);
+        }
+        for (i, a) in self.api_keys.iter().enumerate() {
+            if self.api_keys[..i].iter().any(|b| b.key == a.key) {
+                return Err(ConfigError::DuplicateApiKey(a.merchant.clone()));
+            }
+        }
+        if self.default_timeout.is_zero() || self.lease.is_zero() || self.key_ttl < self.lease {
+            return Err(ConfigError::Durations);
+        }
+        Ok(())
+    }
+
+    /// Whether requests need a bearer key.
+    pub fn is_open(&self) -> bool {
+        self.api_keys.is_empty()
+    }
+}
+
+/// A configuration the service refuses to start with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// No API keys on an address other machines can reach.
+    #[error(
+        "refusing to serve without API keys on non-loopback address {0}: pass --api-key MERCHANT=KEY, or bind to 127.0.0.1 / [::1]"
+    )]
+    OpenOnNonLoopback(SocketAddr),
+    /// `postgres://` store.
+    #[error("postgres stores are not supported yet: use sqlite://PATH or a file path")]
+    PostgresNotSupported,
+    /// A store URL with another scheme.
+    #[error("unknown store scheme {0:?}: use sqlite://PATH or a file path")]
+    UnknownStoreScheme(String),
+    /// Empty store path.
+    #[error("the store path is empty")]
+    EmptyStore,
+    /// `--api-key` not in `MERCHANT=KEY` form.
+    #[error(
+        "--api-key must be MERCHANT=KEY (merchant: 1-64 of [A-Za-z0-9._-]; key: 1-256 visible ASCII)"
+    )]
+    ApiKeyFormat,
+    /// The same key given to two merchants.
+    #[error("the same API key is given twice (second time for merchant {0:?})")]
+    DuplicateApiKey(String),
+    /// `--max-inflight 0`.
+    #[error("--max-inflight must be at least 1")]
+    ZeroInflight,
+    /// Zero timeout or lease, or a key TTL shorter than the lease.
+    #[error("timeouts and leases must be positive and the key TTL at least the lease")]
+    Durations,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_locations() {
+        assert_eq!(
+            StoreLocation::parse("sqlite:///tmp/x.db").unwrap(),
+            StoreLocation::Sqlite("/tmp/x.db".into())
+        );
+        assert_eq!(
+            StoreLocation::parse("data/x.db").unwrap(),
+            StoreLocation::Sqlite("data/x.db".into())
+        );
+        assert_eq!(
+            StoreLocation::parse("postgres://u@h/db"),
+            Err(ConfigError::PostgresNotSupported)
+        );
+        assert!(matches!(
+            StoreLocation::parse("redis://h"),
+            Err(ConfigError::UnknownStoreScheme(_))
+        ));
+        assert_eq!(
+            StoreLocation::parse("sqlite://"),
+            Err(ConfigError::EmptyStore)
+        );
+        assert_eq!(
+            StoreLocation::parse("data/x.db").unwrap().psp_sibling(),
+            PathBuf::from("data/x-psp.db")
+        );
+        assert_eq!(
+            StoreLocation::parse("backstop.db").unwrap().psp_sibling(),
+            PathBuf::from("backstop-psp.db")
+        );
+    }
+
+    #[test]
+    fn api_keys() {
+        let k = ApiKey::parse("acme=sk_live_1").unwrap();
+        assert_eq!(k.merchant, "acme");
+        assert_eq!(k.key, "sk_live_1");
+        assert!(!format!("{k:?}").contains("sk_live_1"));
+        // The key may contain '='.
+        assert_eq!(ApiKey::parse("a=b=c").unwrap().key, "b=c");
+        for bad in ["acme", "=k", "acme=", "ac me=k", "acme=k y"] {
+            assert_eq!(ApiKey::parse(bad), Err(ConfigError::ApiKeyFormat), "{bad}");
+        }
+    }
+
+    #[test]
+    fn open_service_only_on_loopback() {
+        let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
+        assert!(c.validate().is_ok());
+        c.http = "0.0.0.0:8081".parse().unwrap();
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::OpenOnNonLoopback(_))
+        ));
+        c.api_keys.push(ApiKey::parse("a=k").unwrap());
+        assert!(c.validate().is_ok());
+        c.http = "[::1]:8081".parse().unwrap();
+        c.api_keys.clear();
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn duplicate_keys_are_refused() {
+        let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
+        c.api_keys = vec![ApiKey::parse("a=k").unwrap(), ApiKey::parse("b=k").unwrap()];
+        assert!(matches!(c.validate(), Err(ConfigError::DuplicateApiKey(_))));
+    }
+}

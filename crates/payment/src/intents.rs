@@ -1,0 +1,556 @@
+//! Payment intents: the `payment_intent` table of seed 2.10.3 and the only queries that touch it.
+//!
+//! Three keys, three unique constraints:
+//!
+//! | key | constraint | stops |
+//! |---|---|---|
+//! | business key `(merchant_id, order_id)` | `UNIQUE` | a second intent for the same order (a client that generated a fresh key per attempt) |
+//! | request key `(merchant_id, request_key)` | `UNIQUE` | two concurrent inserts for the same `Idempotency-Key` |
+//! | effect key `(merchant_id, effect_key)` | `UNIQUE INDEX` | one intent producing two downstream effects |
+//!
+//! The effect key is the intent id: it is what the PSP deduplicates on, so re-sending it after an
+//! unknown outcome charges once.
+//!
+//! Creating an intent is one `INSERT ... ON CONFLICT DO NOTHING`: the constraints decide, never
+//! an application-level "look, then insert" (which two concurrent requests would both pass). Only
+//! when the insert did nothing do we read which existing row stopped it.
+//!
+//! The functions here are synchronous and take a [`rusqlite::Connection`], so they run inside
+//! the group-commit writer of [`Db`] (see [`Intents`]) and in
+//! plain unit tests alike.
+
+use backstop::idempotency::sqlite::{Db, DbError};
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use serde::Serialize;
+
+/// Migration name registered with the shared database.
+pub const MIGRATION_NAME: &str = "payment_intent_v1";
+
+/// Schema of `payment_intent`: seed 2.10.3 column for column, plus `currency`.
+pub const MIGRATION_SQL: &str = "
+CREATE TABLE IF NOT EXISTS payment_intent (
+  intent_id     TEXT PRIMARY KEY,
+  merchant_id   TEXT    NOT NULL,
+  order_id      TEXT    NOT NULL,
+  amount_cents  INTEGER NOT NULL,
+  request_key   TEXT    NOT NULL,
+  fingerprint   TEXT    NOT NULL,
+  effect_key    TEXT    NOT NULL,
+  status        TEXT    NOT NULL CHECK (status IN ('running','succeeded','failed')),
+  psp_charge_id TEXT,
+  created_at    INTEGER NOT NULL,
+  currency      TEXT    NOT NULL DEFAULT 'USD',
+  UNIQUE (merchant_id, order_id),
+  UNIQUE (merchant_id, request_key)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS idx_effect_key ON payment_intent (merchant_id, effect_key);
+";
+
+/// Where an intent stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IntentStatus {
+    /// Created; the PSP outcome is not known yet (or was unknown when the last attempt ended).
+    Running,
+    /// The PSP charged; `psp_charge_id` is set. Terminal.
+    Succeeded,
+    /// The PSP refused definitively; nothing was charged. Terminal.
+    Failed,
+}
+
+impl IntentStatus {
+    /// The value stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IntentStatus::Running => "running",
+            IntentStatus::Succeeded => "succeeded",
+            IntentStatus::Failed => "failed",
+        }
+    }
+
+    fn from_column(s: &str) -> Option<Self> {
+        match s {
+            "running" => Some(IntentStatus::Running),
+            "succeeded" => Some(IntentStatus::Succeeded),
+            "failed" => Some(IntentStatus::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// One row of `payment_intent`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Intent {
+    /// Primary key; also the effect key sent to the PSP.
+    pub intent_id: String,
+    /// Tenant that owns the intent.
+    pub merchant_id: String,
+    /// Business key, unique per merchant.
+    pub order_id: String,
+    /// Amount in minor units, always positive.
+    pub amount_cents: i64,
+    /// ISO 4217 code (three uppercase letters).
+    pub currency: String,
+    /// The `Idempotency-Key` of the request that created the intent.
+    pub request_key: String,
+    /// Hex SHA-256 of the normalized request parameters.
+    pub fingerprint: String,
+    /// Idempotency key for the downstream side effect (equal to `intent_id`).
+    pub effect_key: String,
+    /// Current status.
+    pub status: IntentStatus,
+    /// The PSP's charge id once succeeded.
+    pub psp_charge_id: Option<String>,
+    /// Creation time, unix epoch milliseconds.
+    pub created_at: i64,
+}
+
+/// The values of a new intent (status starts as `running`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewIntent {
+    /// Primary key and effect key (a UUIDv7 string).
+    pub intent_id: String,
+    /// Tenant that owns the intent.
+    pub merchant_id: String,
+    /// Business key.
+    pub order_id: String,
+    /// Amount in minor units.
+    pub amount_cents: i64,
+    /// ISO 4217 code.
+    pub currency: String,
+    /// The request's `Idempotency-Key`.
+    pub request_key: String,
+    /// Hex fingerprint of the normalized parameters.
+    pub fingerprint: String,
+    /// Creation time, unix epoch milliseconds.
+    pub created_at: i64,
+}
+
+/// What [`insert`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Created {
+    /// A new intent was inserted.
+    New(Intent),
+    /// The merchant already has an intent for this request key and these parameters: carry on
+    /// with it (same effect key), never create a second one.
+    Resumed(Intent),
+    /// The order already has an intent created under another request key.
+    OrderConflict(Intent),
+    /// The request key already names an intent with other parameters.
+    KeyReused(Intent),
+    /// The generated intent id collided with an existing one (practically impossible with
+    /// UUIDv7); nothing was written.
+    IdCollision,
+}
+
+const COLUMNS: &str = "intent_id, merchant_id, order_id, amount_cents, currency, request_key, \
+     fingerprint, effect_key, status, psp_charge_id, created_at";
+
+fn from_row(row: &Row<'_>) -> rusqlite::Result<Intent> {
+    let status: String = row.get(8)?;
+    let status = IntentStatus::from_column(&status).ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(
+            8,
+            rusqlite::types::Type::Text,
+            format!("unknown intent status {status:?}").into(),
+        )
+    })?;
+    Ok(Intent {
+        intent_id: row.get(0)?,
+        merchant_id: row.get(1)?,
+        order_id: row.get(2)?,
+        amount_cents: row.get(3)?,
+        currency: row.get(4)?,
+        request_key: row.get(5)?,
+        fingerprint: row.get(6)?,
+        effect_key: row.get(7)?,
+        status,
+        psp_charge_id: row.get(9)?,
+        created_at: row.get(10)?,
+    })
+}
+
+fn select_one(
+    conn: &Connection,
+    filter: &str,
+    a: &str,
+    b: &str,
+) -> rusqlite::Result<Option<Intent>> {
+    let sql = format!("SELECT {COLUMNS} FROM payment_intent WHERE {filter}");
+    conn.prepare_cached(&sql)?
+        .query_row(params![a, b], from_row)
+        .optional()
+}
+
+/// Creates the intent with one `INSERT`, letting the unique constraints decide.
+///
+/// When the insert is stopped, the row that stopped it is read back: the same request key with
+/// the same parameters resumes that intent; the same request key with other parameters is
+/// [`Created::KeyReused`]; the same order under another key is [`Created::OrderConflict`].
+/// Run it inside one transaction (the group-commit writer does) so the read sees the row that
+/// stopped the insert.
+pub fn insert(conn: &Connection, new: &NewIntent) -> rusqlite::Result<Created> {
+    let inserted = conn
+        .prepare_cached(
+            "INSERT INTO payment_intent (intent_id, merchant_id, order_id, amount_cents, currency, \
+             request_key, fingerprint, effect_key, status, psp_charge_id, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?1, 'running', NULL, ?8) \
+             ON CONFLICT DO NOTHING",
+        )?
+        .execute(params![
+            new.intent_id,
+            new.merchant_id,
+            new.order_id,
+            new.amount_cents,
+            new.currency,
+            new.request_key,
+            new.fingerprint,
+            new.created_at,
+        ])?;
+    if inserted == 1 {
+        return Ok(Created::New(Intent {
+            intent_id: new.intent_id.clone(),
+            merchant_id: new.merchant_id.clone(),
+            order_id: new.order_id.clone(),
+            amount_cents: new.amount_cents,
+            currency: new.currency.clone(),
+            request_key: new.request_key.clone(),
+            fingerprint: new.fingerprint.clone(),
+            effect_key: new.intent_id.clone(),
+            status: IntentStatus::Running,
+            psp_charge_id: None,
+            created_at: new.created_at,
+        }));
+    }
+    if let Some(existing) = select_one(
+        conn,
+        "merchant_id = ?1 AND request_key = ?2",
+        &new.merchant_id,
+        &new.request_key,
+    )? {
+        return Ok(
+            if existing.order_id == new.order_id && existing.fingerprint == new.fingerprint {
+                Created::Resumed(existing)
+            } else {
+                Created::KeyReused(existing)
+            },
+        );
+    }
+    if let Some(existing) = select_one(
+        conn,
+        "merchant_id = ?1 AND order_id = ?2",
+        &new.merchant_id,
+        &new.order_id,
+    )? {
+        return Ok(Created::OrderConflict(existing));
+    }
+    Ok(Created::IdCollision)
+}
+
+/// Marks a running intent succeeded with the PSP's charge id. Returns whether a row changed
+/// (false when it was already terminal: the first answer wins).
+pub fn mark_succeeded(
+    conn: &Connection,
+    merchant_id: &str,
+    intent_id: &str,
+    psp_charge_id: &str,
+) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE payment_intent SET status = 'succeeded', psp_charge_id = ?3 \
+             WHERE merchant_id = ?1 AND intent_id = ?2 AND status = 'running'",
+        )?
+        .execute(params![merchant_id, intent_id, psp_charge_id])?;
+    Ok(n == 1)
+}
+
+/// Marks a running intent failed (the PSP refused definitively). Returns whether a row changed.
+pub fn mark_failed(
+    conn: &Connection,
+    merchant_id: &str,
+    intent_id: &str,
+) -> rusqlite::Result<bool> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE payment_intent SET status = 'failed' \
+             WHERE merchant_id = ?1 AND intent_id = ?2 AND status = 'running'",
+        )?
+        .execute(params![merchant_id, intent_id])?;
+    Ok(n == 1)
+}
+
+/// Reads one intent of one merchant; another merchant's intent is `None`.
+pub fn get(
+    conn: &Connection,
+    merchant_id: &str,
+    intent_id: &str,
+) -> rusqlite::Result<Option<Intent>> {
+    select_one(
+        conn,
+        "merchant_id = ?1 AND intent_id = ?2",
+        merchant_id,
+        intent_id,
+    )
+}
+
+/// Every intent a merchant has for an order (zero or one, by the business-key constraint).
+pub fn by_order(
+    conn: &Connection,
+    merchant_id: &str,
+    order_id: &str,
+) -> rusqlite::Result<Vec<Intent>> {
+    let sql =
+        format!("SELECT {COLUMNS} FROM payment_intent WHERE merchant_id = ?1 AND order_id = ?2");
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let rows = stmt.query_map(params![merchant_id, order_id], from_row)?;
+    rows.collect()
+}
+
+/// Number of intents in the table (all merchants).
+pub fn count(conn: &Connection) -> rusqlite::Result<u64> {
+    conn.query_row("SELECT COUNT(*) FROM payment_intent", [], |r| r.get(0))
+}
+
+/// The intent table on the shared group-commit [`Db`]: every write goes through [`Db::write`]
+/// (so it is batched with the idempotency store's writes and answered only once durable), every
+/// read through [`Db::read`].
+#[derive(Debug, Clone)]
+pub struct Intents {
+    db: Db,
+}
+
+impl Intents {
+    /// Runs the `payment_intent` migration on `db` (once per database) and returns the handle.
+    pub async fn open(db: Db) -> Result<Self, DbError> {
+        db.migrate(MIGRATION_NAME, MIGRATION_SQL).await?;
+        Ok(Intents { db })
+    }
+
+    /// The underlying database handle.
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+
+    /// [`insert`] in one write job.
+    pub async fn create(&self, new: NewIntent) -> Result<Created, DbError> {
+        self.db.write(move |c| insert(c, &new)).await
+    }
+
+    /// [`mark_succeeded`] in one write job.
+    pub async fn succeed(
+        &self,
+        merchant_id: &str,
+        intent_id: &str,
+        psp_charge_id: &str,
+    ) -> Result<bool, DbError> {
+        let (m, i, ch) = (
+            merchant_id.to_owned(),
+            intent_id.to_owned(),
+            psp_charge_id.to_owned(),
+        );
+        self.db.write(move |c| mark_succeeded(c, &m, &i, &ch)).await
+    }
+
+    /// [`mark_failed`] in one write job.
+    pub async fn fail(&self, merchant_id: &str, intent_id: &str) -> Result<bool, DbError> {
+        let (m, i) = (merchant_id.to_owned(), intent_id.to_owned());
+        self.db.write(move |c| mark_failed(c, &m, &i)).await
+    }
+
+    /// [`get`] on a read connection.
+    pub async fn get(&self, merchant_id: &str, intent_id: &str) -> Result<Option<Intent>, DbError> {
+        let (m, i) = (merchant_id.to_owned(), intent_id.to_owned());
+        self.db.read(move |c| get(c, &m, &i)).await
+    }
+
+    /// [`by_order`] on a read connection.
+    pub async fn by_order(
+        &self,
+        merchant_id: &str,
+        order_id: &str,
+    ) -> Result<Vec<Intent>, DbError> {
+        let (m, o) = (merchant_id.to_owned(), order_id.to_owned());
+        self.db.read(move |c| by_order(c, &m, &o)).await
+    }
+
+    /// [`count`] on a read connection.
+    pub async fn count(&self) -> Result<u64, DbError> {
+        self.db.read(count).await
+    }
+
+    /// A trivial read: whether the store answers (for `/readyz`).
+    pub async fn ping(&self) -> Result<(), DbError> {
+        self.db
+            .read(|c| {
+                c.query_row("SELECT 1 FROM payment_intent LIMIT 1", [], |_| Ok(()))
+                    .optional()
+            })
+            .await
+            .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db() -> Connection {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(MIGRATION_SQL).unwrap();
+        conn
+    }
+
+    fn new(id: &str, merchant: &str, order: &str, key: &str, fp: &str) -> NewIntent {
+        NewIntent {
+            intent_id: id.into(),
+            merchant_id: merchant.into(),
+            order_id: order.into(),
+            amount_cents: 100,
+            currency: "USD".into(),
+            request_key: key.into(),
+            fingerprint: fp.into(),
+            created_at: 1,
+        }
+    }
+
+    #[test]
+    fn first_insert_creates_a_running_intent_whose_effect_key_is_its_id() {
+        let c = db();
+        let Created::New(i) = insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap() else {
+            panic!("expected a new intent");
+        };
+        assert_eq!(i.status, IntentStatus::Running);
+        assert_eq!(i.effect_key, "i1");
+        assert_eq!(get(&c, "m", "i1").unwrap(), Some(i));
+    }
+
+    #[test]
+    fn same_request_key_resumes_the_existing_intent() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        let Created::Resumed(i) = insert(&c, &new("i2", "m", "o1", "k1", "f")).unwrap() else {
+            panic!("expected resume");
+        };
+        assert_eq!(i.intent_id, "i1");
+        assert_eq!(count(&c).unwrap(), 1);
+    }
+
+    #[test]
+    fn same_request_key_other_parameters_is_key_reused() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        assert!(matches!(
+            insert(&c, &new("i2", "m", "o1", "k1", "g")).unwrap(),
+            Created::KeyReused(_)
+        ));
+        assert!(matches!(
+            insert(&c, &new("i3", "m", "o2", "k1", "f")).unwrap(),
+            Created::KeyReused(_)
+        ));
+        assert_eq!(count(&c).unwrap(), 1);
+    }
+
+    #[test]
+    fn same_order_other_key_is_order_conflict_naming_the_intent() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        let Created::OrderConflict(i) = insert(&c, &new("i2", "m", "o1", "k2", "f")).unwrap()
+        else {
+            panic!("expected order conflict");
+        };
+        assert_eq!(i.intent_id, "i1");
+        assert_eq!(count(&c).unwrap(), 1);
+    }
+
+    #[test]
+    fn merchants_are_independent() {
+        let c = db();
+        assert!(matches!(
+            insert(&c, &new("i1", "a", "o1", "k1", "f")).unwrap(),
+            Created::New(_)
+        ));
+        assert!(matches!(
+            insert(&c, &new("i2", "b", "o1", "k1", "f")).unwrap(),
+            Created::New(_)
+        ));
+        assert_eq!(get(&c, "b", "i1").unwrap(), None);
+        assert_eq!(count(&c).unwrap(), 2);
+    }
+
+    #[test]
+    fn id_collision_writes_nothing() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        assert_eq!(
+            insert(&c, &new("i1", "m", "o2", "k2", "f")).unwrap(),
+            Created::IdCollision
+        );
+        assert_eq!(count(&c).unwrap(), 1);
+    }
+
+    #[test]
+    fn terminal_status_is_not_overwritten() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        assert!(mark_succeeded(&c, "m", "i1", "ch_1").unwrap());
+        assert!(!mark_succeeded(&c, "m", "i1", "ch_2").unwrap());
+        assert!(!mark_failed(&c, "m", "i1").unwrap());
+        let i = get(&c, "m", "i1").unwrap().unwrap();
+        assert_eq!(i.status, IntentStatus::Succeeded);
+        assert_eq!(i.psp_charge_id.as_deref(), Some("ch_1"));
+        assert_eq!(by_order(&c, "m", "o1").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn other_merchant_cannot_change_an_intent() {
+        let c = db();
+        insert(&c, &new("i1", "a", "o1", "k1", "f")).unwrap();
+        assert!(!mark_failed(&c, "b", "i1").unwrap());
+        assert!(!mark_succeeded(&c, "b", "i1", "x").unwrap());
+    }
+
+    #[test]
+    fn status_check_constraint_rejects_unknown_values() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        assert!(
+            c.execute("UPDATE payment_intent SET status = 'weird'", [])
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn concurrent_creates_with_one_request_key_insert_one_intent() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path().join("t.db"), Default::default()).unwrap();
+        let intents = Intents::open(db.clone()).await.unwrap();
+        // A second open is a no-op migration.
+        let intents2 = Intents::open(db).await.unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..32 {
+            let intents = if i % 2 == 0 {
+                intents.clone()
+            } else {
+                intents2.clone()
+            };
+            tasks.push(tokio::spawn(async move {
+                intents
+                    .create(new(&format!("i{i}"), "m", "o1", "k1", "f"))
+                    .await
+                    .unwrap()
+            }));
+        }
+        let mut fresh = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Created::New(_) => fresh += 1,
+                Created::Resumed(_) => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(fresh, 1);
+        assert_eq!(intents.count().await.unwrap(), 1);
+        assert_eq!(intents.by_order("m", "o1").await.unwrap().len(), 1);
+        intents.ping().await.unwrap();
+    }
+}
