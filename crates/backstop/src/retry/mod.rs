@@ -7,15 +7,71 @@
 //! - [`Backoff`]: exponential delays with jitter, a cap and a floor, so that clients that failed
 //!   together do not come back together.
 //! - [`RetryBudget`]: retries as a fraction of logical requests, shared by every caller of a
-//!   destination, so that a failing dependency sees at most `1 + ratio` times its normal load.
+//!   destination, so that a failing dependency sees at most `1 + ratio` times its normal load
+//!   (DESIGN section 7), not `max_attempts` times.
+//! - [`RetryPolicy::execute`]: one logical request run as attempts that share ONE
+//!   [`Deadline`](crate::deadline::Deadline), waiting between them only when the deadline
+//!   leaves room for the wait and a minimal attempt, honouring the server's pushback, and
+//!   reporting why it stopped ([`StopReason`]) in the error, the metrics and the logs.
+//!
+//! Which statuses are retried follows [`Status::retry_class`](crate::status::Status::retry_class)
+//! (DESIGN section 3): `UNAVAILABLE` with backoff, `RESOURCE_EXHAUSTED` and `ABORTED` after
+//! their pushback, `DEADLINE_EXCEEDED` only when the call carries an idempotency key
+//! ([`RetryPolicyBuilder::keyed`]), everything else never.
+//!
+//! ```
+//! use std::time::Duration;
+//! use backstop::deadline::Deadline;
+//! use backstop::retry::{RetryBudget, RetryPolicy, StopReason};
+//! use backstop::status::{Code, Status};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // One budget per destination, shared by every method that calls it.
+//! let psp = RetryBudget::new(0.1, 20)?;
+//! let charge = RetryPolicy::builder("psp", "Charge").budget(psp.clone()).keyed(true).build()?;
+//!
+//! let err = charge
+//!     .execute(Deadline::after(Duration::from_millis(300)), |_attempt| async {
+//!         Err::<(), _>(Status::new(Code::Unavailable, "psp down"))
+//!     })
+//!     .await
+//!     .unwrap_err();
+//! assert_eq!(err.reason, StopReason::MaxAttempts);
+//! assert_eq!(err.attempts, 3);
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! # Layout
 //!
 //! - `backoff`: [`Backoff`] and [`Jitter`].
-//! - `budget`: [`RetryBudget`], with the reasoning behind budgets.
+//! - [`budget`]: [`RetryBudget`], with the reasoning behind budgets.
+//! - `policy`: [`RetryPolicy`] and its builder.
+//! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`].
+//! - `error`: [`RetryError`] and [`StopReason`].
+//!
+//! # Metrics and logs
+//!
+//! All metrics carry `service` and `method` (from the policy), never a key:
+//! [`RPC_CLIENT_REQUESTS_TOTAL`](crate::observe::RPC_CLIENT_REQUESTS_TOTAL) (logical
+//! requests), [`RPC_CLIENT_ATTEMPTS_TOTAL`](crate::observe::RPC_CLIENT_ATTEMPTS_TOTAL)
+//! (`attempt`, `outcome`), [`RPC_CLIENT_RETRIES_TOTAL`](crate::observe::RPC_CLIENT_RETRIES_TOTAL),
+//! [`RPC_CLIENT_RETRY_STOPS_TOTAL`] (`reason`) and
+//! [`RPC_CLIENT_ATTEMPT_DURATION_SECONDS`](crate::observe::RPC_CLIENT_ATTEMPT_DURATION_SECONDS)
+//! (`attempt`). Each attempt is logged
+//! as a tracing event with `event = "rpc_attempt"` and the fields `method`, `idempotency_key`,
+//! `attempt`, `outcome`, `code`, `deadline_remaining_ms` (at send time), `peer`, `trace_id`; a
+//! stop as `event = "rpc_retry_stopped"` with its `reason`.
 
 mod backoff;
 pub mod budget;
+mod error;
+mod executor;
+mod policy;
 
 pub use backoff::{Backoff, BackoffError, Jitter};
 pub use budget::{BudgetError, RetryBudget};
+pub use error::{RetryError, StopReason};
+pub use executor::{Attempt, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
+pub use policy::{PolicyError, RetryPolicy, RetryPolicyBuilder};

@@ -1,0 +1,960 @@
+//! Running a logical request: attempts under one deadline, backoff or pushback between them,
+//! the budget consulted before every retry (seed 2.3.5).
+
+use std::future::Future;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::{RetryError, RetryPolicy, StopReason};
+use crate::deadline::Deadline;
+use crate::observe::{
+    RPC_CLIENT_ATTEMPT_DURATION_SECONDS, RPC_CLIENT_ATTEMPTS_TOTAL, RPC_CLIENT_REQUESTS_TOTAL,
+    RPC_CLIENT_RETRIES_TOTAL, attempt_label, event, label,
+};
+use crate::status::{Code, Outcome, RetryClass, Status, problem};
+
+/// Logical requests that failed, by why no further attempt was made:
+/// `rpc_client_retry_stops_total{service,method,reason}`, `reason` one of
+/// [`StopReason::as_str`]. The other client metrics are named in [`crate::observe`].
+pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
+
+/// The smallest wait after a pushback: a server that says "retry after 0" still gets a pause.
+const MIN_PUSHBACK: Duration = Duration::from_millis(1);
+
+/// One attempt of a logical request, handed to the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    /// 1 for the first attempt, 2 for the first retry, ...
+    pub number: u32,
+    /// The logical request's deadline, the same for every attempt. Send its remaining budget
+    /// (e.g. as `grpc-timeout`, after [`Deadline::child`] for the margin), never a fresh one.
+    pub deadline: Deadline,
+}
+
+impl Attempt {
+    /// Whether this attempt is a retry (any attempt after the first).
+    pub fn is_retry(&self) -> bool {
+        self.number > 1
+    }
+}
+
+/// What the caller knows about a logical request, for the `rpc_attempt` log event.
+///
+/// Nothing here becomes a metric label. The idempotency key must be generated (and persisted)
+/// before [`RetryPolicy::execute_with`] is called and sent unchanged on every attempt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallInfo<'a> {
+    /// The request's idempotency key, which ties its attempts together in the logs.
+    pub idempotency_key: Option<&'a str>,
+    /// The address or name of the instance called.
+    pub peer: Option<&'a str>,
+    /// The trace id (e.g. from `traceparent`).
+    pub trace_id: Option<&'a str>,
+}
+
+impl<'a> CallInfo<'a> {
+    /// No key, peer or trace id.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With the idempotency key.
+    pub fn key(self, idempotency_key: &'a str) -> Self {
+        Self {
+            idempotency_key: Some(idempotency_key),
+            ..self
+        }
+    }
+
+    /// With the peer.
+    pub fn peer(self, peer: &'a str) -> Self {
+        Self {
+            peer: Some(peer),
+            ..self
+        }
+    }
+
+    /// With the trace id.
+    pub fn trace_id(self, trace_id: &'a str) -> Self {
+        Self {
+            trace_id: Some(trace_id),
+            ..self
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Runs one logical request: calls `f` once per attempt until it succeeds or the policy
+    /// stops, and reports why it stopped.
+    ///
+    /// Same as [`execute_with`](Self::execute_with) with an empty [`CallInfo`].
+    pub async fn execute<F, Fut, T>(&self, deadline: Deadline, f: F) -> Result<T, RetryError>
+    where
+        F: FnMut(Attempt) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        self.execute_with(&CallInfo::new(), deadline, f).await
+    }
+
+    /// Runs one logical request: calls `f` once per attempt until it succeeds or the policy
+    /// stops, and reports why it stopped.
+    ///
+    /// - Every attempt shares `deadline` and is cut off when it passes (the attempt then
+    ///   counts as `DEADLINE_EXCEEDED` and the request stops with [`StopReason::Deadline`]).
+    /// - The budget gets one deposit per call of this method (one logical request) and loses
+    ///   one token per retry; no token, no retry ([`StopReason::BudgetExhausted`]).
+    /// - Fatal codes stop at once ([`StopReason::NonRetryable`]), and so does
+    ///   `DEADLINE_EXCEEDED` unless the policy is [keyed](super::RetryPolicyBuilder::keyed).
+    /// - Between attempts it waits the server's pushback x uniform[0.8, 1.2] (never zero) when
+    ///   the status carries one, else the backoff delay. It only waits when the deadline leaves
+    ///   room for the wait plus [`min_attempt`](Self::min_attempt); otherwise it stops with
+    ///   [`StopReason::Pushback`] or [`StopReason::Deadline`] without sleeping.
+    /// - At most [`max_attempts`](Self::max_attempts) attempts ([`StopReason::MaxAttempts`]).
+    ///
+    /// Each attempt is counted in `rpc_client_attempts_total{attempt,outcome}` and logged as an
+    /// `rpc_attempt` event with `call`'s fields; a stop is counted in
+    /// `rpc_client_retry_stops_total{reason}` and logged as `rpc_retry_stopped`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use backstop::deadline::Deadline;
+    /// use backstop::retry::{CallInfo, RetryPolicy, StopReason};
+    /// use backstop::status::{Code, Status};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let policy = RetryPolicy::builder("psp", "Charge").keyed(true).build()?;
+    /// // The key exists before the first attempt and is the same on every attempt.
+    /// let key = "pay-o-8812";
+    /// let call = CallInfo::new().key(key).peer("10.2.7.11:8443");
+    ///
+    /// let deadline = Deadline::after(Duration::from_secs(1));
+    /// let charged = policy
+    ///     .execute_with(&call, deadline, |attempt| async move {
+    ///         assert_eq!(attempt.deadline, deadline); // one deadline for all attempts
+    ///         if attempt.number < 3 {
+    ///             Err(Status::new(Code::Unavailable, "psp restarting"))
+    ///         } else {
+    ///             Ok(format!("charged with {key}"))
+    ///         }
+    ///     })
+    ///     .await?;
+    /// assert_eq!(charged, "charged with pay-o-8812");
+    ///
+    /// // A fatal answer is not retried, and the error says why it stopped.
+    /// let err = policy
+    ///     .execute(Deadline::after(Duration::from_secs(1)), |_| async {
+    ///         Err::<(), _>(Status::new(Code::InvalidArgument, "amount must be positive"))
+    ///     })
+    ///     .await
+    ///     .unwrap_err();
+    /// assert_eq!((err.attempts, err.reason), (1, StopReason::NonRetryable));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn execute_with<F, Fut, T>(
+        &self,
+        call: &CallInfo<'_>,
+        deadline: Deadline,
+        mut f: F,
+    ) -> Result<T, RetryError>
+    where
+        F: FnMut(Attempt) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        self.budget.deposit();
+        metrics::counter!(RPC_CLIENT_REQUESTS_TOTAL,
+            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone())
+        .increment(1);
+
+        let mut prev_delay = Duration::ZERO;
+        let mut last: Option<Status> = None;
+        let mut number: u32 = 0;
+        loop {
+            let remaining = deadline.remaining();
+            if remaining.is_zero() {
+                // Nothing left to send with: only before the first attempt, or after a wait
+                // that ended on the deadline with a zero minimal attempt.
+                let last = last.unwrap_or_else(|| {
+                    Status::new(
+                        Code::DeadlineExceeded,
+                        "deadline passed before the first attempt",
+                    )
+                    .with_problem(problem::DEADLINE_EXCEEDED)
+                });
+                return Err(self.stop(call, last, number, StopReason::Deadline));
+            }
+
+            number += 1;
+            let attempt = Attempt { number, deadline };
+            let started = Instant::now();
+            let result = tokio::time::timeout_at(deadline.instant(), f(attempt)).await;
+            let elapsed = started.elapsed();
+            let (status, cut_off) = match result {
+                Ok(Ok(value)) => {
+                    self.record_attempt(call, number, Outcome::Ok, "OK", remaining, elapsed);
+                    return Ok(value);
+                }
+                Ok(Err(status)) => (status, false),
+                Err(_elapsed) => (
+                    Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
+                        .with_problem(problem::DEADLINE_EXCEEDED),
+                    true,
+                ),
+            };
+            self.record_attempt(
+                call,
+                number,
+                status.outcome(),
+                status.code().as_str(),
+                remaining,
+                elapsed,
+            );
+
+            match self.next_delay(&status, cut_off, number, prev_delay, &deadline) {
+                Err(reason) => return Err(self.stop(call, status, number, reason)),
+                Ok(Wait::Backoff(delay)) => {
+                    prev_delay = delay;
+                    self.record_retry();
+                    tokio::time::sleep(delay).await;
+                }
+                Ok(Wait::Pushback(delay)) => {
+                    self.record_retry();
+                    tokio::time::sleep(delay).await;
+                }
+            }
+            last = Some(status);
+        }
+    }
+
+    /// The wait before the next attempt, or why there is none. Takes the budget token last,
+    /// so a retry that will not be sent does not spend one.
+    fn next_delay(
+        &self,
+        status: &Status,
+        cut_off: bool,
+        attempts: u32,
+        prev_delay: Duration,
+        deadline: &Deadline,
+    ) -> Result<Wait, StopReason> {
+        if cut_off {
+            return Err(StopReason::Deadline);
+        }
+        match status.retry_class() {
+            RetryClass::Fatal => return Err(StopReason::NonRetryable),
+            RetryClass::Timeout if !self.keyed => return Err(StopReason::NonRetryable),
+            RetryClass::Timeout | RetryClass::Retryable | RetryClass::RetryAfterPushback => {}
+        }
+        if attempts >= self.max_attempts {
+            return Err(StopReason::MaxAttempts);
+        }
+        let remaining = deadline.remaining();
+        // The thread-local generator is used and dropped here, never held across an await.
+        let mut rng = rand::rng();
+        let wait = match status.pushback() {
+            Some(pushback) => {
+                let delay = jitter_pushback(pushback, &mut rng).max(self.backoff.floor());
+                if !fits(remaining, delay, self.min_attempt) {
+                    return Err(StopReason::Pushback);
+                }
+                Wait::Pushback(delay)
+            }
+            None => {
+                let delay = self.backoff.delay(attempts - 1, prev_delay, &mut rng);
+                if !fits(remaining, delay, self.min_attempt) {
+                    return Err(StopReason::Deadline);
+                }
+                Wait::Backoff(delay)
+            }
+        };
+        if !self.budget.try_withdraw() {
+            return Err(StopReason::BudgetExhausted);
+        }
+        Ok(wait)
+    }
+
+    fn record_attempt(
+        &self,
+        call: &CallInfo<'_>,
+        number: u32,
+        outcome: Outcome,
+        code: &'static str,
+        remaining_at_send: Duration,
+        elapsed: Duration,
+    ) {
+        let attempt = attempt_label(number);
+        metrics::counter!(RPC_CLIENT_ATTEMPTS_TOTAL,
+            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone(),
+            label::ATTEMPT => attempt, label::OUTCOME => outcome.as_str())
+        .increment(1);
+        metrics::histogram!(RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
+            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone(),
+            label::ATTEMPT => attempt)
+        .record(elapsed.as_secs_f64());
+        tracing::info!(
+            name: "rpc_attempt",
+            event = event::RPC_ATTEMPT,
+            service = &*self.service,
+            method = &*self.method,
+            idempotency_key = call.idempotency_key,
+            attempt = number,
+            outcome = outcome.as_str(),
+            code,
+            deadline_remaining_ms =
+                u64::try_from(remaining_at_send.as_millis()).unwrap_or(u64::MAX),
+            duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+            peer = call.peer,
+            trace_id = call.trace_id,
+            "rpc_attempt"
+        );
+    }
+
+    fn record_retry(&self) {
+        metrics::counter!(RPC_CLIENT_RETRIES_TOTAL,
+            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone())
+        .increment(1);
+    }
+
+    fn stop(
+        &self,
+        call: &CallInfo<'_>,
+        last: Status,
+        attempts: u32,
+        reason: StopReason,
+    ) -> RetryError {
+        metrics::counter!(RPC_CLIENT_RETRY_STOPS_TOTAL,
+            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone(),
+            label::REASON => reason.as_str())
+        .increment(1);
+        tracing::info!(
+            name: "rpc_retry_stopped",
+            event = "rpc_retry_stopped",
+            service = &*self.service,
+            method = &*self.method,
+            idempotency_key = call.idempotency_key,
+            attempts,
+            reason = reason.as_str(),
+            code = last.code().as_str(),
+            trace_id = call.trace_id,
+            "rpc_retry_stopped"
+        );
+        RetryError {
+            last,
+            attempts,
+            reason,
+        }
+    }
+}
+
+/// A wait the executor decided on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// A backoff delay; the next decorrelated delay builds on it.
+    Backoff(Duration),
+    /// The server's pushback, jittered.
+    Pushback(Duration),
+}
+
+/// Whether `remaining` covers a wait of `delay` and then a minimal attempt.
+fn fits(remaining: Duration, delay: Duration, min_attempt: Duration) -> bool {
+    delay
+        .checked_add(min_attempt)
+        .is_some_and(|needed| needed <= remaining)
+}
+
+/// `pushback` x uniform[0.8, 1.2], at least [`MIN_PUSHBACK`], saturating instead of
+/// overflowing: clients told the same Retry-After must not all come back at once (seed 2.7.2).
+fn jitter_pushback<R: Rng + ?Sized>(pushback: Duration, rng: &mut R) -> Duration {
+    let factor: f64 = rng.random_range(0.8..=1.2);
+    Duration::try_from_secs_f64(pushback.as_secs_f64() * factor)
+        .unwrap_or(Duration::MAX)
+        .max(MIN_PUSHBACK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::{Backoff, Jitter, RetryBudget};
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    use tokio::time::sleep;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// The same delay before every retry.
+    fn fixed(delay: Duration) -> Backoff {
+        Backoff::new(delay, delay, Jitter::None, Duration::ZERO).unwrap()
+    }
+
+    fn policy() -> crate::retry::RetryPolicyBuilder {
+        RetryPolicy::builder("psp", "Charge")
+            .backoff(fixed(50 * MS))
+            .budget(RetryBudget::new(0.1, 100).unwrap())
+    }
+
+    fn unavailable() -> Status {
+        Status::new(Code::Unavailable, "down")
+    }
+
+    /// seed 2.2: the first attempt takes 800 ms of a 1 s budget; the retry gets what is left,
+    /// not a fresh second, and is cut off exactly at the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn retries_share_one_deadline_and_never_pass_it() {
+        let start = Instant::now();
+        let deadline = Deadline::after(Duration::from_secs(1));
+        let policy = policy().build().unwrap();
+        let seen = RefCell::new(Vec::new());
+        let err = policy
+            .execute(deadline, |a| {
+                seen.borrow_mut()
+                    .push((a.number, a.deadline, start.elapsed()));
+                async move {
+                    let work = if a.number == 1 {
+                        800 * MS
+                    } else {
+                        Duration::from_secs(10)
+                    };
+                    sleep(work).await;
+                    Err::<(), _>(unavailable())
+                }
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        assert_eq!((err.attempts, err.reason), (2, StopReason::Deadline));
+        assert_eq!(err.last.code(), Code::DeadlineExceeded);
+        assert_eq!(
+            seen.into_inner(),
+            [(1, deadline, Duration::ZERO), (2, deadline, 850 * MS)]
+        );
+    }
+
+    #[test]
+    fn execute_future_is_send() {
+        fn assert_send<T: Send>(_: &T) {}
+        let policy = policy().build().unwrap();
+        let call = CallInfo::new().key("k");
+        let fut = policy.execute_with(&call, Deadline::after(MS), |_| async {
+            Ok::<_, Status>(())
+        });
+        assert_send(&fut);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn first_success_makes_one_attempt() {
+        let policy = policy().build().unwrap();
+        let mut calls = 0;
+        let v = policy
+            .execute(Deadline::after(Duration::from_secs(1)), |a| {
+                calls += 1;
+                async move { Ok::<_, Status>(a.number) }
+            })
+            .await
+            .unwrap();
+        assert_eq!((v, calls), (1, 1));
+        assert_eq!(policy.budget().available(), 100.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sleep_is_skipped_when_delay_and_min_call_exceed_remaining() {
+        // 60 ms spent, 40 ms left: a 50 ms backoff plus a 20 ms minimal call does not fit.
+        let start = Instant::now();
+        let policy = policy().build().unwrap();
+        let err = policy
+            .execute(Deadline::after(100 * MS), |_| async {
+                sleep(60 * MS).await;
+                Err::<(), _>(unavailable())
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::Deadline));
+        assert_eq!(err.last.code(), Code::Unavailable);
+        assert_eq!(start.elapsed(), 60 * MS, "stopped without sleeping");
+        assert_eq!(policy.budget().available(), 100.0, "no token spent");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_is_sent_when_delay_and_min_call_just_fit() {
+        // 60 ms spent, 70 ms left: exactly 50 ms backoff + 20 ms minimal call.
+        let start = Instant::now();
+        let policy = policy().build().unwrap();
+        let mut starts = Vec::new();
+        let v = policy
+            .execute(Deadline::after(130 * MS), |a| {
+                starts.push(start.elapsed());
+                async move {
+                    if a.number == 1 {
+                        sleep(60 * MS).await;
+                        Err(unavailable())
+                    } else {
+                        Ok(a.number)
+                    }
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(v, 2);
+        assert_eq!(starts, [Duration::ZERO, 110 * MS]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pushback_is_honoured_with_jitter_bounds() {
+        let policy = policy().build().unwrap();
+        let mut gaps = Vec::new();
+        for _ in 0..50 {
+            let failed_at = RefCell::new(None);
+            let gap = RefCell::new(None);
+            policy
+                .execute(Deadline::after(Duration::from_secs(10)), |a| {
+                    if a.number == 2 {
+                        *gap.borrow_mut() = failed_at.borrow().map(|t: Instant| t.elapsed());
+                    }
+                    let failed_at = &failed_at;
+                    async move {
+                        if a.number == 1 {
+                            *failed_at.borrow_mut() = Some(Instant::now());
+                            Err(Status::new(Code::ResourceExhausted, "quota")
+                                .with_pushback(Duration::from_secs(1)))
+                        } else {
+                            Ok(())
+                        }
+                    }
+                })
+                .await
+                .unwrap();
+            gaps.push(gap.into_inner().expect("a second attempt was made"));
+        }
+        for gap in &gaps {
+            assert!(
+                *gap >= 800 * MS && *gap <= 1_200 * MS,
+                "waited {gap:?} after a 1 s pushback"
+            );
+        }
+        assert!(gaps.iter().any(|g| *g != gaps[0]), "pushback not jittered");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn zero_pushback_still_waits() {
+        let start = Instant::now();
+        let policy = policy().build().unwrap();
+        let mut starts = Vec::new();
+        policy
+            .execute(Deadline::after(Duration::from_secs(1)), |a| {
+                starts.push(start.elapsed());
+                async move {
+                    if a.number == 1 {
+                        Err(Status::overloaded(Duration::ZERO))
+                    } else {
+                        Ok(())
+                    }
+                }
+            })
+            .await
+            .unwrap();
+        assert!(
+            starts[1] >= policy.backoff().floor() && !starts[1].is_zero(),
+            "{starts:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pushback_past_the_deadline_stops_with_pushback() {
+        let start = Instant::now();
+        let policy = policy().build().unwrap();
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(2)), |_| async {
+                Err::<(), _>(Status::overloaded(Duration::from_secs(5)))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::Pushback));
+        assert_eq!(err.last.pushback(), Some(Duration::from_secs(5)));
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!(policy.budget().available(), 100.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn huge_pushback_does_not_overflow() {
+        let policy = policy().build().unwrap();
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(2)), |_| async {
+                Err::<(), _>(Status::overloaded(Duration::MAX))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason, StopReason::Pushback);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn budget_exhaustion_stops_with_the_reason() {
+        let policy = policy()
+            .budget(RetryBudget::new(0.0, 1).unwrap())
+            .build()
+            .unwrap();
+        let always_down = |_| async { Err::<(), _>(unavailable()) };
+        let deadline = || Deadline::after(Duration::from_secs(5));
+
+        let err = policy.execute(deadline(), always_down).await.unwrap_err();
+        assert_eq!((err.attempts, err.reason), (2, StopReason::BudgetExhausted));
+        assert_eq!(err.last.code(), Code::Unavailable);
+
+        let err = policy.execute(deadline(), always_down).await.unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::BudgetExhausted));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn non_retryable_stops_at_once() {
+        let start = Instant::now();
+        let policy = policy().build().unwrap();
+        for code in Code::ALL {
+            if code == Code::Ok || code.retry_class() != RetryClass::Fatal {
+                continue;
+            }
+            let mut calls = 0;
+            let err = policy
+                .execute(Deadline::after(Duration::from_secs(1)), |_| {
+                    calls += 1;
+                    async move { Err::<(), _>(Status::new(code, "no")) }
+                })
+                .await
+                .unwrap_err();
+            assert_eq!((calls, err.attempts), (1, 1), "{code}");
+            assert_eq!(err.reason, StopReason::NonRetryable, "{code}");
+            assert_eq!(err.last.code(), code);
+        }
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!(policy.budget().available(), 100.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn timeout_is_retried_only_with_a_key() {
+        let timed_out_once = |a: Attempt| async move {
+            if a.number == 1 {
+                Err(Status::new(Code::DeadlineExceeded, "upstream gave up"))
+            } else {
+                Ok(a.number)
+            }
+        };
+        let unkeyed = policy().build().unwrap();
+        let err = unkeyed
+            .execute(Deadline::after(Duration::from_secs(1)), timed_out_once)
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::NonRetryable));
+
+        let keyed = policy().keyed(true).build().unwrap();
+        let v = keyed
+            .execute(Deadline::after(Duration::from_secs(1)), timed_out_once)
+            .await
+            .unwrap();
+        assert_eq!(v, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn max_attempts_stops_after_the_last_attempt() {
+        for max in 1..=5 {
+            let policy = policy().max_attempts(max).build().unwrap();
+            let mut numbers = Vec::new();
+            let err = policy
+                .execute(Deadline::after(Duration::from_secs(5)), |a| {
+                    numbers.push(a.number);
+                    async { Err::<(), _>(unavailable()) }
+                })
+                .await
+                .unwrap_err();
+            assert_eq!((err.attempts, err.reason), (max, StopReason::MaxAttempts));
+            assert_eq!(numbers, (1..=max).collect::<Vec<_>>());
+            let spent = 100.0 - policy.budget().available();
+            assert!((spent - f64::from(max - 1)).abs() < 0.2, "{spent} tokens");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_deadline_makes_no_attempt() {
+        let deadline = Deadline::after(10 * MS);
+        sleep(10 * MS).await;
+        let policy = policy().build().unwrap();
+        let mut calls = 0;
+        let err = policy
+            .execute(deadline, |_| {
+                calls += 1;
+                async { Ok::<_, Status>(()) }
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(calls, 0);
+        assert_eq!((err.attempts, err.reason), (0, StopReason::Deadline));
+        assert_eq!(err.last.code(), Code::DeadlineExceeded);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn backoff_grows_between_attempts() {
+        let start = Instant::now();
+        let backoff = Backoff::new(
+            100 * MS,
+            Duration::from_secs(2),
+            Jitter::None,
+            Duration::ZERO,
+        )
+        .unwrap();
+        let policy = policy().backoff(backoff).max_attempts(4).build().unwrap();
+        let mut starts = Vec::new();
+        let _ = policy
+            .execute(Deadline::after(Duration::from_secs(5)), |_| {
+                starts.push(start.elapsed());
+                async { Err::<(), _>(unavailable()) }
+            })
+            .await;
+        assert_eq!(starts, [0, 100, 300, 700].map(|ms| ms * MS));
+    }
+
+    /// DESIGN section 8, "retries without a budget": a dependency that fails every request
+    /// must not see `max_attempts` times its load. With the budget, over N logical requests,
+    /// retries / N stays within ratio + burst / N; without it every request retries to the
+    /// maximum.
+    #[tokio::test(start_paused = true)]
+    async fn retries_without_a_budget() {
+        const N: u32 = 1_000;
+        let (ratio, burst) = (0.1, 20);
+
+        async fn run(policy: &RetryPolicy) -> u32 {
+            let mut attempts = 0;
+            for _ in 0..N {
+                let _ = policy
+                    .execute(Deadline::after(Duration::from_secs(10)), |_| {
+                        attempts += 1;
+                        async { Err::<(), _>(unavailable()) }
+                    })
+                    .await;
+            }
+            attempts - N
+        }
+
+        let budgeted = policy()
+            .budget(RetryBudget::new(ratio, burst).unwrap())
+            .build()
+            .unwrap();
+        let retries = run(&budgeted).await;
+        let per_request = f64::from(retries) / f64::from(N);
+        assert!(
+            per_request <= ratio + f64::from(burst) / f64::from(N),
+            "{retries} retries for {N} requests"
+        );
+        assert!(retries >= burst, "the burst is usable: {retries}");
+
+        // The accident: a budget that never runs out multiplies load by max_attempts.
+        let unbudgeted = policy()
+            .budget(RetryBudget::new(1.0, u32::MAX).unwrap())
+            .build()
+            .unwrap();
+        assert_eq!(run(&unbudgeted).await, 2 * N);
+    }
+
+    type Labels = Vec<(String, String)>;
+
+    /// Counters by name and labels, for asserting what the executor reports.
+    #[derive(Debug, Default)]
+    struct Counters(Mutex<Vec<(String, Labels, Arc<AtomicU64>)>>);
+
+    impl Counters {
+        fn get(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+            let all = self.0.lock().unwrap();
+            all.iter()
+                .filter(|(n, l, _)| {
+                    n == name
+                        && labels
+                            .iter()
+                            .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+                })
+                .map(|(_, _, c)| c.load(Ordering::Relaxed))
+                .sum()
+        }
+    }
+
+    impl metrics::Recorder for Counters {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(
+            &self,
+            key: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Counter {
+            let labels: Labels = key
+                .labels()
+                .map(|l| (l.key().to_string(), l.value().to_string()))
+                .collect();
+            let mut all = self.0.lock().unwrap();
+            let counter = match all.iter().find(|(n, l, _)| n == key.name() && *l == labels) {
+                Some((_, _, c)) => Arc::clone(c),
+                None => {
+                    let c = Arc::new(AtomicU64::new(0));
+                    all.push((key.name().to_string(), labels, Arc::clone(&c)));
+                    c
+                }
+            };
+            metrics::Counter::from_arc(counter)
+        }
+        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+            metrics::Gauge::noop()
+        }
+        fn register_histogram(
+            &self,
+            _: &metrics::Key,
+            _: &metrics::Metadata<'_>,
+        ) -> metrics::Histogram {
+            metrics::Histogram::noop()
+        }
+    }
+
+    type Fields = BTreeMap<String, String>;
+
+    /// Events with their fields, for asserting what the executor logs.
+    #[derive(Debug, Clone, Default)]
+    struct Events(Arc<Mutex<Vec<Fields>>>);
+
+    struct Visitor<'a>(&'a mut Fields);
+
+    impl tracing::field::Visit for Visitor<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.0
+                .insert(field.name().to_string(), format!("{value:?}"));
+        }
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            self.0.insert(field.name().to_string(), value.to_string());
+        }
+    }
+
+    impl tracing::Subscriber for Events {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut fields = Fields::new();
+            event.record(&mut Visitor(&mut fields));
+            self.0.lock().unwrap().push(fields);
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn attempts_retries_and_stops_are_counted_and_logged() {
+        let counters = Counters::default();
+        let _metrics = metrics::set_default_local_recorder(&counters);
+        let events = Events::default();
+        let _tracing = tracing::subscriber::set_default(events.clone());
+
+        let policy = policy().build().unwrap();
+        let call = CallInfo::new()
+            .key("pay-o-8812")
+            .peer("10.2.7.11:8443")
+            .trace_id("d7c1e2");
+        let err = policy
+            .execute_with(&call, Deadline::after(Duration::from_secs(1)), |_| async {
+                Err::<(), _>(unavailable())
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason, StopReason::MaxAttempts);
+        policy
+            .execute(Deadline::after(Duration::from_secs(1)), |_| async {
+                Ok::<_, Status>(())
+            })
+            .await
+            .unwrap();
+
+        let c = |name, labels: &[(&str, &str)]| counters.get(name, labels);
+        let who = [("service", "psp"), ("method", "Charge")];
+        assert_eq!(c(RPC_CLIENT_REQUESTS_TOTAL, &who), 2);
+        for (attempt, outcome, n) in [
+            ("1", "retryable", 1),
+            ("1", "ok", 1),
+            ("2", "retryable", 1),
+            ("3", "retryable", 1),
+        ] {
+            let labels = [who[0], who[1], ("attempt", attempt), ("outcome", outcome)];
+            assert_eq!(
+                c(RPC_CLIENT_ATTEMPTS_TOTAL, &labels),
+                n,
+                "{attempt} {outcome}"
+            );
+        }
+        assert_eq!(c(RPC_CLIENT_RETRIES_TOTAL, &who), 2);
+        let stop = [who[0], who[1], ("reason", "max_attempts")];
+        assert_eq!(c(RPC_CLIENT_RETRY_STOPS_TOTAL, &stop), 1);
+        assert_eq!(c(RPC_CLIENT_RETRY_STOPS_TOTAL, &who), 1);
+        for (name, labels, _) in counters.0.lock().unwrap().iter() {
+            let keys: Vec<&str> = labels.iter().map(|(k, _)| k.as_str()).collect();
+            assert!(
+                keys.contains(&"service") && keys.contains(&"method"),
+                "{name}: {keys:?}"
+            );
+            assert!(
+                labels
+                    .iter()
+                    .all(|(_, v)| v != "pay-o-8812" && v != "d7c1e2"),
+                "{name} has a per-request label: {labels:?}"
+            );
+        }
+
+        let events = events.0.lock().unwrap();
+        let attempts: Vec<&Fields> = events
+            .iter()
+            .filter(|e| e.get("event").map(String::as_str) == Some("rpc_attempt"))
+            .collect();
+        assert_eq!(attempts.len(), 4);
+        let first = attempts[0];
+        for (field, value) in [
+            ("method", "Charge"),
+            ("idempotency_key", "pay-o-8812"),
+            ("attempt", "1"),
+            ("outcome", "retryable"),
+            ("deadline_remaining_ms", "1000"),
+            ("peer", "10.2.7.11:8443"),
+            ("trace_id", "d7c1e2"),
+        ] {
+            assert_eq!(first.get(field).map(String::as_str), Some(value), "{field}");
+        }
+        let keys: Vec<_> = attempts[..3]
+            .iter()
+            .map(|e| e["idempotency_key"].as_str())
+            .collect();
+        assert_eq!(keys, ["pay-o-8812"; 3], "one key across the attempts");
+        assert!(!attempts[3].contains_key("idempotency_key"));
+        let stopped: Vec<&Fields> = events
+            .iter()
+            .filter(|e| e.get("event").map(String::as_str) == Some("rpc_retry_stopped"))
+            .collect();
+        assert_eq!(stopped.len(), 1);
+        assert_eq!(stopped[0]["reason"], "max_attempts");
+        assert_eq!(stopped[0]["attempts"], "3");
+    }
+}

@@ -1,0 +1,225 @@
+//! The retry policy: how many attempts, which backoff, which budget, and the labels it reports
+//! under.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::SharedString;
+
+use super::{Backoff, RetryBudget};
+
+/// A policy that cannot be built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// `max_attempts` is 0 or above [`RetryPolicy::MAX_ATTEMPTS_LIMIT`].
+    #[error("max attempts must be within 1..={limit}, got {got}", limit = RetryPolicy::MAX_ATTEMPTS_LIMIT)]
+    MaxAttempts {
+        /// The rejected value.
+        got: u32,
+    },
+}
+
+/// How one method's calls to one destination are retried.
+///
+/// Built with [`RetryPolicy::builder`]; run calls with [`RetryPolicy::execute`] or
+/// [`RetryPolicy::execute_with`]. Cloning is cheap and the clones share the budget; give every
+/// policy that calls the same destination the same [`RetryBudget`].
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    pub(super) max_attempts: u32,
+    pub(super) backoff: Backoff,
+    pub(super) budget: RetryBudget,
+    pub(super) min_attempt: Duration,
+    pub(super) keyed: bool,
+    pub(super) service: SharedString,
+    pub(super) method: SharedString,
+}
+
+impl RetryPolicy {
+    /// Attempts per logical request unless configured (DESIGN section 4).
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+    /// The most attempts a policy may allow (seed 2.3.5): more would only pile load on a
+    /// dependency that failed four times already.
+    pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
+    /// The shortest time worth starting an attempt with, unless configured (seed 2.3.5).
+    pub const DEFAULT_MIN_ATTEMPT: Duration = Duration::from_millis(20);
+
+    /// A builder with the defaults: 3 attempts, [`Backoff::default`], a fresh
+    /// [`RetryBudget::default`], 20 ms minimal attempt, not keyed.
+    ///
+    /// `service` and `method` label the metrics and logs (`service` names the destination,
+    /// `method` the RPC, e.g. `"psp"` and `"Charge"`). They must come from a small fixed set:
+    /// never put a key, a user id or anything per-request there.
+    pub fn builder(
+        service: impl Into<Cow<'static, str>>,
+        method: impl Into<Cow<'static, str>>,
+    ) -> RetryPolicyBuilder {
+        RetryPolicyBuilder {
+            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+            backoff: Backoff::default(),
+            budget: None,
+            min_attempt: Self::DEFAULT_MIN_ATTEMPT,
+            keyed: false,
+            service: label(service.into()),
+            method: label(method.into()),
+        }
+    }
+
+    /// Attempts per logical request, first included.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// Delays between attempts when the server gave no pushback.
+    pub fn backoff(&self) -> &Backoff {
+        &self.backoff
+    }
+
+    /// The shared retry budget.
+    pub fn budget(&self) -> &RetryBudget {
+        &self.budget
+    }
+
+    /// The shortest time worth starting an attempt with: a retry is sent only if the deadline
+    /// leaves at least the delay plus this.
+    pub fn min_attempt(&self) -> Duration {
+        self.min_attempt
+    }
+
+    /// Whether the calls carry an idempotency key, so an attempt that timed out
+    /// (`DEADLINE_EXCEEDED`) may be sent again.
+    pub fn keyed(&self) -> bool {
+        self.keyed
+    }
+
+    /// The `service` label.
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// The `method` label.
+    pub fn method(&self) -> &str {
+        &self.method
+    }
+}
+
+/// Builds a [`RetryPolicy`]; from [`RetryPolicy::builder`].
+#[derive(Debug, Clone)]
+pub struct RetryPolicyBuilder {
+    max_attempts: u32,
+    backoff: Backoff,
+    budget: Option<RetryBudget>,
+    min_attempt: Duration,
+    keyed: bool,
+    service: SharedString,
+    method: SharedString,
+}
+
+impl RetryPolicyBuilder {
+    /// Attempts per logical request, first included: 1 (no retry) to
+    /// [`RetryPolicy::MAX_ATTEMPTS_LIMIT`]; [`build`](Self::build) rejects anything else.
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// The backoff between attempts.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The retry budget, shared with every other policy calling the same destination.
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// The shortest time worth starting an attempt with.
+    pub fn min_attempt(mut self, min_attempt: Duration) -> Self {
+        self.min_attempt = min_attempt;
+        self
+    }
+
+    /// Declares that every call carries an idempotency key (generated and persisted before
+    /// the first attempt, the same on every attempt), or is safe to repeat, so an attempt that
+    /// timed out may be sent again. Without it a `DEADLINE_EXCEEDED` stops with
+    /// `non_retryable`: the effect is unknown and must converge by querying.
+    pub fn keyed(mut self, keyed: bool) -> Self {
+        self.keyed = keyed;
+        self
+    }
+
+    /// The policy, or an error when `max_attempts` is out of range.
+    pub fn build(self) -> Result<RetryPolicy, PolicyError> {
+        if !(1..=RetryPolicy::MAX_ATTEMPTS_LIMIT).contains(&self.max_attempts) {
+            return Err(PolicyError::MaxAttempts {
+                got: self.max_attempts,
+            });
+        }
+        Ok(RetryPolicy {
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            budget: self.budget.unwrap_or_default(),
+            min_attempt: self.min_attempt,
+            keyed: self.keyed,
+            service: self.service,
+            method: self.method,
+        })
+    }
+}
+
+/// A label value that clones without allocating.
+fn label(value: Cow<'static, str>) -> SharedString {
+    match value {
+        Cow::Borrowed(s) => SharedString::const_str(s),
+        Cow::Owned(s) => SharedString::from_shared(Arc::<str>::from(s)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_design() {
+        let p = RetryPolicy::builder("psp", "Charge").build().unwrap();
+        assert_eq!(p.max_attempts(), 3);
+        assert_eq!(p.backoff(), &Backoff::default());
+        assert_eq!(p.min_attempt(), Duration::from_millis(20));
+        assert!(!p.keyed());
+        assert_eq!(p.budget().ratio(), 0.1);
+        assert_eq!(p.budget().burst(), 20);
+        assert_eq!((p.service(), p.method()), ("psp", "Charge"));
+    }
+
+    #[test]
+    fn max_attempts_outside_one_to_five_is_rejected() {
+        for n in [0, 6, 100, u32::MAX] {
+            let err = RetryPolicy::builder("s", "m")
+                .max_attempts(n)
+                .build()
+                .unwrap_err();
+            assert_eq!(err, PolicyError::MaxAttempts { got: n });
+        }
+        for n in 1..=5 {
+            let p = RetryPolicy::builder("s", "m".to_string())
+                .max_attempts(n)
+                .build()
+                .unwrap();
+            assert_eq!(p.max_attempts(), n);
+        }
+    }
+
+    #[test]
+    fn clones_share_the_budget() {
+        let p = RetryPolicy::builder("s", "m")
+            .budget(RetryBudget::new(0.0, 1).unwrap())
+            .build()
+            .unwrap();
+        let q = p.clone();
+        assert!(p.budget().try_withdraw());
+        assert!(!q.budget().try_withdraw());
+    }
+}
