@@ -1,1 +1,108 @@
-fn main() {}
+//! `backstop`: run the reference payment system's processes.
+//!
+//! - `backstop psp`: the PSP simulator (a fake payment provider with fault injection).
+
+use std::error::Error;
+use std::process::ExitCode;
+
+use clap::{CommandFactory, Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+mod psp;
+
+/// backstop: RPC reliability toolkit and its reference payment system.
+#[derive(Debug, Parser)]
+#[command(name = "backstop", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the PSP simulator: a fake payment provider with its own store, dedup on the effect
+    /// key, and fault injection.
+    Psp(psp::PspArgs),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    let result: Result<(), Box<dyn Error>> = match cli.command {
+        Command::Psp(args) => {
+            let config = args
+                .config()
+                .unwrap_or_else(|error| usage_error(error, "psp"));
+            psp::run(config, shutdown_signal())
+                .await
+                .map_err(Into::into)
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let mut message = error.to_string();
+            let mut source = error.source();
+            while let Some(cause) = source {
+                message.push_str(": ");
+                message.push_str(&cause.to_string());
+                source = cause.source();
+            }
+            tracing::error!(error = %message, "backstop stopped");
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Reports a flag error found after parsing the way clap reports its own, with the usage of
+/// `subcommand`, and exits with status 2.
+fn usage_error(error: clap::Error, subcommand: &str) -> ! {
+    let mut cli = Cli::command();
+    cli.build();
+    match cli.find_subcommand_mut(subcommand) {
+        Some(command) => error.format(command).exit(),
+        None => error.format(&mut cli).exit(),
+    }
+}
+
+/// JSON logs on stderr; `RUST_LOG` filters (default `info`).
+fn init_tracing() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Resolves on ctrl-c, or SIGTERM on unix.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::warn!(%error, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut sigterm) => {
+                sigterm.recv().await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutdown requested");
+}

@@ -1,0 +1,342 @@
+//! Fault injection: what the simulated PSP does wrong, and when.
+//!
+//! Two sources decide the fault for each valid charge request, in this order:
+//! 1. the scripted queue ([`FaultControl::script`], or `"next"` on `PUT /admin/faults`): the
+//!    next N charge requests get exactly these faults, whatever the rates say;
+//! 2. otherwise one draw from a [`StdRng`] (seedable, so a run can be replayed) against the
+//!    rates of [`Faults`], taken in the order error, unavailable, commit-then-timeout,
+//!    commit-then-drop.
+//!
+//! Latency is not drawn: it applies to every charge request.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// The most faults the scripted queue holds; longer scripts are refused.
+pub const MAX_SCRIPTED: usize = 1024;
+
+/// Fault rates and latency of the simulated PSP.
+///
+/// Each rate is a probability in `[0, 1]` and their sum is at most 1: one draw per charge
+/// request picks at most one fault. The default injects nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Faults {
+    /// Delay before a charge request is handled. A caller's deadline that falls inside the
+    /// delay ends it with `504` and no charge: the PSP does not start work it cannot finish.
+    pub latency: Duration,
+    /// Probability of `500` without charging.
+    pub error_rate: f64,
+    /// Probability of `503` + `Retry-After: 1` without charging.
+    pub unavailable_rate: f64,
+    /// Probability of charging durably, then answering only after the caller's deadline
+    /// (plus one second; 30 s when the caller sent none).
+    pub commit_then_timeout_rate: f64,
+    /// Probability of charging durably, then closing the connection without an answer.
+    pub commit_then_drop_rate: f64,
+}
+
+impl Faults {
+    /// Checks that every rate is in `[0, 1]` and that the rates add up to at most 1.
+    pub fn validate(&self) -> Result<(), FaultsError> {
+        let rates = [
+            ("error_rate", self.error_rate),
+            ("unavailable_rate", self.unavailable_rate),
+            ("commit_then_timeout_rate", self.commit_then_timeout_rate),
+            ("commit_then_drop_rate", self.commit_then_drop_rate),
+        ];
+        for (name, value) in rates {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(FaultsError::RateOutOfRange { name, value });
+            }
+        }
+        let sum: f64 = rates.iter().map(|(_, rate)| rate).sum();
+        // Tolerate rounding, e.g. 0.7 + 0.2 + 0.1.
+        if sum > 1.0 + 1e-9 {
+            return Err(FaultsError::RatesExceedOne { sum });
+        }
+        Ok(())
+    }
+}
+
+/// Fault settings that cannot be applied.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FaultsError {
+    /// A rate outside `[0, 1]` (or not a number).
+    #[error("{name} must be a number in [0, 1], got {value}")]
+    RateOutOfRange {
+        /// The offending setting, e.g. `error_rate`.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// The rates add up to more than 1.
+    #[error("the fault rates add up to {sum}, more than 1")]
+    RatesExceedOne {
+        /// The sum of the four rates.
+        sum: f64,
+    },
+    /// The scripted queue would hold more than [`MAX_SCRIPTED`] faults.
+    #[error("at most {max} scripted faults can be queued")]
+    TooManyScripted {
+        /// [`MAX_SCRIPTED`].
+        max: usize,
+    },
+}
+
+/// What the PSP does with one charge request. Serialized in snake case (`"commit_then_drop"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// No fault: charge and answer normally.
+    None,
+    /// `500` without charging.
+    Error,
+    /// `503` + `Retry-After: 1` without charging.
+    Unavailable,
+    /// Charge durably, then answer after the caller's deadline has passed.
+    CommitThenTimeout,
+    /// Charge durably, then close the connection without an answer.
+    CommitThenDrop,
+}
+
+impl Fault {
+    /// The snake-case name used on the wire and in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::Error => "error",
+            Fault::Unavailable => "unavailable",
+            Fault::CommitThenTimeout => "commit_then_timeout",
+            Fault::CommitThenDrop => "commit_then_drop",
+        }
+    }
+}
+
+/// Shared, runtime-adjustable fault settings: the rates, the RNG drawn against them, and the
+/// scripted queue. Cloning shares the state.
+#[derive(Debug, Clone)]
+pub struct FaultControl {
+    inner: Arc<Mutex<FaultState>>,
+}
+
+#[derive(Debug)]
+struct FaultState {
+    faults: Faults,
+    rng: StdRng,
+    next: VecDeque<Fault>,
+}
+
+impl FaultControl {
+    /// Validated settings; `seed` makes the draws reproducible (entropy from the OS otherwise).
+    pub fn new(faults: Faults, seed: Option<u64>) -> Result<Self, FaultsError> {
+        faults.validate()?;
+        let rng = match seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Ok(FaultControl {
+            inner: Arc::new(Mutex::new(FaultState {
+                faults,
+                rng,
+                next: VecDeque::new(),
+            })),
+        })
+    }
+
+    /// The current rates and latency.
+    pub fn faults(&self) -> Faults {
+        self.lock().faults
+    }
+
+    /// Replaces the rates and latency (the scripted queue is kept).
+    pub fn set(&self, faults: Faults) -> Result<(), FaultsError> {
+        faults.validate()?;
+        self.lock().faults = faults;
+        Ok(())
+    }
+
+    /// Restarts the RNG from `seed`.
+    pub fn reseed(&self, seed: u64) {
+        self.lock().rng = StdRng::seed_from_u64(seed);
+    }
+
+    /// Replaces the scripted queue: the next charge requests get these faults, in order.
+    pub fn script(&self, next: impl IntoIterator<Item = Fault>) -> Result<(), FaultsError> {
+        let next = bounded(next)?;
+        self.lock().next = next;
+        Ok(())
+    }
+
+    /// The faults still queued, next first.
+    pub fn scripted(&self) -> Vec<Fault> {
+        self.lock().next.iter().copied().collect()
+    }
+
+    /// Applies rates, script and seed at once, or nothing if any is invalid.
+    pub(crate) fn apply(
+        &self,
+        faults: Faults,
+        next: Vec<Fault>,
+        seed: Option<u64>,
+    ) -> Result<(), FaultsError> {
+        faults.validate()?;
+        let next = bounded(next)?;
+        let mut state = self.lock();
+        state.faults = faults;
+        state.next = next;
+        if let Some(seed) = seed {
+            state.rng = StdRng::seed_from_u64(seed);
+        }
+        Ok(())
+    }
+
+    /// The fault for the next charge request: the head of the script, else one draw.
+    pub fn draw(&self) -> Fault {
+        let mut state = self.lock();
+        if let Some(fault) = state.next.pop_front() {
+            return fault;
+        }
+        let f = state.faults;
+        let roll: f64 = state.rng.random();
+        let mut acc = 0.0;
+        for (rate, fault) in [
+            (f.error_rate, Fault::Error),
+            (f.unavailable_rate, Fault::Unavailable),
+            (f.commit_then_timeout_rate, Fault::CommitThenTimeout),
+            (f.commit_then_drop_rate, Fault::CommitThenDrop),
+        ] {
+            acc += rate;
+            if roll < acc {
+                return fault;
+            }
+        }
+        Fault::None
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FaultState> {
+        // The state stays consistent whatever panicked while holding the lock.
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+fn bounded(next: impl IntoIterator<Item = Fault>) -> Result<VecDeque<Fault>, FaultsError> {
+    let mut queue = VecDeque::new();
+    for fault in next {
+        if queue.len() == MAX_SCRIPTED {
+            return Err(FaultsError::TooManyScripted { max: MAX_SCRIPTED });
+        }
+        queue.push_back(fault);
+    }
+    Ok(queue)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rates(error: f64, unavailable: f64, timeout: f64, drop: f64) -> Faults {
+        Faults {
+            latency: Duration::ZERO,
+            error_rate: error,
+            unavailable_rate: unavailable,
+            commit_then_timeout_rate: timeout,
+            commit_then_drop_rate: drop,
+        }
+    }
+
+    #[test]
+    fn rates_outside_unit_interval_are_refused() {
+        for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+            assert!(matches!(
+                rates(bad, 0.0, 0.0, 0.0).validate(),
+                Err(FaultsError::RateOutOfRange {
+                    name: "error_rate",
+                    ..
+                })
+            ));
+        }
+        assert!(matches!(
+            rates(0.0, 0.0, 0.0, 2.0).validate(),
+            Err(FaultsError::RateOutOfRange {
+                name: "commit_then_drop_rate",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn rates_adding_up_past_one_are_refused() {
+        assert!(matches!(
+            rates(0.6, 0.6, 0.0, 0.0).validate(),
+            Err(FaultsError::RatesExceedOne { .. })
+        ));
+        assert_eq!(rates(0.7, 0.2, 0.1, 0.0).validate(), Ok(()));
+        assert_eq!(Faults::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn script_comes_before_draws_then_rates_apply() {
+        let control = FaultControl::new(rates(1.0, 0.0, 0.0, 0.0), Some(1)).unwrap();
+        control
+            .script([Fault::None, Fault::CommitThenDrop])
+            .unwrap();
+        assert_eq!(control.scripted(), vec![Fault::None, Fault::CommitThenDrop]);
+        assert_eq!(control.draw(), Fault::None);
+        assert_eq!(control.draw(), Fault::CommitThenDrop);
+        assert_eq!(control.draw(), Fault::Error);
+        assert!(control.scripted().is_empty());
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let faults = rates(0.25, 0.25, 0.25, 0.0);
+        let a = FaultControl::new(faults, Some(42)).unwrap();
+        let b = FaultControl::new(faults, Some(42)).unwrap();
+        let draws_a: Vec<Fault> = (0..200).map(|_| a.draw()).collect();
+        let draws_b: Vec<Fault> = (0..200).map(|_| b.draw()).collect();
+        assert_eq!(draws_a, draws_b);
+        for fault in [
+            Fault::None,
+            Fault::Error,
+            Fault::Unavailable,
+            Fault::CommitThenTimeout,
+        ] {
+            assert!(draws_a.contains(&fault), "{fault:?} never drawn");
+        }
+        assert!(!draws_a.contains(&Fault::CommitThenDrop));
+        a.reseed(42);
+        let again: Vec<Fault> = (0..200).map(|_| a.draw()).collect();
+        assert_eq!(again, draws_a);
+    }
+
+    #[test]
+    fn overlong_script_is_refused_and_keeps_the_old_one() {
+        let control = FaultControl::new(Faults::default(), Some(0)).unwrap();
+        control.script([Fault::Error]).unwrap();
+        let err = control
+            .script(std::iter::repeat_n(Fault::None, MAX_SCRIPTED + 1))
+            .unwrap_err();
+        assert!(matches!(err, FaultsError::TooManyScripted { .. }));
+        assert_eq!(control.scripted(), vec![Fault::Error]);
+        control
+            .script(std::iter::repeat_n(Fault::None, MAX_SCRIPTED))
+            .unwrap();
+        assert_eq!(control.scripted().len(), MAX_SCRIPTED);
+    }
+
+    #[test]
+    fn invalid_apply_changes_nothing() {
+        let control = FaultControl::new(Faults::default(), Some(0)).unwrap();
+        let err = control.apply(rates(2.0, 0.0, 0.0, 0.0), vec![Fault::Error], None);
+        assert!(err.is_err());
+        assert_eq!(control.faults(), Faults::default());
+        assert!(control.scripted().is_empty());
+    }
+}

@@ -1,0 +1,665 @@
+//! HTTP side of the simulator: the axum router, its handlers, and the accept loop that can
+//! really drop a connection.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Extension, Query, State};
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use axum::http::{HeaderMap, HeaderValue, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tower::ServiceExt;
+
+use super::faults::{Fault, FaultControl, Faults};
+use super::store::{ChargeOutcome, ChargeStore, NewCharge, StoreError};
+use super::{ChargeRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, TRACEPARENT};
+
+/// Largest request body read (charge requests and fault settings are tiny).
+const MAX_BODY: usize = 64 * 1024;
+/// Longest accepted reference and `traceparent`.
+const MAX_REFERENCE: usize = 255;
+const MAX_TRACEPARENT: usize = 512;
+/// Commit-then-timeout answers this long after the caller's deadline ...
+const PAST_DEADLINE: Duration = Duration::from_secs(1);
+/// ... or after this long when the caller sent no deadline ...
+const HOLD_WITHOUT_DEADLINE: Duration = Duration::from_secs(30);
+/// ... and never holds a request longer than this.
+const MAX_HOLD: Duration = Duration::from_secs(600);
+/// How long shutdown waits for in-flight requests before closing their connections.
+const DRAIN: Duration = Duration::from_secs(5);
+/// Pause after a failed accept (e.g. out of file descriptors) before trying again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+#[derive(Debug, Clone)]
+pub(super) struct AppState {
+    pub(super) store: ChargeStore,
+    pub(super) faults: FaultControl,
+    pub(super) shutdown: watch::Receiver<bool>,
+}
+
+/// Request extension: notifying it makes the connection task drop the connection.
+#[derive(Debug, Clone)]
+struct ConnKill(Arc<Notify>);
+
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/charges", get(list_charges).post(create_charge))
+        .route("/admin/faults", get(get_faults).put(put_faults))
+        .route("/healthz", get(healthz))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Serves `listener` until `stop` resolves, then stops accepting, lets in-flight requests end
+/// (at most [`DRAIN`]) and closes the remaining connections.
+pub(super) async fn run(
+    listener: TcpListener,
+    state: AppState,
+    shutdown_tx: watch::Sender<bool>,
+    stop: impl Future<Output = ()>,
+) {
+    let router = router(state);
+    let mut conns = JoinSet::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    conns.spawn(serve_conn(stream, router.clone(), shutdown_tx.subscribe()));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "psp accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    drop(listener);
+    // Wakes held requests and asks every connection to finish its current request.
+    let _ = shutdown_tx.send(true);
+    let drained =
+        tokio::time::timeout(DRAIN, async { while conns.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(
+            open = conns.len(),
+            "psp shutdown: closing connections still busy"
+        );
+    }
+    conns.shutdown().await;
+}
+
+async fn serve_conn(stream: TcpStream, router: Router, mut shutdown: watch::Receiver<bool>) {
+    let kill = Arc::new(Notify::new());
+    let ext = ConnKill(Arc::clone(&kill));
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        req.extensions_mut().insert(ext.clone());
+        router.clone().oneshot(req)
+    });
+    let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+    let mut conn = std::pin::pin!(conn);
+    // Returning drops `conn` and with it the socket: the peer sees the connection close
+    // without a response.
+    tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(error) = result {
+                tracing::debug!(%error, "psp connection ended with an error");
+            }
+            return;
+        }
+        () = kill.notified() => return,
+        () = wait_shutdown(&mut shutdown) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        () = kill.notified() => {}
+    }
+}
+
+async fn wait_shutdown(shutdown: &mut watch::Receiver<bool>) {
+    // A dropped sender also means shutdown.
+    let _ = shutdown.wait_for(|stopping| *stopping).await;
+}
+
+/// Sleeps until `until`; false when shutdown came first.
+async fn hold(shutdown: &watch::Receiver<bool>, until: Instant) -> bool {
+    let mut shutdown = shutdown.clone();
+    tokio::select! {
+        () = tokio::time::sleep_until(until) => true,
+        () = wait_shutdown(&mut shutdown) => false,
+    }
+}
+
+async fn create_charge(
+    State(state): State<AppState>,
+    Extension(kill): Extension<ConnKill>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Problem> {
+    let arrived = Instant::now();
+    let budget = grpc_timeout(&headers)?;
+    let deadline = budget.and_then(|budget| arrived.checked_add(budget));
+    let effect_key = effect_key(&headers)?;
+    let request: ChargeRequest = read_json(&headers, body).await?;
+    validate(&request)?;
+    let traceparent = headers
+        .get(TRACEPARENT)
+        .and_then(|value| value.to_str().ok())
+        .filter(|value| !value.is_empty() && value.len() <= MAX_TRACEPARENT)
+        .map(str::to_owned);
+
+    let fault = state.faults.draw();
+    let latency = state.faults.faults().latency;
+    if !latency.is_zero() {
+        let wake = arrived.checked_add(latency);
+        match (deadline, wake) {
+            (Some(deadline), wake) if wake.is_none_or(|wake| deadline <= wake) => {
+                // The caller gives up before we would answer: do not start the charge.
+                if hold(&state.shutdown, deadline).await {
+                    return Err(problem(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "deadline_exceeded",
+                        "the deadline passed before the charge could start; nothing was charged",
+                    ));
+                }
+                return Err(shutting_down());
+            }
+            (_, wake) => {
+                let wake = wake.unwrap_or_else(|| arrived + MAX_HOLD);
+                if !hold(&state.shutdown, wake).await {
+                    return Err(shutting_down());
+                }
+            }
+        }
+    }
+    match fault {
+        Fault::Error => {
+            return Err(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "psp_error",
+                "injected error; nothing was charged",
+            ));
+        }
+        Fault::Unavailable => {
+            return Err(problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "psp_unavailable",
+                "injected unavailability; nothing was charged",
+            )
+            .retry_after_one_second());
+        }
+        Fault::None | Fault::CommitThenTimeout | Fault::CommitThenDrop => {}
+    }
+
+    let new = NewCharge {
+        effect_key,
+        reference: request.reference,
+        amount_cents: request.amount_cents,
+        currency: request.currency,
+        budget_ms: budget.map(|budget| i64::try_from(budget.as_millis()).unwrap_or(i64::MAX)),
+        traceparent,
+    };
+    let outcome = state.store.charge(new).await.map_err(store_failed)?;
+    let (status, charge, replayed) = match outcome {
+        ChargeOutcome::Created(charge) => (StatusCode::CREATED, charge, false),
+        ChargeOutcome::Replayed(charge) => (StatusCode::OK, charge, true),
+        ChargeOutcome::Conflict(charge) => {
+            tracing::info!(
+                effect_key = %charge.effect_key,
+                charge_id = %charge.charge_id,
+                "psp charge refused: effect key reused with other parameters"
+            );
+            return Err(problem(
+                StatusCode::CONFLICT,
+                "idempotency_key_reused",
+                "this Idempotency-Key was used with another reference, amount or currency",
+            ));
+        }
+    };
+    tracing::info!(
+        charge_id = %charge.charge_id,
+        effect_key = %charge.effect_key,
+        reference = %charge.reference,
+        amount_cents = charge.amount_cents,
+        replayed,
+        fault = fault.as_str(),
+        budget_ms = budget.map(|budget| budget.as_millis() as u64),
+        "psp charge"
+    );
+
+    match fault {
+        Fault::CommitThenDrop => {
+            kill.0.notify_one();
+            // The connection task drops this future together with the connection.
+            return std::future::pending().await;
+        }
+        Fault::CommitThenTimeout => {
+            let until = deadline
+                .and_then(|deadline| deadline.checked_add(PAST_DEADLINE))
+                .unwrap_or_else(|| arrived + HOLD_WITHOUT_DEADLINE)
+                .min(arrived + MAX_HOLD);
+            if !hold(&state.shutdown, until).await {
+                // Shutting down while holding: the caller never gets an answer.
+                kill.0.notify_one();
+                return std::future::pending().await;
+            }
+        }
+        Fault::None | Fault::Error | Fault::Unavailable => {}
+    }
+
+    let mut response = (status, axum::Json(charge)).into_response();
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    Ok(response)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    reference: Option<String>,
+}
+
+async fn list_charges(
+    State(state): State<AppState>,
+    params: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Response, Problem> {
+    let Query(params) = params.map_err(|rejection| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_query",
+            rejection.body_text(),
+        )
+    })?;
+    let charges = state
+        .store
+        .list(params.reference)
+        .await
+        .map_err(store_failed)?;
+    Ok(axum::Json(charges).into_response())
+}
+
+fn store_failed(error: StoreError) -> Problem {
+    tracing::error!(
+        error = %error,
+        source = ?std::error::Error::source(&error),
+        "psp store failed"
+    );
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "store_error",
+        "the PSP store failed; nothing was charged",
+    )
+}
+
+/// Wire form of the fault settings (`PUT`/`GET /admin/faults`).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultSettings {
+    #[serde(default)]
+    latency_ms: u64,
+    #[serde(default)]
+    error_rate: f64,
+    #[serde(default)]
+    unavailable_rate: f64,
+    #[serde(default)]
+    commit_then_timeout_rate: f64,
+    #[serde(default)]
+    commit_then_drop_rate: f64,
+    #[serde(default)]
+    next: Vec<Fault>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+}
+
+fn settings(control: &FaultControl) -> FaultSettings {
+    let faults = control.faults();
+    FaultSettings {
+        latency_ms: u64::try_from(faults.latency.as_millis()).unwrap_or(u64::MAX),
+        error_rate: faults.error_rate,
+        unavailable_rate: faults.unavailable_rate,
+        commit_then_timeout_rate: faults.commit_then_timeout_rate,
+        commit_then_drop_rate: faults.commit_then_drop_rate,
+        next: control.scripted(),
+        seed: None,
+    }
+}
+
+async fn get_faults(State(state): State<AppState>) -> Response {
+    axum::Json(settings(&state.faults)).into_response()
+}
+
+async fn put_faults(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Problem> {
+    let wanted: FaultSettings = read_json(&headers, body).await?;
+    let faults = Faults {
+        latency: Duration::from_millis(wanted.latency_ms),
+        error_rate: wanted.error_rate,
+        unavailable_rate: wanted.unavailable_rate,
+        commit_then_timeout_rate: wanted.commit_then_timeout_rate,
+        commit_then_drop_rate: wanted.commit_then_drop_rate,
+    };
+    if let Err(error) = state.faults.apply(faults, wanted.next, wanted.seed) {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_faults",
+            error.to_string(),
+        ));
+    }
+    tracing::info!(
+        latency_ms = wanted.latency_ms,
+        error_rate = faults.error_rate,
+        unavailable_rate = faults.unavailable_rate,
+        commit_then_timeout_rate = faults.commit_then_timeout_rate,
+        commit_then_drop_rate = faults.commit_then_drop_rate,
+        scripted = state.faults.scripted().len(),
+        "psp faults set"
+    );
+    Ok(axum::Json(settings(&state.faults)).into_response())
+}
+
+async fn healthz() -> Response {
+    axum::Json(serde_json::json!({ "status": "ok" })).into_response()
+}
+
+async fn not_found() -> Problem {
+    problem(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+fn shutting_down() -> Problem {
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "shutting_down",
+        "the PSP is shutting down; nothing was charged",
+    )
+    .retry_after_one_second()
+}
+
+/// An RFC 9457 problem with a stable `code`, answered as `application/problem+json`.
+#[derive(Debug)]
+struct Problem {
+    status: StatusCode,
+    code: &'static str,
+    detail: String,
+    retry_after: bool,
+}
+
+fn problem(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Problem {
+    Problem {
+        status,
+        code,
+        detail: detail.into(),
+        retry_after: false,
+    }
+}
+
+impl Problem {
+    fn retry_after_one_second(mut self) -> Self {
+        self.retry_after = true;
+        self
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": self.status.canonical_reason().unwrap_or("Error"),
+            "status": self.status.as_u16(),
+            "code": self.code,
+            "detail": self.detail,
+        });
+        let mut response = (
+            self.status,
+            [(CONTENT_TYPE, "application/problem+json")],
+            body.to_string(),
+        )
+            .into_response();
+        if self.retry_after {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+/// The `Idempotency-Key`: exactly one header, 1 to 255 visible ASCII characters, bare or as a
+/// quoted Structured Field string (same syntax as the payment service accepts).
+fn effect_key(headers: &HeaderMap) -> Result<String, Problem> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "missing_idempotency_key",
+            "exactly one Idempotency-Key header (the effect key) is required",
+        ));
+    };
+    let raw = value.as_bytes();
+    let key = match raw {
+        [b'"', inner @ .., b'"'] if !inner.contains(&b'"') && !inner.contains(&b'\\') => inner,
+        _ => raw,
+    };
+    if key.is_empty() || key.len() > 255 || !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            "Idempotency-Key must be 1 to 255 visible ASCII characters",
+        ));
+    }
+    // Visible ASCII is UTF-8.
+    Ok(String::from_utf8_lossy(key).into_owned())
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<T, Problem> {
+    let too_large = || {
+        problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the body must be at most {MAX_BODY} bytes"),
+        )
+    };
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > MAX_BODY as u64) {
+        return Err(too_large());
+    }
+    let bytes: Bytes = match axum::body::to_bytes(body, MAX_BODY).await {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            let over_limit = std::iter::successors(
+                Some(&error as &(dyn std::error::Error + 'static)),
+                |error| error.source(),
+            )
+            .any(|error| error.is::<http_body_util::LengthLimitError>());
+            return Err(if over_limit {
+                too_large()
+            } else {
+                problem(
+                    StatusCode::BAD_REQUEST,
+                    "unreadable_body",
+                    "the request body could not be read",
+                )
+            });
+        }
+    };
+    serde_json::from_slice(&bytes).map_err(|error| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_body",
+            format!("invalid JSON body: {error}"),
+        )
+    })
+}
+
+fn validate(request: &ChargeRequest) -> Result<(), Problem> {
+    if request.amount_cents <= 0 {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_amount",
+            "amount_cents must be a positive integer",
+        ));
+    }
+    if request.reference.is_empty() || request.reference.len() > MAX_REFERENCE {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_reference",
+            format!("reference must be 1 to {MAX_REFERENCE} bytes"),
+        ));
+    }
+    let currency = request.currency.as_bytes();
+    if currency.len() != 3 || !currency.iter().all(u8::is_ascii_uppercase) {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_currency",
+            "currency must be an ISO 4217 code such as \"USD\"",
+        ));
+    }
+    Ok(())
+}
+
+/// The caller's budget from `grpc-timeout`, if it sent one.
+fn grpc_timeout(headers: &HeaderMap) -> Result<Option<Duration>, Problem> {
+    let Some(value) = headers.get(super::GRPC_TIMEOUT) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(decode_grpc_timeout)
+        .map(Some)
+        .ok_or_else(|| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_grpc_timeout",
+                "grpc-timeout must be 1 to 8 digits followed by one of H M S m u n",
+            )
+        })
+}
+
+/// Parses a `grpc-timeout` value: a positive integer of 1 to 8 ASCII digits followed by one
+/// unit among `H M S m u n`. Mirrors `backstop::deadline::decode_grpc_timeout`, so the PSP
+/// accepts exactly what the service layers accept.
+fn decode_grpc_timeout(value: &str) -> Option<Duration> {
+    let (&unit, digits) = value.as_bytes().split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let amount = digits
+        .iter()
+        .fold(0u64, |acc, digit| acc * 10 + u64::from(digit - b'0'));
+    if amount == 0 {
+        return None;
+    }
+    Some(match unit {
+        b'H' => Duration::from_secs(amount * 3600),
+        b'M' => Duration::from_secs(amount * 60),
+        b'S' => Duration::from_secs(amount),
+        b'm' => Duration::from_millis(amount),
+        b'u' => Duration::from_micros(amount),
+        b'n' => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_units() {
+        assert_eq!(decode_grpc_timeout("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(decode_grpc_timeout("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(decode_grpc_timeout("1S"), Some(Duration::from_secs(1)));
+        assert_eq!(
+            decode_grpc_timeout("1500m"),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(decode_grpc_timeout("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(
+            decode_grpc_timeout("99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        assert_eq!(
+            decode_grpc_timeout("99999999H"),
+            Some(Duration::from_secs(99_999_999 * 3600))
+        );
+    }
+
+    #[test]
+    fn grpc_timeout_malformed() {
+        for bad in [
+            "",
+            "S",
+            "0S",
+            "00m",
+            "100000000m",
+            "1s",
+            "1.5S",
+            "-1S",
+            " 1S",
+            "1S ",
+            "1",
+            "1x",
+            "١S",
+            "1Sm",
+        ] {
+            assert_eq!(decode_grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+
+    fn key_of(value: &'static str) -> Result<String, StatusCode> {
+        let mut headers = HeaderMap::new();
+        headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_static(value));
+        effect_key(&headers).map_err(|problem| problem.status)
+    }
+
+    #[test]
+    fn effect_key_bare_or_quoted() {
+        assert_eq!(key_of("pi_123").unwrap(), "pi_123");
+        assert_eq!(key_of("\"pi_123\"").unwrap(), "pi_123");
+        assert_eq!(key_of(""), Err(StatusCode::BAD_REQUEST));
+        assert_eq!(key_of("\"\""), Err(StatusCode::BAD_REQUEST));
+        assert_eq!(key_of("has space"), Err(StatusCode::BAD_REQUEST));
+        assert_eq!(
+            effect_key(&HeaderMap::new()).map_err(|problem| problem.status),
+            Err(StatusCode::BAD_REQUEST)
+        );
+        let mut two = HeaderMap::new();
+        two.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
+        two.append(IDEMPOTENCY_KEY, HeaderValue::from_static("b"));
+        assert_eq!(
+            effect_key(&two).map_err(|problem| problem.status),
+            Err(StatusCode::BAD_REQUEST)
+        );
+        let long = HeaderValue::from_str(&"k".repeat(256)).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(IDEMPOTENCY_KEY, long);
+        assert!(effect_key(&headers).is_err());
+    }
+}
