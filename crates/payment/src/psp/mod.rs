@@ -86,8 +86,6 @@ pub use store::{Charge, ChargeStatus, ChargeStore, StoreError};
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Header set to `true` on an answer that returns an existing charge.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
-/// Header carrying the caller's remaining budget (gRPC syntax, also over HTTP).
-pub const GRPC_TIMEOUT: &str = "grpc-timeout";
 /// W3C trace context header.
 pub const TRACEPARENT: &str = "traceparent";
 

@@ -23,6 +23,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
+use backstop::deadline::{GRPC_TIMEOUT, decode_grpc_timeout};
+
 use super::faults::{Fault, FaultControl, Faults};
 use super::store::{ChargeOutcome, ChargeStore, NewCharge, StoreError};
 use super::{ChargeRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, TRACEPARENT};
@@ -543,95 +545,24 @@ fn validate(request: &ChargeRequest) -> Result<(), Problem> {
     Ok(())
 }
 
-/// The caller's budget from `grpc-timeout`, if it sent one.
+/// The caller's budget from `grpc-timeout`, if it sent one (the library's decoder, so the PSP
+/// accepts exactly what the service layers accept).
 fn grpc_timeout(headers: &HeaderMap) -> Result<Option<Duration>, Problem> {
-    let Some(value) = headers.get(super::GRPC_TIMEOUT) else {
+    let Some(value) = headers.get(GRPC_TIMEOUT) else {
         return Ok(None);
     };
-    value
+    let invalid = |detail: String| problem(StatusCode::BAD_REQUEST, "invalid_grpc_timeout", detail);
+    let value = value
         .to_str()
-        .ok()
-        .and_then(decode_grpc_timeout)
+        .map_err(|_| invalid("grpc-timeout must be ASCII".to_owned()))?;
+    decode_grpc_timeout(value)
         .map(Some)
-        .ok_or_else(|| {
-            problem(
-                StatusCode::BAD_REQUEST,
-                "invalid_grpc_timeout",
-                "grpc-timeout must be 1 to 8 digits followed by one of H M S m u n",
-            )
-        })
-}
-
-/// Parses a `grpc-timeout` value: a positive integer of 1 to 8 ASCII digits followed by one
-/// unit among `H M S m u n`. Mirrors `backstop::deadline::decode_grpc_timeout`, so the PSP
-/// accepts exactly what the service layers accept.
-fn decode_grpc_timeout(value: &str) -> Option<Duration> {
-    let (&unit, digits) = value.as_bytes().split_last()?;
-    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let amount = digits
-        .iter()
-        .fold(0u64, |acc, digit| acc * 10 + u64::from(digit - b'0'));
-    if amount == 0 {
-        return None;
-    }
-    Some(match unit {
-        b'H' => Duration::from_secs(amount * 3600),
-        b'M' => Duration::from_secs(amount * 60),
-        b'S' => Duration::from_secs(amount),
-        b'm' => Duration::from_millis(amount),
-        b'u' => Duration::from_micros(amount),
-        b'n' => Duration::from_nanos(amount),
-        _ => return None,
-    })
+        .map_err(|error| invalid(error.to_string()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn grpc_timeout_units() {
-        assert_eq!(decode_grpc_timeout("2H"), Some(Duration::from_secs(7200)));
-        assert_eq!(decode_grpc_timeout("3M"), Some(Duration::from_secs(180)));
-        assert_eq!(decode_grpc_timeout("1S"), Some(Duration::from_secs(1)));
-        assert_eq!(
-            decode_grpc_timeout("1500m"),
-            Some(Duration::from_millis(1500))
-        );
-        assert_eq!(decode_grpc_timeout("7u"), Some(Duration::from_micros(7)));
-        assert_eq!(
-            decode_grpc_timeout("99999999n"),
-            Some(Duration::from_nanos(99_999_999))
-        );
-        assert_eq!(
-            decode_grpc_timeout("99999999H"),
-            Some(Duration::from_secs(99_999_999 * 3600))
-        );
-    }
-
-    #[test]
-    fn grpc_timeout_malformed() {
-        for bad in [
-            "",
-            "S",
-            "0S",
-            "00m",
-            "100000000m",
-            "1s",
-            "1.5S",
-            "-1S",
-            " 1S",
-            "1S ",
-            "1",
-            "1x",
-            "١S",
-            "1Sm",
-        ] {
-            assert_eq!(decode_grpc_timeout(bad), None, "{bad:?}");
-        }
-    }
 
     fn key_of(value: &'static str) -> Result<String, StatusCode> {
         let mut headers = HeaderMap::new();
