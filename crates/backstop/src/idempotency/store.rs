@@ -1,0 +1,339 @@
+//! The [`Store`] trait: the dedup table and its state machine (seed 2.4.3).
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::{Fingerprint, IdempotencyKey};
+
+/// One claim attempt: "I am about to run `key` in `scope` with these parameters".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// Namespace of the key (tenant, merchant, method...): keys never collide across scopes.
+    pub scope: String,
+    /// The client's key for this logical request.
+    pub key: IdempotencyKey,
+    /// The request's parameters; the same key with another fingerprint is a conflict.
+    pub fingerprint: Fingerprint,
+    /// How long the claimer may run before another request may take the key over (default 5 s,
+    /// seed 2.4.3).
+    pub lease: Duration,
+    /// How long the record (and so the replayable response) is kept (24 h for synchronous APIs,
+    /// 7 days for payments, seed 2.4.4).
+    pub ttl: Duration,
+    /// Wall-clock time of the claim, unix epoch milliseconds (from a `Clock`).
+    pub now_ms: i64,
+}
+
+impl ClaimRequest {
+    /// `now_ms + lease`: the lease end (and fencing token) a fresh claim gets.
+    pub fn lease_until_ms(&self) -> i64 {
+        self.now_ms.saturating_add(duration_ms(self.lease))
+    }
+
+    /// `now_ms + ttl`: when a fresh record expires.
+    pub fn expires_at_ms(&self) -> i64 {
+        self.now_ms.saturating_add(duration_ms(self.ttl))
+    }
+
+    /// The lease a claim by this request holds, ending at `lease_until_ms`.
+    pub fn lease_at(&self, lease_until_ms: i64) -> Lease {
+        Lease {
+            scope: self.scope.clone(),
+            key: self.key.clone(),
+            lease_until_ms,
+            ttl: self.ttl,
+        }
+    }
+}
+
+/// The answer to a claim: the four outcomes of seed 2.4.3.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The key is ours: run the request, then [`Store::complete`], [`Store::fail`] or
+    /// [`Store::release`] with this lease.
+    Claimed(Lease),
+    /// The key already succeeded: answer with the stored response, byte for byte.
+    Replay(StoredResponse),
+    /// The key was used with other parameters: refuse (409 `idempotency_key_reused`), showing
+    /// the first 8 hex digits of the ORIGINAL fingerprint.
+    Conflict {
+        /// [`Fingerprint::prefix8`] of the fingerprint stored with the key.
+        fingerprint_prefix: String,
+    },
+    /// Another request holds a live lease on the key: retry after `retry_after` (409
+    /// `request_in_progress` + Retry-After). Never zero.
+    InProgress {
+        /// Time until the holder's lease ends (at least 1 ms).
+        retry_after: Duration,
+    },
+}
+
+impl Claim {
+    /// `InProgress` for a lease ending at `lease_until_ms`, seen at `now_ms`:
+    /// `retry_after = lease_until - now`, at least 1 ms.
+    pub fn in_progress(lease_until_ms: i64, now_ms: i64) -> Claim {
+        let ms = lease_until_ms.saturating_sub(now_ms).max(1);
+        Claim::InProgress {
+            retry_after: Duration::from_millis(ms.unsigned_abs()),
+        }
+    }
+
+    /// Stable label for metrics (`idempotency_claims_total{result}`): `claimed`, `replay`,
+    /// `conflict` or `in_progress`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Claim::Claimed(_) => "claimed",
+            Claim::Replay(_) => "replay",
+            Claim::Conflict { .. } => "conflict",
+            Claim::InProgress { .. } => "in_progress",
+        }
+    }
+}
+
+/// Proof of a claim. `lease_until_ms` is the fencing token: [`Store::complete`],
+/// [`Store::fail`] and [`Store::release`] succeed only while the record still carries this
+/// value, i.e. nobody took the key over since. Every takeover moves it strictly forward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Scope of the claimed key.
+    pub scope: String,
+    /// The claimed key.
+    pub key: IdempotencyKey,
+    /// When the lease ends, unix epoch milliseconds; also the fencing token.
+    pub lease_until_ms: i64,
+    /// The claim's TTL: completing or failing keeps the record at least this long from then on.
+    pub ttl: Duration,
+}
+
+/// A response kept for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// The headers worth replaying, in order (names as sent).
+    pub headers: Vec<(String, String)>,
+    /// The body, byte for byte.
+    pub body: Bytes,
+}
+
+/// State of a record (seed 2.4.3 state machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordStatus {
+    /// Claimed; someone runs (or ran and crashed, if the lease has ended).
+    Running,
+    /// Terminal: the response is stored and replayed.
+    Succeeded,
+    /// The run failed in a retryable way: the same key may run again.
+    Failed,
+}
+
+impl RecordStatus {
+    /// The value stored in the `status` column: `running`, `succeeded`, `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordStatus::Running => "running",
+            RecordStatus::Succeeded => "succeeded",
+            RecordStatus::Failed => "failed",
+        }
+    }
+
+    /// Reads a `status` column value.
+    pub fn parse(s: &str) -> Option<RecordStatus> {
+        match s {
+            "running" => Some(RecordStatus::Running),
+            "succeeded" => Some(RecordStatus::Succeeded),
+            "failed" => Some(RecordStatus::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// A dedup record, as [`Store::get`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Scope of the key.
+    pub scope: String,
+    /// The key.
+    pub key: IdempotencyKey,
+    /// Fingerprint of the parameters the key was first used with.
+    pub fingerprint: Fingerprint,
+    /// Where the record is in its state machine.
+    pub status: RecordStatus,
+    /// End of the current (or last) lease, unix epoch ms.
+    pub lease_until_ms: i64,
+    /// The stored response (when `Succeeded`).
+    pub response: Option<StoredResponse>,
+    /// When the key was first claimed, unix epoch ms.
+    pub created_at_ms: i64,
+    /// When the record may be swept, unix epoch ms.
+    pub expires_at_ms: i64,
+}
+
+impl Record {
+    /// Whether `sweep` at `now_ms` may delete this record: expired, and not a running record
+    /// whose lease is still live.
+    pub fn is_sweepable(&self, now_ms: i64) -> bool {
+        self.expires_at_ms <= now_ms
+            && !(self.status == RecordStatus::Running && self.lease_until_ms > now_ms)
+    }
+}
+
+/// Boxed error of a backend that has no variant of its own in [`StoreError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of a [`Store`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The lease no longer holds the record: it was taken over (its lease had ended), released,
+    /// already completed or failed, or swept. Nothing was written.
+    #[error("lease on idempotency key {key} in scope {scope} is no longer held")]
+    LeaseLost {
+        /// Scope of the key.
+        scope: String,
+        /// The key.
+        key: IdempotencyKey,
+    },
+    /// A stored record could not be read back.
+    #[error("stored idempotency record {key:?} in scope {scope} is corrupt: {what}")]
+    Corrupt {
+        /// Scope of the record.
+        scope: String,
+        /// Key column as stored.
+        key: String,
+        /// Which field is wrong.
+        what: &'static str,
+    },
+    /// The SQLite backend failed.
+    #[cfg(feature = "sqlite")]
+    #[error("SQLite idempotency store failed")]
+    Sqlite(#[from] super::sqlite::DbError),
+    /// Another backend failed (inspect with `source()` / downcast).
+    #[error("idempotency store backend failed")]
+    Backend(#[source] BoxError),
+}
+
+impl StoreError {
+    pub(crate) fn lease_lost(lease: &Lease) -> StoreError {
+        StoreError::LeaseLost {
+            scope: lease.scope.clone(),
+            key: lease.key.clone(),
+        }
+    }
+}
+
+/// The dedup table: where claims are decided and responses kept (seed 2.4.3).
+///
+/// The state machine: `claim` inserts a `running` record (or answers replay / conflict /
+/// in-progress); `complete` moves it to `succeeded` (terminal, replayed from then on); `fail`
+/// to `failed` (the same key may run again); `release` deletes it (nothing happened: the request
+/// was refused before it started). A `failed` record, or a `running` one whose lease has ended
+/// (its runner crashed), can be taken over by a claim with the same fingerprint; of concurrent
+/// takeovers exactly one wins. `sweep` deletes expired records, never a running record whose
+/// lease is live.
+///
+/// All times are unix epoch milliseconds passed in by the caller, so tests control time.
+/// Every backend runs the same conformance suite (`backstop::store_conformance!`).
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Claims `req.key` in `req.scope`; see [`Claim`].
+    fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Stores `response` and marks the record `succeeded`, if `lease` still holds it
+    /// (else [`StoreError::LeaseLost`]). The record is then kept at least `lease.ttl` past
+    /// `now_ms`.
+    fn complete(
+        &self,
+        lease: &Lease,
+        response: StoredResponse,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Marks the record `failed`, if `lease` still holds it: the same key (with the same
+    /// parameters) may run again. Kept at least `lease.ttl` past `now_ms`, so the key still
+    /// refuses other parameters meanwhile.
+    fn fail(
+        &self,
+        lease: &Lease,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes the record, if `lease` still holds it: the request was refused before it started
+    /// (bad input, deadline, overload), so the key stays unused.
+    fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The record of `key` in `scope`, if any.
+    fn get(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+
+    /// Deletes up to `limit` expired records (`expires_at <= now_ms`), skipping running records
+    /// whose lease is live. Returns how many it deleted.
+    fn sweep(
+        &self,
+        now_ms: i64,
+        limit: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send;
+}
+
+/// A duration in whole milliseconds, saturating at `i64::MAX`.
+pub(crate) fn duration_ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_progress_is_never_zero() {
+        assert_eq!(
+            Claim::in_progress(1_000, 1_000),
+            Claim::InProgress {
+                retry_after: Duration::from_millis(1)
+            }
+        );
+        assert_eq!(
+            Claim::in_progress(900, 1_000),
+            Claim::InProgress {
+                retry_after: Duration::from_millis(1)
+            }
+        );
+        assert_eq!(
+            Claim::in_progress(3_500, 1_000),
+            Claim::InProgress {
+                retry_after: Duration::from_millis(2_500)
+            }
+        );
+    }
+
+    #[test]
+    fn huge_durations_saturate() {
+        assert_eq!(duration_ms(Duration::MAX), i64::MAX);
+        let req = ClaimRequest {
+            scope: "s".into(),
+            key: IdempotencyKey::new("k").unwrap(),
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            lease: Duration::MAX,
+            ttl: Duration::MAX,
+            now_ms: 10,
+        };
+        assert_eq!(req.lease_until_ms(), i64::MAX);
+        assert_eq!(req.expires_at_ms(), i64::MAX);
+    }
+
+    #[test]
+    fn status_roundtrips() {
+        for s in [
+            RecordStatus::Running,
+            RecordStatus::Succeeded,
+            RecordStatus::Failed,
+        ] {
+            assert_eq!(RecordStatus::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(RecordStatus::parse("done"), None);
+    }
+}
