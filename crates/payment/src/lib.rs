@@ -14,4 +14,5 @@
 pub mod config;
 pub mod intents;
 pub mod psp;
+pub mod psp_client;
 pub mod service;

@@ -1,0 +1,421 @@
+//! The PSP client: how the payment service charges, and how it knows (or admits it does not
+//! know) what happened.
+//!
+//! Every charge carries three things across the hop:
+//! - the **effect key** (`Idempotency-Key: <intent_id>`), the same on every attempt and on every
+//!   later retry of the same intent, so the PSP's own dedup turns "timed out, send again" into
+//!   one charge (seed 2.10.2);
+//! - the **child deadline** (`grpc-timeout`): the request's deadline minus a margin of
+//!   `max(floor, 2 x RTT_p99 + 5 ms)` (seed 2.2.2), never a fresh budget; when nothing is left
+//!   the call is not made at all;
+//! - the **trace** (`traceparent`): the caller's trace id with a new span id per attempt.
+//!
+//! Attempts run under the library's [`RetryPolicy`] with the retry budget shared by every call
+//! to the PSP. The policy is keyed: because of the effect key, an attempt that timed out may be
+//! sent again. The answer is classified (DESIGN section 3) as:
+//!
+//! | PSP answer | class | result when it is the last |
+//! |---|---|---|
+//! | 200 / 201 + charge | ok | [`Charge`] |
+//! | 503 / 429 (+ `Retry-After`) | retryable after pushback | [`ChargeError::Unknown`] |
+//! | 500, 502, other 5xx, connection refused or reset, unreadable answer | retryable | [`ChargeError::Unknown`] |
+//! | 504, 408, no answer before the deadline | timeout (retried: keyed) | [`ChargeError::Unknown`] |
+//! | 409 (effect key seen with other parameters) | fatal | [`ChargeError::EffectKeyConflict`] |
+//! | other 4xx | fatal: a definitive refusal, nothing charged | [`ChargeError::Declined`] |
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
+use backstop::retry::{Attempt, CallInfo, RetryBudget, RetryError, RetryPolicy};
+use backstop::status::{Code, Status};
+use http::StatusCode;
+use tokio::time::Instant;
+
+use crate::psp::{Charge, ChargeRequest};
+use crate::service::trace::{TRACEPARENT, TraceParent};
+
+/// Largest PSP answer body read (a charge is a few hundred bytes; a list is bounded by the
+/// PSP's list limit).
+const MAX_ANSWER: usize = 1024 * 1024;
+/// Most seconds of `Retry-After` honoured from the PSP (the deadline bounds it anyway).
+const MAX_PUSHBACK_SECS: u64 = 3600;
+
+/// The service and method labels of the client metrics.
+pub const SERVICE_LABEL: &str = "psp";
+/// The method label of charges.
+pub const METHOD_LABEL: &str = "Charge";
+
+/// What a charge needs to know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeCall {
+    /// The effect key: the intent id.
+    pub effect_key: String,
+    /// The order id, sent as the PSP's `reference`.
+    pub order_id: String,
+    /// Amount in minor units.
+    pub amount_cents: i64,
+    /// ISO 4217 code.
+    pub currency: String,
+    /// The incoming request's deadline (the child deadline is derived from it).
+    pub deadline: Deadline,
+    /// The incoming request's trace context.
+    pub trace: TraceParent,
+}
+
+/// Why a charge did not produce a [`Charge`].
+#[derive(Debug, thiserror::Error)]
+pub enum ChargeError {
+    /// Not enough budget left for a meaningful round trip: nothing was sent by this call.
+    #[error("no budget left for the PSP call")]
+    NoBudget(#[source] DeadlineExceeded),
+    /// The PSP refused definitively (a 4xx): nothing was charged.
+    #[error("the PSP declined the charge with HTTP {status}")]
+    Declined {
+        /// The PSP's HTTP status.
+        status: StatusCode,
+        /// Why the attempts stopped.
+        #[source]
+        source: RetryError,
+    },
+    /// The PSP already holds this effect key with other parameters: an inconsistency that no
+    /// retry fixes.
+    #[error("the PSP holds this effect key with other parameters")]
+    EffectKeyConflict(#[source] RetryError),
+    /// The outcome is unknown: the PSP may or may not have charged. Converge by retrying with
+    /// the same effect key or by querying.
+    #[error("the PSP outcome is unknown")]
+    Unknown(#[source] RetryError),
+}
+
+/// Errors building a [`PspClient`].
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The HTTP client could not be built.
+    #[error("cannot build the PSP HTTP client")]
+    Http(#[source] reqwest::Error),
+    /// The retry policy is invalid.
+    #[error("invalid PSP retry policy")]
+    Policy(#[source] backstop::retry::PolicyError),
+}
+
+/// A pooled HTTP client for one PSP, with its retry policy, shared budget and margin estimator.
+/// Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PspClient {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    http: reqwest::Client,
+    base: String,
+    charges_url: String,
+    peer: String,
+    policy: RetryPolicy,
+    margin: Margin,
+}
+
+impl PspClient {
+    /// A client for the PSP at `base_url` (e.g. `http://127.0.0.1:9090`), spending retries from
+    /// `budget` and keeping at least `margin_floor` of every deadline for the way back.
+    pub fn new(
+        base_url: &str,
+        budget: RetryBudget,
+        margin_floor: Duration,
+    ) -> Result<Self, ClientError> {
+        let http = reqwest::Client::builder()
+            // The PSP is reached directly; a proxy from the environment must not reroute charges.
+            .no_proxy()
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(ClientError::Http)?;
+        let policy = RetryPolicy::builder(SERVICE_LABEL, METHOD_LABEL)
+            .budget(budget)
+            .keyed(true)
+            .build()
+            .map_err(ClientError::Policy)?;
+        let base = base_url.trim_end_matches('/').to_owned();
+        let peer = base
+            .split_once("://")
+            .map_or(base.as_str(), |(_, rest)| rest)
+            .to_owned();
+        Ok(PspClient {
+            inner: Arc::new(Inner {
+                http,
+                charges_url: format!("{base}/v1/charges"),
+                base,
+                peer,
+                policy,
+                margin: Margin::new(margin_floor),
+            }),
+        })
+    }
+
+    /// The PSP base URL.
+    pub fn base_url(&self) -> &str {
+        &self.inner.base
+    }
+
+    /// The margin currently kept back from a deadline for this PSP.
+    pub fn margin(&self) -> Duration {
+        self.inner.margin.current()
+    }
+
+    /// Measures one round trip to the PSP (`GET /healthz`) and feeds the margin estimator.
+    /// Charges are not used for this: their time includes the PSP's own work, not only the
+    /// network.
+    pub async fn probe_rtt(&self, timeout: Duration) -> Result<Duration, reqwest::Error> {
+        let started = Instant::now();
+        let response = self
+            .inner
+            .http
+            .get(format!("{}/healthz", self.inner.base))
+            .timeout(timeout)
+            .send()
+            .await?;
+        let _ = response.bytes().await?;
+        let rtt = started.elapsed();
+        self.inner.margin.observe(rtt);
+        Ok(rtt)
+    }
+
+    /// Charges once per effect key: attempts under the child deadline with the shared retry
+    /// budget; see the module documentation for the classification.
+    pub async fn charge(&self, call: &ChargeCall) -> Result<Charge, ChargeError> {
+        let child = call
+            .deadline
+            .child(self.inner.margin.current())
+            .map_err(ChargeError::NoBudget)?;
+        let body = ChargeRequest {
+            reference: call.order_id.clone(),
+            amount_cents: call.amount_cents,
+            currency: call.currency.clone(),
+        };
+        let trace_id = call.trace.trace_id();
+        let info = CallInfo::new()
+            .key(&call.effect_key)
+            .peer(&self.inner.peer)
+            .trace_id(&trace_id);
+        let result = self
+            .inner
+            .policy
+            .execute_with(&info, child, |attempt| {
+                self.attempt(attempt, &call.effect_key, &body, call.trace.child())
+            })
+            .await;
+        result.map_err(classify_failure)
+    }
+
+    /// Looks for the charge made under `effect_key` for `order_id` (`GET
+    /// /v1/charges?reference=`), one attempt bounded by the child of `deadline`. `Ok(None)`
+    /// means the PSP has no such charge *now*; it does not prove that none is in flight.
+    pub async fn find_charge(
+        &self,
+        order_id: &str,
+        effect_key: &str,
+        deadline: Deadline,
+    ) -> Result<Option<Charge>, Status> {
+        let child = deadline
+            .child(self.inner.margin.current())
+            .map_err(Status::from)?;
+        let url =
+            reqwest::Url::parse_with_params(&self.inner.charges_url, [("reference", order_id)])
+                .map_err(|_| {
+                    Status::new(Code::InvalidArgument, "cannot build the PSP query URL")
+                })?;
+        let query = async {
+            let mut response = self
+                .inner
+                .http
+                .get(url)
+                .header(GRPC_TIMEOUT, encode_grpc_timeout(child.remaining()))
+                .send()
+                .await
+                .map_err(|e| transport_status(&e))?;
+            let status = response.status();
+            if !status.is_success() {
+                return Err(answer_status(status, retry_after(response.headers())));
+            }
+            let bytes = read_bounded(&mut response).await?;
+            serde_json::from_slice::<Vec<Charge>>(&bytes).map_err(|_| {
+                Status::new(Code::Unavailable, "the PSP answer is not a charge list")
+                    .with_http_status(StatusCode::BAD_GATEWAY)
+            })
+        };
+        let charges = tokio::time::timeout_at(child.instant(), query)
+            .await
+            .map_err(|_| Status::new(Code::DeadlineExceeded, "the PSP did not answer in time"))??;
+        Ok(charges.into_iter().find(|c| c.effect_key == effect_key))
+    }
+
+    async fn attempt(
+        &self,
+        attempt: Attempt,
+        effect_key: &str,
+        body: &ChargeRequest,
+        trace: TraceParent,
+    ) -> Result<Charge, Status> {
+        let remaining = attempt.deadline.remaining();
+        if remaining.is_zero() {
+            return Err(Status::from(DeadlineExceeded {
+                remaining,
+                margin: Duration::ZERO,
+            }));
+        }
+        let sent = self
+            .inner
+            .http
+            .post(&self.inner.charges_url)
+            .header("idempotency-key", effect_key)
+            .header(GRPC_TIMEOUT, encode_grpc_timeout(remaining))
+            .header(TRACEPARENT, trace.to_string())
+            .json(body)
+            .send()
+            .await;
+        let mut response = match sent {
+            Ok(r) => r,
+            Err(e) => return Err(transport_status(&e)),
+        };
+        let status = response.status();
+        if status.is_success() {
+            let bytes = read_bounded(&mut response).await?;
+            return serde_json::from_slice::<Charge>(&bytes).map_err(|_| {
+                Status::new(Code::Unavailable, "the PSP answer is not a charge")
+                    .with_http_status(StatusCode::BAD_GATEWAY)
+            });
+        }
+        let pushback = retry_after(response.headers());
+        Err(answer_status(status, pushback))
+    }
+}
+
+/// Reads at most [`MAX_ANSWER`] bytes of the answer.
+async fn read_bounded(response: &mut reqwest::Response) -> Result<Vec<u8>, Status> {
+    let mut out = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if out.len() + chunk.len() > MAX_ANSWER {
+                    return Err(
+                        Status::new(Code::Unavailable, "the PSP answer is too large")
+                            .with_http_status(StatusCode::BAD_GATEWAY),
+                    );
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(out),
+            Err(e) => return Err(transport_status(&e)),
+        }
+    }
+}
+
+/// Delta-seconds `Retry-After` (what the PSP sends), bounded.
+fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
+    let secs: u64 = v.trim().parse().ok()?;
+    Some(Duration::from_secs(secs.min(MAX_PUSHBACK_SECS)))
+}
+
+/// The status of a PSP error answer (module table).
+fn answer_status(status: StatusCode, pushback: Option<Duration>) -> Status {
+    let code = match status.as_u16() {
+        408 | 504 => Code::DeadlineExceeded,
+        409 => Code::AlreadyExists,
+        429 => Code::ResourceExhausted,
+        500..=599 => Code::Unavailable,
+        _ => Code::FailedPrecondition,
+    };
+    let mut s = Status::new(code, format!("the PSP answered {status}")).with_http_status(status);
+    if let Some(p) = pushback {
+        s = s.with_pushback(p);
+    }
+    s
+}
+
+/// A request that got no HTTP answer. Refused connections never reached the PSP; anything
+/// else may have: either way the effect key makes another attempt safe.
+fn transport_status(e: &reqwest::Error) -> Status {
+    if e.is_timeout() {
+        Status::new(Code::DeadlineExceeded, "the PSP did not answer in time")
+    } else if e.is_connect() {
+        Status::new(Code::Unavailable, "cannot connect to the PSP")
+    } else {
+        Status::new(
+            Code::Unavailable,
+            "the PSP connection failed before an answer",
+        )
+    }
+}
+
+fn classify_failure(e: RetryError) -> ChargeError {
+    match e.last.code() {
+        Code::AlreadyExists => ChargeError::EffectKeyConflict(e),
+        Code::FailedPrecondition => ChargeError::Declined {
+            status: e.last.http_status(),
+            source: e,
+        },
+        _ => ChargeError::Unknown(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use backstop::status::RetryClass;
+
+    #[test]
+    fn answers_are_classified_per_the_table() {
+        let class = |s: u16| answer_status(StatusCode::from_u16(s).unwrap(), None).retry_class();
+        assert_eq!(class(503), RetryClass::Retryable);
+        assert_eq!(class(500), RetryClass::Retryable);
+        assert_eq!(class(502), RetryClass::Retryable);
+        assert_eq!(class(429), RetryClass::RetryAfterPushback);
+        assert_eq!(class(504), RetryClass::Timeout);
+        assert_eq!(class(408), RetryClass::Timeout);
+        assert_eq!(class(409), RetryClass::Fatal);
+        assert_eq!(class(400), RetryClass::Fatal);
+        assert_eq!(class(402), RetryClass::Fatal);
+        assert_eq!(class(422), RetryClass::Fatal);
+    }
+
+    #[test]
+    fn retry_after_is_read_and_bounded() {
+        let mut h = http::HeaderMap::new();
+        assert_eq!(retry_after(&h), None);
+        h.insert(http::header::RETRY_AFTER, "2".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
+        h.insert(http::header::RETRY_AFTER, "99999999".parse().unwrap());
+        assert_eq!(
+            retry_after(&h),
+            Some(Duration::from_secs(MAX_PUSHBACK_SECS))
+        );
+        h.insert(http::header::RETRY_AFTER, "soon".parse().unwrap());
+        assert_eq!(retry_after(&h), None);
+    }
+
+    #[test]
+    fn a_declined_last_attempt_is_declined_anything_unclear_is_unknown() {
+        let stop = |s: Status| RetryError {
+            last: s,
+            attempts: 1,
+            reason: backstop::retry::StopReason::NonRetryable,
+        };
+        assert!(matches!(
+            classify_failure(stop(answer_status(StatusCode::PAYMENT_REQUIRED, None))),
+            ChargeError::Declined { status, .. } if status == StatusCode::PAYMENT_REQUIRED
+        ));
+        assert!(matches!(
+            classify_failure(stop(answer_status(StatusCode::CONFLICT, None))),
+            ChargeError::EffectKeyConflict(_)
+        ));
+        for s in [500, 503, 504] {
+            assert!(matches!(
+                classify_failure(stop(answer_status(StatusCode::from_u16(s).unwrap(), None))),
+                ChargeError::Unknown(_)
+            ));
+        }
+    }
+}
