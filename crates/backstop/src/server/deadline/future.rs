@@ -1,0 +1,92 @@
+//! Response future of [`DeadlineService`](super::DeadlineService).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::Response;
+use pin_project_lite::pin_project;
+use tokio::time::{Sleep, sleep_until};
+
+use crate::deadline::Deadline;
+use crate::server::problem::Problem;
+use crate::status::{Code, Status, problem};
+
+pin_project! {
+    /// Either the inner future racing the deadline, or an immediate 400.
+    #[derive(Debug)]
+    pub struct ResponseFuture<F, B> {
+        #[pin]
+        kind: Kind<F, B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<F, B> {
+        Running {
+            #[pin]
+            inner: F,
+            #[pin]
+            sleep: Sleep,
+        },
+        Rejected {
+            response: Option<Response<B>>,
+        },
+    }
+}
+
+impl<F, B> ResponseFuture<F, B> {
+    pub(super) fn running(inner: F, deadline: Deadline) -> Self {
+        Self {
+            kind: Kind::Running {
+                inner,
+                sleep: sleep_until(deadline.instant()),
+            },
+        }
+    }
+
+    pub(super) fn rejected(response: Response<B>) -> Self {
+        Self {
+            kind: Kind::Rejected {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    B: From<Bytes>,
+{
+    type Output = Result<Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Running { inner, sleep } => {
+                if let Poll::Ready(result) = inner.poll(cx) {
+                    return Poll::Ready(result);
+                }
+                match sleep.poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Ok(deadline_exceeded())),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+            KindProj::Rejected { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("ResponseFuture polled after completion"))),
+        }
+    }
+}
+
+fn deadline_exceeded<B: From<Bytes>>() -> Response<B> {
+    let status = Status::new(
+        Code::DeadlineExceeded,
+        "the request's deadline passed before the server answered",
+    )
+    .with_problem(problem::DEADLINE_EXCEEDED);
+    Problem::from_status(&status).into_response()
+}

@@ -1,0 +1,110 @@
+//! Deadline extraction: the first thing a request meets.
+//!
+//! The caller sends its remaining budget in `grpc-timeout` (the same header gRPC uses; HTTP
+//! callers send it too, as grpc-gateway does). [`DeadlineLayer`] converts it into an absolute
+//! [`Deadline`] on the local monotonic clock *in `call`*, before any other layer, so that queueing,
+//! authentication and decoding are paid out of the caller's budget (seed 2.2.1). The deadline is
+//! stored as a request extension for the layers and the handler below.
+//!
+//! - no header: a configured default budget (10 s unless set);
+//! - a budget above the configured maximum (60 s unless set) is clamped to it;
+//! - a malformed value (no unit, a 9-digit value, zero, garbage) is answered at once with 400
+//!   problem+json `invalid_grpc_timeout`;
+//! - when the deadline passes before the inner service answers, the inner future is dropped and
+//!   the client gets 504 problem+json `deadline_exceeded` (`DEADLINE_EXCEEDED`), never 408 or
+//!   499 / `CANCELLED`: the server, not the client, gave up.
+//!
+//! ```
+//! use backstop::server::deadline::DeadlineLayer;
+//! use std::time::Duration;
+//!
+//! let layer = DeadlineLayer::new(Duration::from_secs(5)).max(Duration::from_secs(30));
+//! # let _ = layer;
+//! ```
+
+pub mod future;
+mod layer;
+
+pub use self::layer::DeadlineLayer;
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use tower_service::Service;
+
+use self::future::ResponseFuture;
+use super::problem::Problem;
+use crate::deadline::{Deadline, GRPC_TIMEOUT, decode_grpc_timeout};
+use crate::status::{Code, Status, problem};
+
+/// Default budget of a request that carries no `grpc-timeout`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Default upper bound on the budget a caller may ask for.
+pub const DEFAULT_MAX_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Sets the request's [`Deadline`] from `grpc-timeout` and answers 504 when it passes.
+#[derive(Debug, Clone)]
+pub struct DeadlineService<S> {
+    inner: S,
+    default: Duration,
+    max: Duration,
+}
+
+impl<S> DeadlineService<S> {
+    /// Wraps `inner` with the given default and maximum budgets.
+    pub fn new(inner: S, default: Duration, max: Duration) -> Self {
+        Self {
+            inner,
+            default: default.min(max),
+            max,
+        }
+    }
+
+    /// The budget for a `grpc-timeout` header value (or its absence).
+    fn budget(&self, header: Option<&http::HeaderValue>) -> Result<Duration, Status> {
+        let Some(value) = header else {
+            return Ok(self.default);
+        };
+        let invalid = || {
+            Status::new(
+                Code::InvalidArgument,
+                "grpc-timeout must be 1 to 8 digits followed by one of H M S m u n",
+            )
+            .with_problem(problem::INVALID_GRPC_TIMEOUT)
+        };
+        let text = value.to_str().map_err(|_| invalid())?;
+        let budget = decode_grpc_timeout(text).map_err(|_| invalid())?;
+        Ok(budget.min(self.max))
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for DeadlineService<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: From<Bytes>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        match self.budget(request.headers().get(GRPC_TIMEOUT)) {
+            Ok(budget) => {
+                let deadline = Deadline::after(budget);
+                request.extensions_mut().insert(deadline);
+                ResponseFuture::running(self.inner.call(request), deadline)
+            }
+            Err(status) => ResponseFuture::rejected(Problem::from_status(&status).into_response()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,162 @@
+use std::convert::Infallible;
+use std::future::pending;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use tokio::time::{Instant, advance, sleep};
+use tower::{ServiceExt, service_fn};
+use tower_layer::Layer;
+
+use super::*;
+
+fn request(timeout: Option<&str>) -> Request<Bytes> {
+    let mut builder = Request::builder().uri("/v1/payments");
+    if let Some(t) = timeout {
+        builder = builder.header(GRPC_TIMEOUT, t);
+    }
+    builder.body(Bytes::new()).unwrap()
+}
+
+/// Answers with the remaining budget it saw, in milliseconds.
+async fn report_budget(req: Request<Bytes>) -> Result<Response<Bytes>, Infallible> {
+    let deadline = req.extensions().get::<Deadline>().expect("deadline set");
+    let ms = deadline.remaining().as_millis().to_string();
+    Ok(Response::new(Bytes::from(ms)))
+}
+
+fn problem_code(res: &Response<Bytes>) -> String {
+    let doc: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
+    doc["code"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(start_paused = true)]
+async fn header_becomes_a_deadline_extension() {
+    let svc = DeadlineLayer::default().layer(service_fn(report_budget));
+    let res = svc.oneshot(request(Some("250m"))).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.body(), "250");
+}
+
+#[tokio::test(start_paused = true)]
+async fn absent_header_gets_the_default_budget() {
+    let svc = DeadlineLayer::new(Duration::from_secs(3)).layer(service_fn(report_budget));
+    let res = svc.oneshot(request(None)).await.unwrap();
+    assert_eq!(res.body(), "3000");
+}
+
+#[tokio::test(start_paused = true)]
+async fn budget_is_clamped_to_the_maximum() {
+    let layer = DeadlineLayer::new(Duration::from_secs(120)).max(Duration::from_secs(30));
+    assert_eq!(layer.default_timeout(), Duration::from_secs(30));
+    let res = layer
+        .layer(service_fn(report_budget))
+        .oneshot(request(Some("5H")))
+        .await
+        .unwrap();
+    assert_eq!(res.body(), "30000");
+}
+
+#[tokio::test(start_paused = true)]
+async fn malformed_or_nine_digit_grpc_timeout_is_400() {
+    let called = Arc::new(AtomicUsize::new(0));
+    for bad in [
+        "",
+        "abc",
+        "10",
+        "m",
+        "0m",
+        "-5m",
+        "1.5S",
+        "123456789m",
+        "5x",
+        "5 m",
+    ] {
+        let called = called.clone();
+        let svc = DeadlineLayer::default().layer(service_fn(move |req| {
+            called.fetch_add(1, Ordering::SeqCst);
+            report_budget(req)
+        }));
+        let res = svc.oneshot(request(Some(bad))).await.unwrap();
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        assert_eq!(problem_code(&res), "invalid_grpc_timeout", "{bad:?}");
+        assert_eq!(
+            res.headers()["content-type"],
+            "application/problem+json",
+            "{bad:?}"
+        );
+    }
+    assert_eq!(
+        called.load(Ordering::SeqCst),
+        0,
+        "bad requests never reach the service"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn non_ascii_header_is_400() {
+    let svc = DeadlineLayer::default().layer(service_fn(report_budget));
+    let mut req = request(None);
+    req.headers_mut().insert(
+        GRPC_TIMEOUT,
+        http::HeaderValue::from_bytes(b"5\xffm").unwrap(),
+    );
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+}
+
+/// Sets a flag when dropped: proves the inner future was cut.
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn passed_deadline_is_504_never_408_or_499() {
+    let dropped = Arc::new(AtomicBool::new(false));
+    let flag = dropped.clone();
+    let svc = DeadlineLayer::default().layer(service_fn(move |_req: Request<Bytes>| {
+        let guard = DropFlag(flag.clone());
+        async move {
+            let _guard = guard;
+            pending::<()>().await;
+            Ok::<_, Infallible>(Response::new(Bytes::new()))
+        }
+    }));
+    let start = Instant::now();
+    let res = svc.oneshot(request(Some("100m"))).await.unwrap();
+    assert_eq!(res.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(problem_code(&res), "deadline_exceeded");
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the inner future is dropped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn answer_before_the_deadline_passes_through() {
+    let svc = DeadlineLayer::default().layer(service_fn(|_req: Request<Bytes>| async {
+        sleep(Duration::from_millis(99)).await;
+        Ok::<_, Infallible>(Response::new(Bytes::from_static(b"done")))
+    }));
+    let res = svc.oneshot(request(Some("100m"))).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.body(), "done");
+}
+
+#[tokio::test(start_paused = true)]
+async fn budget_starts_when_the_request_arrives_not_when_polled() {
+    let mut svc = DeadlineLayer::default().layer(service_fn(report_budget));
+    let svc = svc.ready().await.unwrap();
+    let fut = svc.call(request(Some("1S")));
+    // The response future sits unpolled (queued behind other work) for 300 ms.
+    advance(Duration::from_millis(300)).await;
+    let res = fut.await.unwrap();
+    assert_eq!(res.body(), "700");
+}

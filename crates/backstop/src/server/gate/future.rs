@@ -1,0 +1,121 @@
+//! Response future of [`GateService`](super::GateService).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tower_service::Service;
+
+use super::overloaded;
+use crate::admission::{Gate, GatePermit, Overloaded};
+use crate::deadline::Deadline;
+use crate::server::metrics::Route;
+
+type Enter = Pin<Box<dyn Future<Output = Result<GatePermit, Overloaded>> + Send>>;
+
+pin_project! {
+    /// Waits for a permit (bounded by the deadline), then runs the inner service holding it.
+    pub struct ResponseFuture<S, Req>
+    where
+        S: Service<Req>,
+    {
+        #[pin]
+        state: State<S, Req, S::Future>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    #[project_replace = StateOwned]
+    enum State<S, Req, F> {
+        Waiting {
+            enter: Enter,
+            service: S,
+            request: Req,
+        },
+        Running {
+            #[pin]
+            fut: F,
+            permit: GatePermit,
+        },
+        Done,
+    }
+}
+
+impl<S, Req> fmt::Debug for ResponseFuture<S, Req>
+where
+    S: Service<Req>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<S, ReqBody> ResponseFuture<S, Request<ReqBody>>
+where
+    S: Service<Request<ReqBody>>,
+{
+    pub(super) fn new(
+        gate: Gate,
+        deadline: Deadline,
+        service: S,
+        request: Request<ReqBody>,
+    ) -> Self {
+        let enter: Enter = Box::pin(async move { gate.enter(&deadline).await });
+        Self {
+            state: State::Waiting {
+                enter,
+                service,
+                request,
+            },
+        }
+    }
+}
+
+impl<S, ReqBody, ResBody> Future for ResponseFuture<S, Request<ReqBody>>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: From<Bytes>,
+{
+    type Output = Result<Response<ResBody>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.project().state;
+        loop {
+            match state.as_mut().project() {
+                StateProj::Waiting { enter, .. } => {
+                    let admitted = std::task::ready!(enter.as_mut().poll(cx));
+                    let StateOwned::Waiting {
+                        mut service,
+                        request,
+                        ..
+                    } = state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("state was Waiting")
+                    };
+                    match admitted {
+                        Ok(permit) => {
+                            let fut = service.call(request);
+                            state.set(State::Running { fut, permit });
+                        }
+                        Err(refused) => {
+                            let route = Route::from_extensions(request.extensions());
+                            return Poll::Ready(Ok(overloaded(&route, refused.retry_after)));
+                        }
+                    }
+                }
+                StateProj::Running { fut, .. } => {
+                    let result = std::task::ready!(fut.poll(cx));
+                    // Release the permit as soon as the answer is ready.
+                    state.set(State::Done);
+                    return Poll::Ready(result);
+                }
+                StateProj::Done => panic!("ResponseFuture polled after completion"),
+            }
+        }
+    }
+}

@@ -1,0 +1,44 @@
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::{DEFAULT_BUDGET, GateService};
+use crate::admission::Gate;
+
+/// Applies [`GateService`]: bounded concurrency with deadline-bounded waiting.
+///
+/// Clones share the gate.
+#[derive(Debug, Clone)]
+pub struct GateLayer {
+    gate: Gate,
+    default_budget: Duration,
+}
+
+impl GateLayer {
+    /// A layer admitting requests through `gate`.
+    pub fn new(gate: Gate) -> Self {
+        Self {
+            gate,
+            default_budget: DEFAULT_BUDGET,
+        }
+    }
+
+    /// The budget of a request that carries no deadline (10 s unless set).
+    pub fn default_budget(mut self, budget: Duration) -> Self {
+        self.default_budget = budget;
+        self
+    }
+
+    /// The shared gate.
+    pub fn gate(&self) -> &Gate {
+        &self.gate
+    }
+}
+
+impl<S> Layer<S> for GateLayer {
+    type Service = GateService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GateService::new(inner, self.gate.clone(), self.default_budget)
+    }
+}

@@ -1,0 +1,98 @@
+//! Concurrency gate: bounded in-flight work, bounded waiting, 503 + `Retry-After` (seed 2.6).
+//!
+//! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
+//! permit is acquired *inside the response future*, never in `poll_ready`: a request that merely
+//! waits to be called holds nothing, and the wait is bounded by the request's own budget. The
+//! gate waits at most the [`Deadline`]'s remaining time minus a minimal service time, and
+//! rejects at once when that is negative: a request that cannot finish in time is not queued.
+//!
+//! A refusal is 503 problem+json `overloaded` (`UNAVAILABLE`) with `Retry-After` (never 500:
+//! overload is not a bug, and the client must back off), counted in
+//! `rpc_server_rejected_total{reason="overloaded"}`. The permit is held until the inner future
+//! completes or is dropped.
+//!
+//! A request without a [`Deadline`] extension (no deadline layer outside) is given
+//! the budget [`GateLayer::default_budget`].
+
+mod layer;
+
+pub mod future;
+
+pub use self::layer::GateLayer;
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use tower_service::Service;
+
+use self::future::ResponseFuture;
+use super::metrics::{Rejected, Route, count_rejected};
+use super::problem::Problem;
+use crate::admission::Gate;
+use crate::deadline::Deadline;
+use crate::status::Status;
+
+/// The `reason` label of an overload refusal.
+pub const REASON: &str = crate::observe::reject_reason::OVERLOADED;
+
+/// Budget of a request that reaches the gate without a [`Deadline`].
+pub const DEFAULT_BUDGET: Duration = Duration::from_secs(10);
+
+/// Admits requests through a [`Gate`].
+#[derive(Debug, Clone)]
+pub struct GateService<S> {
+    inner: S,
+    gate: Gate,
+    default_budget: Duration,
+}
+
+impl<S> GateService<S> {
+    /// Wraps `inner` with `gate`.
+    pub fn new(inner: S, gate: Gate, default_budget: Duration) -> Self {
+        Self {
+            inner,
+            gate,
+            default_budget,
+        }
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for GateService<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: From<Bytes>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, Request<ReqBody>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Only the inner service's readiness: no permit is taken here.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let deadline = request
+            .extensions()
+            .get::<Deadline>()
+            .copied()
+            .unwrap_or_else(|| Deadline::after(self.default_budget));
+        // The ready service goes into the future; `self` keeps a fresh clone (tower's idiom for
+        // calling later).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::new(self.gate.clone(), deadline, inner, request)
+    }
+}
+
+fn overloaded<B: From<Bytes>>(route: &Route, retry_after: Duration) -> Response<B> {
+    count_rejected(route, REASON);
+    let mut response = Problem::from_status(&Status::overloaded(retry_after)).into_response();
+    response.extensions_mut().insert(Rejected(REASON));
+    response
+}
+
+#[cfg(test)]
+mod tests;

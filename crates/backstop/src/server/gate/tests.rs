@@ -1,0 +1,181 @@
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tower::{Service, ServiceExt, service_fn};
+use tower_layer::Layer;
+
+use super::*;
+use crate::observe::{RPC_SERVER_REJECTED_TOTAL, RPC_SERVER_REQUESTS_TOTAL};
+use crate::server::metrics::MetricsLayer;
+use crate::server::testing::{problem_code, with_metrics};
+
+/// A handler that finishes only when the test adds a permit to `release`.
+fn held(
+    release: Arc<Semaphore>,
+) -> impl Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible, Future: Send>
++ Clone
++ Send {
+    service_fn(move |_req: Request<Bytes>| {
+        let release = release.clone();
+        async move {
+            release.acquire().await.unwrap().forget();
+            Ok::<_, Infallible>(Response::new(Bytes::from_static(b"done")))
+        }
+    })
+}
+
+fn request(budget: Duration) -> Request<Bytes> {
+    let mut req = Request::builder()
+        .method(Method::POST)
+        .uri("/v1/payments")
+        .body(Bytes::new())
+        .unwrap();
+    req.extensions_mut().insert(Deadline::after(budget));
+    req
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_permit_is_taken_in_poll_ready() {
+    let gate = Gate::new(1, Duration::from_millis(5));
+    let release = Arc::new(Semaphore::new(0));
+    let mut services: Vec<_> = (0..10)
+        .map(|_| GateLayer::new(gate.clone()).layer(held(release.clone())))
+        .collect();
+    for svc in &mut services {
+        svc.ready().await.unwrap();
+    }
+    assert_eq!(gate.inflight(), 0, "ready services hold nothing");
+}
+
+#[tokio::test(start_paused = true)]
+async fn full_gate_waits_at_most_budget_minus_min_service_then_503() {
+    let gate = Gate::new(1, Duration::from_millis(20));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+
+    let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
+    tokio::task::yield_now().await;
+    assert_eq!(
+        gate.inflight(),
+        1,
+        "the permit is held while the handler runs"
+    );
+
+    let start = Instant::now();
+    let res = svc
+        .clone()
+        .oneshot(request(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(80));
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()[header::RETRY_AFTER], "1");
+    assert_eq!(problem_code(res.body()), "overloaded");
+    assert_eq!(res.extensions().get(), Some(&Rejected("overloaded")));
+
+    release.add_permits(1);
+    let res = first.await.unwrap().unwrap();
+    assert_eq!(res.body(), "done");
+    assert_eq!(gate.inflight(), 0, "the permit is released with the answer");
+}
+
+#[tokio::test(start_paused = true)]
+async fn budget_below_min_service_is_refused_at_once() {
+    let gate = Gate::new(1, Duration::from_millis(50));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let _first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
+    tokio::task::yield_now().await;
+
+    let start = Instant::now();
+    let res = svc
+        .oneshot(request(Duration::from_millis(30)))
+        .await
+        .unwrap();
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiter_is_admitted_when_a_slot_frees_in_time() {
+    let gate = Gate::new(1, Duration::from_millis(20));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
+    tokio::task::yield_now().await;
+    let second = tokio::spawn(svc.oneshot(request(Duration::from_secs(1))));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    release.add_permits(2);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(second.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(gate.inflight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_response_future_releases_the_permit() {
+    let gate = Gate::new(1, Duration::from_millis(5));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone()).layer(held(release));
+    let running = tokio::spawn(svc.oneshot(request(Duration::from_secs(5))));
+    tokio::task::yield_now().await;
+    assert_eq!(gate.inflight(), 1);
+    running.abort();
+    let _ = running.await;
+    assert_eq!(gate.inflight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn request_without_deadline_uses_the_default_budget() {
+    let gate = Gate::new(1, Duration::from_millis(10));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone())
+        .default_budget(Duration::from_millis(60))
+        .layer(held(release));
+    let _first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
+    tokio::task::yield_now().await;
+    let start = Instant::now();
+    let bare = Request::builder().body(Bytes::new()).unwrap();
+    let res = svc.oneshot(bare).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(start.elapsed(), Duration::from_millis(50));
+}
+
+#[test]
+fn overload_is_counted_as_rejected() {
+    let ((), m) = with_metrics(|| async {
+        let gate = Gate::new(1, Duration::from_millis(10));
+        let release = Arc::new(Semaphore::new(0));
+        let svc = MetricsLayer::new("payments")
+            .route(Method::POST, "/v1/payments")
+            .layer(GateLayer::new(gate).layer(held(release.clone())));
+        let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
+        tokio::task::yield_now().await;
+        let res = svc
+            .oneshot(request(Duration::from_millis(5)))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        release.add_permits(1);
+        first.await.unwrap().unwrap();
+    });
+    assert_eq!(
+        m.counter(
+            RPC_SERVER_REJECTED_TOTAL,
+            &[("reason", "overloaded"), ("method", "POST /v1/payments")]
+        ),
+        1
+    );
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "rejected")]),
+        1
+    );
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "ok")]),
+        1
+    );
+}

@@ -1,0 +1,167 @@
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, header};
+use tower_layer::Layer;
+
+use super::{DEFAULT_MAX_BODY, Idempotency, KeyedRoute};
+use crate::clock::{Clock, SystemClock};
+use crate::idempotency::Store;
+use crate::server::route::RoutePattern;
+
+/// Applies [`Idempotency`] to the declared keyed routes.
+///
+/// Clones share the store, the clock and the route table.
+pub struct IdempotencyLayer<St> {
+    shared: Arc<Shared<St>>,
+}
+
+pub(super) struct Shared<St> {
+    pub(super) store: St,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) routes: Vec<(RoutePattern, KeyedRoute)>,
+    pub(super) max_body: usize,
+    pub(super) stored_headers: Vec<HeaderName>,
+}
+
+impl<St> Clone for IdempotencyLayer<St> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<St> fmt::Debug for IdempotencyLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("routes", &self.shared.routes)
+            .field("max_body", &self.shared.max_body)
+            .field("stored_headers", &self.shared.stored_headers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> IdempotencyLayer<St> {
+    /// A layer over `store` with no keyed routes yet, the system clock, a 1 MiB body cap and
+    /// `Content-Type` and `Location` as the stored headers.
+    pub fn new(store: St) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                store,
+                clock: Arc::new(SystemClock),
+                routes: Vec::new(),
+                max_body: DEFAULT_MAX_BODY,
+                stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+            }),
+        }
+    }
+
+    /// Declares a keyed route: requests with `method` whose path matches `pattern` (literal and
+    /// `{param}` segments) need an `Idempotency-Key` and are deduplicated.
+    pub fn keyed(self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
+        self.edit(|s| s.routes.push((RoutePattern::new(method, pattern), route)))
+    }
+
+    /// The wall clock used for leases and TTLs (default: [`SystemClock`]).
+    pub fn clock(self, clock: impl Clock) -> Self {
+        self.edit(|s| s.clock = Arc::new(clock))
+    }
+
+    /// The largest request body a keyed route buffers (default 1 MiB); larger is 413.
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.edit(|s| s.max_body = bytes)
+    }
+
+    /// Also stores and replays this response header (beyond `Content-Type` and `Location`).
+    pub fn store_header(self, name: HeaderName) -> Self {
+        self.edit(|s| {
+            if !s.stored_headers.contains(&name) {
+                s.stored_headers.push(name)
+            }
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &St {
+        &self.shared.store
+    }
+
+    /// The lease and TTL of the keyed route matching `method` and `path`, if any.
+    pub fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
+        self.shared.route_for(method, path)
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Shared<St>)) -> Self {
+        match Arc::get_mut(&mut self.shared) {
+            Some(shared) => f(shared),
+            None => {
+                let old = &*self.shared;
+                let mut shared = Shared {
+                    store: old.store.clone(),
+                    clock: old.clock.clone(),
+                    routes: old.routes.clone(),
+                    max_body: old.max_body,
+                    stored_headers: old.stored_headers.clone(),
+                };
+                f(&mut shared);
+                self.shared = Arc::new(shared);
+            }
+        }
+        self
+    }
+}
+
+impl<St> Shared<St> {
+    pub(super) fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
+        self.routes
+            .iter()
+            .find(|(p, _)| p.matches(method, path))
+            .map(|(_, r)| *r)
+    }
+}
+
+impl<S, St> Layer<S> for IdempotencyLayer<St> {
+    type Service = Idempotency<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.shared.clone())
+    }
+}
+
+impl KeyedRoute {
+    /// A keyed route whose records live `ttl`, with the default 5 s lease.
+    pub fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            lease: super::DEFAULT_LEASE,
+        }
+    }
+
+    /// Payments and refunds (seed 2.4.4): records kept 7 days.
+    pub fn payments() -> Self {
+        Self::new(Duration::from_secs(7 * 24 * 3600))
+    }
+
+    /// Synchronous APIs (seed 2.4.4): records kept 24 hours.
+    pub fn sync() -> Self {
+        Self::new(Duration::from_secs(24 * 3600))
+    }
+
+    /// How long a claim runs before another attempt may take it over (default 5 s).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The record TTL.
+    pub fn ttl_duration(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The claim lease.
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
+}

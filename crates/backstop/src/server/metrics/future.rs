@@ -1,0 +1,159 @@
+//! Response future of [`Metrics`](super::Metrics).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::{HeaderMap, Response, StatusCode};
+use pin_project_lite::pin_project;
+use tokio::time::Instant;
+
+use super::{Rejected, Route, trace_id};
+use crate::deadline::Deadline;
+use crate::observe::{self, label};
+use crate::status::Outcome;
+
+pin_project! {
+    /// Polls the inner future and records the request when it answers (or is dropped).
+    #[derive(Debug)]
+    pub struct ResponseFuture<F> {
+        #[pin]
+        inner: F,
+        record: Record,
+    }
+}
+
+impl<F> ResponseFuture<F> {
+    pub(super) fn new(inner: F, record: Record) -> Self {
+        Self { inner, record }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let result = std::task::ready!(this.inner.poll(cx));
+        match &result {
+            Ok(response) => {
+                let outcome = match response.extensions().get::<Rejected>() {
+                    Some(_) => Outcome::Rejected,
+                    None => outcome_of(response.status()),
+                };
+                this.record.finish(response.status(), outcome);
+            }
+            Err(_) => this
+                .record
+                .finish(StatusCode::INTERNAL_SERVER_ERROR, Outcome::Fatal),
+        }
+        Poll::Ready(result)
+    }
+}
+
+/// The outcome label of an HTTP status (DESIGN section 3).
+pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
+    Outcome::from_http(status)
+}
+
+/// What is known about a request in flight; records it exactly once.
+#[derive(Debug)]
+pub(super) struct Record {
+    route: Route,
+    start: Instant,
+    deadline: Option<Deadline>,
+    idempotency_key: Option<Box<str>>,
+    trace_id: Option<Box<str>>,
+    done: bool,
+}
+
+impl Record {
+    pub(super) fn start(route: Route, deadline: Option<Deadline>, headers: &HeaderMap) -> Self {
+        let idempotency_key = headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| (1..=255).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()))
+            .map(Box::from);
+        let trace_id = headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .and_then(trace_id)
+            .map(Box::from);
+        metrics::gauge!(
+            observe::RPC_SERVER_INFLIGHT,
+            label::SERVICE => route.service_label(),
+            label::METHOD => route.method_label(),
+        )
+        .increment(1.0);
+        Self {
+            route,
+            start: Instant::now(),
+            deadline,
+            idempotency_key,
+            trace_id,
+            done: false,
+        }
+    }
+
+    pub(super) fn finish(&mut self, status: StatusCode, outcome: Outcome) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let service = self.route.service_label();
+        let method = self.route.method_label();
+        let elapsed = self.start.elapsed();
+        metrics::gauge!(
+            observe::RPC_SERVER_INFLIGHT,
+            label::SERVICE => service.clone(),
+            label::METHOD => method.clone(),
+        )
+        .decrement(1.0);
+        metrics::counter!(
+            observe::RPC_SERVER_REQUESTS_TOTAL,
+            label::SERVICE => service.clone(),
+            label::METHOD => method.clone(),
+            label::OUTCOME => outcome.as_str(),
+        )
+        .increment(1);
+        metrics::histogram!(
+            observe::RPC_SERVER_DURATION_SECONDS,
+            label::SERVICE => service,
+            label::METHOD => method,
+            label::OUTCOME => outcome.as_str(),
+        )
+        .record(elapsed.as_secs_f64());
+        let deadline_remaining_ms = self
+            .deadline
+            .map(|d| u64::try_from(d.remaining().as_millis()).unwrap_or(u64::MAX));
+        tracing::info!(
+            target: "backstop::server",
+            service = self.route.service(),
+            method = self.route.method(),
+            status = status.as_u16(),
+            outcome = outcome.as_str(),
+            duration_ms = elapsed.as_secs_f64() * 1000.0,
+            deadline_remaining_ms,
+            idempotency_key = self.idempotency_key.as_deref(),
+            trace_id = self.trace_id.as_deref(),
+            "rpc_server_request"
+        );
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // Dropped before answering: the deadline layer cut it (504), or the client went away.
+        if self.deadline.is_some_and(|d| d.expired()) {
+            self.finish(StatusCode::GATEWAY_TIMEOUT, Outcome::Timeout);
+        } else {
+            let cancelled = StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST);
+            self.finish(cancelled, outcome_of(cancelled));
+        }
+    }
+}

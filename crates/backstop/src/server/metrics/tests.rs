@@ -1,0 +1,264 @@
+use std::convert::Infallible;
+use std::future::pending;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use tokio::time::sleep;
+use tower::{ServiceExt, service_fn};
+use tower_layer::Layer;
+
+use super::*;
+use crate::observe::*;
+use crate::server::deadline::DeadlineLayer;
+use crate::server::testing::{with_logs, with_metrics};
+
+fn layer() -> MetricsLayer {
+    MetricsLayer::new("payments")
+        .route(Method::POST, "/v1/payments")
+        .route(Method::GET, "/v1/payments/{id}")
+}
+
+fn request(method: Method, path: &str) -> Request<Bytes> {
+    Request::builder()
+        .method(method)
+        .uri(path)
+        .body(Bytes::new())
+        .unwrap()
+}
+
+async fn answer(status: StatusCode) -> Response<Bytes> {
+    let svc = layer().layer(service_fn(move |_req: Request<Bytes>| async move {
+        sleep(Duration::from_millis(40)).await;
+        let mut res = Response::new(Bytes::new());
+        *res.status_mut() = status;
+        Ok::<_, Infallible>(res)
+    }));
+    svc.oneshot(request(Method::POST, "/v1/payments"))
+        .await
+        .unwrap()
+}
+
+#[test]
+fn counts_requests_by_route_and_outcome() {
+    let cases = [
+        (StatusCode::CREATED, "ok"),
+        (StatusCode::SERVICE_UNAVAILABLE, "retryable"),
+        (StatusCode::BAD_REQUEST, "fatal"),
+        (StatusCode::INTERNAL_SERVER_ERROR, "fatal"),
+        (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+        (StatusCode::TOO_MANY_REQUESTS, "rejected"),
+    ];
+    for (status, outcome) in cases {
+        let (_, m) = with_metrics(|| answer(status));
+        let labels = [
+            ("service", "payments"),
+            ("method", "POST /v1/payments"),
+            ("outcome", outcome),
+        ];
+        assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &labels), 1, "{status}");
+        assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &[]), 1, "{status}");
+        assert_eq!(m.samples(RPC_SERVER_DURATION_SECONDS, &labels), 1);
+        assert_eq!(
+            m.gauge(RPC_SERVER_INFLIGHT, &[]),
+            0.0,
+            "inflight back to zero"
+        );
+    }
+}
+
+#[test]
+fn rejected_marker_makes_a_503_rejected() {
+    let (_, m) = with_metrics(|| async {
+        let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
+            let mut res = Response::new(Bytes::new());
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            res.extensions_mut().insert(Rejected("overloaded"));
+            Ok::<_, Infallible>(res)
+        }));
+        svc.oneshot(request(Method::POST, "/v1/payments"))
+            .await
+            .unwrap()
+    });
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "rejected")]),
+        1
+    );
+}
+
+#[test]
+fn inflight_gauge_counts_running_requests() {
+    let ((), m) = with_metrics(|| async {
+        let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
+            pending::<()>().await;
+            Ok::<_, Infallible>(Response::new(Bytes::new()))
+        }));
+        let a = svc.clone().oneshot(request(Method::POST, "/v1/payments"));
+        let b = svc.oneshot(request(Method::GET, "/v1/payments/pi_1"));
+        let a = tokio::spawn(a);
+        let b = tokio::spawn(b);
+        tokio::task::yield_now().await;
+        // Keep both running: the snapshot is taken after the runtime returns.
+        std::mem::forget((a, b));
+    });
+    assert_eq!(m.gauge(RPC_SERVER_INFLIGHT, &[]), 2.0);
+}
+
+#[test]
+fn route_names_never_carry_ids() {
+    let ((), m) = with_metrics(|| async {
+        let svc = layer().layer(service_fn(|req: Request<Bytes>| async move {
+            // The layers below see the same labels.
+            let route = req.extensions().get::<Route>().unwrap().clone();
+            Ok::<_, Infallible>(Response::new(Bytes::from(route.method().to_owned())))
+        }));
+        for (method, path, label) in [
+            (Method::GET, "/v1/payments/pi_1", "GET /v1/payments/{id}"),
+            (Method::GET, "/v1/payments/pi_2", "GET /v1/payments/{id}"),
+            (Method::GET, "/v1/payments/pi_2/x", "GET other"),
+            (Method::DELETE, "/anything/key-123", "DELETE other"),
+            (Method::from_bytes(b"BREW").unwrap(), "/pot", "OTHER other"),
+        ] {
+            let res = svc.clone().oneshot(request(method, path)).await.unwrap();
+            assert_eq!(res.body(), label);
+        }
+    });
+    assert_eq!(
+        m.counter(
+            RPC_SERVER_REQUESTS_TOTAL,
+            &[("method", "GET /v1/payments/{id}")]
+        ),
+        2
+    );
+}
+
+#[test]
+fn route_name_function_is_used_for_unmatched_routes() {
+    let layer = MetricsLayer::new("svc").route_name(|_m, path| {
+        path.starts_with("/admin/")
+            .then(|| SharedString::const_str("admin"))
+    });
+    let ((), m) = with_metrics(|| async {
+        let svc = layer.layer(service_fn(|_req: Request<Bytes>| async {
+            Ok::<_, Infallible>(Response::new(Bytes::new()))
+        }));
+        svc.clone()
+            .oneshot(request(Method::GET, "/admin/users/7"))
+            .await
+            .unwrap();
+        svc.oneshot(request(Method::GET, "/x")).await.unwrap();
+    });
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("method", "admin")]),
+        1
+    );
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("method", "GET other")]),
+        1
+    );
+}
+
+#[test]
+fn request_cut_by_the_deadline_is_a_timeout() {
+    let (res, m) = with_metrics(|| async {
+        let svc = DeadlineLayer::default().layer(layer().layer(service_fn(
+            |_req: Request<Bytes>| async {
+                pending::<()>().await;
+                Ok::<_, Infallible>(Response::new(Bytes::new()))
+            },
+        )));
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri("/v1/payments")
+            .header("grpc-timeout", "20m")
+            .body(Bytes::new())
+            .unwrap();
+        svc.oneshot(req).await.unwrap()
+    });
+    assert_eq!(res.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "timeout")]),
+        1
+    );
+    assert_eq!(m.gauge(RPC_SERVER_INFLIGHT, &[]), 0.0);
+}
+
+#[test]
+fn client_going_away_is_a_cancellation() {
+    let ((), m) = with_metrics(|| async {
+        let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
+            pending::<()>().await;
+            Ok::<_, Infallible>(Response::new(Bytes::new()))
+        }));
+        let fut = svc.oneshot(request(Method::POST, "/v1/payments"));
+        // The connection closes after 10 ms: the future is dropped unanswered.
+        let _ = tokio::time::timeout(Duration::from_millis(10), fut).await;
+    });
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "fatal")]),
+        1
+    );
+    assert_eq!(m.gauge(RPC_SERVER_INFLIGHT, &[]), 0.0);
+}
+
+#[test]
+fn one_log_event_per_request_with_design_fields() {
+    let (_, logs) = with_logs(|| {
+        with_metrics(|| async {
+            let svc = DeadlineLayer::default().layer(layer().layer(service_fn(
+                |_req: Request<Bytes>| async {
+                    sleep(Duration::from_millis(30)).await;
+                    let mut res = Response::new(Bytes::new());
+                    *res.status_mut() = StatusCode::CREATED;
+                    Ok::<_, Infallible>(res)
+                },
+            )));
+            let req = Request::builder()
+                .method(Method::POST)
+                .uri("/v1/payments")
+                .header("grpc-timeout", "1S")
+                .header("idempotency-key", "key-1")
+                .header(
+                    "traceparent",
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                )
+                .body(Bytes::new())
+                .unwrap();
+            svc.oneshot(req).await.unwrap()
+        })
+    });
+    let events: Vec<_> = logs
+        .iter()
+        .filter(|l| l["message"] == "rpc_server_request")
+        .collect();
+    assert_eq!(events.len(), 1, "{logs:?}");
+    let e = events[0];
+    assert_eq!(e["service"], "payments");
+    assert_eq!(e["method"], "POST /v1/payments");
+    assert_eq!(e["status"], 201);
+    assert_eq!(e["outcome"], "ok");
+    assert_eq!(e["deadline_remaining_ms"], 970);
+    assert_eq!(e["idempotency_key"], "key-1");
+    assert_eq!(e["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(e["duration_ms"], 30.0);
+}
+
+#[test]
+fn traceparent_parsing() {
+    let valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    assert_eq!(trace_id(valid), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+    // A future version may append fields.
+    assert!(trace_id("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-xyz").is_some());
+    for bad in [
+        "",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+    ] {
+        assert_eq!(trace_id(bad), None, "{bad:?}");
+    }
+}

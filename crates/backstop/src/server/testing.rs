@@ -1,0 +1,137 @@
+//! Test helpers shared by the server layers' unit tests.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::Response;
+use http_body_util::BodyExt;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+/// The metrics recorded while a test ran.
+#[derive(Debug)]
+pub(crate) struct Recorded(Vec<Sample>);
+
+/// Name, labels and value of one recorded metric.
+type Sample = (String, Vec<(String, String)>, DebugValue);
+
+impl Recorded {
+    fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&'a str, &'a str)],
+    ) -> impl Iterator<Item = &'a DebugValue> + 'a {
+        self.0.iter().filter_map(move |(n, ls, v)| {
+            let all = labels
+                .iter()
+                .all(|(k, val)| ls.iter().any(|(lk, lv)| lk == k && lv == val));
+            (n == name && all).then_some(v)
+        })
+    }
+
+    /// Sum of the counters `name` whose labels include `labels`.
+    pub(crate) fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        self.matching(name, labels)
+            .map(|v| match v {
+                DebugValue::Counter(c) => *c,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Sum of the gauges `name` whose labels include `labels`.
+    pub(crate) fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels)
+            .map(|v| match v {
+                DebugValue::Gauge(g) => g.into_inner(),
+                _ => 0.0,
+            })
+            .sum()
+    }
+
+    /// Number of samples in the histograms `name` whose labels include `labels`.
+    pub(crate) fn samples(&self, name: &str, labels: &[(&str, &str)]) -> usize {
+        self.matching(name, labels)
+            .map(|v| match v {
+                DebugValue::Histogram(h) => h.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+}
+
+/// Runs `test` on a paused current-thread runtime with a local metrics recorder.
+pub(crate) fn with_metrics<F, Fut>(test: F) -> (Fut::Output, Recorded)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future,
+{
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let output = metrics::with_local_recorder(&recorder, || runtime.block_on(test()));
+    let recorded = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let key = key.key();
+            let labels = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            (key.name().to_owned(), labels, value)
+        })
+        .collect();
+    (output, Recorded(recorded))
+}
+
+/// Log lines written while `test` ran (JSON, one event per line).
+pub(crate) fn with_logs<T>(test: impl FnOnce() -> T) -> (T, Vec<serde_json::Value>) {
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Buffer::default();
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_writer(move || writer.clone())
+        .finish();
+    let output = tracing::subscriber::with_default(subscriber, test);
+    let bytes = buffer.0.lock().unwrap().clone();
+    let lines = String::from_utf8(bytes)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (output, lines)
+}
+
+/// The whole body of a response.
+#[allow(dead_code)] // used by the idempotency tests
+pub(crate) async fn body<B>(response: Response<B>) -> Bytes
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    response.into_body().collect().await.unwrap().to_bytes()
+}
+
+/// The `code` member of a problem+json body.
+pub(crate) fn problem_code(body: &[u8]) -> String {
+    let doc: serde_json::Value = serde_json::from_slice(body).unwrap();
+    doc["code"].as_str().unwrap_or_default().to_owned()
+}
