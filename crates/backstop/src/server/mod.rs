@@ -9,7 +9,7 @@
 //!
 //! # Order
 //!
-//! The layers go outermost first:
+//! [`ServerStack`] composes the layers outermost first:
 //!
 //! 1. [`deadline`]: reads `grpc-timeout` the moment the request arrives. It goes first so that
 //!    everything after it, queueing at the gate included, is paid out of the caller's budget,
@@ -21,13 +21,30 @@
 //! 4. [`rate_limit`]: a tenant over quota gets 429. Cheap rejections come first: a token
 //!    bucket check costs nanoseconds and protects the gate from a single noisy tenant.
 //! 5. [`gate`]: our own capacity; 503 when the request could not start within its budget.
-//! 6. `idempotency`: last, so that every request refused above (bad deadline, over quota,
+//! 6. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
 //!    and only admitted requests pay for reading the body and a store round trip.
 //!
+//! # Example
+//!
+//! ```
+//! use backstop::admission::{Gate, KeyedTokenBucket};
+//! use backstop::idempotency::MemoryStore;
+//! use backstop::server::{ServerStack, idempotency::KeyedRoute};
+//! use http::Method;
+//! use std::time::Duration;
+//!
+//! let stack = ServerStack::new("payments", MemoryStore::new())
+//!     .route(Method::GET, "/v1/payments/{id}")
+//!     .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+//!     .gate(Gate::new(256, Duration::from_millis(20)));
+//! let layer = stack.into_layer();
+//! # let _ = layer;
+//! ```
 
 pub mod deadline;
 pub mod gate;
+pub mod idempotency;
 pub mod metrics;
 pub mod problem;
 pub mod rate_limit;
@@ -40,7 +57,182 @@ mod testing;
 
 pub use self::deadline::DeadlineLayer;
 pub use self::gate::GateLayer;
+pub use self::idempotency::{IdempotencyLayer, KeyedRoute};
 pub use self::metrics::MetricsLayer;
 pub use self::problem::Problem;
 pub use self::rate_limit::RateLimitLayer;
 pub use self::tenant::{Tenant, TenantLayer};
+
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::time::Duration;
+
+use http::Method;
+use tower::ServiceBuilder;
+use tower_layer::Layer;
+
+use crate::admission::{Gate, KeyedTokenBucket, Quota};
+use crate::idempotency::Store;
+use crate::status::Status;
+
+/// Default concurrency limit of the stack's gate.
+pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
+
+/// Default minimal service time: the gate does not admit a request with less budget left.
+pub const DEFAULT_MIN_SERVICE: Duration = Duration::from_millis(5);
+
+/// Default per-tenant rate (requests per second) of the stack's rate limit.
+pub const DEFAULT_TENANT_RATE: NonZeroU32 = NonZeroU32::new(100).unwrap();
+
+/// Default per-tenant burst of the stack's rate limit.
+pub const DEFAULT_TENANT_BURST: NonZeroU32 = NonZeroU32::new(200).unwrap();
+
+/// Default number of tenants whose buckets are kept.
+pub const DEFAULT_MAX_TENANTS: NonZeroUsize = NonZeroUsize::new(10_000).unwrap();
+
+/// Builder of the full server stack; see the [module docs](self) for the order.
+///
+/// Each part has a default and can be replaced wholesale ([`ServerStack::deadline`],
+/// [`ServerStack::metrics`], [`ServerStack::tenant`], [`ServerStack::rate_limit`],
+/// [`ServerStack::gate`], [`ServerStack::idempotency`]); [`ServerStack::into_layer`] finishes.
+#[derive(Debug, Clone)]
+pub struct ServerStack<St> {
+    deadline: DeadlineLayer,
+    metrics: MetricsLayer,
+    tenant: TenantLayer,
+    rate_limit: RateLimitLayer,
+    gate: GateLayer,
+    idempotency: IdempotencyLayer<St>,
+}
+
+impl<St: Store> ServerStack<St> {
+    /// A stack labelled `service` keeping idempotency records in `store`, with the defaults:
+    /// 10 s deadline (60 s max), no route names, no tenant resolution, 100 req/s per tenant
+    /// with bursts of 200, 1024 requests in flight with a 5 ms minimal service time, and no keyed
+    /// routes.
+    pub fn new(service: impl Into<String>, store: St) -> Self {
+        Self {
+            deadline: DeadlineLayer::default(),
+            metrics: MetricsLayer::new(service),
+            tenant: TenantLayer::none(),
+            rate_limit: RateLimitLayer::new(default_buckets()),
+            gate: GateLayer::new(Gate::new(DEFAULT_MAX_INFLIGHT, DEFAULT_MIN_SERVICE)),
+            idempotency: IdempotencyLayer::new(store),
+        }
+    }
+
+    /// Replaces the deadline layer.
+    pub fn deadline(mut self, layer: DeadlineLayer) -> Self {
+        self.deadline = layer;
+        self
+    }
+
+    /// Replaces the metrics layer.
+    pub fn metrics(mut self, layer: MetricsLayer) -> Self {
+        self.metrics = layer;
+        self
+    }
+
+    /// Names a route in the metrics (see [`MetricsLayer::route`]).
+    pub fn route(mut self, method: Method, pattern: &str) -> Self {
+        self.metrics = self.metrics.route(method, pattern);
+        self
+    }
+
+    /// Replaces the tenant layer.
+    pub fn tenant(mut self, layer: TenantLayer) -> Self {
+        self.tenant = layer;
+        self
+    }
+
+    /// Resolves the tenant from the request head (see [`TenantLayer::from_fn`]).
+    pub fn authenticate<F>(self, resolve: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> Result<Tenant, Status> + Send + Sync + 'static,
+    {
+        self.tenant(TenantLayer::from_fn(resolve))
+    }
+
+    /// Replaces the rate limit layer.
+    pub fn rate_limit(mut self, layer: RateLimitLayer) -> Self {
+        self.rate_limit = layer;
+        self
+    }
+
+    /// Uses `buckets` for the per-tenant rate limit.
+    pub fn tenant_buckets(self, buckets: KeyedTokenBucket) -> Self {
+        self.rate_limit(RateLimitLayer::new(buckets))
+    }
+
+    /// Uses `gate` for admission.
+    pub fn gate(mut self, gate: Gate) -> Self {
+        self.gate = GateLayer::new(gate);
+        self
+    }
+
+    /// Replaces the gate layer.
+    pub fn gate_layer(mut self, layer: GateLayer) -> Self {
+        self.gate = layer;
+        self
+    }
+
+    /// Replaces the idempotency layer.
+    pub fn idempotency(mut self, layer: IdempotencyLayer<St>) -> Self {
+        self.idempotency = layer;
+        self
+    }
+
+    /// Declares a keyed route (see [`IdempotencyLayer::keyed`]); it is also named in the
+    /// metrics.
+    pub fn keyed(mut self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
+        self.metrics = self.metrics.route(method.clone(), pattern);
+        self.idempotency = self.idempotency.keyed(method, pattern, route);
+        self
+    }
+
+    /// The finished layer.
+    pub fn into_layer(self) -> ServerStackLayer<St> {
+        ServerStackLayer { parts: self }
+    }
+}
+
+fn default_buckets() -> KeyedTokenBucket {
+    KeyedTokenBucket::new(
+        Quota::per_second(DEFAULT_TENANT_RATE, DEFAULT_TENANT_BURST),
+        DEFAULT_MAX_TENANTS,
+    )
+}
+
+/// The service the stack makes of an inner service `S`.
+pub type ServerStackService<S, St> = deadline::DeadlineService<
+    metrics::Metrics<
+        tenant::SetTenant<
+            rate_limit::RateLimit<gate::GateService<idempotency::Idempotency<S, St>>>,
+        >,
+    >,
+>;
+
+/// The composed layer made by [`ServerStack::into_layer`]:
+/// deadline → metrics → tenant → rate limit → gate → idempotency → your service.
+#[derive(Debug, Clone)]
+pub struct ServerStackLayer<St> {
+    parts: ServerStack<St>,
+}
+
+impl<S, St: Store> Layer<S> for ServerStackLayer<St> {
+    type Service = ServerStackService<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let p = &self.parts;
+        ServiceBuilder::new()
+            .layer(p.deadline)
+            .layer(p.metrics.clone())
+            .layer(p.tenant.clone())
+            .layer(p.rate_limit.clone())
+            .layer(p.gate.clone())
+            .layer(p.idempotency.clone())
+            .service(inner)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,8 @@
 //! Test helpers shared by the server layers' unit tests.
 
+use std::cell::RefCell;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Once;
 
 use bytes::Bytes;
 use http::Response;
@@ -90,28 +91,49 @@ where
     (output, Recorded(recorded))
 }
 
-/// Log lines written while `test` ran (JSON, one event per line).
-pub(crate) fn with_logs<T>(test: impl FnOnce() -> T) -> (T, Vec<serde_json::Value>) {
-    #[derive(Clone, Default)]
-    struct Buffer(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Buffer {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
+thread_local! {
+    /// Where this thread's log lines go while [`with_logs`] runs on it.
+    static CAPTURE: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
+}
+
+/// Writes into the current thread's capture buffer, if any.
+struct ThreadWriter;
+
+impl std::io::Write for ThreadWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        CAPTURE.with(|c| {
+            if let Some(out) = c.borrow_mut().as_mut() {
+                out.extend_from_slice(buf);
+            }
+        });
+        Ok(buf.len())
     }
-    let buffer = Buffer::default();
-    let writer = buffer.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .json()
-        .flatten_event(true)
-        .with_writer(move || writer.clone())
-        .finish();
-    let output = tracing::subscriber::with_default(subscriber, test);
-    let bytes = buffer.0.lock().unwrap().clone();
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Log lines written on this thread while `test` ran (JSON, one event per line).
+///
+/// One global subscriber serves every test thread: a scoped (`with_default`) subscriber can
+/// miss events because tracing caches each callsite's interest process-wide, and a test thread
+/// without a subscriber may cache "never" first.
+pub(crate) fn with_logs<T>(test: impl FnOnce() -> T) -> (T, Vec<serde_json::Value>) {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(|| ThreadWriter)
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other global subscriber in the library's tests");
+    });
+    CAPTURE.with(|c| *c.borrow_mut() = Some(Vec::new()));
+    let output = test();
+    let bytes = CAPTURE.with(|c| c.borrow_mut().take()).unwrap_or_default();
     let lines = String::from_utf8(bytes)
         .unwrap()
         .lines()

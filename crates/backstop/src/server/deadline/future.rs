@@ -35,6 +35,7 @@ pin_project! {
         Rejected {
             response: Option<Response<B>>,
         },
+        Done,
     }
 }
 
@@ -65,19 +66,24 @@ where
     type Output = Result<Response<B>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
+        let mut kind = self.project().kind;
+        match kind.as_mut().project() {
             KindProj::Running { inner, sleep } => {
                 if let Poll::Ready(result) = inner.poll(cx) {
                     return Poll::Ready(result);
                 }
-                match sleep.poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Ok(deadline_exceeded())),
-                    Poll::Pending => Poll::Pending,
-                }
+                std::task::ready!(sleep.poll(cx));
+                // Drop the inner future now, before answering: its cleanup (an idempotency
+                // record marked failed, a gate permit returned) happens before the client
+                // can see the 504 and retry.
+                kind.set(Kind::Done);
+                Poll::Ready(Ok(deadline_exceeded()))
             }
-            KindProj::Rejected { response } => Poll::Ready(Ok(response
-                .take()
-                .expect("ResponseFuture polled after completion"))),
+            KindProj::Rejected { response } => match response.take() {
+                Some(response) => Poll::Ready(Ok(response)),
+                None => panic!("ResponseFuture polled after completion"),
+            },
+            KindProj::Done => panic!("ResponseFuture polled after completion"),
         }
     }
 }

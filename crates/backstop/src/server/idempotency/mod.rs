@@ -6,7 +6,7 @@
 //! 1. requires an `Idempotency-Key` header (a bare token or a quoted Structured Field string):
 //!    400 `missing_idempotency_key` / `invalid_idempotency_key`;
 //! 2. buffers the body up to a cap (1 MiB unless set), checking `Content-Length` before reading
-//!    anything: 413 `payload_too_large`;
+//!    anything: 413 `body_too_large`;
 //! 3. fingerprints `"METHOD path"` and the body's canonical JSON: 400 `invalid_body` when the
 //!    body is not JSON;
 //! 4. claims `(tenant, key)` in the [`Store`] — records are scoped by the [`Tenant`] extension,
@@ -63,14 +63,20 @@ use crate::deadline::Deadline;
 use crate::idempotency::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoredResponse,
 };
-use crate::observe;
-use crate::status::{Code, Status};
+use crate::observe::{self, label};
+use crate::status::{Code, Status, problem};
 
 /// The request header carrying the key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The response header marking a replayed answer.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Problem code of a keyed request whose body is not JSON (or could not be read): 400.
+pub const INVALID_BODY: &str = "invalid_body";
+
+/// Problem code when the idempotency store cannot be reached: 503 + Retry-After.
+pub const STORE_UNAVAILABLE: &str = "store_unavailable";
 
 /// Default cap on a keyed request's body.
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
@@ -172,7 +178,7 @@ where
     let key = match head.headers.get(IDEMPOTENCY_KEY) {
         None => {
             return Ok(bad_request(
-                "missing_idempotency_key",
+                problem::MISSING_IDEMPOTENCY_KEY,
                 "this route requires an Idempotency-Key header",
             ));
         }
@@ -180,7 +186,7 @@ where
             Some(Ok(key)) => key,
             _ => {
                 return Ok(bad_request(
-                    "invalid_idempotency_key",
+                    problem::INVALID_IDEMPOTENCY_KEY,
                     "Idempotency-Key must be 1 to 255 visible ASCII characters",
                 ));
             }
@@ -201,7 +207,7 @@ where
         Err(e) if e.is::<LengthLimitError>() => return Ok(too_large(shared.max_body)),
         Err(_) => {
             return Ok(bad_request(
-                "invalid_body",
+                INVALID_BODY,
                 "the request body could not be read",
             ));
         }
@@ -209,7 +215,7 @@ where
 
     let operation = format!("{} {}", head.method, head.uri.path());
     let Ok(fingerprint) = Fingerprint::of_json(&operation, &body) else {
-        return Ok(bad_request("invalid_body", "the request body must be JSON"));
+        return Ok(bad_request(INVALID_BODY, "the request body must be JSON"));
     };
 
     let lease_for = match head.extensions.get::<Deadline>() {
@@ -232,29 +238,24 @@ where
         }
     };
 
+    count_claim(&labels, claim.as_str());
     let lease = match claim {
-        Claim::Claimed(lease) => {
-            count_claim(&labels, "claimed");
-            lease
-        }
-        Claim::Replay(stored) => {
-            count_claim(&labels, "replay");
-            return Ok(replay(stored));
-        }
+        Claim::Claimed(lease) => lease,
+        Claim::Replay(stored) => return Ok(replay(stored)),
         Claim::Conflict { fingerprint_prefix } => {
-            count_claim(&labels, "conflict");
-            return Ok(Problem::new(StatusCode::CONFLICT, "idempotency_key_reused")
-                .detail("this Idempotency-Key was already used with other parameters")
-                .with("fingerprint_prefix", fingerprint_prefix)
-                .into_response());
+            return Ok(
+                Problem::new(StatusCode::CONFLICT, problem::IDEMPOTENCY_KEY_REUSED)
+                    .detail("this Idempotency-Key was already used with other parameters")
+                    .with("fingerprint_prefix", fingerprint_prefix)
+                    .into_response(),
+            );
         }
         Claim::InProgress { retry_after } => {
-            count_claim(&labels, "in_progress");
             let status = Status::new(
                 Code::Aborted,
                 "a request with this Idempotency-Key is still running",
             )
-            .with_problem("request_in_progress")
+            .with_problem(problem::REQUEST_IN_PROGRESS)
             .with_pushback(retry_after);
             return Ok(Problem::from_status(&status).into_response());
         }
@@ -284,13 +285,14 @@ where
     match after(&response) {
         After::Complete => {
             let (parts, body) = response.into_parts();
-            let body = match body.collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(_) => {
+            // The body error is dropped before any await: it need not be `Send`.
+            let collected = body.collect().await.ok().map(|c| c.to_bytes());
+            let body = match collected {
+                Some(body) => body,
+                None => {
                     fail(&shared, &lease).await;
                     guard.disarm();
-                    let status = Status::new(Code::Internal, "the response body failed")
-                        .with_problem("internal");
+                    let status = Status::new(Code::Internal, "the response body failed");
                     return Ok(Problem::from_status(&status).into_response());
                 }
             };
@@ -299,9 +301,9 @@ where
                 headers: stored_headers(&parts.headers, &shared.stored_headers),
                 body: body.clone(),
             };
-            // A drop while completing leaves the record running until its lease ends; failing
-            // it here could undo a completion that already reached the store.
-            guard.disarm();
+            // The guard stays armed: if this future is dropped mid-complete, the answer never
+            // reached the client, and the fencing token makes the guard's `fail` a no-op
+            // (`LeaseLost`) should the completion have been written after all.
             if let Err(error) = shared
                 .store
                 .complete(&lease, stored, shared.clock.now_ms())
@@ -309,6 +311,7 @@ where
             {
                 tracing::error!(target: "backstop::server", %error, "idempotency complete failed");
             }
+            guard.disarm();
             Ok(Response::from_parts(parts, ResBody::from(body)))
         }
         After::Fail => {
@@ -420,9 +423,9 @@ fn replay<B: From<Bytes>>(stored: StoredResponse) -> Response<B> {
 fn count_claim(route: &Route, result: &'static str) {
     metrics::counter!(
         observe::IDEMPOTENCY_CLAIMS_TOTAL,
-        "service" => route.service_label(),
-        "method" => route.method_label(),
-        "result" => result,
+        label::SERVICE => route.service_label(),
+        label::METHOD => route.method_label(),
+        label::RESULT => result,
     )
     .increment(1);
 }
@@ -433,14 +436,14 @@ fn bad_request<B: From<Bytes>>(code: &'static str, detail: &'static str) -> Resp
 }
 
 fn too_large<B: From<Bytes>>(max: usize) -> Response<B> {
-    Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
+    Problem::new(StatusCode::PAYLOAD_TOO_LARGE, problem::BODY_TOO_LARGE)
         .detail(format!("the request body exceeds {max} bytes"))
         .into_response()
 }
 
 fn store_unavailable<B: From<Bytes>>() -> Response<B> {
     let status = Status::new(Code::Unavailable, "the idempotency store is unavailable")
-        .with_problem("store_unavailable")
+        .with_problem(STORE_UNAVAILABLE)
         .with_pushback(STORE_RETRY_AFTER);
     Problem::from_status(&status).into_response()
 }

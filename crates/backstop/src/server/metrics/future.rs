@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::{Rejected, Route, trace_id};
 use crate::deadline::Deadline;
+use crate::idempotency::IdempotencyKey;
 use crate::observe::{self, label};
 use crate::status::Outcome;
 
@@ -75,8 +76,8 @@ impl Record {
         let idempotency_key = headers
             .get("idempotency-key")
             .and_then(|v| v.to_str().ok())
-            .filter(|v| (1..=255).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()))
-            .map(Box::from);
+            .and_then(|v| IdempotencyKey::parse(v).ok())
+            .map(|k| Box::from(k.as_str()));
         let trace_id = headers
             .get("traceparent")
             .and_then(|v| v.to_str().ok())

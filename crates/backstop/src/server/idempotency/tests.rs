@@ -1,0 +1,480 @@
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use tokio::sync::Semaphore;
+use tower::{Service, ServiceExt, service_fn};
+use tower_layer::Layer;
+
+use super::*;
+use crate::clock::ManualClock;
+use crate::idempotency::{MemoryStore, RecordStatus};
+use crate::observe::IDEMPOTENCY_CLAIMS_TOTAL;
+use crate::server::metrics::MetricsLayer;
+use crate::server::testing::{body, problem_code, with_metrics};
+
+type Body = Full<Bytes>;
+
+const PAY: &str = r#"{"order_id":"o-1","amount_cents":100}"#;
+
+fn layer(store: &MemoryStore) -> IdempotencyLayer<MemoryStore> {
+    IdempotencyLayer::new(store.clone())
+        .clock(ManualClock::new(1_000_000))
+        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .max_body(1024)
+}
+
+fn post(key: Option<&str>, json: &str) -> Request<Body> {
+    let mut builder = Request::builder().method(Method::POST).uri("/v1/payments");
+    if let Some(key) = key {
+        builder = builder.header(IDEMPOTENCY_KEY, key);
+    }
+    builder
+        .body(Body::from(Bytes::copy_from_slice(json.as_bytes())))
+        .unwrap()
+}
+
+fn for_tenant(mut req: Request<Body>, tenant: &str) -> Request<Body> {
+    req.extensions_mut().insert(Tenant::new(tenant));
+    req
+}
+
+/// A handler answering `status` with a JSON body that numbers the call, plus headers.
+#[derive(Clone)]
+struct Handler {
+    calls: Arc<AtomicUsize>,
+    status: StatusCode,
+}
+
+impl Handler {
+    fn new(status: StatusCode) -> Self {
+        Self {
+            calls: Arc::new(AtomicUsize::new(0)),
+            status,
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn service(
+        &self,
+    ) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + 'static {
+        let this = self.clone();
+        service_fn(move |req: Request<Body>| {
+            let n = this.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let status = this.status;
+            let key = req
+                .extensions()
+                .get::<IdempotencyKey>()
+                .map(|k| k.as_str().to_owned());
+            let lease = req.extensions().get::<Lease>().cloned();
+            async move {
+                let received = body(Response::new(req.into_body())).await;
+                let json = format!(
+                    "{{\"call\":{n},\"key\":{:?},\"leased\":{},\"received\":{}}}",
+                    key.unwrap_or_default(),
+                    lease.is_some(),
+                    String::from_utf8_lossy(&received)
+                );
+                let mut res = Response::new(Body::from(json));
+                *res.status_mut() = status;
+                let h = res.headers_mut();
+                h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+                h.insert(header::LOCATION, "/v1/payments/pi_1".parse().unwrap());
+                h.insert("x-request-only", "1".parse().unwrap());
+                Ok::<_, Infallible>(res)
+            }
+        })
+    }
+}
+
+async fn send<S>(svc: &S, req: Request<Body>) -> (StatusCode, http::HeaderMap, Bytes)
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+{
+    let res = svc.clone().oneshot(req).await.unwrap();
+    let (parts, b) = res.into_parts();
+    let bytes = body(Response::new(b)).await;
+    (parts.status, parts.headers, bytes)
+}
+
+async fn record(store: &MemoryStore, tenant: &str, key: &str) -> Option<RecordStatus> {
+    store
+        .get(tenant, &IdempotencyKey::parse(key).unwrap())
+        .await
+        .unwrap()
+        .map(|r| r.status)
+}
+
+#[tokio::test]
+async fn other_routes_pass_through_without_a_key() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::OK);
+    let svc = layer(&store).layer(handler.service());
+    let req = Request::builder()
+        .method(Method::GET)
+        .uri("/v1/payments/pi_1")
+        .body(Body::default())
+        .unwrap();
+    let (status, _, _) = send(&svc, req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(handler.calls(), 1);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn missing_or_invalid_key_is_400_and_writes_nothing() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    let long = "k".repeat(256);
+    for (key, code) in [
+        (None, "missing_idempotency_key"),
+        (Some(long.as_str()), "invalid_idempotency_key"),
+        (Some("has space"), "invalid_idempotency_key"),
+        (Some("\"unterminated"), "invalid_idempotency_key"),
+    ] {
+        let (status, headers, bytes) = send(&svc, post(key, PAY)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{key:?}");
+        assert_eq!(headers[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(problem_code(&bytes), code, "{key:?}");
+    }
+    assert_eq!(handler.calls(), 0);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn announced_oversized_body_is_413_before_reading() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    // The body itself is empty (not JSON): only the announced length can give 413.
+    let mut req = post(Some("k1"), "");
+    req.headers_mut()
+        .insert(header::CONTENT_LENGTH, "1000000000".parse().unwrap());
+    let (status, _, bytes) = send(&svc, req).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(problem_code(&bytes), "body_too_large");
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn oversized_body_without_length_is_413() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(2000));
+    let (status, _, _) = send(&svc, post(Some("k1"), &big)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(handler.calls(), 0);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn non_json_body_is_400_invalid_body() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    let (status, _, bytes) = send(&svc, post(Some("k1"), "amount=100")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(problem_code(&bytes), "invalid_body");
+    assert_eq!(handler.calls(), 0);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn success_is_stored_and_replayed_byte_for_byte() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    let (s1, h1, b1) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(s1, StatusCode::CREATED);
+    assert!(h1.get(IDEMPOTENT_REPLAYED).is_none());
+    let doc: serde_json::Value = serde_json::from_slice(&b1).unwrap();
+    assert_eq!(doc["key"], "k1", "the handler sees the key");
+    assert_eq!(doc["leased"], true, "the handler sees the lease");
+    assert_eq!(doc["received"]["amount_cents"], 100, "the body is rebuilt");
+
+    // Same key, same parameters (other JSON spelling): the stored answer.
+    let respelled = r#"{ "amount_cents": 100, "order_id": "o-1" }"#;
+    let (s2, h2, b2) = send(&svc, post(Some("k1"), respelled)).await;
+    assert_eq!(s2, StatusCode::CREATED);
+    assert_eq!(b2, b1, "byte for byte");
+    assert_eq!(h2[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(h2[header::CONTENT_TYPE], "application/json");
+    assert_eq!(h2[header::LOCATION], "/v1/payments/pi_1");
+    assert!(
+        h2.get("x-request-only").is_none(),
+        "only the headers that matter"
+    );
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Succeeded)
+    );
+}
+
+#[tokio::test]
+async fn configured_headers_are_replayed_too() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store)
+        .store_header(http::HeaderName::from_static("x-request-only"))
+        .layer(handler.service());
+    send(&svc, post(Some("k1"), PAY)).await;
+    let (_, h, _) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(h["x-request-only"], "1");
+}
+
+#[tokio::test]
+async fn same_key_other_parameters_is_409_with_the_original_prefix() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    send(&svc, post(Some("k1"), PAY)).await;
+    let other = r#"{"order_id":"o-1","amount_cents":1000}"#;
+    let (status, _, bytes) = send(&svc, post(Some("k1"), other)).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let doc: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(doc["code"], "idempotency_key_reused");
+    let original = Fingerprint::of_json("POST /v1/payments", PAY.as_bytes()).unwrap();
+    assert_eq!(doc["fingerprint_prefix"], original.prefix8());
+    assert_eq!(handler.calls(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_retry_is_409_in_progress_with_retry_after() {
+    let store = MemoryStore::new();
+    let release = Arc::new(Semaphore::new(0));
+    let gate = release.clone();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = layer(&store).layer(service_fn(move |_req: Request<Body>| {
+        let gate = gate.clone();
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            gate.acquire().await.unwrap().forget();
+            let mut res = Response::new(Body::from("{}"));
+            *res.status_mut() = StatusCode::CREATED;
+            Ok::<_, Infallible>(res)
+        }
+    }));
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    let (status, headers, bytes) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(problem_code(&bytes), "request_in_progress");
+    assert_eq!(
+        headers[header::RETRY_AFTER],
+        "5",
+        "the rest of the 5 s lease"
+    );
+    release.add_permits(1);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_covers_the_request_deadline() {
+    let store = MemoryStore::new();
+    let release = Arc::new(Semaphore::new(0));
+    let gate = release.clone();
+    let svc = layer(&store).layer(service_fn(move |_req: Request<Body>| {
+        let gate = gate.clone();
+        async move {
+            gate.acquire().await.unwrap().forget();
+            Ok::<_, Infallible>(Response::new(Body::from("{}")))
+        }
+    }));
+    let mut req = post(Some("k1"), PAY);
+    req.extensions_mut()
+        .insert(crate::deadline::Deadline::after(Duration::from_secs(30)));
+    let _first = tokio::spawn(svc.clone().oneshot(req));
+    tokio::task::yield_now().await;
+    let (status, headers, _) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(headers[header::RETRY_AFTER], "30");
+}
+
+#[tokio::test]
+async fn retryable_failure_lets_the_same_key_run_again() {
+    for failure in [
+        StatusCode::INTERNAL_SERVER_ERROR,
+        StatusCode::SERVICE_UNAVAILABLE,
+        StatusCode::GATEWAY_TIMEOUT,
+        StatusCode::TOO_MANY_REQUESTS,
+    ] {
+        let store = MemoryStore::new();
+        let failing = Handler::new(failure);
+        let svc = layer(&store).layer(failing.service());
+        let (status, headers, _) = send(&svc, post(Some("k1"), PAY)).await;
+        assert_eq!(status, failure);
+        assert!(headers.get(IDEMPOTENT_REPLAYED).is_none());
+        assert_eq!(
+            record(&store, "default", "k1").await,
+            Some(RecordStatus::Failed)
+        );
+
+        // The same key runs again, and still refuses other parameters meanwhile.
+        let ok = Handler::new(StatusCode::CREATED);
+        let svc = layer(&store).layer(ok.service());
+        let other = r#"{"order_id":"o-2","amount_cents":1}"#;
+        assert_eq!(
+            send(&svc, post(Some("k1"), other)).await.0,
+            StatusCode::CONFLICT
+        );
+        assert_eq!(
+            send(&svc, post(Some("k1"), PAY)).await.0,
+            StatusCode::CREATED
+        );
+        assert_eq!(ok.calls(), 1, "{failure}");
+    }
+}
+
+#[tokio::test]
+async fn conflict_with_retry_after_is_retryable_plain_conflict_is_not() {
+    let store = MemoryStore::new();
+    let svc = layer(&store).layer(service_fn(|req: Request<Body>| async move {
+        let busy = req.uri().query() == Some("busy");
+        let mut res = Response::new(Body::from("{}"));
+        *res.status_mut() = StatusCode::CONFLICT;
+        if busy {
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, "1".parse().unwrap());
+        }
+        Ok::<_, Infallible>(res)
+    }));
+    let mut busy = post(Some("k1"), PAY);
+    *busy.uri_mut() = "/v1/payments?busy".parse().unwrap();
+    send(&svc, busy).await;
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Failed)
+    );
+    send(&svc, post(Some("k2"), PAY)).await;
+    assert_eq!(record(&store, "default", "k2").await, None);
+}
+
+#[tokio::test]
+async fn client_mistake_leaves_the_key_unused() {
+    let store = MemoryStore::new();
+    let rejecting = Handler::new(StatusCode::UNPROCESSABLE_ENTITY);
+    let svc = layer(&store).layer(rejecting.service());
+    let (status, _, _) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        None,
+        "nothing written"
+    );
+    // The key is free for a corrected request with other parameters.
+    let ok = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(ok.service());
+    let fixed = r#"{"order_id":"o-1","amount_cents":200}"#;
+    assert_eq!(
+        send(&svc, post(Some("k1"), fixed)).await.0,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test]
+async fn inner_error_marks_the_record_failed() {
+    let store = MemoryStore::new();
+    let svc = layer(&store).layer(service_fn(|_req: Request<Body>| async {
+        Err::<Response<Body>, _>(std::io::Error::other("connection reset"))
+    }));
+    assert!(svc.oneshot(post(Some("k1"), PAY)).await.is_err());
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Failed)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropped_request_fails_its_record_so_a_retry_can_run() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = layer(&store).layer(service_fn(move |_req: Request<Body>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        std::future::pending::<Result<Response<Body>, Infallible>>()
+    }));
+    let running = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Running)
+    );
+    running.abort();
+    let _ = running.await;
+    // The guard's `fail` runs on a spawned task.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Failed)
+    );
+}
+
+#[tokio::test]
+async fn records_are_scoped_by_tenant() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    let (_, _, acme) = send(&svc, for_tenant(post(Some("k1"), PAY), "acme")).await;
+    // Another tenant with the same key: its own request, never acme's answer.
+    let (status, headers, globex) = send(&svc, for_tenant(post(Some("k1"), PAY), "globex")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get(IDEMPOTENT_REPLAYED).is_none());
+    assert_ne!(acme, globex);
+    // ...nor a conflict with acme's parameters.
+    let other = r#"{"order_id":"o-9","amount_cents":9}"#;
+    let (status, _, _) = send(&svc, for_tenant(post(Some("k2"), other), "globex")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, _) = send(&svc, for_tenant(post(Some("k2"), PAY), "acme")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(handler.calls(), 4);
+}
+
+#[test]
+fn claims_are_counted_by_result() {
+    let ((), m) = with_metrics(|| async {
+        let store = MemoryStore::new();
+        let handler = Handler::new(StatusCode::CREATED);
+        let svc = MetricsLayer::new("payments")
+            .route(Method::POST, "/v1/payments")
+            .layer(layer(&store).layer(handler.service()));
+        let other = r#"{"order_id":"o-2","amount_cents":1}"#;
+        for req in [
+            post(Some("k1"), PAY),
+            post(Some("k1"), PAY),
+            post(Some("k1"), other),
+        ] {
+            svc.clone().oneshot(req).await.unwrap();
+        }
+    });
+    for result in ["claimed", "replay", "conflict"] {
+        assert_eq!(
+            m.counter(
+                IDEMPOTENCY_CLAIMS_TOTAL,
+                &[("result", result), ("method", "POST /v1/payments")]
+            ),
+            1,
+            "{result}"
+        );
+    }
+}
