@@ -484,7 +484,12 @@ fn writer_loop(
 
 const SAVEPOINT: &str = "SAVEPOINT backstop_job";
 const RELEASE: &str = "RELEASE backstop_job";
-const ROLLBACK_TO: &str = "ROLLBACK TO backstop_job; RELEASE backstop_job";
+const ROLLBACK_TO: &str = "ROLLBACK TO backstop_job";
+
+/// Runs a parameterless control statement through the statement cache (it runs per job).
+fn exec(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([]).map(|_| ())
+}
 
 /// Runs `batch` in as few transactions as possible; answers every job.
 fn run_batch(
@@ -497,7 +502,7 @@ fn run_batch(
     let mut queue = std::mem::take(batch).into_iter();
     // Normally one pass; another only if a job ended the transaction, for the jobs after it.
     while queue.len() > 0 {
-        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+        if let Err(e) = exec(conn, "BEGIN IMMEDIATE") {
             let e = Arc::new(e);
             for job in queue {
                 job.abort(BatchEnd::Failed(&e));
@@ -506,7 +511,7 @@ fn run_batch(
         }
         let mut aborted = false;
         for job in queue.by_ref() {
-            if conn.execute_batch(SAVEPOINT).is_err() {
+            if exec(conn, SAVEPOINT).is_err() {
                 // The transaction is unusable: what ran so far is lost, this job never ran.
                 job.abort(BatchEnd::Aborted);
                 aborted = true;
@@ -514,11 +519,9 @@ fn run_batch(
             }
             let (ok, reply) = job.run(conn);
             replies.push(reply);
-            let closed = if ok {
-                conn.is_autocommit() || conn.execute_batch(RELEASE).is_err()
-            } else {
-                conn.is_autocommit() || conn.execute_batch(ROLLBACK_TO).is_err()
-            };
+            let closed = conn.is_autocommit()
+                || (!ok && exec(conn, ROLLBACK_TO).is_err())
+                || exec(conn, RELEASE).is_err();
             if closed {
                 aborted = true;
                 break;
@@ -529,7 +532,7 @@ fn run_batch(
             finish_all(replies, BatchEnd::Aborted);
             continue;
         }
-        match conn.execute_batch("COMMIT") {
+        match exec(conn, "COMMIT") {
             Ok(()) => {
                 counters.transactions.fetch_add(1, Ordering::Relaxed);
                 counters
