@@ -161,8 +161,11 @@ impl Cell {
 /// Nanoseconds from `epoch` to `now` (zero if `now` is earlier).
 #[inline]
 pub(crate) fn nanos_since(epoch: Instant, now: Instant) -> u64 {
-    // u64 nanoseconds cover 584 years.
-    now.saturating_duration_since(epoch).as_nanos() as u64
+    let d = now.saturating_duration_since(epoch);
+    // u64 nanoseconds cover 584 years; u64 arithmetic is cheaper than `as_nanos()`'s u128.
+    d.as_secs()
+        .saturating_mul(NANOS_PER_SEC)
+        .saturating_add(u64::from(d.subsec_nanos()))
 }
 
 /// A token bucket: `rate` tokens per second on average, up to `burst` at once.
