@@ -33,7 +33,10 @@ pin_project! {
     #[project_replace = StateOwned]
     enum State<S, Req, F> {
         Waiting {
-            enter: Enter,
+            gate: Gate,
+            deadline: Deadline,
+            // Boxed only when the gate is full and the request has to wait.
+            enter: Option<Enter>,
             service: S,
             request: Req,
         },
@@ -65,10 +68,11 @@ where
         service: S,
         request: Request<ReqBody>,
     ) -> Self {
-        let enter: Enter = Box::pin(async move { gate.enter(&deadline).await });
         Self {
             state: State::Waiting {
-                enter,
+                gate,
+                deadline,
+                enter: None,
                 service,
                 request,
             },
@@ -87,8 +91,25 @@ where
         let mut state = self.project().state;
         loop {
             match state.as_mut().project() {
-                StateProj::Waiting { enter, .. } => {
-                    let admitted = std::task::ready!(enter.as_mut().poll(cx));
+                StateProj::Waiting {
+                    gate,
+                    deadline,
+                    enter,
+                    ..
+                } => {
+                    let admitted = match enter {
+                        Some(enter) => std::task::ready!(enter.as_mut().poll(cx)),
+                        None => match gate.try_enter() {
+                            Ok(permit) => Ok(permit),
+                            Err(_) => {
+                                let (gate, deadline) = (gate.clone(), *deadline);
+                                let waiting: Enter =
+                                    Box::pin(async move { gate.enter(&deadline).await });
+                                *enter = Some(waiting);
+                                continue;
+                            }
+                        },
+                    };
                     let StateOwned::Waiting {
                         mut service,
                         request,
