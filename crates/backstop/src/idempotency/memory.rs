@@ -206,8 +206,3 @@ impl Store for MemoryStore {
         std::future::ready(Ok(doomed.len()))
     }
 }
-
-#[cfg(test)]
-mod tests {
-    crate::store_conformance!(conformance, async { super::super::MemoryStore::new() });
-}

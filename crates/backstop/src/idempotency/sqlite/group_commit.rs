@@ -345,6 +345,11 @@ impl Db {
         }
     }
 
+    /// Write jobs queued and not yet taken by the writer (a gauge of write backlog).
+    pub fn queued_jobs(&self) -> usize {
+        self.inner.jobs.max_capacity() - self.inner.jobs.capacity()
+    }
+
     /// The options this handle was opened with.
     pub fn options(&self) -> &SqliteOptions {
         &self.inner.options
@@ -710,7 +715,7 @@ mod tests {
                 })
             })
             .collect();
-        while db.inner.jobs.max_capacity() - db.inner.jobs.capacity() < 63 {
+        while db.queued_jobs() < 63 {
             tokio::task::yield_now().await;
         }
         unblock.send(()).unwrap();

@@ -1,12 +1,12 @@
 CREATE TABLE idempotency_key (
-  scope            TEXT    NOT NULL,
+  scope            TEXT    NOT NULL,  -- tenant / merchant: keys never collide across scopes
   key              TEXT    NOT NULL,
   fingerprint      TEXT    NOT NULL,
   status           TEXT    NOT NULL CHECK (status IN ('running','succeeded','failed')),
-  lease_until      INTEGER NOT NULL,
+  lease_until      INTEGER NOT NULL,  -- unix ms; the fencing token of the current claim
   http_status      INTEGER,
-  response_body    TEXT,
-  response_headers TEXT,
+  response_body    TEXT,              -- written as a BLOB: bytes kept exactly
+  response_headers TEXT,              -- JSON [[name, value], ...]
   created_at       INTEGER NOT NULL,
   expires_at       INTEGER NOT NULL,
   PRIMARY KEY (scope, key)

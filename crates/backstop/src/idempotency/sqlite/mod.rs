@@ -401,20 +401,53 @@ mod tests {
         WithGuard(store, dir)
     }
 
-    crate::store_conformance!(conformance, store());
-
-    crate::store_conformance!(conformance_autocommit, async {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let options = SqliteOptions {
-            group_commit: false,
-            synchronous: Synchronous::Normal,
-            ..SqliteOptions::default()
-        };
-        let store = SqliteStore::open(dir.path().join("idem.db"), options)
-            .await
-            .expect("open store");
-        WithGuard(store, dir)
-    });
+    /// Claims and completions from concurrent callers share the writer's transactions.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_claims_are_group_committed() {
+        let guard = store().await;
+        let store = guard.0.clone();
+        let (unblock, blocked) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+        let blocker = store.db().clone();
+        let blocker = tokio::spawn(async move {
+            blocker
+                .write(move |_| {
+                    let _ = started_tx.send(());
+                    blocked.recv().ok();
+                    Ok(())
+                })
+                .await
+        });
+        started.await.unwrap();
+        let before = store.db().stats();
+        let claims: Vec<_> = (0..32)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let req = ClaimRequest {
+                        scope: "s".into(),
+                        key: IdempotencyKey::new(format!("k{i}")).unwrap(),
+                        fingerprint: Fingerprint::of_bytes("M", b""),
+                        lease: std::time::Duration::from_secs(5),
+                        ttl: std::time::Duration::from_secs(60),
+                        now_ms: 1_000,
+                    };
+                    store.claim(req).await
+                })
+            })
+            .collect();
+        while store.db().queued_jobs() < 32 {
+            tokio::task::yield_now().await;
+        }
+        unblock.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        for c in claims {
+            assert!(matches!(c.await.unwrap().unwrap(), Claim::Claimed(_)));
+        }
+        let after = store.db().stats();
+        assert_eq!(after.jobs - before.jobs, 33);
+        assert_eq!(after.transactions - before.transactions, 2);
+    }
 
     #[tokio::test]
     async fn records_survive_reopen() {
