@@ -6,7 +6,8 @@
 //! forgetting it loses nothing. When a shard is at its bound, full buckets are swept out; when
 //! every held bucket is still in use, a new key shares one *overflow* bucket with the same
 //! quota. A flood of fresh tenant ids therefore costs no memory beyond the bound and gets, all
-//! together, the rate of one tenant, while established tenants keep their own limits.
+//! together, the rate of one tenant, while established tenants keep their own limits. A shard
+//! is swept at most once a millisecond, so a flood cannot make each request pay for a scan.
 //!
 //! Keys are stored as 64-bit SipHash values under a random per-limiter key, never as the
 //! client's bytes: memory per entry is fixed whatever the key's length, and two tenants can
@@ -29,6 +30,9 @@ const MIN_KEYS_PER_SHARD: usize = 1024;
 /// Bits of the key hash that pick the shard: neither the low bits (bucket index) nor the top
 /// seven (control bytes) that the map itself uses.
 const SHARD_SHIFT: u32 = 40;
+/// Least time between two sweeps of one shard, so a flood cannot make every request pay for
+/// a scan of the whole shard.
+const SWEEP_GAP_NS: u64 = 1_000_000;
 
 /// Token buckets per key, at most `max_keys` of them, plus one shared overflow bucket.
 ///
@@ -68,9 +72,11 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Shard {
     buckets: HashMap<u64, Cell, BuildHasherDefault<Prehashed>>,
-    /// No sweep can free a slot before this time (nanoseconds since the epoch): the smallest
-    /// TAT held when last computed.
-    next_sweep_ns: u64,
+    /// No sweep can free a slot before this time (nanoseconds since the epoch): a lower bound
+    /// on the TATs held.
+    min_tat_ns: u64,
+    /// No sweep runs before this time: the last sweep plus [`SWEEP_GAP_NS`].
+    sweep_not_before_ns: u64,
 }
 
 /// Hasher for keys that already are hashes.
@@ -171,7 +177,7 @@ impl KeyedTokenBucket {
         if shard.buckets.len() < inner.shard_cap || shard.buckets.contains_key(&hash) {
             let cell = shard.buckets.entry(hash).or_default();
             let decision = cell.decide(now_ns, inc, tolerance);
-            shard.next_sweep_ns = shard.next_sweep_ns.min(cell.tat());
+            shard.min_tat_ns = shard.min_tat_ns.min(cell.tat());
             return decision.map_err(Duration::from_nanos);
         }
         drop(write);
@@ -183,13 +189,14 @@ impl KeyedTokenBucket {
 }
 
 impl Shard {
-    /// Forgets full buckets, unless none can be full yet.
+    /// Forgets full buckets, unless none can be full yet or the last sweep was too recent.
     fn sweep(&mut self, now_ns: u64) {
-        if now_ns < self.next_sweep_ns {
+        if now_ns < self.min_tat_ns || now_ns < self.sweep_not_before_ns {
             return;
         }
         self.buckets.retain(|_, cell| !cell.is_full(now_ns));
-        self.next_sweep_ns = self.buckets.values().map(Cell::tat).min().unwrap_or(0);
+        self.min_tat_ns = self.buckets.values().map(Cell::tat).min().unwrap_or(0);
+        self.sweep_not_before_ns = now_ns.saturating_add(SWEEP_GAP_NS);
     }
 }
 
@@ -275,6 +282,31 @@ mod tests {
         // "a" comes back with a full bucket, as if it had been held all along.
         assert!(l.check("a").is_ok());
         assert!(l.check("a").is_err());
+    }
+
+    #[test]
+    fn sweeps_are_spaced_out() {
+        const MS: u64 = 1_000_000;
+        let mut shard = Shard::default();
+        for (key, full_at) in [(0u64, 10 * MS), (1, 10 * MS + MS / 2), (2, 30 * MS)] {
+            let cell = shard.buckets.entry(key).or_default();
+            cell.decide(0, full_at, u64::MAX).unwrap();
+        }
+        shard.sweep(0);
+        assert_eq!(shard.buckets.len(), 3);
+        assert_eq!(shard.min_tat_ns, 10 * MS);
+        // Nothing can be full before the smallest TAT: no scan.
+        shard.sweep(9 * MS);
+        assert_eq!(shard.sweep_not_before_ns, MS);
+        shard.sweep(10 * MS);
+        assert_eq!(shard.buckets.len(), 2);
+        // Key 1 is full at 10.5 ms, but a sweep within 1 ms of the last one is skipped.
+        shard.sweep(10 * MS + MS / 2);
+        assert_eq!(shard.buckets.len(), 2);
+        shard.sweep(11 * MS);
+        assert_eq!(shard.buckets.len(), 1);
+        shard.sweep(30 * MS);
+        assert!(shard.buckets.is_empty());
     }
 
     #[tokio::test(start_paused = true)]
