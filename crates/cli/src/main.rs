@@ -1,5 +1,7 @@
 //! `backstop`: run the reference payment system's processes.
 //!
+//! - `backstop serve`: the payment service (HTTP JSON, `/metrics`, `/healthz`, `/readyz`) with an
+//!   embedded PSP unless `--psp URL` is given.
 //! - `backstop psp`: the PSP simulator (a fake payment provider with fault injection).
 
 use std::error::Error;
@@ -9,6 +11,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 mod psp;
+mod serve;
 
 /// backstop: RPC reliability toolkit and its reference payment system.
 #[derive(Debug, Parser)]
@@ -20,6 +23,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the payment service: HTTP JSON on 127.0.0.1:8081 by default, a SQLite store, and an
+    /// embedded PSP unless --psp is given.
+    Serve(serve::ServeArgs),
     /// Run the PSP simulator: a fake payment provider with its own store, dedup on the effect
     /// key, and fault injection.
     Psp(psp::PspArgs),
@@ -30,6 +36,14 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
     let result: Result<(), Box<dyn Error>> = match cli.command {
+        Command::Serve(args) => {
+            let config = args
+                .config()
+                .unwrap_or_else(|error| usage_error(error, "serve"));
+            serve::run(config, shutdown_signal())
+                .await
+                .map_err(Into::into)
+        }
         Command::Psp(args) => {
             let config = args
                 .config()

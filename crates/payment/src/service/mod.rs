@@ -1,8 +1,120 @@
-//! The HTTP payment service.
+//! The HTTP payment service: routes, the layer stack, start-up and graceful shutdown.
+//!
+//! # HTTP contract
+//!
+//! | request | answers |
+//! |---|---|
+//! | `POST /v1/payments` + `Idempotency-Key` | `201` payment + `Location`; a replay of a stored answer byte for byte + `Idempotent-Replayed: true` |
+//! | `GET /v1/payments/{intent_id}` | `200` payment (this merchant's only), else `404` `payment_not_found` |
+//! | `GET /healthz` | `200` while the process runs |
+//! | `GET /readyz` | `200` when the store answers a read, else `503` `store_unavailable` |
+//! | `GET /metrics` | Prometheus text |
+//!
+//! A payment is `{"intent_id", "order_id", "amount_cents", "currency", "status", "charge_id"}`
+//! with `status` one of `running` (outcome not known yet), `succeeded`, `failed`.
+//!
+//! Errors are `application/problem+json` with a stable `code`:
+//!
+//! | status | code | when |
+//! |---|---|---|
+//! | 400 | `missing_idempotency_key`, `invalid_idempotency_key` | key absent, or not 1-255 visible ASCII |
+//! | 400 | `invalid_body` | the body is not JSON (the idempotency layer fingerprints it first) |
+//! | 400 | `invalid_body`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
+//! | 400 | `invalid_grpc_timeout` | malformed `grpc-timeout` (no unit, 9 digits, zero) |
+//! | 401 | `unauthenticated` | keys configured and no or an unknown bearer key |
+//! | 402 | `payment_declined` | the PSP refused definitively (a 4xx): intent `failed`, nothing charged. 402 rather than 422: the request was valid, the payment was refused |
+//! | 409 | `order_conflict` | the order already has an intent under another key; names `intent_id` |
+//! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
+//! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
+//! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
+//! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
+//! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
+//! | 503 | `overloaded` + `Retry-After` | more than `--max-inflight` requests and no slot frees in time |
+//! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
+//! | 504 | `payment_outcome_unknown`, `"status": "unknown"`, `intent_id` | the PSP's outcome is unknown: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
+//! | 504 | `deadline_exceeded` | the request's own deadline passed |
+//!
+//! # Layers
+//!
+//! Outermost first: deadline (reads `grpc-timeout` on arrival) -> metrics and request log ->
+//! authentication ([`crate::auth`], sets the `Tenant`) -> per-merchant rate limit -> gate ->
+//! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
+//! routes bypass the stack.
 //!
 //! # Layout
 //! - [`request`]: the `POST /v1/payments` body, validated with one problem code per mistake.
 //! - [`trace`]: W3C `traceparent` read, generated and propagated.
+//! - [`handlers`]: the route handlers.
+//! - `server`: [`Server`] (start-up, serving, draining) and [`serve`].
 
+pub mod handlers;
 pub mod request;
+mod server;
 pub mod trace;
+
+pub use handlers::AppState;
+pub use server::{RunningServer, ServeError, Server, prometheus_handle, serve};
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use backstop::admission::{Gate, KeyedTokenBucket, Quota};
+use backstop::idempotency::Store;
+use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, ServerStack};
+use http::Method;
+
+use crate::auth::Authenticator;
+use crate::config::{BODY_LIMIT, Config};
+
+/// Service label of the server metrics.
+pub const SERVICE_NAME: &str = "payment";
+
+/// Most merchants whose rate-limit buckets are held at once.
+const MAX_TENANT_BUCKETS: std::num::NonZeroUsize = backstop::server::DEFAULT_MAX_TENANTS;
+
+/// Shortest service time the gate keeps in reserve: a request whose budget cannot wait for a
+/// slot and still get this much is refused at once.
+const MIN_SERVICE: Duration = Duration::from_millis(20);
+
+/// Builds the router: payment routes under the full layer stack, `/healthz`, `/readyz` and
+/// `/metrics` beside it. `store` is the idempotency store (the same database as the intents).
+pub fn build_app<St: Store>(state: AppState, store: St, config: &Config) -> Router {
+    let auth = Authenticator::new(&config.api_keys);
+    let buckets = KeyedTokenBucket::new(
+        Quota::per_second(config.tenant_rate, config.tenant_burst),
+        MAX_TENANT_BUCKETS,
+    );
+    let stack = ServerStack::new(SERVICE_NAME, store.clone())
+        .deadline(DeadlineLayer::new(config.default_timeout))
+        .tenant(auth.layer())
+        .tenant_buckets(buckets)
+        .gate(Gate::new(config.max_inflight, MIN_SERVICE))
+        .idempotency(
+            IdempotencyLayer::new(store)
+                .clock(state.clock.clone())
+                .max_body(BODY_LIMIT),
+        )
+        .keyed(
+            Method::POST,
+            "/v1/payments",
+            KeyedRoute::new(config.key_ttl).lease(config.lease),
+        )
+        .route(Method::GET, "/v1/payments/{intent_id}")
+        .into_layer();
+
+    let payments = Router::new()
+        .route("/v1/payments", post(handlers::create_payment))
+        .route("/v1/payments/{intent_id}", get(handlers::get_payment))
+        .method_not_allowed_fallback(handlers::method_not_allowed)
+        .layer(stack)
+        .with_state(state.clone());
+
+    Router::new()
+        .route("/healthz", get(handlers::healthz))
+        .route("/readyz", get(handlers::readyz))
+        .route("/metrics", get(handlers::metrics))
+        .with_state(state)
+        .merge(payments)
+        .fallback(handlers::not_found)
+}

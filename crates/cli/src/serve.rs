@@ -1,0 +1,156 @@
+//! `backstop serve`: the payment service.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+
+use backstop_payment::config::{ApiKey, Config, PspTarget, StoreLocation};
+use backstop_payment::service::{self, ServeError};
+use clap::Args;
+use clap::error::ErrorKind;
+
+/// Flags of `backstop serve`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct ServeArgs {
+    /// HTTP address (port 0: any free port, logged at start).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8081")]
+    http: SocketAddr,
+    /// gRPC address: accepted, not served yet.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:50051")]
+    grpc: SocketAddr,
+    /// Store: `sqlite://PATH` or a file path (`postgres://` is not supported yet).
+    #[arg(long, value_name = "URL", default_value = "backstop.db")]
+    store: String,
+    /// PSP base URL; without it an embedded PSP starts on a loopback port with its own
+    /// database next to the store (`backstop.db` -> `backstop-psp.db`).
+    #[arg(long, value_name = "URL")]
+    psp: Option<String>,
+    /// Requests executing at once; beyond it 503 + Retry-After.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    max_inflight: usize,
+    /// Requests per second per merchant; beyond it 429 + Retry-After.
+    #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
+    tenant_rate: NonZeroU32,
+    /// Burst per merchant.
+    #[arg(long, value_name = "N", default_value_t = NonZeroU32::new(2000).expect("non-zero"))]
+    tenant_burst: NonZeroU32,
+    /// `MERCHANT=KEY`, repeatable. With keys, `Authorization: Bearer KEY` is required; without,
+    /// the service is open (merchant `default`) and only on a loopback address.
+    #[arg(long = "api-key", value_name = "MERCHANT=KEY")]
+    api_keys: Vec<String>,
+}
+
+impl ServeArgs {
+    /// The service configuration these flags describe.
+    pub(crate) fn config(&self) -> Result<Config, clap::Error> {
+        let invalid =
+            |e: &dyn std::fmt::Display| clap::Error::raw(ErrorKind::InvalidValue, format!("{e}\n"));
+        let store = StoreLocation::parse(&self.store).map_err(|e| invalid(&e))?;
+        let mut config = Config::new(store);
+        config.http = self.http;
+        config.grpc = self.grpc;
+        if let Some(url) = &self.psp {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid(&format!(
+                    "--psp must be an http:// URL, got {url:?}"
+                )));
+            }
+            config.psp = PspTarget::Url(url.clone());
+        }
+        config.max_inflight = self.max_inflight;
+        config.tenant_rate = self.tenant_rate;
+        config.tenant_burst = self.tenant_burst;
+        config.api_keys = self
+            .api_keys
+            .iter()
+            .map(|k| ApiKey::parse(k))
+            .collect::<Result<_, _>>()
+            .map_err(|e| invalid(&e))?;
+        Ok(config)
+    }
+}
+
+/// Runs the service until `shutdown` resolves (ctrl-c / SIGTERM), draining in-flight requests.
+pub(crate) async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    service::serve(config, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Config, clap::Error> {
+        let mut argv = vec!["serve"];
+        argv.extend_from_slice(args);
+        T::try_parse_from(argv)?.args.config()
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.http, "127.0.0.1:8081".parse().unwrap());
+        assert_eq!(c.grpc, "127.0.0.1:50051".parse().unwrap());
+        assert_eq!(c.store, StoreLocation::Sqlite("backstop.db".into()));
+        assert_eq!(
+            c.psp,
+            PspTarget::Embedded {
+                db: "backstop-psp.db".into()
+            }
+        );
+        assert!(c.api_keys.is_empty());
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn flags() {
+        let c = parse(&[
+            "--http",
+            "0.0.0.0:9000",
+            "--store",
+            "sqlite:///tmp/p.db",
+            "--psp",
+            "http://127.0.0.1:8082",
+            "--max-inflight",
+            "8",
+            "--tenant-rate",
+            "5",
+            "--tenant-burst",
+            "10",
+            "--api-key",
+            "acme=k1",
+            "--api-key",
+            "globex=k2",
+        ])
+        .unwrap();
+        assert_eq!(c.max_inflight, 8);
+        assert_eq!(c.tenant_rate.get(), 5);
+        assert_eq!(c.api_keys.len(), 2);
+        assert_eq!(c.psp, PspTarget::Url("http://127.0.0.1:8082".into()));
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn refusals() {
+        assert!(
+            parse(&["--store", "postgres://u@h/db"])
+                .unwrap_err()
+                .to_string()
+                .contains("not supported yet")
+        );
+        assert!(parse(&["--api-key", "nokey"]).is_err());
+        assert!(parse(&["--psp", "127.0.0.1:1"]).is_err());
+        assert!(parse(&["--tenant-rate", "0"]).is_err());
+        let open_public = parse(&["--http", "0.0.0.0:9000"]).unwrap();
+        assert!(open_public.validate().is_err());
+    }
+}

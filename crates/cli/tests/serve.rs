@@ -1,0 +1,217 @@
+//! `backstop serve` as a real process: kill -9 in the middle of a charge, restart on the same
+//! store, retry with the same key; and the start-up refusals.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use backstop_payment::psp::{self, Fault, PspConfig, PspHandle};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+
+/// A running `backstop serve` child and its log lines.
+struct Serve {
+    child: Child,
+    base: String,
+    http: reqwest::Client,
+    _logs: mpsc::UnboundedReceiver<String>,
+}
+
+impl Serve {
+    /// Starts the binary on a free port and returns once `/healthz` answers.
+    async fn start(store: &Path, psp_url: &str) -> Serve {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--http", "127.0.0.1:0", "--store"])
+            .arg(store)
+            .args(["--psp", psp_url])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("backstop binary starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // Keep draining the pipe for the life of the child.
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let addr = loop {
+            let line = rx
+                .recv()
+                .await
+                .expect("the server logs its address before exiting");
+            let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            if v["fields"]["message"] == "payment service listening" {
+                break v["fields"]["http"].as_str().unwrap().to_owned();
+            }
+        };
+        let base = format!("http://{addr}");
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        // Readiness: poll /healthz (no fixed sleeps).
+        for _ in 0..1000 {
+            if let Ok(r) = http.get(format!("{base}/healthz")).send().await {
+                if r.status() == 200 {
+                    return Serve {
+                        child,
+                        base,
+                        http,
+                        _logs: rx,
+                    };
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the server never became healthy");
+    }
+
+    async fn post(
+        &self,
+        key: &str,
+        body: &Value,
+        timeout: &str,
+    ) -> reqwest::Result<(u16, Value, Option<u64>)> {
+        let r = self
+            .http
+            .post(format!("{}/v1/payments", self.base))
+            .header("idempotency-key", key)
+            .header("grpc-timeout", timeout)
+            .json(body)
+            .send()
+            .await?;
+        let status = r.status().as_u16();
+        let retry_after = r
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let json = r.json().await.unwrap_or(Value::Null);
+        Ok((status, json, retry_after))
+    }
+
+    async fn kill9(mut self) {
+        self.child.kill().await.expect("SIGKILL");
+    }
+
+    async fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("running").to_string();
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill -TERM");
+        assert!(sent.success());
+        self.child.wait().await.expect("exits")
+    }
+}
+
+async fn charges(psp: &PspHandle, order: &str) -> usize {
+    psp.store().list(Some(order.into())).await.unwrap().len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_request_then_retry_on_the_same_store_charges_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("pay.db");
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    // The PSP commits the charge, then holds the answer: the kill lands mid-request.
+    psp.faults().script([Fault::CommitThenTimeout]).unwrap();
+    let body = json!({"order_id": "order-k9", "amount_cents": 4321});
+
+    let server = Serve::start(&store, &psp.url()).await;
+    let first = {
+        let http = server.http.clone();
+        let url = format!("{}/v1/payments", server.base);
+        let body = body.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .header("idempotency-key", "k9-key")
+                .header("grpc-timeout", "3S")
+                .json(&body)
+                .send()
+                .await
+        })
+    };
+    // Mid-request: the PSP has committed and is holding the answer.
+    while charges(&psp, "order-k9").await == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.kill9().await;
+    assert!(
+        first.await.unwrap().is_err(),
+        "the killed server never answered"
+    );
+
+    let server = Serve::start(&store, &psp.url()).await;
+    // The dead process's claim holds its lease; the server says how long to wait.
+    let mut answer = None;
+    for _ in 0..20 {
+        let (status, json, retry_after) = server.post("k9-key", &body, "5S").await.unwrap();
+        if status == 409 && json["code"] == "request_in_progress" {
+            let wait = retry_after.expect("409 in progress carries Retry-After");
+            tokio::time::sleep(Duration::from_secs(wait)).await;
+            continue;
+        }
+        answer = Some((status, json));
+        break;
+    }
+    let (status, json) = answer.expect("the retry converged");
+    assert_eq!(status, 201, "{json}");
+    assert_eq!(json["status"], "succeeded");
+    assert_eq!(charges(&psp, "order-k9").await, 1, "charged exactly once");
+    let stored = psp.store().list(Some("order-k9".into())).await.unwrap();
+    assert_eq!(json["charge_id"], stored[0].charge_id.as_str());
+    assert_eq!(json["intent_id"], stored[0].effect_key.as_str());
+
+    // A replay now returns the same answer.
+    let (status, again, _) = server.post("k9-key", &body, "5S").await.unwrap();
+    assert_eq!(status, 201);
+    assert_eq!(again, json);
+
+    let exit = server.terminate().await;
+    assert!(exit.success(), "graceful shutdown exits 0: {exit:?}");
+}
+
+async fn refused(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .arg("serve")
+        .args(args)
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn open_service_on_a_public_address_refuses_to_start() {
+    let (status, stderr) = refused(&["--http", "0.0.0.0:0"]).await;
+    assert!(!status.success());
+    assert!(
+        stderr.contains("refusing to serve without API keys"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn postgres_store_is_not_supported_yet() {
+    let (status, stderr) = refused(&["--store", "postgres://localhost/pay"]).await;
+    assert!(!status.success());
+    assert!(stderr.contains("not supported yet"), "{stderr}");
+}

@@ -1,0 +1,420 @@
+//! The payment handlers. They run below the whole server stack: the request already has its
+//! [`Deadline`], its [`Tenant`] and (on `POST /v1/payments`) a claimed [`IdempotencyKey`];
+//! replays, key reuse and in-progress answers never get here.
+
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use backstop::clock::Clock;
+use backstop::deadline::Deadline;
+use backstop::idempotency::IdempotencyKey;
+use backstop::server::problem::Problem;
+use backstop::server::tenant::Tenant;
+use backstop::status::problem as codes;
+use serde::Serialize;
+use tracing::Instrument;
+
+use super::request::{self, PaymentRequest};
+use super::trace::{TRACEPARENT, TraceParent};
+use crate::intents::{Created, Intent, IntentStatus, Intents, NewIntent};
+use crate::psp_client::{ChargeCall, ChargeError, PspClient};
+
+/// Problem code of a 504 whose payment outcome is unknown.
+pub const PAYMENT_OUTCOME_UNKNOWN: &str = "payment_outcome_unknown";
+/// Problem code of a 402: the PSP refused the charge definitively; nothing was charged.
+pub const PAYMENT_DECLINED: &str = "payment_declined";
+/// Problem code of a 404 on `GET /v1/payments/{intent_id}`.
+pub const PAYMENT_NOT_FOUND: &str = "payment_not_found";
+/// Problem code of a 503 when the store does not answer (retry with the same key).
+pub const STORE_UNAVAILABLE: &str = "store_unavailable";
+/// Problem code of a 502 when the PSP holds the effect key with other parameters.
+pub const PSP_CONFLICT: &str = "psp_conflict";
+/// Problem code of a 404 on an unknown route.
+pub const NOT_FOUND: &str = "not_found";
+/// Problem code of a 405.
+pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+
+/// Everything the handlers share. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub(crate) intents: Intents,
+    pub(crate) psp: PspClient,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+impl AppState {
+    /// State over the intent table, the PSP client, a wall clock (for `created_at`) and the
+    /// Prometheus handle that `/metrics` renders.
+    pub fn new(
+        intents: Intents,
+        psp: PspClient,
+        clock: Arc<dyn Clock>,
+        metrics: metrics_exporter_prometheus::PrometheusHandle,
+    ) -> Self {
+        AppState {
+            intents,
+            psp,
+            clock,
+            metrics,
+        }
+    }
+
+    /// The intent table.
+    pub fn intents(&self) -> &Intents {
+        &self.intents
+    }
+
+    /// The PSP client.
+    pub fn psp(&self) -> &PspClient {
+        &self.psp
+    }
+}
+
+/// Wire form of a payment (201 on create, 200 on `GET`).
+#[derive(Debug, Serialize)]
+struct PaymentView<'a> {
+    intent_id: &'a str,
+    order_id: &'a str,
+    amount_cents: i64,
+    currency: &'a str,
+    status: IntentStatus,
+    charge_id: Option<&'a str>,
+}
+
+impl<'a> From<&'a Intent> for PaymentView<'a> {
+    fn from(i: &'a Intent) -> Self {
+        PaymentView {
+            intent_id: &i.intent_id,
+            order_id: &i.order_id,
+            amount_cents: i.amount_cents,
+            currency: &i.currency,
+            status: i.status,
+            charge_id: i.psp_charge_id.as_deref(),
+        }
+    }
+}
+
+fn json(status: StatusCode, intent: &Intent) -> Response {
+    // Serializing plain strings and integers cannot fail.
+    let body = serde_json::to_vec(&PaymentView::from(intent)).unwrap_or_default();
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn created(intent: &Intent) -> Response {
+    let mut response = json(StatusCode::CREATED, intent);
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/payments/{}", intent.intent_id)) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    response
+}
+
+fn problem(p: Problem) -> Response {
+    p.into_response::<Body>()
+}
+
+/// 504 with `"status": "unknown"`: the charge may or may not have happened. The `status`
+/// member carries the payment status instead of repeating the HTTP status (RFC 9457 lets
+/// consumers ignore a non-numeric `status`; the status line says 504).
+fn unknown(intent: &Intent, detail: &str) -> Response {
+    let p = Problem::new(StatusCode::GATEWAY_TIMEOUT, PAYMENT_OUTCOME_UNKNOWN)
+        .detail(detail)
+        .with("intent_id", intent.intent_id.as_str())
+        .with("order_id", intent.order_id.as_str());
+    let mut doc: serde_json::Value = match serde_json::from_slice(&p.to_json()) {
+        Ok(doc) => doc,
+        Err(_) => return problem(p),
+    };
+    doc["status"] = serde_json::Value::from("unknown");
+    let mut response = Response::new(Body::from(doc.to_string()));
+    *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(backstop::server::problem::CONTENT_TYPE),
+    );
+    response
+}
+
+fn declined(intent: &Intent) -> Response {
+    problem(
+        Problem::new(StatusCode::PAYMENT_REQUIRED, PAYMENT_DECLINED)
+            .detail("the payment provider declined the charge; nothing was charged")
+            .with("intent_id", intent.intent_id.as_str()),
+    )
+}
+
+fn store_unavailable(error: &dyn std::error::Error) -> Response {
+    tracing::error!(error = %error, source = ?error.source(), "payment store failed");
+    problem(
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
+            .detail("the payment store did not answer; retry with the same Idempotency-Key")
+            .retry_after(std::time::Duration::from_secs(1)),
+    )
+}
+
+fn invalid(e: &request::RequestError) -> Response {
+    let mut p = Problem::new(StatusCode::BAD_REQUEST, e.code()).detail(e.to_string());
+    if let Some(field) = e.field() {
+        p = p.with("field", field);
+    }
+    problem(p)
+}
+
+/// `POST /v1/payments`.
+pub(crate) async fn create_payment(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Extension(deadline): Extension<Deadline>,
+    Extension(key): Extension<IdempotencyKey>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let trace = TraceParent::from_header(headers.get(TRACEPARENT));
+    let span = tracing::info_span!(
+        "payment",
+        trace_id = %trace.trace_id(),
+        idempotency_key = %key.as_str(),
+        merchant = %tenant.as_str(),
+    );
+    create(state, tenant, deadline, key, trace, body)
+        .instrument(span)
+        .await
+}
+
+async fn create(
+    state: AppState,
+    tenant: Tenant,
+    deadline: Deadline,
+    key: IdempotencyKey,
+    trace: TraceParent,
+    body: Bytes,
+) -> Response {
+    let req: PaymentRequest = match request::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return invalid(&e),
+    };
+    let merchant = tenant.as_str().to_owned();
+    let new = NewIntent {
+        intent_id: uuid::Uuid::now_v7().to_string(),
+        merchant_id: merchant.clone(),
+        order_id: req.order_id.clone(),
+        amount_cents: req.amount_cents,
+        currency: req.currency.clone(),
+        request_key: key.as_str().to_owned(),
+        fingerprint: request::fingerprint(&req),
+        created_at: state.clock.now_ms(),
+    };
+    let intent = match state.intents.create(new).await {
+        Err(e) => return store_unavailable(&e),
+        Ok(Created::New(i)) => i,
+        Ok(Created::Resumed(i)) => match i.status {
+            IntentStatus::Running => {
+                tracing::info!(intent_id = %i.intent_id, "resuming intent: same effect key");
+                i
+            }
+            IntentStatus::Succeeded => return created(&i),
+            IntentStatus::Failed => return declined(&i),
+        },
+        Ok(Created::OrderConflict(i)) => {
+            return problem(
+                Problem::new(StatusCode::CONFLICT, codes::ORDER_CONFLICT)
+                    .detail("this order already has a payment created with another Idempotency-Key")
+                    .with("intent_id", i.intent_id.as_str())
+                    .with("order_id", i.order_id.as_str()),
+            );
+        }
+        Ok(Created::KeyReused(i)) => {
+            return problem(
+                Problem::new(StatusCode::CONFLICT, codes::IDEMPOTENCY_KEY_REUSED)
+                    .detail("this Idempotency-Key already created a payment with other parameters")
+                    .with(
+                        "fingerprint_prefix",
+                        &i.fingerprint[..8.min(i.fingerprint.len())],
+                    ),
+            );
+        }
+        Ok(Created::IdCollision) => {
+            return problem(
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
+                    .detail("intent id collision; retry with the same Idempotency-Key")
+                    .retry_after(std::time::Duration::from_secs(1)),
+            );
+        }
+    };
+
+    let call = ChargeCall {
+        effect_key: intent.effect_key.clone(),
+        order_id: intent.order_id.clone(),
+        amount_cents: intent.amount_cents,
+        currency: intent.currency.clone(),
+        deadline,
+        trace,
+    };
+    match state.psp.charge(&call).await {
+        Ok(charge) => {
+            match state
+                .intents
+                .succeed(&merchant, &intent.intent_id, &charge.charge_id)
+                .await
+            {
+                // Charged but not recorded: the PSP holds the charge under the effect key, so
+                // a retry with the same key converges; tell the caller the outcome is unknown.
+                Err(e) => {
+                    tracing::error!(error = %e, intent_id = %intent.intent_id, "charged but not recorded");
+                    unknown(
+                        &intent,
+                        "charged, but the result was not recorded; retry with the same Idempotency-Key",
+                    )
+                }
+                Ok(_) => match state.intents.get(&merchant, &intent.intent_id).await {
+                    Ok(Some(stored)) => created(&stored),
+                    Ok(None) => unknown(
+                        &intent,
+                        "the payment vanished; retry with the same Idempotency-Key",
+                    ),
+                    Err(e) => store_unavailable(&e),
+                },
+            }
+        }
+        Err(ChargeError::Declined { status, .. }) => {
+            tracing::info!(intent_id = %intent.intent_id, psp_status = %status, "charge declined");
+            if let Err(e) = state.intents.fail(&merchant, &intent.intent_id).await {
+                return store_unavailable(&e);
+            }
+            declined(&intent)
+        }
+        Err(ChargeError::EffectKeyConflict(e)) => {
+            tracing::error!(error = %e, intent_id = %intent.intent_id, "PSP holds the effect key with other parameters");
+            problem(
+                Problem::new(StatusCode::BAD_GATEWAY, PSP_CONFLICT)
+                    .detail("the payment provider holds this payment's effect key with other parameters")
+                    .with("intent_id", intent.intent_id.as_str()),
+            )
+        }
+        Err(ChargeError::NoBudget(e)) => {
+            tracing::info!(error = %e, intent_id = %intent.intent_id, "no budget left for the PSP call");
+            unknown(
+                &intent,
+                "the deadline left no time to reach the payment provider; retry with the same Idempotency-Key or query the payment",
+            )
+        }
+        Err(ChargeError::Unknown(e)) => {
+            tracing::warn!(
+                intent_id = %intent.intent_id,
+                attempts = e.attempts,
+                reason = e.reason.as_str(),
+                code = e.last.code().as_str(),
+                "PSP outcome unknown"
+            );
+            unknown(
+                &intent,
+                "the payment provider's answer did not arrive in time; retry with the same Idempotency-Key or query the payment",
+            )
+        }
+    }
+}
+
+/// `GET /v1/payments/{intent_id}`: the merchant's own intents only. A running intent is
+/// converged by asking the PSP for a charge under its effect key.
+pub(crate) async fn get_payment(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Extension(deadline): Extension<Deadline>,
+    Path(intent_id): Path<String>,
+) -> Response {
+    let not_found = || {
+        problem(
+            Problem::new(StatusCode::NOT_FOUND, PAYMENT_NOT_FOUND)
+                .detail("no payment with this id for this merchant"),
+        )
+    };
+    if intent_id.is_empty() || intent_id.len() > 64 {
+        return not_found();
+    }
+    let merchant = tenant.as_str();
+    let intent = match state.intents.get(merchant, &intent_id).await {
+        Ok(Some(i)) => i,
+        Ok(None) => return not_found(),
+        Err(e) => return store_unavailable(&e),
+    };
+    if intent.status == IntentStatus::Running {
+        match state
+            .psp
+            .find_charge(&intent.order_id, &intent.effect_key, deadline)
+            .await
+        {
+            Ok(Some(charge)) => {
+                if let Err(e) = state
+                    .intents
+                    .succeed(merchant, &intent.intent_id, &charge.charge_id)
+                    .await
+                {
+                    return store_unavailable(&e);
+                }
+                return match state.intents.get(merchant, &intent.intent_id).await {
+                    Ok(Some(i)) => json(StatusCode::OK, &i),
+                    Ok(None) => not_found(),
+                    Err(e) => store_unavailable(&e),
+                };
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::info!(error = %e, intent_id = %intent.intent_id, "PSP query failed; answering the stored state")
+            }
+        }
+    }
+    json(StatusCode::OK, &intent)
+}
+
+/// `GET /healthz`: the process is up.
+pub(crate) async fn healthz() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        r#"{"status":"ok"}"#,
+    )
+        .into_response()
+}
+
+/// `GET /readyz`: the store answers a read.
+pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
+    match state.intents.ping().await {
+        Ok(()) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            r#"{"status":"ready"}"#,
+        )
+            .into_response(),
+        Err(e) => store_unavailable(&e),
+    }
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Unknown route.
+pub(crate) async fn not_found() -> Response {
+    problem(Problem::new(StatusCode::NOT_FOUND, NOT_FOUND).detail("no such route"))
+}
+
+/// Known route, other method.
+pub(crate) async fn method_not_allowed() -> Response {
+    problem(
+        Problem::new(StatusCode::METHOD_NOT_ALLOWED, METHOD_NOT_ALLOWED)
+            .detail("this route does not take this method"),
+    )
+}

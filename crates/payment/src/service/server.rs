@@ -1,0 +1,336 @@
+//! Start-up, serving and graceful shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use backstop::clock::{Clock, SystemClock};
+use backstop::idempotency::Sweeper;
+use backstop::idempotency::sqlite::{Db, DbError, SqliteOptions, SqliteStore};
+use backstop::retry::RetryBudget;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::{AppState, build_app};
+use crate::config::{Config, ConfigError, PspTarget};
+use crate::intents::Intents;
+use crate::psp::{self, PspConfig, PspHandle};
+use crate::psp_client::{ClientError, PspClient};
+
+/// Retry budget of the PSP client (DESIGN section 4): 10 % of logical requests, burst 20.
+const PSP_RETRY_RATIO: f64 = 0.1;
+const PSP_RETRY_BURST: u32 = 20;
+/// How often expired idempotency records are swept.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+/// How often the PSP round trip is sampled for the deadline margin.
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+/// How often the Prometheus recorder drains its histogram buffers.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Why the service did not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The configuration is refused.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The store could not be opened or migrated.
+    #[error("cannot open the store")]
+    Store(#[source] DbError),
+    /// The idempotency store could not be set up.
+    #[error("cannot set up the idempotency store")]
+    Idempotency(#[source] backstop::idempotency::StoreError),
+    /// The embedded PSP did not start.
+    #[error("cannot start the embedded PSP")]
+    Psp(#[source] psp::PspError),
+    /// The PSP client could not be built.
+    #[error("cannot build the PSP client")]
+    PspClient(#[source] ClientError),
+    /// The HTTP address could not be bound.
+    #[error("cannot listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Serving failed.
+    #[error("the HTTP server failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// The process-wide Prometheus handle: installs the recorder on first use. If another global
+/// recorder was installed first, the handle renders only what reaches it (nothing).
+pub fn prometheus_handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!("a metrics recorder was already installed; /metrics stays empty");
+            } else {
+                backstop::observe::describe_metrics();
+            }
+            handle
+        })
+        .clone()
+}
+
+/// A bound, ready-to-run payment service.
+///
+/// [`Server::bind`] opens the store (running migrations), starts the embedded PSP if needed and
+/// binds the listener: when it returns, connections are accepted (they queue until
+/// [`Server::run`] serves them).
+#[derive(Debug)]
+pub struct Server {
+    listener: TcpListener,
+    addr: SocketAddr,
+    app: axum::Router,
+    state: AppState,
+    store: SqliteStore,
+    psp: Option<PspHandle>,
+    psp_url: String,
+    background: Vec<JoinHandle<()>>,
+    drain: Duration,
+}
+
+impl Server {
+    /// Validates `config`, opens the store, starts or reaches the PSP and binds the HTTP port.
+    pub async fn bind(config: Config) -> Result<Server, ServeError> {
+        config.validate()?;
+        let db =
+            Db::open(config.store.path(), SqliteOptions::default()).map_err(ServeError::Store)?;
+        let store = SqliteStore::new(db.clone())
+            .await
+            .map_err(ServeError::Idempotency)?;
+        let intents = Intents::open(db).await.map_err(ServeError::Store)?;
+
+        let (psp, psp_url) = match &config.psp {
+            PspTarget::Url(url) => (None, url.clone()),
+            PspTarget::Embedded { db } => {
+                let handle = psp::spawn(PspConfig {
+                    db_path: Some(db.clone()),
+                    ..PspConfig::default()
+                })
+                .await
+                .map_err(ServeError::Psp)?;
+                let url = handle.url();
+                tracing::info!(psp = %url, db = %db.display(), "embedded PSP started");
+                (Some(handle), url)
+            }
+        };
+        let budget = RetryBudget::new(PSP_RETRY_RATIO, PSP_RETRY_BURST)
+            .expect("constant retry budget is valid");
+        let client = PspClient::new(&psp_url, budget, config.psp_margin_floor)
+            .map_err(ServeError::PspClient)?;
+
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let metrics = prometheus_handle();
+        let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
+        let app = build_app(state.clone(), store.clone(), &config);
+
+        let listener = TcpListener::bind(config.http)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: config.http,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| ServeError::Bind {
+            addr: config.http,
+            source,
+        })?;
+
+        let mut background = vec![Sweeper::spawn(store.clone(), SystemClock, SWEEP_EVERY)];
+        background.push(tokio::spawn(async move {
+            loop {
+                if let Err(e) = client.probe_rtt(Duration::from_secs(1)).await {
+                    tracing::debug!(error = %e, "PSP round-trip probe failed");
+                }
+                tokio::time::sleep(PROBE_EVERY).await;
+            }
+        }));
+        background.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(UPKEEP_EVERY).await;
+                metrics.run_upkeep();
+            }
+        }));
+
+        tracing::info!(
+            http = %addr,
+            store = %config.store.path().display(),
+            psp = %psp_url,
+            open = config.is_open(),
+            merchants = config.api_keys.len(),
+            max_inflight = config.max_inflight,
+            "payment service listening"
+        );
+        tracing::warn!(grpc = %config.grpc, "gRPC is not served yet; the address is accepted and ignored");
+
+        Ok(Server {
+            listener,
+            addr,
+            app,
+            state,
+            store,
+            psp,
+            psp_url,
+            background,
+            drain: config.drain_timeout,
+        })
+    }
+
+    /// The bound HTTP address (the real port when the config said port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Base URL of the service, e.g. `http://127.0.0.1:8081`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Base URL of the PSP the service charges through.
+    pub fn psp_url(&self) -> &str {
+        &self.psp_url
+    }
+
+    /// The embedded PSP, when the service started one.
+    pub fn embedded_psp(&self) -> Option<&PspHandle> {
+        self.psp.as_ref()
+    }
+
+    /// The intent table.
+    pub fn intents(&self) -> &Intents {
+        self.state.intents()
+    }
+
+    /// The idempotency store.
+    pub fn store(&self) -> &SqliteStore {
+        &self.store
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
+    /// (at most the configured drain time) and stops the embedded PSP.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let Server {
+            listener,
+            app,
+            psp,
+            background,
+            drain,
+            ..
+        } = self;
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let served = axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            let _ = stop_rx.await;
+        });
+        let mut served = tokio::spawn(async move { served.await });
+        let result = tokio::select! {
+            r = &mut served => Some(r),
+            () = shutdown => None,
+        };
+        let result = match result {
+            Some(r) => r,
+            None => {
+                tracing::info!(
+                    drain_ms = drain.as_millis() as u64,
+                    "shutting down: draining in-flight requests"
+                );
+                let _ = stop_tx.send(());
+                match tokio::time::timeout(drain, &mut served).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        tracing::warn!("drain bound reached: closing the remaining connections");
+                        served.abort();
+                        Ok(Ok(()))
+                    }
+                }
+            }
+        };
+        for task in background {
+            task.abort();
+        }
+        if let Some(psp) = psp {
+            psp.shutdown().await;
+        }
+        tracing::info!("payment service stopped");
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ServeError::Serve(e)),
+            Err(join) if join.is_cancelled() => Ok(()),
+            Err(join) => Err(ServeError::Serve(std::io::Error::other(join))),
+        }
+    }
+
+    /// Runs the server on a background task; the returned handle stops it.
+    pub fn spawn(self) -> RunningServer {
+        let addr = self.addr;
+        let intents = self.state.intents().clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(self.run(async move {
+            let _ = rx.await;
+        }));
+        RunningServer {
+            addr,
+            intents,
+            stop: Some(tx),
+            task,
+        }
+    }
+}
+
+/// A server running on a background task (see [`Server::spawn`]).
+#[derive(Debug)]
+pub struct RunningServer {
+    addr: SocketAddr,
+    intents: Intents,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServeError>>,
+}
+
+impl RunningServer {
+    /// The bound HTTP address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Base URL of the service.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The intent table.
+    pub fn intents(&self) -> &Intents {
+        &self.intents
+    }
+
+    /// Asks for a graceful shutdown and waits for it.
+    pub async fn shutdown(mut self) -> Result<(), ServeError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        match (&mut self.task).await {
+            Ok(r) => r,
+            Err(join) => Err(ServeError::Serve(std::io::Error::other(join))),
+        }
+    }
+}
+
+/// Binds and serves `config` until `shutdown` resolves (see [`Server`]).
+pub async fn serve(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    Server::bind(config).await?.run(shutdown).await
+}
