@@ -5,7 +5,7 @@
 //! limiter keys its buckets by it, the idempotency layer scopes its records by it (so one
 //! merchant's key can never replay another merchant's response) and the handlers scope intents
 //! by it. Without keys the service is open and every request is merchant
-//! [`DEFAULT_MERCHANT`](crate::config::DEFAULT_MERCHANT) (allowed on loopback only, see
+//! [`DEFAULT_MERCHANT`] (allowed on loopback only, see
 //! [`Config::validate`](crate::config::Config::validate)).
 //!
 //! Keys are compared by their SHA-256 digest through a map lookup, so the time taken does not

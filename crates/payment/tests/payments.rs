@@ -644,3 +644,36 @@ async fn graceful_shutdown_lets_in_flight_requests_finish() {
         1
     );
 }
+
+#[tokio::test]
+async fn embedded_psp_runs_next_to_the_store() {
+    use backstop_payment::config::{Config, StoreLocation};
+    use backstop_payment::service::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
+    config.http = "127.0.0.1:0".parse().unwrap();
+    let server = Server::bind(config).await.unwrap();
+    assert!(server.embedded_psp().is_some());
+    let psp_url = server.psp_url().to_owned();
+    let server = server.spawn();
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let r = http
+        .post(format!("{}/v1/payments", server.url()))
+        .header("idempotency-key", "emb-1")
+        .body(body("order-emb", 100))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let charges: serde_json::Value = http
+        .get(format!("{psp_url}/v1/charges?reference=order-emb"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(charges.as_array().unwrap().len(), 1);
+    assert!(dir.path().join("pay-psp.db").exists());
+    server.shutdown().await.unwrap();
+}
