@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# HTTP overhead of the backstop server stack, measured side by side in one run:
+#   bare  - plain axum, one trivial POST JSON route (the baseline)
+#   stack - the same route behind the stack without idempotency
+#   keyed - the full stack, route Keyed on SQLite (WAL, synchronous=FULL, group commit)
+# (MODES may also name single layers: deadline metrics rate_limit gate.)
+# The server runs on core 0 with one tokio worker, wrk on core 1, so req/s measures the
+# server's CPU cost per request. Modes run ROUNDS times, interleaved; medians are reported.
+# Needs wrk (apt-get install wrk). Usage: bench/http.sh [SECONDS] [CONNECTIONS] [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-10}
+conns=${2:-64}
+rounds=${3:-3}
+modes=${MODES:-bare stack keyed}
+cargo build --release -q -p backstop --example http_bench_server
+bin=${CARGO_TARGET_DIR:-target}/release/examples/http_bench_server
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+
+run_mode() { # mode round -> prints "rps p99_ms"
+  local mode=$1 round=$2 out addr=""
+  TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 &
+  local pid=$!
+  for _ in $(seq 100); do
+    addr=$(sed -n 's/^listening on //p' "$work/server.out")
+    [ -n "$addr" ] && break
+    sleep 0.1
+  done
+  out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  if grep -q "Non-2xx" <<<"$out"; then echo "mode $mode: non-2xx answers" >&2; echo "$out" >&2; exit 1; fi
+  awk '/^Requests\/sec/ {rps=$2}
+       $1=="99%" {v=$2; if (v ~ /us$/) {sub(/us/,"",v); v=v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v=v*1000}; p99=v}
+       END {print rps, p99}' <<<"$out"
+}
+
+declare -A rps p99
+for round in $(seq "$rounds"); do
+  for mode in $modes; do
+    read -r r p < <(run_mode "$mode" "$round")
+    echo "round $round $mode: req/s=$r p99_ms=$p" >&2
+    rps[$mode]+="$r "
+    p99[$mode]+="$p "
+  done
+done
+
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+base=$(median <<<"${rps[bare]:-}")
+printf '%-10s %10s %9s %14s\n' mode "req/s" "p99 ms" "ratio vs bare"
+for mode in $modes; do
+  r=$(median <<<"${rps[$mode]}")
+  p=$(median <<<"${p99[$mode]}")
+  ratio=$( [ -n "$base" ] && echo "$r / $base" | bc -l || echo 0)
+  printf '%-10s %10.0f %9.2f %14.2f\n' "$mode" "$r" "$p" "$ratio"
+done
+echo "(wrk -t1 -c$conns -d${secs}s on core 1; server on core 0, one tokio worker; median of $rounds interleaved rounds)"
