@@ -1,10 +1,113 @@
 //! backstop makes an RPC's outcome knowable and its retries safe.
 //!
-//! Deadlines that shrink hop by hop, retries that cannot multiply load, idempotency that turns
-//! "unknown" into "exactly one effect", and admission control that says "not now" instead of
-//! collapsing. The primitives know nothing of HTTP or gRPC; the [`server`] layers adapt them.
+//! An RPC framework turns arguments into bytes and back; it does not decide whether a call
+//! "counted". backstop does: deadlines that shrink hop by hop, retries that cannot multiply
+//! load, idempotency that turns "unknown" into "exactly one effect", and admission control that
+//! says "not now" (429/503 + `Retry-After`) instead of collapsing.
+//!
+//! # The model
+//!
+//! - A **logical request** is one user intent: one idempotency key, one [`Deadline`]. An
+//!   **attempt** is one physical send of it; retries and hedges are attempts.
+//! - The deadline is absolute on the receiver's monotonic clock, carried on the wire as the
+//!   remaining budget (`grpc-timeout`, for HTTP too), and every hop forwards a
+//!   [`child`](deadline::Deadline::child) that leaves a margin for the way back. All attempts
+//!   share it: a retry never extends it.
+//! - Retries are bounded by a [`RetryBudget`](retry::RetryBudget) (a ratio of logical
+//!   requests), not only by a count per call, so a failing dependency sees at most
+//!   `1 + ratio` times its normal load; every stop carries a reason.
+//! - The server claims each key in a [`Store`](idempotency::Store) before running the handler:
+//!   the same key replays the stored answer, the same key with other parameters is refused,
+//!   and a failed or abandoned attempt can be taken over by exactly one retry.
+//! - Overload is an answer, not a crash: a tenant over quota gets 429, a full server 503, both
+//!   with `Retry-After`; never 500.
+//!
+//! The primitives know nothing of HTTP or gRPC; the [`server`] layers adapt them.
+//!
+//! # Layout
+//!
+//! - [`deadline`]: [`Deadline`], the `grpc-timeout` codec, the per-peer
+//!   [`Margin`](deadline::Margin) (2 x RTT p99 + 5 ms).
+//! - [`status`]: [`Status`], one error type carrying gRPC code, HTTP status, retry class and
+//!   pushback (the classification table of DESIGN section 3).
+//! - [`contract`]: per-method behaviour contracts (`Safe`, `Keyed`, `Unsafe`; timeouts,
+//!   attempts, hedging), validated at start-up.
+//! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
+//!   [`RetryBudget`](retry::RetryBudget), and the executor
+//!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
+//!   deadline.
+//! - [`idempotency`]: keys, fingerprints (SHA-256 over RFC 8785 canonical JSON), the
+//!   [`Store`](idempotency::Store) trait with memory and SQLite (group commit) backends, the
+//!   sweeper and the conformance suite every backend runs.
+//! - [`admission`]: [`Gate`](admission::Gate) (bounded concurrency with budget-bounded
+//!   waiting), [`TokenBucket`](admission::TokenBucket) and its per-tenant keyed variant,
+//!   [`RetryAfter`](admission::RetryAfter).
+//! - [`observe`]: metric and log names (DESIGN section 6).
+//! - [`clock`]: the wall clock behind a trait; stores take `now` explicitly.
+//! - [`server`]: the tower layers, composed by [`ServerStack`](server::ServerStack).
+//!
+//! # Feature flags
+//!
+//! - `sqlite` (default): the SQLite idempotency store and its group-commit writer
+//!   ([`idempotency::sqlite`]), on a bundled SQLite.
+//!
+//! # Layer order
+//!
+//! [`ServerStack`](server::ServerStack) applies, outermost first: **deadline** (read
+//! `grpc-timeout` the moment the request arrives, so queueing counts against the budget; a late
+//! answer becomes 504) -> **metrics** (sees every request, the refused ones too) -> **tenant**
+//! (who is calling) -> **rate limit** (429: the cheapest refusal first) -> **gate** (503: our
+//! own capacity) -> **idempotency** (last, so a request refused above leaves its key unused, and
+//! only admitted requests pay for reading the body and a store round trip).
+//!
+//! # Example: the whole stack on an axum app
+//!
+//! ```
+//! use axum::{Extension, Json, Router, routing::post};
+//! use backstop::idempotency::{IdempotencyKey, MemoryStore};
+//! use backstop::server::{KeyedRoute, ServerStack};
+//! use http::{Method, Request, StatusCode};
+//! use tower::ServiceExt;
+//!
+//! async fn pay(Extension(key): Extension<IdempotencyKey>) -> (StatusCode, String) {
+//!     (StatusCode::CREATED, format!("charged once for {key}"))
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let stack = ServerStack::new("payments", MemoryStore::new())
+//!     .keyed(Method::POST, "/v1/payments", KeyedRoute::payments());
+//! let app = Router::new()
+//!     .route("/v1/payments", post(pay))
+//!     .layer(stack.into_layer());
+//!
+//! let request = || {
+//!     Request::post("/v1/payments")
+//!         .header("idempotency-key", "order-42-attempt")
+//!         .header("grpc-timeout", "2S")
+//!         .body(axum::body::Body::from(r#"{"order_id":"42","amount_cents":1999}"#))
+//!         .unwrap()
+//! };
+//! let first = app.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//!
+//! // The retry is answered from the store, byte for byte, without running the handler again.
+//! let retry = app.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//!
+//! // No key on a keyed route: refused before anything runs.
+//! let no_key = Request::post("/v1/payments").body(axum::body::Body::from("{}")).unwrap();
+//! assert_eq!(app.oneshot(no_key).await.unwrap().status(), StatusCode::BAD_REQUEST);
+//! # }
+//! ```
+//!
+//! `examples/axum_stack.rs` serves the same thing on a real port.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
+
+pub use deadline::Deadline;
+pub use status::Status;
 
 pub mod admission;
 pub mod clock;
