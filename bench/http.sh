@@ -16,29 +16,33 @@ modes=${MODES:-bare stack keyed}
 cargo build --release -q -p backstop --example http_bench_server
 bin=${CARGO_TARGET_DIR:-target}/release/examples/http_bench_server
 work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
-run_mode() { # mode round -> prints "rps p99_ms"
+server_pid=""
+trap '[ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null; rm -rf "$work"' EXIT
+
+# run_mode MODE ROUND: sets $r (req/s) and $p (p99 ms).
+run_mode() {
   local mode=$1 round=$2 out addr=""
   TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 &
-  local pid=$!
+  server_pid=$!
   for _ in $(seq 100); do
     addr=$(sed -n 's/^listening on //p' "$work/server.out")
     [ -n "$addr" ] && break
     sleep 0.1
   done
+  if [ -z "$addr" ]; then echo "mode $mode: server did not start" >&2; cat "$work/server.out" >&2; exit 1; fi
   out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
-  kill "$pid"; wait "$pid" 2>/dev/null || true
+  kill "$server_pid"; wait "$server_pid" 2>/dev/null || true
+  server_pid=""
   if grep -q "Non-2xx" <<<"$out"; then echo "mode $mode: non-2xx answers" >&2; echo "$out" >&2; exit 1; fi
-  awk '/^Requests\/sec/ {rps=$2}
-       $1=="99%" {v=$2; if (v ~ /us$/) {sub(/us/,"",v); v=v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v=v*1000}; p99=v}
-       END {print rps, p99}' <<<"$out"
+  r=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
+  p=$(awk '$1=="99%" {v=$2; if (v ~ /us$/) {sub(/us/,"",v); v=v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v=v*1000}; print v}' <<<"$out")
 }
 
 declare -A rps p99
 for round in $(seq "$rounds"); do
   for mode in $modes; do
-    read -r r p < <(run_mode "$mode" "$round")
+    run_mode "$mode" "$round"
     echo "round $round $mode: req/s=$r p99_ms=$p" >&2
     rps[$mode]+="$r "
     p99[$mode]+="$p "
