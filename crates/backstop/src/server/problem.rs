@@ -31,7 +31,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::admission::RetryAfter;
-use crate::status::Status;
+use crate::status::{Outcome, Status};
 
 /// The media type of a problem document (RFC 9457 section 3).
 pub const CONTENT_TYPE: &str = "application/problem+json";
@@ -50,6 +50,7 @@ pub struct Problem {
     title: Cow<'static, str>,
     detail: Option<String>,
     retry_after: Option<Duration>,
+    outcome: Option<Outcome>,
     extra: Map<String, Value>,
 }
 
@@ -78,6 +79,7 @@ impl Problem {
             title: Cow::Borrowed(status.canonical_reason().unwrap_or("Error")),
             detail: None,
             retry_after: None,
+            outcome: None,
             extra: Map::new(),
         }
     }
@@ -90,7 +92,27 @@ impl Problem {
             problem.detail = Some(status.message().to_owned());
         }
         problem.retry_after = status.pushback();
+        problem.outcome = Some(status.outcome());
         problem
+    }
+
+    /// Sets the outcome the metrics record for this answer. Without it the outcome follows the
+    /// HTTP status, except that a 409 without `Retry-After` is a conflict (`ALREADY_EXISTS`,
+    /// `FAILED_PRECONDITION`: fatal), not an `ABORTED` request in progress.
+    pub fn outcome(mut self, outcome: Outcome) -> Self {
+        self.outcome = Some(outcome);
+        self
+    }
+
+    /// The outcome label of this answer (see [`Problem::outcome`]).
+    pub fn outcome_label(&self) -> Outcome {
+        self.outcome.unwrap_or_else(|| {
+            if self.status == StatusCode::CONFLICT && self.retry_after.is_none() {
+                Outcome::Fatal
+            } else {
+                Outcome::from_http(self.status)
+            }
+        })
     }
 
     /// Sets the human-readable `detail`.
@@ -164,6 +186,9 @@ impl Problem {
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
         let body = self.to_json();
         let mut response = Response::new(B::from(body));
+        // Carried to the metrics layer: an HTTP status alone cannot tell a 409 conflict from a
+        // 409 in progress.
+        response.extensions_mut().insert(self.outcome_label());
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
@@ -206,6 +231,38 @@ mod tests {
         assert_eq!(doc["code"], "idempotency_key_reused");
         assert_eq!(doc["fingerprint_prefix"], "0a1b2c3d");
         assert!(doc.get("retry_after").is_none());
+    }
+
+    #[test]
+    fn conflicts_are_fatal_and_in_progress_is_retryable() {
+        let outcome = |p: Problem| {
+            let response: Response<Bytes> = p.into_response();
+            *response.extensions().get::<Outcome>().unwrap()
+        };
+        // Same order with another key, key reused: conflicts, retrying cannot help.
+        assert_eq!(
+            outcome(Problem::new(StatusCode::CONFLICT, "order_conflict")),
+            Outcome::Fatal
+        );
+        let in_progress = Status::new(Code::Aborted, "in progress")
+            .with_problem("request_in_progress")
+            .with_pushback(Duration::from_secs(1));
+        assert_eq!(
+            outcome(Problem::from_status(&in_progress)),
+            Outcome::Retryable
+        );
+        assert_eq!(
+            outcome(Problem::new(StatusCode::CONFLICT, "x").retry_after(Duration::from_secs(1))),
+            Outcome::Retryable
+        );
+        assert_eq!(
+            outcome(Problem::new(StatusCode::SERVICE_UNAVAILABLE, "x")),
+            Outcome::Retryable
+        );
+        assert_eq!(
+            outcome(Problem::new(StatusCode::CONFLICT, "x").outcome(Outcome::Rejected)),
+            Outcome::Rejected
+        );
     }
 
     #[test]
