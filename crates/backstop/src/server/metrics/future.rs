@@ -41,9 +41,15 @@ where
         let result = std::task::ready!(this.inner.poll(cx));
         match &result {
             Ok(response) => {
-                let outcome = match response.extensions().get::<Rejected>() {
-                    Some(_) => Outcome::Rejected,
-                    None => outcome_of(response.status()),
+                let extensions = response.extensions();
+                let outcome = if extensions.get::<Rejected>().is_some() {
+                    Outcome::Rejected
+                } else {
+                    // A problem answer says its own outcome; a status alone is ambiguous (409).
+                    extensions
+                        .get::<Outcome>()
+                        .copied()
+                        .unwrap_or_else(|| outcome_of(response.status()))
                 };
                 this.record.finish(response.status(), outcome);
             }

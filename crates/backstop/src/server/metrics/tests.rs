@@ -87,6 +87,37 @@ fn rejected_marker_makes_a_503_rejected() {
 }
 
 #[test]
+fn conflict_is_fatal_and_in_progress_is_retryable() {
+    use crate::server::problem::Problem;
+    use crate::status::{Code, Status};
+
+    let count = |problem: Problem| {
+        let (_, m) = with_metrics(|| async move {
+            let svc = layer().layer(service_fn(move |_req: Request<Bytes>| {
+                let problem = problem.clone();
+                async move { Ok::<_, Infallible>(problem.into_response::<Bytes>()) }
+            }));
+            svc.oneshot(request(Method::POST, "/v1/payments"))
+                .await
+                .unwrap()
+        });
+        ["ok", "retryable", "fatal", "timeout", "rejected"]
+            .into_iter()
+            .find(|o| m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", *o)]) == 1)
+            .unwrap()
+    };
+    // Both are HTTP 409; only the metrics layer's reading of the answer tells them apart.
+    assert_eq!(
+        count(Problem::new(StatusCode::CONFLICT, "order_conflict")),
+        "fatal"
+    );
+    let in_progress = Status::new(Code::Aborted, "in progress")
+        .with_problem("request_in_progress")
+        .with_pushback(Duration::from_secs(1));
+    assert_eq!(count(Problem::from_status(&in_progress)), "retryable");
+}
+
+#[test]
 fn inflight_gauge_counts_running_requests() {
     let ((), m) = with_metrics(|| async {
         let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
