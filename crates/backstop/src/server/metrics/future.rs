@@ -4,14 +4,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use http::{HeaderMap, Response, StatusCode};
+use http::{HeaderMap, HeaderName, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
+use tracing::Level;
 
 use super::{Rejected, Route, trace_id};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
-use crate::observe::{self, label};
 use crate::status::Outcome;
 
 pin_project! {
@@ -66,12 +66,20 @@ pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
     Outcome::from_http(status)
 }
 
+/// Target of the per-request log event.
+const TARGET: &str = "backstop::server";
+
+/// Request headers read only for the log event.
+static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
 /// What is known about a request in flight; records it exactly once.
 #[derive(Debug)]
 pub(super) struct Record {
     route: Route,
     start: Instant,
     deadline: Option<Deadline>,
+    /// Read from the request only when the log event is enabled.
     idempotency_key: Option<Box<str>>,
     trace_id: Option<Box<str>>,
     done: bool,
@@ -79,22 +87,24 @@ pub(super) struct Record {
 
 impl Record {
     pub(super) fn start(route: Route, deadline: Option<Deadline>, headers: &HeaderMap) -> Self {
-        let idempotency_key = headers
-            .get("idempotency-key")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| IdempotencyKey::parse(v).ok())
-            .map(|k| Box::from(k.as_str()));
-        let trace_id = headers
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok())
-            .and_then(trace_id)
-            .map(Box::from);
-        metrics::gauge!(
-            observe::RPC_SERVER_INFLIGHT,
-            label::SERVICE => route.service_label(),
-            label::METHOD => route.method_label(),
-        )
-        .increment(1.0);
+        // The key and trace id only go into the log event: skip reading (and copying) them
+        // when no subscriber wants it.
+        let (idempotency_key, trace_id) = if tracing::enabled!(target: TARGET, Level::INFO) {
+            let idempotency_key = headers
+                .get(&IDEMPOTENCY_KEY)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| IdempotencyKey::parse(v).ok())
+                .map(|k| Box::from(k.as_str()));
+            let trace_id = headers
+                .get(&TRACEPARENT)
+                .and_then(|v| v.to_str().ok())
+                .and_then(trace_id)
+                .map(Box::from);
+            (idempotency_key, trace_id)
+        } else {
+            (None, None)
+        };
+        route.inflight(1.0);
         Self {
             route,
             start: Instant::now(),
@@ -109,40 +119,21 @@ impl Record {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        let service = self.route.service_label();
-        let method = self.route.method_label();
-        let elapsed = self.start.elapsed();
-        metrics::gauge!(
-            observe::RPC_SERVER_INFLIGHT,
-            label::SERVICE => service.clone(),
-            label::METHOD => method.clone(),
-        )
-        .decrement(1.0);
-        metrics::counter!(
-            observe::RPC_SERVER_REQUESTS_TOTAL,
-            label::SERVICE => service.clone(),
-            label::METHOD => method.clone(),
-            label::OUTCOME => outcome.as_str(),
-        )
-        .increment(1);
-        metrics::histogram!(
-            observe::RPC_SERVER_DURATION_SECONDS,
-            label::SERVICE => service,
-            label::METHOD => method,
-            label::OUTCOME => outcome.as_str(),
-        )
-        .record(elapsed.as_secs_f64());
-        let deadline_remaining_ms = self
-            .deadline
-            .map(|d| u64::try_from(d.remaining().as_millis()).unwrap_or(u64::MAX));
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(self.start);
+        self.route.inflight(-1.0);
+        self.route.finished(outcome, elapsed.as_secs_f64());
         tracing::info!(
-            target: "backstop::server",
+            target: TARGET,
             service = self.route.service(),
             method = self.route.method(),
             status = status.as_u16(),
             outcome = outcome.as_str(),
             duration_ms = elapsed.as_secs_f64() * 1000.0,
-            deadline_remaining_ms,
+            deadline_remaining_ms = self.deadline.map(|d| {
+                u64::try_from(d.instant().saturating_duration_since(now).as_millis())
+                    .unwrap_or(u64::MAX)
+            }),
             idempotency_key = self.idempotency_key.as_deref(),
             trace_id = self.trace_id.as_deref(),
             "rpc_server_request"

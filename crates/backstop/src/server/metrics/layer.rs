@@ -1,12 +1,12 @@
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use http::Method;
 use metrics::SharedString;
 use tower_layer::Layer;
 
-use super::Metrics;
-use crate::server::route::{RoutePattern, method_label};
+use super::{Metrics, Route};
+use crate::server::route::{OTHER_LABELS, RoutePattern, other_index};
 
 /// Names the route of a request from its method and path: must return one of a small, fixed
 /// set of names (never a value taken from the path).
@@ -18,18 +18,46 @@ pub struct MetricsLayer {
     shared: Arc<Shared>,
 }
 
-#[derive(Clone)]
+/// Names given by a [`RouteFn`] whose [`Route`]s are kept; past this, a name gets a fresh
+/// `Route` (and uncached metric handles) per request.
+const MAX_NAMED: usize = 64;
+
 pub(super) struct Shared {
     pub(super) service: SharedString,
-    routes: Vec<RoutePattern>,
+    /// Declared routes, each with the `Route` handed to its requests.
+    routes: Vec<(RoutePattern, Route)>,
+    /// The `Route` of each [`OTHER_LABELS`] entry.
+    others: [Route; OTHER_LABELS.len()],
     route_fn: Option<Arc<RouteFn>>,
+    /// `Route`s of the names the route function gave so far (at most [`MAX_NAMED`]).
+    named: RwLock<Vec<Route>>,
+}
+
+impl Clone for Shared {
+    fn clone(&self) -> Self {
+        Self {
+            service: self.service.clone(),
+            routes: self.routes.clone(),
+            others: self.others.clone(),
+            route_fn: self.route_fn.clone(),
+            named: RwLock::default(),
+        }
+    }
 }
 
 impl fmt::Debug for MetricsLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MetricsLayer")
             .field("service", &self.shared.service)
-            .field("routes", &self.shared.routes)
+            .field(
+                "routes",
+                &self
+                    .shared
+                    .routes
+                    .iter()
+                    .map(|(p, _)| p)
+                    .collect::<Vec<_>>(),
+            )
             .field("route_fn", &self.shared.route_fn.as_ref().map(|_| ".."))
             .finish()
     }
@@ -47,11 +75,15 @@ impl MetricsLayer {
     /// A layer labelling every metric with `service`.
     pub fn new(service: impl Into<String>) -> Self {
         let service: Arc<str> = service.into().into();
+        let service = SharedString::from(service);
         Self {
             shared: Arc::new(Shared {
-                service: SharedString::from(service),
+                others: OTHER_LABELS
+                    .map(|label| Route::new(service.clone(), SharedString::const_str(label))),
+                service,
                 routes: Vec::new(),
                 route_fn: None,
+                named: RwLock::default(),
             }),
         }
     }
@@ -59,9 +91,10 @@ impl MetricsLayer {
     /// Declares a route: requests with this method whose path matches `pattern` (literal
     /// segments and `{param}` segments) are labelled `"<METHOD> <pattern>"`.
     pub fn route(mut self, method: Method, pattern: &str) -> Self {
-        Arc::make_mut(&mut self.shared)
-            .routes
-            .push(RoutePattern::new(method, pattern));
+        let shared = Arc::make_mut(&mut self.shared);
+        let pattern = RoutePattern::new(method, pattern);
+        let route = Route::new(shared.service.clone(), pattern.label().clone());
+        shared.routes.push((pattern, route));
         self
     }
 
@@ -85,27 +118,39 @@ impl MetricsLayer {
 }
 
 impl Shared {
-    pub(super) fn route_of(&self, method: &Method, path: &str) -> SharedString {
-        if let Some(p) = self.routes.iter().find(|p| p.matches(method, path)) {
-            return p.label().clone();
+    /// The `Route` of a request: the first declared pattern it matches, else the route
+    /// function's name for it, else `"<METHOD> other"`.
+    pub(super) fn route_of(&self, method: &Method, path: &str) -> Route {
+        if let Some((_, route)) = self.routes.iter().find(|(p, _)| p.matches(method, path)) {
+            return route.clone();
         }
         if let Some(name) = self.route_fn.as_ref().and_then(|f| f(method, path)) {
-            return name;
+            return self.named(name);
         }
-        SharedString::const_str(other_label(method))
+        self.others[other_index(method)].clone()
     }
-}
 
-fn other_label(method: &Method) -> &'static str {
-    match method_label(method) {
-        "GET" => "GET other",
-        "POST" => "POST other",
-        "PUT" => "PUT other",
-        "DELETE" => "DELETE other",
-        "PATCH" => "PATCH other",
-        "HEAD" => "HEAD other",
-        "OPTIONS" => "OPTIONS other",
-        _ => "OTHER other",
+    /// The kept `Route` of a name given by the route function, kept on first sight.
+    fn named(&self, name: SharedString) -> Route {
+        let find = |named: &[Route]| named.iter().find(|r| r.method() == &*name).cloned();
+        {
+            let named = self.named.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(route) = find(&named) {
+                return route;
+            }
+            if named.len() >= MAX_NAMED {
+                return Route::new(self.service.clone(), name);
+            }
+        }
+        let mut named = self.named.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(route) = find(&named) {
+            return route;
+        }
+        let route = Route::new(self.service.clone(), name);
+        if named.len() < MAX_NAMED {
+            named.push(route.clone());
+        }
+        route
     }
 }
 

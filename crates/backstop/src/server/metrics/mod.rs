@@ -25,6 +25,13 @@
 //! A request whose future is dropped before it answered is recorded too: as `timeout` / 504 when
 //! its deadline had passed (the deadline layer cut it), else as a client cancellation (499).
 //!
+//! The metric handles of a route are resolved once, from the recorder in effect when the route
+//! first records, and kept (per outcome), so a request pays no registry lookup. A request
+//! recorded under another recorder (a test's local recorder) takes the uncached path and is
+//! counted where it belongs. Recorders are told apart by address: a layer should not outlive a
+//! local recorder it served under and then serve under a new one. The idempotency key and the
+//! trace id are read from the request only when the log event is enabled.
+//!
 //! ```
 //! use backstop::server::metrics::MetricsLayer;
 //! use http::Method;
@@ -40,62 +47,184 @@ mod layer;
 
 pub use self::layer::{MetricsLayer, RouteFn};
 
-use std::sync::Arc;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
 use http::{Extensions, Request, Response};
-use metrics::SharedString;
+use metrics::{Counter, Gauge, Histogram, SharedString};
 use tower_service::Service;
 
 use self::future::ResponseFuture;
 use self::layer::Shared;
 use crate::deadline::Deadline;
-use crate::observe::{self, label};
+use crate::observe::{self, Outcome, label};
 
 /// The `service` and `method` labels of a request, set by [`MetricsLayer`] as a request
 /// extension and used by the layers below it for their own metrics.
-#[derive(Debug, Clone)]
+///
+/// Cloning is cheap (one reference count): the metrics layer keeps one `Route` per route name
+/// and hands out clones, which also carry the metric handles resolved for that route.
+#[derive(Clone)]
 pub struct Route {
+    inner: Arc<RouteInner>,
+}
+
+struct RouteInner {
     service: SharedString,
     method: SharedString,
+    /// Handles of this route's server metrics, resolved on first use (see [`Route::handles`]).
+    handles: OnceLock<Handles>,
+}
+
+/// The server metric handles of one route, registered with one recorder.
+struct Handles {
+    /// Identity of the recorder the handles belong to (see [`recorder_id`]).
+    recorder: usize,
+    inflight: Gauge,
+    /// `rpc_server_requests_total` and `rpc_server_duration_seconds` per outcome, registered on
+    /// the first request with that outcome (as the macros would), indexed by [`outcome_index`].
+    by_outcome: [OnceLock<(Counter, Histogram)>; Outcome::ALL.len()],
+}
+
+impl fmt::Debug for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Route")
+            .field("service", &self.inner.service)
+            .field("method", &self.inner.method)
+            .finish()
+    }
 }
 
 impl Route {
     /// Labels for a service and a route name.
     pub fn new(service: impl Into<SharedString>, method: impl Into<SharedString>) -> Self {
         Self {
-            service: service.into(),
-            method: method.into(),
+            inner: Arc::new(RouteInner {
+                service: service.into(),
+                method: method.into(),
+                handles: OnceLock::new(),
+            }),
         }
     }
 
     /// The labels of a request: its `Route` extension, or `unknown` / `unknown` when no
     /// [`MetricsLayer`] ran.
     pub fn from_extensions(extensions: &Extensions) -> Self {
+        static UNKNOWN: OnceLock<Route> = OnceLock::new();
         extensions.get::<Route>().cloned().unwrap_or_else(|| {
-            Self::new(
-                SharedString::const_str("unknown"),
-                SharedString::const_str("unknown"),
-            )
+            UNKNOWN
+                .get_or_init(|| {
+                    Self::new(
+                        SharedString::const_str("unknown"),
+                        SharedString::const_str("unknown"),
+                    )
+                })
+                .clone()
         })
     }
 
     /// The `service` label.
     pub fn service(&self) -> &str {
-        &self.service
+        &self.inner.service
     }
 
     /// The `method` label (route name).
     pub fn method(&self) -> &str {
-        &self.method
+        &self.inner.method
     }
 
     pub(crate) fn service_label(&self) -> SharedString {
-        self.service.clone()
+        self.inner.service.clone()
     }
 
     pub(crate) fn method_label(&self) -> SharedString {
-        self.method.clone()
+        self.inner.method.clone()
+    }
+
+    /// The route's metric handles for the recorder in effect now, registering them on first
+    /// use; `None` when they belong to another recorder (the first one to serve the route keeps
+    /// the cache; requests recorded elsewhere take the uncached path) or when the recorder is
+    /// stateless (the no-op recorder).
+    fn handles(&self) -> Option<&Handles> {
+        let recorder = recorder_id()?;
+        let handles = self.inner.handles.get_or_init(|| Handles {
+            recorder,
+            inflight: metrics::gauge!(
+                observe::RPC_SERVER_INFLIGHT,
+                label::SERVICE => self.service_label(),
+                label::METHOD => self.method_label(),
+            ),
+            by_outcome: Default::default(),
+        });
+        (handles.recorder == recorder).then_some(handles)
+    }
+
+    /// Adds `delta` to `rpc_server_inflight`.
+    pub(super) fn inflight(&self, delta: f64) {
+        match self.handles() {
+            Some(handles) => handles.inflight.increment(delta),
+            None => metrics::gauge!(
+                observe::RPC_SERVER_INFLIGHT,
+                label::SERVICE => self.service_label(),
+                label::METHOD => self.method_label(),
+            )
+            .increment(delta),
+        }
+    }
+
+    /// Counts one finished request in `rpc_server_requests_total` and its duration in
+    /// `rpc_server_duration_seconds`.
+    pub(super) fn finished(&self, outcome: Outcome, seconds: f64) {
+        let resolve = || {
+            (
+                metrics::counter!(
+                    observe::RPC_SERVER_REQUESTS_TOTAL,
+                    label::SERVICE => self.service_label(),
+                    label::METHOD => self.method_label(),
+                    label::OUTCOME => outcome.as_str(),
+                ),
+                metrics::histogram!(
+                    observe::RPC_SERVER_DURATION_SECONDS,
+                    label::SERVICE => self.service_label(),
+                    label::METHOD => self.method_label(),
+                    label::OUTCOME => outcome.as_str(),
+                ),
+            )
+        };
+        match self.handles() {
+            Some(handles) => {
+                let (requests, duration) =
+                    handles.by_outcome[outcome_index(outcome)].get_or_init(resolve);
+                requests.increment(1);
+                duration.record(seconds);
+            }
+            None => {
+                let (requests, duration) = resolve();
+                requests.increment(1);
+                duration.record(seconds);
+            }
+        }
+    }
+}
+
+/// Identity of the metrics recorder in effect on this thread (a local one, else the global
+/// one), or `None` for a stateless recorder such as the no-op one, whose handles are not worth
+/// keeping and whose address says nothing.
+fn recorder_id() -> Option<usize> {
+    metrics::with_recorder(|recorder| {
+        (std::mem::size_of_val(recorder) != 0)
+            .then(|| std::ptr::from_ref(recorder).cast::<()>().addr())
+    })
+}
+
+fn outcome_index(outcome: Outcome) -> usize {
+    match outcome {
+        Outcome::Ok => 0,
+        Outcome::Retryable => 1,
+        Outcome::Fatal => 2,
+        Outcome::Timeout => 3,
+        Outcome::Rejected => 4,
     }
 }
 
@@ -155,10 +284,7 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
-        let route = Route {
-            service: self.shared.service.clone(),
-            method: self.shared.route_of(request.method(), request.uri().path()),
-        };
+        let route = self.shared.route_of(request.method(), request.uri().path());
         let deadline = request.extensions().get::<Deadline>().copied();
         let record = future::Record::start(route.clone(), deadline, request.headers());
         request.extensions_mut().insert(route);

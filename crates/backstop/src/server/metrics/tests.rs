@@ -293,3 +293,40 @@ fn traceparent_parsing() {
         assert_eq!(trace_id(bad), None, "{bad:?}");
     }
 }
+
+#[test]
+fn handles_follow_the_recorder_in_effect() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    fn requests(recorder: &DebuggingRecorder) -> u64 {
+        recorder
+            .snapshotter()
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == RPC_SERVER_REQUESTS_TOTAL)
+            .map(|(.., value)| match value {
+                DebugValue::Counter(c) => c,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
+        Ok::<_, Infallible>(Response::new(Bytes::new()))
+    }));
+    let (first, second) = (DebuggingRecorder::new(), DebuggingRecorder::new());
+    // The route's handles are resolved under `first`; `second` must still see its requests.
+    for recorder in [&first, &second, &first, &second, &second] {
+        metrics::with_local_recorder(recorder, || {
+            runtime
+                .block_on(svc.clone().oneshot(request(Method::POST, "/v1/payments")))
+                .unwrap()
+        });
+    }
+    assert_eq!(requests(&first), 2);
+    assert_eq!(requests(&second), 3);
+}
