@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
-use tokio::time::{Sleep, sleep_until};
+use tokio::time::{Instant, Sleep, sleep_until};
 
 use crate::deadline::Deadline;
 use crate::server::problem::Problem;
@@ -29,8 +29,11 @@ pin_project! {
         Running {
             #[pin]
             inner: F,
+            deadline: Instant,
+            // Made on the first poll that finds the inner future pending: a request answered
+            // at once never touches the timer.
             #[pin]
-            sleep: Sleep,
+            sleep: Option<Sleep>,
         },
         Rejected {
             response: Option<Response<B>>,
@@ -44,7 +47,8 @@ impl<F, B> ResponseFuture<F, B> {
         Self {
             kind: Kind::Running {
                 inner,
-                sleep: sleep_until(deadline.instant()),
+                deadline: deadline.instant(),
+                sleep: None,
             },
         }
     }
@@ -68,11 +72,20 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
         match kind.as_mut().project() {
-            KindProj::Running { inner, sleep } => {
+            KindProj::Running {
+                inner,
+                deadline,
+                mut sleep,
+            } => {
                 if let Poll::Ready(result) = inner.poll(cx) {
                     return Poll::Ready(result);
                 }
-                std::task::ready!(sleep.poll(cx));
+                if sleep.is_none() {
+                    sleep.set(Some(sleep_until(*deadline)));
+                }
+                if let Some(sleep) = sleep.as_pin_mut() {
+                    std::task::ready!(sleep.poll(cx));
+                }
                 // Drop the inner future now, before answering: its cleanup (an idempotency
                 // record marked failed, a gate permit returned) happens before the client
                 // can see the 504 and retry.

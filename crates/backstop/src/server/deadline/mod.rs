@@ -37,6 +37,9 @@ use tower_service::Service;
 use self::future::ResponseFuture;
 use super::problem::Problem;
 use crate::deadline::{Deadline, GRPC_TIMEOUT, decode_grpc_timeout};
+
+/// The `grpc-timeout` header, named once.
+static GRPC_TIMEOUT_HEADER: http::HeaderName = http::HeaderName::from_static(GRPC_TIMEOUT);
 use crate::status::{Code, Status, problem};
 
 /// Default budget of a request that carries no `grpc-timeout`.
@@ -95,7 +98,7 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
-        match self.budget(request.headers().get(GRPC_TIMEOUT)) {
+        match self.budget(request.headers().get(&GRPC_TIMEOUT_HEADER)) {
             Ok(budget) => {
                 let deadline = Deadline::after(budget);
                 request.extensions_mut().insert(deadline);

@@ -171,3 +171,16 @@ async fn budget_starts_when_the_request_arrives_not_when_polled() {
     let res = fut.await.unwrap();
     assert_eq!(res.body(), "700");
 }
+
+#[test]
+fn an_answer_ready_at_once_never_arms_the_timer() {
+    // No time driver: arming the deadline's timer would panic.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let svc = DeadlineLayer::default().layer(service_fn(|_req: Request<Bytes>| async {
+        Ok::<_, Infallible>(Response::new(Bytes::new()))
+    }));
+    let res = runtime.block_on(svc.oneshot(request(Some("1S")))).unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
