@@ -80,6 +80,18 @@ where
     }
 }
 
+impl<S, Req> ResponseFuture<S, Req>
+where
+    S: Service<Req>,
+{
+    /// A request admitted when it was called: already running.
+    pub(super) fn admitted(fut: S::Future, permit: GatePermit) -> Self {
+        Self {
+            state: State::Running { fut, permit },
+        }
+    }
+}
+
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, Request<ReqBody>>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,

@@ -1,10 +1,11 @@
 //! Concurrency gate: bounded in-flight work, bounded waiting, 503 + `Retry-After` (seed 2.6).
 //!
 //! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
-//! permit is acquired *inside the response future*, never in `poll_ready`: a request that merely
-//! waits to be called holds nothing, and the wait is bounded by the request's own budget. The
-//! gate waits at most the [`Deadline`]'s remaining time minus a minimal service time, and
-//! rejects at once when that is negative: a request that cannot finish in time is not queued.
+//! permit is acquired when the request is called (at once when the gate has room) or *inside the
+//! response future* while it waits, never in `poll_ready`: a request that merely waits to be
+//! called holds nothing, and the wait is bounded by the request's own budget. The gate waits at
+//! most the [`Deadline`]'s remaining time minus a minimal service time, and rejects at once when
+//! that is negative: a request that cannot finish in time is not queued.
 //!
 //! A refusal is 503 problem+json `overloaded` (`UNAVAILABLE`) with `Retry-After` (never 500:
 //! overload is not a bug, and the client must back off), counted in
@@ -74,6 +75,11 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // A free slot admits the request at once: the ready inner service is called here, so
+        // it needs no clone and the request no waiting state.
+        if let Ok(permit) = self.gate.try_enter() {
+            return ResponseFuture::admitted(self.inner.call(request), permit);
+        }
         let deadline = request
             .extensions()
             .get::<Deadline>()

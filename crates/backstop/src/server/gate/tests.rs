@@ -1,5 +1,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -178,4 +180,45 @@ fn overload_is_counted_as_rejected() {
         m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "ok")]),
         1
     );
+}
+
+/// Counts its clones; answers 200 at once.
+#[derive(Debug)]
+struct CountClones(Arc<AtomicUsize>);
+
+impl Clone for CountClones {
+    fn clone(&self) -> Self {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Self(self.0.clone())
+    }
+}
+
+impl Service<Request<Bytes>> for CountClones {
+    type Response = Response<Bytes>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Bytes>, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: Request<Bytes>) -> Self::Future {
+        std::future::ready(Ok(Response::new(Bytes::new())))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_admitted_at_once_holds_a_permit_and_needs_no_service_clone() {
+    let gate = Gate::new(1, Duration::from_millis(5));
+    let clones = Arc::new(AtomicUsize::new(0));
+    let mut svc = GateLayer::new(gate.clone()).layer(CountClones(clones.clone()));
+    let fut = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request(Duration::from_secs(1)));
+    assert_eq!(gate.inflight(), 1, "admitted when called");
+    assert_eq!(fut.await.unwrap().status(), StatusCode::OK);
+    assert_eq!(gate.inflight(), 0, "permit released with the answer");
+    assert_eq!(clones.load(Ordering::Relaxed), 0);
 }
