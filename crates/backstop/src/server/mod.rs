@@ -126,6 +126,12 @@ impl<St: Store> ServerStack<St> {
         self
     }
 
+    /// Names where the log event's `peer` comes from (see [`MetricsLayer::peer_from`]).
+    pub fn peer_from(mut self, f: metrics::PeerFn) -> Self {
+        self.metrics = self.metrics.peer_from(f);
+        self
+    }
+
     /// Replaces the metrics layer.
     pub fn metrics(mut self, layer: MetricsLayer) -> Self {
         self.metrics = layer;

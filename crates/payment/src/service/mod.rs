@@ -101,6 +101,10 @@ pub fn build_app<St: Store>(state: AppState, store: St, config: &Config) -> Rout
             KeyedRoute::new(config.key_ttl).lease(config.lease),
         )
         .route(Method::GET, "/v1/payments/{intent_id}")
+        .peer_from(|ext| {
+            ext.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|info| info.0)
+        })
         .into_layer();
 
     let payments = Router::new()

@@ -4,12 +4,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use http::{HeaderMap, HeaderName, Response, StatusCode};
+use std::net::SocketAddr;
+
+use http::{HeaderName, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tracing::Level;
 
-use super::{Rejected, Route, trace_id};
+use super::{PeerFn, Rejected, Route, trace_id};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
 use crate::status::Outcome;
@@ -72,6 +74,34 @@ const TARGET: &str = "backstop::server";
 /// Request headers read only for the log event.
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+static PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
+
+/// Fields of the log event read from the request, only when the event is enabled.
+#[derive(Debug, Default)]
+struct LogFields {
+    idempotency_key: Option<Box<str>>,
+    trace_id: Option<Box<str>>,
+    peer: Option<SocketAddr>,
+    /// 1 for a first attempt; the caller's `grpc-previous-rpc-attempts` + 1 otherwise.
+    attempt: u32,
+}
+
+impl LogFields {
+    fn read<B>(request: &Request<B>, peer_fn: Option<PeerFn>) -> Self {
+        let headers = request.headers();
+        let header = |name: &HeaderName| headers.get(name).and_then(|v| v.to_str().ok());
+        Self {
+            idempotency_key: header(&IDEMPOTENCY_KEY)
+                .and_then(|v| IdempotencyKey::parse(v).ok())
+                .map(|k| Box::from(k.as_str())),
+            trace_id: header(&TRACEPARENT).and_then(trace_id).map(Box::from),
+            peer: peer_fn.and_then(|f| f(request.extensions())),
+            attempt: header(&PREVIOUS_ATTEMPTS)
+                .and_then(|v| v.trim().parse::<u32>().ok())
+                .map_or(1, |previous| previous.saturating_add(1)),
+        }
+    }
+}
 
 /// What is known about a request in flight; records it exactly once.
 #[derive(Debug)]
@@ -80,37 +110,27 @@ pub(super) struct Record {
     start: Instant,
     deadline: Option<Deadline>,
     /// Read from the request only when the log event is enabled.
-    idempotency_key: Option<Box<str>>,
-    trace_id: Option<Box<str>>,
+    log: Option<Box<LogFields>>,
     done: bool,
 }
 
 impl Record {
-    pub(super) fn start(route: Route, deadline: Option<Deadline>, headers: &HeaderMap) -> Self {
-        // The key and trace id only go into the log event: skip reading (and copying) them
-        // when no subscriber wants it.
-        let (idempotency_key, trace_id) = if tracing::enabled!(target: TARGET, Level::INFO) {
-            let idempotency_key = headers
-                .get(&IDEMPOTENCY_KEY)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| IdempotencyKey::parse(v).ok())
-                .map(|k| Box::from(k.as_str()));
-            let trace_id = headers
-                .get(&TRACEPARENT)
-                .and_then(|v| v.to_str().ok())
-                .and_then(trace_id)
-                .map(Box::from);
-            (idempotency_key, trace_id)
-        } else {
-            (None, None)
-        };
+    pub(super) fn start<B>(
+        route: Route,
+        deadline: Option<Deadline>,
+        request: &Request<B>,
+        peer_fn: Option<PeerFn>,
+    ) -> Self {
+        // These fields only go into the log event: skip reading (and copying) them when no
+        // subscriber wants it.
+        let log = tracing::enabled!(target: TARGET, Level::INFO)
+            .then(|| Box::new(LogFields::read(request, peer_fn)));
         route.inflight(1.0);
         Self {
             route,
             start: Instant::now(),
             deadline,
-            idempotency_key,
-            trace_id,
+            log,
             done: false,
         }
     }
@@ -123,6 +143,7 @@ impl Record {
         let elapsed = now.saturating_duration_since(self.start);
         self.route.inflight(-1.0);
         self.route.finished(outcome, elapsed.as_secs_f64());
+        let log = self.log.as_deref();
         tracing::info!(
             target: TARGET,
             service = self.route.service(),
@@ -134,8 +155,10 @@ impl Record {
                 u64::try_from(d.instant().saturating_duration_since(now).as_millis())
                     .unwrap_or(u64::MAX)
             }),
-            idempotency_key = self.idempotency_key.as_deref(),
-            trace_id = self.trace_id.as_deref(),
+            idempotency_key = log.and_then(|l| l.idempotency_key.as_deref()),
+            attempt = log.map(|l| l.attempt),
+            peer = log.and_then(|l| l.peer).map(tracing::field::display),
+            trace_id = log.and_then(|l| l.trace_id.as_deref()),
             "rpc_server_request"
         );
     }

@@ -1,7 +1,8 @@
 use std::fmt;
+use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 
-use http::Method;
+use http::{Extensions, Method};
 use metrics::SharedString;
 use tower_layer::Layer;
 
@@ -11,6 +12,11 @@ use crate::server::route::{OTHER_LABELS, RoutePattern, other_index};
 /// Names the route of a request from its method and path: must return one of a small, fixed
 /// set of names (never a value taken from the path).
 pub type RouteFn = dyn Fn(&Method, &str) -> Option<SharedString> + Send + Sync;
+
+/// Reads the remote address of a request from its extensions (where the server's accept loop
+/// or framework put it, e.g. axum's `ConnectInfo<SocketAddr>` or tonic's `TcpConnectInfo`), for
+/// the log event's `peer` field.
+pub type PeerFn = fn(&Extensions) -> Option<SocketAddr>;
 
 /// Applies [`Metrics`]: server metrics and one log event per request.
 #[derive(Clone)]
@@ -29,6 +35,7 @@ pub(super) struct Shared {
     /// The `Route` of each [`OTHER_LABELS`] entry.
     others: [Route; OTHER_LABELS.len()],
     route_fn: Option<Arc<RouteFn>>,
+    pub(super) peer_fn: Option<PeerFn>,
     /// `Route`s of the names the route function gave so far (at most [`MAX_NAMED`]).
     named: RwLock<Vec<Route>>,
 }
@@ -40,6 +47,7 @@ impl Clone for Shared {
             routes: self.routes.clone(),
             others: self.others.clone(),
             route_fn: self.route_fn.clone(),
+            peer_fn: self.peer_fn,
             named: RwLock::default(),
         }
     }
@@ -83,6 +91,7 @@ impl MetricsLayer {
                 service,
                 routes: Vec::new(),
                 route_fn: None,
+                peer_fn: None,
                 named: RwLock::default(),
             }),
         }
@@ -104,6 +113,13 @@ impl MetricsLayer {
         F: Fn(&Method, &str) -> Option<SharedString> + Send + Sync + 'static,
     {
         Arc::make_mut(&mut self.shared).route_fn = Some(Arc::new(f));
+        self
+    }
+
+    /// Names the log event's `peer` from the request's extensions. Without it the field is
+    /// absent: the layer cannot know where the server keeps the connection's address.
+    pub fn peer_from(mut self, f: PeerFn) -> Self {
+        Arc::make_mut(&mut self.shared).peer_fn = Some(f);
         self
     }
 

@@ -11,7 +11,8 @@
 //! - `rpc_server_inflight{service,method}` (gauge);
 //! - one `tracing` event `rpc_server_request` with `service`, `method`, `status`, `outcome`,
 //!   `duration_ms`, `deadline_remaining_ms`, `idempotency_key` (from the header, when it is a
-//!   valid key) and `trace_id` (from a valid W3C `traceparent`).
+//!   valid key), `attempt` (1 + the caller's `grpc-previous-rpc-attempts`), `peer` (see
+//!   [`MetricsLayer::peer_from`]) and `trace_id` (from a valid W3C `traceparent`).
 //!
 //! The `method` label is a route name such as `POST /v1/payments`, never the raw path: paths
 //! carry ids and keys, and a label per id would grow the metric set without bound. Routes are
@@ -45,7 +46,7 @@
 pub mod future;
 mod layer;
 
-pub use self::layer::{MetricsLayer, RouteFn};
+pub use self::layer::{MetricsLayer, PeerFn, RouteFn};
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -286,7 +287,7 @@ where
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let route = self.shared.route_of(request.method(), request.uri().path());
         let deadline = request.extensions().get::<Deadline>().copied();
-        let record = future::Record::start(route.clone(), deadline, request.headers());
+        let record = future::Record::start(route.clone(), deadline, &request, self.shared.peer_fn);
         request.extensions_mut().insert(route);
         ResponseFuture::new(self.inner.call(request), record)
     }

@@ -236,7 +236,8 @@ fn client_going_away_is_a_cancellation() {
 fn one_log_event_per_request_with_design_fields() {
     let (_, logs) = with_logs(|| {
         with_metrics(|| async {
-            let svc = DeadlineLayer::default().layer(layer().layer(service_fn(
+            let peer_layer = layer().peer_from(|ext| ext.get::<std::net::SocketAddr>().copied());
+            let svc = DeadlineLayer::default().layer(peer_layer.layer(service_fn(
                 |_req: Request<Bytes>| async {
                     sleep(Duration::from_millis(30)).await;
                     let mut res = Response::new(Bytes::new());
@@ -253,6 +254,8 @@ fn one_log_event_per_request_with_design_fields() {
                     "traceparent",
                     "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
                 )
+                .header("grpc-previous-rpc-attempts", "2")
+                .extension(std::net::SocketAddr::from(([127, 0, 0, 1], 4711)))
                 .body(Bytes::new())
                 .unwrap();
             svc.oneshot(req).await.unwrap()
@@ -272,6 +275,8 @@ fn one_log_event_per_request_with_design_fields() {
     assert_eq!(e["idempotency_key"], "key-1");
     assert_eq!(e["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
     assert_eq!(e["duration_ms"], 30.0);
+    assert_eq!(e["attempt"], 3);
+    assert_eq!(e["peer"], "127.0.0.1:4711");
 }
 
 #[test]
