@@ -3,6 +3,8 @@
 //! - `backstop serve`: the payment service (HTTP JSON, `/metrics`, `/healthz`, `/readyz`) with an
 //!   embedded PSP unless `--psp URL` is given.
 //! - `backstop psp`: the PSP simulator (a fake payment provider with fault injection).
+//! - `backstop load`: an open-loop load driver for the payment service, with a summary of
+//!   attempts, retries, outcomes, latency per attempt and stop reasons.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -10,6 +12,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+mod load;
 mod psp;
 mod serve;
 
@@ -29,12 +32,19 @@ enum Command {
     /// Run the PSP simulator: a fake payment provider with its own store, dedup on the effect
     /// key, and fault injection.
     Psp(psp::PspArgs),
+    /// Drive the payment service with open-loop load (a new order and key per logical
+    /// request) and summarise attempts, retries, outcomes and latency.
+    Load(load::LoadArgs),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // The load driver would drown its own summary in per-attempt events: warnings only.
+    init_tracing(match cli.command {
+        Command::Load(_) => "warn",
+        _ => "info",
+    });
     let result: Result<(), Box<dyn Error>> = match cli.command {
         Command::Serve(args) => {
             let config = args
@@ -52,6 +62,7 @@ async fn main() -> ExitCode {
                 .await
                 .map_err(Into::into)
         }
+        Command::Load(args) => load::run(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -81,9 +92,10 @@ fn usage_error(error: clap::Error, subcommand: &str) -> ! {
     }
 }
 
-/// JSON logs on stderr; `RUST_LOG` filters (default `info`).
-fn init_tracing() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// JSON logs on stderr; `RUST_LOG` filters (default `default_level`).
+fn init_tracing(default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     tracing_subscriber::fmt()
         .json()
         .with_env_filter(filter)

@@ -1,0 +1,185 @@
+//! `backstop load`: an open-loop load driver for the payment service.
+//!
+//! Requests start on schedule (`--rate` per second for `--duration`) whether or not earlier ones
+//! have finished, so a slow server cannot slow the offered load down and hide its own latency
+//! (coordinated omission). At most `--concurrency` logical requests are in flight; one scheduled
+//! while that many are running is counted as `skipped`, not delayed. Each logical request is a
+//! new order with its own idempotency key, driven by the chosen [`PolicyKind`].
+
+mod policy;
+mod report;
+mod target;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use self::policy::{Driver, Logical, PolicyKind};
+use self::report::Tally;
+use self::target::{HttpClient, Target};
+
+/// Most logical requests one run may schedule: a typo in `--rate` or `--duration` must not
+/// start a run that never ends.
+const MAX_REQUESTS: u64 = 100_000_000;
+
+/// Flags of `backstop load`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct LoadArgs {
+    /// The service: `http://HOST:PORT` (the payment service's HTTP API).
+    #[arg(long, value_name = "URL", value_parser = Target::parse)]
+    target: Target,
+    /// Logical requests started per second.
+    #[arg(long, value_name = "PER_SEC", default_value_t = 100.0, value_parser = parse_rate)]
+    rate: f64,
+    /// How long to keep starting requests, e.g. `5s`, `1m`.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Most logical requests in flight at once.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    concurrency: u32,
+    /// The client behaviour: `backstop` (one key, one deadline, budgeted retries) or `naive`
+    /// (3 attempts, no budget, no jitter, a fresh key per attempt; for comparison only).
+    #[arg(long, value_enum, default_value_t = PolicyKind::Backstop)]
+    policy: PolicyKind,
+    /// Deadline of each logical request (sent as `grpc-timeout`).
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
+    timeout: Duration,
+    /// Bearer API key, when the service requires one.
+    #[arg(long, value_name = "KEY", env = "BACKSTOP_API_KEY")]
+    api_key: Option<String>,
+    /// Print the summary as one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs the load and prints the summary.
+pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let total = (args.rate * args.duration.as_secs_f64()).ceil() as u64;
+    if total == 0 {
+        return Err("--rate x --duration schedules no request".into());
+    }
+    if total > MAX_REQUESTS {
+        return Err(format!(
+            "--rate x --duration schedules {total} requests; at most {MAX_REQUESTS} per run"
+        )
+        .into());
+    }
+    let Target::Http { base } = &args.target;
+    let client = HttpClient::new(base, args.api_key.clone())?;
+    let driver = Driver::new(args.policy)?;
+    let slots = Arc::new(Semaphore::new(args.concurrency as usize));
+    let progress = progress_bar(total);
+    // Unique per run, so two runs against one service never collide on an order id.
+    let run_id = uuid::Uuid::now_v7().simple().to_string();
+
+    let interval = Duration::from_secs_f64(1.0 / args.rate);
+    let start = Instant::now();
+    let mut tally = Tally::new();
+    let mut tasks = JoinSet::new();
+    for i in 0..total {
+        tokio::time::sleep_until(start + interval.mul_f64(i as f64)).await;
+        // Reap finished tasks as we go, so memory follows the in-flight count, not the total.
+        while let Some(done) = tasks.try_join_next() {
+            merge(&mut tally, done);
+        }
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tally.skipped();
+            progress.inc(1);
+            continue;
+        };
+        let logical = Logical {
+            order_id: format!("load-{run_id}-{i}"),
+            amount_cents: 100 + i % 10_000,
+        };
+        let (client, driver, progress) = (client.clone(), driver.clone(), progress.clone());
+        let timeout = args.timeout;
+        tasks.spawn(async move {
+            let mut tally = Tally::new();
+            driver.run(&client, &logical, timeout, &mut tally).await;
+            drop(slot);
+            progress.inc(1);
+            tally
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        merge(&mut tally, done);
+    }
+    let elapsed = start.elapsed();
+    progress.finish_and_clear();
+
+    let summary = tally.summary(elapsed, args.policy.as_str(), args.target.name());
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        print!("{}", summary.render());
+    }
+    tracing::debug!(
+        logical = tally.logical_count(),
+        ok = tally.ok_count(),
+        "load finished"
+    );
+    Ok(())
+}
+
+fn merge(tally: &mut Tally, done: Result<Tally, tokio::task::JoinError>) {
+    match done {
+        Ok(t) => tally.merge(t),
+        Err(e) => tracing::error!(error = %e, "a load task failed"),
+    }
+}
+
+fn progress_bar(total: u64) -> ProgressBar {
+    // Drawn on stderr, and hidden when stderr is not a terminal.
+    let bar = ProgressBar::new(total);
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {per_sec}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let rate: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of requests per second"))?;
+    if !rate.is_finite() || rate <= 0.0 || rate > 10_000_000.0 {
+        return Err(format!("rate must be in (0, 10000000], got {s}"));
+    }
+    Ok(rate)
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 5s or 1m: {e}"))?;
+    if d.is_zero() {
+        return Err("the duration must be positive".to_owned());
+    }
+    if d > Duration::from_secs(24 * 3600) {
+        return Err(format!("{s} is longer than a day"));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_and_durations_are_checked() {
+        assert_eq!(parse_rate("250"), Ok(250.0));
+        for bad in ["0", "-1", "NaN", "inf", "x", "1e12"] {
+            assert!(parse_rate(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        for bad in ["0s", "5", "2 days", "-1s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! What a load run measured: counts per logical request and per attempt, latencies per attempt
+//! number, stop reasons; rendered as a text summary or JSON.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use backstop::status::Outcome;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// Attempt numbers with their own latency histogram; later attempts share the last one.
+pub(crate) const TRACKED_ATTEMPTS: usize = 5;
+
+/// Highest latency a histogram holds (longer attempts are clamped to it): one hour in µs.
+const MAX_LATENCY_US: u64 = 3_600_000_000;
+
+/// One attempt as the load driver saw it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttemptRecord {
+    /// 1 for the first attempt of a logical request.
+    pub(crate) number: u32,
+    pub(crate) latency: Duration,
+    pub(crate) outcome: Outcome,
+    /// Sent as a hedge rather than a retry.
+    pub(crate) hedge: bool,
+}
+
+/// How one logical request ended.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LogicalRecord {
+    pub(crate) outcome: Outcome,
+    /// Why the client gave up (`None` when it succeeded).
+    pub(crate) stop_reason: Option<&'static str>,
+}
+
+/// Running totals of a load run. Each task keeps its own and the driver merges them, so
+/// recording never contends on a lock.
+#[derive(Debug)]
+pub(crate) struct Tally {
+    logical: u64,
+    attempts: u64,
+    retries: u64,
+    hedges: u64,
+    /// Scheduled logical requests not started because `--concurrency` were already in flight.
+    skipped: u64,
+    outcomes: BTreeMap<&'static str, u64>,
+    attempt_outcomes: BTreeMap<&'static str, u64>,
+    stop_reasons: BTreeMap<&'static str, u64>,
+    /// Attempt latency in µs, by attempt number (index 0 = attempt 1).
+    latency: Vec<Histogram<u64>>,
+}
+
+impl Tally {
+    pub(crate) fn new() -> Self {
+        let latency = (0..TRACKED_ATTEMPTS)
+            .map(|_| {
+                Histogram::new_with_bounds(1, MAX_LATENCY_US, 3)
+                    .expect("constant histogram bounds are valid")
+            })
+            .collect();
+        Self {
+            logical: 0,
+            attempts: 0,
+            retries: 0,
+            hedges: 0,
+            skipped: 0,
+            outcomes: BTreeMap::new(),
+            attempt_outcomes: BTreeMap::new(),
+            stop_reasons: BTreeMap::new(),
+            latency,
+        }
+    }
+
+    pub(crate) fn attempt(&mut self, a: AttemptRecord) {
+        self.attempts += 1;
+        if a.hedge {
+            self.hedges += 1;
+        } else if a.number > 1 {
+            self.retries += 1;
+        }
+        *self.attempt_outcomes.entry(a.outcome.as_str()).or_default() += 1;
+        let index = (a.number.max(1) as usize - 1).min(TRACKED_ATTEMPTS - 1);
+        let us = u64::try_from(a.latency.as_micros()).unwrap_or(u64::MAX);
+        self.latency[index].saturating_record(us.clamp(1, MAX_LATENCY_US));
+    }
+
+    pub(crate) fn logical(&mut self, l: LogicalRecord) {
+        self.logical += 1;
+        *self.outcomes.entry(l.outcome.as_str()).or_default() += 1;
+        if let Some(reason) = l.stop_reason {
+            *self.stop_reasons.entry(reason).or_default() += 1;
+        }
+    }
+
+    pub(crate) fn skipped(&mut self) {
+        self.skipped += 1;
+    }
+
+    pub(crate) fn merge(&mut self, other: Tally) {
+        self.logical += other.logical;
+        self.attempts += other.attempts;
+        self.retries += other.retries;
+        self.hedges += other.hedges;
+        self.skipped += other.skipped;
+        for (map, theirs) in [
+            (&mut self.outcomes, other.outcomes),
+            (&mut self.attempt_outcomes, other.attempt_outcomes),
+            (&mut self.stop_reasons, other.stop_reasons),
+        ] {
+            for (k, v) in theirs {
+                *map.entry(k).or_default() += v;
+            }
+        }
+        for (mine, theirs) in self.latency.iter_mut().zip(other.latency) {
+            // Same bounds on both sides, so adding cannot fail.
+            let _ = mine.add(theirs);
+        }
+    }
+
+    pub(crate) fn logical_count(&self) -> u64 {
+        self.logical
+    }
+
+    pub(crate) fn ok_count(&self) -> u64 {
+        self.outcomes
+            .get(Outcome::Ok.as_str())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The summary of a run that lasted `elapsed`.
+    pub(crate) fn summary(&self, elapsed: Duration, policy: &str, target: &str) -> Summary {
+        let ok = self.ok_count();
+        let secs = elapsed.as_secs_f64().max(f64::EPSILON);
+        let latency_ms = self
+            .latency
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| !h.is_empty())
+            .map(|(i, h)| {
+                let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+                AttemptLatency {
+                    attempt: if i + 1 == TRACKED_ATTEMPTS {
+                        format!("{}+", i + 1)
+                    } else {
+                        (i + 1).to_string()
+                    },
+                    count: h.len(),
+                    p50_ms: ms(0.5),
+                    p99_ms: ms(0.99),
+                }
+            })
+            .collect();
+        Summary {
+            target: target.to_owned(),
+            policy: policy.to_owned(),
+            elapsed_s: secs,
+            logical_requests: self.logical,
+            skipped: self.skipped,
+            attempts: self.attempts,
+            retries: self.retries,
+            hedges: self.hedges,
+            // Retries per logical request, never per attempt (DESIGN section 6).
+            retry_ratio: if self.logical == 0 {
+                0.0
+            } else {
+                self.retries as f64 / self.logical as f64
+            },
+            outcomes: self.outcomes.clone(),
+            attempt_outcomes: self.attempt_outcomes.clone(),
+            goodput_per_s: ok as f64 / secs,
+            latency_ms,
+            stop_reasons: self.stop_reasons.clone(),
+        }
+    }
+}
+
+/// Latency of the attempts with one attempt number.
+#[derive(Debug, Serialize)]
+pub(crate) struct AttemptLatency {
+    /// Attempt number (`"5+"` for the fifth and later).
+    attempt: String,
+    count: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+/// The end-of-run summary (`--json` prints it as one JSON object).
+#[derive(Debug, Serialize)]
+pub(crate) struct Summary {
+    target: String,
+    policy: String,
+    elapsed_s: f64,
+    logical_requests: u64,
+    /// Scheduled but not started: `--concurrency` requests were already in flight.
+    skipped: u64,
+    attempts: u64,
+    retries: u64,
+    hedges: u64,
+    /// retries / logical requests.
+    retry_ratio: f64,
+    /// Logical requests by final outcome.
+    outcomes: BTreeMap<&'static str, u64>,
+    /// Attempts by outcome.
+    attempt_outcomes: BTreeMap<&'static str, u64>,
+    /// Logical requests that succeeded, per second of the run.
+    goodput_per_s: f64,
+    latency_ms: Vec<AttemptLatency>,
+    /// Why failed logical requests were not retried further.
+    stop_reasons: BTreeMap<&'static str, u64>,
+}
+
+impl Summary {
+    /// Human-readable summary.
+    pub(crate) fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "target {}  policy {}  elapsed {:.2}s",
+            self.target, self.policy, self.elapsed_s
+        );
+        let _ = writeln!(
+            out,
+            "logical requests {}  skipped {}  attempts {}  retries {}  hedges {}  retry ratio {:.3}",
+            self.logical_requests,
+            self.skipped,
+            self.attempts,
+            self.retries,
+            self.hedges,
+            self.retry_ratio
+        );
+        let _ = writeln!(out, "goodput {:.1}/s", self.goodput_per_s);
+        let _ = writeln!(out, "outcomes (logical): {}", join(&self.outcomes));
+        let _ = writeln!(out, "outcomes (attempts): {}", join(&self.attempt_outcomes));
+        let _ = writeln!(out, "stop reasons: {}", join(&self.stop_reasons));
+        let _ = writeln!(out, "attempt  count       p50 ms     p99 ms");
+        for l in &self.latency_ms {
+            let _ = writeln!(
+                out,
+                "{:<8} {:<10} {:>8.2} {:>10.2}",
+                l.attempt, l.count, l.p50_ms, l.p99_ms
+            );
+        }
+        out
+    }
+}
+
+fn join(map: &BTreeMap<&'static str, u64>) -> String {
+    if map.is_empty() {
+        return "-".to_owned();
+    }
+    map.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attempt(number: u32, ms: u64, outcome: Outcome) -> AttemptRecord {
+        AttemptRecord {
+            number,
+            latency: Duration::from_millis(ms),
+            outcome,
+            hedge: false,
+        }
+    }
+
+    #[test]
+    fn retry_ratio_is_retries_over_logical_requests() {
+        let mut t = Tally::new();
+        for _ in 0..4 {
+            t.attempt(attempt(1, 10, Outcome::Retryable));
+            t.attempt(attempt(2, 20, Outcome::Ok));
+            t.logical(LogicalRecord {
+                outcome: Outcome::Ok,
+                stop_reason: None,
+            });
+        }
+        let s = t.summary(Duration::from_secs(2), "backstop", "http://x");
+        assert_eq!((s.logical_requests, s.attempts, s.retries), (4, 8, 4));
+        assert_eq!(s.retry_ratio, 1.0);
+        assert_eq!(s.goodput_per_s, 2.0);
+        assert_eq!(s.latency_ms.len(), 2);
+        assert_eq!(s.latency_ms[1].attempt, "2");
+    }
+
+    #[test]
+    fn merging_adds_everything() {
+        let mut a = Tally::new();
+        let mut b = Tally::new();
+        a.attempt(attempt(1, 5, Outcome::Retryable));
+        a.logical(LogicalRecord {
+            outcome: Outcome::Retryable,
+            stop_reason: Some("budget_exhausted"),
+        });
+        b.attempt(attempt(7, 5, Outcome::Timeout));
+        b.attempt(AttemptRecord {
+            hedge: true,
+            ..attempt(2, 5, Outcome::Ok)
+        });
+        b.skipped();
+        a.merge(b);
+        let s = a.summary(Duration::from_secs(1), "backstop", "http://x");
+        assert_eq!((s.attempts, s.retries, s.hedges, s.skipped), (3, 1, 1, 1));
+        assert_eq!(s.stop_reasons["budget_exhausted"], 1);
+        // Attempt 7 lands in the last bucket.
+        assert!(s.latency_ms.iter().any(|l| l.attempt == "5+"));
+        assert!(s.render().contains("retry ratio 1.000"));
+    }
+
+    #[test]
+    fn an_empty_run_has_a_zero_ratio() {
+        let s = Tally::new().summary(Duration::ZERO, "naive", "http://x");
+        assert_eq!(s.retry_ratio, 0.0);
+        assert!(s.render().contains("stop reasons: -"));
+    }
+}
