@@ -25,7 +25,14 @@ impl Serve {
     /// Starts the binary on a free port and returns once `/healthz` answers.
     async fn start(store: &Path, psp_url: &str) -> Serve {
         let mut child = Command::new(BIN)
-            .args(["serve", "--http", "127.0.0.1:0", "--store"])
+            .args([
+                "serve",
+                "--http",
+                "127.0.0.1:0",
+                "--grpc",
+                "127.0.0.1:0",
+                "--store",
+            ])
             .arg(store)
             .args(["--psp", psp_url])
             .env("RUST_LOG", "info")

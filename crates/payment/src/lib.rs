@@ -13,6 +13,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod grpc;
 pub mod intents;
 pub mod psp;
 pub mod psp_client;

@@ -99,7 +99,7 @@ impl Handler {
 
 async fn send<S>(svc: &S, req: Request<Body>) -> (StatusCode, http::HeaderMap, Bytes)
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = Response<ResponseBody<Body>>, Error = Infallible> + Clone,
 {
     let res = svc.clone().oneshot(req).await.unwrap();
     let (parts, b) = res.into_parts();
