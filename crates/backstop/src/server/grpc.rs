@@ -7,14 +7,26 @@
 //! gigabytes, and does not even get to wait for its deadline. The message is then read as
 //! it arrives, never preallocated from the claimed length.
 //!
+//! [`UnaryLimitLayer`] applies the cap in front of a gRPC service whose methods are all unary
+//! (it buffers the one message, as the service's decoder would); keyed routes need no extra
+//! layer, the [`idempotency`](super::idempotency) layer reads their message the same way.
+//!
 //! The other gRPC pieces live with the mechanism they serve: refusals as trailers-only
 //! responses in [`problem`](super::problem) ([`Protocol`](super::problem::Protocol)), keyed
 //! gRPC calls in [`idempotency`](super::idempotency).
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::{Buf, Bytes, BytesMut};
+use http::{Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
+use tower_layer::Layer;
+use tower_service::Service;
 
+use super::problem::{Problem, Protocol};
 use crate::status::{Code, Status, problem};
 
 /// Default cap on one gRPC message: 4 MiB (DESIGN section 4, as gRPC's own default).
@@ -113,6 +125,83 @@ pub fn too_large(len: usize, max: usize) -> Status {
         format!("the gRPC message of {len} bytes exceeds the limit of {max} bytes"),
     )
     .with_problem(problem::BODY_TOO_LARGE)
+}
+
+/// Caps each gRPC request's one message (see [`read_unary`]) before the inner service runs.
+#[derive(Debug, Clone, Copy)]
+pub struct UnaryLimitLayer {
+    max: usize,
+}
+
+impl UnaryLimitLayer {
+    /// A layer refusing messages above `max` bytes.
+    pub fn new(max: usize) -> Self {
+        Self { max }
+    }
+}
+
+impl Default for UnaryLimitLayer {
+    /// The 4 MiB default.
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_MESSAGE)
+    }
+}
+
+impl<S> Layer<S> for UnaryLimitLayer {
+    type Service = UnaryLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        UnaryLimit {
+            inner,
+            max: self.max,
+        }
+    }
+}
+
+/// The service made by [`UnaryLimitLayer`]: a gRPC request's message is read under the cap,
+/// then handed on in memory; other requests pass through.
+#[derive(Debug, Clone)]
+pub struct UnaryLimit<S> {
+    inner: S,
+    max: usize,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for UnaryLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: From<Bytes> + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<ResBody>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        if !Protocol::of(request.headers()).is_grpc() {
+            return Box::pin(self.inner.call(request));
+        }
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let max = self.max;
+        Box::pin(async move {
+            let (head, body) = request.into_parts();
+            match read_unary(body, max).await {
+                Ok(message) => {
+                    let body = ReqBody::from(message.framed().clone());
+                    inner.call(Request::from_parts(head, body)).await
+                }
+                Err(status) => Ok(Problem::from_status(&status).into_grpc_response()),
+            }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -33,7 +33,7 @@ pub use self::service::PaymentService;
 use std::time::Duration;
 
 use axum::Router;
-use backstop::server::grpc::DEFAULT_MAX_MESSAGE;
+use backstop::server::grpc::{DEFAULT_MAX_MESSAGE, UnaryLimitLayer};
 
 use crate::service::AppState;
 
@@ -51,9 +51,12 @@ const STORE_PUSHBACK: Duration = Duration::from_secs(1);
 pub fn router(state: AppState) -> Router {
     let payments = proto::payment_server::PaymentServer::new(PaymentService::new(state))
         .max_decoding_message_size(DEFAULT_MAX_MESSAGE);
+    // Both methods are unary: the message cap is decided from the length prefix, before
+    // tonic's decoder (which would answer OUT_OF_RANGE, not RESOURCE_EXHAUSTED).
     Router::new()
         .route_service("/payment.v1.Payment/{method}", payments)
         .fallback(unimplemented)
+        .layer(UnaryLimitLayer::new(DEFAULT_MAX_MESSAGE))
 }
 
 async fn unimplemented() -> axum::response::Response {
