@@ -121,7 +121,13 @@ async fn grpcio_retry_policy_honours_our_pushback() {
     }
     let out = run_script(
         &h,
-        &["retry", "--key", "py-retry-key", "--order", "py-order-retry"],
+        &[
+            "retry",
+            "--key",
+            "py-retry-key",
+            "--order",
+            "py-order-retry",
+        ],
     )
     .await;
     assert!(out.contains("retry: ok"), "{out}");

@@ -12,7 +12,7 @@
 //! layer, the [`idempotency`](super::idempotency) layer reads their message the same way.
 //!
 //! The other gRPC pieces live with the mechanism they serve: refusals as trailers-only
-//! responses in [`problem`](super::problem) ([`Protocol`](super::problem::Protocol)), keyed
+//! responses in [`problem`](super::problem) ([`Protocol`]), keyed
 //! gRPC calls in [`idempotency`](super::idempotency).
 
 use std::future::Future;

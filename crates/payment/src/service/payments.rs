@@ -43,7 +43,7 @@ pub(crate) enum ChargeOutcome {
 #[derive(Debug)]
 pub(crate) enum Lookup {
     /// The merchant's payment, converged with the PSP when it was running.
-    Found(Intent),
+    Found(Box<Intent>),
     /// No such payment for this merchant.
     NotFound,
     /// The store did not answer.
@@ -204,7 +204,7 @@ pub(crate) async fn lookup(
                     return Lookup::StoreUnavailable;
                 }
                 return match state.intents.get(merchant, &intent.intent_id).await {
-                    Ok(Some(i)) => Lookup::Found(i),
+                    Ok(Some(i)) => Lookup::Found(Box::new(i)),
                     Ok(None) => Lookup::NotFound,
                     Err(e) => {
                         store_failed(&e);
@@ -218,5 +218,5 @@ pub(crate) async fn lookup(
             }
         }
     }
-    Lookup::Found(intent)
+    Lookup::Found(Box::new(intent))
 }
