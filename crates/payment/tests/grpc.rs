@@ -406,3 +406,27 @@ async fn unknown_method_is_unimplemented() {
     let response = raw::send(addr, "/other.Service/Call", &[0, 0, 0, 0, 0], false).await;
     assert_eq!(response.headers()["grpc-status"], "12");
 }
+
+#[tokio::test]
+async fn grpc_calls_are_counted_by_their_status_code() {
+    let h = Harness::start().await;
+    charge(&h, "g-order-m", 100, Some("g-key-m"), FIVE_S)
+        .await
+        .expect("charged");
+    let reused = charge(&h, "g-order-m", 101, Some("g-key-m"), FIVE_S)
+        .await
+        .unwrap_err();
+    assert_eq!(reused.code(), Code::FailedPrecondition);
+    let metrics = h.get("/metrics", &[]).await;
+    let text = String::from_utf8_lossy(&metrics.bytes);
+    let counted = |outcome: &str| {
+        text.lines().any(|l| {
+            l.starts_with("rpc_server_requests_total")
+                && l.contains(r#"method="POST /payment.v1.Payment/Charge""#)
+                && l.contains(&format!(r#"outcome="{outcome}""#))
+        })
+    };
+    assert!(counted("ok"), "{text}");
+    // A trailers-only error is counted by its grpc-status, not by HTTP 200.
+    assert!(counted("fatal"), "{text}");
+}

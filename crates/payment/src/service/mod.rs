@@ -36,7 +36,9 @@
 //!
 //! # Layers
 //!
-//! Outermost first: deadline (reads `grpc-timeout` on arrival) -> metrics and request log ->
+//! One stack serves both routers ([`build_routers`]): HTTP and gRPC ([`crate::grpc`]) share the
+//! gate, the merchants' buckets and the idempotency store. Outermost first: deadline (reads
+//! `grpc-timeout` on arrival) -> metrics and request log ->
 //! authentication ([`crate::auth`], sets the `Tenant`) -> per-merchant rate limit -> gate ->
 //! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
 //! routes bypass the stack.
