@@ -15,7 +15,7 @@ pub(crate) struct ServeArgs {
     /// HTTP address (port 0: any free port, logged at start).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8081")]
     http: SocketAddr,
-    /// gRPC address: accepted, not served yet.
+    /// gRPC address (`payment.v1.Payment`, h2c; port 0: any free port, logged at start).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:50051")]
     grpc: SocketAddr,
     /// Store: `sqlite://PATH` or a file path (`postgres://` is not supported yet).

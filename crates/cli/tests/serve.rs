@@ -17,6 +17,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_backstop");
 struct Serve {
     child: Child,
     base: String,
+    grpc: String,
     http: reqwest::Client,
     _logs: mpsc::UnboundedReceiver<String>,
 }
@@ -25,7 +26,14 @@ impl Serve {
     /// Starts the binary on a free port and returns once `/healthz` answers.
     async fn start(store: &Path, psp_url: &str) -> Serve {
         let mut child = Command::new(BIN)
-            .args(["serve", "--http", "127.0.0.1:0", "--store"])
+            .args([
+                "serve",
+                "--http",
+                "127.0.0.1:0",
+                "--grpc",
+                "127.0.0.1:0",
+                "--store",
+            ])
             .arg(store)
             .args(["--psp", psp_url])
             .env("RUST_LOG", "info")
@@ -46,7 +54,7 @@ impl Serve {
                 }
             }
         });
-        let addr = loop {
+        let (addr, grpc) = loop {
             let line = rx
                 .recv()
                 .await
@@ -55,7 +63,10 @@ impl Serve {
                 continue;
             };
             if v["fields"]["message"] == "payment service listening" {
-                break v["fields"]["http"].as_str().unwrap().to_owned();
+                break (
+                    v["fields"]["http"].as_str().unwrap().to_owned(),
+                    v["fields"]["grpc"].as_str().unwrap().to_owned(),
+                );
             }
         };
         let base = format!("http://{addr}");
@@ -67,6 +78,7 @@ impl Serve {
                     return Serve {
                         child,
                         base,
+                        grpc,
                         http,
                         _logs: rx,
                     };
@@ -181,6 +193,49 @@ async fn kill_9_mid_request_then_retry_on_the_same_store_charges_once() {
 
     let exit = server.terminate().await;
     assert!(exit.success(), "graceful shutdown exits 0: {exit:?}");
+}
+
+#[tokio::test]
+async fn grpc_is_served_on_the_grpc_address_with_the_same_store() {
+    use backstop_payment::grpc::proto::ChargeRequest;
+    use backstop_payment::grpc::proto::payment_client::PaymentClient;
+
+    let dir = tempfile::tempdir().unwrap();
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    let server = Serve::start(&dir.path().join("pay.db"), &psp.url()).await;
+    let mut client = PaymentClient::connect(format!("http://{}", server.grpc))
+        .await
+        .expect("the gRPC port accepts h2c");
+    let call = || {
+        let mut request = tonic::Request::new(ChargeRequest {
+            order_id: "order-grpc".into(),
+            amount_cents: 1234,
+            currency: "EUR".into(),
+        });
+        request
+            .metadata_mut()
+            .insert("idempotency-key", "grpc-key".parse().unwrap());
+        request.set_timeout(Duration::from_secs(5));
+        request
+    };
+    let first = client.charge(call()).await.expect("charged").into_inner();
+    assert_eq!(first.status, "succeeded");
+    let again = client.charge(call()).await.expect("replayed");
+    assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(again.into_inner(), first);
+    // The same payment over HTTP: one store behind both protocols.
+    let got: Value = server
+        .http
+        .get(format!("{}/v1/payments/{}", server.base, first.intent_id))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(got["charge_id"], first.charge_id.as_str());
+    assert_eq!(charges(&psp, "order-grpc").await, 1);
+    assert!(server.terminate().await.success());
 }
 
 async fn refused(args: &[&str]) -> (std::process::ExitStatus, String) {

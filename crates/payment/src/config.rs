@@ -126,7 +126,7 @@ impl ApiKey {
 pub struct Config {
     /// HTTP listen address (`127.0.0.1:0` picks a free port).
     pub http: SocketAddr,
-    /// gRPC listen address: accepted and logged, not served yet.
+    /// gRPC listen address (`payment.v1.Payment` over h2c).
     pub grpc: SocketAddr,
     /// The store.
     pub store: StoreLocation,

@@ -3,6 +3,7 @@
 //! # Layout
 //! - [`service`]: the HTTP payment service (`POST /v1/payments`, `GET /v1/payments/{id}`,
 //!   `/metrics`, `/healthz`, `/readyz`), its start-up and graceful shutdown.
+//! - [`grpc`]: the gRPC payment service (`payment.v1.Payment`) behind the same server stack.
 //! - [`intents`]: the `payment_intent` table (seed 2.10.3) on the shared group-commit database.
 //! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, retry executor.
 //! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).
@@ -13,6 +14,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod grpc;
 pub mod intents;
 pub mod psp;
 pub mod psp_client;

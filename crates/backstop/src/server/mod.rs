@@ -7,6 +7,13 @@
 //! drop into an axum `Router` unchanged. Every layer is `Clone` through shared state, so no
 //! `Buffer` is needed.
 //!
+//! The same stack serves gRPC: a request with `Content-Type: application/grpc` is refused in
+//! gRPC's own form, a trailers-only response with `grpc-status`, `grpc-message` and
+//! `grpc-retry-pushback-ms` where HTTP gets `Retry-After` ([`problem::Protocol`]); the
+//! deadline comes from `grpc-timeout` either way; the idempotency layer reads the key from the
+//! `idempotency-key` metadata, caps the message from its length prefix ([`grpc`]) and replays
+//! stored answers with their trailers.
+//!
 //! # Order
 //!
 //! [`ServerStack`] composes the layers outermost first:
@@ -44,6 +51,7 @@
 
 pub mod deadline;
 pub mod gate;
+pub mod grpc;
 pub mod idempotency;
 pub mod metrics;
 pub mod problem;

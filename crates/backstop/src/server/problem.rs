@@ -1,4 +1,5 @@
-//! RFC 9457 `application/problem+json` responses built from a [`Status`].
+//! Refusals built from a [`Status`]: RFC 9457 `application/problem+json` for HTTP, a
+//! trailers-only response for gRPC.
 //!
 //! Every refusal the server layers produce is a problem document with a stable `code` that
 //! clients can switch on, the HTTP status from the DESIGN section 3 table, and, when the server
@@ -21,6 +22,33 @@
 //! assert_eq!(body["code"], "overloaded");
 //! assert_eq!(body["retry_after"], 2);
 //! ```
+//!
+//! # gRPC
+//!
+//! A request whose `Content-Type` is `application/grpc` (or `application/grpc+proto`, ...)
+//! speaks [`Protocol::Grpc`], and [`Problem::into_response_for`] answers it the way gRPC
+//! expects a refusal: HTTP 200 with no body ("trailers-only"), `grpc-status` the code,
+//! `grpc-message` the detail (percent-encoded), and `grpc-retry-pushback-ms` (whole
+//! milliseconds, at least 1) where HTTP would send `Retry-After`. Every server layer answers
+//! through it, so each refusal speaks the caller's protocol.
+//!
+//! ```
+//! use backstop::server::problem::{Problem, Protocol};
+//! use backstop::status::Status;
+//! use std::time::Duration;
+//!
+//! let mut request = http::HeaderMap::new();
+//! request.insert("content-type", "application/grpc".parse().unwrap());
+//! let protocol = Protocol::of(&request);
+//! assert_eq!(protocol, Protocol::Grpc);
+//! let status = Status::rate_limited(Duration::from_millis(250));
+//! let response: http::Response<bytes::Bytes> =
+//!     Problem::from_status(&status).into_response_for(protocol);
+//! assert_eq!(response.status(), 200);
+//! assert_eq!(response.headers()["grpc-status"], "8"); // RESOURCE_EXHAUSTED
+//! assert_eq!(response.headers()["grpc-retry-pushback-ms"], "250");
+//! assert!(response.body().is_empty());
+//! ```
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -30,14 +58,73 @@ use http::{HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use http::HeaderMap;
+use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
+
 use crate::admission::RetryAfter;
-use crate::status::{Outcome, Status};
+use crate::status::{Code, GRPC_RETRY_PUSHBACK_MS, Outcome, Status};
 
 /// The media type of a problem document (RFC 9457 section 3).
 pub const CONTENT_TYPE: &str = "application/problem+json";
 
 /// Prefix of the `type` URI; the stable `code` follows it (`urn:backstop:problem:overloaded`).
 pub const TYPE_PREFIX: &str = "urn:backstop:problem:";
+
+/// Response header carrying the gRPC status code.
+pub const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+
+/// Response header carrying the gRPC status message (percent-encoded).
+pub const GRPC_MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
+
+/// Response header asking a gRPC client to wait this many milliseconds before retrying.
+pub const GRPC_PUSHBACK: http::HeaderName = http::HeaderName::from_static(GRPC_RETRY_PUSHBACK_MS);
+
+/// The media type of a gRPC message stream.
+pub const GRPC_CONTENT_TYPE: &str = "application/grpc";
+
+/// What `grpc-message` escapes (gRPC over HTTP/2: percent-encode everything outside
+/// printable ASCII, and `%` itself).
+const GRPC_MESSAGE_ESCAPES: &AsciiSet = &CONTROLS.add(b'%');
+
+/// The protocol a request speaks, and so the form its refusal takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// Plain HTTP: problem+json.
+    #[default]
+    Http,
+    /// gRPC over HTTP/2: a trailers-only response with `grpc-status`.
+    Grpc,
+}
+
+impl Protocol {
+    /// The protocol of a request, by its `Content-Type`: `application/grpc` and its
+    /// `+proto`/`+json` variants are gRPC (gRPC-Web is not: it needs its own framing).
+    pub fn of(headers: &HeaderMap) -> Protocol {
+        match headers.get(header::CONTENT_TYPE) {
+            Some(value) if is_grpc(value.as_bytes()) => Protocol::Grpc,
+            _ => Protocol::Http,
+        }
+    }
+
+    /// Whether this is [`Protocol::Grpc`].
+    pub fn is_grpc(self) -> bool {
+        self == Protocol::Grpc
+    }
+}
+
+fn is_grpc(content_type: &[u8]) -> bool {
+    let Some(rest) = content_type.strip_prefix(GRPC_CONTENT_TYPE.as_bytes()) else {
+        return false;
+    };
+    matches!(rest.first(), None | Some(b'+' | b';'))
+}
+
+/// The gRPC code a response carries in its head (`grpc-status`), as a trailers-only response
+/// does; `None` when the status will come in the trailers (or the response is not gRPC).
+pub fn grpc_status(headers: &HeaderMap) -> Option<Code> {
+    let value = headers.get(GRPC_STATUS)?.to_str().ok()?;
+    Some(Code::from_i32(value.parse().ok()?))
+}
 
 /// A problem document under construction.
 ///
@@ -51,6 +138,7 @@ pub struct Problem {
     detail: Option<String>,
     retry_after: Option<Duration>,
     outcome: Option<Outcome>,
+    grpc_code: Option<Code>,
     extra: Map<String, Value>,
 }
 
@@ -80,6 +168,7 @@ impl Problem {
             detail: None,
             retry_after: None,
             outcome: None,
+            grpc_code: None,
             extra: Map::new(),
         }
     }
@@ -93,7 +182,27 @@ impl Problem {
         }
         problem.retry_after = status.pushback();
         problem.outcome = Some(status.outcome());
+        problem.grpc_code = Some(status.code());
         problem
+    }
+
+    /// Sets the gRPC code of the answer to a gRPC request. Without it the code is the
+    /// [`Status`]'s (for [`Problem::from_status`]), else follows the HTTP status: 409 with
+    /// `Retry-After` is `ABORTED`, 409 without it `ALREADY_EXISTS`, 413 `RESOURCE_EXHAUSTED`,
+    /// anything else by [`Code::from_http`].
+    pub fn grpc_code(mut self, code: Code) -> Self {
+        self.grpc_code = Some(code);
+        self
+    }
+
+    /// The gRPC code of this answer (see [`Problem::grpc_code`]).
+    pub fn code_for_grpc(&self) -> Code {
+        self.grpc_code.unwrap_or_else(|| match self.status {
+            StatusCode::CONFLICT if self.retry_after.is_some() => Code::Aborted,
+            StatusCode::CONFLICT => Code::AlreadyExists,
+            StatusCode::PAYLOAD_TOO_LARGE => Code::ResourceExhausted,
+            status => Code::from_http(status),
+        })
     }
 
     /// Sets the outcome the metrics record for this answer. Without it the outcome follows the
@@ -199,6 +308,58 @@ impl Problem {
     }
 }
 
+impl Problem {
+    /// The answer in the request's protocol: [`Problem::into_response`] for HTTP,
+    /// [`Problem::into_grpc_response`] for gRPC.
+    pub fn into_response_for<B: From<Bytes>>(self, protocol: Protocol) -> Response<B> {
+        match protocol {
+            Protocol::Http => self.into_response(),
+            Protocol::Grpc => self.into_grpc_response(),
+        }
+    }
+
+    /// The trailers-only gRPC answer: HTTP 200, no body, `grpc-status`, `grpc-message` (the
+    /// detail, else the title; extension members appended as `name=value`) and
+    /// `grpc-retry-pushback-ms` when there is pushback.
+    pub fn into_grpc_response<B: From<Bytes>>(self) -> Response<B> {
+        let mut response = Response::new(B::from(Bytes::new()));
+        response.extensions_mut().insert(self.outcome_label());
+        let code = self.code_for_grpc();
+        let mut message = self
+            .detail
+            .clone()
+            .unwrap_or_else(|| self.title.to_string());
+        for (name, value) in &self.extra {
+            let value = match value {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            message.push_str(&format!(" ({name}={value})"));
+        }
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(GRPC_CONTENT_TYPE),
+        );
+        headers.insert(GRPC_STATUS, HeaderValue::from(code.as_i32()));
+        let encoded = utf8_percent_encode(&message, GRPC_MESSAGE_ESCAPES).to_string();
+        if let Ok(value) = HeaderValue::from_str(&encoded) {
+            headers.insert(GRPC_MESSAGE, value);
+        }
+        if let Some(wait) = self.retry_after {
+            headers.insert(GRPC_PUSHBACK, HeaderValue::from(pushback_ms(wait)));
+        }
+        response
+    }
+}
+
+/// Whole milliseconds of a pushback, rounded up and at least 1: "retry at once" would only
+/// feed the overload.
+fn pushback_ms(wait: Duration) -> u64 {
+    let ms = wait.as_nanos().div_ceil(1_000_000);
+    u64::try_from(ms).unwrap_or(u64::MAX).max(1)
+}
+
 impl From<&Status> for Problem {
     fn from(status: &Status) -> Self {
         Self::from_status(status)
@@ -289,6 +450,84 @@ mod tests {
         let doc = json(&response);
         assert_eq!(doc["status"], 400);
         assert_eq!(doc["code"], "invalid_body");
+    }
+
+    fn grpc(p: Problem) -> Response<Bytes> {
+        p.into_response_for(Protocol::Grpc)
+    }
+
+    #[test]
+    fn protocol_by_content_type() {
+        let of = |ct: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, ct.parse().unwrap());
+            Protocol::of(&h)
+        };
+        assert_eq!(of("application/grpc"), Protocol::Grpc);
+        assert_eq!(of("application/grpc+proto"), Protocol::Grpc);
+        assert_eq!(of("application/grpc;charset=utf-8"), Protocol::Grpc);
+        assert_eq!(of("application/grpc-web"), Protocol::Http);
+        assert_eq!(of("application/json"), Protocol::Http);
+        assert_eq!(Protocol::of(&HeaderMap::new()), Protocol::Http);
+    }
+
+    #[test]
+    fn grpc_refusal_is_trailers_only_with_pushback_in_ms() {
+        let status = Status::new(Code::Aborted, "still running")
+            .with_problem("request_in_progress")
+            .with_pushback(Duration::from_micros(1500));
+        let response = grpc(Problem::from_status(&status));
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(response.body().is_empty());
+        let h = response.headers();
+        assert_eq!(h[header::CONTENT_TYPE], "application/grpc");
+        assert_eq!(h[GRPC_STATUS], "10");
+        assert_eq!(h[GRPC_MESSAGE], "still running");
+        // Rounded up, never 0; no Retry-After for gRPC.
+        assert_eq!(h[GRPC_PUSHBACK], "2");
+        assert!(h.get(header::RETRY_AFTER).is_none());
+        assert_eq!(grpc_status(h), Some(Code::Aborted));
+        assert_eq!(
+            *response.extensions().get::<Outcome>().unwrap(),
+            Outcome::Retryable
+        );
+    }
+
+    #[test]
+    fn grpc_codes_follow_http_when_not_set() {
+        let code = |p: Problem| grpc_status(grpc(p).headers()).unwrap();
+        assert_eq!(
+            code(Problem::new(StatusCode::CONFLICT, "order_conflict")),
+            Code::AlreadyExists
+        );
+        assert_eq!(
+            code(Problem::new(StatusCode::CONFLICT, "x").retry_after(Duration::from_secs(1))),
+            Code::Aborted
+        );
+        assert_eq!(
+            code(Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large"
+            )),
+            Code::ResourceExhausted
+        );
+        assert_eq!(
+            code(Problem::new(StatusCode::CONFLICT, "k").grpc_code(Code::FailedPrecondition)),
+            Code::FailedPrecondition
+        );
+    }
+
+    #[test]
+    fn grpc_message_is_percent_encoded_with_members() {
+        let response = grpc(
+            Problem::new(StatusCode::CONFLICT, "idempotency_key_reused")
+                .detail("100% reused: ключ")
+                .with("fingerprint_prefix", "0a1b2c3d"),
+        );
+        assert_eq!(
+            response.headers()[GRPC_MESSAGE],
+            "100%25 reused: %D0%BA%D0%BB%D1%8E%D1%87 (fingerprint_prefix=0a1b2c3d)"
+        );
     }
 
     #[test]

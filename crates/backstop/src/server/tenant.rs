@@ -34,7 +34,7 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::problem::Problem;
+use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
 use crate::status::Status;
 
@@ -168,7 +168,7 @@ where
                 ResponseFuture::new(RejectOr::inner(self.inner.call(request)))
             }
             Err(status) => ResponseFuture::new(RejectOr::reject(
-                Problem::from_status(&status).into_response(),
+                Problem::from_status(&status).into_response_for(Protocol::of(&head.headers)),
             )),
         }
     }

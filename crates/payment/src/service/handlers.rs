@@ -18,10 +18,11 @@ use backstop::status::problem as codes;
 use serde::Serialize;
 use tracing::Instrument;
 
+use super::payments::{self, ChargeOutcome, Lookup};
 use super::request::{self, PaymentRequest};
 use super::trace::{TRACEPARENT, TraceParent};
-use crate::intents::{Created, Intent, IntentStatus, Intents, NewIntent};
-use crate::psp_client::{ChargeCall, ChargeError, PspClient};
+use crate::intents::{Intent, IntentStatus, Intents};
+use crate::psp_client::PspClient;
 
 /// Problem code of a 504 whose payment outcome is unknown.
 pub const PAYMENT_OUTCOME_UNKNOWN: &str = "payment_outcome_unknown";
@@ -203,124 +204,33 @@ async fn create(
         Ok(r) => r,
         Err(e) => return invalid(&e),
     };
-    let merchant = tenant.as_str().to_owned();
-    let new = NewIntent {
-        intent_id: uuid::Uuid::now_v7().to_string(),
-        merchant_id: merchant.clone(),
-        order_id: req.order_id.clone(),
-        amount_cents: req.amount_cents,
-        currency: req.currency.clone(),
-        request_key: key.as_str().to_owned(),
-        fingerprint: request::fingerprint(&req),
-        created_at: state.clock.now_ms(),
-    };
-    let intent = match state.intents.create(new).await {
-        Err(e) => return store_unavailable(&e),
-        Ok(Created::New(i)) => i,
-        Ok(Created::Resumed(i)) => match i.status {
-            IntentStatus::Running => {
-                tracing::info!(intent_id = %i.intent_id, "resuming intent: same effect key");
-                i
-            }
-            IntentStatus::Succeeded => return created(&i),
-            IntentStatus::Failed => return declined(&i),
-        },
-        Ok(Created::OrderConflict(i)) => {
-            return problem(
-                Problem::new(StatusCode::CONFLICT, codes::ORDER_CONFLICT)
-                    .detail("this order already has a payment created with another Idempotency-Key")
-                    .with("intent_id", i.intent_id.as_str())
-                    .with("order_id", i.order_id.as_str()),
-            );
-        }
-        Ok(Created::KeyReused(i)) => {
-            return problem(
-                Problem::new(StatusCode::CONFLICT, codes::IDEMPOTENCY_KEY_REUSED)
-                    .detail("this Idempotency-Key already created a payment with other parameters")
-                    .with(
-                        "fingerprint_prefix",
-                        &i.fingerprint[..8.min(i.fingerprint.len())],
-                    ),
-            );
-        }
-        Ok(Created::IdCollision) => {
-            return problem(
-                Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
-                    .detail("intent id collision; retry with the same Idempotency-Key")
-                    .retry_after(std::time::Duration::from_secs(1)),
-            );
-        }
-    };
-
-    let call = ChargeCall {
-        effect_key: intent.effect_key.clone(),
-        order_id: intent.order_id.clone(),
-        amount_cents: intent.amount_cents,
-        currency: intent.currency.clone(),
-        deadline,
-        trace,
-    };
-    match state.psp.charge(&call).await {
-        Ok(charge) => {
-            match state
-                .intents
-                .succeed(&merchant, &intent.intent_id, &charge.charge_id)
-                .await
-            {
-                // Charged but not recorded: the PSP holds the charge under the effect key, so
-                // a retry with the same key converges; tell the caller the outcome is unknown.
-                Err(e) => {
-                    tracing::error!(error = %e, intent_id = %intent.intent_id, "charged but not recorded");
-                    unknown(
-                        &intent,
-                        "charged, but the result was not recorded; retry with the same Idempotency-Key",
-                    )
-                }
-                Ok(_) => match state.intents.get(&merchant, &intent.intent_id).await {
-                    Ok(Some(stored)) => created(&stored),
-                    Ok(None) => unknown(
-                        &intent,
-                        "the payment vanished; retry with the same Idempotency-Key",
-                    ),
-                    Err(e) => store_unavailable(&e),
-                },
-            }
-        }
-        Err(ChargeError::Declined { status, .. }) => {
-            tracing::info!(intent_id = %intent.intent_id, psp_status = %status, "charge declined");
-            if let Err(e) = state.intents.fail(&merchant, &intent.intent_id).await {
-                return store_unavailable(&e);
-            }
-            declined(&intent)
-        }
-        Err(ChargeError::EffectKeyConflict(e)) => {
-            tracing::error!(error = %e, intent_id = %intent.intent_id, "PSP holds the effect key with other parameters");
-            problem(
-                Problem::new(StatusCode::BAD_GATEWAY, PSP_CONFLICT)
-                    .detail("the payment provider holds this payment's effect key with other parameters")
-                    .with("intent_id", intent.intent_id.as_str()),
-            )
-        }
-        Err(ChargeError::NoBudget(e)) => {
-            tracing::info!(error = %e, intent_id = %intent.intent_id, "no budget left for the PSP call");
-            unknown(
-                &intent,
-                "the deadline left no time to reach the payment provider; retry with the same Idempotency-Key or query the payment",
-            )
-        }
-        Err(ChargeError::Unknown(e)) => {
-            tracing::warn!(
-                intent_id = %intent.intent_id,
-                attempts = e.attempts,
-                reason = e.reason.as_str(),
-                code = e.last.code().as_str(),
-                "PSP outcome unknown"
-            );
-            unknown(
-                &intent,
-                "the payment provider's answer did not arrive in time; retry with the same Idempotency-Key or query the payment",
-            )
-        }
+    match payments::charge(&state, tenant.as_str(), deadline, &key, trace, req).await {
+        ChargeOutcome::Charged(intent) => created(&intent),
+        ChargeOutcome::Declined(intent) => declined(&intent),
+        ChargeOutcome::OrderConflict(i) => problem(
+            Problem::new(StatusCode::CONFLICT, codes::ORDER_CONFLICT)
+                .detail("this order already has a payment created with another Idempotency-Key")
+                .with("intent_id", i.intent_id.as_str())
+                .with("order_id", i.order_id.as_str()),
+        ),
+        ChargeOutcome::KeyReused { fingerprint_prefix } => problem(
+            Problem::new(StatusCode::CONFLICT, codes::IDEMPOTENCY_KEY_REUSED)
+                .detail("this Idempotency-Key already created a payment with other parameters")
+                .with("fingerprint_prefix", fingerprint_prefix),
+        ),
+        ChargeOutcome::StoreUnavailable(detail) => problem(
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
+                .detail(detail)
+                .retry_after(std::time::Duration::from_secs(1)),
+        ),
+        ChargeOutcome::PspConflict(intent) => problem(
+            Problem::new(StatusCode::BAD_GATEWAY, PSP_CONFLICT)
+                .detail(
+                    "the payment provider holds this payment's effect key with other parameters",
+                )
+                .with("intent_id", intent.intent_id.as_str()),
+        ),
+        ChargeOutcome::Unknown { intent, detail } => unknown(&intent, detail),
     }
 }
 
@@ -332,48 +242,18 @@ pub(crate) async fn get_payment(
     Extension(deadline): Extension<Deadline>,
     Path(intent_id): Path<String>,
 ) -> Response {
-    let not_found = || {
-        problem(
+    match payments::lookup(&state, tenant.as_str(), deadline, &intent_id).await {
+        Lookup::Found(intent) => json(StatusCode::OK, &intent),
+        Lookup::NotFound => problem(
             Problem::new(StatusCode::NOT_FOUND, PAYMENT_NOT_FOUND)
                 .detail("no payment with this id for this merchant"),
-        )
-    };
-    if intent_id.is_empty() || intent_id.len() > 64 {
-        return not_found();
+        ),
+        Lookup::StoreUnavailable => problem(
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
+                .detail("the payment store did not answer; retry")
+                .retry_after(std::time::Duration::from_secs(1)),
+        ),
     }
-    let merchant = tenant.as_str();
-    let intent = match state.intents.get(merchant, &intent_id).await {
-        Ok(Some(i)) => i,
-        Ok(None) => return not_found(),
-        Err(e) => return store_unavailable(&e),
-    };
-    if intent.status == IntentStatus::Running {
-        match state
-            .psp
-            .find_charge(&intent.order_id, &intent.effect_key, deadline)
-            .await
-        {
-            Ok(Some(charge)) => {
-                if let Err(e) = state
-                    .intents
-                    .succeed(merchant, &intent.intent_id, &charge.charge_id)
-                    .await
-                {
-                    return store_unavailable(&e);
-                }
-                return match state.intents.get(merchant, &intent.intent_id).await {
-                    Ok(Some(i)) => json(StatusCode::OK, &i),
-                    Ok(None) => not_found(),
-                    Err(e) => store_unavailable(&e),
-                };
-            }
-            Ok(None) => {}
-            Err(e) => {
-                tracing::info!(error = %e, intent_id = %intent.intent_id, "PSP query failed; answering the stored state")
-            }
-        }
-    }
-    json(StatusCode::OK, &intent)
 }
 
 /// `GET /healthz`: the process is up.

@@ -36,7 +36,9 @@
 //!
 //! # Layers
 //!
-//! Outermost first: deadline (reads `grpc-timeout` on arrival) -> metrics and request log ->
+//! One stack serves both routers ([`build_routers`]): HTTP and gRPC ([`crate::grpc`]) share the
+//! gate, the merchants' buckets and the idempotency store. Outermost first: deadline (reads
+//! `grpc-timeout` on arrival) -> metrics and request log ->
 //! authentication ([`crate::auth`], sets the `Tenant`) -> per-merchant rate limit -> gate ->
 //! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
 //! routes bypass the stack.
@@ -45,9 +47,11 @@
 //! - [`request`]: the `POST /v1/payments` body, validated with one problem code per mistake.
 //! - [`trace`]: W3C `traceparent` read, generated and propagated.
 //! - [`handlers`]: the route handlers.
+//! - `payments`: the payment logic the HTTP handlers and the gRPC service share.
 //! - `server`: [`Server`] (start-up, serving, draining) and [`serve`].
 
 pub mod handlers;
+pub(crate) mod payments;
 pub mod request;
 mod server;
 pub mod trace;
@@ -66,6 +70,7 @@ use http::Method;
 
 use crate::auth::Authenticator;
 use crate::config::{BODY_LIMIT, Config};
+use crate::grpc;
 
 /// Service label of the server metrics.
 pub const SERVICE_NAME: &str = "payment";
@@ -77,14 +82,30 @@ const MAX_TENANT_BUCKETS: std::num::NonZeroUsize = backstop::server::DEFAULT_MAX
 /// slot and still get this much is refused at once.
 const MIN_SERVICE: Duration = Duration::from_millis(20);
 
+/// The two routers of the service, behind one server stack (so HTTP and gRPC share the gate,
+/// the merchants' buckets and the idempotency store).
+#[derive(Debug, Clone)]
+pub struct Routers {
+    /// HTTP: payment routes under the stack, `/healthz`, `/readyz` and `/metrics` beside it.
+    pub http: Router,
+    /// gRPC: `payment.v1.Payment` under the stack.
+    pub grpc: Router,
+}
+
 /// Builds the router: payment routes under the full layer stack, `/healthz`, `/readyz` and
 /// `/metrics` beside it. `store` is the idempotency store (the same database as the intents).
 pub fn build_app<St: Store>(state: AppState, store: St, config: &Config) -> Router {
+    build_routers(state, store, config).http
+}
+
+/// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).
+pub fn build_routers<St: Store>(state: AppState, store: St, config: &Config) -> Routers {
     let auth = Authenticator::new(&config.api_keys);
     let buckets = KeyedTokenBucket::new(
         Quota::per_second(config.tenant_rate, config.tenant_burst),
         MAX_TENANT_BUCKETS,
     );
+    let keyed = KeyedRoute::new(config.key_ttl).lease(config.lease);
     let stack = ServerStack::new(SERVICE_NAME, store.clone())
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
@@ -95,17 +116,17 @@ pub fn build_app<St: Store>(state: AppState, store: St, config: &Config) -> Rout
                 .clock(state.clock.clone())
                 .max_body(BODY_LIMIT),
         )
-        .keyed(
-            Method::POST,
-            "/v1/payments",
-            KeyedRoute::new(config.key_ttl).lease(config.lease),
-        )
+        .keyed(Method::POST, "/v1/payments", keyed)
         .route(Method::GET, "/v1/payments/{intent_id}")
+        .keyed(Method::POST, grpc::CHARGE, keyed)
+        .route(Method::POST, grpc::GET_CHARGE)
         .peer_from(|ext| {
             ext.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
                 .map(|info| info.0)
         })
         .into_layer();
+
+    let grpc = grpc::router(state.clone()).layer(stack.clone());
 
     let payments = Router::new()
         .route("/v1/payments", post(handlers::create_payment))
@@ -114,11 +135,12 @@ pub fn build_app<St: Store>(state: AppState, store: St, config: &Config) -> Rout
         .layer(stack)
         .with_state(state.clone());
 
-    Router::new()
+    let http = Router::new()
         .route("/healthz", get(handlers::healthz))
         .route("/readyz", get(handlers::readyz))
         .route("/metrics", get(handlers::metrics))
         .with_state(state)
         .merge(payments)
-        .fallback(handlers::not_found)
+        .fallback(handlers::not_found);
+    Routers { http, grpc }
 }

@@ -128,9 +128,7 @@ fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
     };
     let currency = match map.get("currency") {
         None => DEFAULT_CURRENCY.to_owned(),
-        Some(Value::String(s)) if s.len() == 3 && s.bytes().all(|b| b.is_ascii_uppercase()) => {
-            s.clone()
-        }
+        Some(Value::String(s)) if valid_currency(s) => s.clone(),
         Some(_) => return Err(RequestError::InvalidCurrency),
     };
     Ok(PaymentRequest {
@@ -138,6 +136,37 @@ fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
         amount_cents,
         currency,
     })
+}
+
+/// Validates a request given field by field (the gRPC `ChargeRequest`), by the same rules as
+/// the JSON body; an empty `currency` (proto3's unset string) means [`DEFAULT_CURRENCY`].
+pub fn from_fields(
+    order_id: String,
+    amount_cents: i64,
+    currency: String,
+) -> Result<PaymentRequest, RequestError> {
+    if !valid_order_id(&order_id) {
+        return Err(RequestError::InvalidOrderId);
+    }
+    if !(1..=MAX_AMOUNT_CENTS).contains(&amount_cents) {
+        return Err(RequestError::InvalidAmount);
+    }
+    let currency = if currency.is_empty() {
+        DEFAULT_CURRENCY.to_owned()
+    } else if valid_currency(&currency) {
+        currency
+    } else {
+        return Err(RequestError::InvalidCurrency);
+    };
+    Ok(PaymentRequest {
+        order_id,
+        amount_cents,
+        currency,
+    })
+}
+
+fn valid_currency(s: &str) -> bool {
+    s.len() == 3 && s.bytes().all(|b| b.is_ascii_uppercase())
 }
 
 fn valid_order_id(s: &str) -> bool {
@@ -255,6 +284,20 @@ mod tests {
         let name = "f".repeat(10_000);
         let e = parse(format!(r#"{{"{name}":1}}"#).as_bytes()).unwrap_err();
         assert_eq!(e.field().unwrap().len(), MAX_ECHOED_FIELD);
+    }
+
+    #[test]
+    fn fields_follow_the_json_rules() {
+        let ok = from_fields("o-1".into(), 5, String::new()).unwrap();
+        assert_eq!(
+            ok,
+            parse(br#"{"order_id":"o-1","amount_cents":5}"#).unwrap()
+        );
+        let err = |o: &str, a: i64, c: &str| from_fields(o.into(), a, c.into()).unwrap_err().code();
+        assert_eq!(err("", 5, ""), "invalid_order_id");
+        assert_eq!(err("o", 0, ""), "invalid_amount");
+        assert_eq!(err("o", MAX_AMOUNT_CENTS + 1, ""), "invalid_amount");
+        assert_eq!(err("o", 5, "usd"), "invalid_currency");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::{AppState, build_app};
+use super::{AppState, Routers, build_routers};
 use crate::config::{Config, ConfigError, PspTarget};
 use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
@@ -47,7 +47,7 @@ pub enum ServeError {
     /// The PSP client could not be built.
     #[error("cannot build the PSP client")]
     PspClient(#[source] ClientError),
-    /// The HTTP address could not be bound.
+    /// The HTTP or gRPC address could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
         /// The address.
@@ -89,6 +89,7 @@ pub struct Server {
     listener: TcpListener,
     addr: SocketAddr,
     app: axum::Router,
+    grpc: crate::grpc::server::Bound,
     state: AppState,
     store: SqliteStore,
     psp: Option<PspHandle>,
@@ -130,7 +131,8 @@ impl Server {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let metrics = prometheus_handle();
         let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
-        let app = build_app(state.clone(), store.clone(), &config);
+        let Routers { http: app, grpc } = build_routers(state.clone(), store.clone(), &config);
+        let grpc = crate::grpc::server::Bound::bind(config.grpc, grpc).await?;
 
         let listener = TcpListener::bind(config.http)
             .await
@@ -161,6 +163,7 @@ impl Server {
 
         tracing::info!(
             http = %addr,
+            grpc = %grpc.local_addr(),
             store = %config.store.path().display(),
             psp = %psp_url,
             open = config.is_open(),
@@ -168,12 +171,12 @@ impl Server {
             max_inflight = config.max_inflight,
             "payment service listening"
         );
-        tracing::warn!(grpc = %config.grpc, "gRPC is not served yet; the address is accepted and ignored");
 
         Ok(Server {
             listener,
             addr,
             app,
+            grpc,
             state,
             store,
             psp,
@@ -186,6 +189,11 @@ impl Server {
     /// The bound HTTP address (the real port when the config said port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc.local_addr()
     }
 
     /// Base URL of the service, e.g. `http://127.0.0.1:8081`.
@@ -222,6 +230,7 @@ impl Server {
         let Server {
             listener,
             app,
+            grpc,
             psp,
             background,
             drain,
@@ -236,6 +245,7 @@ impl Server {
             let _ = stop_rx.await;
         });
         let mut served = tokio::spawn(async move { served.await });
+        let grpc = grpc.spawn();
         let result = tokio::select! {
             r = &mut served => Some(r),
             () = shutdown => None,
@@ -258,6 +268,7 @@ impl Server {
                 }
             }
         };
+        grpc.stop(drain).await;
         for task in background {
             task.abort();
         }
@@ -276,6 +287,7 @@ impl Server {
     /// Runs the server on a background task; the returned handle stops it.
     pub fn spawn(self) -> RunningServer {
         let addr = self.addr;
+        let grpc_addr = self.grpc_addr();
         let intents = self.state.intents().clone();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(self.run(async move {
@@ -283,6 +295,7 @@ impl Server {
         }));
         RunningServer {
             addr,
+            grpc_addr,
             intents,
             stop: Some(tx),
             task,
@@ -294,6 +307,7 @@ impl Server {
 #[derive(Debug)]
 pub struct RunningServer {
     addr: SocketAddr,
+    grpc_addr: SocketAddr,
     intents: Intents,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServeError>>,
@@ -303,6 +317,11 @@ impl RunningServer {
     /// The bound HTTP address.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
     }
 
     /// Base URL of the service.

@@ -58,6 +58,7 @@ impl Harness {
         .expect("psp starts");
         let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
         config.http = "127.0.0.1:0".parse().unwrap();
+        config.grpc = "127.0.0.1:0".parse().unwrap();
         config.psp = PspTarget::Url(psp.url());
         // Tests keep a wide margin for the way back so a 504 built by the handler is never
         // overtaken by the request deadline on a slow disk.

@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep, sleep_until};
 
 use crate::deadline::Deadline;
-use crate::server::problem::Problem;
+use crate::server::problem::{Problem, Protocol};
 use crate::status::{Code, Status, problem};
 
 pin_project! {
@@ -30,6 +30,7 @@ pin_project! {
             #[pin]
             inner: F,
             deadline: Instant,
+            protocol: Protocol,
             // Made on the first poll that finds the inner future pending: a request answered
             // at once never touches the timer.
             #[pin]
@@ -43,11 +44,12 @@ pin_project! {
 }
 
 impl<F, B> ResponseFuture<F, B> {
-    pub(super) fn running(inner: F, deadline: Deadline) -> Self {
+    pub(super) fn running(inner: F, deadline: Deadline, protocol: Protocol) -> Self {
         Self {
             kind: Kind::Running {
                 inner,
                 deadline: deadline.instant(),
+                protocol,
                 sleep: None,
             },
         }
@@ -75,6 +77,7 @@ where
             KindProj::Running {
                 inner,
                 deadline,
+                protocol,
                 mut sleep,
             } => {
                 if let Poll::Ready(result) = inner.poll(cx) {
@@ -89,8 +92,9 @@ where
                 // Drop the inner future now, before answering: its cleanup (an idempotency
                 // record marked failed, a gate permit returned) happens before the client
                 // can see the 504 and retry.
+                let protocol = *protocol;
                 kind.set(Kind::Done);
-                Poll::Ready(Ok(deadline_exceeded()))
+                Poll::Ready(Ok(deadline_exceeded(protocol)))
             }
             KindProj::Rejected { response } => match response.take() {
                 Some(response) => Poll::Ready(Ok(response)),
@@ -101,11 +105,11 @@ where
     }
 }
 
-fn deadline_exceeded<B: From<Bytes>>() -> Response<B> {
+fn deadline_exceeded<B: From<Bytes>>(protocol: Protocol) -> Response<B> {
     let status = Status::new(
         Code::DeadlineExceeded,
         "the request's deadline passed before the server answered",
     )
     .with_problem(problem::DEADLINE_EXCEEDED);
-    Problem::from_status(&status).into_response()
+    Problem::from_status(&status).into_response_for(protocol)
 }

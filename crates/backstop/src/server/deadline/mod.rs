@@ -14,6 +14,9 @@
 //!   the client gets 504 problem+json `deadline_exceeded` (`DEADLINE_EXCEEDED`), never 408 or
 //!   499 / `CANCELLED`: the server, not the client, gave up.
 //!
+//! A gRPC request gets the same answers as gRPC status (`INVALID_ARGUMENT`,
+//! `DEADLINE_EXCEEDED`; see [`Protocol`]).
+//!
 //! ```
 //! use backstop::server::deadline::DeadlineLayer;
 //! use std::time::Duration;
@@ -35,7 +38,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use self::future::ResponseFuture;
-use super::problem::Problem;
+use super::problem::{Problem, Protocol};
 use crate::deadline::{Deadline, GRPC_TIMEOUT, decode_grpc_timeout};
 
 /// The `grpc-timeout` header, named once.
@@ -98,13 +101,16 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        let protocol = Protocol::of(request.headers());
         match self.budget(request.headers().get(&GRPC_TIMEOUT_HEADER)) {
             Ok(budget) => {
                 let deadline = Deadline::after(budget);
                 request.extensions_mut().insert(deadline);
-                ResponseFuture::running(self.inner.call(request), deadline)
+                ResponseFuture::running(self.inner.call(request), deadline, protocol)
             }
-            Err(status) => ResponseFuture::rejected(Problem::from_status(&status).into_response()),
+            Err(status) => {
+                ResponseFuture::rejected(Problem::from_status(&status).into_response_for(protocol))
+            }
         }
     }
 }

@@ -184,3 +184,38 @@ fn an_answer_ready_at_once_never_arms_the_timer() {
     let res = runtime.block_on(svc.oneshot(request(Some("1S")))).unwrap();
     assert_eq!(res.status(), StatusCode::OK);
 }
+
+fn grpc_request(timeout: &str) -> Request<Bytes> {
+    Request::builder()
+        .uri("/payment.v1.Payment/Charge")
+        .header(http::header::CONTENT_TYPE, "application/grpc")
+        .header(GRPC_TIMEOUT, timeout)
+        .body(Bytes::new())
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_request_past_its_deadline_gets_deadline_exceeded_trailers_only() {
+    let svc = DeadlineLayer::default().layer(service_fn(|_req: Request<Bytes>| async {
+        pending::<Result<Response<Bytes>, Infallible>>().await
+    }));
+    let res = svc.oneshot(grpc_request("100m")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(res.body().is_empty());
+    assert_eq!(res.headers()["content-type"], "application/grpc");
+    assert_eq!(res.headers()["grpc-status"], "4"); // DEADLINE_EXCEEDED
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_request_with_malformed_timeout_is_invalid_argument() {
+    let svc = DeadlineLayer::default().layer(service_fn(report_budget));
+    let res = svc.oneshot(grpc_request("soon")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["grpc-status"], "3"); // INVALID_ARGUMENT
+    assert!(
+        res.headers()["grpc-message"]
+            .to_str()
+            .unwrap()
+            .contains("grpc-timeout")
+    );
+}

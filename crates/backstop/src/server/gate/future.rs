@@ -14,6 +14,7 @@ use super::overloaded;
 use crate::admission::{Gate, GatePermit, Overloaded};
 use crate::deadline::Deadline;
 use crate::server::metrics::Route;
+use crate::server::problem::Protocol;
 
 type Enter = Pin<Box<dyn Future<Output = Result<GatePermit, Overloaded>> + Send>>;
 
@@ -137,7 +138,12 @@ where
                         }
                         Err(refused) => {
                             let route = Route::from_extensions(request.extensions());
-                            return Poll::Ready(Ok(overloaded(&route, refused.retry_after)));
+                            let protocol = Protocol::of(request.headers());
+                            return Poll::Ready(Ok(overloaded(
+                                &route,
+                                refused.retry_after,
+                                protocol,
+                            )));
                         }
                     }
                 }

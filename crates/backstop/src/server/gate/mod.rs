@@ -30,7 +30,7 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use super::metrics::{Rejected, Route, count_rejected};
-use super::problem::Problem;
+use super::problem::{Problem, Protocol};
 use crate::admission::Gate;
 use crate::deadline::Deadline;
 use crate::status::Status;
@@ -93,9 +93,14 @@ where
     }
 }
 
-fn overloaded<B: From<Bytes>>(route: &Route, retry_after: Duration) -> Response<B> {
+fn overloaded<B: From<Bytes>>(
+    route: &Route,
+    retry_after: Duration,
+    protocol: Protocol,
+) -> Response<B> {
     count_rejected(route, REASON);
-    let mut response = Problem::from_status(&Status::overloaded(retry_after)).into_response();
+    let mut response =
+        Problem::from_status(&Status::overloaded(retry_after)).into_response_for(protocol);
     response.extensions_mut().insert(Rejected(REASON));
     response
 }

@@ -8,7 +8,9 @@ use std::task::{Context, Poll};
 use http::Response;
 use pin_project_lite::pin_project;
 
-type Keyed<B, E> = Pin<Box<dyn Future<Output = Result<Response<B>, E>> + Send>>;
+use super::body::ResponseBody;
+
+type Keyed<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
 pin_project! {
     /// The inner future unchanged (routes that are not keyed) or the keyed flow.
@@ -61,11 +63,13 @@ impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Passthrough { fut } => fut.poll(cx),
+            KindProj::Passthrough { fut } => fut
+                .poll(cx)
+                .map(|result| result.map(|response| response.map(ResponseBody::inner))),
             KindProj::Keyed { fut } => fut.as_mut().poll(cx),
         }
     }

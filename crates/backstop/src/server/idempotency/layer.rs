@@ -8,6 +8,7 @@ use tower_layer::Layer;
 use super::{DEFAULT_MAX_BODY, Idempotency, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
+use crate::server::grpc::DEFAULT_MAX_MESSAGE;
 use crate::server::route::RoutePattern;
 
 /// Applies [`Idempotency`] to the declared keyed routes.
@@ -22,6 +23,7 @@ pub(super) struct Shared<St> {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) routes: Vec<(RoutePattern, KeyedRoute)>,
     pub(super) max_body: usize,
+    pub(super) max_message: usize,
     pub(super) stored_headers: Vec<HeaderName>,
 }
 
@@ -38,14 +40,15 @@ impl<St> fmt::Debug for IdempotencyLayer<St> {
         f.debug_struct("IdempotencyLayer")
             .field("routes", &self.shared.routes)
             .field("max_body", &self.shared.max_body)
+            .field("max_message", &self.shared.max_message)
             .field("stored_headers", &self.shared.stored_headers)
             .finish_non_exhaustive()
     }
 }
 
 impl<St: Store> IdempotencyLayer<St> {
-    /// A layer over `store` with no keyed routes yet, the system clock, a 1 MiB body cap and
-    /// `Content-Type` and `Location` as the stored headers.
+    /// A layer over `store` with no keyed routes yet, the system clock, a 1 MiB body cap, a
+    /// 4 MiB gRPC message cap and `Content-Type` and `Location` as the stored headers.
     pub fn new(store: St) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -53,6 +56,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 clock: Arc::new(SystemClock),
                 routes: Vec::new(),
                 max_body: DEFAULT_MAX_BODY,
+                max_message: DEFAULT_MAX_MESSAGE,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
             }),
         }
@@ -72,6 +76,12 @@ impl<St: Store> IdempotencyLayer<St> {
     /// The largest request body a keyed route buffers (default 1 MiB); larger is 413.
     pub fn max_body(self, bytes: usize) -> Self {
         self.edit(|s| s.max_body = bytes)
+    }
+
+    /// The largest gRPC message a keyed gRPC route accepts (default 4 MiB); a larger
+    /// length prefix is refused with `RESOURCE_EXHAUSTED` before the message is read.
+    pub fn max_message(self, bytes: usize) -> Self {
+        self.edit(|s| s.max_message = bytes)
     }
 
     /// Also stores and replays this response header (beyond `Content-Type` and `Location`).
@@ -103,6 +113,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     clock: old.clock.clone(),
                     routes: old.routes.clone(),
                     max_body: old.max_body,
+                    max_message: old.max_message,
                     stored_headers: old.stored_headers.clone(),
                 };
                 f(&mut shared);

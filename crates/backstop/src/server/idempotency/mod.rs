@@ -23,6 +23,30 @@
 //!      DESIGN section 7 explains the choice of 409);
 //!    - **in progress**: 409 `request_in_progress` with `Retry-After`.
 //!
+//! # gRPC
+//!
+//! A keyed route may be a gRPC method (`POST /payment.v1.Payment/Charge`); a request whose
+//! `Content-Type` is `application/grpc` goes the same way, with these differences:
+//!
+//! - the key is the metadata `idempotency-key` (the same header);
+//! - the body is one length-prefixed message, read by [`read_unary`]: a length prefix
+//!   above the message cap (4 MiB unless set) is `RESOURCE_EXHAUSTED` as soon as the prefix
+//!   arrives, before any of the message is buffered;
+//! - the fingerprint is SHA-256 of `"POST /package.Service/Method"`, a newline and the
+//!   message's protobuf bytes as sent. Not a decoded-and-canonicalized form: this layer
+//!   does not know the message types. Protobuf encoders write fields in number order and
+//!   omit proto3 defaults, so a client re-sending the same message sends the same bytes; two
+//!   encodings of equal messages that differ (an explicit default, unknown fields, another
+//!   compression) are a key reuse with other parameters, never a silent replay;
+//! - the answer is classified by its `grpc-status` (in the head of a trailers-only answer,
+//!   else in the trailers) by the same rule as HTTP: `OK` is stored (head, message and
+//!   trailers), retryable codes mark the record failed, others release it;
+//! - refusals are trailers-only gRPC answers (see [`Protocol`]): `INVALID_ARGUMENT` (key),
+//!   `FAILED_PRECONDITION` (key reused), `ABORTED` + `grpc-retry-pushback-ms` (in progress);
+//!   a replay is the stored answer with `idempotent-replayed: true` in its head metadata and
+//!   the stored trailers (`grpc-status` included) byte for byte. Trailers are kept in the
+//!   store's header list under the name `trailer:<name>`, which no HTTP header can have.
+//!
 //! If the claimed request's future is dropped before it answered (the client went away, or the
 //! deadline layer cut it) a guard marks the record failed from a spawned task, so a retry can
 //! take over at once instead of waiting for the lease to run out.
@@ -38,9 +62,11 @@
 //! [`Tenant`]: crate::server::tenant::Tenant
 //! [`Lease`]: crate::idempotency::Lease
 
+pub mod body;
 pub mod future;
 mod layer;
 
+pub use self::body::ResponseBody;
 pub use self::layer::IdempotencyLayer;
 
 use std::sync::Arc;
@@ -48,15 +74,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 
 use self::future::ResponseFuture;
 use self::layer::Shared;
+use super::grpc::read_unary;
 use super::metrics::Route;
-use super::problem::Problem;
+use super::problem::{Problem, Protocol, grpc_status};
 use super::tenant::Tenant;
 use crate::clock::Clock;
 use crate::deadline::Deadline;
@@ -83,6 +110,9 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
 /// Default claim lease (seed 2.4.3).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
+
+/// Prefix of a stored trailer's name in [`StoredResponse::headers`].
+pub const TRAILER_PREFIX: &str = "trailer:";
 
 /// Retry-After sent when the store cannot be reached.
 const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -133,10 +163,10 @@ where
     St: Store,
     ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, ResBody, S::Error>;
 
@@ -163,23 +193,25 @@ async fn keyed<S, St, ReqBody, ResBody>(
     route: KeyedRoute,
     mut inner: S,
     request: Request<ReqBody>,
-) -> Result<Response<ResBody>, S::Error>
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     St: Store,
     ReqBody: Body<Data = Bytes> + From<Bytes>,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + From<Bytes>,
+    ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
     let (mut head, body) = request.into_parts();
     let labels = Route::from_extensions(&head.extensions);
+    let protocol = Protocol::of(&head.headers);
 
     let key = match head.headers.get(IDEMPOTENCY_KEY) {
         None => {
             return Ok(bad_request(
                 problem::MISSING_IDEMPOTENCY_KEY,
                 "this route requires an Idempotency-Key header",
+                protocol,
             ));
         }
         Some(value) => match value.to_str().ok().map(IdempotencyKey::parse) {
@@ -188,34 +220,53 @@ where
                 return Ok(bad_request(
                     problem::INVALID_IDEMPOTENCY_KEY,
                     "Idempotency-Key must be 1 to 255 visible ASCII characters",
+                    protocol,
                 ));
             }
         },
     };
 
-    // Refuse an announced oversized body before reading a byte of it.
-    let announced = head
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|len| len > shared.max_body as u64) {
-        return Ok(too_large(shared.max_body));
-    }
-    let body = match Limited::new(body, shared.max_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.is::<LengthLimitError>() => return Ok(too_large(shared.max_body)),
-        Err(_) => {
-            return Ok(bad_request(
-                INVALID_BODY,
-                "the request body could not be read",
-            ));
-        }
-    };
-
     let operation = format!("{} {}", head.method, head.uri.path());
-    let Ok(fingerprint) = Fingerprint::of_json(&operation, &body) else {
-        return Ok(bad_request(INVALID_BODY, "the request body must be JSON"));
+    let (body, fingerprint) = match protocol {
+        Protocol::Grpc => match read_unary(body, shared.max_message).await {
+            Ok(message) => {
+                let fingerprint = Fingerprint::of_bytes(&operation, message.message());
+                (message.framed().clone(), fingerprint)
+            }
+            Err(status) => {
+                return Ok(Problem::from_status(&status).into_response_for(protocol));
+            }
+        },
+        Protocol::Http => {
+            // Refuse an announced oversized body before reading a byte of it.
+            let announced = head
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            if announced.is_some_and(|len| len > shared.max_body as u64) {
+                return Ok(too_large(shared.max_body));
+            }
+            let body = match Limited::new(body, shared.max_body).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(e) if e.is::<LengthLimitError>() => return Ok(too_large(shared.max_body)),
+                Err(_) => {
+                    return Ok(bad_request(
+                        INVALID_BODY,
+                        "the request body could not be read",
+                        protocol,
+                    ));
+                }
+            };
+            let Ok(fingerprint) = Fingerprint::of_json(&operation, &body) else {
+                return Ok(bad_request(
+                    INVALID_BODY,
+                    "the request body must be JSON",
+                    protocol,
+                ));
+            };
+            (body, fingerprint)
+        }
     };
 
     let lease_for = match head.extensions.get::<Deadline>() {
@@ -234,7 +285,7 @@ where
         Ok(claim) => claim,
         Err(error) => {
             tracing::error!(target: "backstop::server", %error, "idempotency claim failed");
-            return Ok(store_unavailable());
+            return Ok(store_unavailable(protocol));
         }
     };
 
@@ -245,9 +296,10 @@ where
         Claim::Conflict { fingerprint_prefix } => {
             return Ok(
                 Problem::new(StatusCode::CONFLICT, problem::IDEMPOTENCY_KEY_REUSED)
+                    .grpc_code(Code::FailedPrecondition)
                     .detail("this Idempotency-Key was already used with other parameters")
                     .with("fingerprint_prefix", fingerprint_prefix)
-                    .into_response(),
+                    .into_response_for(protocol),
             );
         }
         Claim::InProgress { retry_after } => {
@@ -257,7 +309,7 @@ where
             )
             .with_problem(problem::REQUEST_IN_PROGRESS)
             .with_pushback(retry_after);
-            return Ok(Problem::from_status(&status).into_response());
+            return Ok(Problem::from_status(&status).into_response_for(protocol));
         }
     };
 
@@ -282,23 +334,62 @@ where
         }
     };
 
-    match after(&response) {
+    let decision = match protocol {
+        // A trailers-only answer says its code in the head; an answer with a message says it
+        // in the trailers, read below before anything is stored.
+        Protocol::Grpc => match grpc_status(response.headers()) {
+            Some(code) => after_code(code),
+            None if response.status().is_success() => After::Complete,
+            None => after(&response),
+        },
+        Protocol::Http => after(&response),
+    };
+    match decision {
         After::Complete => {
             let (parts, body) = response.into_parts();
             // The body error is dropped before any await: it need not be `Send`.
-            let collected = body.collect().await.ok().map(|c| c.to_bytes());
-            let body = match collected {
-                Some(body) => body,
+            let collected = body
+                .collect()
+                .await
+                .ok()
+                .map(|c| (c.trailers().cloned(), c.to_bytes()));
+            let (trailers, body) = match collected {
+                Some(collected) => collected,
                 None => {
                     fail(&shared, &lease).await;
                     guard.disarm();
                     let status = Status::new(Code::Internal, "the response body failed");
-                    return Ok(Problem::from_status(&status).into_response());
+                    return Ok(Problem::from_status(&status).into_response_for(protocol));
                 }
             };
+            if protocol.is_grpc() {
+                let code = trailers
+                    .as_ref()
+                    .and_then(grpc_status)
+                    .unwrap_or(Code::Unknown);
+                if code != Code::Ok {
+                    match after_code(code) {
+                        After::Fail => fail(&shared, &lease).await,
+                        _ => release(&shared, &lease).await,
+                    }
+                    guard.disarm();
+                    return Ok(Response::from_parts(
+                        parts,
+                        ResponseBody::buffered(body, trailers),
+                    ));
+                }
+            }
+            let mut headers = stored_headers(&parts.headers, &shared.stored_headers);
+            if let Some(trailers) = &trailers {
+                for (name, value) in trailers {
+                    if let Ok(value) = value.to_str() {
+                        headers.push((format!("{TRAILER_PREFIX}{name}"), value.to_owned()));
+                    }
+                }
+            }
             let stored = StoredResponse {
                 status: parts.status.as_u16(),
-                headers: stored_headers(&parts.headers, &shared.stored_headers),
+                headers,
                 body: body.clone(),
             };
             // The guard stays armed: if this future is dropped mid-complete, the answer never
@@ -312,20 +403,43 @@ where
                 tracing::error!(target: "backstop::server", %error, "idempotency complete failed");
             }
             guard.disarm();
-            Ok(Response::from_parts(parts, ResBody::from(body)))
+            Ok(Response::from_parts(
+                parts,
+                ResponseBody::buffered(body, trailers),
+            ))
         }
         After::Fail => {
             fail(&shared, &lease).await;
             guard.disarm();
-            Ok(response)
+            Ok(response.map(ResponseBody::inner))
         }
         After::Release => {
-            if let Err(error) = shared.store.release(&lease).await {
-                tracing::warn!(target: "backstop::server", %error, "idempotency release failed");
-            }
+            release(&shared, &lease).await;
             guard.disarm();
-            Ok(response)
+            Ok(response.map(ResponseBody::inner))
         }
+    }
+}
+
+async fn release<St: Store>(shared: &Shared<St>, lease: &Lease) {
+    if let Err(error) = shared.store.release(lease).await {
+        tracing::warn!(target: "backstop::server", %error, "idempotency release failed");
+    }
+}
+
+/// What a gRPC code does to the record: the HTTP rule applied to the code's HTTP status
+/// (`ABORTED` is retryable, like a 409 with `Retry-After`).
+fn after_code(code: Code) -> After {
+    let status = code.http_status();
+    if code == Code::Ok {
+        After::Complete
+    } else if code == Code::Aborted
+        || status.is_server_error()
+        || status == StatusCode::TOO_MANY_REQUESTS
+    {
+        After::Fail
+    } else {
+        After::Release
     }
 }
 
@@ -403,20 +517,27 @@ fn stored_headers(headers: &http::HeaderMap, names: &[HeaderName]) -> Vec<(Strin
     out
 }
 
-fn replay<B: From<Bytes>>(stored: StoredResponse) -> Response<B> {
-    let mut response = Response::new(B::from(stored.body));
-    *response.status_mut() =
-        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = response.headers_mut();
+fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    let mut headers = HeaderMap::new();
+    let mut trailers = HeaderMap::new();
     for (name, value) in &stored.headers {
+        let (map, name) = match name.strip_prefix(TRAILER_PREFIX) {
+            Some(name) => (&mut trailers, name),
+            None => (&mut headers, name.as_str()),
+        };
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_str(value),
         ) {
-            headers.append(name, value);
+            map.append(name, value);
         }
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let trailers = (!trailers.is_empty()).then_some(trailers);
+    let mut response = Response::new(ResponseBody::buffered(stored.body, trailers));
+    *response.status_mut() =
+        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.headers_mut() = headers;
     response
 }
 
@@ -430,9 +551,13 @@ fn count_claim(route: &Route, result: &'static str) {
     .increment(1);
 }
 
-fn bad_request<B: From<Bytes>>(code: &'static str, detail: &'static str) -> Response<B> {
+fn bad_request<B: From<Bytes>>(
+    code: &'static str,
+    detail: &'static str,
+    protocol: Protocol,
+) -> Response<B> {
     Problem::from_status(&Status::new(Code::InvalidArgument, detail).with_problem(code))
-        .into_response()
+        .into_response_for(protocol)
 }
 
 fn too_large<B: From<Bytes>>(max: usize) -> Response<B> {
@@ -441,11 +566,11 @@ fn too_large<B: From<Bytes>>(max: usize) -> Response<B> {
         .into_response()
 }
 
-fn store_unavailable<B: From<Bytes>>() -> Response<B> {
+fn store_unavailable<B: From<Bytes>>(protocol: Protocol) -> Response<B> {
     let status = Status::new(Code::Unavailable, "the idempotency store is unavailable")
         .with_problem(STORE_UNAVAILABLE)
         .with_pushback(STORE_RETRY_AFTER);
-    Problem::from_status(&status).into_response()
+    Problem::from_status(&status).into_response_for(protocol)
 }
 
 #[cfg(test)]

@@ -99,7 +99,7 @@ impl Handler {
 
 async fn send<S>(svc: &S, req: Request<Body>) -> (StatusCode, http::HeaderMap, Bytes)
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = Response<ResponseBody<Body>>, Error = Infallible> + Clone,
 {
     let res = svc.clone().oneshot(req).await.unwrap();
     let (parts, b) = res.into_parts();
@@ -476,5 +476,174 @@ fn claims_are_counted_by_result() {
             1,
             "{result}"
         );
+    }
+}
+
+// ---- gRPC ----
+
+mod grpc {
+    use super::*;
+    use crate::server::idempotency::ResponseBody;
+    use http::HeaderMap;
+    use http_body_util::BodyExt;
+
+    const CHARGE: &str = "/payment.v1.Payment/Charge";
+
+    fn grpc_layer(store: &MemoryStore) -> IdempotencyLayer<MemoryStore> {
+        IdempotencyLayer::new(store.clone())
+            .clock(ManualClock::new(1_000_000))
+            .keyed(Method::POST, CHARGE, KeyedRoute::payments())
+            .max_message(64)
+    }
+
+    fn framed(message: &[u8]) -> Bytes {
+        let mut out = vec![0];
+        out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        out.extend_from_slice(message);
+        Bytes::from(out)
+    }
+
+    fn call(key: Option<&str>, body: Bytes) -> Request<Body> {
+        let mut builder = Request::builder()
+            .method(Method::POST)
+            .uri(CHARGE)
+            .header(header::CONTENT_TYPE, "application/grpc");
+        if let Some(key) = key {
+            builder = builder.header("idempotency-key", key);
+        }
+        builder.body(Body::new(body)).unwrap()
+    }
+
+    /// A gRPC handler: answers `grpc-status` `code`, with one message and the status in the
+    /// trailers when `code` is 0, trailers-only otherwise. Counts its calls.
+    fn handler(
+        calls: Arc<AtomicUsize>,
+        code: u8,
+    ) -> impl Service<
+        Request<Body>,
+        Response = Response<ResponseBody<Body>>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static {
+        service_fn(move |req: Request<Body>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let received = body(Response::new(req.into_body())).await;
+                let mut res = if code == 0 {
+                    let mut trailers = HeaderMap::new();
+                    trailers.insert("grpc-status", "0".parse().unwrap());
+                    trailers.insert("x-call", n.to_string().parse().unwrap());
+                    let mut echo = received.to_vec();
+                    echo.push(n as u8);
+                    Response::new(ResponseBody::buffered(Bytes::from(echo), Some(trailers)))
+                } else {
+                    let mut res = Response::new(ResponseBody::default());
+                    res.headers_mut()
+                        .insert("grpc-status", code.to_string().parse().unwrap());
+                    res
+                };
+                res.headers_mut()
+                    .insert(header::CONTENT_TYPE, "application/grpc".parse().unwrap());
+                Ok::<_, Infallible>(res)
+            }
+        })
+    }
+
+    struct Answer {
+        headers: HeaderMap,
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    }
+
+    async fn send_grpc<S, B>(svc: &S, req: Request<Body>) -> Answer
+    where
+        S: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone,
+        B: http_body::Body<Data = Bytes>,
+        B::Error: std::fmt::Debug,
+    {
+        let res = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "gRPC answers are HTTP 200");
+        let (parts, b) = res.into_parts();
+        let collected = b.collect().await.unwrap();
+        Answer {
+            headers: parts.headers,
+            trailers: collected.trailers().cloned(),
+            body: collected.to_bytes(),
+        }
+    }
+
+    #[tokio::test]
+    async fn ok_answer_is_stored_and_replayed_with_its_trailers() {
+        let store = MemoryStore::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = grpc_layer(&store).layer(handler(calls.clone(), 0));
+        let first = send_grpc(&svc, call(Some("g1"), framed(b"pay"))).await;
+        assert!(first.headers.get(IDEMPOTENT_REPLAYED).is_none());
+        let trailers = first.trailers.clone().expect("trailers");
+        assert_eq!(trailers["grpc-status"], "0");
+
+        let again = send_grpc(&svc, call(Some("g1"), framed(b"pay"))).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "replayed, not run again");
+        assert_eq!(again.headers[IDEMPOTENT_REPLAYED], "true");
+        assert_eq!(again.headers[header::CONTENT_TYPE], "application/grpc");
+        assert_eq!(again.body, first.body, "the message byte for byte");
+        assert_eq!(
+            again.trailers,
+            Some(trailers),
+            "grpc-status and all trailers"
+        );
+        assert_eq!(
+            record(&store, "default", "g1").await,
+            Some(RecordStatus::Succeeded)
+        );
+    }
+
+    #[tokio::test]
+    async fn refusals_are_trailers_only_grpc_statuses() {
+        let store = MemoryStore::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = grpc_layer(&store).layer(handler(calls.clone(), 0));
+        let status = |a: &Answer| a.headers["grpc-status"].to_str().unwrap().to_owned();
+
+        let missing = send_grpc(&svc, call(None, framed(b"pay"))).await;
+        assert_eq!(status(&missing), "3");
+        assert!(missing.body.is_empty() && missing.trailers.is_none());
+
+        // A length prefix over the cap, with no message behind it: refused from the prefix.
+        let bomb = Bytes::from_static(&[0, 0xFF, 0xFF, 0xFF, 0xFF]);
+        let too_large = send_grpc(&svc, call(Some("g2"), bomb)).await;
+        assert_eq!(status(&too_large), "8");
+        let truncated = send_grpc(&svc, call(Some("g2"), Bytes::from_static(&[0, 0]))).await;
+        assert_eq!(status(&truncated), "3");
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+        assert!(store.is_empty(), "nothing claimed");
+
+        send_grpc(&svc, call(Some("g2"), framed(b"pay"))).await;
+        let reused = send_grpc(&svc, call(Some("g2"), framed(b"other"))).await;
+        assert_eq!(status(&reused), "9"); // FAILED_PRECONDITION
+        let message = reused.headers["grpc-message"].to_str().unwrap();
+        assert!(message.contains("fingerprint_prefix="), "{message}");
+    }
+
+    #[tokio::test]
+    async fn error_codes_fail_or_release_the_record_like_http() {
+        let store = MemoryStore::new();
+        for (code, key, expected) in [
+            (14, "unavailable", Some(RecordStatus::Failed)),
+            (10, "aborted", Some(RecordStatus::Failed)),
+            (3, "invalid", None),
+            (6, "exists", None),
+        ] {
+            let calls = Arc::new(AtomicUsize::new(0));
+            let svc = grpc_layer(&store).layer(handler(calls.clone(), code));
+            let answer = send_grpc(&svc, call(Some(key), framed(b"pay"))).await;
+            assert_eq!(answer.headers["grpc-status"], code.to_string().as_str());
+            assert_eq!(record(&store, "default", key).await, expected, "{code}");
+            // Never replayed: the same key runs again.
+            send_grpc(&svc, call(Some(key), framed(b"pay"))).await;
+            assert_eq!(calls.load(Ordering::SeqCst), 2, "{code}");
+        }
     }
 }

@@ -14,6 +14,7 @@ use tracing::Level;
 use super::{PeerFn, Rejected, Route, trace_id};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
+use crate::server::problem::grpc_status;
 use crate::status::Outcome;
 
 pin_project! {
@@ -48,10 +49,13 @@ where
                     Outcome::Rejected
                 } else {
                     // A problem answer says its own outcome; a status alone is ambiguous (409).
-                    extensions
-                        .get::<Outcome>()
-                        .copied()
-                        .unwrap_or_else(|| outcome_of(response.status()))
+                    // A gRPC error answered trailers-only says its code in the head.
+                    extensions.get::<Outcome>().copied().unwrap_or_else(|| {
+                        match grpc_status(response.headers()) {
+                            Some(code) => Outcome::of_code(code),
+                            None => outcome_of(response.status()),
+                        }
+                    })
                 };
                 this.record.finish(response.status(), outcome);
             }

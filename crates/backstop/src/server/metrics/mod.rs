@@ -7,6 +7,8 @@
 //!   `fatal`, `timeout`, `rejected`, derived from the HTTP status through
 //!   [`status`](crate::status); a response carrying the [`Rejected`] extension (set by the rate
 //!   limiter and the gate) counts as `rejected`;
+//!   a gRPC answer with `grpc-status` in its head (trailers-only: every gRPC error) counts by
+//!   its code;
 //! - `rpc_server_duration_seconds{service,method,outcome}` (histogram);
 //! - `rpc_server_inflight{service,method}` (gauge);
 //! - one `tracing` event `rpc_server_request` with `service`, `method`, `status`, `outcome`,

@@ -26,7 +26,7 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use super::metrics::{Rejected, Route, count_rejected};
-use super::problem::Problem;
+use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
 use super::tenant::Tenant;
 use crate::admission::KeyedTokenBucket;
@@ -67,14 +67,16 @@ where
             Ok(()) => ResponseFuture::new(RejectOr::inner(self.inner.call(request))),
             Err(wait) => {
                 count_rejected(&Route::from_extensions(request.extensions()), REASON);
-                ResponseFuture::new(RejectOr::reject(rate_limited(wait)))
+                let protocol = Protocol::of(request.headers());
+                ResponseFuture::new(RejectOr::reject(rate_limited(wait, protocol)))
             }
         }
     }
 }
 
-fn rate_limited<B: From<Bytes>>(wait: Duration) -> Response<B> {
-    let mut response = Problem::from_status(&Status::rate_limited(wait)).into_response();
+fn rate_limited<B: From<Bytes>>(wait: Duration, protocol: Protocol) -> Response<B> {
+    let mut response =
+        Problem::from_status(&Status::rate_limited(wait)).into_response_for(protocol);
     response.extensions_mut().insert(Rejected(REASON));
     response
 }

@@ -1,0 +1,280 @@
+//! gRPC framing for the server layers: the unary request message read under a size cap
+//! decided from the frame header, before the message is buffered (seed 2.1.5).
+//!
+//! A gRPC message is a 5-byte prefix (compressed flag, big-endian `u32` length) and the
+//! message bytes. A length above the cap is refused as soon as the prefix has arrived, with
+//! `RESOURCE_EXHAUSTED`: a peer that claims 4 GiB costs five bytes of memory, not four
+//! gigabytes, and does not even get to wait for its deadline. The message is then read as
+//! it arrives, never preallocated from the claimed length.
+//!
+//! [`UnaryLimitLayer`] applies the cap in front of a gRPC service whose methods are all unary
+//! (it buffers the one message, as the service's decoder would); keyed routes need no extra
+//! layer, the [`idempotency`](super::idempotency) layer reads their message the same way.
+//!
+//! The other gRPC pieces live with the mechanism they serve: refusals as trailers-only
+//! responses in [`problem`](super::problem) ([`Protocol`]), keyed
+//! gRPC calls in [`idempotency`](super::idempotency).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::BodyExt;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::problem::{Problem, Protocol};
+use crate::status::{Code, Status, problem};
+
+/// Default cap on one gRPC message: 4 MiB (DESIGN section 4, as gRPC's own default).
+pub const DEFAULT_MAX_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// Length of the message prefix: compressed flag and `u32` length.
+pub const PREFIX_LEN: usize = 5;
+
+/// Problem code of a gRPC request that is not exactly one well-formed message.
+pub const INVALID_FRAME: &str = "invalid_grpc_frame";
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A unary request's body: the framed message as received, and where the message starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnaryMessage {
+    framed: Bytes,
+}
+
+impl UnaryMessage {
+    /// The body as received (prefix and message), to hand on to the service.
+    pub fn framed(&self) -> &Bytes {
+        &self.framed
+    }
+
+    /// The message bytes (after the prefix; compressed if the prefix says so).
+    pub fn message(&self) -> &[u8] {
+        &self.framed[PREFIX_LEN..]
+    }
+
+    /// Whether the compressed flag is set.
+    pub fn compressed(&self) -> bool {
+        self.framed[0] == 1
+    }
+}
+
+/// Reads exactly one length-prefixed message from `body`, refusing a declared length above
+/// `max` as soon as the prefix is in (`RESOURCE_EXHAUSTED`, problem `body_too_large`), and
+/// anything but one whole message (`INVALID_ARGUMENT`, problem [`INVALID_FRAME`]).
+pub async fn read_unary<B>(body: B, max: usize) -> Result<UnaryMessage, Status>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let invalid = |detail: &'static str| {
+        Status::new(Code::InvalidArgument, detail).with_problem(INVALID_FRAME)
+    };
+    let mut body = std::pin::pin!(body);
+    let mut buf = BytesMut::new();
+    let mut expected: Option<usize> = None;
+    loop {
+        if expected.is_none() && buf.len() >= PREFIX_LEN {
+            let flag = buf[0];
+            if flag > 1 {
+                return Err(invalid("the gRPC compressed flag must be 0 or 1"));
+            }
+            let len = (&buf[1..PREFIX_LEN]).get_u32();
+            let len = usize::try_from(len).unwrap_or(usize::MAX);
+            if len > max {
+                return Err(too_large(len, max));
+            }
+            expected = Some(PREFIX_LEN + len);
+        }
+        if let Some(total) = expected {
+            if buf.len() > total {
+                return Err(invalid("a unary gRPC request carries exactly one message"));
+            }
+        }
+        match body.frame().await {
+            None => break,
+            Some(Err(_)) => return Err(invalid("the request body could not be read")),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    // Bounded: at most one chunk beyond the announced (capped) length, which
+                    // is refused on the next turn of the loop.
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+    match expected {
+        Some(total) if buf.len() == total => Ok(UnaryMessage {
+            framed: buf.freeze(),
+        }),
+        Some(_) if buf.len() > PREFIX_LEN => {
+            Err(invalid("a unary gRPC request carries exactly one message"))
+        }
+        _ => Err(invalid("the gRPC message was truncated")),
+    }
+}
+
+/// The refusal of a message over the cap.
+pub fn too_large(len: usize, max: usize) -> Status {
+    Status::new(
+        Code::ResourceExhausted,
+        format!("the gRPC message of {len} bytes exceeds the limit of {max} bytes"),
+    )
+    .with_problem(problem::BODY_TOO_LARGE)
+}
+
+/// Caps each gRPC request's one message (see [`read_unary`]) before the inner service runs.
+#[derive(Debug, Clone, Copy)]
+pub struct UnaryLimitLayer {
+    max: usize,
+}
+
+impl UnaryLimitLayer {
+    /// A layer refusing messages above `max` bytes.
+    pub fn new(max: usize) -> Self {
+        Self { max }
+    }
+}
+
+impl Default for UnaryLimitLayer {
+    /// The 4 MiB default.
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_MESSAGE)
+    }
+}
+
+impl<S> Layer<S> for UnaryLimitLayer {
+    type Service = UnaryLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        UnaryLimit {
+            inner,
+            max: self.max,
+        }
+    }
+}
+
+/// The service made by [`UnaryLimitLayer`]: a gRPC request's message is read under the cap,
+/// then handed on in memory; other requests pass through.
+#[derive(Debug, Clone)]
+pub struct UnaryLimit<S> {
+    inner: S,
+    max: usize,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for UnaryLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: From<Bytes> + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<ResBody>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        if !Protocol::of(request.headers()).is_grpc() {
+            return Box::pin(self.inner.call(request));
+        }
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let max = self.max;
+        Box::pin(async move {
+            let (head, body) = request.into_parts();
+            match read_unary(body, max).await {
+                Ok(message) => {
+                    let body = ReqBody::from(message.framed().clone());
+                    inner.call(Request::from_parts(head, body)).await
+                }
+                Err(status) => Ok(Problem::from_status(&status).into_grpc_response()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+    use http_body_util::{Full, StreamBody};
+    use std::convert::Infallible;
+
+    fn framed(message: &[u8]) -> Vec<u8> {
+        let mut out = vec![0];
+        out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        out.extend_from_slice(message);
+        out
+    }
+
+    async fn read(bytes: Vec<u8>) -> Result<UnaryMessage, Status> {
+        read_unary(Full::new(Bytes::from(bytes)), 16).await
+    }
+
+    #[tokio::test]
+    async fn one_message_is_read() {
+        let m = read(framed(b"hello")).await.unwrap();
+        assert_eq!(m.message(), b"hello");
+        assert!(!m.compressed());
+        assert_eq!(m.framed().len(), 10);
+        let empty = read(framed(b"")).await.unwrap();
+        assert_eq!(empty.message(), b"");
+    }
+
+    #[tokio::test]
+    async fn oversized_claim_is_refused_from_the_prefix_alone() {
+        // The body never ends: only the prefix arrives. The refusal must not wait for more.
+        let prefix = Bytes::from_static(&[0, 0xFF, 0xFF, 0xFF, 0xFF]);
+        let stream = futures_util::stream::once(async move {
+            Ok::<_, Infallible>(http_body::Frame::data(prefix))
+        })
+        .chain(futures_util::stream::pending());
+        let err = read_unary(StreamBody::new(stream), DEFAULT_MAX_MESSAGE)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::ResourceExhausted);
+        assert!(err.message().contains("4294967295"), "{}", err.message());
+    }
+
+    #[tokio::test]
+    async fn the_prefix_may_arrive_split() {
+        let bytes = framed(b"abc");
+        let chunks: Vec<Result<_, Infallible>> = bytes
+            .iter()
+            .map(|b| Ok(http_body::Frame::data(Bytes::copy_from_slice(&[*b]))))
+            .collect();
+        let body = StreamBody::new(futures_util::stream::iter(chunks));
+        let m = read_unary(body, 16).await.unwrap();
+        assert_eq!(m.message(), b"abc");
+    }
+
+    #[tokio::test]
+    async fn malformed_bodies_are_invalid_argument() {
+        for bytes in [
+            vec![],
+            vec![0, 0, 0],
+            vec![0, 0, 0, 0, 5, b'a'],
+            [framed(b"a"), framed(b"b")].concat(),
+            vec![2, 0, 0, 0, 0],
+        ] {
+            let err = read(bytes.clone()).await.unwrap_err();
+            assert_eq!(err.code(), Code::InvalidArgument, "{bytes:?}");
+            assert_eq!(err.problem(), INVALID_FRAME);
+        }
+        assert_eq!(
+            read(framed(&[0; 17])).await.unwrap_err().code(),
+            Code::ResourceExhausted
+        );
+    }
+}

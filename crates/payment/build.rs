@@ -1,0 +1,14 @@
+//! Compiles `proto/payment/v1/payment.proto` with the `protoc` vendored by
+//! `protoc-bin-vendored`: building needs no system protoc.
+
+use std::path::Path;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let proto = root.join("payment/v1/payment.proto");
+    println!("cargo:rerun-if-changed={}", proto.display());
+    let mut config = tonic_prost_build::Config::new();
+    config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure().compile_with_config(config, &[proto], &[root])?;
+    Ok(())
+}

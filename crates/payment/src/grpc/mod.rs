@@ -1,0 +1,66 @@
+//! The gRPC payment service: `payment.v1.Payment` (`proto/payment/v1/payment.proto`).
+//!
+//! [`PaymentService`] implements the generated [`proto::payment_server::Payment`] trait over the
+//! same payment logic as the HTTP handlers, and [`router`] mounts it so the server stack runs in
+//! front of it: the deadline from `grpc-timeout`, metrics, authentication (`authorization:
+//! Bearer` metadata), the rate limit, the gate and idempotency (metadata `idempotency-key`),
+//! each answering a gRPC caller with a gRPC status.
+//!
+//! # Status codes
+//!
+//! | outcome | code |
+//! |---|---|
+//! | charged (or replayed: `idempotent-replayed: true`) | `OK`, `status` `succeeded` |
+//! | the PSP declined; nothing charged | `OK`, `status` `failed` |
+//! | missing or invalid key, invalid field, malformed `grpc-timeout` | `INVALID_ARGUMENT` |
+//! | key reused with other parameters | `FAILED_PRECONDITION` |
+//! | same key still running | `ABORTED` + `grpc-retry-pushback-ms` |
+//! | same order, other key | `ALREADY_EXISTS` (names the intent) |
+//! | merchant over quota | `RESOURCE_EXHAUSTED` + pushback |
+//! | message over 4 MiB (decided from the length prefix) | `RESOURCE_EXHAUSTED` |
+//! | server overloaded, store unavailable | `UNAVAILABLE` + pushback |
+//! | the PSP's outcome is unknown | `UNAVAILABLE`, "payment outcome unknown ... safe to retry with the same idempotency-key" |
+//! | the request's deadline passed | `DEADLINE_EXCEEDED` |
+//! | unknown bearer key | `UNAUTHENTICATED` |
+//! | no such payment (`GetCharge`) | `NOT_FOUND` |
+
+pub mod proto;
+pub(crate) mod server;
+mod service;
+
+pub use self::service::PaymentService;
+
+use std::time::Duration;
+
+use axum::Router;
+use backstop::server::grpc::{DEFAULT_MAX_MESSAGE, UnaryLimitLayer};
+
+use crate::service::AppState;
+
+/// Path of `Charge`.
+pub const CHARGE: &str = "/payment.v1.Payment/Charge";
+
+/// Path of `GetCharge`.
+pub const GET_CHARGE: &str = "/payment.v1.Payment/GetCharge";
+
+/// Pushback sent with `UNAVAILABLE` when the store does not answer.
+const STORE_PUSHBACK: Duration = Duration::from_secs(1);
+
+/// The gRPC routes, without layers: the caller adds the server stack (see
+/// [`crate::service::build_routers`]). Unknown methods are `UNIMPLEMENTED`.
+pub fn router(state: AppState) -> Router {
+    let payments = proto::payment_server::PaymentServer::new(PaymentService::new(state))
+        .max_decoding_message_size(DEFAULT_MAX_MESSAGE);
+    // Both methods are unary: the message cap is decided from the length prefix, before
+    // tonic's decoder (which would answer OUT_OF_RANGE, not RESOURCE_EXHAUSTED).
+    Router::new()
+        .route_service("/payment.v1.Payment/{method}", payments)
+        .fallback(unimplemented)
+        .layer(UnaryLimitLayer::new(DEFAULT_MAX_MESSAGE))
+}
+
+async fn unimplemented() -> axum::response::Response {
+    tonic::Status::unimplemented("no such gRPC service")
+        .into_http::<axum::body::Body>()
+        .map(axum::body::Body::new)
+}

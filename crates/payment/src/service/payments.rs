@@ -1,0 +1,222 @@
+//! The payment logic both protocols share: create-or-resume an intent and charge it once, and
+//! look a payment up (converging a running one with the PSP). The HTTP handlers
+//! ([`super::handlers`]) and the gRPC service ([`crate::grpc`]) only translate requests in and
+//! outcomes out.
+
+use backstop::deadline::Deadline;
+use backstop::idempotency::IdempotencyKey;
+
+use super::handlers::AppState;
+use super::request::{self, PaymentRequest};
+use super::trace::TraceParent;
+use crate::intents::{Created, Intent, IntentStatus, NewIntent};
+use crate::psp_client::{ChargeCall, ChargeError};
+
+/// How a charge ended.
+#[derive(Debug)]
+pub(crate) enum ChargeOutcome {
+    /// The payment succeeded (now, or earlier under the same key).
+    Charged(Intent),
+    /// The PSP refused definitively: the intent is `failed`, nothing was charged.
+    Declined(Intent),
+    /// The order already has an intent under another key.
+    OrderConflict(Intent),
+    /// The key already created an intent with other parameters.
+    KeyReused {
+        /// First 8 hex digits of the original request's fingerprint.
+        fingerprint_prefix: String,
+    },
+    /// The store did not answer (or an id collided): retry with the same key.
+    StoreUnavailable(&'static str),
+    /// The PSP holds the effect key with other parameters (never expected).
+    PspConflict(Intent),
+    /// The PSP's outcome is not known: retry with the same key, or query.
+    Unknown {
+        /// The running intent.
+        intent: Intent,
+        /// What happened, for the caller.
+        detail: &'static str,
+    },
+}
+
+/// How a lookup ended.
+#[derive(Debug)]
+pub(crate) enum Lookup {
+    /// The merchant's payment, converged with the PSP when it was running.
+    Found(Box<Intent>),
+    /// No such payment for this merchant.
+    NotFound,
+    /// The store did not answer.
+    StoreUnavailable,
+}
+
+const STORE_DID_NOT_ANSWER: &str =
+    "the payment store did not answer; retry with the same Idempotency-Key";
+
+fn store_failed(error: &dyn std::error::Error) -> &'static str {
+    tracing::error!(error = %error, source = ?error.source(), "payment store failed");
+    STORE_DID_NOT_ANSWER
+}
+
+/// Creates (or resumes) the intent of `req` under `key` for `merchant` and charges it once.
+pub(crate) async fn charge(
+    state: &AppState,
+    merchant: &str,
+    deadline: Deadline,
+    key: &IdempotencyKey,
+    trace: TraceParent,
+    req: PaymentRequest,
+) -> ChargeOutcome {
+    let new = NewIntent {
+        intent_id: uuid::Uuid::now_v7().to_string(),
+        merchant_id: merchant.to_owned(),
+        order_id: req.order_id.clone(),
+        amount_cents: req.amount_cents,
+        currency: req.currency.clone(),
+        request_key: key.as_str().to_owned(),
+        fingerprint: request::fingerprint(&req),
+        created_at: state.clock.now_ms(),
+    };
+    let intent = match state.intents.create(new).await {
+        Err(e) => return ChargeOutcome::StoreUnavailable(store_failed(&e)),
+        Ok(Created::New(i)) => i,
+        Ok(Created::Resumed(i)) => match i.status {
+            IntentStatus::Running => {
+                tracing::info!(intent_id = %i.intent_id, "resuming intent: same effect key");
+                i
+            }
+            IntentStatus::Succeeded => return ChargeOutcome::Charged(i),
+            IntentStatus::Failed => return ChargeOutcome::Declined(i),
+        },
+        Ok(Created::OrderConflict(i)) => return ChargeOutcome::OrderConflict(i),
+        Ok(Created::KeyReused(i)) => {
+            return ChargeOutcome::KeyReused {
+                fingerprint_prefix: i.fingerprint[..8.min(i.fingerprint.len())].to_owned(),
+            };
+        }
+        Ok(Created::IdCollision) => {
+            return ChargeOutcome::StoreUnavailable(
+                "intent id collision; retry with the same Idempotency-Key",
+            );
+        }
+    };
+
+    let call = ChargeCall {
+        effect_key: intent.effect_key.clone(),
+        order_id: intent.order_id.clone(),
+        amount_cents: intent.amount_cents,
+        currency: intent.currency.clone(),
+        deadline,
+        trace,
+    };
+    match state.psp.charge(&call).await {
+        Ok(charge) => {
+            match state
+                .intents
+                .succeed(merchant, &intent.intent_id, &charge.charge_id)
+                .await
+            {
+                // Charged but not recorded: the PSP holds the charge under the effect key, so
+                // a retry with the same key converges; tell the caller the outcome is unknown.
+                Err(e) => {
+                    tracing::error!(error = %e, intent_id = %intent.intent_id, "charged but not recorded");
+                    ChargeOutcome::Unknown {
+                        intent,
+                        detail: "charged, but the result was not recorded; retry with the same Idempotency-Key",
+                    }
+                }
+                Ok(_) => match state.intents.get(merchant, &intent.intent_id).await {
+                    Ok(Some(stored)) => ChargeOutcome::Charged(stored),
+                    Ok(None) => ChargeOutcome::Unknown {
+                        intent,
+                        detail: "the payment vanished; retry with the same Idempotency-Key",
+                    },
+                    Err(e) => ChargeOutcome::StoreUnavailable(store_failed(&e)),
+                },
+            }
+        }
+        Err(ChargeError::Declined { status, .. }) => {
+            tracing::info!(intent_id = %intent.intent_id, psp_status = %status, "charge declined");
+            if let Err(e) = state.intents.fail(merchant, &intent.intent_id).await {
+                return ChargeOutcome::StoreUnavailable(store_failed(&e));
+            }
+            ChargeOutcome::Declined(intent)
+        }
+        Err(ChargeError::EffectKeyConflict(e)) => {
+            tracing::error!(error = %e, intent_id = %intent.intent_id, "PSP holds the effect key with other parameters");
+            ChargeOutcome::PspConflict(intent)
+        }
+        Err(ChargeError::NoBudget(e)) => {
+            tracing::info!(error = %e, intent_id = %intent.intent_id, "no budget left for the PSP call");
+            ChargeOutcome::Unknown {
+                intent,
+                detail: "the deadline left no time to reach the payment provider; retry with the same Idempotency-Key or query the payment",
+            }
+        }
+        Err(ChargeError::Unknown(e)) => {
+            tracing::warn!(
+                intent_id = %intent.intent_id,
+                attempts = e.attempts,
+                reason = e.reason.as_str(),
+                code = e.last.code().as_str(),
+                "PSP outcome unknown"
+            );
+            ChargeOutcome::Unknown {
+                intent,
+                detail: "the payment provider's answer did not arrive in time; retry with the same Idempotency-Key or query the payment",
+            }
+        }
+    }
+}
+
+/// The merchant's payment `intent_id`. A running intent is converged by asking the PSP for a
+/// charge under its effect key.
+pub(crate) async fn lookup(
+    state: &AppState,
+    merchant: &str,
+    deadline: Deadline,
+    intent_id: &str,
+) -> Lookup {
+    if intent_id.is_empty() || intent_id.len() > 64 {
+        return Lookup::NotFound;
+    }
+    let intent = match state.intents.get(merchant, intent_id).await {
+        Ok(Some(i)) => i,
+        Ok(None) => return Lookup::NotFound,
+        Err(e) => {
+            store_failed(&e);
+            return Lookup::StoreUnavailable;
+        }
+    };
+    if intent.status == IntentStatus::Running {
+        match state
+            .psp
+            .find_charge(&intent.order_id, &intent.effect_key, deadline)
+            .await
+        {
+            Ok(Some(charge)) => {
+                if let Err(e) = state
+                    .intents
+                    .succeed(merchant, &intent.intent_id, &charge.charge_id)
+                    .await
+                {
+                    store_failed(&e);
+                    return Lookup::StoreUnavailable;
+                }
+                return match state.intents.get(merchant, &intent.intent_id).await {
+                    Ok(Some(i)) => Lookup::Found(Box::new(i)),
+                    Ok(None) => Lookup::NotFound,
+                    Err(e) => {
+                        store_failed(&e);
+                        Lookup::StoreUnavailable
+                    }
+                };
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::info!(error = %e, intent_id = %intent.intent_id, "PSP query failed; answering the stored state")
+            }
+        }
+    }
+    Lookup::Found(Box::new(intent))
+}
