@@ -33,16 +33,20 @@ async fn load(target: &str, extra: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("one JSON summary on stdout")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_logical_request_is_one_order_charged_once() {
+async fn every_logical_request_is_one_order_charged_once(protocol: &str) {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
     config.http = "127.0.0.1:0".parse().unwrap();
+    config.grpc = "127.0.0.1:0".parse().unwrap();
     let server = Server::bind(config).await.unwrap();
     let psp_url = server.psp_url().to_owned();
+    let target = match protocol {
+        "grpc" => format!("grpc://{}", server.grpc_addr()),
+        _ => server.url(),
+    };
     let server = server.spawn();
 
-    let s = load(&server.url(), &["--rate", "200", "--duration", "1s"]).await;
+    let s = load(&target, &["--rate", "200", "--duration", "1s"]).await;
     assert_eq!(s["logical_requests"], 200, "{s}");
     assert_eq!(s["skipped"], 0, "{s}");
     assert_eq!(s["outcomes"]["ok"], 200, "{s}");
@@ -63,6 +67,16 @@ async fn every_logical_request_is_one_order_charged_once() {
     orders.dedup();
     assert_eq!(orders.len(), 200, "no order charged twice");
     server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_load_charges_every_order_once() {
+    every_logical_request_is_one_order_charged_once("http").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_load_charges_every_order_once() {
+    every_logical_request_is_one_order_charged_once("grpc").await;
 }
 
 /// A dependency that answers every request 503 without a Retry-After.

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use self::policy::{Driver, Logical, PolicyKind};
 use self::report::Tally;
-use self::target::{HttpClient, Target};
+use self::target::Target;
 
 /// Most logical requests one run may schedule: a typo in `--rate` or `--duration` must not
 /// start a run that never ends.
@@ -30,7 +30,8 @@ const MAX_REQUESTS: u64 = 100_000_000;
 /// Flags of `backstop load`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct LoadArgs {
-    /// The service: `http://HOST:PORT` (the payment service's HTTP API).
+    /// The service: `http://HOST:PORT` (the payment service's HTTP API) or `grpc://HOST:PORT`
+    /// (its gRPC API).
     #[arg(long, value_name = "URL", value_parser = Target::parse)]
     target: Target,
     /// Logical requests started per second.
@@ -69,8 +70,7 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         )
         .into());
     }
-    let Target::Http { base } = &args.target;
-    let client = HttpClient::new(base, args.api_key.clone())?;
+    let client = args.target.client(args.api_key.clone())?;
     let driver = Driver::new(args.policy)?;
     let slots = Arc::new(Semaphore::new(args.concurrency as usize));
     let progress = progress_bar(total);

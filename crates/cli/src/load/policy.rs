@@ -12,7 +12,7 @@ use clap::ValueEnum;
 use tokio::time::Instant;
 
 use super::report::{AttemptRecord, LogicalRecord, Tally};
-use super::target::{HttpClient, Send};
+use super::target::{Client, Send};
 
 /// Attempts of the naive preset.
 const NAIVE_ATTEMPTS: u32 = 3;
@@ -71,7 +71,7 @@ impl Driver {
     /// Runs `logical` within `timeout` and records its attempts and end in `tally`.
     pub(crate) async fn run(
         &self,
-        client: &HttpClient,
+        client: &Client,
         logical: &Logical,
         timeout: Duration,
         tally: &mut Tally,
@@ -109,7 +109,7 @@ impl Drop for AttemptGuard<'_> {
 
 async fn backstop(
     policy: &RetryPolicy,
-    client: &HttpClient,
+    client: &Client,
     logical: &Logical,
     timeout: Duration,
     tally: &mut Tally,
@@ -160,7 +160,7 @@ async fn backstop(
     });
 }
 
-async fn naive(client: &HttpClient, logical: &Logical, timeout: Duration, tally: &mut Tally) {
+async fn naive(client: &Client, logical: &Logical, timeout: Duration, tally: &mut Tally) {
     let mut delay = NAIVE_DELAY;
     for number in 1..=NAIVE_ATTEMPTS {
         // The bug under study: a new key and a new full timeout on every attempt.

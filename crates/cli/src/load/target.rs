@@ -1,11 +1,16 @@
-//! Where the load goes and how one attempt is sent: `POST /v1/payments` over HTTP.
+//! Where the load goes and how one attempt is sent: `POST /v1/payments` over HTTP, or
+//! `payment.v1.Payment/Charge` over gRPC.
 
 use std::time::Duration;
 
 use backstop::deadline::Deadline;
 use backstop::status::{Code, Status, problem};
+use backstop_payment::grpc::proto::ChargeRequest;
+use backstop_payment::grpc::proto::payment_client::PaymentClient;
 use http::StatusCode;
 use serde::Deserialize;
+use tonic::metadata::MetadataValue;
+use tonic::transport::Channel;
 
 /// Largest pushback honoured from a `Retry-After` (a server cannot park the driver for hours).
 const MAX_PUSHBACK: Duration = Duration::from_secs(60);
@@ -18,31 +23,57 @@ const MAX_ERROR_BODY: usize = 16 * 1024;
 pub(crate) enum Target {
     /// The payment service's HTTP JSON API at this base URL (`http://host:port`).
     Http { base: String },
+    /// The payment service's gRPC API (`grpc://host:port`), reached over h2c at `endpoint`.
+    Grpc { name: String, endpoint: String },
 }
 
 impl Target {
-    /// Parses `http://host:port` (`grpc://` once the gRPC client exists).
+    /// Parses `http://host:port` or `grpc://host:port`.
     pub(crate) fn parse(s: &str) -> Result<Target, String> {
         let url = reqwest::Url::parse(s).map_err(|e| format!("invalid target URL {s:?}: {e}"))?;
-        match url.scheme() {
-            "http" => {
-                if url.host_str().is_none() {
-                    return Err(format!("target {s:?} has no host"));
-                }
-                Ok(Target::Http {
-                    base: s.trim_end_matches('/').to_owned(),
-                })
-            }
-            other => Err(format!(
-                "unsupported target scheme {other:?} in {s:?}: use http://HOST:PORT"
-            )),
+        if !matches!(url.scheme(), "http" | "grpc") {
+            return Err(format!(
+                "unsupported target scheme {:?} in {s:?}: use http://HOST:PORT or grpc://HOST:PORT",
+                url.scheme()
+            ));
         }
+        let Some(host) = url.host_str() else {
+            return Err(format!("target {s:?} has no host"));
+        };
+        if url.scheme() == "http" {
+            return Ok(Target::Http {
+                base: s.trim_end_matches('/').to_owned(),
+            });
+        }
+        let Some(port) = url.port() else {
+            return Err(format!("gRPC target {s:?} needs a port"));
+        };
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        Ok(Target::Grpc {
+            name: s.trim_end_matches('/').to_owned(),
+            endpoint: format!("http://{host}:{port}"),
+        })
     }
 
     /// The URL as given.
     pub(crate) fn name(&self) -> &str {
         match self {
             Target::Http { base } => base,
+            Target::Grpc { name, .. } => name,
+        }
+    }
+
+    /// A client for the target (one connection pool, or one HTTP/2 channel, for all requests).
+    pub(crate) fn client(&self, api_key: Option<String>) -> Result<Client, String> {
+        match self {
+            Target::Http { base } => HttpClient::new(base, api_key)
+                .map(Client::Http)
+                .map_err(|e| format!("HTTP client: {e}")),
+            Target::Grpc { endpoint, .. } => GrpcClient::new(endpoint, api_key).map(Client::Grpc),
         }
     }
 }
@@ -59,6 +90,99 @@ pub(crate) struct Send<'a> {
     pub(crate) deadline: Deadline,
 }
 
+/// A client of the target, for either protocol.
+#[derive(Debug, Clone)]
+pub(crate) enum Client {
+    Http(HttpClient),
+    Grpc(GrpcClient),
+}
+
+impl Client {
+    /// Sends one attempt and classifies its answer (DESIGN section 3).
+    pub(crate) async fn send(&self, s: Send<'_>) -> Result<(), Status> {
+        match self {
+            Client::Http(c) => c.send(s).await,
+            Client::Grpc(c) => c.send(s).await,
+        }
+    }
+}
+
+/// A gRPC client for `payment.v1.Payment` over one lazily connected h2c channel.
+#[derive(Debug, Clone)]
+pub(crate) struct GrpcClient {
+    client: PaymentClient<Channel>,
+    authorization: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl GrpcClient {
+    fn new(endpoint: &str, api_key: Option<String>) -> Result<Self, String> {
+        let channel = Channel::from_shared(endpoint.to_owned())
+            .map_err(|e| format!("gRPC endpoint {endpoint:?}: {e}"))?
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let authorization = api_key
+            .map(|k| {
+                MetadataValue::try_from(format!("Bearer {k}"))
+                    .map_err(|_| "the API key is not a valid metadata value".to_owned())
+            })
+            .transpose()?;
+        Ok(Self {
+            client: PaymentClient::new(channel),
+            authorization,
+        })
+    }
+
+    async fn send(&self, s: Send<'_>) -> Result<(), Status> {
+        let remaining = s.deadline.remaining();
+        if remaining.is_zero() {
+            return Err(Status::new(
+                Code::DeadlineExceeded,
+                "no budget left to send the attempt",
+            ));
+        }
+        let mut request = tonic::Request::new(ChargeRequest {
+            order_id: s.order_id.to_owned(),
+            amount_cents: i64::try_from(s.amount_cents).unwrap_or(i64::MAX),
+            currency: "USD".to_owned(),
+        });
+        // Sent as `grpc-timeout`.
+        request.set_timeout(remaining);
+        let metadata = request.metadata_mut();
+        let key = MetadataValue::try_from(s.idempotency_key)
+            .map_err(|_| Status::new(Code::InvalidArgument, "key is not valid metadata"))?;
+        metadata.insert("idempotency-key", key);
+        if s.attempt > 1 {
+            metadata.insert(
+                "grpc-previous-rpc-attempts",
+                MetadataValue::from(s.attempt - 1),
+            );
+        }
+        if let Some(auth) = &self.authorization {
+            metadata.insert("authorization", auth.clone());
+        }
+        match self.client.clone().charge(request).await {
+            Ok(_) => Ok(()),
+            Err(status) => Err(from_tonic(&status)),
+        }
+    }
+}
+
+/// Our status of a gRPC error: its code, and the server's pushback when it sent a valid one.
+fn from_tonic(status: &tonic::Status) -> Status {
+    let code = Code::from_i32(status.code() as i32);
+    let answer = Status::new(code, status.message().to_owned());
+    let pushback = status
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|ms| Duration::from_millis(ms).min(MAX_PUSHBACK));
+    match pushback {
+        Some(p) => answer.with_pushback(p),
+        None => answer,
+    }
+}
+
 /// An HTTP client for the target (one connection pool shared by all requests).
 #[derive(Debug, Clone)]
 pub(crate) struct HttpClient {
@@ -68,7 +192,7 @@ pub(crate) struct HttpClient {
 }
 
 impl HttpClient {
-    pub(crate) fn new(base: &str, api_key: Option<String>) -> Result<Self, reqwest::Error> {
+    fn new(base: &str, api_key: Option<String>) -> Result<Self, reqwest::Error> {
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(1024)
             .tcp_nodelay(true)
@@ -83,7 +207,7 @@ impl HttpClient {
     /// Sends one attempt and classifies its answer (DESIGN section 3). A 409 is told apart by
     /// its problem `code`: `request_in_progress` is retryable, a reused key or another
     /// order's key is not.
-    pub(crate) async fn send(&self, s: Send<'_>) -> Result<(), Status> {
+    async fn send(&self, s: Send<'_>) -> Result<(), Status> {
         let Ok(timeout) = s.deadline.to_grpc_timeout() else {
             return Err(Status::new(
                 Code::DeadlineExceeded,
@@ -183,6 +307,15 @@ mod tests {
             Target::parse("http://127.0.0.1:8081/"),
             Ok(Target::Http { base }) if base == "http://127.0.0.1:8081"
         ));
+        assert!(matches!(
+            Target::parse("grpc://127.0.0.1:50051"),
+            Ok(Target::Grpc { endpoint, .. }) if endpoint == "http://127.0.0.1:50051"
+        ));
+        assert!(
+            Target::parse("grpc://127.0.0.1")
+                .unwrap_err()
+                .contains("port")
+        );
         assert!(Target::parse("ftp://x").unwrap_err().contains("scheme"));
         assert!(Target::parse("not a url").unwrap_err().contains("invalid"));
     }
@@ -202,6 +335,20 @@ mod tests {
             Some("overloaded")
         );
         assert_eq!(problem_code(b"not json"), None);
+    }
+
+    #[test]
+    fn grpc_pushback_is_read_only_when_valid() {
+        let mut s = tonic::Status::unavailable("busy");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", MetadataValue::from_static("250"));
+        let ours = from_tonic(&s);
+        assert_eq!(ours.code(), Code::Unavailable);
+        assert_eq!(ours.pushback(), Some(Duration::from_millis(250)));
+        let mut s = tonic::Status::aborted("in progress");
+        s.metadata_mut()
+            .insert("grpc-retry-pushback-ms", MetadataValue::from_static("-5"));
+        assert_eq!(from_tonic(&s).pushback(), None);
     }
 
     #[test]
