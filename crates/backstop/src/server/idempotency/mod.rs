@@ -63,7 +63,6 @@ use crate::deadline::Deadline;
 use crate::idempotency::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoredResponse,
 };
-use crate::observe::{self, label};
 use crate::status::{Code, Status, problem};
 
 /// The request header carrying the key.
@@ -238,7 +237,7 @@ where
         }
     };
 
-    count_claim(&labels, claim.as_str());
+    labels.count_claim(claim.as_str());
     let lease = match claim {
         Claim::Claimed(lease) => lease,
         Claim::Replay(stored) => return Ok(replay(stored)),
@@ -262,13 +261,12 @@ where
     };
 
     // From here on the record is ours: it must end completed, failed or released.
-    let mut guard = FailOnDrop {
-        store: shared.store.clone(),
-        clock: shared.clock.clone(),
-        lease: Some(lease.clone()),
-    };
     head.extensions.insert(key);
     head.extensions.insert(lease.clone());
+    let mut guard = FailOnDrop {
+        shared: &shared,
+        lease: Some(&lease),
+    };
     let result = inner
         .call(Request::from_parts(head, ReqBody::from(body)))
         .await;
@@ -361,19 +359,18 @@ async fn fail<St: Store>(shared: &Shared<St>, lease: &Lease) {
 }
 
 /// Marks the record failed if the flow is dropped while it owns the lease.
-struct FailOnDrop<St: Store> {
-    store: St,
-    clock: Arc<dyn Clock>,
-    lease: Option<Lease>,
+struct FailOnDrop<'a, St: Store> {
+    shared: &'a Shared<St>,
+    lease: Option<&'a Lease>,
 }
 
-impl<St: Store> FailOnDrop<St> {
+impl<St: Store> FailOnDrop<'_, St> {
     fn disarm(&mut self) {
         self.lease = None;
     }
 }
 
-impl<St: Store> Drop for FailOnDrop<St> {
+impl<St: Store> Drop for FailOnDrop<'_, St> {
     fn drop(&mut self) {
         let Some(lease) = self.lease.take() else {
             return;
@@ -381,8 +378,9 @@ impl<St: Store> Drop for FailOnDrop<St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.store.clone();
-        let now_ms = self.clock.now_ms();
+        let store = self.shared.store.clone();
+        let now_ms = self.shared.clock.now_ms();
+        let lease = lease.clone();
         runtime.spawn(async move {
             if let Err(error) = store.fail(&lease, now_ms).await {
                 tracing::warn!(target: "backstop::server", %error, "idempotency fail after drop failed");
@@ -418,16 +416,6 @@ fn replay<B: From<Bytes>>(stored: StoredResponse) -> Response<B> {
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
-}
-
-fn count_claim(route: &Route, result: &'static str) {
-    metrics::counter!(
-        observe::IDEMPOTENCY_CLAIMS_TOTAL,
-        label::SERVICE => route.service_label(),
-        label::METHOD => route.method_label(),
-        label::RESULT => result,
-    )
-    .increment(1);
 }
 
 fn bad_request<B: From<Bytes>>(code: &'static str, detail: &'static str) -> Response<B> {
