@@ -34,6 +34,7 @@ run_mode() {
   out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
   kill "$server_pid"; wait "$server_pid" 2>/dev/null || true
   server_pid=""
+  batches=$(sed -n 's/^sqlite: //p' "$work/server.out")
   if grep -q "Non-2xx" <<<"$out"; then echo "mode $mode: non-2xx answers" >&2; echo "$out" >&2; exit 1; fi
   r=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
   p=$(awk '$1=="99%" {v=$2; if (v ~ /us$/) {sub(/us/,"",v); v=v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v=v*1000}; print v}' <<<"$out")
@@ -43,7 +44,7 @@ declare -A rps p99
 for round in $(seq "$rounds"); do
   for mode in $modes; do
     run_mode "$mode" "$round"
-    echo "round $round $mode: req/s=$r p99_ms=$p" >&2
+    echo "round $round $mode: req/s=$r p99_ms=$p${batches:+ (sqlite: $batches)}" >&2
     rps[$mode]+="$r "
     p99[$mode]+="$p "
   done

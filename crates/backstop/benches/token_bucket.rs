@@ -2,11 +2,11 @@
 //!
 //! Groups:
 //! - `direct/*`, `keyed/*`: a full `check()`, clock read included. Each limiter reads its own
-//!   default clock (backstop: `tokio::time::Instant`; governor: quanta), and governor is also
-//!   run on the same tokio clock as backstop, so the algorithm is compared on equal time.
-//! - `frozen/*`: the decision alone, the clock frozen (backstop: a fixed instant passed to
+//!   default clock (both: the time-stamp counter through quanta); governor is also run on
+//!   tokio's clock (what backstop reads in tests on paused time), for comparison.
+//! - `frozen/*`: the decision alone, the clock frozen (backstop: a fixed `now_ns` passed to
 //!   `check_at`; governor: its `FakeRelativeClock`, and a clock returning one fixed
-//!   `std::time::Instant`, the representation backstop converts from).
+//!   `std::time::Instant`).
 //! - `clock/*`: the cost of each clock read on its own.
 //!
 //! `allow` runs under a quota that always admits (the healthy case: one CAS per decision);
@@ -23,8 +23,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use governor::clock::FakeRelativeClock;
 use governor::{Quota as GovQuota, RateLimiter};
 
-/// governor frozen at one `std::time::Instant`: the same time representation as backstop's
-/// frozen `check_at`, so both pay the same instant-to-nanoseconds conversion.
+/// governor frozen at one `std::time::Instant`.
 #[derive(Debug, Clone)]
 struct FrozenStdClock(std::time::Instant);
 
@@ -36,7 +35,7 @@ impl governor::clock::Clock for FrozenStdClock {
     }
 }
 
-/// governor reading the same clock as backstop.
+/// governor reading tokio's clock.
 #[derive(Debug, Clone, Default)]
 struct TokioClock;
 
@@ -124,16 +123,18 @@ fn frozen(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(2));
     for (path, rate, burst) in [("allow", u32::MAX, u32::MAX), ("deny", 1, 1)] {
         let bucket = ours(rate, burst);
-        let now = tokio::time::Instant::now();
+        let now_ns = bucket.clock().now_ns();
         group.bench_function(format!("{path}/backstop"), |b| {
-            b.iter(|| black_box(bucket.check_at(black_box(now)).is_ok()))
+            b.iter(|| black_box(bucket.check_at(black_box(now_ns)).is_ok()))
         });
         let gov = RateLimiter::direct_with_clock(theirs(rate, burst), FakeRelativeClock::default());
         group.bench_function(format!("{path}/governor"), |b| {
             b.iter(|| black_box(gov.check().is_ok()))
         });
-        let gov =
-            RateLimiter::direct_with_clock(theirs(rate, burst), FrozenStdClock(now.into_std()));
+        let gov = RateLimiter::direct_with_clock(
+            theirs(rate, burst),
+            FrozenStdClock(std::time::Instant::now()),
+        );
         group.bench_function(format!("{path}/governor_std_instant"), |b| {
             b.iter(|| black_box(gov.check().is_ok()))
         });
@@ -145,6 +146,10 @@ fn frozen(c: &mut Criterion) {
 fn clocks(c: &mut Criterion) {
     use governor::clock::Clock;
     let mut group = c.benchmark_group("clock");
+    let ours = backstop::clock::MonotonicClock::new();
+    group.bench_function("backstop_monotonic_clock_now", |b| {
+        b.iter(|| black_box(ours.now_ns()))
+    });
     group.bench_function("tokio_instant_now", |b| {
         b.iter(|| black_box(tokio::time::Instant::now()))
     });

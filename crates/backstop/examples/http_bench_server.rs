@@ -6,15 +6,19 @@
 //! - `stack`: the server stack without idempotency (deadline, metrics, tenant, rate limit, gate);
 //! - `keyed`: the full stack, the route `Keyed` on a SQLite store (WAL, `synchronous=FULL`,
 //!   group commit) at DB_PATH;
+//! - `keyed_memory`: the same on the in-memory store (not durable; isolates the layer's cost);
 //! - `deadline`, `metrics`, `rate_limit`, `gate`: one layer alone, to attribute the cost.
 //!
-//! Prints `listening on ADDR` once it accepts connections (port chosen by the OS).
+//! Prints `listening on ADDR` once it accepts connections (port chosen by the OS), and in
+//! `keyed` mode, on SIGTERM, how many write jobs the SQLite writer committed in how many
+//! transactions.
 use std::time::Duration;
 
 use axum::{Json, Router, http::StatusCode, routing::post};
 use std::num::{NonZeroU32, NonZeroUsize};
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
+use backstop::idempotency::MemoryStore;
 use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore};
 use backstop::server::{
     DeadlineLayer, GateLayer, KeyedRoute, MetricsLayer, RateLimitLayer, ServerStack,
@@ -46,6 +50,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let router = Router::new().route("/v1/payments", post(echo));
     let store = SqliteStore::open(&db, SqliteOptions::default()).await?;
+    let writer = (mode == "keyed").then(|| store.db().clone());
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            term.recv().await;
+            if let Some(stats) = writer.map(|db| db.stats()) {
+                println!(
+                    "sqlite: {} jobs in {} transactions",
+                    stats.jobs, stats.transactions
+                );
+            }
+            std::process::exit(0);
+        }
+    });
     let stack = ServerStack::new("bench", store)
         .tenant_buckets(buckets())
         .gate(gate());
@@ -57,13 +75,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
                 .into_layer(),
         ),
+        // The same on the in-memory store: the idempotency layer's own cost, without SQLite.
+        "keyed_memory" => router.layer(
+            ServerStack::new("bench", MemoryStore::new())
+                .tenant_buckets(buckets())
+                .gate(gate())
+                .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+                .into_layer(),
+        ),
         // One layer alone, to attribute the stack's cost.
         "deadline" => router.layer(DeadlineLayer::default()),
         "metrics" => router.layer(MetricsLayer::new("bench")),
         "rate_limit" => router.layer(RateLimitLayer::new(buckets())),
         "gate" => router.layer(GateLayer::new(gate())),
         other => return Err(format!(
-            "unknown mode {other:?}: bare | stack | keyed | deadline | metrics | rate_limit | gate"
+            "unknown mode {other:?}: bare | stack | keyed | keyed_memory | deadline | metrics | \
+             rate_limit | gate"
         )
         .into()),
     };

@@ -19,9 +19,8 @@ use std::num::NonZeroUsize;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
-use super::token_bucket::{Cell, Quota, nanos_since};
+use super::token_bucket::{Cell, Quota};
+use crate::clock::MonotonicClock;
 
 /// Most shards a limiter splits its keys over.
 const MAX_SHARDS: usize = 16;
@@ -42,11 +41,14 @@ const SWEEP_GAP_NS: u64 = 1_000_000;
 /// use std::num::{NonZeroU32, NonZeroUsize};
 /// use std::time::Duration;
 /// use backstop::admission::{KeyedTokenBucket, Quota};
+/// use backstop::clock::MonotonicClock;
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() {
 /// let quota = Quota::per_second(NonZeroU32::new(5).unwrap(), NonZeroU32::new(1).unwrap());
-/// let limiter = KeyedTokenBucket::new(quota, NonZeroUsize::new(10_000).unwrap());
+/// let max_keys = NonZeroUsize::new(10_000).unwrap();
+/// // tokio's clock, so that paused time holds still; `new` reads the CPU's counter.
+/// let limiter = KeyedTokenBucket::with_clock(quota, max_keys, MonotonicClock::tokio());
 /// assert!(limiter.check("tenant-a").is_ok());
 /// assert_eq!(limiter.check("tenant-a"), Err(Duration::from_millis(200)));
 /// // Another tenant has its own bucket.
@@ -61,7 +63,7 @@ pub struct KeyedTokenBucket {
 #[derive(Debug)]
 struct Inner {
     quota: Quota,
-    epoch: Instant,
+    clock: MonotonicClock,
     hasher: RandomState,
     shards: Box<[RwLock<Shard>]>,
     shard_mask: usize,
@@ -102,13 +104,18 @@ impl Hasher for Prehashed {
 impl KeyedTokenBucket {
     /// Buckets of `quota` per key, holding at most `max_keys` keys (see [`max_keys`](Self::max_keys)).
     pub fn new(quota: Quota, max_keys: NonZeroUsize) -> Self {
+        Self::with_clock(quota, max_keys, MonotonicClock::new())
+    }
+
+    /// [`new`](Self::new), reading time from `clock`.
+    pub fn with_clock(quota: Quota, max_keys: NonZeroUsize, clock: MonotonicClock) -> Self {
         let max_keys = max_keys.get();
         let shards = prev_power_of_two((max_keys / MIN_KEYS_PER_SHARD).clamp(1, MAX_SHARDS));
         let shard_cap = max_keys / shards;
         Self {
             inner: Arc::new(Inner {
                 quota,
-                epoch: Instant::now(),
+                clock,
                 hasher: RandomState::new(),
                 shards: (0..shards).map(|_| RwLock::default()).collect(),
                 shard_mask: shards - 1,
@@ -116,6 +123,12 @@ impl KeyedTokenBucket {
                 overflow: Cell::new(),
             }),
         }
+    }
+
+    /// The clock the buckets read; its [`now_ns`](MonotonicClock::now_ns) is what
+    /// [`check_at`](Self::check_at) takes.
+    pub fn clock(&self) -> &MonotonicClock {
+        &self.inner.clock
     }
 
     /// The quota each key gets.
@@ -151,15 +164,14 @@ impl KeyedTokenBucket {
     /// Takes one token from `key`'s bucket, or says how long until one is available.
     #[inline]
     pub fn check(&self, key: &str) -> Result<(), Duration> {
-        self.check_at(key, Instant::now())
+        self.check_at(key, self.inner.clock.now_ns())
     }
 
-    /// [`check`](Self::check) at a given instant.
-    pub fn check_at(&self, key: &str, now: Instant) -> Result<(), Duration> {
+    /// [`check`](Self::check) at `now_ns` on the limiter's [`clock`](Self::clock).
+    pub fn check_at(&self, key: &str, now_ns: u64) -> Result<(), Duration> {
         let inner = &*self.inner;
         let hash = inner.hasher.hash_one(key);
         let shard = &inner.shards[(hash >> SHARD_SHIFT) as usize & inner.shard_mask];
-        let now_ns = nanos_since(inner.epoch, now);
         let (inc, tolerance) = (inner.quota.interval_ns(), inner.quota.tolerance_ns());
         {
             let read = shard.read().unwrap_or_else(PoisonError::into_inner);
@@ -220,9 +232,14 @@ mod tests {
         NonZeroUsize::new(n).unwrap()
     }
 
+    /// A limiter on tokio's clock, for tests on paused time.
+    fn paused(quota: Quota, max_keys: usize) -> KeyedTokenBucket {
+        KeyedTokenBucket::with_clock(quota, nz(max_keys), MonotonicClock::tokio())
+    }
+
     #[tokio::test(start_paused = true)]
     async fn keys_are_limited_independently() {
-        let l = KeyedTokenBucket::new(quota(10, 2), nz(100));
+        let l = paused(quota(10, 2), 100);
         assert!(l.check("a").is_ok());
         assert!(l.check("a").is_ok());
         assert_eq!(l.check("a"), Err(Duration::from_millis(100)));
@@ -235,7 +252,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn flood_of_new_keys_stays_bounded_and_established_limit_holds() {
-        let l = KeyedTokenBucket::new(quota(10, 10), nz(1_000));
+        let l = paused(quota(10, 10), 1_000);
         assert_eq!(l.max_keys(), 1_000);
         // The established tenant spends its burst.
         for _ in 0..10 {
@@ -267,7 +284,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn full_buckets_are_forgotten_to_make_room() {
-        let l = KeyedTokenBucket::new(quota(10, 1), nz(2));
+        let l = paused(quota(10, 1), 2);
         assert!(l.check("a").is_ok());
         assert!(l.check("b").is_ok());
         // Full of active keys: "c" shares the overflow bucket.
@@ -311,7 +328,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn long_keys_cost_no_extra_memory() {
-        let l = KeyedTokenBucket::new(quota(1, 1), nz(4));
+        let l = paused(quota(1, 1), 4);
         let long = "x".repeat(100_000);
         assert!(l.check(&long).is_ok());
         assert!(l.check(&long).is_err());
@@ -337,7 +354,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn clones_share_state() {
-        let a = KeyedTokenBucket::new(quota(1, 1), nz(8));
+        let a = paused(quota(1, 1), 8);
         let b = a.clone();
         assert!(a.check("t").is_ok());
         assert!(b.check("t").is_err());

@@ -10,7 +10,7 @@ use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::clock::MonotonicClock;
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
@@ -112,7 +112,7 @@ pub enum Denied {
 }
 
 /// The GCRA state shared by [`TokenBucket`] and the keyed buckets: one TAT, in nanoseconds
-/// since the owner's epoch.
+/// on the owner's clock.
 #[derive(Debug, Default)]
 pub(crate) struct Cell {
     tat: AtomicU64,
@@ -152,35 +152,28 @@ impl Cell {
         self.tat.load(Ordering::Relaxed) <= now_ns
     }
 
-    /// The TAT, in nanoseconds since the epoch.
+    /// The TAT, in nanoseconds on the owner's clock.
     pub(crate) fn tat(&self) -> u64 {
         self.tat.load(Ordering::Relaxed)
     }
 }
 
-/// Nanoseconds from `epoch` to `now` (zero if `now` is earlier).
-#[inline]
-pub(crate) fn nanos_since(epoch: Instant, now: Instant) -> u64 {
-    let d = now.saturating_duration_since(epoch);
-    // u64 nanoseconds cover 584 years; u64 arithmetic is cheaper than `as_nanos()`'s u128.
-    d.as_secs()
-        .saturating_mul(NANOS_PER_SEC)
-        .saturating_add(u64::from(d.subsec_nanos()))
-}
-
 /// A token bucket: `rate` tokens per second on average, up to `burst` at once.
 ///
-/// Lock-free: one atomic compare-and-swap per decision. Time is `tokio::time::Instant`, so a
-/// test with paused time controls it. Share it behind an `Arc`.
+/// Lock-free: one atomic compare-and-swap per decision. Time is a [`MonotonicClock`], the
+/// CPU's time-stamp counter by default; a test that pauses time gives it
+/// [`MonotonicClock::tokio`]. Share it behind an `Arc`.
 ///
 /// ```
 /// use std::num::NonZeroU32;
 /// use std::time::Duration;
-/// use backstop::admission::TokenBucket;
+/// use backstop::admission::{Quota, TokenBucket};
+/// use backstop::clock::MonotonicClock;
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() {
-/// let bucket = TokenBucket::new(NonZeroU32::new(10).unwrap(), NonZeroU32::new(2).unwrap());
+/// let quota = Quota::per_second(NonZeroU32::new(10).unwrap(), NonZeroU32::new(2).unwrap());
+/// let bucket = TokenBucket::with_clock(quota, MonotonicClock::tokio());
 /// assert!(bucket.check().is_ok());
 /// assert!(bucket.check().is_ok());
 /// // Empty: the next token comes in 1/10 s.
@@ -192,7 +185,7 @@ pub(crate) fn nanos_since(epoch: Instant, now: Instant) -> u64 {
 #[derive(Debug)]
 pub struct TokenBucket {
     quota: Quota,
-    epoch: Instant,
+    clock: MonotonicClock,
     cell: Cell,
 }
 
@@ -204,11 +197,22 @@ impl TokenBucket {
 
     /// A full bucket for `quota`.
     pub fn with_quota(quota: Quota) -> Self {
+        Self::with_clock(quota, MonotonicClock::new())
+    }
+
+    /// A full bucket for `quota` that reads time from `clock`.
+    pub fn with_clock(quota: Quota, clock: MonotonicClock) -> Self {
         Self {
             quota,
-            epoch: Instant::now(),
+            clock,
             cell: Cell::new(),
         }
+    }
+
+    /// The clock the bucket reads; its [`now_ns`](MonotonicClock::now_ns) is what
+    /// [`check_at`](Self::check_at) takes.
+    pub fn clock(&self) -> &MonotonicClock {
+        &self.clock
     }
 
     /// The bucket's quota.
@@ -219,28 +223,25 @@ impl TokenBucket {
     /// Takes one token, or says how long until one is available.
     #[inline]
     pub fn check(&self) -> Result<(), Duration> {
-        self.check_at(Instant::now())
+        self.check_at(self.clock.now_ns())
     }
 
-    /// [`check`](Self::check) at a given instant (for callers that already read the clock).
+    /// [`check`](Self::check) at `now_ns` on the bucket's [`clock`](Self::clock) (for callers
+    /// that already read it).
     #[inline]
-    pub fn check_at(&self, now: Instant) -> Result<(), Duration> {
+    pub fn check_at(&self, now_ns: u64) -> Result<(), Duration> {
         self.cell
-            .decide(
-                nanos_since(self.epoch, now),
-                self.quota.interval_ns,
-                self.quota.tolerance_ns(),
-            )
+            .decide(now_ns, self.quota.interval_ns, self.quota.tolerance_ns())
             .map_err(Duration::from_nanos)
     }
 
     /// Takes `cost` tokens at once, or none.
     pub fn try_acquire(&self, cost: u32) -> Result<(), Denied> {
-        self.try_acquire_at(Instant::now(), cost)
+        self.try_acquire_at(self.clock.now_ns(), cost)
     }
 
-    /// [`try_acquire`](Self::try_acquire) at a given instant.
-    pub fn try_acquire_at(&self, now: Instant, cost: u32) -> Result<(), Denied> {
+    /// [`try_acquire`](Self::try_acquire) at `now_ns` on the bucket's [`clock`](Self::clock).
+    pub fn try_acquire_at(&self, now_ns: u64, cost: u32) -> Result<(), Denied> {
         if cost > self.quota.burst {
             return Err(Denied::ExceedsBurst {
                 cost,
@@ -249,13 +250,13 @@ impl TokenBucket {
         }
         let inc = self.quota.interval_ns.saturating_mul(u64::from(cost));
         self.cell
-            .decide(nanos_since(self.epoch, now), inc, self.quota.tolerance_ns())
+            .decide(now_ns, inc, self.quota.tolerance_ns())
             .map_err(|ns| Denied::RetryAfter(Duration::from_nanos(ns)))
     }
 
     /// Tokens available now, rounded down.
     pub fn available(&self) -> u32 {
-        let now = nanos_since(self.epoch, Instant::now());
+        let now = self.clock.now_ns();
         let used_ns = self.cell.tat().saturating_sub(now);
         let used = used_ns.div_ceil(self.quota.interval_ns);
         u32::try_from(u64::from(self.quota.burst).saturating_sub(used)).unwrap_or(0)
@@ -271,9 +272,17 @@ mod tests {
         NonZeroU32::new(n).unwrap()
     }
 
+    /// A bucket on tokio's clock, for tests on paused time.
+    fn paused(rate: u32, burst: u32) -> TokenBucket {
+        TokenBucket::with_clock(
+            Quota::per_second(nz(rate), nz(burst)),
+            MonotonicClock::tokio(),
+        )
+    }
+
     #[tokio::test(start_paused = true)]
     async fn burst_then_rate() {
-        let b = TokenBucket::new(nz(100), nz(5));
+        let b = paused(100, 5);
         for _ in 0..5 {
             assert_eq!(b.check(), Ok(()));
         }
@@ -295,7 +304,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn cost_is_all_or_nothing() {
-        let b = TokenBucket::new(nz(10), nz(4));
+        let b = paused(10, 4);
         assert_eq!(b.try_acquire(3), Ok(()));
         assert_eq!(
             b.try_acquire(2),
@@ -335,7 +344,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn slow_quota_never_overflows() {
-        let b = TokenBucket::with_quota(Quota::from_rate(1e-300, u32::MAX).unwrap());
+        let b = TokenBucket::with_clock(
+            Quota::from_rate(1e-300, u32::MAX).unwrap(),
+            MonotonicClock::tokio(),
+        );
         assert!(b.check().is_ok());
         // Saturating arithmetic: an absurd quota must not panic.
         let _ = b.try_acquire(u32::MAX);
@@ -349,8 +361,7 @@ mod tests {
         for _ in 0..4 {
             let b = b.clone();
             handles.push(std::thread::spawn(move || {
-                let now = b.epoch;
-                (0..1_000).filter(|_| b.check_at(now).is_ok()).count()
+                (0..1_000).filter(|_| b.check_at(0).is_ok()).count()
             }));
         }
         let granted: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
@@ -366,17 +377,15 @@ mod tests {
             steps in proptest::collection::vec((0u64..50_000_000, 1u32..5), 1..200),
         ) {
             let b = TokenBucket::new(nz(rate), nz(burst));
-            let start = b.epoch;
-            let mut now = start;
+            let mut now = 0;
             let mut granted = 0u64;
             for (advance_ns, cost) in steps {
-                now += Duration::from_nanos(advance_ns);
+                now += advance_ns;
                 if b.try_acquire_at(now, cost).is_ok() {
                     granted += u64::from(cost);
                 }
             }
-            let elapsed = (now - start).as_nanos() as u64;
-            let earned = elapsed / b.quota().interval_ns();
+            let earned = now / b.quota().interval_ns();
             prop_assert!(granted <= u64::from(burst) + earned);
         }
     }

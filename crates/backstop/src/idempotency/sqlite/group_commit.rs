@@ -7,7 +7,8 @@
 //! `BEGIN IMMEDIATE ... COMMIT`, so one fsync makes a whole batch durable.
 //!
 //! Each job runs inside its own `SAVEPOINT`: a job that fails is rolled back alone and only its
-//! caller sees the error. Every caller is answered only after the COMMIT that made its writes
+//! caller sees the error. Jobs that change the database with one statement at most (the
+//! idempotency store's) skip the savepoint: SQLite already undoes a failed statement alone. Every caller is answered only after the COMMIT that made its writes
 //! durable; if that COMMIT fails, every job of the batch gets the error and nothing was written.
 //!
 //! Reads run on a small pool of separate connections (WAL lets them proceed while the writer
@@ -150,6 +151,8 @@ enum BatchEnd<'a> {
 
 /// A queued write job, type-erased.
 trait Job: Send {
+    /// Whether the job needs its own SAVEPOINT to be rolled back alone.
+    fn savepoint(&self) -> bool;
     /// Runs the job on the writer connection; `true` when it succeeded.
     fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Reply>);
     /// Fails the job without running it.
@@ -164,6 +167,7 @@ trait Reply: Send {
 struct WriteJob<F, T> {
     f: F,
     tx: oneshot::Sender<Result<T, DbError>>,
+    savepoint: bool,
 }
 
 struct Done<T> {
@@ -184,8 +188,12 @@ where
     F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     T: Send + 'static,
 {
+    fn savepoint(&self) -> bool {
+        self.savepoint
+    }
+
     fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Reply>) {
-        let WriteJob { f, tx } = *self;
+        let WriteJob { f, tx, .. } = *self;
         let out = match catch_unwind(AssertUnwindSafe(|| f(conn))) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(DbError::Sqlite(e)),
@@ -367,10 +375,30 @@ impl Db {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
+        self.submit(f, true).await
+    }
+
+    /// [`write`](Self::write) for a job that changes the database with one statement at most
+    /// (reads before it are fine) and returns `Ok` once that statement changed anything: SQLite
+    /// undoes a failed statement by itself, so the job runs without a SAVEPOINT of its own (two
+    /// statements fewer per job).
+    pub(crate) async fn write_statement<T, F>(&self, f: F) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.submit(f, false).await
+    }
+
+    async fn submit<T, F>(&self, f: F, savepoint: bool) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
         let (tx, rx) = oneshot::channel();
         self.inner
             .jobs
-            .send(Box::new(WriteJob { f, tx }))
+            .send(Box::new(WriteJob { f, tx, savepoint }))
             .await
             .map_err(|_| DbError::Closed)?;
         rx.await.map_err(|_| DbError::Closed)?
@@ -516,7 +544,8 @@ fn run_batch(
         }
         let mut aborted = false;
         for job in queue.by_ref() {
-            if exec(conn, SAVEPOINT).is_err() {
+            let savepoint = job.savepoint();
+            if savepoint && exec(conn, SAVEPOINT).is_err() {
                 // The transaction is unusable: what ran so far is lost, this job never ran.
                 job.abort(BatchEnd::Aborted);
                 aborted = true;
@@ -525,8 +554,8 @@ fn run_batch(
             let (ok, reply) = job.run(conn);
             replies.push(reply);
             let closed = conn.is_autocommit()
-                || (!ok && exec(conn, ROLLBACK_TO).is_err())
-                || exec(conn, RELEASE).is_err();
+                || (savepoint
+                    && ((!ok && exec(conn, ROLLBACK_TO).is_err()) || exec(conn, RELEASE).is_err()));
             if closed {
                 aborted = true;
                 break;
@@ -727,6 +756,48 @@ mod tests {
         assert_eq!(after.jobs - before.jobs, 64);
         assert_eq!(after.transactions - before.transactions, 2);
         assert_eq!(count(&db).await, 64);
+    }
+
+    /// A one-statement job runs without a savepoint: when its statement fails, SQLite undoes
+    /// that statement alone, and the rest of the batch commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn failing_statement_job_rolls_back_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, SqliteOptions::default());
+        with_table(&db).await;
+        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('taken')", []))
+            .await
+            .unwrap();
+        let tasks: Vec<_> = (0..100)
+            .map(|i| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    // Every fourth job inserts two rows, the second a duplicate: the statement
+                    // fails as a whole.
+                    let second = if i % 4 == 0 {
+                        "taken".to_owned()
+                    } else {
+                        format!("b-{i}")
+                    };
+                    db.write_statement(move |c| {
+                        c.execute(
+                            "INSERT INTO t (v) VALUES (?1), (?2)",
+                            [format!("a-{i}"), second],
+                        )
+                    })
+                    .await
+                })
+            })
+            .collect();
+        let mut failed = 0;
+        for t in tasks {
+            if let Err(e) = t.await.unwrap() {
+                assert!(matches!(e, DbError::Sqlite(_)), "{e:?}");
+                failed += 1;
+            }
+        }
+        assert_eq!(failed, 25);
+        assert_eq!(count(&db).await, 1 + 75 * 2);
     }
 
     #[tokio::test]

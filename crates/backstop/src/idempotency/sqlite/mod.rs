@@ -155,9 +155,11 @@ impl Store for SqliteStore {
         let now = req.now_ms;
         let lease_until = req.lease_until_ms();
         let expires_at = req.expires_at_ms();
+        // At most one statement changes the row (the INSERT, or else the takeover UPDATE), so
+        // the job needs no savepoint; so do the other jobs here, each one statement.
         let found = self
             .db
-            .write(move |conn| {
+            .write_statement(move |conn| {
                 let inserted = conn
                     .prepare_cached(
                         "INSERT INTO idempotency_key \
@@ -249,7 +251,7 @@ impl Store for SqliteStore {
         let headers = headers_json(&response.headers);
         let updated = self
             .db
-            .write(move |conn| {
+            .write_statement(move |conn| {
                 conn.prepare_cached(
                     "UPDATE idempotency_key SET status = 'succeeded', http_status = ?4, \
                      response_body = ?5, response_headers = ?6, expires_at = MAX(expires_at, ?7) \
@@ -282,7 +284,7 @@ impl Store for SqliteStore {
         let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
         let updated = self
             .db
-            .write(move |conn| {
+            .write_statement(move |conn| {
                 conn.prepare_cached(
                     "UPDATE idempotency_key SET status = 'failed', \
                      expires_at = MAX(expires_at, ?4) \
@@ -306,7 +308,7 @@ impl Store for SqliteStore {
         );
         let deleted = self
             .db
-            .write(move |conn| {
+            .write_statement(move |conn| {
                 conn.prepare_cached(
                     "DELETE FROM idempotency_key \
                      WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3",
@@ -375,7 +377,7 @@ impl Store for SqliteStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let deleted = self
             .db
-            .write(move |conn| {
+            .write_statement(move |conn| {
                 conn.prepare_cached(
                     "DELETE FROM idempotency_key WHERE rowid IN ( \
                      SELECT rowid FROM idempotency_key WHERE expires_at <= ?1 \

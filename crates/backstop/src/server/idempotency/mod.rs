@@ -90,7 +90,6 @@ use crate::deadline::Deadline;
 use crate::idempotency::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoredResponse,
 };
-use crate::observe::{self, label};
 use crate::status::{Code, Status, problem};
 
 /// The request header carrying the key.
@@ -289,7 +288,7 @@ where
         }
     };
 
-    count_claim(&labels, claim.as_str());
+    labels.count_claim(claim.as_str());
     let lease = match claim {
         Claim::Claimed(lease) => lease,
         Claim::Replay(stored) => return Ok(replay(stored)),
@@ -314,13 +313,12 @@ where
     };
 
     // From here on the record is ours: it must end completed, failed or released.
-    let mut guard = FailOnDrop {
-        store: shared.store.clone(),
-        clock: shared.clock.clone(),
-        lease: Some(lease.clone()),
-    };
     head.extensions.insert(key);
     head.extensions.insert(lease.clone());
+    let mut guard = FailOnDrop {
+        shared: &shared,
+        lease: Some(&lease),
+    };
     let result = inner
         .call(Request::from_parts(head, ReqBody::from(body)))
         .await;
@@ -475,19 +473,18 @@ async fn fail<St: Store>(shared: &Shared<St>, lease: &Lease) {
 }
 
 /// Marks the record failed if the flow is dropped while it owns the lease.
-struct FailOnDrop<St: Store> {
-    store: St,
-    clock: Arc<dyn Clock>,
-    lease: Option<Lease>,
+struct FailOnDrop<'a, St: Store> {
+    shared: &'a Shared<St>,
+    lease: Option<&'a Lease>,
 }
 
-impl<St: Store> FailOnDrop<St> {
+impl<St: Store> FailOnDrop<'_, St> {
     fn disarm(&mut self) {
         self.lease = None;
     }
 }
 
-impl<St: Store> Drop for FailOnDrop<St> {
+impl<St: Store> Drop for FailOnDrop<'_, St> {
     fn drop(&mut self) {
         let Some(lease) = self.lease.take() else {
             return;
@@ -495,8 +492,9 @@ impl<St: Store> Drop for FailOnDrop<St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.store.clone();
-        let now_ms = self.clock.now_ms();
+        let store = self.shared.store.clone();
+        let now_ms = self.shared.clock.now_ms();
+        let lease = lease.clone();
         runtime.spawn(async move {
             if let Err(error) = store.fail(&lease, now_ms).await {
                 tracing::warn!(target: "backstop::server", %error, "idempotency fail after drop failed");
@@ -539,16 +537,6 @@ fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     *response.headers_mut() = headers;
     response
-}
-
-fn count_claim(route: &Route, result: &'static str) {
-    metrics::counter!(
-        observe::IDEMPOTENCY_CLAIMS_TOTAL,
-        label::SERVICE => route.service_label(),
-        label::METHOD => route.method_label(),
-        label::RESULT => result,
-    )
-    .increment(1);
 }
 
 fn bad_request<B: From<Bytes>>(

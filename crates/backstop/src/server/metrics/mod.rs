@@ -88,6 +88,8 @@ struct Handles {
     /// `rpc_server_requests_total` and `rpc_server_duration_seconds` per outcome, registered on
     /// the first request with that outcome (as the macros would), indexed by [`outcome_index`].
     by_outcome: [OnceLock<(Counter, Histogram)>; Outcome::ALL.len()],
+    /// `idempotency_claims_total` per claim result, indexed by [`claim_index`].
+    claims: [OnceLock<Counter>; 4],
 }
 
 impl fmt::Debug for Route {
@@ -159,6 +161,7 @@ impl Route {
                 label::METHOD => self.method_label(),
             ),
             by_outcome: Default::default(),
+            claims: Default::default(),
         });
         (handles.recorder == recorder).then_some(handles)
     }
@@ -209,6 +212,31 @@ impl Route {
             }
         }
     }
+}
+
+impl Route {
+    /// Counts one idempotency claim in `idempotency_claims_total{service,method,result}`.
+    pub(crate) fn count_claim(&self, result: &'static str) {
+        let resolve = || {
+            metrics::counter!(
+                observe::IDEMPOTENCY_CLAIMS_TOTAL,
+                label::SERVICE => self.service_label(),
+                label::METHOD => self.method_label(),
+                label::RESULT => result,
+            )
+        };
+        match (self.handles(), claim_index(result)) {
+            (Some(handles), Some(i)) => handles.claims[i].get_or_init(resolve).increment(1),
+            _ => resolve().increment(1),
+        }
+    }
+}
+
+fn claim_index(result: &str) -> Option<usize> {
+    use observe::claim_result::{CLAIMED, CONFLICT, IN_PROGRESS, REPLAY};
+    [CLAIMED, REPLAY, CONFLICT, IN_PROGRESS]
+        .iter()
+        .position(|r| *r == result)
 }
 
 /// Identity of the metrics recorder in effect on this thread (a local one, else the global

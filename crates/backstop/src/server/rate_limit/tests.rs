@@ -20,7 +20,12 @@ fn buckets(rate: u32, burst: u32) -> KeyedTokenBucket {
         NonZeroU32::new(rate).unwrap(),
         NonZeroU32::new(burst).unwrap(),
     );
-    KeyedTokenBucket::new(quota, NonZeroUsize::new(100).unwrap())
+    // tokio's clock: the tests move time with `tokio::time::advance`.
+    KeyedTokenBucket::with_clock(
+        quota,
+        NonZeroUsize::new(100).unwrap(),
+        crate::clock::MonotonicClock::tokio(),
+    )
 }
 
 fn request(tenant: Option<&str>) -> Request<Bytes> {
