@@ -371,7 +371,8 @@ mod tests {
         assert_eq!(response.status(), 200);
         assert_eq!(calls.load(Ordering::SeqCst), 3);
 
-        let counters: Vec<(String, Vec<(String, String)>, u64)> = snapshotter
+        type Labels = Vec<(String, String)>;
+        let counters: Vec<(String, Labels, u64)> = snapshotter
             .snapshot()
             .into_vec()
             .into_iter()

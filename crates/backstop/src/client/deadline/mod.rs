@@ -10,7 +10,8 @@
 //!   that deadline minus the peer's [`Margin`] (`max(floor, 2 x RTT_p99 + 5 ms)`, learned from
 //!   the durations of this destination's attempts), so the server gives up before the client
 //!   does and its answer can still travel back. An attempt that would start with no more than
-//!   the margin left fails at once with [`DeadlineExceeded`] and is not sent (seed 2.2.2).
+//!   the margin left fails at once with
+//!   [`DeadlineExceeded`](crate::deadline::DeadlineExceeded) and is not sent (seed 2.2.2).
 //!
 //! HTTP requests carry `grpc-timeout` too: backstop servers read it the way gRPC servers do.
 

@@ -3,12 +3,13 @@
 //! [`Retry`] adapts [`RetryPolicy::execute_with`] to `http::Request -> http::Response`
 //! services (tonic channels, hyper clients, reqwest-style clients as tower services):
 //!
-//! - **Eligibility first.** Whether the call may be retried at all is decided from the method's
-//!   [`Idempotency`] before anything is read: `Unsafe` never, `Keyed` only when the request
-//!   carries its `idempotency-key`, `Safe` always. An ineligible call is sent once, its body
-//!   streamed as is.
+//! - **Eligibility first.** Whether the call may be sent more than once at all is decided from
+//!   the method's [`Idempotency`] before anything is read: `Unsafe` never (not even by a
+//!   transparent retry), `Keyed` only when the request carries its `idempotency-key`, `Safe`
+//!   always. An ineligible call is sent once, its body streamed as is.
 //! - **Replay.** An eligible call's body is read once into a [`Replay`](super::replay::Replay)
-//!   (up to the byte cap) and every attempt gets a copy; a body over the cap is sent once.
+//!   (up to the byte cap) and every attempt, hedge and transparent re-send gets a copy; a body
+//!   over the cap is sent once.
 //! - **One deadline.** Every attempt shares the call's [`Deadline`] (set above by
 //!   [`SetDeadline`](super::deadline::SetDeadline)); the executor never waits past it.
 //! - **Classification.** Each response is read by [`response_status`]: HTTP status or
@@ -161,13 +162,13 @@ where
         .get(&IDEMPOTENCY_KEY)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let eligible = config.policy.max_attempts() > 1
-        && match config.idempotency {
-            Idempotency::Safe => true,
-            Idempotency::Keyed => key.is_some(),
-            Idempotency::Unsafe => false,
-        };
-    let (policy, mut content) = if eligible {
+    // Decided before reading anything: may this call be sent more than once at all?
+    let replayable = match config.idempotency {
+        Idempotency::Safe => true,
+        Idempotency::Keyed => key.is_some(),
+        Idempotency::Unsafe => false,
+    };
+    let (policy, mut content) = if replayable {
         match buffer(body, config.replay_cap).await.map_err(Into::into)? {
             Buffered::Replayable(replay) => (&config.policy, Content::Replay(replay)),
             Buffered::TooLarge(once) => (&config.single, Content::Once(Some(once))),

@@ -13,6 +13,7 @@ use crate::retry::{Backoff, Jitter, RetryBudget, RetryError};
 
 type Body = ReplayBody<Full<Bytes>>;
 type Handle = mock::Handle<Request<Body>, Response<()>>;
+type Mocked = Retry<mock::Mock<Request<Body>, Response<()>>>;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -25,10 +26,7 @@ fn policy(budget: RetryBudget) -> RetryPolicy {
         .unwrap()
 }
 
-fn service(
-    idempotency: Idempotency,
-    budget: RetryBudget,
-) -> (Retry<mock::Mock<Request<Body>, Response<()>>>, Handle) {
+fn service(idempotency: Idempotency, budget: RetryBudget) -> (Mocked, Handle) {
     let (svc, handle) = mock::pair();
     let layer = RetryLayer::new(policy(budget), idempotency).replay_cap(16);
     (layer.layer(svc), handle)
