@@ -15,7 +15,7 @@
 //! - Else a fresh UUIDv7 key.
 //!
 //! The key is also put in the request's extensions as an
-//! [`IdempotencyKey`](crate::idempotency::IdempotencyKey).
+//! [`IdempotencyKey`].
 
 #[cfg(feature = "sqlite")]
 mod journal;
