@@ -6,6 +6,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 use super::breaker::{Breaker, BreakerConfig, CircuitBreaker};
+use super::config::MethodConfig;
 use super::deadline::{AttemptTimeout, SetDeadline};
 use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
 use super::logical::IdempotencyKeyService;
@@ -17,6 +18,7 @@ use super::transparent::TransparentRetry;
 use crate::contract::{ContractError, Idempotency, MethodContract};
 use crate::deadline::Margin;
 use crate::retry::{Backoff, PolicyError, RetryBudget, RetryPolicy};
+use crate::status::Code;
 
 /// What every method calling one destination shares: its name, its retry budget (retries,
 /// hedges and transparent retries all spend it), its margin estimator, its circuit breaker and
@@ -140,6 +142,9 @@ impl ClientStack {
             backoff: Backoff::default(),
             replay_cap: DEFAULT_REPLAY_CAP,
             min_hedge_delay: Duration::ZERO,
+            max_attempts: None,
+            retryable: None,
+            timeout: None,
             #[cfg(feature = "sqlite")]
             journal: None,
         }
@@ -200,11 +205,35 @@ pub struct ClientStackBuilder {
     backoff: Backoff,
     replay_cap: usize,
     min_hedge_delay: Duration,
+    max_attempts: Option<u32>,
+    retryable: Option<Vec<Code>>,
+    timeout: Option<Duration>,
     #[cfg(feature = "sqlite")]
     journal: Option<IntentJournal>,
 }
 
 impl ClientStackBuilder {
+    /// Applies a gRPC service config's entry for this method (see [`super::config`]): its
+    /// `timeout` becomes the default deadline, its `retryPolicy` the attempts, backoff and
+    /// retryable codes, its `hedgingPolicy` turns hedging on no sooner than `hedgingDelay`.
+    /// The contract still rules: [`build`](Self::build) refuses hedging an `Unsafe` method,
+    /// and an `Unsafe` call is never sent twice whatever the config says.
+    pub fn method_config(mut self, config: &MethodConfig) -> Self {
+        if let Some(timeout) = config.timeout {
+            self.timeout = Some(timeout);
+        }
+        if let Some(retry) = &config.retry {
+            self.max_attempts = Some(retry.max_attempts);
+            self.backoff = retry.backoff;
+            self.retryable = Some(retry.retryable.clone());
+        }
+        if let Some(hedge) = &config.hedging {
+            self.hedging = true;
+            self.min_hedge_delay = hedge.delay;
+        }
+        self
+    }
+
     /// The backoff between retries (default: 50 ms base, 2 s cap, full jitter).
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
@@ -251,12 +280,15 @@ impl ClientStackBuilder {
         let d = &self.destination;
         let service = d.name.to_string();
         let method = contract.name().to_owned();
+        let retryable = self
+            .retryable
+            .unwrap_or_else(|| contract.retryable().to_vec());
         let policy = RetryPolicy::builder(service.clone(), method.clone())
-            .max_attempts(contract.max_attempts())
+            .max_attempts(self.max_attempts.unwrap_or(contract.max_attempts()))
             .backoff(self.backoff)
             .budget(d.budget.clone())
             .keyed(idempotency != Idempotency::Unsafe)
-            .retryable_codes(contract.retryable().iter().copied())
+            .retryable_codes(retryable)
             .build()?;
         let hedge = self.hedging.then(|| {
             HedgePolicy::new(d.budget.clone(), service, method)
@@ -266,7 +298,7 @@ impl ClientStackBuilder {
         Ok(ClientStack {
             destination: self.destination,
             idempotency,
-            timeout: contract.default_timeout(),
+            timeout: self.timeout.unwrap_or(contract.default_timeout()),
             policy,
             hedge,
             replay_cap: self.replay_cap,
@@ -308,6 +340,45 @@ mod tests {
         assert!(stack.policy().keyed());
         assert_eq!(stack.policy().service(), "psp");
         assert_eq!(stack.policy().method(), "Charge");
+    }
+
+    #[test]
+    fn a_grpc_service_config_drives_the_stack() {
+        use crate::client::config::ServiceConfig;
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [
+                {"name": [{"service": "p.Payment", "method": "Charge"}], "timeout": "3s",
+                 "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s",
+                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}},
+                {"name": [{"service": "p.Payment", "method": "Refund"}],
+                 "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.1s"}}
+            ]}"#,
+        )
+        .unwrap();
+        let dest = Destination::new("payment").budget(config.budget().unwrap());
+        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .build();
+        let stack = ClientStack::builder(&dest, charge)
+            .method_config(config.method("p.Payment", "Charge").unwrap())
+            .build()
+            .unwrap();
+        assert_eq!(stack.policy().max_attempts(), 5);
+        assert_eq!(stack.policy().backoff().base(), Duration::from_millis(200));
+        assert_eq!(
+            stack.policy().retryable_codes(),
+            Some(&[Code::Unavailable, Code::Aborted][..])
+        );
+        assert_eq!(stack.timeout, Duration::from_secs(3));
+
+        // The config asks to hedge an unsafe method: refused at build time.
+        let refund = MethodContract::builder("Refund", Idempotency::Unsafe).build();
+        assert!(matches!(
+            ClientStack::builder(&dest, refund)
+                .method_config(config.method("p.Payment", "Refund").unwrap())
+                .build(),
+            Err(StackError::Contract(ContractError::HedgingUnsafe { .. }))
+        ));
     }
 
     #[test]
