@@ -33,9 +33,18 @@ pub const GRPC_MESSAGE: &str = "grpc-message";
 /// Longest `grpc-message` kept in a status, in bytes.
 const MAX_MESSAGE: usize = 256;
 
-/// The failure an attempt's response reports, or `None` when it succeeded.
+/// Reads an attempt's response head (status and headers) as a failure, or `None` for a
+/// success. [`classify_head`] is the default; a destination whose answers mean something else
+/// (a provider whose 500 means "try again") gives the retry layer its own.
+pub type Classifier = fn(StatusCode, &HeaderMap) -> Option<Status>;
+
+/// The failure an attempt's response reports, or `None` when it succeeded ([`classify_head`]).
 pub fn response_status<B>(response: &Response<B>) -> Option<Status> {
-    let headers = response.headers();
+    classify_head(response.status(), response.headers())
+}
+
+/// The default [`Classifier`]: `grpc-status` first, else the HTTP status (module docs).
+pub fn classify_head(http: StatusCode, headers: &HeaderMap) -> Option<Status> {
     let status = match headers.get(GRPC_STATUS) {
         Some(value) => {
             let code = value
@@ -55,7 +64,6 @@ pub fn response_status<B>(response: &Response<B>) -> Option<Status> {
             Status::new(code, message)
         }
         None => {
-            let http = response.status();
             if http.is_success() || http.is_redirection() || http.is_informational() {
                 return None;
             }
@@ -64,7 +72,7 @@ pub fn response_status<B>(response: &Response<B>) -> Option<Status> {
     };
     let status = match pushback(headers) {
         Some(wait) => status.with_pushback(wait),
-        None if status.code() == Code::Aborted && response.status() == StatusCode::CONFLICT => {
+        None if status.code() == Code::Aborted && http == StatusCode::CONFLICT => {
             // "In progress" always says when to come back; a bare 409 is a conflict.
             Status::new(Code::FailedPrecondition, status.message().to_owned())
                 .with_http_status(StatusCode::CONFLICT)

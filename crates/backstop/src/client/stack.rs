@@ -6,6 +6,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 use super::breaker::{Breaker, BreakerConfig, CircuitBreaker};
+use super::classify::{Classifier, classify_head};
 use super::config::MethodConfig;
 use super::deadline::{AttemptTimeout, SetDeadline};
 use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
@@ -124,6 +125,7 @@ pub struct ClientStack {
     policy: RetryPolicy,
     hedge: Option<HedgePolicy>,
     replay_cap: usize,
+    classifier: Classifier,
     #[cfg(feature = "sqlite")]
     journal: Option<IntentJournal>,
 }
@@ -145,6 +147,7 @@ impl ClientStack {
             max_attempts: None,
             retryable: None,
             timeout: None,
+            classifier: classify_head,
             #[cfg(feature = "sqlite")]
             journal: None,
         }
@@ -181,6 +184,7 @@ impl<S> Layer<S> for ClientStack {
             self.policy.clone(),
             self.idempotency,
             self.replay_cap,
+            self.classifier,
             Some(d.name.clone()),
         );
         let deadline = SetDeadline::new(retry, self.timeout);
@@ -208,6 +212,7 @@ pub struct ClientStackBuilder {
     max_attempts: Option<u32>,
     retryable: Option<Vec<Code>>,
     timeout: Option<Duration>,
+    classifier: Classifier,
     #[cfg(feature = "sqlite")]
     journal: Option<IntentJournal>,
 }
@@ -250,6 +255,13 @@ impl ClientStackBuilder {
     /// for an `Unsafe` method.
     pub fn hedging(mut self, hedging: bool) -> Self {
         self.hedging = hedging;
+        self
+    }
+
+    /// How the retry layer reads answers (default
+    /// [`classify_head`](super::classify::classify_head), the DESIGN section 3 table).
+    pub fn classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = classifier;
         self
     }
 
@@ -302,6 +314,7 @@ impl ClientStackBuilder {
             policy,
             hedge,
             replay_cap: self.replay_cap,
+            classifier: self.classifier,
             #[cfg(feature = "sqlite")]
             journal: self.journal,
         })

@@ -3,6 +3,7 @@ use std::sync::Arc;
 use tower_layer::Layer;
 
 use super::Retry;
+use crate::client::classify::{Classifier, classify_head};
 use crate::client::replay::DEFAULT_REPLAY_CAP;
 use crate::contract::Idempotency;
 use crate::retry::RetryPolicy;
@@ -13,6 +14,7 @@ pub struct RetryLayer {
     policy: RetryPolicy,
     idempotency: Idempotency,
     replay_cap: usize,
+    classifier: Classifier,
     peer: Option<Arc<str>>,
 }
 
@@ -24,6 +26,7 @@ impl RetryLayer {
             policy,
             idempotency,
             replay_cap: DEFAULT_REPLAY_CAP,
+            classifier: classify_head,
             peer: None,
         }
     }
@@ -31,6 +34,12 @@ impl RetryLayer {
     /// The largest body kept for replay; larger bodies are sent once.
     pub fn replay_cap(mut self, bytes: usize) -> Self {
         self.replay_cap = bytes;
+        self
+    }
+
+    /// How answers are read (default [`classify_head`]).
+    pub fn classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = classifier;
         self
     }
 
@@ -50,6 +59,7 @@ impl<S> Layer<S> for RetryLayer {
             self.policy.clone(),
             self.idempotency,
             self.replay_cap,
+            self.classifier,
             self.peer.clone(),
         )
     }

@@ -12,7 +12,8 @@
 //!   over the cap is sent once.
 //! - **One deadline.** Every attempt shares the call's [`Deadline`] (set above by
 //!   [`SetDeadline`](super::deadline::SetDeadline)); the executor never waits past it.
-//! - **Classification.** Each response is read by [`response_status`]: HTTP status or
+//! - **Classification.** Each response is read by a [`Classifier`], by default
+//!   [`classify_head`](super::classify::classify_head): HTTP status or
 //!   `grpc-status` (trailers-only answers), pushback from `grpc-retry-pushback-ms` /
 //!   `Retry-After`. Errors by [`error_status`].
 //! - **Budget, backoff, pushback, reasons.** As the executor does: full jitter, the
@@ -40,7 +41,7 @@ use http_body::Body;
 use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
-use super::classify::{error_status, response_status};
+use super::classify::{Classifier, error_status};
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
 use super::replay::{Buffered, ReplayBody, buffer};
@@ -76,6 +77,7 @@ struct Config {
     idempotency: Idempotency,
     replay_cap: usize,
     peer: Option<Arc<str>>,
+    classifier: Classifier,
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).
@@ -87,12 +89,15 @@ pub struct Retry<S> {
 
 impl<S> Retry<S> {
     /// Wraps `inner` with `policy` for a method of class `idempotency`, buffering bodies of up
-    /// to `replay_cap` bytes; `peer` names the destination in logs.
+    /// to `replay_cap` bytes, reading answers with `classifier`
+    /// ([`classify_head`](super::classify::classify_head) unless the destination says
+    /// otherwise); `peer` names the destination in logs.
     pub fn new(
         inner: S,
         policy: RetryPolicy,
         idempotency: Idempotency,
         replay_cap: usize,
+        classifier: Classifier,
         peer: Option<Arc<str>>,
     ) -> Self {
         let single = policy.single_attempt();
@@ -104,6 +109,7 @@ impl<S> Retry<S> {
                 idempotency,
                 replay_cap,
                 peer,
+                classifier,
             }),
         }
     }
@@ -192,6 +198,7 @@ where
     // The response of the last failed attempt, returned if it ends up being the answer.
     let last: Arc<Mutex<Option<Response<ResB>>>> = Arc::new(Mutex::new(None));
     let slot = last.clone();
+    let classify = config.classifier;
     // The closure owns the service and the request parts, so the future needs `S: Send` only.
     let result = policy
         .execute_with(&call, deadline, move |attempt| {
@@ -217,7 +224,7 @@ where
                     return Err(Status::new(Code::Internal, "body already sent"));
                 };
                 match svc.oneshot(request).await {
-                    Ok(response) => match response_status(&response) {
+                    Ok(response) => match classify(response.status(), response.headers()) {
                         None => Ok(response),
                         Some(status) => {
                             *lock(&last) = Some(response);

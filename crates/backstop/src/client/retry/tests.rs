@@ -217,3 +217,22 @@ async fn retries_never_extend_the_deadline() {
     let err = err.downcast_ref::<RetryError>().unwrap();
     assert_eq!(err.reason, StopReason::Deadline);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_destination_can_read_its_answers_its_own_way() {
+    /// A provider whose 500 means "try again".
+    fn provider(status: http::StatusCode, _: &http::HeaderMap) -> Option<Status> {
+        (!status.is_success()).then(|| Status::new(Code::Unavailable, "provider error"))
+    }
+    let (svc, mut handle) = mock::pair();
+    let mut svc = RetryLayer::new(policy(RetryBudget::default()), Idempotency::Safe)
+        .classifier(provider)
+        .layer(svc);
+    handle.allow(2);
+    let call = tokio::spawn(svc.call(request("x", None)));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(500));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(200));
+    assert_eq!(call.await.unwrap().unwrap().status(), 200);
+}
