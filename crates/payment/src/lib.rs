@@ -4,7 +4,7 @@
 //! - [`service`]: the HTTP payment service (`POST /v1/payments`, `GET /v1/payments/{id}`,
 //!   `/metrics`, `/healthz`, `/readyz`), its start-up and graceful shutdown.
 //! - [`intents`]: the `payment_intent` table (seed 2.10.3) on the shared group-commit database.
-//! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, retry executor.
+//! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, the client stack.
 //! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).
 //! - [`config`]: what `backstop serve` flags configure, validated before start.
 //! - [`psp`]: the PSP simulator (a fake payment provider with its own store and dedup).
