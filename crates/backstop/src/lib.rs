@@ -22,7 +22,7 @@
 //! - Overload is an answer, not a crash: a tenant over quota gets 429, a full server 503, both
 //!   with `Retry-After`; never 500.
 //!
-//! The primitives know nothing of HTTP or gRPC; the [`server`] layers adapt them.
+//! The primitives know nothing of HTTP or gRPC; the [`server`] and [`client`] layers adapt them.
 //!
 //! # Layout
 //!
@@ -45,6 +45,9 @@
 //! - [`observe`]: metric and log names (DESIGN section 6).
 //! - [`clock`]: the wall clock behind a trait; stores take `now` explicitly.
 //! - [`server`]: the tower layers, composed by [`ServerStack`](server::ServerStack).
+//! - [`client`]: the client layers (idempotency key, deadline, retry with replay, hedging,
+//!   circuit breaker, transparent retry, connection management, gRPC service config),
+//!   composed by [`ClientStack`](client::ClientStack), for tonic channels and HTTP clients alike.
 //!
 //! # Feature flags
 //!
@@ -110,6 +113,7 @@ pub use deadline::Deadline;
 pub use status::Status;
 
 pub mod admission;
+pub mod client;
 pub mod clock;
 pub mod contract;
 pub mod deadline;

@@ -65,6 +65,9 @@ pub mod problem {
     pub const RATE_LIMITED: &str = "rate_limited";
     /// The request's deadline passed (504); its outcome may be unknown.
     pub const DEADLINE_EXCEEDED: &str = "deadline_exceeded";
+    /// A client-side circuit breaker is open for the destination: the attempt was not sent
+    /// (`UNAVAILABLE`); the retry executor stops with `circuit_open`.
+    pub const CIRCUIT_OPEN: &str = "circuit_open";
     /// The request body is larger than allowed (413).
     pub const BODY_TOO_LARGE: &str = "body_too_large";
     /// The request body or parameters are invalid (400).

@@ -5,7 +5,7 @@
 //!   `/metrics`, `/healthz`, `/readyz`), its start-up and graceful shutdown.
 //! - [`grpc`]: the gRPC payment service (`payment.v1.Payment`) behind the same server stack.
 //! - [`intents`]: the `payment_intent` table (seed 2.10.3) on the shared group-commit database.
-//! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, retry executor.
+//! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, the client stack.
 //! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).
 //! - [`config`]: what `backstop serve` flags configure, validated before start.
 //! - [`psp`]: the PSP simulator (a fake payment provider with its own store and dedup).

@@ -10,9 +10,12 @@
 //!   the call is not made at all;
 //! - the **trace** (`traceparent`): the caller's trace id with a new span id per attempt.
 //!
-//! Attempts run under the library's [`RetryPolicy`] with the retry budget shared by every call
-//! to the PSP. The policy is keyed: because of the effect key, an attempt that timed out may be
-//! sent again. The answer is classified (DESIGN section 3) as:
+//! Charges go through the library's client stack ([`ClientStack`], HTTP flavour, over a pooled
+//! hyper-util client): the effect key is the call's idempotency key, the outbound call's
+//! deadline is the child of the incoming one, each attempt sends what is left of it minus the
+//! PSP's margin, and retries (and transparent re-sends of attempts that never left) spend the
+//! retry budget shared by every call to the PSP. The method is keyed: because of the effect
+//! key, an attempt that timed out may be sent again. The answer is classified as:
 //!
 //! | PSP answer | class | result when it is the last |
 //! |---|---|---|
@@ -26,11 +29,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use backstop::client::connect::{self, HttpClient};
+use backstop::client::replay::ReplayBody;
+use backstop::client::retry::RetryStopped;
+use backstop::client::{ClientService, ClientStack, Destination, StackError};
+use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
-use backstop::retry::{Attempt, CallInfo, RetryBudget, RetryError, RetryPolicy};
+use backstop::retry::{RetryBudget, RetryError, StopReason};
 use backstop::status::{Code, Status};
+use bytes::Bytes;
 use http::StatusCode;
+use http_body_util::{BodyExt, Full, Limited};
 use tokio::time::Instant;
+use tower::ServiceExt;
 
 use crate::psp::{Charge, ChargeRequest};
 use crate::service::trace::{TRACEPARENT, TraceParent};
@@ -94,10 +105,16 @@ pub enum ClientError {
     /// The HTTP client could not be built.
     #[error("cannot build the PSP HTTP client")]
     Http(#[source] reqwest::Error),
-    /// The retry policy is invalid.
-    #[error("invalid PSP retry policy")]
-    Policy(#[source] backstop::retry::PolicyError),
+    /// The client stack is invalid.
+    #[error("invalid PSP client stack")]
+    Stack(#[source] StackError),
+    /// The PSP URL is not a URL.
+    #[error("invalid PSP URL {0}")]
+    Url(String),
 }
+
+/// The body of a charge request, as the client stack sends it.
+type PspBody = ReplayBody<Full<Bytes>>;
 
 /// A pooled HTTP client for one PSP, with its retry policy, shared budget and margin estimator.
 /// Cheap to clone.
@@ -109,10 +126,9 @@ pub struct PspClient {
 #[derive(Debug)]
 struct Inner {
     http: reqwest::Client,
+    charges: ClientService<HttpClient<PspBody>>,
     base: String,
-    charges_url: String,
-    peer: String,
-    policy: RetryPolicy,
+    charges_url: http::Uri,
     margin: Margin,
 }
 
@@ -132,23 +148,35 @@ impl PspClient {
             .pool_max_idle_per_host(64)
             .build()
             .map_err(ClientError::Http)?;
-        let policy = RetryPolicy::builder(SERVICE_LABEL, METHOD_LABEL)
-            .budget(budget)
-            .keyed(true)
-            .build()
-            .map_err(ClientError::Policy)?;
         let base = base_url.trim_end_matches('/').to_owned();
-        let peer = base
-            .split_once("://")
-            .map_or(base.as_str(), |(_, rest)| rest)
-            .to_owned();
+        let charges_url: http::Uri = format!("{base}/v1/charges")
+            .parse()
+            .map_err(|_| ClientError::Url(base.clone()))?;
+        // The breaker stays off: a PSP that fails is reported per charge as "unknown", and the
+        // service's own admission control protects it.
+        let destination = Destination::new(SERVICE_LABEL)
+            .budget(budget)
+            .margin_floor(margin_floor)
+            .breaker(None);
+        let contract = MethodContract::builder(METHOD_LABEL, Idempotency::Keyed)
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .retryable([
+                Code::Unavailable,
+                Code::ResourceExhausted,
+                Code::DeadlineExceeded,
+            ])
+            .build();
+        let stack = ClientStack::builder(&destination, contract)
+            .classifier(psp_answer)
+            .build()
+            .map_err(ClientError::Stack)?;
+        let charges = tower::Layer::layer(&stack, connect::pooled(false));
         Ok(PspClient {
             inner: Arc::new(Inner {
                 http,
-                charges_url: format!("{base}/v1/charges"),
+                charges,
+                charges_url,
                 base,
-                peer,
-                policy,
                 margin: Margin::new(margin_floor),
             }),
         })
@@ -194,19 +222,66 @@ impl PspClient {
             amount_cents: call.amount_cents,
             currency: call.currency.clone(),
         };
-        let trace_id = call.trace.trace_id();
-        let info = CallInfo::new()
-            .key(&call.effect_key)
-            .peer(&self.inner.peer)
-            .trace_id(&trace_id);
-        let result = self
-            .inner
-            .policy
-            .execute_with(&info, child, |attempt| {
-                self.attempt(attempt, &call.effect_key, &body, call.trace.child())
-            })
-            .await;
-        result.map_err(classify_failure)
+        let json = serde_json::to_vec(&body).map_err(|e| {
+            unknown(Status::new(
+                Code::Internal,
+                format!("cannot encode the charge: {e}"),
+            ))
+        })?;
+        let mut request = http::Request::post(self.inner.charges_url.clone())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header("idempotency-key", &call.effect_key)
+            .header(TRACEPARENT, call.trace.child().to_string())
+            .body(Full::new(Bytes::from(json)))
+            .map_err(|e| {
+                unknown(Status::new(
+                    Code::Internal,
+                    format!("cannot build the charge: {e}"),
+                ))
+            })?;
+        request.extensions_mut().insert(child);
+        let response = match self.inner.charges.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(e) => {
+                return Err(match e.downcast::<RetryError>() {
+                    Ok(stopped) => classify_failure(*stopped),
+                    Err(other) => unknown(Status::new(Code::Unavailable, other.to_string())),
+                });
+            }
+        };
+        if let Some(stopped) = response.extensions().get::<RetryStopped>().copied() {
+            let last = psp_answer(response.status(), response.headers())
+                .unwrap_or_else(|| Status::new(Code::Unknown, "the PSP answer ended the attempts"));
+            return Err(classify_failure(RetryError {
+                last,
+                attempts: stopped.attempts,
+                reason: stopped.reason,
+            }));
+        }
+        let bytes = tokio::time::timeout_at(
+            child.instant(),
+            Limited::new(response.into_body(), MAX_ANSWER).collect(),
+        )
+        .await
+        .map_err(|_| {
+            unknown(Status::new(
+                Code::DeadlineExceeded,
+                "the PSP answer came too late",
+            ))
+        })?
+        .map_err(|_| {
+            unknown(
+                Status::new(Code::Unavailable, "the PSP answer could not be read")
+                    .with_http_status(StatusCode::BAD_GATEWAY),
+            )
+        })?
+        .to_bytes();
+        serde_json::from_slice::<Charge>(&bytes).map_err(|_| {
+            unknown(
+                Status::new(Code::Unavailable, "the PSP answer is not a charge")
+                    .with_http_status(StatusCode::BAD_GATEWAY),
+            )
+        })
     }
 
     /// Looks for the charge made under `effect_key` for `order_id` (`GET
@@ -221,11 +296,11 @@ impl PspClient {
         let child = deadline
             .child(self.inner.margin.current())
             .map_err(Status::from)?;
-        let url =
-            reqwest::Url::parse_with_params(&self.inner.charges_url, [("reference", order_id)])
-                .map_err(|_| {
-                    Status::new(Code::InvalidArgument, "cannot build the PSP query URL")
-                })?;
+        let url = reqwest::Url::parse_with_params(
+            &self.inner.charges_url.to_string(),
+            [("reference", order_id)],
+        )
+        .map_err(|_| Status::new(Code::InvalidArgument, "cannot build the PSP query URL"))?;
         let query = async {
             let mut response = self
                 .inner
@@ -249,46 +324,6 @@ impl PspClient {
             .await
             .map_err(|_| Status::new(Code::DeadlineExceeded, "the PSP did not answer in time"))??;
         Ok(charges.into_iter().find(|c| c.effect_key == effect_key))
-    }
-
-    async fn attempt(
-        &self,
-        attempt: Attempt,
-        effect_key: &str,
-        body: &ChargeRequest,
-        trace: TraceParent,
-    ) -> Result<Charge, Status> {
-        let remaining = attempt.deadline.remaining();
-        if remaining.is_zero() {
-            return Err(Status::from(DeadlineExceeded {
-                remaining,
-                margin: Duration::ZERO,
-            }));
-        }
-        let sent = self
-            .inner
-            .http
-            .post(&self.inner.charges_url)
-            .header("idempotency-key", effect_key)
-            .header(GRPC_TIMEOUT, encode_grpc_timeout(remaining))
-            .header(TRACEPARENT, trace.to_string())
-            .json(body)
-            .send()
-            .await;
-        let mut response = match sent {
-            Ok(r) => r,
-            Err(e) => return Err(transport_status(&e)),
-        };
-        let status = response.status();
-        if status.is_success() {
-            let bytes = read_bounded(&mut response).await?;
-            return serde_json::from_slice::<Charge>(&bytes).map_err(|_| {
-                Status::new(Code::Unavailable, "the PSP answer is not a charge")
-                    .with_http_status(StatusCode::BAD_GATEWAY)
-            });
-        }
-        let pushback = retry_after(response.headers());
-        Err(answer_status(status, pushback))
     }
 }
 
@@ -317,6 +352,20 @@ fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
     let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
     let secs: u64 = v.trim().parse().ok()?;
     Some(Duration::from_secs(secs.min(MAX_PUSHBACK_SECS)))
+}
+
+/// The client stack's classifier for PSP answers (module table): `None` for a success.
+fn psp_answer(status: StatusCode, headers: &http::HeaderMap) -> Option<Status> {
+    (!status.is_success()).then(|| answer_status(status, retry_after(headers)))
+}
+
+/// A charge whose outcome is unknown for a reason found after the attempts.
+fn unknown(last: Status) -> ChargeError {
+    ChargeError::Unknown(RetryError {
+        last,
+        attempts: 1,
+        reason: StopReason::NonRetryable,
+    })
 }
 
 /// The status of a PSP error answer (module table).

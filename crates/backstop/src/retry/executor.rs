@@ -242,6 +242,16 @@ impl RetryPolicy {
         if cut_off {
             return Err(StopReason::Deadline);
         }
+        if status.problem() == problem::CIRCUIT_OPEN {
+            return Err(StopReason::CircuitOpen);
+        }
+        if self
+            .retryable
+            .as_deref()
+            .is_some_and(|codes| !codes.contains(&status.code()))
+        {
+            return Err(StopReason::NonRetryable);
+        }
         match status.retry_class() {
             RetryClass::Fatal => return Err(StopReason::NonRetryable),
             RetryClass::Timeout if !self.keyed => return Err(StopReason::NonRetryable),
@@ -604,6 +614,41 @@ mod tests {
 
         let err = policy.execute(deadline(), always_down).await.unwrap_err();
         assert_eq!((err.attempts, err.reason), (1, StopReason::BudgetExhausted));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn codes_outside_the_retryable_list_stop_as_non_retryable() {
+        let policy = policy()
+            .retryable_codes([Code::Unavailable])
+            .build()
+            .unwrap();
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(5)), |_| async {
+                Err::<(), _>(Status::new(Code::Aborted, "busy").with_pushback(MS))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::NonRetryable));
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(5)), |_| async {
+                Err::<(), _>(unavailable())
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (3, StopReason::MaxAttempts));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_circuit_stops_with_circuit_open() {
+        let policy = policy().build().unwrap();
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(5)), |_| async {
+                Err::<(), _>(unavailable().with_problem(problem::CIRCUIT_OPEN))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::CircuitOpen));
+        assert_eq!(policy.budget().available(), 100.0);
     }
 
     #[tokio::test(start_paused = true)]

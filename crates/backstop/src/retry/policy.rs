@@ -8,6 +8,7 @@ use std::time::Duration;
 use metrics::SharedString;
 
 use super::{Backoff, RetryBudget};
+use crate::status::Code;
 
 /// A policy that cannot be built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -32,6 +33,7 @@ pub struct RetryPolicy {
     pub(super) budget: RetryBudget,
     pub(super) min_attempt: Duration,
     pub(super) keyed: bool,
+    pub(super) retryable: Option<Arc<[Code]>>,
     pub(super) service: SharedString,
     pub(super) method: SharedString,
 }
@@ -61,6 +63,7 @@ impl RetryPolicy {
             budget: None,
             min_attempt: Self::DEFAULT_MIN_ATTEMPT,
             keyed: false,
+            retryable: None,
             service: label(service.into()),
             method: label(method.into()),
         }
@@ -93,6 +96,22 @@ impl RetryPolicy {
         self.keyed
     }
 
+    /// The codes retried, when restricted by
+    /// [`retryable_codes`](RetryPolicyBuilder::retryable_codes); `None` retries every code
+    /// whose retry class allows it.
+    pub fn retryable_codes(&self) -> Option<&[Code]> {
+        self.retryable.as_deref()
+    }
+
+    /// The same policy (labels, budget, backoff) with a single attempt: for calls that may
+    /// not be retried, so they are still counted and logged like the others.
+    pub fn single_attempt(&self) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 1,
+            ..self.clone()
+        }
+    }
+
     /// The `service` label.
     pub fn service(&self) -> &str {
         &self.service
@@ -112,6 +131,7 @@ pub struct RetryPolicyBuilder {
     budget: Option<RetryBudget>,
     min_attempt: Duration,
     keyed: bool,
+    retryable: Option<Arc<[Code]>>,
     service: SharedString,
     method: SharedString,
 }
@@ -151,6 +171,14 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// Restricts retries to these codes (a method contract's or a gRPC `retryPolicy`'s
+    /// `retryableStatusCodes`). A code outside the list stops with `non_retryable`; a listed
+    /// code is still retried only as its retry class allows (a fatal code never is).
+    pub fn retryable_codes(mut self, codes: impl IntoIterator<Item = Code>) -> Self {
+        self.retryable = Some(codes.into_iter().collect());
+        self
+    }
+
     /// The policy, or an error when `max_attempts` is out of range.
     pub fn build(self) -> Result<RetryPolicy, PolicyError> {
         if !(1..=RetryPolicy::MAX_ATTEMPTS_LIMIT).contains(&self.max_attempts) {
@@ -164,6 +192,7 @@ impl RetryPolicyBuilder {
             budget: self.budget.unwrap_or_default(),
             min_attempt: self.min_attempt,
             keyed: self.keyed,
+            retryable: self.retryable,
             service: self.service,
             method: self.method,
         })

@@ -1,0 +1,71 @@
+//! The breaker's response future.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use http::Response;
+use pin_project_lite::pin_project;
+use tower::BoxError;
+
+use super::{CircuitOpen, Permit};
+use crate::client::classify::{is_failure_of_destination, response_status};
+
+pin_project! {
+    /// Records the attempt's outcome with the breaker, or fails at once when it was open.
+    #[derive(Debug)]
+    pub struct ResponseFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<F> {
+        Running { #[pin] future: F, permit: Option<Permit> },
+        Open { open: CircuitOpen },
+    }
+}
+
+impl<F> ResponseFuture<F> {
+    pub(super) fn running(future: F, permit: Option<Permit>) -> Self {
+        Self {
+            kind: Kind::Running { future, permit },
+        }
+    }
+
+    pub(super) fn open(open: CircuitOpen) -> Self {
+        Self {
+            kind: Kind::Open { open },
+        }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<Response<B>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Open { open } => Poll::Ready(Err(Box::new(*open))),
+            KindProj::Running { future, permit } => {
+                let result = ready!(future.poll(cx));
+                let healthy = match &result {
+                    Ok(response) => {
+                        response_status(response).is_none_or(|s| !is_failure_of_destination(&s))
+                    }
+                    Err(_) => false,
+                };
+                if let Some(permit) = permit.take() {
+                    permit.record(healthy);
+                }
+                Poll::Ready(result.map_err(Into::into))
+            }
+        }
+    }
+}

@@ -1,0 +1,413 @@
+//! The breaker's state machine: closed, open, half-open, over a sliding window of outcomes.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Buckets the window is divided into: old outcomes leave the window one bucket at a time.
+const BUCKETS: u32 = 10;
+
+/// A breaker that cannot be built.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum BreakerError {
+    /// The failure ratio is not in `(0, 1]`.
+    #[error("breaker failure ratio must be within (0, 1], got {0}")]
+    Ratio(f64),
+    /// The window or the open period is zero.
+    #[error("breaker window and open period must be longer than zero")]
+    ZeroDuration,
+    /// No probe would ever be let through in half-open.
+    #[error("breaker needs at least one half-open probe")]
+    NoProbe,
+}
+
+/// An attempt was not sent: the circuit is open for the destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("circuit open for the destination; next probe in {retry_in:?}")]
+pub struct CircuitOpen {
+    /// Time until the breaker lets a probe through.
+    pub retry_in: Duration,
+}
+
+/// Where the breaker stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Attempts go through; outcomes are counted.
+    Closed,
+    /// Attempts fail at once without being sent, until the open period ends.
+    Open,
+    /// A few probes go through; one success closes, one failure opens again.
+    HalfOpen,
+}
+
+/// The breaker's thresholds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BreakerConfig {
+    /// Open when failures / outcomes in the window reach this (default 0.5).
+    pub failure_ratio: f64,
+    /// ... and the window holds at least this many outcomes (default 20), so that two failures
+    /// out of three requests do not cut a quiet destination off.
+    pub min_requests: u32,
+    /// How far back outcomes count (default 10 s).
+    pub window: Duration,
+    /// How long the circuit stays open before probing (default 5 s).
+    pub open_for: Duration,
+    /// Probes allowed at once in half-open (default 1).
+    pub probes: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            failure_ratio: 0.5,
+            min_requests: 20,
+            window: Duration::from_secs(10),
+            open_for: Duration::from_secs(5),
+            probes: 1,
+        }
+    }
+}
+
+/// A circuit breaker for one destination; clones share the state.
+///
+/// ```
+/// use std::time::Duration;
+/// use backstop::client::breaker::{BreakerConfig, BreakerState, CircuitBreaker};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let breaker = CircuitBreaker::new(BreakerConfig { min_requests: 4, ..Default::default() }).unwrap();
+/// for _ in 0..4 {
+///     breaker.try_acquire().unwrap().record(false);
+/// }
+/// assert_eq!(breaker.state(), BreakerState::Open);
+/// assert!(breaker.try_acquire().is_err());
+///
+/// tokio::time::advance(Duration::from_secs(5)).await;
+/// breaker.try_acquire().unwrap().record(true); // the probe succeeds
+/// assert_eq!(breaker.state(), BreakerState::Closed);
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct CircuitBreaker {
+    config: BreakerConfig,
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Bucket periods are counted from here.
+    origin: Instant,
+    phase: Phase,
+    buckets: [Bucket; BUCKETS as usize],
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Closed,
+    Open { until: Instant },
+    HalfOpen { in_flight: u32 },
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Bucket {
+    /// Index of the bucket period this holds (time since the epoch / bucket length).
+    period: u64,
+    ok: u32,
+    failed: u32,
+}
+
+/// Leave to send one attempt; say how it went with [`record`](Self::record). Dropped without
+/// a verdict (a cancelled hedge), it counts for nothing.
+#[derive(Debug)]
+pub struct Permit {
+    breaker: CircuitBreaker,
+    probe: bool,
+    done: bool,
+}
+
+impl CircuitBreaker {
+    /// A closed breaker with `config`.
+    pub fn new(config: BreakerConfig) -> Result<Self, BreakerError> {
+        if !(config.failure_ratio > 0.0 && config.failure_ratio <= 1.0) {
+            return Err(BreakerError::Ratio(config.failure_ratio));
+        }
+        if config.window.is_zero() || config.open_for.is_zero() {
+            return Err(BreakerError::ZeroDuration);
+        }
+        if config.probes == 0 {
+            return Err(BreakerError::NoProbe);
+        }
+        Ok(Self {
+            config,
+            state: Arc::new(Mutex::new(State {
+                origin: Instant::now(),
+                phase: Phase::Closed,
+                buckets: [Bucket::default(); BUCKETS as usize],
+            })),
+        })
+    }
+
+    /// The thresholds.
+    pub fn config(&self) -> &BreakerConfig {
+        &self.config
+    }
+
+    /// The current state (an open circuit whose period ended reads as half-open).
+    pub fn state(&self) -> BreakerState {
+        match self.lock().phase {
+            Phase::Closed => BreakerState::Closed,
+            Phase::Open { until } if Instant::now() < until => BreakerState::Open,
+            Phase::Open { .. } | Phase::HalfOpen { .. } => BreakerState::HalfOpen,
+        }
+    }
+
+    /// Leave to send an attempt, or how long until the next probe.
+    pub fn try_acquire(&self) -> Result<Permit, CircuitOpen> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let probe = match state.phase {
+            Phase::Closed => false,
+            Phase::Open { until } if now < until => {
+                return Err(CircuitOpen {
+                    retry_in: until - now,
+                });
+            }
+            Phase::Open { .. } => {
+                state.phase = Phase::HalfOpen { in_flight: 1 };
+                true
+            }
+            Phase::HalfOpen { in_flight } if in_flight < self.config.probes => {
+                state.phase = Phase::HalfOpen {
+                    in_flight: in_flight + 1,
+                };
+                true
+            }
+            Phase::HalfOpen { .. } => {
+                // Probes are out; the answer is one round trip away.
+                return Err(CircuitOpen {
+                    retry_in: Duration::from_millis(1),
+                });
+            }
+        };
+        drop(state);
+        Ok(Permit {
+            breaker: self.clone(),
+            probe,
+            done: false,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bucket_len(&self) -> Duration {
+        (self.config.window / BUCKETS).max(Duration::from_nanos(1))
+    }
+
+    fn record(&self, probe: bool, success: Option<bool>) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        match (state.phase, probe) {
+            (Phase::HalfOpen { in_flight }, true) => match success {
+                Some(true) => {
+                    state.phase = Phase::Closed;
+                    state.buckets = [Bucket::default(); BUCKETS as usize];
+                }
+                Some(false) => {
+                    state.phase = Phase::Open {
+                        until: now + self.config.open_for,
+                    };
+                }
+                None => {
+                    state.phase = Phase::HalfOpen {
+                        in_flight: in_flight.saturating_sub(1),
+                    };
+                }
+            },
+            (Phase::Closed, _) => {
+                let Some(success) = success else { return };
+                let period = period_of(now, state.origin, self.bucket_len());
+                let slot = &mut state.buckets[(period % u64::from(BUCKETS)) as usize];
+                if slot.period != period {
+                    *slot = Bucket {
+                        period,
+                        ok: 0,
+                        failed: 0,
+                    };
+                }
+                if success {
+                    slot.ok += 1;
+                } else {
+                    slot.failed += 1;
+                }
+                let oldest = period.saturating_sub(u64::from(BUCKETS) - 1);
+                let (ok, failed) = state
+                    .buckets
+                    .iter()
+                    .filter(|b| b.period >= oldest && b.period <= period)
+                    .fold((0u64, 0u64), |(o, f), b| {
+                        (o + u64::from(b.ok), f + u64::from(b.failed))
+                    });
+                let total = ok + failed;
+                // Only a failure can open the circuit.
+                if !success
+                    && total >= u64::from(self.config.min_requests)
+                    && failed as f64 >= self.config.failure_ratio * total as f64
+                {
+                    state.phase = Phase::Open {
+                        until: now + self.config.open_for,
+                    };
+                    state.buckets = [Bucket::default(); BUCKETS as usize];
+                }
+            }
+            // Late answers of attempts sent before the circuit changed do not move it.
+            _ => {}
+        }
+    }
+}
+
+/// The bucket period `now` falls in, counted from `origin`. Periods start at 1 so an empty
+/// bucket (period 0) never counts.
+fn period_of(now: Instant, origin: Instant, bucket: Duration) -> u64 {
+    let since = now.saturating_duration_since(origin);
+    u64::try_from(since.as_nanos() / bucket.as_nanos().max(1))
+        .unwrap_or(u64::MAX - 1)
+        .saturating_add(1)
+}
+
+impl Permit {
+    /// Records the attempt's outcome: `true` for a success (or a failure that says nothing
+    /// about the destination's health), `false` for a destination failure.
+    pub fn record(mut self, success: bool) {
+        self.done = true;
+        self.breaker.record(self.probe, Some(success));
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.done {
+            self.breaker.record(self.probe, None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::advance;
+
+    fn breaker(min_requests: u32) -> CircuitBreaker {
+        CircuitBreaker::new(BreakerConfig {
+            min_requests,
+            ..BreakerConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn outcomes(b: &CircuitBreaker, ok: u32, failed: u32) {
+        for _ in 0..ok {
+            b.try_acquire().unwrap().record(true);
+        }
+        for _ in 0..failed {
+            b.try_acquire().unwrap().record(false);
+        }
+    }
+
+    #[test]
+    fn invalid_configs_are_refused() {
+        let bad = |c: BreakerConfig| CircuitBreaker::new(c).unwrap_err();
+        let d = BreakerConfig::default();
+        assert_eq!(
+            bad(BreakerConfig {
+                failure_ratio: 0.0,
+                ..d
+            }),
+            BreakerError::Ratio(0.0)
+        );
+        assert!(matches!(
+            bad(BreakerConfig {
+                failure_ratio: f64::NAN,
+                ..d
+            }),
+            BreakerError::Ratio(_)
+        ));
+        assert_eq!(
+            bad(BreakerConfig {
+                window: Duration::ZERO,
+                ..d
+            }),
+            BreakerError::ZeroDuration
+        );
+        assert_eq!(bad(BreakerConfig { probes: 0, ..d }), BreakerError::NoProbe);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_at_the_failure_ratio_once_the_window_has_enough_requests() {
+        let b = breaker(10);
+        outcomes(&b, 0, 9);
+        assert_eq!(b.state(), BreakerState::Closed, "below min_requests");
+        outcomes(&b, 1, 0);
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "9 of 10 failed but last was ok"
+        );
+        outcomes(&b, 0, 1);
+        assert_eq!(b.state(), BreakerState::Open);
+        let open = b.try_acquire().unwrap_err();
+        assert_eq!(open.retry_in, Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_healthy_ratio_keeps_it_closed() {
+        let b = breaker(10);
+        for _ in 0..10 {
+            outcomes(&b, 2, 1);
+        }
+        assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn old_failures_leave_the_window() {
+        let b = breaker(10);
+        outcomes(&b, 0, 9);
+        advance(Duration::from_secs(11)).await;
+        outcomes(&b, 5, 1);
+        assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn half_open_lets_one_probe_and_its_outcome_decides() {
+        let b = breaker(2);
+        outcomes(&b, 0, 2);
+        assert_eq!(b.state(), BreakerState::Open);
+        advance(Duration::from_millis(4_999)).await;
+        assert!(b.try_acquire().is_err());
+        advance(Duration::from_millis(1)).await;
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        let probe = b.try_acquire().unwrap();
+        assert!(b.try_acquire().is_err(), "one probe at a time");
+        probe.record(false);
+        assert_eq!(b.state(), BreakerState::Open);
+
+        advance(Duration::from_secs(5)).await;
+        b.try_acquire().unwrap().record(true);
+        assert_eq!(b.state(), BreakerState::Closed);
+        outcomes(&b, 0, 1);
+        assert_eq!(b.state(), BreakerState::Closed, "the window starts afresh");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_probe_frees_its_slot() {
+        let b = breaker(1);
+        outcomes(&b, 0, 1);
+        advance(Duration::from_secs(5)).await;
+        drop(b.try_acquire().unwrap());
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        assert!(b.try_acquire().is_ok());
+    }
+}

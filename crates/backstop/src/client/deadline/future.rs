@@ -1,0 +1,108 @@
+//! Response futures of the client deadline services.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Timeout};
+use tower::BoxError;
+
+use crate::deadline::{Deadline, DeadlineExceeded, Margin};
+
+pin_project! {
+    /// The logical call, cut off at its deadline with [`DeadlineExceeded`].
+    #[derive(Debug)]
+    pub struct ResponseFuture<F> {
+        #[pin]
+        inner: Timeout<F>,
+    }
+}
+
+impl<F: Future> ResponseFuture<F> {
+    pub(super) fn new(inner: F, deadline: Deadline) -> Self {
+        Self {
+            inner: tokio::time::timeout_at(deadline.instant(), inner),
+        }
+    }
+}
+
+impl<F, T, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Poll::Ready(match ready!(self.project().inner.poll(cx)) {
+            Ok(result) => result.map_err(Into::into),
+            Err(_elapsed) => Err(Box::new(DeadlineExceeded {
+                remaining: std::time::Duration::ZERO,
+                margin: std::time::Duration::ZERO,
+            })),
+        })
+    }
+}
+
+pin_project! {
+    /// One attempt: its duration feeds the peer's margin; refused when no budget was left.
+    #[derive(Debug)]
+    pub struct AttemptFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<F> {
+        Running { #[pin] future: F, started: Instant, margin: Option<Arc<Margin>> },
+        Refused { exceeded: DeadlineExceeded },
+    }
+}
+
+impl<F> AttemptFuture<F> {
+    pub(super) fn running(future: F, margin: Option<Arc<Margin>>) -> Self {
+        Self {
+            kind: Kind::Running {
+                future,
+                started: Instant::now(),
+                margin,
+            },
+        }
+    }
+
+    pub(super) fn refused(exceeded: DeadlineExceeded) -> Self {
+        Self {
+            kind: Kind::Refused { exceeded },
+        }
+    }
+}
+
+impl<F, T, E> Future for AttemptFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Refused { exceeded } => Poll::Ready(Err(Box::new(*exceeded))),
+            KindProj::Running {
+                future,
+                started,
+                margin,
+            } => {
+                let result = ready!(future.poll(cx));
+                if let (Ok(_), Some(margin)) = (&result, margin) {
+                    margin.observe(started.elapsed());
+                }
+                Poll::Ready(result.map_err(Into::into))
+            }
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! Hedging: one extra attempt when the first is slower than usual (seed 2.3.4).
+//!
+//! Tail latency is mostly one slow replica or one unlucky packet. [`Hedge`] sends the attempt,
+//! and if no answer has come after the rolling p95 of the destination's recent latencies, sends
+//! one copy (through the balancer, so usually to another endpoint). The first good answer wins
+//! and the other attempt is dropped, which cancels it. At most one hedge per logical call.
+//!
+//! Hedges are paid from the destination's [`RetryBudget`], the same one retries use, so
+//! hedging cannot double the load on a destination that is slow because it is overloaded.
+//! A hedge is only ever built for `Safe` and `Keyed` methods (the stack refuses to hedge an
+//! `Unsafe` one at build time): the copy carries the same idempotency key, so the server runs
+//! the effect once.
+//!
+//! A request whose body cannot be replayed (over the cap) is not hedged. Only the answers of
+//! successful attempts feed the latency window, so failures do not lower the hedge delay.
+
+mod latency;
+mod layer;
+
+pub use self::latency::LatencyWindow;
+pub use self::layer::HedgeLayer;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderValue, Request, Response};
+use metrics::SharedString;
+use tokio::time::Instant;
+use tower::{BoxError, ServiceExt};
+use tower_service::Service;
+
+use super::classify::response_status;
+use super::replay::{ReplayBody, try_clone_request};
+use super::retry::GRPC_PREVIOUS_RPC_ATTEMPTS;
+use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
+use crate::retry::RetryBudget;
+use crate::status::RetryClass;
+
+/// The response future of [`Hedge`].
+pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+/// One hedge per logical call: put in the request's extensions by the retry layer and shared by
+/// the call's attempts.
+#[derive(Debug, Clone, Default)]
+pub struct HedgeAllowance(Arc<AtomicBool>);
+
+impl HedgeAllowance {
+    /// Takes the call's one hedge; `false` if it was taken already.
+    pub fn take(&self) -> bool {
+        !self.0.swap(true, Ordering::AcqRel)
+    }
+}
+
+/// How a destination is hedged.
+#[derive(Debug, Clone)]
+pub struct HedgePolicy {
+    budget: RetryBudget,
+    latencies: Arc<LatencyWindow>,
+    quantile: f64,
+    min_delay: Duration,
+    service: SharedString,
+    method: SharedString,
+}
+
+impl HedgePolicy {
+    /// Samples in the latency window.
+    pub const WINDOW: usize = 256;
+    /// Samples needed before hedging starts.
+    pub const MIN_SAMPLES: usize = 20;
+
+    /// Hedge at the rolling p95, paying from `budget` (the destination's retry budget);
+    /// `service` and `method` label `rpc_client_hedges_total`.
+    pub fn new(
+        budget: RetryBudget,
+        service: impl Into<SharedString>,
+        method: impl Into<SharedString>,
+    ) -> Self {
+        Self {
+            budget,
+            latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
+            quantile: 0.95,
+            min_delay: Duration::ZERO,
+            service: service.into(),
+            method: method.into(),
+        }
+    }
+
+    /// Never hedge sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
+    pub fn min_delay(mut self, delay: Duration) -> Self {
+        self.min_delay = delay;
+        self
+    }
+
+    /// Shares a latency window (e.g. one per destination across methods).
+    pub fn latencies(mut self, window: Arc<LatencyWindow>) -> Self {
+        self.latencies = window;
+        self
+    }
+
+    /// The delay after which an attempt is hedged, once the window has enough samples.
+    pub fn delay(&self) -> Option<Duration> {
+        self.latencies
+            .quantile(self.quantile)
+            .map(|d| d.max(self.min_delay))
+    }
+}
+
+/// Sends a second copy of a slow attempt (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct Hedge<S> {
+    inner: S,
+    policy: Option<HedgePolicy>,
+}
+
+impl<S> Hedge<S> {
+    /// Wraps `inner` with `policy`.
+    pub fn new(inner: S, policy: HedgePolicy) -> Self {
+        Self {
+            inner,
+            policy: Some(policy),
+        }
+    }
+
+    /// Wraps `inner` without hedging: every attempt is sent once.
+    pub fn disabled(inner: S) -> Self {
+        Self {
+            inner,
+            policy: None,
+        }
+    }
+}
+
+impl<S, B, ResB> Service<Request<ReplayBody<B>>> for Hedge<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    B: Send + 'static,
+    ResB: Send + 'static,
+{
+    type Response = Response<ResB>;
+    type Error = BoxError;
+    type Future = ResponseFuture<Response<ResB>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
+        match &self.policy {
+            Some(policy) => Box::pin(run(self.inner.clone(), policy.clone(), request)),
+            None => send(self.inner.clone(), request),
+        }
+    }
+}
+
+type Attempt<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+fn send<S, R>(svc: S, request: R) -> Attempt<S::Response>
+where
+    S: Service<R> + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    R: Send + 'static,
+{
+    Box::pin(async move { svc.oneshot(request).await.map_err(Into::into) })
+}
+
+/// Whether no other attempt could do better than this result.
+fn is_final<B>(result: &Result<Response<B>, BoxError>) -> bool {
+    match result {
+        Ok(response) => {
+            response_status(response).is_none_or(|s| s.retry_class() == RetryClass::Fatal)
+        }
+        Err(_) => false,
+    }
+}
+
+fn record<B>(policy: &HedgePolicy, result: &Result<Response<B>, BoxError>, started: Instant) {
+    if let Ok(response) = result {
+        if response_status(response).is_none() {
+            policy.latencies.record(started.elapsed());
+        }
+    }
+}
+
+async fn run<S, B, ResB>(
+    svc: S,
+    policy: HedgePolicy,
+    request: Request<ReplayBody<B>>,
+) -> Result<Response<ResB>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    B: Send + 'static,
+    ResB: Send + 'static,
+{
+    let backup = try_clone_request(&request);
+    let allowance = request.extensions().get::<HedgeAllowance>().cloned();
+    let started = Instant::now();
+    let mut primary = send(svc.clone(), request);
+    let (Some(mut backup), Some(delay)) = (backup, policy.delay()) else {
+        let result = primary.await;
+        record(&policy, &result, started);
+        return result;
+    };
+    tokio::select! {
+        result = &mut primary => {
+            record(&policy, &result, started);
+            return result;
+        }
+        () = tokio::time::sleep(delay) => {}
+    }
+    let allowed = allowance.as_ref().is_none_or(HedgeAllowance::take);
+    if !allowed || !policy.budget.try_withdraw() {
+        let result = primary.await;
+        record(&policy, &result, started);
+        return result;
+    }
+    metrics::counter!(RPC_CLIENT_HEDGES_TOTAL,
+        label::SERVICE => policy.service.clone(), label::METHOD => policy.method.clone())
+    .increment(1);
+    let previous = backup
+        .headers()
+        .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(0);
+    backup.headers_mut().insert(
+        &GRPC_PREVIOUS_RPC_ATTEMPTS,
+        HeaderValue::from(previous.saturating_add(1)),
+    );
+    let hedge_started = Instant::now();
+    let mut secondary = send(svc, backup);
+    // The first final answer wins; the other attempt is dropped, which cancels it.
+    tokio::select! {
+        result = &mut primary => {
+            if is_final(&result) {
+                record(&policy, &result, started);
+                return result;
+            }
+            let result = secondary.await;
+            record(&policy, &result, hedge_started);
+            result
+        }
+        result = &mut secondary => {
+            if is_final(&result) {
+                record(&policy, &result, hedge_started);
+                return result;
+            }
+            let result = primary.await;
+            record(&policy, &result, started);
+            result
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,159 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use tokio::time::{Instant, advance};
+use tower::ServiceExt;
+use tower_test::mock;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::*;
+use crate::client::replay::{Replay, ReplayBody};
+
+type Body = ReplayBody<Full<Bytes>>;
+
+const MS: Duration = Duration::from_millis(1);
+
+fn request(allowance: &HedgeAllowance) -> Request<Body> {
+    let mut r = Request::new(Replay::new(Bytes::from_static(b"x")).body());
+    r.extensions_mut().insert(allowance.clone());
+    r
+}
+
+/// A policy whose window already says p95 = 100 ms.
+fn warmed(budget: &RetryBudget) -> HedgePolicy {
+    let policy = HedgePolicy::new(budget.clone(), "psp", "GetCharge");
+    for _ in 0..HedgePolicy::MIN_SAMPLES {
+        policy.latencies.record(100 * MS);
+    }
+    policy
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_attempt_is_hedged_after_the_p95_and_the_loser_is_cancelled() {
+    struct Cancelled(Arc<AtomicBool>);
+    impl Drop for Cancelled {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dropped = Arc::new(AtomicBool::new(false));
+    let svc = {
+        let (calls, dropped) = (calls.clone(), dropped.clone());
+        tower::service_fn(move |r: Request<Body>| {
+            let mut calls = calls.lock().unwrap();
+            calls.push((
+                Instant::now(),
+                r.headers()
+                    .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
+                    .map(|v| v.to_str().unwrap().to_owned()),
+            ));
+            let first = calls.len() == 1;
+            let guard = Cancelled(dropped.clone());
+            async move {
+                if first {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    std::mem::forget(guard);
+                    Ok::<_, BoxError>(Response::new("slow"))
+                } else {
+                    std::mem::forget(guard);
+                    Ok(Response::new("hedge"))
+                }
+            }
+        })
+    };
+    let svc = Hedge::new(svc, warmed(&budget));
+    let start = Instant::now();
+    let response = svc
+        .oneshot(request(&HedgeAllowance::default()))
+        .await
+        .unwrap();
+    assert_eq!(*response.body(), "hedge");
+    assert_eq!(start.elapsed(), 100 * MS);
+    let calls = calls.lock().unwrap();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].1, None);
+    assert_eq!(calls[1].1.as_deref(), Some("1"));
+    assert_eq!(calls[1].0 - calls[0].0, 100 * MS);
+    // The slow attempt's future was dropped before it finished: cancelled.
+    assert!(dropped.load(Ordering::SeqCst));
+    assert_eq!(budget.available(), 4.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fast_attempt_is_not_hedged() {
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
+    let svc = Hedge::new(svc, warmed(&budget));
+    handle.allow(2);
+    let call = tokio::spawn(svc.oneshot(request(&HedgeAllowance::default())));
+    let (_, send) = handle.next_request().await.unwrap();
+    advance(99 * MS).await;
+    send.send_response(Response::new("first"));
+    assert_eq!(*call.await.unwrap().unwrap().body(), "first");
+    assert_eq!(budget.available(), 5.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_hedge_per_logical_call_and_none_without_budget() {
+    let budget = RetryBudget::new(0.0, 1).unwrap();
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
+    let svc = Hedge::new(svc, warmed(&budget));
+    handle.allow(10);
+    let allowance = HedgeAllowance::default();
+    assert!(allowance.clone().take());
+    // This call's hedge was already used (by an earlier attempt of the same call).
+    let call = tokio::spawn(svc.clone().oneshot(request(&allowance)));
+    let (_, send) = handle.next_request().await.unwrap();
+    advance(500 * MS).await;
+    send.send_response(Response::new("only"));
+    assert_eq!(*call.await.unwrap().unwrap().body(), "only");
+
+    // The budget's last token pays one hedge; the next call finds none.
+    for expected_requests in [2, 1] {
+        let call = tokio::spawn(svc.clone().oneshot(request(&HedgeAllowance::default())));
+        let mut responders = Vec::new();
+        for _ in 0..expected_requests {
+            responders.push(handle.next_request().await.unwrap().1);
+        }
+        advance(500 * MS).await;
+        for r in responders {
+            r.send_response(Response::new("ok"));
+        }
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(budget.available(), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retryable_failure_waits_for_the_other_attempt() {
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
+    let svc = Hedge::new(svc, warmed(&budget));
+    handle.allow(2);
+    let call = tokio::spawn(svc.oneshot(request(&HedgeAllowance::default())));
+    let (_, first) = handle.next_request().await.unwrap();
+    let (_, second) = handle.next_request().await.unwrap();
+    second.send_response(Response::builder().status(503).body("down").unwrap());
+    tokio::task::yield_now().await;
+    first.send_response(Response::new("up"));
+    assert_eq!(*call.await.unwrap().unwrap().body(), "up");
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_before_the_window_has_samples() {
+    let budget = RetryBudget::default();
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
+    let svc = Hedge::new(svc, HedgePolicy::new(budget, "psp", "GetCharge"));
+    handle.allow(2);
+    let call = tokio::spawn(svc.oneshot(request(&HedgeAllowance::default())));
+    let (_, send) = handle.next_request().await.unwrap();
+    advance(Duration::from_secs(5)).await;
+    send.send_response(Response::new("late"));
+    assert_eq!(*call.await.unwrap().unwrap().body(), "late");
+}

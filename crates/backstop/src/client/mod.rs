@@ -1,0 +1,85 @@
+//! The client stack: one logical request turned into safe attempts (seed 2.1-2.3, 2.5.3, 2.8).
+//!
+//! Every mechanism is a tower layer over `http::Request<B> -> http::Response<B>`, so the same
+//! stack wraps a tonic `Channel` (gRPC), a hyper-util client or any HTTP client exposed as a
+//! tower service. [`ClientStack`] composes them, outermost first:
+//!
+//! 1. [`logical`]: one idempotency key per logical call (`Keyed` methods), made once and, with
+//!    an [`IntentJournal`](logical::IntentJournal), stored before the first send so a restarted
+//!    client resumes with the same key. Outermost, so nothing below can make a second key.
+//! 2. [`deadline`] ([`SetDeadline`](deadline::SetDeadline)): one deadline for the whole call.
+//!    Above retry, so retries share it and can never extend it.
+//! 3. [`retry`]: the [`RetryPolicy`](crate::retry::RetryPolicy) executor: eligibility from the
+//!    method's contract, [`replay`] of the body, the destination's budget, full jitter,
+//!    pushback, `grpc-previous-rpc-attempts`, and a stop reason on every stop.
+//! 4. [`hedge`]: at most one extra attempt after the rolling p95 (`Safe`/`Keyed` methods
+//!    only), paid from the same budget. Below retry, so a hedge is part of one attempt.
+//! 5. [`deadline`] ([`AttemptTimeout`](deadline::AttemptTimeout)): each attempt (hedges too)
+//!    carries `grpc-timeout` = remaining - margin, or is not sent at all.
+//! 6. [`breaker`]: per destination; open means attempts fail at once (`circuit_open`). Below
+//!    the attempt timeout, so an attempt refused for lack of time is not counted against the
+//!    destination.
+//! 7. [`transparent`]: one re-send of an attempt that provably never reached the server,
+//!    without spending the method's attempts. Innermost, just above the transport, where those
+//!    errors are seen.
+//!
+//! Below it sits the transport: [`connect`] (pooled hyper-util clients, balancing over
+//! several endpoints) or a tonic channel. [`config`] reads gRPC service configs into the same
+//! policies. Every attempt is counted (`rpc_client_attempts_total{attempt,outcome}`,
+//! `rpc_client_attempt_duration_seconds`), every hedge (`rpc_client_hedges_total`) and retry
+//! (`rpc_client_retries_total`), and logged as an `rpc_attempt` event (DESIGN section 6).
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use std::time::Duration;
+//! use backstop::client::{ClientStack, Destination};
+//! use backstop::contract::{Idempotency, MethodContract, KEY_TTL_PAYMENTS};
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::Full;
+//! use tower::{Layer, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! // A transport that fails the first attempt, recording the keys it sees.
+//! let seen = Arc::new(Mutex::new(Vec::new()));
+//! let transport = {
+//!     let seen = seen.clone();
+//!     service_fn(move |request: Request<_>| {
+//!         let mut seen = seen.lock().unwrap();
+//!         seen.push(request.headers()["idempotency-key"].to_str().unwrap().to_owned());
+//!         let status = if seen.len() == 1 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::CREATED };
+//!         async move { Ok::<_, std::io::Error>(Response::builder().status(status).body(()).unwrap()) }
+//!     })
+//! };
+//!
+//! let psp = Destination::new("psp");
+//! let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+//!     .default_timeout(Duration::from_secs(2))
+//!     .key_ttl(KEY_TTL_PAYMENTS)
+//!     .build();
+//! let client = ClientStack::builder(&psp, charge).build()?.layer(transport);
+//!
+//! let request = Request::post("http://psp/v1/charges").body(Full::new(Bytes::from("{}")))?;
+//! let response = client.oneshot(request).await?;
+//! assert_eq!(response.status(), StatusCode::CREATED);
+//! let seen = seen.lock().unwrap();
+//! assert_eq!(seen.len(), 2);
+//! assert_eq!(seen[0], seen[1], "one key for the logical call, on every attempt");
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod breaker;
+pub mod classify;
+pub mod config;
+pub mod connect;
+pub mod deadline;
+pub mod hedge;
+pub mod logical;
+pub mod replay;
+pub mod retry;
+mod stack;
+pub mod transparent;
+
+pub use self::stack::{ClientService, ClientStack, ClientStackBuilder, Destination, StackError};

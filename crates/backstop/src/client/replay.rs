@@ -1,0 +1,387 @@
+//! Request replay: send a request body more than once without the request being `Clone`.
+//!
+//! A retry or a hedge re-sends the request, but an `http::Request<B>` is a one-shot value: its
+//! body is a stream consumed by the first send. [`buffer`] reads the body once, before the first
+//! attempt, into shared [`Bytes`] (up to a byte cap), and every attempt then gets a cheap
+//! [`ReplayBody`] over the same bytes ([`try_clone_request`]).
+//!
+//! The cap bounds what a client holds per logical request. A body that is larger (its
+//! `size_hint` says so before anything is read, or it grows past the cap while being read) is
+//! not an error: it is sent once, the part already read first and the rest streamed after it,
+//! and it is simply not retried. Whether a request may be retried at all (its method contract)
+//! is decided by the caller *before* calling [`buffer`], so a request that can never be retried
+//! is never buffered.
+//!
+//! ```
+//! use backstop::client::replay::{Buffered, buffer, try_clone_request};
+//! use http_body_util::{BodyExt, Full};
+//! use bytes::Bytes;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let body = Full::new(Bytes::from_static(b"{\"amount_cents\":100}"));
+//! let Buffered::Replayable(replay) = buffer(body, 64 * 1024).await.unwrap() else {
+//!     unreachable!("small bodies are kept")
+//! };
+//! let first = http::Request::post("/v1/charges").body(replay.body::<Full<Bytes>>()).unwrap();
+//! let second = try_clone_request(&first).expect("a buffered body replays");
+//! let bytes = second.into_body().collect().await.unwrap().to_bytes();
+//! assert_eq!(bytes, "{\"amount_cents\":100}");
+//! # }
+//! ```
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Request};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+
+/// Default byte cap of a replayable body: 64 KiB, far above a unary RPC's usual size.
+pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
+
+/// A body read in full, shared by every attempt. Cloning shares the bytes.
+#[derive(Debug, Clone, Default)]
+pub struct Replay {
+    data: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+impl Replay {
+    /// A replay of `data` without trailers.
+    pub fn new(data: Bytes) -> Self {
+        Self {
+            data,
+            trailers: None,
+        }
+    }
+
+    /// The body bytes.
+    pub fn data(&self) -> &Bytes {
+        &self.data
+    }
+
+    /// A fresh body for one attempt.
+    pub fn body<B>(&self) -> ReplayBody<B> {
+        ReplayBody {
+            kind: Kind::Buffered {
+                replay: self.clone(),
+                data_sent: self.data.is_empty(),
+                trailers_sent: self.trailers.is_none(),
+            },
+        }
+    }
+}
+
+/// What [`buffer`] made of a body.
+#[derive(Debug)]
+pub enum Buffered<B> {
+    /// The whole body, within the cap: it can be sent any number of times.
+    Replayable(Replay),
+    /// The body is over the cap: send it once (the part read so far, then the rest).
+    TooLarge(ReplayBody<B>),
+}
+
+pin_project! {
+    /// The body of one attempt: shared buffered bytes, or (for a body sent only once) the
+    /// original body behind the part of it already read.
+    #[derive(Debug)]
+    pub struct ReplayBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    #[derive(Debug)]
+    enum Kind<B> {
+        Buffered {
+            replay: Replay,
+            data_sent: bool,
+            trailers_sent: bool,
+        },
+        Streaming {
+            prefix: VecDeque<Bytes>,
+            #[pin]
+            rest: B,
+        },
+    }
+}
+
+impl<B> ReplayBody<B> {
+    /// The original body, sent once and never replayed.
+    pub fn once(body: B) -> Self {
+        Self {
+            kind: Kind::Streaming {
+                prefix: VecDeque::new(),
+                rest: body,
+            },
+        }
+    }
+
+    /// Whether this body can be sent again ([`try_clone`](Self::try_clone) succeeds).
+    pub fn is_replayable(&self) -> bool {
+        matches!(self.kind, Kind::Buffered { .. })
+    }
+
+    /// A fresh copy from the start, for another attempt; `None` for a body sent only once.
+    pub fn try_clone(&self) -> Option<Self> {
+        match &self.kind {
+            Kind::Buffered { replay, .. } => Some(replay.body()),
+            Kind::Streaming { .. } => None,
+        }
+    }
+}
+
+impl<B> Body for ReplayBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().kind.project() {
+            KindProj::Buffered {
+                replay,
+                data_sent,
+                trailers_sent,
+            } => {
+                if !*data_sent {
+                    *data_sent = true;
+                    return Poll::Ready(Some(Ok(Frame::data(replay.data.clone()))));
+                }
+                if !*trailers_sent {
+                    *trailers_sent = true;
+                    if let Some(trailers) = &replay.trailers {
+                        return Poll::Ready(Some(Ok(Frame::trailers(trailers.clone()))));
+                    }
+                }
+                Poll::Ready(None)
+            }
+            KindProj::Streaming { prefix, rest } => match prefix.pop_front() {
+                Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+                None => rest.poll_frame(cx),
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Buffered {
+                data_sent,
+                trailers_sent,
+                ..
+            } => *data_sent && *trailers_sent,
+            Kind::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Buffered {
+                replay, data_sent, ..
+            } => SizeHint::with_exact(if *data_sent {
+                0
+            } else {
+                replay.data.len() as u64
+            }),
+            Kind::Streaming { prefix, rest } => {
+                let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
+                let hint = rest.size_hint();
+                let mut out = SizeHint::new();
+                out.set_lower(hint.lower().saturating_add(read));
+                if let Some(upper) = hint.upper() {
+                    out.set_upper(upper.saturating_add(read));
+                }
+                out
+            }
+        }
+    }
+}
+
+/// Reads `body` into a [`Replay`] when it fits in `cap` bytes.
+///
+/// A body whose `size_hint` already says it is larger is returned untouched, without reading;
+/// one that grows past the cap while being read is returned with what was read in front of the
+/// rest. Memory held is at most `cap` plus one chunk. An error reading the body is returned as
+/// is: nothing was sent.
+pub async fn buffer<B>(body: B, cap: usize) -> Result<Buffered<B>, B::Error>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    let cap_u64 = u64::try_from(cap).unwrap_or(u64::MAX);
+    if body.size_hint().lower() > cap_u64 {
+        return Ok(Buffered::TooLarge(ReplayBody::once(body)));
+    }
+    let mut body = body;
+    let mut chunks: VecDeque<Bytes> = VecDeque::new();
+    let mut len = 0usize;
+    let mut trailers = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        match frame.into_data() {
+            Ok(chunk) => {
+                len = len.saturating_add(chunk.len());
+                if !chunk.is_empty() {
+                    chunks.push_back(chunk);
+                }
+                if len > cap {
+                    return Ok(Buffered::TooLarge(ReplayBody {
+                        kind: Kind::Streaming {
+                            prefix: chunks,
+                            rest: body,
+                        },
+                    }));
+                }
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers = Some(t);
+                }
+            }
+        }
+    }
+    let data = match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop_front().unwrap_or_default(),
+        _ => {
+            let mut all = BytesMut::with_capacity(len);
+            for chunk in chunks {
+                all.extend_from_slice(&chunk);
+            }
+            all.freeze()
+        }
+    };
+    Ok(Buffered::Replayable(Replay { data, trailers }))
+}
+
+/// A copy of `request` for another attempt: method, URI, version, headers, extensions and a
+/// body replayed from the start. `None` when the body is sent only once.
+pub fn try_clone_request<B>(request: &Request<ReplayBody<B>>) -> Option<Request<ReplayBody<B>>> {
+    let body = request.body().try_clone()?;
+    let mut copy = Request::new(body);
+    *copy.method_mut() = request.method().clone();
+    *copy.uri_mut() = request.uri().clone();
+    *copy.version_mut() = request.version();
+    *copy.headers_mut() = request.headers().clone();
+    *copy.extensions_mut() = request.extensions().clone();
+    Some(copy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::stream;
+    use http_body_util::{Full, StreamBody};
+    use std::convert::Infallible;
+
+    type Chunked = StreamBody<stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>>;
+
+    fn chunked(chunks: &[&'static str]) -> Chunked {
+        let frames: Vec<Result<Frame<Bytes>, Infallible>> = chunks
+            .iter()
+            .map(|c| Ok(Frame::data(Bytes::from_static(c.as_bytes()))))
+            .collect();
+        StreamBody::new(stream::iter(frames))
+    }
+
+    async fn collect<B: Body<Data = Bytes>>(body: B) -> Bytes
+    where
+        B::Error: std::fmt::Debug,
+    {
+        body.collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test]
+    async fn a_body_within_the_cap_replays_any_number_of_times() {
+        let Buffered::Replayable(replay) = buffer(chunked(&["ab", "cd", "ef"]), 6).await.unwrap()
+        else {
+            panic!("6 bytes fit a 6 byte cap");
+        };
+        assert_eq!(replay.data(), "abcdef");
+        let first: ReplayBody<Chunked> = replay.body();
+        assert!(first.is_replayable());
+        assert_eq!(first.size_hint().exact(), Some(6));
+        let second = first.try_clone().unwrap();
+        assert_eq!(collect(first).await, "abcdef");
+        assert_eq!(collect(second).await, "abcdef");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_cap_is_sent_once_in_full() {
+        let Buffered::TooLarge(body) = buffer(chunked(&["abc", "def", "gh"]), 4).await.unwrap()
+        else {
+            panic!("8 bytes exceed a 4 byte cap");
+        };
+        assert!(!body.is_replayable());
+        assert!(body.try_clone().is_none());
+        assert_eq!(collect(body).await, "abcdefgh");
+    }
+
+    #[tokio::test]
+    async fn a_body_known_to_be_too_large_is_not_read() {
+        let full = Full::new(Bytes::from_static(b"0123456789"));
+        let Buffered::TooLarge(body) = buffer(full, 9).await.unwrap() else {
+            panic!("the size hint says 10 bytes");
+        };
+        // Nothing was read: the whole original body is still behind an empty prefix.
+        assert_eq!(body.size_hint().exact(), Some(10));
+        assert_eq!(collect(body).await, "0123456789");
+    }
+
+    #[tokio::test]
+    async fn empty_bodies_and_trailers_replay() {
+        let Buffered::Replayable(replay) = buffer(http_body_util::Empty::<Bytes>::new(), 0)
+            .await
+            .unwrap()
+        else {
+            panic!("empty fits");
+        };
+        let body: ReplayBody<Full<Bytes>> = replay.body();
+        assert!(body.is_end_stream());
+
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let frames: Vec<Result<Frame<Bytes>, Infallible>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"x"))),
+            Ok(Frame::trailers(trailers.clone())),
+        ];
+        let Buffered::Replayable(replay) = buffer(StreamBody::new(stream::iter(frames)), 10)
+            .await
+            .unwrap()
+        else {
+            panic!("fits");
+        };
+        for _ in 0..2 {
+            let collected = replay.body::<Full<Bytes>>().collect().await.unwrap();
+            assert_eq!(collected.trailers(), Some(&trailers));
+            assert_eq!(collected.to_bytes(), "x");
+        }
+    }
+
+    #[test]
+    fn cloned_requests_keep_everything_but_share_the_bytes() {
+        let replay = Replay::new(Bytes::from_static(b"body"));
+        let mut request = Request::post("http://psp/v1/charges")
+            .header("idempotency-key", "k-1")
+            .body(replay.body::<Full<Bytes>>())
+            .unwrap();
+        request.extensions_mut().insert(7u32);
+        let copy = try_clone_request(&request).unwrap();
+        assert_eq!(copy.method(), request.method());
+        assert_eq!(copy.uri(), request.uri());
+        assert_eq!(copy.headers(), request.headers());
+        assert_eq!(copy.extensions().get::<u32>(), Some(&7));
+
+        let once = Request::new(ReplayBody::once(Full::new(Bytes::new())));
+        assert!(try_clone_request(&once).is_none());
+    }
+}

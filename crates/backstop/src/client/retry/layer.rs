@@ -1,0 +1,66 @@
+use std::sync::Arc;
+
+use tower_layer::Layer;
+
+use super::Retry;
+use crate::client::classify::{Classifier, classify_head};
+use crate::client::replay::DEFAULT_REPLAY_CAP;
+use crate::contract::Idempotency;
+use crate::retry::RetryPolicy;
+
+/// Applies [`Retry`] with one method's policy.
+#[derive(Debug, Clone)]
+pub struct RetryLayer {
+    policy: RetryPolicy,
+    idempotency: Idempotency,
+    replay_cap: usize,
+    classifier: Classifier,
+    peer: Option<Arc<str>>,
+}
+
+impl RetryLayer {
+    /// Retries calls of a method of class `idempotency` by `policy` (whose budget is the
+    /// destination's), buffering bodies up to [`DEFAULT_REPLAY_CAP`].
+    pub fn new(policy: RetryPolicy, idempotency: Idempotency) -> Self {
+        Self {
+            policy,
+            idempotency,
+            replay_cap: DEFAULT_REPLAY_CAP,
+            classifier: classify_head,
+            peer: None,
+        }
+    }
+
+    /// The largest body kept for replay; larger bodies are sent once.
+    pub fn replay_cap(mut self, bytes: usize) -> Self {
+        self.replay_cap = bytes;
+        self
+    }
+
+    /// How answers are read (default [`classify_head`]).
+    pub fn classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = classifier;
+        self
+    }
+
+    /// The destination's address or name, for the `peer` log field.
+    pub fn peer(mut self, peer: impl Into<Arc<str>>) -> Self {
+        self.peer = Some(peer.into());
+        self
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = Retry<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Retry::new(
+            inner,
+            self.policy.clone(),
+            self.idempotency,
+            self.replay_cap,
+            self.classifier,
+            self.peer.clone(),
+        )
+    }
+}

@@ -1,0 +1,262 @@
+//! The retry layer: one logical call run as attempts by the [`RetryPolicy`] executor.
+//!
+//! [`Retry`] adapts [`RetryPolicy::execute_with`] to `http::Request -> http::Response`
+//! services (tonic channels, hyper clients, reqwest-style clients as tower services):
+//!
+//! - **Eligibility first.** Whether the call may be sent more than once at all is decided from
+//!   the method's [`Idempotency`] before anything is read: `Unsafe` never (not even by a
+//!   transparent retry), `Keyed` only when the request carries its `idempotency-key`, `Safe`
+//!   always. An ineligible call is sent once, its body streamed as is.
+//! - **Replay.** An eligible call's body is read once into a [`Replay`](super::replay::Replay)
+//!   (up to the byte cap) and every attempt, hedge and transparent re-send gets a copy; a body
+//!   over the cap is sent once.
+//! - **One deadline.** Every attempt shares the call's [`Deadline`] (set above by
+//!   [`SetDeadline`](super::deadline::SetDeadline)); the executor never waits past it.
+//! - **Classification.** Each response is read by a [`Classifier`], by default
+//!   [`classify_head`](super::classify::classify_head): HTTP status or
+//!   `grpc-status` (trailers-only answers), pushback from `grpc-retry-pushback-ms` /
+//!   `Retry-After`. Errors by [`error_status`].
+//! - **Budget, backoff, pushback, reasons.** As the executor does: full jitter, the
+//!   destination's shared [`RetryBudget`](crate::retry::RetryBudget), pushback jittered by
+//!   [0.8, 1.2], and a [`StopReason`] on every stop, in metrics and logs.
+//! - `grpc-previous-rpc-attempts` on every retry (the number of attempts before it).
+//!
+//! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
+//! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
+//! one (transport errors, the deadline, an open circuit), the error is a
+//! [`RetryError`](crate::retry::RetryError).
+
+mod layer;
+
+pub use self::layer::RetryLayer;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Request, Response};
+use http_body::Body;
+use tower::{BoxError, ServiceExt};
+use tower_service::Service;
+
+use super::classify::{Classifier, error_status};
+use super::hedge::HedgeAllowance;
+use super::logical::IDEMPOTENCY_KEY;
+use super::replay::{Buffered, ReplayBody, buffer};
+use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
+use crate::deadline::Deadline;
+use crate::retry::{CallInfo, RetryPolicy, StopReason};
+use crate::status::{Code, Status};
+
+/// Header carrying, on a retry or a hedge, how many attempts of the call came before it.
+pub static GRPC_PREVIOUS_RPC_ATTEMPTS: HeaderName =
+    HeaderName::from_static("grpc-previous-rpc-attempts");
+
+/// The W3C trace context header, read for the `trace_id` log field.
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+/// The response future of [`Retry`].
+pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+/// Put on a response that ended the attempts without succeeding: how many were sent and why
+/// no further one was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryStopped {
+    /// Why the attempts stopped.
+    pub reason: StopReason,
+    /// Attempts sent, first included.
+    pub attempts: u32,
+}
+
+#[derive(Debug)]
+struct Config {
+    policy: RetryPolicy,
+    single: RetryPolicy,
+    idempotency: Idempotency,
+    replay_cap: usize,
+    peer: Option<Arc<str>>,
+    classifier: Classifier,
+}
+
+/// Runs each logical call as attempts (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct Retry<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> Retry<S> {
+    /// Wraps `inner` with `policy` for a method of class `idempotency`, buffering bodies of up
+    /// to `replay_cap` bytes, reading answers with `classifier`
+    /// ([`classify_head`](super::classify::classify_head) unless the destination says
+    /// otherwise); `peer` names the destination in logs.
+    pub fn new(
+        inner: S,
+        policy: RetryPolicy,
+        idempotency: Idempotency,
+        replay_cap: usize,
+        classifier: Classifier,
+        peer: Option<Arc<str>>,
+    ) -> Self {
+        let single = policy.single_attempt();
+        Self {
+            inner,
+            config: Arc::new(Config {
+                policy,
+                single,
+                idempotency,
+                replay_cap,
+                peer,
+                classifier,
+            }),
+        }
+    }
+}
+
+impl<S, B, ResB> Service<Request<B>> for Retry<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: Send + 'static,
+{
+    type Response = Response<ResB>;
+    type Error = BoxError;
+    type Future = ResponseFuture<Response<ResB>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Each attempt waits for readiness of its own clone of the inner service, inside the
+        // deadline.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        Box::pin(run(self.inner.clone(), self.config.clone(), request))
+    }
+}
+
+/// What each attempt sends.
+enum Content<B> {
+    Replay(super::replay::Replay),
+    Once(Option<ReplayBody<B>>),
+}
+
+async fn run<S, B, ResB>(
+    inner: S,
+    config: Arc<Config>,
+    request: Request<B>,
+) -> Result<Response<ResB>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    B: Body<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: Send + 'static,
+{
+    let (mut parts, body) = request.into_parts();
+    let deadline = *parts
+        .extensions
+        .get_or_insert_with(|| Deadline::after(DEFAULT_TIMEOUT));
+    parts.extensions.insert(HedgeAllowance::default());
+    let key = parts
+        .headers
+        .get(&IDEMPOTENCY_KEY)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    // Decided before reading anything: may this call be sent more than once at all?
+    let replayable = match config.idempotency {
+        Idempotency::Safe => true,
+        Idempotency::Keyed => key.is_some(),
+        Idempotency::Unsafe => false,
+    };
+    let (policy, mut content) = if replayable {
+        match buffer(body, config.replay_cap).await.map_err(Into::into)? {
+            Buffered::Replayable(replay) => (&config.policy, Content::Replay(replay)),
+            Buffered::TooLarge(once) => (&config.single, Content::Once(Some(once))),
+        }
+    } else {
+        (&config.single, Content::Once(Some(ReplayBody::once(body))))
+    };
+    let trace_id = parts
+        .headers
+        .get(&TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split('-').nth(1))
+        .filter(|id| id.len() == 32)
+        .map(str::to_owned);
+    let call = CallInfo {
+        idempotency_key: key.as_deref(),
+        peer: config.peer.as_deref(),
+        trace_id: trace_id.as_deref(),
+    };
+
+    // The response of the last failed attempt, returned if it ends up being the answer.
+    let last: Arc<Mutex<Option<Response<ResB>>>> = Arc::new(Mutex::new(None));
+    let slot = last.clone();
+    let classify = config.classifier;
+    // The closure owns the service and the request parts, so the future needs `S: Send` only.
+    let result = policy
+        .execute_with(&call, deadline, move |attempt| {
+            let body = match &mut content {
+                Content::Replay(replay) => Some(replay.body()),
+                Content::Once(once) => once.take(),
+            };
+            let request = body.map(|body| {
+                let mut request = Request::from_parts(parts.clone(), body);
+                if attempt.number > 1 {
+                    request.headers_mut().insert(
+                        &GRPC_PREVIOUS_RPC_ATTEMPTS,
+                        HeaderValue::from(attempt.number - 1),
+                    );
+                }
+                request
+            });
+            let svc = inner.clone();
+            let last = slot.clone();
+            *lock(&last) = None;
+            async move {
+                let Some(request) = request else {
+                    return Err(Status::new(Code::Internal, "body already sent"));
+                };
+                match svc.oneshot(request).await {
+                    Ok(response) => match classify(response.status(), response.headers()) {
+                        None => Ok(response),
+                        Some(status) => {
+                            *lock(&last) = Some(response);
+                            Err(status)
+                        }
+                    },
+                    Err(e) => {
+                        let e: BoxError = e.into();
+                        Err(error_status(&*e))
+                    }
+                }
+            }
+        })
+        .await;
+    match result {
+        Ok(response) => Ok(response),
+        Err(stopped) => match lock(&last).take() {
+            Some(mut response) => {
+                response.extensions_mut().insert(RetryStopped {
+                    reason: stopped.reason,
+                    attempts: stopped.attempts,
+                });
+                Ok(response)
+            }
+            None => Err(Box::new(stopped)),
+        },
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests;

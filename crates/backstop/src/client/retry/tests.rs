@@ -1,0 +1,238 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt};
+use tower_test::mock;
+
+use super::*;
+use crate::client::replay::ReplayBody;
+use crate::retry::{Backoff, Jitter, RetryBudget, RetryError};
+
+type Body = ReplayBody<Full<Bytes>>;
+type Handle = mock::Handle<Request<Body>, Response<()>>;
+type Mocked = Retry<mock::Mock<Request<Body>, Response<()>>>;
+
+const MS: Duration = Duration::from_millis(1);
+
+fn policy(budget: RetryBudget) -> RetryPolicy {
+    RetryPolicy::builder("psp", "Charge")
+        .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
+        .budget(budget)
+        .keyed(true)
+        .build()
+        .unwrap()
+}
+
+fn service(idempotency: Idempotency, budget: RetryBudget) -> (Mocked, Handle) {
+    let (svc, handle) = mock::pair();
+    let layer = RetryLayer::new(policy(budget), idempotency).replay_cap(16);
+    (layer.layer(svc), handle)
+}
+
+fn request(body: &'static str, key: Option<&str>) -> Request<Full<Bytes>> {
+    let mut builder = Request::post("http://psp/v1/charges");
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    let mut request = builder
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(Deadline::after(Duration::from_secs(1)));
+    request
+}
+
+fn status(code: u16) -> Response<()> {
+    Response::builder().status(code).body(()).unwrap()
+}
+
+async fn body_of(request: Request<Body>) -> Bytes {
+    request.into_body().collect().await.unwrap().to_bytes()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyed_call_is_retried_with_its_key_body_and_attempt_count() {
+    let (svc, mut handle) = service(Idempotency::Keyed, RetryBudget::default());
+    handle.allow(3);
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+
+    let mut previous = Vec::new();
+    for (i, code) in [503, 503, 201].into_iter().enumerate() {
+        let (sent, send) = handle.next_request().await.unwrap();
+        assert_eq!(sent.headers()["idempotency-key"], "k-1", "attempt {i}");
+        previous.push(
+            sent.headers()
+                .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
+                .map(|v| v.to_str().unwrap().to_owned()),
+        );
+        send.send_response(status(code));
+        assert_eq!(body_of(sent).await, "{\"a\":1}");
+    }
+    assert_eq!(previous, [None, Some("1".into()), Some("2".into())]);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(response.status(), 201);
+    assert!(response.extensions().get::<RetryStopped>().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn unsafe_calls_and_keyed_calls_without_a_key_are_sent_once() {
+    for (idempotency, key) in [(Idempotency::Unsafe, Some("k")), (Idempotency::Keyed, None)] {
+        let (svc, mut handle) = service(idempotency, RetryBudget::default());
+        handle.allow(3);
+        let call = tokio::spawn(svc.oneshot(request("x", key)));
+        let (sent, send) = handle.next_request().await.unwrap();
+        assert!(!sent.body().is_replayable(), "not buffered: {idempotency}");
+        send.send_response(status(503));
+        let response = call.await.unwrap().unwrap();
+        assert_eq!(response.status(), 503);
+        let stopped = response.extensions().get::<RetryStopped>().unwrap();
+        assert_eq!(stopped.attempts, 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_cap_is_sent_once_and_not_refused() {
+    let (svc, mut handle) = service(Idempotency::Safe, RetryBudget::default());
+    handle.allow(3);
+    let call = tokio::spawn(svc.oneshot(request("0123456789abcdefXYZ", None)));
+    let (sent, send) = handle.next_request().await.unwrap();
+    send.send_response(status(503));
+    assert_eq!(body_of(sent).await, "0123456789abcdefXYZ");
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(
+        response
+            .extensions()
+            .get::<RetryStopped>()
+            .unwrap()
+            .attempts,
+        1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_trailers_only_statuses_are_classified() {
+    let (svc, mut handle) = service(Idempotency::Safe, RetryBudget::default());
+    handle.allow(5);
+    let call = tokio::spawn(svc.clone().oneshot(request("x", None)));
+    let grpc = |code: &str| {
+        Response::builder()
+            .header("content-type", "application/grpc")
+            .header("grpc-status", code)
+            .body(())
+            .unwrap()
+    };
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(grpc("14"));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(grpc("0"));
+    assert!(
+        call.await
+            .unwrap()
+            .unwrap()
+            .extensions()
+            .get::<RetryStopped>()
+            .is_none()
+    );
+
+    let call = tokio::spawn(svc.oneshot(request("x", None)));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(grpc("3"));
+    let response = call.await.unwrap().unwrap();
+    let stopped = response.extensions().get::<RetryStopped>().unwrap();
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (1, StopReason::NonRetryable)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushback_is_honoured_and_a_negative_one_stops_retries() {
+    let (svc, mut handle) = service(Idempotency::Safe, RetryBudget::default());
+    handle.allow(5);
+    let start = Instant::now();
+    let call = tokio::spawn(svc.clone().oneshot(request("x", None)));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(
+        Response::builder()
+            .status(503)
+            .header("grpc-retry-pushback-ms", "300")
+            .body(())
+            .unwrap(),
+    );
+    let (_, send) = handle.next_request().await.unwrap();
+    let waited = start.elapsed();
+    assert!(waited >= 240 * MS && waited <= 360 * MS, "{waited:?}");
+    send.send_response(status(200));
+    call.await.unwrap().unwrap();
+
+    let call = tokio::spawn(svc.oneshot(request("x", None)));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(
+        Response::builder()
+            .status(503)
+            .header("grpc-retry-pushback-ms", "-1")
+            .body(())
+            .unwrap(),
+    );
+    let response = call.await.unwrap().unwrap();
+    let stopped = response.extensions().get::<RetryStopped>().unwrap();
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (1, StopReason::Pushback)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn transport_errors_end_in_a_retry_error_with_its_reason() {
+    let budget = RetryBudget::new(0.0, 1).unwrap();
+    let (svc, mut handle) = service(Idempotency::Safe, budget);
+    handle.allow(5);
+    let call = tokio::spawn(svc.oneshot(request("x", None)));
+    for _ in 0..2 {
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+    }
+    let err = call.await.unwrap().unwrap_err();
+    let err = err.downcast_ref::<RetryError>().unwrap();
+    assert_eq!((err.attempts, err.reason), (2, StopReason::BudgetExhausted));
+    assert_eq!(err.last.code(), Code::Unavailable);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_never_extend_the_deadline() {
+    let (svc, mut handle) = service(Idempotency::Safe, RetryBudget::default());
+    handle.allow(5);
+    let start = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("x", None)));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(503));
+    // The second attempt hangs: the call ends at the deadline, not later.
+    let (_, _hanging) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    let err = err.downcast_ref::<RetryError>().unwrap();
+    assert_eq!(err.reason, StopReason::Deadline);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_destination_can_read_its_answers_its_own_way() {
+    /// A provider whose 500 means "try again".
+    fn provider(status: http::StatusCode, _: &http::HeaderMap) -> Option<Status> {
+        (!status.is_success()).then(|| Status::new(Code::Unavailable, "provider error"))
+    }
+    let (svc, mut handle) = mock::pair();
+    let mut svc = RetryLayer::new(policy(RetryBudget::default()), Idempotency::Safe)
+        .classifier(provider)
+        .layer(svc);
+    handle.allow(2);
+    let call = tokio::spawn(svc.call(request("x", None)));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(500));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_response(status(200));
+    assert_eq!(call.await.unwrap().unwrap().status(), 200);
+}

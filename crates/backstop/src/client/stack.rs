@@ -1,0 +1,500 @@
+//! [`ClientStack`]: every client layer, composed in the order that keeps them correct.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::breaker::{Breaker, BreakerConfig, CircuitBreaker};
+use super::classify::{Classifier, classify_head};
+use super::config::MethodConfig;
+use super::deadline::{AttemptTimeout, SetDeadline};
+use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
+use super::logical::IdempotencyKeyService;
+#[cfg(feature = "sqlite")]
+use super::logical::IntentJournal;
+use super::replay::DEFAULT_REPLAY_CAP;
+use super::retry::Retry;
+use super::transparent::TransparentRetry;
+use crate::contract::{ContractError, Idempotency, MethodContract};
+use crate::deadline::Margin;
+use crate::retry::{Backoff, PolicyError, RetryBudget, RetryPolicy};
+use crate::status::Code;
+
+/// What every method calling one destination shares: its name, its retry budget (retries,
+/// hedges and transparent retries all spend it), its margin estimator, its circuit breaker and
+/// its latency window. Cheap to clone; clones share the state.
+#[derive(Debug, Clone)]
+pub struct Destination {
+    name: Arc<str>,
+    budget: RetryBudget,
+    margin: Arc<Margin>,
+    breaker: Option<CircuitBreaker>,
+    latencies: Arc<LatencyWindow>,
+}
+
+impl Destination {
+    /// The smallest margin kept unless configured.
+    pub const DEFAULT_MARGIN_FLOOR: Duration = Duration::from_millis(5);
+
+    /// A destination named `name` (the `service` metric label and the `peer` log field: keep
+    /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a margin floor
+    /// of 5 ms and a breaker with [`BreakerConfig::default`].
+    pub fn new(name: impl Into<Arc<str>>) -> Self {
+        Self {
+            name: name.into(),
+            budget: RetryBudget::default(),
+            margin: Arc::new(Margin::new(Self::DEFAULT_MARGIN_FLOOR)),
+            breaker: CircuitBreaker::new(BreakerConfig::default()).ok(),
+            latencies: Arc::new(LatencyWindow::new(
+                HedgePolicy::WINDOW,
+                HedgePolicy::MIN_SAMPLES,
+            )),
+        }
+    }
+
+    /// The retry budget (e.g. one from a service config's `retryThrottling`).
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The smallest margin kept for the way back, whatever the measured round trips.
+    pub fn margin_floor(mut self, floor: Duration) -> Self {
+        self.margin = Arc::new(Margin::new(floor));
+        self
+    }
+
+    /// The circuit breaker, or `None` for none.
+    pub fn breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
+        self.breaker = breaker;
+        self
+    }
+
+    /// The name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The shared retry budget.
+    pub fn retry_budget(&self) -> &RetryBudget {
+        &self.budget
+    }
+
+    /// The margin estimator.
+    pub fn margin(&self) -> &Arc<Margin> {
+        &self.margin
+    }
+
+    /// The circuit breaker, if any.
+    pub fn circuit_breaker(&self) -> Option<&CircuitBreaker> {
+        self.breaker.as_ref()
+    }
+}
+
+/// A client stack that must not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StackError {
+    /// The method contract is invalid, or asks for something its class forbids (hedging an
+    /// `Unsafe` method).
+    #[error("invalid method contract")]
+    Contract(#[from] ContractError),
+    /// The retry policy is invalid.
+    #[error("invalid retry policy")]
+    Policy(#[from] PolicyError),
+}
+
+/// The client stack for one method of one destination, as a tower [`Layer`].
+///
+/// Outermost first, each layer being one mechanism (see [`crate::client`] for why this order):
+///
+/// 1. [logical request](super::logical): the idempotency key (`Keyed` methods), once;
+/// 2. [deadline](super::deadline::SetDeadline): one deadline for the call;
+/// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons;
+/// 4. [hedge](super::hedge): one extra attempt after the p95 (`Safe`/`Keyed`, if enabled);
+/// 5. [attempt timeout](super::deadline::AttemptTimeout): `grpc-timeout` minus the margin;
+/// 6. [circuit breaker](super::breaker);
+/// 7. [transparent retry](super::transparent): once, for attempts that never left;
+///
+/// and below it the transport ([connection management](super::connect), or a tonic channel).
+#[derive(Debug, Clone)]
+pub struct ClientStack {
+    destination: Destination,
+    idempotency: Idempotency,
+    timeout: Duration,
+    policy: RetryPolicy,
+    hedge: Option<HedgePolicy>,
+    replay_cap: usize,
+    classifier: Classifier,
+    #[cfg(feature = "sqlite")]
+    journal: Option<IntentJournal>,
+}
+
+/// The service a [`ClientStack`] makes of a transport `S`.
+pub type ClientService<S> =
+    IdempotencyKeyService<SetDeadline<Retry<Hedge<AttemptTimeout<Breaker<TransparentRetry<S>>>>>>>;
+
+impl ClientStack {
+    /// A builder for calls of `contract`'s method to `destination`.
+    pub fn builder(destination: &Destination, contract: MethodContract) -> ClientStackBuilder {
+        ClientStackBuilder {
+            destination: destination.clone(),
+            hedging: contract.hedging(),
+            contract,
+            backoff: Backoff::default(),
+            replay_cap: DEFAULT_REPLAY_CAP,
+            min_hedge_delay: Duration::ZERO,
+            max_attempts: None,
+            retryable: None,
+            timeout: None,
+            classifier: classify_head,
+            #[cfg(feature = "sqlite")]
+            journal: None,
+        }
+    }
+
+    /// The retry policy the stack runs.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// Whether attempts may be hedged.
+    pub fn hedges(&self) -> bool {
+        self.hedge.is_some()
+    }
+}
+
+impl<S> Layer<S> for ClientStack {
+    type Service = ClientService<S>;
+
+    fn layer(&self, transport: S) -> Self::Service {
+        let d = &self.destination;
+        let transparent = TransparentRetry::new(transport, Some(d.budget.clone()));
+        let breaker = match &d.breaker {
+            Some(b) => Breaker::new(transparent, b.clone()),
+            None => Breaker::disabled(transparent),
+        };
+        let attempt = AttemptTimeout::new(breaker, d.margin.clone());
+        let hedge = match &self.hedge {
+            Some(policy) => Hedge::new(attempt, policy.clone()),
+            None => Hedge::disabled(attempt),
+        };
+        let retry = Retry::new(
+            hedge,
+            self.policy.clone(),
+            self.idempotency,
+            self.replay_cap,
+            self.classifier,
+            Some(d.name.clone()),
+        );
+        let deadline = SetDeadline::new(retry, self.timeout);
+        if self.idempotency != Idempotency::Keyed {
+            return IdempotencyKeyService::disabled(deadline);
+        }
+        #[cfg(feature = "sqlite")]
+        if let Some(journal) = &self.journal {
+            return IdempotencyKeyService::journaled(deadline, journal.clone());
+        }
+        IdempotencyKeyService::new(deadline)
+    }
+}
+
+/// Builds a [`ClientStack`]; from [`ClientStack::builder`].
+#[derive(Debug, Clone)]
+#[must_use = "call build() to get the stack"]
+pub struct ClientStackBuilder {
+    destination: Destination,
+    contract: MethodContract,
+    hedging: bool,
+    backoff: Backoff,
+    replay_cap: usize,
+    min_hedge_delay: Duration,
+    max_attempts: Option<u32>,
+    retryable: Option<Vec<Code>>,
+    timeout: Option<Duration>,
+    classifier: Classifier,
+    #[cfg(feature = "sqlite")]
+    journal: Option<IntentJournal>,
+}
+
+impl ClientStackBuilder {
+    /// Applies a gRPC service config's entry for this method (see [`super::config`]): its
+    /// `timeout` becomes the default deadline, its `retryPolicy` the attempts, backoff and
+    /// retryable codes, its `hedgingPolicy` turns hedging on no sooner than `hedgingDelay`.
+    /// The contract still rules: [`build`](Self::build) refuses hedging an `Unsafe` method,
+    /// and an `Unsafe` call is never sent twice whatever the config says.
+    pub fn method_config(mut self, config: &MethodConfig) -> Self {
+        if let Some(timeout) = config.timeout {
+            self.timeout = Some(timeout);
+        }
+        if let Some(retry) = &config.retry {
+            self.max_attempts = Some(retry.max_attempts);
+            self.backoff = retry.backoff;
+            self.retryable = Some(retry.retryable.clone());
+        }
+        if let Some(hedge) = &config.hedging {
+            self.hedging = true;
+            self.min_hedge_delay = hedge.delay;
+        }
+        self
+    }
+
+    /// The backoff between retries (default: 50 ms base, 2 s cap, full jitter).
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The largest request body kept for replay (default 64 KiB); larger ones are sent once.
+    pub fn replay_cap(mut self, bytes: usize) -> Self {
+        self.replay_cap = bytes;
+        self
+    }
+
+    /// Hedges attempts (default: what the contract says). [`build`](Self::build) refuses it
+    /// for an `Unsafe` method.
+    pub fn hedging(mut self, hedging: bool) -> Self {
+        self.hedging = hedging;
+        self
+    }
+
+    /// How the retry layer reads answers (default
+    /// [`classify_head`](super::classify::classify_head), the DESIGN section 3 table).
+    pub fn classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = classifier;
+        self
+    }
+
+    /// Never hedges sooner than `delay`.
+    pub fn min_hedge_delay(mut self, delay: Duration) -> Self {
+        self.min_hedge_delay = delay;
+        self
+    }
+
+    /// Journals the keys of calls that name an [`Operation`](super::logical::Operation).
+    #[cfg(feature = "sqlite")]
+    pub fn journal(mut self, journal: IntentJournal) -> Self {
+        self.journal = Some(journal);
+        self
+    }
+
+    /// The stack, or why it must not run: an invalid contract, or hedging an `Unsafe` method.
+    pub fn build(self) -> Result<ClientStack, StackError> {
+        let contract = self.contract;
+        contract.validate()?;
+        let idempotency = contract.idempotency();
+        if self.hedging && idempotency == Idempotency::Unsafe {
+            return Err(ContractError::HedgingUnsafe {
+                method: contract.name().to_owned(),
+            }
+            .into());
+        }
+        let d = &self.destination;
+        let service = d.name.to_string();
+        let method = contract.name().to_owned();
+        let retryable = self
+            .retryable
+            .unwrap_or_else(|| contract.retryable().to_vec());
+        let policy = RetryPolicy::builder(service.clone(), method.clone())
+            .max_attempts(self.max_attempts.unwrap_or(contract.max_attempts()))
+            .backoff(self.backoff)
+            .budget(d.budget.clone())
+            .keyed(idempotency != Idempotency::Unsafe)
+            .retryable_codes(retryable)
+            .build()?;
+        let hedge = self.hedging.then(|| {
+            HedgePolicy::new(d.budget.clone(), service, method)
+                .latencies(d.latencies.clone())
+                .min_delay(self.min_hedge_delay)
+        });
+        Ok(ClientStack {
+            destination: self.destination,
+            idempotency,
+            timeout: self.timeout.unwrap_or(contract.default_timeout()),
+            policy,
+            hedge,
+            replay_cap: self.replay_cap,
+            classifier: self.classifier,
+            #[cfg(feature = "sqlite")]
+            journal: self.journal,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::KEY_TTL_PAYMENTS;
+
+    #[test]
+    fn hedging_an_unsafe_method_is_a_build_error() {
+        let dest = Destination::new("psp");
+        let refund = MethodContract::builder("Refund", Idempotency::Unsafe).build();
+        let err = ClientStack::builder(&dest, refund.clone())
+            .hedging(true)
+            .build()
+            .unwrap_err();
+        assert_eq!(
+            err,
+            StackError::Contract(ContractError::HedgingUnsafe {
+                method: "Refund".into()
+            })
+        );
+        let stack = ClientStack::builder(&dest, refund).build().unwrap();
+        assert!(!stack.hedges());
+        assert_eq!(stack.policy().max_attempts(), 1);
+
+        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .hedging(true)
+            .build();
+        let stack = ClientStack::builder(&dest, charge).build().unwrap();
+        assert!(stack.hedges());
+        assert!(stack.policy().keyed());
+        assert_eq!(stack.policy().service(), "psp");
+        assert_eq!(stack.policy().method(), "Charge");
+    }
+
+    #[test]
+    fn a_grpc_service_config_drives_the_stack() {
+        use crate::client::config::ServiceConfig;
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [
+                {"name": [{"service": "p.Payment", "method": "Charge"}], "timeout": "3s",
+                 "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s",
+                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}},
+                {"name": [{"service": "p.Payment", "method": "Refund"}],
+                 "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.1s"}}
+            ]}"#,
+        )
+        .unwrap();
+        let dest = Destination::new("payment").budget(config.budget().unwrap());
+        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .build();
+        let stack = ClientStack::builder(&dest, charge)
+            .method_config(config.method("p.Payment", "Charge").unwrap())
+            .build()
+            .unwrap();
+        assert_eq!(stack.policy().max_attempts(), 5);
+        assert_eq!(stack.policy().backoff().base(), Duration::from_millis(200));
+        assert_eq!(
+            stack.policy().retryable_codes(),
+            Some(&[Code::Unavailable, Code::Aborted][..])
+        );
+        assert_eq!(stack.timeout, Duration::from_secs(3));
+
+        // The config asks to hedge an unsafe method: refused at build time.
+        let refund = MethodContract::builder("Refund", Idempotency::Unsafe).build();
+        assert!(matches!(
+            ClientStack::builder(&dest, refund)
+                .method_config(config.method("p.Payment", "Refund").unwrap())
+                .build(),
+            Err(StackError::Contract(ContractError::HedgingUnsafe { .. }))
+        ));
+    }
+
+    #[test]
+    fn an_invalid_contract_is_a_build_error() {
+        let dest = Destination::new("psp");
+        let keyed_without_ttl = MethodContract::builder("Charge", Idempotency::Keyed).build();
+        assert!(matches!(
+            ClientStack::builder(&dest, keyed_without_ttl).build(),
+            Err(StackError::Contract(ContractError::KeyedWithoutTtl { .. }))
+        ));
+    }
+
+    /// Every attempt, retry and hedge of the stack shows up under the DESIGN section 6 names.
+    #[tokio::test(start_paused = true)]
+    async fn attempts_retries_and_hedges_are_counted() {
+        use bytes::Bytes;
+        use http::{Request, Response};
+        use http_body_util::Full;
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tower::{ServiceExt, service_fn};
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _guard = metrics::set_default_local_recorder(&recorder);
+
+        let calls = Arc::new(AtomicUsize::new(0));
+        let transport = {
+            let calls = calls.clone();
+            service_fn(move |_r: Request<_>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let status = match n {
+                        0 => 503,
+                        // The retry is slow: after the p95 it is hedged, and the hedge wins.
+                        1 => {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            200
+                        }
+                        _ => 200,
+                    };
+                    Ok::<_, std::io::Error>(Response::builder().status(status).body(()).unwrap())
+                }
+            })
+        };
+        let dest = Destination::new("psp");
+        for _ in 0..HedgePolicy::MIN_SAMPLES {
+            dest.latencies.record(Duration::from_millis(10));
+        }
+        let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+            .hedging(true)
+            .build();
+        let svc = ClientStack::builder(&dest, contract)
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = Request::get("http://psp/x")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let response = svc.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+
+        type Labels = Vec<(String, String)>;
+        let counters: Vec<(String, Labels, u64)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(key, _, _, value)| match value {
+                DebugValue::Counter(n) => {
+                    let k = key.key();
+                    let labels = k
+                        .labels()
+                        .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                        .collect();
+                    Some((k.name().to_owned(), labels, n))
+                }
+                _ => None,
+            })
+            .collect();
+        let count = |name: &str, want: &[(&str, &str)]| -> u64 {
+            counters
+                .iter()
+                .filter(|(n, labels, _)| {
+                    n == name
+                        && want
+                            .iter()
+                            .all(|(k, v)| labels.iter().any(|(lk, lv)| lk == k && lv == v))
+                })
+                .map(|(_, _, c)| c)
+                .sum()
+        };
+        let who = [("service", "psp"), ("method", "GetCharge")];
+        assert_eq!(count("rpc_client_requests_total", &who), 1);
+        assert_eq!(count("rpc_client_retries_total", &who), 1);
+        assert_eq!(count("rpc_client_hedges_total", &who), 1);
+        let attempt = |n, outcome| [who[0], who[1], ("attempt", n), ("outcome", outcome)];
+        assert_eq!(
+            count("rpc_client_attempts_total", &attempt("1", "retryable")),
+            1
+        );
+        assert_eq!(count("rpc_client_attempts_total", &attempt("2", "ok")), 1);
+        // Two budget tokens: the retry and the hedge.
+        assert!((dest.retry_budget().available() - 18.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,200 @@
+//! Transparent retry: re-send, once, an attempt that provably never reached the server.
+//!
+//! Some failures prove that the server never saw the request, so sending it again cannot
+//! apply an effect twice, whatever the method's contract:
+//!
+//! - the connection could not be made (connection refused, or any connect error of the
+//!   hyper-util client);
+//! - the HTTP/2 stream was refused (`RST_STREAM` with `REFUSED_STREAM`, RFC 9113 section 8.7);
+//! - the server sent `GOAWAY` and the stream's id is above its `last_stream_id` (h2 reports
+//!   exactly those streams as a remote `GOAWAY` error; streams at or below it are answered).
+//!
+//! [`TransparentRetry`] re-sends such an attempt once, at once, without counting it against
+//! the method's max attempts, but paying from the destination's budget like any other extra
+//! attempt (DESIGN section 7). It sits below the circuit breaker and the hedge so that the
+//! retry is invisible to them, and above the balancer, so the re-send may go to another
+//! endpoint. Anything else (a reset after the request was sent, a timeout) may have reached the
+//! server and is left to the retry layer and the method's contract.
+
+mod layer;
+
+pub use self::layer::TransparentRetryLayer;
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::Request;
+use tower::{BoxError, ServiceExt};
+use tower_service::Service;
+
+use super::replay::{ReplayBody, try_clone_request};
+use crate::retry::RetryBudget;
+
+/// The response future of [`TransparentRetry`].
+pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+/// Whether `error` proves the request never reached the server (see the [module docs](self)).
+/// Walks the `source()` chain, matching types, never messages.
+pub fn never_sent(error: &(dyn StdError + 'static)) -> bool {
+    let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<io::Error>() {
+            if io.kind() == io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+            // An io::Error's source() skips the error it wraps; look at that one too.
+            if let Some(inner) = io.get_ref() {
+                if never_sent(inner) {
+                    return true;
+                }
+            }
+        }
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                return true;
+            }
+            if h2.is_go_away() && h2.is_remote() {
+                return true;
+            }
+        }
+        if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
+            if client.is_connect() {
+                return true;
+            }
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// Re-sends, once, an attempt that never reached the server (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct TransparentRetry<S> {
+    inner: S,
+    budget: Option<RetryBudget>,
+}
+
+impl<S> TransparentRetry<S> {
+    /// Wraps `inner`; re-sends spend a token of `budget` when one is given.
+    pub fn new(inner: S, budget: Option<RetryBudget>) -> Self {
+        Self { inner, budget }
+    }
+}
+
+impl<S, B> Service<Request<ReplayBody<B>>> for TransparentRetry<S>
+where
+    S: Service<Request<ReplayBody<B>>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Response>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
+        let svc = self.inner.clone();
+        let budget = self.budget.clone();
+        Box::pin(async move {
+            let again = try_clone_request(&request);
+            let error: BoxError = match svc.clone().oneshot(request).await {
+                Ok(response) => return Ok(response),
+                Err(e) => e.into(),
+            };
+            let Some(again) = again else {
+                return Err(error);
+            };
+            if !never_sent(&*error) || !budget.as_ref().is_none_or(RetryBudget::try_withdraw) {
+                return Err(error);
+            }
+            tracing::debug!(
+                name: "rpc_transparent_retry",
+                event = "rpc_transparent_retry",
+                error = %error,
+                "re-sending an attempt that never reached the server"
+            );
+            svc.oneshot(again).await.map_err(Into::into)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::replay::Replay;
+    use bytes::Bytes;
+    use http::Response;
+    use http_body::Body as _;
+    use http_body_util::Full;
+    use tower_test::mock;
+
+    type Body = ReplayBody<Full<Bytes>>;
+
+    fn replayable() -> Request<Body> {
+        Request::new(Replay::new(Bytes::from_static(b"x")).body())
+    }
+
+    #[test]
+    fn only_provably_unsent_errors_qualify() {
+        assert!(never_sent(&io::Error::from(
+            io::ErrorKind::ConnectionRefused
+        )));
+        assert!(!never_sent(&io::Error::from(
+            io::ErrorKind::ConnectionReset
+        )));
+        assert!(never_sent(&h2::Error::from(h2::Reason::REFUSED_STREAM)));
+        assert!(!never_sent(&h2::Error::from(h2::Reason::CANCEL)));
+        // Wrapped, as clients wrap them.
+        let wrapped = io::Error::other(io::Error::from(io::ErrorKind::ConnectionRefused));
+        assert!(never_sent(&wrapped));
+        assert!(!never_sent(&crate::status::Status::new(
+            crate::status::Code::Unavailable,
+            "connection refused"
+        )));
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_sent_again_once() {
+        let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
+        let budget = RetryBudget::new(0.1, 5).unwrap();
+        let mut svc = TransparentRetry::new(svc, Some(budget.clone()));
+        handle.allow(4);
+
+        let call = tokio::spawn(svc.call(replayable()));
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_error(io::Error::from(io::ErrorKind::ConnectionRefused));
+        let (again, send) = handle.next_request().await.unwrap();
+        assert_eq!(again.body().size_hint().exact(), Some(1));
+        send.send_response(Response::new(()));
+        call.await.unwrap().unwrap();
+        assert_eq!(budget.available(), 4.0);
+
+        // Once only.
+        let call = tokio::spawn(svc.call(replayable()));
+        for _ in 0..2 {
+            let (_, send) = handle.next_request().await.unwrap();
+            send.send_error(io::Error::from(io::ErrorKind::ConnectionRefused));
+        }
+        assert!(call.await.unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn an_error_after_sending_is_not_retried_here() {
+        let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
+        let mut svc = TransparentRetry::new(svc, None);
+        handle.allow(2);
+        let call = tokio::spawn(svc.call(replayable()));
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_error(io::Error::from(io::ErrorKind::ConnectionReset));
+        assert!(call.await.unwrap().is_err());
+        assert!(futures_util::FutureExt::now_or_never(handle.next_request()).is_none());
+    }
+}
