@@ -235,9 +235,10 @@ async fn a_silent_redis_never_holds_a_request_past_its_deadline() {
 // The layer, with a local metrics recorder on a current-thread runtime (real time: Redis
 // answers over real sockets).
 
-fn with_recorder<F: std::future::Future>(
-    test: F,
-) -> (F::Output, Vec<(String, Vec<(String, String)>, u64)>) {
+/// Name, labels and value of one recorded counter.
+type Counter = (String, Vec<(String, String)>, u64);
+
+fn with_recorder<F: std::future::Future>(test: F) -> (F::Output, Vec<Counter>) {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -264,11 +265,7 @@ fn with_recorder<F: std::future::Future>(
     (output, counters)
 }
 
-fn counter(
-    counters: &[(String, Vec<(String, String)>, u64)],
-    name: &str,
-    label: (&str, &str),
-) -> u64 {
+fn counter(counters: &[Counter], name: &str, label: (&str, &str)) -> u64 {
     counters
         .iter()
         .filter(|(n, ls, _)| n == name && ls.iter().any(|(k, v)| k == label.0 && v == label.1))
