@@ -13,7 +13,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::{AppState, build_app};
+use super::{AppState, build_app, rate_limit_layer};
 use crate::config::{Config, ConfigError, PspTarget};
 use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
@@ -47,6 +47,9 @@ pub enum ServeError {
     /// The PSP client could not be built.
     #[error("cannot build the PSP client")]
     PspClient(#[source] ClientError),
+    /// The Redis rate limiter could not be set up.
+    #[error("cannot set up the Redis rate limiter")]
+    RateLimit(#[source] backstop::admission::redis::RedisLimitError),
     /// The HTTP address could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
@@ -130,7 +133,8 @@ impl Server {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let metrics = prometheus_handle();
         let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
-        let app = build_app(state.clone(), store.clone(), &config);
+        let rate_limit = rate_limit_layer(&config).map_err(ServeError::RateLimit)?;
+        let app = build_app(state.clone(), store.clone(), &config, rate_limit);
 
         let listener = TcpListener::bind(config.http)
             .await
@@ -168,6 +172,14 @@ impl Server {
             max_inflight = config.max_inflight,
             "payment service listening"
         );
+        if let Some(redis) = &config.redis {
+            tracing::info!(
+                redis = %redis.display_url(),
+                failure = %config.redis_failure,
+                instances = config.instances,
+                "per-merchant rate limits shared through Redis"
+            );
+        }
         tracing::warn!(grpc = %config.grpc, "gRPC is not served yet; the address is accepted and ignored");
 
         Ok(Server {
