@@ -98,6 +98,16 @@ pub enum Decision {
     Pending(PendingDecision),
 }
 
+impl Decision {
+    /// The verdict when it is known without waiting.
+    pub fn ready(self) -> Option<Verdict> {
+        match self {
+            Decision::Ready(verdict) => Some(verdict),
+            Decision::Pending(_) => None,
+        }
+    }
+}
+
 /// A decision waiting on Redis; never outlives the bound it was made with.
 pub struct PendingDecision(Pin<Box<dyn Future<Output = Verdict> + Send>>);
 
@@ -359,8 +369,75 @@ impl Breaker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::redis::RedisConfig;
 
     const MS: u64 = 1_000_000;
+
+    /// A limiter whose Redis refuses connections (nothing listens on the port).
+    async fn unreachable(quota: Quota, policy: FailurePolicy, instances: u32) -> SharedLimiter {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}", listener.local_addr().unwrap());
+        drop(listener);
+        let bucket = RedisTokenBucket::new(&RedisConfig::new(&url).unwrap(), quota).unwrap();
+        SharedLimiter::new(bucket, policy, NonZeroU32::new(instances).unwrap())
+    }
+
+    async fn decide(limiter: &SharedLimiter) -> Verdict {
+        match limiter.check("acme", None) {
+            Decision::Ready(verdict) => verdict,
+            Decision::Pending(pending) => pending.await,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn while_redis_is_down_one_request_probes_after_each_cooldown() {
+        let quota = Quota::per_second(NonZeroU32::MIN, NonZeroU32::MIN);
+        let l = unreachable(quota, FailurePolicy::Closed, 1)
+            .await
+            .cooldown(Duration::from_secs(1));
+        let Decision::Pending(first) = l.check("acme", None) else {
+            panic!("the first decision asks Redis");
+        };
+        assert!(matches!(first.await, Verdict::Unavailable(_)));
+        // Down: every decision is made at once, announcing the time to the next probe.
+        let Decision::Ready(Verdict::Unavailable(wait)) = l.check("acme", None) else {
+            panic!("decided without Redis");
+        };
+        assert!(wait > Duration::ZERO && wait <= Duration::from_secs(1));
+        tokio::time::advance(wait - Duration::from_millis(1)).await;
+        assert_eq!(
+            l.check("acme", None).ready(),
+            Some(Verdict::Unavailable(Duration::from_millis(1)))
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        // Exactly one request probes; the others keep deciding at once.
+        let Decision::Pending(probe) = l.check("acme", None) else {
+            panic!("the cool-down is over: probe");
+        };
+        assert!(l.check("acme", None).ready().is_some());
+        assert!(matches!(probe.await, Verdict::Unavailable(_)));
+        assert!(l.check("acme", None).ready().is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failing_open_refills_at_this_instances_share() {
+        // 10/s with bursts of 2, shared by 2 instances: 5/s (one token per 200 ms), burst 1.
+        let quota = Quota::per_second(NonZeroU32::new(10).unwrap(), NonZeroU32::new(2).unwrap());
+        let l = unreachable(quota, FailurePolicy::Open, 2)
+            .await
+            .cooldown(Duration::from_secs(3600));
+        assert_eq!(decide(&l).await, Verdict::Allowed);
+        let Verdict::Limited(wait) = decide(&l).await else {
+            panic!("the local share is spent");
+        };
+        assert!(wait > Duration::ZERO && wait <= Duration::from_millis(200));
+        tokio::time::advance(wait).await;
+        assert_eq!(l.check("acme", None).ready(), Some(Verdict::Allowed));
+        assert_eq!(
+            l.check("acme", None).ready(),
+            Some(Verdict::Limited(Duration::from_millis(200)))
+        );
+    }
 
     #[test]
     fn breaker_skips_redis_for_the_cooldown_then_lets_one_probe() {
