@@ -18,7 +18,8 @@ pin_project! {
     /// The refusal, the inner future, or (shared limiter) the decision still on its way
     /// followed by one of those.
     pub struct ResponseFuture<S, Req, F, B> {
-        deciding: Option<Deciding<S, Req, B>>,
+        // Boxed: the local path, which never decides asynchronously, keeps a small future.
+        deciding: Option<Box<Deciding<S, Req, B>>>,
         #[pin]
         inner: Option<RejectOr<F, B>>,
     }
@@ -51,11 +52,11 @@ impl<S, Req, F, B> ResponseFuture<S, Req, F, B> {
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(super) fn deciding(check: Check<B>, service: S, request: Req) -> Self {
         Self {
-            deciding: Some(Deciding {
+            deciding: Some(Box::new(Deciding {
                 check,
                 service,
                 request,
-            }),
+            })),
             inner: None,
         }
     }
@@ -71,14 +72,14 @@ where
         let mut this = self.project();
         if let Some(deciding) = this.deciding.as_mut() {
             let refusal = ready!(deciding.check.as_mut().poll(cx));
-            let Some(Deciding {
+            let Some(deciding) = this.deciding.take() else {
+                unreachable!("checked above")
+            };
+            let Deciding {
                 mut service,
                 request,
                 ..
-            }) = this.deciding.take()
-            else {
-                unreachable!("checked above")
-            };
+            } = *deciding;
             this.inner.set(Some(match refusal {
                 Some(response) => RejectOr::reject(response),
                 None => RejectOr::inner(service.call(request)),
