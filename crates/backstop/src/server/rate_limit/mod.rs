@@ -12,12 +12,13 @@
 //! capacity; both are refusals before any work, so the idempotency key stays unused.
 //!
 //! With the `redis` feature the buckets can instead be shared by several instances
-//! ([`RateLimitLayer::shared`], an `admission::redis::SharedLimiter`). The local path stays a
+//! (`RateLimitLayer::shared`, an `admission::redis::SharedLimiter`). The local path stays a
 //! synchronous check; the shared one waits for Redis, bounded by the limiter's timeout and the
-//! request's [`Deadline`](crate::deadline::Deadline) (set by the [`deadline`](crate::server::deadline) layer), and holds
-//! the request meanwhile. When Redis fails the limiter's policy decides: a local fallback
-//! bucket (`open`), or 503 problem+json `rate_limiter_unavailable` + `Retry-After` (`closed`),
-//! counted as `rpc_server_rejected_total{reason="rate_limiter_unavailable"}`. Never a 500.
+//! request's [`Deadline`](crate::deadline::Deadline) (set by the
+//! [`deadline`](crate::server::deadline) layer), and holds the request meanwhile. When Redis
+//! fails the limiter's policy decides: a local fallback bucket (`open`), or 503 problem+json
+//! `rate_limiter_unavailable` + `Retry-After` (`closed`), counted as
+//! `rpc_server_rejected_total{reason="rate_limiter_unavailable"}`. Never a 500.
 
 mod layer;
 
