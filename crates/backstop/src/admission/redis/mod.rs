@@ -45,7 +45,7 @@ pub use self::shared::{
     PendingDecision, SharedLimiter, Verdict, local_share,
 };
 
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -287,14 +287,10 @@ impl RedisTokenBucket {
     }
 }
 
-/// Rounds a tenant count for [`NonZeroU32`] arithmetic in [`local_share`].
-pub(crate) fn divide_at_least_one(n: u32, by: NonZeroU32) -> NonZeroU32 {
-    NonZeroU32::new(n / by.get()).unwrap_or(NonZeroU32::MIN)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::num::NonZeroU32;
 
     #[test]
     fn urls_are_checked_and_redacted() {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{RedisLimitError, RedisTokenBucket, divide_at_least_one};
+use super::{RedisLimitError, RedisTokenBucket};
 use crate::admission::token_bucket::nanos_since;
 use crate::admission::{KeyedTokenBucket, Quota};
 use crate::deadline::Deadline;
@@ -73,7 +73,7 @@ impl FromStr for FailurePolicy {
 /// One instance's share of a quota shared by `instances`: the rate divided by `instances`, and
 /// the burst too (at least one token).
 pub fn local_share(quota: Quota, instances: NonZeroU32) -> Quota {
-    let burst = divide_at_least_one(quota.burst(), instances);
+    let burst = NonZeroU32::new(quota.burst() / instances.get()).unwrap_or(NonZeroU32::MIN);
     Quota::with_period(quota.interval().saturating_mul(instances.get()), burst).unwrap_or(quota)
 }
 
