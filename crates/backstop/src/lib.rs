@@ -53,6 +53,9 @@
 //!
 //! - `sqlite` (default): the SQLite idempotency store and its group-commit writer
 //!   ([`idempotency::sqlite`]), on a bundled SQLite.
+//! - `redis`: per-tenant token buckets shared by several instances through Redis
+//!   (`admission::redis`: one atomic Lua script, the Redis server's clock, expiring keys) with
+//!   an open/closed failure policy, usable by the rate limit layer.
 //!
 //! # Layer order
 //!

@@ -48,6 +48,9 @@ pub const RPC_SERVER_INFLIGHT: &str = "rpc_server_inflight";
 pub const RPC_SERVER_REJECTED_TOTAL: &str = "rpc_server_rejected_total";
 /// Server: idempotency claims, labelled `result` (see [`claim_result`]).
 pub const IDEMPOTENCY_CLAIMS_TOTAL: &str = "idempotency_claims_total";
+/// Server: rate-limit decisions made without Redis because it failed or did not answer in
+/// time, labelled `result` (see [`redis_unavailable_result`]).
+pub const RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL: &str = "rate_limit_redis_unavailable_total";
 
 /// Histogram buckets (seconds) suited to RPC latencies, 1 ms to 10 s.
 pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
@@ -78,6 +81,16 @@ pub mod reject_reason {
     pub const RATE_LIMITED: &str = "rate_limited";
     /// Too little budget left to serve the request in time.
     pub const DEADLINE: &str = "deadline";
+    /// The shared rate limiter (Redis) is unavailable and fails closed: 503.
+    pub const RATE_LIMITER_UNAVAILABLE: &str = "rate_limiter_unavailable";
+}
+
+/// Values of the `result` label on [`RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL`].
+pub mod redis_unavailable_result {
+    /// Failure open: decided by the instance's local fallback bucket.
+    pub const FALLBACK: &str = "fallback";
+    /// Failure closed: refused with 503.
+    pub const REJECTED: &str = "rejected";
 }
 
 /// Values of the `result` label on [`IDEMPOTENCY_CLAIMS_TOTAL`].
@@ -173,6 +186,11 @@ pub fn describe_metrics() {
         Unit::Count,
         "Idempotency key claims by result (claimed, replay, conflict, in_progress)."
     );
+    describe_counter!(
+        RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL,
+        Unit::Count,
+        "Rate-limit decisions made without Redis (fallback or rejected) because it failed."
+    );
 }
 
 #[cfg(test)]
@@ -222,6 +240,7 @@ mod tests {
         got.sort_by(|a, b| a.0.cmp(&b.0));
         let mut want = vec![
             (IDEMPOTENCY_CLAIMS_TOTAL, "counter", Unit::Count),
+            (RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL, "counter", Unit::Count),
             (RPC_CLIENT_ATTEMPTS_TOTAL, "counter", Unit::Count),
             (
                 RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
@@ -253,6 +272,7 @@ mod tests {
             RPC_SERVER_REQUESTS_TOTAL,
             RPC_SERVER_REJECTED_TOTAL,
             IDEMPOTENCY_CLAIMS_TOTAL,
+            RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL,
         ] {
             assert!(name.ends_with("_total"), "{name}");
         }

@@ -74,6 +74,9 @@ pub mod problem {
     pub const INVALID_REQUEST: &str = "invalid_request";
     /// Missing or bad credentials (401).
     pub const UNAUTHENTICATED: &str = "unauthenticated";
+    /// The shared rate limiter (Redis) did not answer and the policy is to refuse
+    /// (503 + Retry-After).
+    pub const RATE_LIMITER_UNAVAILABLE: &str = "rate_limiter_unavailable";
 }
 
 /// gRPC status codes, with their wire values.
@@ -395,6 +398,17 @@ impl Status {
             rejected: true,
             ..Self::new(Code::ResourceExhausted, "rate limit exceeded, retry later")
                 .with_problem(problem::RATE_LIMITED)
+                .with_pushback(retry_after)
+        }
+    }
+
+    /// The shared rate limiter could not decide and fails closed: `UNAVAILABLE` / 503, problem
+    /// `rate_limiter_unavailable`, pushback `retry_after`, outcome `rejected`.
+    pub fn rate_limiter_unavailable(retry_after: Duration) -> Self {
+        Self {
+            rejected: true,
+            ..Self::new(Code::Unavailable, "rate limiter unavailable, retry later")
+                .with_problem(problem::RATE_LIMITER_UNAVAILABLE)
                 .with_pushback(retry_after)
         }
     }

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
+use backstop::admission::redis::{FailurePolicy, RedisConfig};
 use backstop_payment::config::{ApiKey, Config, PspTarget, StoreLocation};
 use backstop_payment::service::{self, ServeError};
 use clap::Args;
@@ -38,6 +39,20 @@ pub(crate) struct ServeArgs {
     /// the service is open (merchant `default`) and only on a loopback address.
     #[arg(long = "api-key", value_name = "MERCHANT=KEY")]
     api_keys: Vec<String>,
+    /// Share the per-merchant rate limits between instances through this Redis
+    /// (`redis://HOST:PORT[/DB]`); without it each instance limits on its own.
+    #[arg(long, value_name = "URL")]
+    redis: Option<String>,
+    /// When Redis does not answer: `open` limits with this instance's share of the rate
+    /// (rate / --instances), `closed` answers 503 + Retry-After.
+    #[arg(long, value_name = "POLICY", default_value = "open")]
+    redis_failure: FailurePolicy,
+    /// Prefix of the rate-limit keys in Redis (instances sharing limits use the same one).
+    #[arg(long, value_name = "PREFIX", default_value = backstop::admission::redis::DEFAULT_PREFIX)]
+    redis_prefix: String,
+    /// How many instances share the Redis limits (sets each one's fallback share).
+    #[arg(long, value_name = "N", default_value_t = NonZeroU32::MIN)]
+    instances: NonZeroU32,
 }
 
 impl ServeArgs {
@@ -66,6 +81,14 @@ impl ServeArgs {
             .map(|k| ApiKey::parse(k))
             .collect::<Result<_, _>>()
             .map_err(|e| invalid(&e))?;
+        if let Some(url) = &self.redis {
+            let redis = RedisConfig::new(url)
+                .map_err(|_| invalid(&"--redis must be a redis:// URL"))?
+                .prefix(self.redis_prefix.clone());
+            config.redis = Some(redis);
+        }
+        config.redis_failure = self.redis_failure;
+        config.instances = self.instances;
         Ok(config)
     }
 }
@@ -108,7 +131,33 @@ mod tests {
             }
         );
         assert!(c.api_keys.is_empty());
+        assert!(c.redis.is_none());
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn redis_flags() {
+        let c = parse(&[
+            "--redis",
+            "redis://127.0.0.1:6379",
+            "--redis-failure",
+            "closed",
+            "--redis-prefix",
+            "pay:",
+            "--instances",
+            "3",
+        ])
+        .unwrap();
+        let redis = c.redis.unwrap();
+        assert_eq!(redis.display_url(), "redis://127.0.0.1:6379");
+        assert_eq!(redis.key_prefix(), "pay:");
+        assert_eq!(c.redis_failure, FailurePolicy::Closed);
+        assert_eq!(c.instances.get(), 3);
+        let default = parse(&["--redis", "redis://127.0.0.1"]).unwrap();
+        assert_eq!(default.redis_failure, FailurePolicy::Open);
+        assert!(parse(&["--redis", "http://127.0.0.1"]).is_err());
+        assert!(parse(&["--redis-failure", "maybe"]).is_err());
+        assert!(parse(&["--instances", "0"]).is_err());
     }
 
     #[test]

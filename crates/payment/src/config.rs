@@ -5,6 +5,8 @@
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::num::NonZeroU32;
+
+use backstop::admission::redis::{FailurePolicy, RedisConfig};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -151,6 +153,14 @@ pub struct Config {
     pub lease: Duration,
     /// Bound on draining in-flight requests at shutdown.
     pub drain_timeout: Duration,
+    /// Per-merchant rate limits shared through Redis by all instances; `None` keeps them in
+    /// this process.
+    pub redis: Option<RedisConfig>,
+    /// What the rate limit does when Redis does not answer.
+    pub redis_failure: FailurePolicy,
+    /// How many instances share the Redis quota: with `FailurePolicy::Open` each falls back to
+    /// rate / instances.
+    pub instances: NonZeroU32,
 }
 
 impl Config {
@@ -173,6 +183,9 @@ impl Config {
             key_ttl: Duration::from_secs(7 * 24 * 3600),
             lease: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(10),
+            redis: None,
+            redis_failure: FailurePolicy::Open,
+            instances: NonZeroU32::MIN,
         }
     }
 

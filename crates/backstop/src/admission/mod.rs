@@ -8,7 +8,8 @@
 //!   refused at once with [`Overloaded`], answered `503` / `UNAVAILABLE` + `Retry-After`.
 //! - **quota** (rate limiting, protects everyone else from one tenant): [`TokenBucket`] and
 //!   [`KeyedTokenBucket`] allow bursts and bound the mean rate; over quota is `429` /
-//!   `RESOURCE_EXHAUSTED` + `Retry-After`.
+//!   `RESOURCE_EXHAUSTED` + `Retry-After`. With the `redis` feature, the `redis` module shares the
+//!   per-tenant buckets between instances.
 //!
 //! Both refusals carry a wait, formatted by [`RetryAfter`] (never `0`, which would invite an
 //! immediate retry). Neither is ever a `500`.
@@ -42,6 +43,8 @@
 
 mod gate;
 mod keyed;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod retry_after;
 mod token_bucket;
 

@@ -28,6 +28,7 @@
 //! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
+//! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
 //! | 503 | `overloaded` + `Retry-After` | more than `--max-inflight` requests and no slot frees in time |
 //! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
@@ -63,9 +64,10 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{get, post};
+use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::Store;
-use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, ServerStack};
+use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack};
 use http::Method;
 
 use crate::auth::Authenticator;
@@ -82,6 +84,20 @@ const MAX_TENANT_BUCKETS: std::num::NonZeroUsize = backstop::server::DEFAULT_MAX
 /// slot and still get this much is refused at once.
 const MIN_SERVICE: Duration = Duration::from_millis(20);
 
+/// The per-merchant rate limit: buckets in Redis shared by all instances when `--redis` is set,
+/// else in this process. Call it inside the runtime (Redis connects lazily, on first use).
+pub fn rate_limit_layer(config: &Config) -> Result<RateLimitLayer, RedisLimitError> {
+    let quota = Quota::per_second(config.tenant_rate, config.tenant_burst);
+    Ok(match &config.redis {
+        Some(redis) => RateLimitLayer::shared(SharedLimiter::new(
+            RedisTokenBucket::new(redis, quota)?,
+            config.redis_failure,
+            config.instances,
+        )),
+        None => RateLimitLayer::new(KeyedTokenBucket::new(quota, MAX_TENANT_BUCKETS)),
+    })
+}
+
 /// The two routers of the service, behind one server stack (so HTTP and gRPC share the gate,
 /// the merchants' buckets and the idempotency store).
 #[derive(Debug, Clone)]
@@ -93,23 +109,30 @@ pub struct Routers {
 }
 
 /// Builds the router: payment routes under the full layer stack, `/healthz`, `/readyz` and
-/// `/metrics` beside it. `store` is the idempotency store (the same database as the intents).
-pub fn build_app<St: Store>(state: AppState, store: St, config: &Config) -> Router {
-    build_routers(state, store, config).http
+/// `/metrics` beside it. `store` is the idempotency store (the same database as the intents);
+/// `rate_limit` is made by [`rate_limit_layer`].
+pub fn build_app<St: Store>(
+    state: AppState,
+    store: St,
+    config: &Config,
+    rate_limit: RateLimitLayer,
+) -> Router {
+    build_routers(state, store, config, rate_limit).http
 }
 
 /// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).
-pub fn build_routers<St: Store>(state: AppState, store: St, config: &Config) -> Routers {
+pub fn build_routers<St: Store>(
+    state: AppState,
+    store: St,
+    config: &Config,
+    rate_limit: RateLimitLayer,
+) -> Routers {
     let auth = Authenticator::new(&config.api_keys);
-    let buckets = KeyedTokenBucket::new(
-        Quota::per_second(config.tenant_rate, config.tenant_burst),
-        MAX_TENANT_BUCKETS,
-    );
     let keyed = KeyedRoute::new(config.key_ttl).lease(config.lease);
     let stack = ServerStack::new(SERVICE_NAME, store.clone())
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
-        .tenant_buckets(buckets)
+        .rate_limit(rate_limit)
         .gate(Gate::new(config.max_inflight, MIN_SERVICE))
         .idempotency(
             IdempotencyLayer::new(store)

@@ -13,7 +13,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::{AppState, Routers, build_routers};
+use super::{AppState, Routers, build_routers, rate_limit_layer};
 use crate::config::{Config, ConfigError, PspTarget};
 use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
@@ -47,6 +47,9 @@ pub enum ServeError {
     /// The PSP client could not be built.
     #[error("cannot build the PSP client")]
     PspClient(#[source] ClientError),
+    /// The Redis rate limiter could not be set up.
+    #[error("cannot set up the Redis rate limiter")]
+    RateLimit(#[source] backstop::admission::redis::RedisLimitError),
     /// The HTTP or gRPC address could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
@@ -131,7 +134,9 @@ impl Server {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let metrics = prometheus_handle();
         let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
-        let Routers { http: app, grpc } = build_routers(state.clone(), store.clone(), &config);
+        let rate_limit = rate_limit_layer(&config).map_err(ServeError::RateLimit)?;
+        let Routers { http: app, grpc } =
+            build_routers(state.clone(), store.clone(), &config, rate_limit);
         let grpc = crate::grpc::server::Bound::bind(config.grpc, grpc).await?;
 
         let listener = TcpListener::bind(config.http)
@@ -171,6 +176,14 @@ impl Server {
             max_inflight = config.max_inflight,
             "payment service listening"
         );
+        if let Some(redis) = &config.redis {
+            tracing::info!(
+                redis = %redis.display_url(),
+                failure = %config.redis_failure,
+                instances = config.instances,
+                "per-merchant rate limits shared through Redis"
+            );
+        }
 
         Ok(Server {
             listener,

@@ -10,6 +10,15 @@
 //!
 //! Quota (429) is about the *caller* and the [`gate`](crate::server::gate) (503) about *our own*
 //! capacity; both are refusals before any work, so the idempotency key stays unused.
+//!
+//! With the `redis` feature the buckets can instead be shared by several instances
+//! (`RateLimitLayer::shared`, an `admission::redis::SharedLimiter`). The local path stays a
+//! synchronous check; the shared one waits for Redis, bounded by the limiter's timeout and the
+//! request's [`Deadline`](crate::deadline::Deadline) (set by the
+//! [`deadline`](crate::server::deadline) layer), and holds the request meanwhile. When Redis
+//! fails the limiter's policy decides: a local fallback bucket (`open`), or 503 problem+json
+//! `rate_limiter_unavailable` + `Retry-After` (`closed`), counted as
+//! `rpc_server_rejected_total{reason="rate_limiter_unavailable"}`. Never a 500.
 
 mod layer;
 
@@ -30,46 +39,125 @@ use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
 use super::tenant::Tenant;
 use crate::admission::KeyedTokenBucket;
+#[cfg(feature = "redis")]
+use crate::admission::redis::{Decision, SharedLimiter, Verdict};
 use crate::status::Status;
 
 /// The `reason` label of a rate-limit refusal.
 pub const REASON: &str = crate::observe::reject_reason::RATE_LIMITED;
 
+/// The `reason` label of a refusal because the shared limiter could not decide (fail closed).
+pub const UNAVAILABLE_REASON: &str = crate::observe::reject_reason::RATE_LIMITER_UNAVAILABLE;
+
+/// Where the buckets are kept.
+#[derive(Debug, Clone)]
+enum Limiter {
+    /// In this process: decided synchronously.
+    Local(KeyedTokenBucket),
+    /// In Redis, shared with other instances: decided after a round trip.
+    #[cfg(feature = "redis")]
+    Shared(SharedLimiter),
+}
+
 /// Refuses requests of tenants over their quota.
 #[derive(Debug, Clone)]
 pub struct RateLimit<S> {
     inner: S,
-    buckets: KeyedTokenBucket,
+    limiter: Limiter,
 }
 
 impl<S> RateLimit<S> {
     /// Wraps `inner` with the given per-tenant buckets.
     pub fn new(inner: S, buckets: KeyedTokenBucket) -> Self {
-        Self { inner, buckets }
+        Self::with_limiter(inner, Limiter::Local(buckets))
+    }
+
+    /// Wraps `inner` with buckets shared through Redis.
+    #[cfg(feature = "redis")]
+    pub fn shared(inner: S, limiter: SharedLimiter) -> Self {
+        Self::with_limiter(inner, Limiter::Shared(limiter))
+    }
+
+    fn with_limiter(inner: S, limiter: Limiter) -> Self {
+        Self { inner, limiter }
     }
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<Bytes>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: From<Bytes> + Send + 'static,
 {
     type Response = Response<ResBody>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, ResBody>;
+    type Future = ResponseFuture<S, Request<ReqBody>, S::Future, ResBody>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        match self.buckets.check(Tenant::of(&request)) {
-            Ok(()) => ResponseFuture::new(RejectOr::inner(self.inner.call(request))),
-            Err(wait) => {
-                count_rejected(&Route::from_extensions(request.extensions()), REASON);
+        match &self.limiter {
+            Limiter::Local(buckets) => match buckets.check(Tenant::of(&request)) {
+                Ok(()) => ResponseFuture::new(RejectOr::inner(self.inner.call(request))),
+                Err(wait) => {
+                    count_rejected(&Route::from_extensions(request.extensions()), REASON);
+                    let protocol = Protocol::of(request.headers());
+                    ResponseFuture::new(RejectOr::reject(rate_limited(wait, protocol)))
+                }
+            },
+            #[cfg(feature = "redis")]
+            Limiter::Shared(limiter) => {
+                let deadline = request
+                    .extensions()
+                    .get::<crate::deadline::Deadline>()
+                    .copied();
                 let protocol = Protocol::of(request.headers());
-                ResponseFuture::new(RejectOr::reject(rate_limited(wait, protocol)))
+                match limiter.check(Tenant::of(&request), deadline) {
+                    Decision::Ready(verdict) => {
+                        let route = || Route::from_extensions(request.extensions());
+                        match refusal(verdict, route, protocol) {
+                            None => ResponseFuture::new(RejectOr::inner(self.inner.call(request))),
+                            Some(response) => ResponseFuture::new(RejectOr::reject(response)),
+                        }
+                    }
+                    Decision::Pending(pending) => {
+                        let route = Route::from_extensions(request.extensions());
+                        let check =
+                            Box::pin(async move { refusal(pending.await, || route, protocol) });
+                        // The ready service goes with the request; this one is a fresh clone
+                        // that must be polled ready again.
+                        let ready = self.inner.clone();
+                        let ready = std::mem::replace(&mut self.inner, ready);
+                        ResponseFuture::deciding(check, ready, request)
+                    }
+                }
             }
+        }
+    }
+}
+
+/// The answer to a shared decision: `None` admits.
+#[cfg(feature = "redis")]
+fn refusal<B: From<Bytes>>(
+    verdict: Verdict,
+    route: impl FnOnce() -> Route,
+    protocol: Protocol,
+) -> Option<Response<B>> {
+    match verdict {
+        Verdict::Allowed => None,
+        Verdict::Limited(wait) => {
+            count_rejected(&route(), REASON);
+            Some(rate_limited(wait, protocol))
+        }
+        Verdict::Unavailable(wait) => {
+            count_rejected(&route(), UNAVAILABLE_REASON);
+            let mut response = Problem::from_status(&Status::rate_limiter_unavailable(wait))
+                .into_response_for(protocol);
+            response
+                .extensions_mut()
+                .insert(Rejected(UNAVAILABLE_REASON));
+            Some(response)
         }
     }
 }
