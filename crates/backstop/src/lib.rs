@@ -50,6 +50,8 @@
 //!
 //! - `sqlite` (default): the SQLite idempotency store and its group-commit writer
 //!   ([`idempotency::sqlite`]), on a bundled SQLite.
+//! - `postgres`: the PostgreSQL idempotency store (`idempotency::postgres`), for several
+//!   instances sharing one database.
 //!
 //! # Layer order
 //!
