@@ -68,12 +68,27 @@ async fn main() {
 
     let mut config: tokio_postgres::Config = url.parse().expect("URL");
     config.options(format!("-c search_path={SCHEMA}"));
+    let env = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
     let store = PostgresStore::connect_with(
         config,
         PostgresOptions {
             group_commit: args.batched,
-            max_connections: args.clients.clamp(1, 8),
-            writers: args.clients.clamp(1, 4),
+            // Batched: the store's defaults (tunable here). Autocommit: one connection and one
+            // writer per caller, as pgbench has.
+            max_connections: env("BACKSTOP_BENCH_CONNECTIONS").unwrap_or(if args.batched {
+                PostgresOptions::default().max_connections
+            } else {
+                args.clients
+            }),
+            writers: env("BACKSTOP_BENCH_WRITERS").unwrap_or(if args.batched {
+                PostgresOptions::default().writers
+            } else {
+                args.clients
+            }),
             ..PostgresOptions::default()
         },
     )

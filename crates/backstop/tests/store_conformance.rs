@@ -246,6 +246,79 @@ mod postgres {
         );
     }
 
+    /// Batched outcomes (completions, failures, releases, stale leases mixed) each get their
+    /// own answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn batched_outcomes_answer_each_caller() {
+        let fixture = open(PostgresOptions {
+            writers: 1,
+            ..PostgresOptions::default()
+        })
+        .await;
+        let store = fixture.0.clone();
+        let claims = futures_util::future::join_all(
+            (0..48).map(|i| store.claim(claim_req(&format!("k{i}"), 1_000))),
+        )
+        .await;
+        let leases: Vec<_> = claims
+            .into_iter()
+            .map(|c| match c.unwrap() {
+                Claim::Claimed(lease) => lease,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let response = backstop::idempotency::StoredResponse {
+            status: 201,
+            headers: vec![("location".into(), "/x".into())],
+            body: bytes::Bytes::from_static(b"\x00\xffbody"),
+        };
+        let tasks: Vec<_> = leases
+            .iter()
+            .enumerate()
+            .map(|(i, lease)| {
+                let (store, lease, response) = (store.clone(), lease.clone(), response.clone());
+                tokio::spawn(async move {
+                    let stale = backstop::idempotency::Lease {
+                        lease_until_ms: lease.lease_until_ms - 1,
+                        ..lease.clone()
+                    };
+                    match i % 4 {
+                        0 => store.complete(&lease, response, 1_100).await,
+                        1 => store.fail(&lease, 1_100).await,
+                        2 => store.release(&lease).await,
+                        _ => store.complete(&stale, response, 1_100).await,
+                    }
+                })
+            })
+            .collect();
+        for (i, t) in tasks.into_iter().enumerate() {
+            let result = t.await.unwrap();
+            if i % 4 == 3 {
+                assert!(
+                    matches!(result, Err(StoreError::LeaseLost { .. })),
+                    "{i}: {result:?}"
+                );
+            } else {
+                assert!(result.is_ok(), "{i}: {result:?}");
+            }
+        }
+        for (i, lease) in leases.iter().enumerate() {
+            let record = store.get("merchant-1", &lease.key).await.unwrap();
+            let status = record.as_ref().map(|r| r.status);
+            use backstop::idempotency::RecordStatus::*;
+            let want = match i % 4 {
+                0 => Some(Succeeded),
+                1 => Some(Failed),
+                2 => None,
+                _ => Some(Running),
+            };
+            assert_eq!(status, want, "{i}");
+            if i % 4 == 0 {
+                assert_eq!(record.unwrap().response, Some(response.clone()));
+            }
+        }
+    }
+
     /// PostgreSQL down or hanging: every call fails with a backend error by its deadline, never
     /// hangs and never half-writes; calls succeed again once it is back, with no restart.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

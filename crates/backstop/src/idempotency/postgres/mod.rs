@@ -62,9 +62,9 @@ use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use futures_util::future::BoxFuture;
 use tokio::time::{Instant, timeout_at};
-use tokio_postgres::{NoTls, Row};
+use tokio_postgres::NoTls;
 
-use self::batch::{Op, Outcome, Writer};
+use self::batch::{ClaimRow, Op, Outcome, Writer};
 use super::store::duration_ms;
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
@@ -97,9 +97,12 @@ WHERE (scope, key) IN ( \
 /// Options of [`PostgresStore`] and [`pool`].
 #[derive(Debug, Clone)]
 pub struct PostgresOptions {
-    /// Most connections open at once (default 8; 0 counts as 1).
+    /// Most connections open at once (default 20; 0 counts as 1).
     pub max_connections: usize,
-    /// Writer tasks, each with one batch in flight (default 4; at most `max_connections`).
+    /// Writer tasks, each with one batch in flight (default 16; at most `max_connections`).
+    /// A writer takes everything queued when it is free, so batches grow only when every
+    /// writer is busy: enough writers keep a caller from waiting behind a batch it could have
+    /// run beside (PostgreSQL already merges the WAL flushes of concurrent commits).
     pub writers: usize,
     /// Most statements per batch (default 256; 0 counts as 1).
     pub max_batch: usize,
@@ -114,8 +117,8 @@ pub struct PostgresOptions {
 impl Default for PostgresOptions {
     fn default() -> Self {
         PostgresOptions {
-            max_connections: 8,
-            writers: 4,
+            max_connections: 20,
+            writers: 16,
             max_batch: 256,
             group_commit: true,
             timeout: Duration::from_secs(2),
@@ -343,20 +346,22 @@ fn response_from(
     })
 }
 
-/// Reads the claim statement's row: `None` when the claim must run again.
+/// Reads what the claim statement found: `None` when the claim must run again.
 fn decide(
     req: &ClaimRequest,
     fingerprint: &str,
-    row: Option<Row>,
+    row: ClaimRow,
 ) -> Result<Option<Claim>, StoreError> {
-    // The record vanished between the conflict and the read (released or swept): claim again.
-    let Some(row) = row else { return Ok(None) };
     let (scope, key) = (req.scope.as_str(), req.key.as_str());
-    let lease_until: i64 = row.try_get(1)?;
-    if row.try_get::<_, bool>(0)? {
+    let lease_until = row.lease_until;
+    if row.taken {
+        let lease_until = lease_until.ok_or_else(|| corrupt(scope, key, "lease_until"))?;
         return Ok(Some(Claim::Claimed(req.lease_at(lease_until))));
     }
-    let stored: String = row.try_get(2)?;
+    // The record vanished between the conflict and the read (released or swept): claim again.
+    let Some(stored) = row.fingerprint else {
+        return Ok(None);
+    };
     if stored != fingerprint {
         return Ok(Some(Claim::Conflict {
             fingerprint_prefix: Fingerprint::from_hex(&stored)
@@ -364,15 +369,16 @@ fn decide(
                 .prefix8(),
         }));
     }
-    let status: String = row.try_get(3)?;
-    match RecordStatus::parse(&status) {
+    let lease_until = lease_until.ok_or_else(|| corrupt(scope, key, "lease_until"))?;
+    let status = row.status.as_deref().and_then(RecordStatus::parse);
+    match status {
         None => Err(corrupt(scope, key, "status")),
         Some(RecordStatus::Succeeded) => Ok(Some(Claim::Replay(response_from(
             scope,
             key,
-            row.try_get(4)?,
-            row.try_get(5)?,
-            row.try_get(6)?,
+            row.http_status,
+            row.body,
+            row.headers,
         )?))),
         Some(RecordStatus::Running) if lease_until > req.now_ms => {
             Ok(Some(Claim::in_progress(lease_until, req.now_ms)))
@@ -402,7 +408,7 @@ impl Store for PostgresStore {
             };
             let row = match self.writer.run(op, until).await? {
                 Outcome::Claim(row) => row,
-                Outcome::Changed(_) => None,
+                Outcome::Changed(_) => ClaimRow::default(),
             };
             if let Some(claim) = decide(&req, &fingerprint, row)? {
                 return Ok(claim);
