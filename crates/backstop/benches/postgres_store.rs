@@ -110,8 +110,7 @@ async fn main() {
     let started = Instant::now();
     let tasks: Vec<_> = (0..args.clients)
         .map(|client| {
-            let (store, fingerprint, response) =
-                (store.clone(), fingerprint.clone(), response.clone());
+            let (store, fingerprint, response) = (store.clone(), fingerprint, response.clone());
             let (stop, pairs) = (Arc::clone(&stop), Arc::clone(&pairs));
             tokio::spawn(async move {
                 let mut n = 0u64;
@@ -120,7 +119,7 @@ async fn main() {
                     let req = ClaimRequest {
                         scope: "bench".into(),
                         key: IdempotencyKey::new(format!("{client}-{n}")).expect("key"),
-                        fingerprint: fingerprint.clone(),
+                        fingerprint,
                         lease: Duration::from_secs(5),
                         ttl: Duration::from_secs(24 * 3600),
                         now_ms: T0,

@@ -347,7 +347,7 @@ mod postgres {
         // Outer bound only so a regression fails instead of hanging the suite.
         let bounded = |f| tokio::time::timeout(Duration::from_secs(30), f);
         for mode in [Mode::Down, Mode::Silent] {
-            proxy.set(mode);
+            proxy.set(mode).await;
             for i in 0..3 {
                 let deadline = Deadline::after(Duration::from_millis(300));
                 let result = bounded(
@@ -361,7 +361,7 @@ mod postgres {
                 );
                 assert!(store.ping().await.is_err());
             }
-            proxy.set(Mode::Forward);
+            proxy.set(Mode::Forward).await;
             // Back by itself: broken connections are replaced on demand.
             let mut recovered = false;
             for _ in 0..50 {

@@ -83,6 +83,9 @@ pub const MIGRATION: &str = include_str!("migration_v1.sql");
 /// have changed the row in between.
 const CLAIM_ATTEMPTS: usize = 8;
 
+/// Time kept between a store operation giving up and the request's deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+
 const GET_SQL: &str = "SELECT fingerprint, status, lease_until, http_status, response_body, \
      response_headers, created_at, expires_at FROM idempotency_key WHERE scope = $1 AND key = $2";
 
@@ -269,11 +272,20 @@ impl PostgresStore {
         self.writer.stats()
     }
 
-    /// When the current operation gives up: the request's deadline or the store's timeout,
-    /// whichever comes first.
+    /// When the current operation gives up: shortly before the request's deadline, or after
+    /// the store's timeout, whichever comes first.
     pub fn operation_deadline(&self) -> Instant {
-        let fallback = Instant::now() + self.timeout;
-        Deadline::current().map_or(fallback, |d| d.instant().min(fallback))
+        let now = Instant::now();
+        let fallback = now + self.timeout;
+        match Deadline::current() {
+            None => fallback,
+            // Give up a little before the request's deadline, so the caller still has time to
+            // answer "store unavailable" (503) rather than be cut at the deadline itself.
+            Some(d) => d
+                .child(DEADLINE_MARGIN)
+                .map_or(now, |d| d.instant())
+                .min(fallback),
+        }
     }
 
     /// Runs `query` on a pooled connection, all of it bounded by [`operation_deadline`]. A
