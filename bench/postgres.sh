@@ -2,8 +2,11 @@
 # PostgreSQL claim + complete pairs/s, measured side by side in one run:
 #   pgbench    - pgbench -M prepared running the store's two statements
 #                (bench/postgres_claim_complete.sql), each in autocommit: the baseline
-#   batched    - PostgresStore, concurrent calls batched into pipelined transactions
-#   autocommit - PostgresStore with group_commit off: one statement, one commit per call
+#   batched    - PostgresStore with its defaults (20 connections, 16 writers): concurrent calls
+#                batched into pipelined transactions while every writer is busy
+#   matched    - the same with one connection and one writer per caller, as pgbench has
+#   autocommit - PostgresStore with group_commit off: one statement, one commit per call,
+#                one connection per caller
 # at 1, 8 and 32 concurrent callers (CLIENTS), modes interleaved, ROUNDS rounds, medians
 # reported. Each side has its own schema holding the same table, emptied before every run.
 # Needs pgbench (apt-get install postgresql-contrib) and PostgreSQL on 127.0.0.1:5432.
@@ -44,15 +47,19 @@ run_store() {
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 echo "PostgreSQL $(psql -d "$db" -Atc 'SHOW server_version'), $(pgbench --version), $(nproc) cores, ${secs}s per run, $rounds rounds"
-printf '%-8s %12s %12s %12s %10s %10s\n' clients pgbench batched autocommit batched/pg auto/pg
+ratio() { echo "$1 / $2" | bc -l; }
+printf '%-8s %9s %9s %9s %10s %9s %9s %9s\n' clients pgbench batched matched autocommit \
+  batch/pg match/pg auto/pg
 for c in $clients; do
-  pg="" bt="" ac=""
+  pg="" bt="" bm="" ac=""
   for _ in $(seq "$rounds"); do
     pg="$pg $(run_pgbench "$c")"
     bt="$bt $(run_store "$c" batched)"
+    bm="$bm $(run_store "$c" batched-matched)"
     ac="$ac $(run_store "$c" autocommit)"
   done
-  mp=$(median <<<"$pg") mb=$(median <<<"$bt") ma=$(median <<<"$ac")
-  printf '%-8s %12s %12s %12s %10.2f %10.2f   (runs: pgbench%s; batched%s; autocommit%s)\n' \
-    "$c" "$mp" "$mb" "$ma" "$(echo "$mb / $mp" | bc -l)" "$(echo "$ma / $mp" | bc -l)" "$pg" "$bt" "$ac"
+  mp=$(median <<<"$pg") mb=$(median <<<"$bt") mm=$(median <<<"$bm") ma=$(median <<<"$ac")
+  printf '%-8s %9s %9s %9s %10s %9.2f %9.2f %9.2f   (runs: pgbench%s; batched%s; matched%s; autocommit%s)\n' \
+    "$c" "$mp" "$mb" "$mm" "$ma" "$(ratio "$mb" "$mp")" "$(ratio "$mm" "$mp")" "$(ratio "$ma" "$mp")" \
+    "$pg" "$bt" "$bm" "$ac"
 done

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo bench -p backstop --features postgres --bench postgres_store -- \
-//!     --clients 32 --seconds 10 --mode batched
+//!     --clients 32 --seconds 10 --mode batched    # or batched-matched, autocommit
 //! ```
 //!
 //! Prints one line: `store mode=batched clients=32 pairs=... seconds=... pairs_per_s=...`.
@@ -30,21 +30,21 @@ const BODY: &[u8] =
 struct Args {
     clients: usize,
     seconds: u64,
-    batched: bool,
+    mode: String,
 }
 
 fn args() -> Args {
     let mut out = Args {
         clients: 32,
         seconds: 10,
-        batched: true,
+        mode: "batched".to_owned(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--clients" => out.clients = it.next().and_then(|v| v.parse().ok()).unwrap_or(32),
             "--seconds" => out.seconds = it.next().and_then(|v| v.parse().ok()).unwrap_or(10),
-            "--mode" => out.batched = it.next().as_deref() != Some("autocommit"),
+            "--mode" => out.mode = it.next().unwrap_or_default(),
             // `cargo bench` passes `--bench`; anything else is ignored too.
             _ => {}
         }
@@ -76,15 +76,18 @@ async fn main() {
     let store = PostgresStore::connect_with(
         config,
         PostgresOptions {
-            group_commit: args.batched,
-            // Batched: the store's defaults (tunable here). Autocommit: one connection and one
-            // writer per caller, as pgbench has.
-            max_connections: env("BACKSTOP_BENCH_CONNECTIONS").unwrap_or(if args.batched {
-                PostgresOptions::default().max_connections
-            } else {
-                args.clients
-            }),
-            writers: env("BACKSTOP_BENCH_WRITERS").unwrap_or(if args.batched {
+            // batched: the store's defaults (tunable here). batched-matched: batching on, one
+            // connection and one writer per caller, as pgbench has. autocommit: batching off,
+            // one connection and one writer per caller.
+            group_commit: args.mode != "autocommit",
+            max_connections: env("BACKSTOP_BENCH_CONNECTIONS").unwrap_or(
+                if args.mode == "batched" {
+                    PostgresOptions::default().max_connections
+                } else {
+                    args.clients
+                },
+            ),
+            writers: env("BACKSTOP_BENCH_WRITERS").unwrap_or(if args.mode == "batched" {
                 PostgresOptions::default().writers
             } else {
                 args.clients
@@ -146,11 +149,7 @@ async fn main() {
     let stats = store.writer_stats();
     println!(
         "store mode={} clients={} pairs={pairs} seconds={elapsed:.2} pairs_per_s={:.0} statements_per_round_trip={:.1}",
-        if args.batched {
-            "batched"
-        } else {
-            "autocommit"
-        },
+        args.mode,
         args.clients,
         pairs as f64 / elapsed,
         stats.jobs as f64 / stats.batches.max(1) as f64,

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use deadpool_postgres::{Object, Pool};
 use futures_util::future::maybe_done;
 use futures_util::poll;
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::Row;
 
@@ -229,20 +229,19 @@ struct Counters {
 /// Handle on the writer tasks; they stop when the last handle is dropped.
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
-    tx: mpsc::Sender<Job>,
+    tx: async_channel::Sender<Job>,
     counters: Arc<Counters>,
 }
 
 impl Writer {
     /// Spawns `writers` writer tasks on the current runtime.
     pub(super) fn start(pool: Pool, writers: usize, max_batch: usize) -> Writer {
-        let (tx, rx) = mpsc::channel(QUEUE);
-        let rx = Arc::new(Mutex::new(rx));
+        let (tx, rx) = async_channel::bounded(QUEUE);
         let counters = Arc::new(Counters::default());
         for _ in 0..writers.max(1) {
             tokio::spawn(drive(
                 pool.clone(),
-                Arc::clone(&rx),
+                rx.clone(),
                 max_batch.max(1),
                 Arc::clone(&counters),
             ));
@@ -272,15 +271,23 @@ impl Writer {
 
 async fn drive(
     pool: Pool,
-    rx: Arc<Mutex<mpsc::Receiver<Job>>>,
+    rx: async_channel::Receiver<Job>,
     max_batch: usize,
     counters: Arc<Counters>,
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
     loop {
-        // One writer at a time takes everything queued; the others run their batches meanwhile.
-        if rx.lock().await.recv_many(&mut jobs, max_batch).await == 0 {
-            return;
+        // Every idle writer waits on the queue, so a job finds one at once while any is free;
+        // jobs queue up, and are batched, only while every writer is busy.
+        match rx.recv().await {
+            Ok(job) => jobs.push(job),
+            Err(_) => return,
+        }
+        while jobs.len() < max_batch {
+            match rx.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
         }
         let now = Instant::now();
         jobs.retain(|job| {
