@@ -134,12 +134,22 @@ mod postgres {
         WithGuard(store, schema)
     }
 
-    backstop::store_conformance!(batched, open(PostgresOptions::default()));
+    // Small pools: the server is shared, and fewer writers than racing callers make batches.
+    backstop::store_conformance!(
+        batched,
+        open(PostgresOptions {
+            max_connections: 4,
+            writers: 2,
+            ..PostgresOptions::default()
+        })
+    );
 
     backstop::store_conformance!(
         autocommit,
         open(PostgresOptions {
             group_commit: false,
+            max_connections: 4,
+            writers: 4,
             ..PostgresOptions::default()
         })
     );
