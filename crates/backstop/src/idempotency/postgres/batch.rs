@@ -2,10 +2,14 @@
 //!
 //! PostgreSQL makes a COMMIT durable with a WAL flush; a store that commits once per call pays
 //! one flush, one round trip and one transaction per call. Here callers put their statement on
-//! a queue; each of [`PostgresOptions::writers`](super::PostgresOptions::writers) writer tasks
-//! takes everything queued (up to `max_batch`), and sends `BEGIN`, every statement and `COMMIT`
+//! one queue that every idle writer task ([`PostgresOptions::writers`]) waits on: while a writer
+//! is free a call runs at once, alone. When every writer is busy, calls queue up, and the next
+//! free writer takes everything queued (up to `max_batch`) and sends `BEGIN`, the statements
+//! (claims of distinct keys as one array statement, completions as another...) and `COMMIT`
 //! pipelined on one connection: one round trip and one flush for the whole batch. Each caller is
 //! answered after the COMMIT that made its row durable.
+//!
+//! [`PostgresOptions::writers`]: super::PostgresOptions::writers
 //!
 //! - A batch of one runs alone, in autocommit: no batching cost when there is no concurrency.
 //! - Statements run in `(scope, key)` order, so two batches (on this instance or another) lock
