@@ -56,6 +56,11 @@ const UNITS: [(u8, u64); 6] = [
 /// How far in the future a deadline lies when its budget overflows the clock (about 30 years).
 const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
+tokio::task_local! {
+    /// The deadline of the request the current task works for (see [`Deadline::scope`]).
+    static CURRENT: Deadline;
+}
+
 /// An absolute point on the monotonic clock by which a request must be finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Deadline {
@@ -141,6 +146,18 @@ impl Deadline {
         Ok(Deadline {
             end: self.end - margin,
         })
+    }
+
+    /// Runs `fut` with this deadline as the task's [`Deadline::current`]: code deep below (a
+    /// store waiting for a database connection) can bound its waits by the request's deadline
+    /// without every signature carrying it.
+    pub async fn scope<F: std::future::Future>(self, fut: F) -> F::Output {
+        CURRENT.scope(self, fut).await
+    }
+
+    /// The deadline set by the innermost enclosing [`Deadline::scope`], if any.
+    pub fn current() -> Option<Deadline> {
+        CURRENT.try_with(|d| *d).ok()
     }
 
     /// The remaining budget as a `grpc-timeout` value, or an error when nothing is left.
@@ -290,6 +307,23 @@ impl Margin {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn scope_sets_the_current_deadline() {
+        assert_eq!(Deadline::current(), None);
+        let d = Deadline::after(Duration::from_secs(3));
+        let inner = Deadline::after(Duration::from_secs(1));
+        let seen = d
+            .scope(async move {
+                (
+                    Deadline::current(),
+                    inner.scope(async { Deadline::current() }).await,
+                )
+            })
+            .await;
+        assert_eq!(seen, (Some(d), Some(inner)));
+        assert_eq!(Deadline::current(), None);
+    }
 
     #[test]
     fn encode_picks_finest_unit_that_fits() {

@@ -56,6 +56,8 @@
 //! - `redis`: per-tenant token buckets shared by several instances through Redis
 //!   (`admission::redis`: one atomic Lua script, the Redis server's clock, expiring keys) with
 //!   an open/closed failure policy, usable by the rate limit layer.
+//! - `postgres`: the PostgreSQL idempotency store (`idempotency::postgres`), for several
+//!   instances sharing one database.
 //!
 //! # Layer order
 //!

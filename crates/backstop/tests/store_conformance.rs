@@ -28,3 +28,442 @@ mod sqlite {
         })
     );
 }
+
+#[cfg(feature = "postgres")]
+mod support {
+    pub(crate) mod tcp_proxy;
+}
+
+/// Against the PostgreSQL on 127.0.0.1:5432 (user `postgres`, database `test`, or
+/// `BACKSTOP_TEST_POSTGRES`), each test in a schema of its own.
+#[cfg(feature = "postgres")]
+mod postgres {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use backstop::deadline::Deadline;
+    use backstop::idempotency::conformance::WithGuard;
+    use backstop::idempotency::postgres::{PostgresOptions, PostgresStore, tokio_postgres};
+    use backstop::idempotency::{
+        Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store, StoreError,
+    };
+
+    use super::support::tcp_proxy::{Mode, TcpProxy};
+
+    fn url() -> String {
+        std::env::var("BACKSTOP_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    }
+
+    async fn admin() -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
+            .await
+            .expect("PostgreSQL on 127.0.0.1:5432");
+        tokio::spawn(connection);
+        client
+    }
+
+    /// A schema dropped (with everything in it) when the test ends.
+    #[derive(Debug)]
+    pub(super) struct Schema(String);
+
+    impl Schema {
+        async fn create() -> Schema {
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let name = format!(
+                "conformance_{}_{}_{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed),
+                rand::random::<u32>()
+            );
+            admin()
+                .await
+                .batch_execute(&format!("CREATE SCHEMA {name}"))
+                .await
+                .expect("create schema");
+            Schema(name)
+        }
+
+        fn config(&self) -> tokio_postgres::Config {
+            let mut config: tokio_postgres::Config = url().parse().expect("test URL");
+            config.options(format!("-c search_path={}", self.0));
+            config
+        }
+    }
+
+    impl Schema {
+        /// The same database and schema, reached through 127.0.0.1:`port`.
+        fn config_via(&self, port: u16) -> tokio_postgres::Config {
+            let base = self.config();
+            let mut config = tokio_postgres::Config::new();
+            config.host("127.0.0.1").port(port);
+            if let Some(user) = base.get_user() {
+                config.user(user);
+            }
+            if let Some(db) = base.get_dbname() {
+                config.dbname(db);
+            }
+            if let Some(options) = base.get_options() {
+                config.options(options);
+            }
+            config
+        }
+    }
+
+    impl Drop for Schema {
+        fn drop(&mut self) {
+            let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.0);
+            // Drop runs inside the test's runtime: do the async cleanup on a thread of its own.
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async { admin().await.batch_execute(&sql).await })
+            })
+            .join();
+        }
+    }
+
+    async fn open(options: PostgresOptions) -> WithGuard<PostgresStore, Schema> {
+        let schema = Schema::create().await;
+        let store = PostgresStore::connect_with(schema.config(), options)
+            .await
+            .expect("connect store");
+        WithGuard(store, schema)
+    }
+
+    // Small pools: the server is shared, and fewer writers than racing callers make batches.
+    backstop::store_conformance!(
+        batched,
+        open(PostgresOptions {
+            max_connections: 4,
+            writers: 2,
+            ..PostgresOptions::default()
+        })
+    );
+
+    backstop::store_conformance!(
+        autocommit,
+        open(PostgresOptions {
+            group_commit: false,
+            max_connections: 4,
+            writers: 4,
+            ..PostgresOptions::default()
+        })
+    );
+
+    fn claim_req(key: &str, now_ms: i64) -> ClaimRequest {
+        ClaimRequest {
+            scope: "merchant-1".into(),
+            key: IdempotencyKey::new(key).unwrap(),
+            fingerprint: Fingerprint::of_bytes("POST /v1/payments", b"{}"),
+            lease: Duration::from_secs(5),
+            ttl: Duration::from_secs(3600),
+            now_ms,
+        }
+    }
+
+    /// N instances (each its own pool) starting at once migrate once, and N concurrent
+    /// takeovers across them have exactly one winner.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_takeovers_across_pools_have_one_winner() {
+        const INSTANCES: usize = 8;
+        let schema = Schema::create().await;
+        let options = PostgresOptions {
+            max_connections: 2,
+            writers: 1,
+            ..PostgresOptions::default()
+        };
+        let opened = futures_util::future::join_all(
+            (0..INSTANCES).map(|_| PostgresStore::connect_with(schema.config(), options.clone())),
+        )
+        .await;
+        let stores: Vec<PostgresStore> = opened.into_iter().map(|s| s.expect("open")).collect();
+
+        for round in 0..8 {
+            let key = format!("k-{round}");
+            let Claim::Claimed(first) = stores[0].claim(claim_req(&key, 1_000)).await.unwrap()
+            else {
+                panic!("first claim")
+            };
+            if round % 2 == 0 {
+                stores[0].fail(&first, 1_001).await.unwrap();
+            }
+            // Ended lease (odd rounds) or failed record (even rounds): everyone tries at once.
+            let now = first.lease_until_ms + 1;
+            let barrier = Arc::new(tokio::sync::Barrier::new(INSTANCES * 4));
+            let tasks: Vec<_> = (0..INSTANCES * 4)
+                .map(|i| {
+                    let store = stores[i % INSTANCES].clone();
+                    let barrier = Arc::clone(&barrier);
+                    let req = claim_req(&key, now);
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        store.claim(req).await.unwrap()
+                    })
+                })
+                .collect();
+            let mut winners = Vec::new();
+            for t in tasks {
+                match t.await.unwrap() {
+                    Claim::Claimed(lease) => winners.push(lease),
+                    Claim::InProgress { .. } => {}
+                    other => panic!("a loser must get InProgress, got {other:?}"),
+                }
+            }
+            assert_eq!(winners.len(), 1, "round {round}: {winners:?}");
+            assert!(winners[0].lease_until_ms > first.lease_until_ms);
+        }
+        let migrations = admin()
+            .await
+            .query_one(
+                &format!("SELECT count(*) FROM {}.backstop_migration", schema.0),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0);
+        assert_eq!(migrations, 1);
+        drop(stores);
+    }
+
+    /// Sweepers on several instances split the work: every expired record deleted exactly
+    /// once in total, a running record with a live lease never.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_sweepers_across_pools_delete_each_record_once() {
+        let schema = Schema::create().await;
+        let options = PostgresOptions {
+            max_connections: 2,
+            writers: 1,
+            ..PostgresOptions::default()
+        };
+        let mut stores = Vec::new();
+        for _ in 0..4 {
+            stores.push(
+                PostgresStore::connect_with(schema.config(), options.clone())
+                    .await
+                    .unwrap(),
+            );
+        }
+        let expiring = |key: String, lease_ms: u64| ClaimRequest {
+            ttl: Duration::from_millis(10),
+            lease: Duration::from_millis(lease_ms),
+            ..claim_req(&key, 1_000)
+        };
+        for i in 0..200 {
+            let Claim::Claimed(lease) =
+                stores[0].claim(expiring(format!("k{i}"), 1)).await.unwrap()
+            else {
+                panic!("claim")
+            };
+            stores[0].fail(&lease, 1_000).await.unwrap();
+        }
+        // Expired, but its lease runs far past the sweep time.
+        stores[0]
+            .claim(expiring("live".into(), 1_000_000))
+            .await
+            .unwrap();
+        let now = 100_000;
+        let tasks: Vec<_> = stores
+            .iter()
+            .cloned()
+            .map(|store| {
+                tokio::spawn(async move {
+                    let mut total = 0;
+                    loop {
+                        let n = store.sweep(now, 25).await.unwrap();
+                        total += n;
+                        if n == 0 {
+                            return total;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for t in tasks {
+            total += t.await.unwrap();
+        }
+        assert_eq!(total, 200);
+        let live = stores[0]
+            .get("merchant-1", &IdempotencyKey::new("live").unwrap())
+            .await
+            .unwrap();
+        assert!(live.is_some());
+        drop(stores);
+    }
+
+    /// Concurrent claims share transactions: fewer round trips than statements.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_claims_share_batches() {
+        let fixture = open(PostgresOptions {
+            writers: 1,
+            ..PostgresOptions::default()
+        })
+        .await;
+        let store = fixture.0.clone();
+        let before = store.writer_stats();
+        let tasks: Vec<_> = (0..64)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move { store.claim(claim_req(&format!("k{i}"), 1_000)).await })
+            })
+            .collect();
+        for t in tasks {
+            assert!(matches!(t.await.unwrap().unwrap(), Claim::Claimed(_)));
+        }
+        let after = store.writer_stats();
+        assert_eq!(after.jobs - before.jobs, 64);
+        assert!(
+            after.batches - before.batches < 64,
+            "{before:?} -> {after:?}"
+        );
+    }
+
+    /// Batched outcomes (completions, failures, releases, stale leases mixed) each get their
+    /// own answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn batched_outcomes_answer_each_caller() {
+        let fixture = open(PostgresOptions {
+            writers: 1,
+            ..PostgresOptions::default()
+        })
+        .await;
+        let store = fixture.0.clone();
+        let claims = futures_util::future::join_all(
+            (0..48).map(|i| store.claim(claim_req(&format!("k{i}"), 1_000))),
+        )
+        .await;
+        let leases: Vec<_> = claims
+            .into_iter()
+            .map(|c| match c.unwrap() {
+                Claim::Claimed(lease) => lease,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let response = backstop::idempotency::StoredResponse {
+            status: 201,
+            headers: vec![("location".into(), "/x".into())],
+            body: bytes::Bytes::from_static(b"\x00\xffbody"),
+        };
+        let tasks: Vec<_> = leases
+            .iter()
+            .enumerate()
+            .map(|(i, lease)| {
+                let (store, lease, response) = (store.clone(), lease.clone(), response.clone());
+                tokio::spawn(async move {
+                    let stale = backstop::idempotency::Lease {
+                        lease_until_ms: lease.lease_until_ms - 1,
+                        ..lease.clone()
+                    };
+                    match i % 4 {
+                        0 => store.complete(&lease, response, 1_100).await,
+                        1 => store.fail(&lease, 1_100).await,
+                        2 => store.release(&lease).await,
+                        _ => store.complete(&stale, response, 1_100).await,
+                    }
+                })
+            })
+            .collect();
+        for (i, t) in tasks.into_iter().enumerate() {
+            let result = t.await.unwrap();
+            if i % 4 == 3 {
+                assert!(
+                    matches!(result, Err(StoreError::LeaseLost { .. })),
+                    "{i}: {result:?}"
+                );
+            } else {
+                assert!(result.is_ok(), "{i}: {result:?}");
+            }
+        }
+        for (i, lease) in leases.iter().enumerate() {
+            let record = store.get("merchant-1", &lease.key).await.unwrap();
+            let status = record.as_ref().map(|r| r.status);
+            use backstop::idempotency::RecordStatus::*;
+            let want = match i % 4 {
+                0 => Some(Succeeded),
+                1 => Some(Failed),
+                2 => None,
+                _ => Some(Running),
+            };
+            assert_eq!(status, want, "{i}");
+            if i % 4 == 0 {
+                assert_eq!(record.unwrap().response, Some(response.clone()));
+            }
+        }
+    }
+
+    /// PostgreSQL down or hanging: every call fails with a backend error by its deadline, never
+    /// hangs and never half-writes; calls succeed again once it is back, with no restart.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn database_down_or_silent_fails_fast_and_recovers() {
+        let schema = Schema::create().await;
+        let upstream = tokio::net::lookup_host(("127.0.0.1", schema.config().get_ports()[0]))
+            .await
+            .unwrap()
+            .next()
+            .unwrap();
+        let proxy = TcpProxy::start(upstream).await;
+        let store = PostgresStore::connect_with(
+            schema.config_via(proxy.port()),
+            PostgresOptions {
+                timeout: Duration::from_secs(1),
+                ..PostgresOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert!(matches!(
+            store.claim(claim_req("before", 1_000)).await.unwrap(),
+            Claim::Claimed(_)
+        ));
+
+        // Outer bound only so a regression fails instead of hanging the suite.
+        let bounded = |f| tokio::time::timeout(Duration::from_secs(30), f);
+        for mode in [Mode::Down, Mode::Silent] {
+            proxy.set(mode).await;
+            for i in 0..3 {
+                let deadline = Deadline::after(Duration::from_millis(300));
+                let result = bounded(
+                    deadline.scope(store.claim(claim_req(&format!("{mode:?}-{i}"), 2_000))),
+                )
+                .await
+                .expect("the claim must end by its deadline");
+                assert!(
+                    matches!(result, Err(StoreError::Backend(_))),
+                    "{mode:?}: {result:?}"
+                );
+                assert!(store.ping().await.is_err());
+            }
+            proxy.set(Mode::Forward).await;
+            // Back by itself: broken connections are replaced on demand.
+            let mut recovered = false;
+            for _ in 0..50 {
+                if store.ping().await.is_ok() {
+                    recovered = true;
+                    break;
+                }
+            }
+            assert!(recovered, "the store must recover after {mode:?}");
+            let claim = store
+                .claim(claim_req(&format!("after-{mode:?}"), 3_000))
+                .await
+                .unwrap();
+            assert!(matches!(claim, Claim::Claimed(_)));
+        }
+        // Only the claims made while the database answered exist.
+        let rows = admin()
+            .await
+            .query_one(
+                &format!("SELECT count(*) FROM {}.idempotency_key", schema.0),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0);
+        assert!((3..=9).contains(&rows), "{rows}");
+        drop(store);
+    }
+}

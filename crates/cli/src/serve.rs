@@ -19,7 +19,8 @@ pub(crate) struct ServeArgs {
     /// gRPC address (`payment.v1.Payment`, h2c; port 0: any free port, logged at start).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:50051")]
     grpc: SocketAddr,
-    /// Store: `sqlite://PATH` or a file path (`postgres://` is not supported yet).
+    /// Store: `sqlite://PATH`, a file path, or `postgres://USER@HOST:PORT/DB` (shared by
+    /// several instances).
     #[arg(long, value_name = "URL", default_value = "backstop.db")]
     store: String,
     /// PSP base URL; without it an embedded PSP starts on a loopback port with its own
@@ -191,10 +192,14 @@ mod tests {
     #[test]
     fn refusals() {
         assert!(
-            parse(&["--store", "postgres://u@h/db"])
+            parse(&["--store", "postgres://u@h:port/db"])
                 .unwrap_err()
                 .to_string()
-                .contains("not supported yet")
+                .contains("invalid PostgreSQL store URL")
+        );
+        assert_eq!(
+            parse(&["--store", "postgres://u@h/db"]).unwrap().store,
+            StoreLocation::Postgres("postgres://u@h/db".into())
         );
         assert!(parse(&["--api-key", "nokey"]).is_err());
         assert!(parse(&["--psp", "127.0.0.1:1"]).is_err());

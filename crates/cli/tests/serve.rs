@@ -265,8 +265,12 @@ async fn open_service_on_a_public_address_refuses_to_start() {
 }
 
 #[tokio::test]
-async fn postgres_store_is_not_supported_yet() {
-    let (status, stderr) = refused(&["--store", "postgres://localhost/pay"]).await;
+async fn unreachable_postgres_store_refuses_to_start() {
+    // Port 1 on loopback: nothing listens, the connection is refused at once.
+    let (status, stderr) = refused(&["--store", "postgres://postgres@127.0.0.1:1/test"]).await;
     assert!(!status.success());
-    assert!(stderr.contains("not supported yet"), "{stderr}");
+    assert!(
+        stderr.contains("no PostgreSQL connection available"),
+        "{stderr}"
+    );
 }

@@ -26,11 +26,14 @@ pub const DEFAULT_MERCHANT: &str = "default";
 pub enum StoreLocation {
     /// A SQLite file (WAL, `synchronous=FULL`, group commit).
     Sqlite(PathBuf),
+    /// A PostgreSQL database (`postgres://user@host:port/db`), which several instances may
+    /// share.
+    Postgres(String),
 }
 
 impl StoreLocation {
-    /// Parses `sqlite://PATH` or a bare path. `postgres://` is recognised and refused (not
-    /// supported yet); any other `scheme://` is refused.
+    /// Parses `sqlite://PATH`, `postgres://...` (or `postgresql://...`) or a bare path; any
+    /// other `scheme://` is refused.
     pub fn parse(s: &str) -> Result<Self, ConfigError> {
         if s.is_empty() {
             return Err(ConfigError::EmptyStore);
@@ -42,7 +45,11 @@ impl StoreLocation {
             return Ok(StoreLocation::Sqlite(PathBuf::from(path)));
         }
         if s.starts_with("postgres://") || s.starts_with("postgresql://") {
-            return Err(ConfigError::PostgresNotSupported);
+            use backstop::idempotency::postgres::tokio_postgres;
+            return match s.parse::<tokio_postgres::Config>() {
+                Ok(_) => Ok(StoreLocation::Postgres(s.to_owned())),
+                Err(e) => Err(ConfigError::InvalidPostgresUrl(e.to_string())),
+            };
         }
         if let Some((scheme, _)) = s.split_once("://") {
             return Err(ConfigError::UnknownStoreScheme(
@@ -52,17 +59,38 @@ impl StoreLocation {
         Ok(StoreLocation::Sqlite(PathBuf::from(s)))
     }
 
-    /// The SQLite file path.
-    pub fn path(&self) -> &Path {
+    /// The SQLite file path (`None` for PostgreSQL).
+    pub fn path(&self) -> Option<&Path> {
         match self {
-            StoreLocation::Sqlite(p) => p,
+            StoreLocation::Sqlite(p) => Some(p),
+            StoreLocation::Postgres(_) => None,
+        }
+    }
+
+    /// The store for logs: the path, or the URL without its password.
+    pub fn redacted(&self) -> String {
+        match self {
+            StoreLocation::Sqlite(p) => p.display().to_string(),
+            StoreLocation::Postgres(url) => match url.split_once("://") {
+                Some((scheme, rest)) => match rest.split_once('@') {
+                    Some((creds, host)) => {
+                        let user = creds.split(':').next().unwrap_or_default();
+                        format!(
+                            "{scheme}://{user}@{}",
+                            host.split('?').next().unwrap_or(host)
+                        )
+                    }
+                    None => format!("{scheme}://{}", rest.split('?').next().unwrap_or(rest)),
+                },
+                None => String::new(),
+            },
         }
     }
 
     /// The embedded PSP's own database file, next to the store: `backstop.db` ->
-    /// `backstop-psp.db`.
+    /// `backstop-psp.db` (for PostgreSQL, `backstop-psp.db` in the working directory).
     pub fn psp_sibling(&self) -> PathBuf {
-        let path = self.path();
+        let path = self.path().unwrap_or(Path::new(DEFAULT_STORE));
         let stem = path
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
@@ -222,11 +250,11 @@ pub enum ConfigError {
         "refusing to serve without API keys on non-loopback address {0}: pass --api-key MERCHANT=KEY, or bind to 127.0.0.1 / [::1]"
     )]
     OpenOnNonLoopback(SocketAddr),
-    /// `postgres://` store.
-    #[error("postgres stores are not supported yet: use sqlite://PATH or a file path")]
-    PostgresNotSupported,
+    /// A `postgres://` store URL that does not parse.
+    #[error("invalid PostgreSQL store URL: {0}")]
+    InvalidPostgresUrl(String),
     /// A store URL with another scheme.
-    #[error("unknown store scheme {0:?}: use sqlite://PATH or a file path")]
+    #[error("unknown store scheme {0:?}: use sqlite://PATH, postgres://... or a file path")]
     UnknownStoreScheme(String),
     /// Empty store path.
     #[error("the store path is empty")]
@@ -263,7 +291,23 @@ mod tests {
         );
         assert_eq!(
             StoreLocation::parse("postgres://u@h/db"),
-            Err(ConfigError::PostgresNotSupported)
+            Ok(StoreLocation::Postgres("postgres://u@h/db".into()))
+        );
+        assert!(matches!(
+            StoreLocation::parse("postgres://u@h:notaport/db"),
+            Err(ConfigError::InvalidPostgresUrl(_))
+        ));
+        assert_eq!(
+            StoreLocation::parse("postgres://u:secret@h:5432/db?options=x")
+                .unwrap()
+                .redacted(),
+            "postgres://u@h:5432/db"
+        );
+        assert_eq!(
+            StoreLocation::parse("postgres://u@h/db")
+                .unwrap()
+                .psp_sibling(),
+            PathBuf::from("backstop-psp.db")
         );
         assert!(matches!(
             StoreLocation::parse("redis://h"),

@@ -17,8 +17,11 @@
 //!
 //! The functions here are synchronous and take a [`rusqlite::Connection`], so they run inside
 //! the group-commit writer of [`Db`] (see [`Intents`]) and in
-//! plain unit tests alike.
+//! plain unit tests alike. [`postgres`] holds the same table and queries on PostgreSQL.
 
+pub mod postgres;
+
+use backstop::idempotency::postgres::{PgError, PostgresStore};
 use backstop::idempotency::sqlite::{Db, DbError};
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde::Serialize;
@@ -311,56 +314,112 @@ pub fn count(conn: &Connection) -> rusqlite::Result<u64> {
     conn.query_row("SELECT COUNT(*) FROM payment_intent", [], |r| r.get(0))
 }
 
-/// The intent table on the shared group-commit [`Db`]: every write goes through [`Db::write`]
-/// (so it is batched with the idempotency store's writes and answered only once durable), every
-/// read through [`Db::read`].
+/// Errors of [`Intents`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IntentsError {
+    /// The SQLite database failed.
+    #[error(transparent)]
+    Sqlite(#[from] DbError),
+    /// PostgreSQL failed or did not answer in time.
+    #[error(transparent)]
+    Postgres(#[from] PgError),
+    /// A stored row could not be read back.
+    #[error("stored payment intent {intent_id:?} is corrupt: {what}")]
+    Corrupt {
+        /// The row's `intent_id`.
+        intent_id: String,
+        /// Which column is wrong.
+        what: &'static str,
+    },
+}
+
+/// The intent table: on the shared group-commit SQLite [`Db`] (every write through
+/// [`Db::write`], batched with the idempotency store's writes and answered only once durable,
+/// every read through [`Db::read`]), or on PostgreSQL (the idempotency store's pool, each
+/// operation one statement bounded by the request's deadline).
 #[derive(Debug, Clone)]
 pub struct Intents {
-    db: Db,
+    backend: Backend,
+}
+
+#[derive(Debug, Clone)]
+enum Backend {
+    Sqlite(Db),
+    Postgres(postgres::PgIntents),
 }
 
 impl Intents {
     /// Runs the `payment_intent` migration on `db` (once per database) and returns the handle.
     pub async fn open(db: Db) -> Result<Self, DbError> {
         db.migrate(MIGRATION_NAME, MIGRATION_SQL).await?;
-        Ok(Intents { db })
+        Ok(Intents {
+            backend: Backend::Sqlite(db),
+        })
     }
 
-    /// The underlying database handle.
-    pub fn db(&self) -> &Db {
-        &self.db
+    /// Runs the PostgreSQL `payment_intent` migration ([`postgres::MIGRATION_SQL`]; safe when
+    /// several instances start at once) and returns the handle on `store`'s pool.
+    pub async fn postgres(store: PostgresStore) -> Result<Self, PgError> {
+        Ok(Intents {
+            backend: Backend::Postgres(postgres::PgIntents::open(store).await?),
+        })
     }
 
-    /// [`insert`] in one write job.
-    pub async fn create(&self, new: NewIntent) -> Result<Created, DbError> {
-        self.db.write(move |c| insert(c, &new)).await
+    /// The SQLite database handle (`None` on PostgreSQL).
+    pub fn db(&self) -> Option<&Db> {
+        match &self.backend {
+            Backend::Sqlite(db) => Some(db),
+            Backend::Postgres(_) => None,
+        }
     }
 
-    /// [`mark_succeeded`] in one write job.
+    /// [`insert`]: one write job, or one `INSERT ... ON CONFLICT DO NOTHING` on PostgreSQL.
+    pub async fn create(&self, new: NewIntent) -> Result<Created, IntentsError> {
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.write(move |c| insert(c, &new)).await?),
+            Backend::Postgres(pg) => pg.create(new).await,
+        }
+    }
+
+    /// [`mark_succeeded`] in one write job (one `UPDATE`).
     pub async fn succeed(
         &self,
         merchant_id: &str,
         intent_id: &str,
         psp_charge_id: &str,
-    ) -> Result<bool, DbError> {
+    ) -> Result<bool, IntentsError> {
         let (m, i, ch) = (
             merchant_id.to_owned(),
             intent_id.to_owned(),
             psp_charge_id.to_owned(),
         );
-        self.db.write(move |c| mark_succeeded(c, &m, &i, &ch)).await
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.write(move |c| mark_succeeded(c, &m, &i, &ch)).await?),
+            Backend::Postgres(pg) => Ok(pg.mark(m, i, Some(ch)).await?),
+        }
     }
 
-    /// [`mark_failed`] in one write job.
-    pub async fn fail(&self, merchant_id: &str, intent_id: &str) -> Result<bool, DbError> {
+    /// [`mark_failed`] in one write job (one `UPDATE`).
+    pub async fn fail(&self, merchant_id: &str, intent_id: &str) -> Result<bool, IntentsError> {
         let (m, i) = (merchant_id.to_owned(), intent_id.to_owned());
-        self.db.write(move |c| mark_failed(c, &m, &i)).await
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.write(move |c| mark_failed(c, &m, &i)).await?),
+            Backend::Postgres(pg) => Ok(pg.mark(m, i, None).await?),
+        }
     }
 
     /// [`get`] on a read connection.
-    pub async fn get(&self, merchant_id: &str, intent_id: &str) -> Result<Option<Intent>, DbError> {
+    pub async fn get(
+        &self,
+        merchant_id: &str,
+        intent_id: &str,
+    ) -> Result<Option<Intent>, IntentsError> {
         let (m, i) = (merchant_id.to_owned(), intent_id.to_owned());
-        self.db.read(move |c| get(c, &m, &i)).await
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.read(move |c| get(c, &m, &i)).await?),
+            Backend::Postgres(pg) => pg.get(m, i).await,
+        }
     }
 
     /// [`by_order`] on a read connection.
@@ -368,25 +427,34 @@ impl Intents {
         &self,
         merchant_id: &str,
         order_id: &str,
-    ) -> Result<Vec<Intent>, DbError> {
+    ) -> Result<Vec<Intent>, IntentsError> {
         let (m, o) = (merchant_id.to_owned(), order_id.to_owned());
-        self.db.read(move |c| by_order(c, &m, &o)).await
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.read(move |c| by_order(c, &m, &o)).await?),
+            Backend::Postgres(pg) => pg.by_order(m, o).await,
+        }
     }
 
     /// [`count`] on a read connection.
-    pub async fn count(&self) -> Result<u64, DbError> {
-        self.db.read(count).await
+    pub async fn count(&self) -> Result<u64, IntentsError> {
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.read(count).await?),
+            Backend::Postgres(pg) => Ok(pg.count().await?),
+        }
     }
 
     /// A trivial read: whether the store answers (for `/readyz`).
-    pub async fn ping(&self) -> Result<(), DbError> {
-        self.db
-            .read(|c| {
-                c.query_row("SELECT 1 FROM payment_intent LIMIT 1", [], |_| Ok(()))
-                    .optional()
-            })
-            .await
-            .map(|_| ())
+    pub async fn ping(&self) -> Result<(), IntentsError> {
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db
+                .read(|c| {
+                    c.query_row("SELECT 1 FROM payment_intent LIMIT 1", [], |_| Ok(()))
+                        .optional()
+                })
+                .await
+                .map(|_| ())?),
+            Backend::Postgres(pg) => Ok(pg.ping().await?),
+        }
     }
 }
 

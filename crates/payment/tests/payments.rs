@@ -652,6 +652,7 @@ async fn embedded_psp_runs_next_to_the_store() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
     config.http = "127.0.0.1:0".parse().unwrap();
+    config.grpc = "127.0.0.1:0".parse().unwrap();
     let server = Server::bind(config).await.unwrap();
     assert!(server.embedded_psp().is_some());
     let psp_url = server.psp_url().to_owned();

@@ -71,6 +71,8 @@
 //! - [`memory`] holds [`MemoryStore`].
 //! - `sqlite` (feature `sqlite`, default) holds `SqliteStore` on the group-commit handle `Db`,
 //!   which the application shares for its own tables.
+//! - `postgres` (feature `postgres`) holds `PostgresStore` on a bounded pool, batching
+//!   concurrent calls into shared transactions, for several instances sharing one database.
 //! - [`sweeper`] holds [`Sweeper`], the TTL reaper task.
 //! - [`conformance`] holds the suite every backend runs (`backstop::store_conformance!`).
 
@@ -78,6 +80,8 @@ pub mod conformance;
 pub mod fingerprint;
 pub mod key;
 pub mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod store;

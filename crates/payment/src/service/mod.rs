@@ -7,7 +7,7 @@
 //! | `POST /v1/payments` + `Idempotency-Key` | `201` payment + `Location`; a replay of a stored answer byte for byte + `Idempotent-Replayed: true` |
 //! | `GET /v1/payments/{intent_id}` | `200` payment (this merchant's only), else `404` `payment_not_found` |
 //! | `GET /healthz` | `200` while the process runs |
-//! | `GET /readyz` | `200` when the store answers a read, else `503` `store_unavailable` |
+//! | `GET /readyz` | `200` when the store answers a read, else `503` `store_unavailable` (PostgreSQL down or slow included) |
 //! | `GET /metrics` | Prometheus text |
 //!
 //! A payment is `{"intent_id", "order_id", "amount_cents", "currency", "status", "charge_id"}`
@@ -50,15 +50,18 @@
 //! - [`handlers`]: the route handlers.
 //! - `payments`: the payment logic the HTTP handlers and the gRPC service share.
 //! - `server`: [`Server`] (start-up, serving, draining) and [`serve`].
+//! - `store`: [`PaymentStore`], the idempotency store on SQLite or PostgreSQL.
 
 pub mod handlers;
 pub(crate) mod payments;
 pub mod request;
 mod server;
+mod store;
 pub mod trace;
 
 pub use handlers::AppState;
 pub use server::{RunningServer, ServeError, Server, prometheus_handle, serve};
+pub use store::PaymentStore;
 
 use std::time::Duration;
 

@@ -7,14 +7,15 @@ use std::time::Duration;
 
 use backstop::clock::{Clock, SystemClock};
 use backstop::idempotency::Sweeper;
+use backstop::idempotency::postgres::{PgError, PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::{Db, DbError, SqliteOptions, SqliteStore};
 use backstop::retry::RetryBudget;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::{AppState, Routers, build_routers, rate_limit_layer};
-use crate::config::{Config, ConfigError, PspTarget};
+use super::{AppState, PaymentStore, Routers, build_routers, rate_limit_layer};
+use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
 use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
 use crate::psp_client::{ClientError, PspClient};
@@ -35,9 +36,12 @@ pub enum ServeError {
     /// The configuration is refused.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The store could not be opened or migrated.
+    /// The SQLite store could not be opened or migrated.
     #[error("cannot open the store")]
     Store(#[source] DbError),
+    /// The PostgreSQL intent table could not be migrated.
+    #[error("cannot set up the payment_intent table on PostgreSQL")]
+    Postgres(#[source] PgError),
     /// The idempotency store could not be set up.
     #[error("cannot set up the idempotency store")]
     Idempotency(#[source] backstop::idempotency::StoreError),
@@ -94,7 +98,7 @@ pub struct Server {
     app: axum::Router,
     grpc: crate::grpc::server::Bound,
     state: AppState,
-    store: SqliteStore,
+    store: PaymentStore,
     psp: Option<PspHandle>,
     psp_url: String,
     background: Vec<JoinHandle<()>>,
@@ -105,12 +109,25 @@ impl Server {
     /// Validates `config`, opens the store, starts or reaches the PSP and binds the HTTP port.
     pub async fn bind(config: Config) -> Result<Server, ServeError> {
         config.validate()?;
-        let db =
-            Db::open(config.store.path(), SqliteOptions::default()).map_err(ServeError::Store)?;
-        let store = SqliteStore::new(db.clone())
-            .await
-            .map_err(ServeError::Idempotency)?;
-        let intents = Intents::open(db).await.map_err(ServeError::Store)?;
+        let (store, intents) = match &config.store {
+            StoreLocation::Sqlite(path) => {
+                let db = Db::open(path, SqliteOptions::default()).map_err(ServeError::Store)?;
+                let store = SqliteStore::new(db.clone())
+                    .await
+                    .map_err(ServeError::Idempotency)?;
+                let intents = Intents::open(db).await.map_err(ServeError::Store)?;
+                (PaymentStore::Sqlite(store), intents)
+            }
+            StoreLocation::Postgres(url) => {
+                let store = PostgresStore::connect(url, PostgresOptions::default())
+                    .await
+                    .map_err(ServeError::Idempotency)?;
+                let intents = Intents::postgres(store.clone())
+                    .await
+                    .map_err(ServeError::Postgres)?;
+                (PaymentStore::Postgres(store), intents)
+            }
+        };
 
         let (psp, psp_url) = match &config.psp {
             PspTarget::Url(url) => (None, url.clone()),
@@ -169,7 +186,7 @@ impl Server {
         tracing::info!(
             http = %addr,
             grpc = %grpc.local_addr(),
-            store = %config.store.path().display(),
+            store = %config.store.redacted(),
             psp = %psp_url,
             open = config.is_open(),
             merchants = config.api_keys.len(),
@@ -230,7 +247,7 @@ impl Server {
     }
 
     /// The idempotency store.
-    pub fn store(&self) -> &SqliteStore {
+    pub fn store(&self) -> &PaymentStore {
         &self.store
     }
 

@@ -137,6 +137,7 @@ impl Harness {
         self.server
             .intents()
             .db()
+            .expect("a SQLite store")
             .read(|c| c.query_row("SELECT COUNT(*) FROM idempotency_key", [], |r| r.get(0)))
             .await
             .expect("idempotency table")

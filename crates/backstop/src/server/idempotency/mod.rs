@@ -182,7 +182,13 @@ where
         };
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::keyed(Box::pin(keyed(self.shared.clone(), route, inner, request)))
+        // The store's waits (a connection, a lock) are bounded by the request's deadline.
+        let deadline = request.extensions().get::<Deadline>().copied();
+        let flow = keyed(self.shared.clone(), route, inner, request);
+        ResponseFuture::keyed(match deadline {
+            Some(deadline) => Box::pin(deadline.scope(flow)),
+            None => Box::pin(flow),
+        })
     }
 }
 

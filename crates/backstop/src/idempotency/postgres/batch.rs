@@ -1,0 +1,672 @@
+//! The batching writer: concurrent claims and outcomes share one transaction and one round trip.
+//!
+//! PostgreSQL makes a COMMIT durable with a WAL flush; a store that commits once per call pays
+//! one flush, one round trip and one transaction per call. Here callers put their statement on
+//! one queue that every idle writer task ([`PostgresOptions::writers`]) waits on: while a writer
+//! is free a call runs at once, alone. When every writer is busy, calls queue up, and the next
+//! free writer takes everything queued (up to `max_batch`) and sends `BEGIN`, the statements
+//! (claims of distinct keys as one array statement, completions as another...) and `COMMIT`
+//! pipelined on one connection: one round trip and one flush for the whole batch. Each caller is
+//! answered after the COMMIT that made its row durable.
+//!
+//! [`PostgresOptions::writers`]: super::PostgresOptions::writers
+//!
+//! - A batch of one runs alone, in autocommit: no batching cost when there is no concurrency.
+//! - Statements run in `(scope, key)` order, so two batches (on this instance or another) lock
+//!   rows in the same order and cannot deadlock each other.
+//! - If one statement fails, PostgreSQL aborts the batch's transaction and nothing of it was
+//!   written; the statements then run again one by one, so only the failing caller sees its
+//!   error.
+//! - A caller that has given up (its deadline passed) is dropped from the batch before it runs.
+//! - A batch that does not finish by the latest deadline of its callers is abandoned and its
+//!   connection discarded (a connection left mid-pipeline cannot be reused).
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use deadpool_postgres::{Object, Pool};
+use futures_util::future::maybe_done;
+use futures_util::poll;
+use tokio::sync::oneshot;
+use tokio::time::{Instant, timeout_at};
+use tokio_postgres::Row;
+
+use super::PgError;
+
+/// Jobs queued before callers wait to enqueue.
+const QUEUE: usize = 4096;
+
+/// `INSERT` a running record, or take over a failed / expired one with the same fingerprint by
+/// a conditional `DO UPDATE` (the row lock makes concurrent takeovers see each other: exactly one
+/// wins); when neither happened, return the record as it stood.
+pub(super) const CLAIM_SQL: &str = "\
+WITH taken AS ( \
+  INSERT INTO idempotency_key AS k \
+    (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
+  VALUES ($1, $2, $3, 'running', $4, $5, $6) \
+  ON CONFLICT (scope, key) DO UPDATE SET status = 'running', \
+    lease_until = GREATEST(EXCLUDED.lease_until, k.lease_until + 1), \
+    expires_at = GREATEST(k.expires_at, EXCLUDED.expires_at), \
+    http_status = NULL, response_body = NULL, response_headers = NULL \
+  WHERE k.fingerprint = EXCLUDED.fingerprint \
+    AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
+  RETURNING k.lease_until) \
+SELECT true, lease_until, NULL::text, NULL::text, NULL::integer, NULL::bytea, NULL::text \
+  FROM taken \
+UNION ALL \
+SELECT false, lease_until, fingerprint, status, http_status, response_body, response_headers \
+  FROM idempotency_key \
+  WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
+
+/// Store the response, if the lease (fencing token) still holds the record.
+pub(super) const COMPLETE_SQL: &str = "\
+UPDATE idempotency_key SET status = 'succeeded', http_status = $4, response_body = $5, \
+  response_headers = $6, expires_at = GREATEST(expires_at, $7) \
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+
+/// Mark failed, if the lease still holds the record.
+pub(super) const FAIL_SQL: &str = "\
+UPDATE idempotency_key SET status = 'failed', expires_at = GREATEST(expires_at, $4) \
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+
+/// Forget the key, if the lease still holds the record.
+pub(super) const RELEASE_SQL: &str = "\
+DELETE FROM idempotency_key \
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+
+/// [`CLAIM_SQL`] for many distinct keys at once (`ord` numbers the inputs from 1).
+const CLAIM_MANY_SQL: &str = "\
+WITH input AS ( \
+  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[], $6::int8[]) \
+    WITH ORDINALITY AS u(scope, key, fingerprint, lease_until, now, expires_at, ord)), \
+taken AS ( \
+  INSERT INTO idempotency_key AS k \
+    (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
+  SELECT scope, key, fingerprint, 'running', lease_until, now, expires_at FROM input ORDER BY ord \
+  ON CONFLICT (scope, key) DO UPDATE SET status = 'running', \
+    lease_until = GREATEST(EXCLUDED.lease_until, k.lease_until + 1), \
+    expires_at = GREATEST(k.expires_at, EXCLUDED.expires_at), \
+    http_status = NULL, response_body = NULL, response_headers = NULL \
+  WHERE k.fingerprint = EXCLUDED.fingerprint \
+    AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
+  RETURNING k.scope, k.key, k.lease_until) \
+SELECT i.ord, t.key IS NOT NULL, COALESCE(t.lease_until, k.lease_until), k.fingerprint, \
+  k.status, k.http_status, k.response_body, k.response_headers \
+FROM input i \
+LEFT JOIN taken t ON t.scope = i.scope AND t.key = i.key \
+LEFT JOIN idempotency_key k ON t.key IS NULL AND k.scope = i.scope AND k.key = i.key";
+
+/// [`COMPLETE_SQL`] for many records; returns the `ord` of each input that was applied.
+const COMPLETE_MANY_SQL: &str = "\
+UPDATE idempotency_key k SET status = 'succeeded', http_status = u.http_status, \
+  response_body = u.body, response_headers = u.headers, \
+  expires_at = GREATEST(k.expires_at, u.keep_until) \
+FROM unnest($1::text[], $2::text[], $3::int8[], $4::int4[], $5::bytea[], $6::text[], $7::int8[]) \
+  WITH ORDINALITY AS u(scope, key, token, http_status, body, headers, keep_until, ord) \
+WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
+RETURNING u.ord";
+
+/// [`FAIL_SQL`] for many records.
+const FAIL_MANY_SQL: &str = "\
+UPDATE idempotency_key k SET status = 'failed', expires_at = GREATEST(k.expires_at, u.keep_until) \
+FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[]) \
+  WITH ORDINALITY AS u(scope, key, token, keep_until, ord) \
+WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
+RETURNING u.ord";
+
+/// [`RELEASE_SQL`] for many records.
+const RELEASE_MANY_SQL: &str = "\
+DELETE FROM idempotency_key k \
+USING unnest($1::text[], $2::text[], $3::int8[]) WITH ORDINALITY AS u(scope, key, token, ord) \
+WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
+RETURNING u.ord";
+
+/// One statement of the store.
+#[derive(Debug)]
+pub(super) enum Op {
+    Claim {
+        scope: String,
+        key: String,
+        fingerprint: String,
+        lease_until: i64,
+        now: i64,
+        expires_at: i64,
+    },
+    Complete {
+        scope: String,
+        key: String,
+        token: i64,
+        http_status: i32,
+        body: bytes::Bytes,
+        headers: String,
+        keep_until: i64,
+    },
+    Fail {
+        scope: String,
+        key: String,
+        token: i64,
+        keep_until: i64,
+    },
+    Release {
+        scope: String,
+        key: String,
+        token: i64,
+    },
+}
+
+impl Op {
+    fn row_key(&self) -> (&str, &str) {
+        match self {
+            Op::Claim { scope, key, .. }
+            | Op::Complete { scope, key, .. }
+            | Op::Fail { scope, key, .. }
+            | Op::Release { scope, key, .. } => (scope, key),
+        }
+    }
+}
+
+/// What a claim statement found: the lease it took, or the record as it stood.
+#[derive(Debug, Default)]
+pub(super) struct ClaimRow {
+    /// Whether this claim inserted or took over the record.
+    pub(super) taken: bool,
+    /// The new lease end when taken; else the record's.
+    pub(super) lease_until: Option<i64>,
+    /// The record's fingerprint when not taken (`None`: the record vanished since the
+    /// conflict, e.g. released or swept).
+    pub(super) fingerprint: Option<String>,
+    pub(super) status: Option<String>,
+    pub(super) http_status: Option<i32>,
+    pub(super) body: Option<Vec<u8>>,
+    pub(super) headers: Option<String>,
+}
+
+impl ClaimRow {
+    /// From `taken, lease_until, fingerprint, status, http_status, response_body,
+    /// response_headers` starting at column `at`.
+    fn read(row: &Row, at: usize) -> Result<ClaimRow, tokio_postgres::Error> {
+        Ok(ClaimRow {
+            taken: row.try_get(at)?,
+            lease_until: row.try_get(at + 1)?,
+            fingerprint: row.try_get(at + 2)?,
+            status: row.try_get(at + 3)?,
+            http_status: row.try_get(at + 4)?,
+            body: row.try_get(at + 5)?,
+            headers: row.try_get(at + 6)?,
+        })
+    }
+}
+
+/// What a statement returned.
+#[derive(Debug)]
+pub(super) enum Outcome {
+    /// What the claim found.
+    Claim(ClaimRow),
+    /// Rows changed by an outcome statement.
+    Changed(u64),
+}
+
+struct Job {
+    op: Op,
+    until: Instant,
+    reply: oneshot::Sender<Result<Outcome, PgError>>,
+}
+
+/// Counters of the writer (for tests and benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WriterStats {
+    /// Statements run.
+    pub jobs: u64,
+    /// Round trips that carried them (batches, or single autocommit statements).
+    pub batches: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    jobs: AtomicU64,
+    batches: AtomicU64,
+}
+
+/// Handle on the writer tasks; they stop when the last handle is dropped.
+#[derive(Debug, Clone)]
+pub(super) struct Writer {
+    tx: async_channel::Sender<Job>,
+    counters: Arc<Counters>,
+}
+
+impl Writer {
+    /// Spawns `writers` writer tasks on the current runtime.
+    pub(super) fn start(pool: Pool, writers: usize, max_batch: usize) -> Writer {
+        let (tx, rx) = async_channel::bounded(QUEUE);
+        let counters = Arc::new(Counters::default());
+        for _ in 0..writers.max(1) {
+            tokio::spawn(drive(
+                pool.clone(),
+                rx.clone(),
+                max_batch.max(1),
+                Arc::clone(&counters),
+            ));
+        }
+        Writer { tx, counters }
+    }
+
+    /// Runs `op` in the next batch; gives up at `until`.
+    pub(super) async fn run(&self, op: Op, until: Instant) -> Result<Outcome, PgError> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job { op, until, reply };
+        let waited = timeout_at(until, async {
+            self.tx.send(job).await.map_err(|_| PgError::Closed)?;
+            answer.await.map_err(|_| PgError::Closed)?
+        })
+        .await;
+        waited.unwrap_or(Err(PgError::Timeout))
+    }
+
+    pub(super) fn stats(&self) -> WriterStats {
+        WriterStats {
+            jobs: self.counters.jobs.load(Ordering::Relaxed),
+            batches: self.counters.batches.load(Ordering::Relaxed),
+        }
+    }
+}
+
+async fn drive(
+    pool: Pool,
+    rx: async_channel::Receiver<Job>,
+    max_batch: usize,
+    counters: Arc<Counters>,
+) {
+    let mut jobs = Vec::with_capacity(max_batch);
+    loop {
+        // Every idle writer waits on the queue, so a job finds one at once while any is free;
+        // jobs queue up, and are batched, only while every writer is busy.
+        match rx.recv().await {
+            Ok(job) => jobs.push(job),
+            Err(_) => return,
+        }
+        while jobs.len() < max_batch {
+            match rx.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let now = Instant::now();
+        jobs.retain(|job| {
+            // The caller is gone (its deadline passed): never write what nobody will hear of.
+            !job.reply.is_closed() && job.until > now
+        });
+        if jobs.is_empty() {
+            continue;
+        }
+        // Stable: one key's statements keep their queue order.
+        jobs.sort_by(|a, b| a.op.row_key().cmp(&b.op.row_key()));
+        counters.batches.fetch_add(1, Ordering::Relaxed);
+        counters
+            .jobs
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        run_batch(&pool, &mut jobs).await;
+    }
+}
+
+/// Runs and answers every job of `jobs` (leaving it empty).
+async fn run_batch(pool: &Pool, jobs: &mut Vec<Job>) {
+    let until = jobs
+        .iter()
+        .map(|j| j.until)
+        .max()
+        .unwrap_or_else(Instant::now);
+    let client = match timeout_at(until, pool.get()).await {
+        Ok(Ok(client)) => client,
+        Ok(Err(e)) => {
+            let e = Arc::new(e);
+            return answer_all(jobs, || PgError::Connect(Arc::clone(&e)));
+        }
+        Err(_) => return answer_all(jobs, || PgError::Timeout),
+    };
+    let ops: Vec<&Op> = jobs.iter().map(|j| &j.op).collect();
+    let ran = timeout_at(until, async {
+        if ops.len() == 1 {
+            return Ok(vec![run_one(&client, ops[0]).await]);
+        }
+        match run_in_transaction(&client, &ops).await {
+            Ok(outcomes) => Ok(outcomes.into_iter().map(Ok).collect()),
+            Err(e) if client.is_closed() => Err(e),
+            // One statement failed and took the transaction with it: nothing was written.
+            // Run each alone so only its own caller sees its error.
+            Err(_) => {
+                let mut outcomes = Vec::with_capacity(ops.len());
+                for op in &ops {
+                    outcomes.push(run_one(&client, op).await);
+                }
+                Ok(outcomes)
+            }
+        }
+    })
+    .await;
+    match ran {
+        Ok(Ok(outcomes)) => {
+            for (job, outcome) in jobs.drain(..).zip(outcomes) {
+                let _ = job.reply.send(outcome.map_err(PgError::from));
+            }
+        }
+        Ok(Err(e)) => {
+            let e = Arc::new(e);
+            answer_all(jobs, || PgError::Database(Arc::clone(&e)));
+        }
+        Err(_) => {
+            // The connection may be mid-pipeline: never hand it out again.
+            drop(Object::take(client));
+            answer_all(jobs, || PgError::Timeout);
+        }
+    }
+}
+
+fn answer_all(jobs: &mut Vec<Job>, error: impl Fn() -> PgError) {
+    for job in jobs.drain(..) {
+        let _ = job.reply.send(Err(error()));
+    }
+}
+
+/// The answers of a group of statements, by index into the batch.
+type Group<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<(usize, Outcome)>, tokio_postgres::Error>> + Send + 'a>>;
+
+/// `BEGIN`, the statements and `COMMIT`, pipelined: one round trip. Claims of distinct keys go
+/// in one array statement, as do completions, failures and releases; a second claim of a key
+/// already claimed in the batch runs as a statement of its own after them. Any failure means
+/// the transaction was rolled back.
+async fn run_in_transaction(
+    client: &Object,
+    ops: &[&Op],
+) -> Result<Vec<Outcome>, tokio_postgres::Error> {
+    // Prepared once per connection, then served from the connection's cache without waiting,
+    // so each group's first poll below sends its statement.
+    for sql in [
+        CLAIM_SQL,
+        COMPLETE_SQL,
+        FAIL_SQL,
+        RELEASE_SQL,
+        CLAIM_MANY_SQL,
+        COMPLETE_MANY_SQL,
+        FAIL_MANY_SQL,
+        RELEASE_MANY_SQL,
+    ] {
+        client.prepare_cached(sql).await?;
+    }
+    let mut seen = HashSet::new();
+    let (mut claims, mut again, mut completes, mut fails, mut releases) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (i, op) in ops.iter().enumerate() {
+        match op {
+            Op::Claim { .. } if seen.insert(op.row_key()) => claims.push(i),
+            Op::Claim { .. } => again.push(i),
+            Op::Complete { .. } => completes.push(i),
+            Op::Fail { .. } => fails.push(i),
+            Op::Release { .. } => releases.push(i),
+        }
+    }
+    let mut groups: Vec<Group<'_>> = Vec::new();
+    if !claims.is_empty() {
+        groups.push(claim_many(client, ops, claims));
+    }
+    groups.extend(again.into_iter().map(|i| single(client, ops, i)));
+    for indices in [completes, fails, releases] {
+        if !indices.is_empty() {
+            groups.push(change_many(client, ops, indices));
+        }
+    }
+
+    // A request goes out when its future is first polled: poll each once, in order, so the
+    // connection carries BEGIN, every statement, COMMIT, before awaiting any answer.
+    let mut begin = Box::pin(maybe_done(client.batch_execute("BEGIN")));
+    let _ = poll!(begin.as_mut());
+    let mut groups: Vec<_> = groups
+        .into_iter()
+        .map(|g| Box::pin(maybe_done(g)))
+        .collect();
+    for group in &mut groups {
+        let _ = poll!(group.as_mut());
+    }
+    let mut commit = Box::pin(maybe_done(client.batch_execute("COMMIT")));
+    let _ = poll!(commit.as_mut());
+
+    begin.as_mut().await;
+    for group in &mut groups {
+        group.as_mut().await;
+    }
+    commit.as_mut().await;
+    begin.as_mut().take_output().unwrap_or(Ok(()))?;
+    let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
+    for group in &mut groups {
+        if let Some(answers) = group.as_mut().take_output() {
+            for (i, outcome) in answers? {
+                if let Some(slot) = outcomes.get_mut(i) {
+                    *slot = Some(outcome);
+                }
+            }
+        }
+    }
+    // COMMIT of an aborted transaction rolls back without an error; the statements told us.
+    commit.as_mut().take_output().unwrap_or(Ok(()))?;
+    // Every statement answers for each of its inputs; a missing answer would read as "not
+    // applied" (a claim runs again, an outcome reports its lease lost).
+    Ok(outcomes
+        .into_iter()
+        .zip(ops)
+        .map(|(outcome, op)| {
+            outcome.unwrap_or(match op {
+                Op::Claim { .. } => Outcome::Claim(ClaimRow::default()),
+                _ => Outcome::Changed(0),
+            })
+        })
+        .collect())
+}
+
+fn single<'a>(client: &'a Object, ops: &'a [&'a Op], i: usize) -> Group<'a> {
+    Box::pin(async move { Ok(vec![(i, run_one(client, ops[i]).await?)]) })
+}
+
+/// Claims of distinct keys in one statement.
+fn claim_many<'a>(client: &'a Object, ops: &'a [&'a Op], indices: Vec<usize>) -> Group<'a> {
+    if let [i] = indices[..] {
+        return single(client, ops, i);
+    }
+    Box::pin(async move {
+        let stmt = client.prepare_cached(CLAIM_MANY_SQL).await?;
+        let n = indices.len();
+        let (mut scopes, mut keys, mut fps) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut leases, mut nows, mut expiries) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for &i in &indices {
+            if let Op::Claim {
+                scope,
+                key,
+                fingerprint,
+                lease_until,
+                now,
+                expires_at,
+            } = ops[i]
+            {
+                scopes.push(scope.as_str());
+                keys.push(key.as_str());
+                fps.push(fingerprint.as_str());
+                leases.push(*lease_until);
+                nows.push(*now);
+                expiries.push(*expires_at);
+            }
+        }
+        let rows = client
+            .query(&stmt, &[&scopes, &keys, &fps, &leases, &nows, &expiries])
+            .await?;
+        let mut answers = Vec::with_capacity(rows.len());
+        for row in rows {
+            let ord: i64 = row.try_get(0)?;
+            if let Some(&i) = usize::try_from(ord - 1).ok().and_then(|o| indices.get(o)) {
+                answers.push((i, Outcome::Claim(ClaimRow::read(&row, 1)?)));
+            }
+        }
+        Ok(answers)
+    })
+}
+
+/// Completions, failures or releases (all of one kind) in one statement.
+fn change_many<'a>(client: &'a Object, ops: &'a [&'a Op], indices: Vec<usize>) -> Group<'a> {
+    if let [i] = indices[..] {
+        return single(client, ops, i);
+    }
+    Box::pin(async move {
+        let n = indices.len();
+        let (mut scopes, mut keys, mut tokens, mut keeps) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut statuses, mut bodies, mut headers) = (Vec::new(), Vec::new(), Vec::new());
+        for &i in &indices {
+            let (scope, key) = ops[i].row_key();
+            scopes.push(scope);
+            keys.push(key);
+            match ops[i] {
+                Op::Complete {
+                    token,
+                    http_status,
+                    body,
+                    headers: h,
+                    keep_until,
+                    ..
+                } => {
+                    tokens.push(*token);
+                    statuses.push(*http_status);
+                    bodies.push(&body[..]);
+                    headers.push(h.as_str());
+                    keeps.push(*keep_until);
+                }
+                Op::Fail {
+                    token, keep_until, ..
+                } => {
+                    tokens.push(*token);
+                    keeps.push(*keep_until);
+                }
+                Op::Release { token, .. } => tokens.push(*token),
+                Op::Claim { .. } => {}
+            }
+        }
+        let rows = match ops[indices[0]] {
+            Op::Complete { .. } => {
+                let stmt = client.prepare_cached(COMPLETE_MANY_SQL).await?;
+                client
+                    .query(
+                        &stmt,
+                        &[
+                            &scopes, &keys, &tokens, &statuses, &bodies, &headers, &keeps,
+                        ],
+                    )
+                    .await?
+            }
+            Op::Fail { .. } => {
+                let stmt = client.prepare_cached(FAIL_MANY_SQL).await?;
+                client
+                    .query(&stmt, &[&scopes, &keys, &tokens, &keeps])
+                    .await?
+            }
+            Op::Release { .. } | Op::Claim { .. } => {
+                let stmt = client.prepare_cached(RELEASE_MANY_SQL).await?;
+                client.query(&stmt, &[&scopes, &keys, &tokens]).await?
+            }
+        };
+        let mut applied = vec![false; n];
+        for row in rows {
+            let ord: i64 = row.try_get(0)?;
+            if let Some(slot) = usize::try_from(ord - 1)
+                .ok()
+                .and_then(|o| applied.get_mut(o))
+            {
+                *slot = true;
+            }
+        }
+        Ok(indices
+            .into_iter()
+            .zip(applied)
+            .map(|(i, applied)| (i, Outcome::Changed(u64::from(applied))))
+            .collect())
+    })
+}
+
+async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_postgres::Error> {
+    match op {
+        Op::Claim {
+            scope,
+            key,
+            fingerprint,
+            lease_until,
+            now,
+            expires_at,
+        } => {
+            let stmt = client.prepare_cached(CLAIM_SQL).await?;
+            let row = client
+                .query_opt(
+                    &stmt,
+                    &[scope, key, fingerprint, lease_until, now, expires_at],
+                )
+                .await?;
+            Ok(Outcome::Claim(match row {
+                Some(row) => ClaimRow::read(&row, 0)?,
+                None => ClaimRow::default(),
+            }))
+        }
+        Op::Complete {
+            scope,
+            key,
+            token,
+            http_status,
+            body,
+            headers,
+            keep_until,
+        } => {
+            let stmt = client.prepare_cached(COMPLETE_SQL).await?;
+            let n = client
+                .execute(
+                    &stmt,
+                    &[
+                        scope,
+                        key,
+                        token,
+                        http_status,
+                        &&body[..],
+                        headers,
+                        keep_until,
+                    ],
+                )
+                .await?;
+            Ok(Outcome::Changed(n))
+        }
+        Op::Fail {
+            scope,
+            key,
+            token,
+            keep_until,
+        } => {
+            let stmt = client.prepare_cached(FAIL_SQL).await?;
+            let n = client
+                .execute(&stmt, &[scope, key, token, keep_until])
+                .await?;
+            Ok(Outcome::Changed(n))
+        }
+        Op::Release { scope, key, token } => {
+            let stmt = client.prepare_cached(RELEASE_SQL).await?;
+            let n = client.execute(&stmt, &[scope, key, token]).await?;
+            Ok(Outcome::Changed(n))
+        }
+    }
+}

@@ -1,0 +1,529 @@
+//! PostgreSQL backend (feature `postgres`): [`PostgresStore`], shared by every instance of a
+//! service.
+//!
+//! The table is the SQLite store's, column for column (`BYTEA` for the body, `BIGINT` for unix
+//! milliseconds), created by a versioned [`migrate`] that several instances may run at once:
+//!
+//! ```sql
+#![doc = include_str!("migration_v1.sql")]
+//! ```
+//!
+//! Every decision is one statement, correct under READ COMMITTED with any number of instances:
+//!
+//! - **claim** is one `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... WHERE <takeover>`:
+//!   the insert, or the takeover of a `failed` record or an ended lease with the same
+//!   fingerprint. PostgreSQL locks the conflicting row and re-checks the `WHERE` on its latest
+//!   version, so of N concurrent takeovers (any pools, any instances) exactly one wins; the same
+//!   statement returns the record as it stood when nothing was taken. There is no
+//!   check-then-insert anywhere.
+//! - **complete / fail / release** are one `UPDATE` / `DELETE` fenced by `lease_until`.
+//! - **sweep** deletes rows picked with `FOR UPDATE SKIP LOCKED` and re-checks the condition on
+//!   the row it deletes: sweepers on several instances split the work, never wait on each other,
+//!   and never delete a running record whose lease is live.
+//!
+//! Concurrent claims and outcomes are batched, the way the SQLite store group-commits: one
+//! round trip and one transaction (one WAL flush) for many callers, each answered after its row
+//! committed (see `batch.rs` for the rules).
+//!
+//! Every wait (for a pool connection, for the database) is bounded by the request's
+//! [`Deadline`] when one is set ([`Deadline::scope`]; the server's idempotency layer sets it)
+//! and by [`PostgresOptions::timeout`] in any case. PostgreSQL down or slow is a
+//! [`StoreError::Backend`] holding a [`PgError`], which the server answers with 503 +
+//! `Retry-After`; the pool reconnects by itself when the database comes back.
+//!
+//! ```no_run
+//! use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
+//! # async fn run() -> Result<(), backstop::idempotency::StoreError> {
+//! let store = PostgresStore::connect(
+//!     "postgres://postgres@127.0.0.1:5432/app",
+//!     PostgresOptions::default(),
+//! )
+//! .await?;
+//! # let _ = store;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Connections are plain TCP (`NoTls`): run the database on a trusted network or a local
+//! socket.
+
+mod batch;
+mod migrate;
+
+pub use batch::WriterStats;
+pub use migrate::{MIGRATIONS_TABLE, migrate};
+pub use {deadpool_postgres, tokio_postgres};
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use futures_util::future::BoxFuture;
+use tokio::time::{Instant, timeout_at};
+use tokio_postgres::NoTls;
+
+use self::batch::{ClaimRow, Op, Outcome, Writer};
+use super::store::duration_ms;
+use super::{
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
+    StoreError, StoredResponse,
+};
+use crate::deadline::Deadline;
+
+/// Name under which [`MIGRATION`] is recorded by [`migrate`].
+pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
+
+/// The `idempotency_key` table and its expiry index.
+pub const MIGRATION: &str = include_str!("migration_v1.sql");
+
+/// How many times a claim runs again when the record changed under it (released, swept, or
+/// freed between its statement's snapshot and its row lock). Each retry needs another writer to
+/// have changed the row in between.
+const CLAIM_ATTEMPTS: usize = 8;
+
+/// Time kept between a store operation giving up and the request's deadline.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+
+const GET_SQL: &str = "SELECT fingerprint, status, lease_until, http_status, response_body, \
+     response_headers, created_at, expires_at FROM idempotency_key WHERE scope = $1 AND key = $2";
+
+const SWEEP_SQL: &str = "\
+DELETE FROM idempotency_key \
+WHERE (scope, key) IN ( \
+    SELECT scope, key FROM idempotency_key \
+    WHERE expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1) \
+    ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+  AND expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1)";
+
+/// Options of [`PostgresStore`] and [`pool`].
+#[derive(Debug, Clone)]
+pub struct PostgresOptions {
+    /// Most connections open at once (default 20; 0 counts as 1).
+    pub max_connections: usize,
+    /// Writer tasks, each with one batch in flight (default 16; at most `max_connections`).
+    /// A writer takes everything queued when it is free, so batches grow only when every
+    /// writer is busy: enough writers keep a caller from waiting behind a batch it could have
+    /// run beside (PostgreSQL already merges the WAL flushes of concurrent commits).
+    pub writers: usize,
+    /// Most statements per batch (default 256; 0 counts as 1).
+    pub max_batch: usize,
+    /// Batch concurrent calls into one transaction (default `true`). With `false` every call is
+    /// its own autocommit statement (the baseline).
+    pub group_commit: bool,
+    /// Longest an operation waits for a connection and for the database (default 2 s). Under a
+    /// request's [`Deadline`] the earlier of the two ends the wait.
+    pub timeout: Duration,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        PostgresOptions {
+            max_connections: 20,
+            writers: 16,
+            max_batch: 256,
+            group_commit: true,
+            timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Errors of the PostgreSQL backend, carried by [`StoreError::Backend`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgError {
+    /// The connection URL does not parse.
+    #[error("invalid PostgreSQL connection URL")]
+    Url(#[source] tokio_postgres::Error),
+    /// The pool could not be built.
+    #[error("cannot build the PostgreSQL connection pool")]
+    Pool(#[source] deadpool_postgres::BuildError),
+    /// No connection could be had (the database is down, refused, or the pool stayed busy).
+    #[error("no PostgreSQL connection available")]
+    Connect(#[source] Arc<deadpool_postgres::PoolError>),
+    /// A statement (or its batch's transaction) failed; nothing of it was written.
+    #[error("PostgreSQL statement failed")]
+    Database(#[source] Arc<tokio_postgres::Error>),
+    /// The database did not answer before the deadline; the statement may or may not have been
+    /// applied, and a claim left behind ends with its lease.
+    #[error("PostgreSQL did not answer before the deadline")]
+    Timeout,
+    /// The store's writer tasks have stopped (the runtime is shutting down).
+    #[error("the PostgreSQL store's writers have stopped")]
+    Closed,
+    /// A claim kept finding its record changed by other writers.
+    #[error("the idempotency record kept changing under the claim")]
+    Contended,
+}
+
+impl PgError {
+    pub(crate) fn connect(e: deadpool_postgres::PoolError) -> PgError {
+        PgError::Connect(Arc::new(e))
+    }
+}
+
+impl From<tokio_postgres::Error> for PgError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        PgError::Database(Arc::new(e))
+    }
+}
+
+impl From<PgError> for StoreError {
+    fn from(e: PgError) -> Self {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        PgError::from(e).into()
+    }
+}
+
+/// A bounded pool on `config` (plain TCP): at most `max_connections`, every wait (for a free
+/// connection, to connect, to check a returned one) bounded by `timeout`. Broken connections
+/// are dropped when returned, and new ones opened on demand: the pool recovers by itself when
+/// the database comes back.
+pub fn pool(
+    mut config: tokio_postgres::Config,
+    options: &PostgresOptions,
+) -> Result<Pool, PgError> {
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(options.timeout);
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(options.max_connections.max(1))
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(options.timeout))
+        .create_timeout(Some(options.timeout))
+        .recycle_timeout(Some(options.timeout))
+        .build()
+        .map_err(PgError::Pool)
+}
+
+/// The [`Store`] on PostgreSQL; see the [module docs](self). Clones share the pool and writers.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    writer: Writer,
+    timeout: Duration,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("pool", &self.pool.status())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host:port/db?options=...`), applies the migration
+    /// and starts the writers (on the current tokio runtime).
+    pub async fn connect(url: &str, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
+        let config = url
+            .parse::<tokio_postgres::Config>()
+            .map_err(PgError::Url)?;
+        PostgresStore::connect_with(config, options).await
+    }
+
+    /// [`PostgresStore::connect`] with a parsed configuration.
+    pub async fn connect_with(
+        config: tokio_postgres::Config,
+        options: PostgresOptions,
+    ) -> Result<PostgresStore, StoreError> {
+        let pool = pool(config, &options)?;
+        PostgresStore::new(pool, options).await
+    }
+
+    /// A store on an existing pool (shared with the application's own tables); applies the
+    /// migration and starts the writers.
+    pub async fn new(pool: Pool, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
+        migrate(&pool, MIGRATION_NAME, MIGRATION).await?;
+        let max_batch = if options.group_commit {
+            options.max_batch
+        } else {
+            1
+        };
+        let writers = options.writers.min(options.max_connections).max(1);
+        Ok(PostgresStore {
+            writer: Writer::start(pool.clone(), writers, max_batch),
+            pool,
+            timeout: options.timeout,
+        })
+    }
+
+    /// The connection pool, for the application's own queries.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// How many statements the writers ran, in how many round trips.
+    pub fn writer_stats(&self) -> WriterStats {
+        self.writer.stats()
+    }
+
+    /// When the current operation gives up: shortly before the request's deadline, or after
+    /// the store's timeout, whichever comes first.
+    pub fn operation_deadline(&self) -> Instant {
+        let now = Instant::now();
+        let fallback = now + self.timeout;
+        match Deadline::current() {
+            None => fallback,
+            // Give up a little before the request's deadline, so the caller still has time to
+            // answer "store unavailable" (503) rather than be cut at the deadline itself.
+            Some(d) => d
+                .child(DEADLINE_MARGIN)
+                .map_or(now, |d| d.instant())
+                .min(fallback),
+        }
+    }
+
+    /// Runs `query` on a pooled connection, all of it bounded by [`operation_deadline`]. A
+    /// connection that timed out mid-query is discarded.
+    ///
+    /// [`operation_deadline`]: PostgresStore::operation_deadline
+    pub async fn with_client<T>(
+        &self,
+        query: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, PgError> {
+        let until = self.operation_deadline();
+        let client = match timeout_at(until, self.pool.get()).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => return Err(PgError::connect(e)),
+            Err(_) => return Err(PgError::Timeout),
+        };
+        let answer = timeout_at(until, query(&client)).await;
+        match answer {
+            Ok(answer) => Ok(answer?),
+            Err(_) => {
+                drop(Object::take(client));
+                Err(PgError::Timeout)
+            }
+        }
+    }
+
+    /// Whether the database answers a trivial query (for readiness checks).
+    pub async fn ping(&self) -> Result<(), PgError> {
+        self.with_client(|c| Box::pin(async move { c.simple_query("SELECT 1").await }))
+            .await
+            .map(|_| ())
+    }
+
+    async fn changed(&self, op: Op) -> Result<u64, StoreError> {
+        match self.writer.run(op, self.operation_deadline()).await? {
+            Outcome::Changed(n) => Ok(n),
+            Outcome::Claim(_) => Ok(0),
+        }
+    }
+}
+
+fn corrupt(scope: &str, key: &str, what: &'static str) -> StoreError {
+    StoreError::Corrupt {
+        scope: scope.to_owned(),
+        key: key.to_owned(),
+        what,
+    }
+}
+
+fn response_from(
+    scope: &str,
+    key: &str,
+    status: Option<i32>,
+    body: Option<Vec<u8>>,
+    headers: Option<String>,
+) -> Result<StoredResponse, StoreError> {
+    let status = status
+        .and_then(|s| u16::try_from(s).ok())
+        .ok_or_else(|| corrupt(scope, key, "http_status"))?;
+    let headers = match headers {
+        None => Vec::new(),
+        Some(json) => {
+            serde_json::from_str(&json).map_err(|_| corrupt(scope, key, "response_headers"))?
+        }
+    };
+    Ok(StoredResponse {
+        status,
+        headers,
+        body: Bytes::from(body.unwrap_or_default()),
+    })
+}
+
+/// Reads what the claim statement found: `None` when the claim must run again.
+fn decide(
+    req: &ClaimRequest,
+    fingerprint: &str,
+    row: ClaimRow,
+) -> Result<Option<Claim>, StoreError> {
+    let (scope, key) = (req.scope.as_str(), req.key.as_str());
+    let lease_until = row.lease_until;
+    if row.taken {
+        let lease_until = lease_until.ok_or_else(|| corrupt(scope, key, "lease_until"))?;
+        return Ok(Some(Claim::Claimed(req.lease_at(lease_until))));
+    }
+    // The record vanished between the conflict and the read (released or swept): claim again.
+    let Some(stored) = row.fingerprint else {
+        return Ok(None);
+    };
+    if stored != fingerprint {
+        return Ok(Some(Claim::Conflict {
+            fingerprint_prefix: Fingerprint::from_hex(&stored)
+                .map_err(|_| corrupt(scope, key, "fingerprint"))?
+                .prefix8(),
+        }));
+    }
+    let lease_until = lease_until.ok_or_else(|| corrupt(scope, key, "lease_until"))?;
+    let status = row.status.as_deref().and_then(RecordStatus::parse);
+    match status {
+        None => Err(corrupt(scope, key, "status")),
+        Some(RecordStatus::Succeeded) => Ok(Some(Claim::Replay(response_from(
+            scope,
+            key,
+            row.http_status,
+            row.body,
+            row.headers,
+        )?))),
+        Some(RecordStatus::Running) if lease_until > req.now_ms => {
+            Ok(Some(Claim::in_progress(lease_until, req.now_ms)))
+        }
+        // Free again, but after the takeover statement looked: claim again.
+        Some(RecordStatus::Running | RecordStatus::Failed) => Ok(None),
+    }
+}
+
+fn headers_json(headers: &[(String, String)]) -> String {
+    // Serializing strings to JSON cannot fail.
+    serde_json::to_string(headers).unwrap_or_else(|_| "[]".to_owned())
+}
+
+impl Store for PostgresStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let until = self.operation_deadline();
+        let fingerprint = req.fingerprint.to_hex();
+        for _ in 0..CLAIM_ATTEMPTS {
+            let op = Op::Claim {
+                scope: req.scope.clone(),
+                key: req.key.as_str().to_owned(),
+                fingerprint: fingerprint.clone(),
+                lease_until: req.lease_until_ms(),
+                now: req.now_ms,
+                expires_at: req.expires_at_ms(),
+            };
+            let row = match self.writer.run(op, until).await? {
+                Outcome::Claim(row) => row,
+                Outcome::Changed(_) => ClaimRow::default(),
+            };
+            if let Some(claim) = decide(&req, &fingerprint, row)? {
+                return Ok(claim);
+            }
+        }
+        Err(PgError::Contended.into())
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: StoredResponse,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        let op = Op::Complete {
+            scope: lease.scope.clone(),
+            key: lease.key.to_string(),
+            token: lease.lease_until_ms,
+            http_status: i32::from(response.status),
+            headers: headers_json(&response.headers),
+            body: response.body,
+            keep_until: now_ms.saturating_add(duration_ms(lease.ttl)),
+        };
+        match self.changed(op).await? {
+            1 => Ok(()),
+            _ => Err(StoreError::lease_lost(lease)),
+        }
+    }
+
+    async fn fail(&self, lease: &Lease, now_ms: i64) -> Result<(), StoreError> {
+        let op = Op::Fail {
+            scope: lease.scope.clone(),
+            key: lease.key.to_string(),
+            token: lease.lease_until_ms,
+            keep_until: now_ms.saturating_add(duration_ms(lease.ttl)),
+        };
+        match self.changed(op).await? {
+            1 => Ok(()),
+            _ => Err(StoreError::lease_lost(lease)),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let op = Op::Release {
+            scope: lease.scope.clone(),
+            key: lease.key.to_string(),
+            token: lease.lease_until_ms,
+        };
+        match self.changed(op).await? {
+            1 => Ok(()),
+            _ => Err(StoreError::lease_lost(lease)),
+        }
+    }
+
+    async fn get(&self, scope: &str, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let (s, k) = (scope.to_owned(), key.as_str().to_owned());
+        let row = self
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c.prepare_cached(GET_SQL).await?;
+                    c.query_opt(&stmt, &[&s, &k]).await
+                })
+            })
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let k = key.as_str();
+        let status: String = row.try_get(1)?;
+        let status = RecordStatus::parse(&status).ok_or_else(|| corrupt(scope, k, "status"))?;
+        let response = if status == RecordStatus::Succeeded {
+            Some(response_from(
+                scope,
+                k,
+                row.try_get(3)?,
+                row.try_get(4)?,
+                row.try_get(5)?,
+            )?)
+        } else {
+            None
+        };
+        let fingerprint: String = row.try_get(0)?;
+        Ok(Some(Record {
+            scope: scope.to_owned(),
+            key: key.clone(),
+            fingerprint: Fingerprint::from_hex(&fingerprint)
+                .map_err(|_| corrupt(scope, k, "fingerprint"))?,
+            status,
+            lease_until_ms: row.try_get(2)?,
+            response,
+            created_at_ms: row.try_get(6)?,
+            expires_at_ms: row.try_get(7)?,
+        }))
+    }
+
+    async fn sweep(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let deleted = self
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c.prepare_cached(SWEEP_SQL).await?;
+                    c.execute(&stmt, &[&now_ms, &limit]).await
+                })
+            })
+            .await?;
+        Ok(usize::try_from(deleted).unwrap_or(usize::MAX))
+    }
+}

@@ -1,0 +1,268 @@
+//! `payment_intent` on PostgreSQL: the same columns and the same three unique constraints as
+//! the SQLite table, and the same rule: the constraints decide, one `INSERT ... ON CONFLICT DO
+//! NOTHING`, never a look-then-insert.
+//!
+//! Statements run on the idempotency store's pool, each bounded by the request's deadline (see
+//! [`PostgresStore::with_client`]).
+
+use backstop::idempotency::postgres::tokio_postgres::Row;
+use backstop::idempotency::postgres::{PgError, PostgresStore, migrate};
+
+use super::{Created, Intent, IntentStatus, IntentsError, MIGRATION_NAME, NewIntent};
+
+/// Schema of `payment_intent` on PostgreSQL.
+pub const MIGRATION_SQL: &str = "
+CREATE TABLE payment_intent (
+  intent_id     TEXT   PRIMARY KEY,
+  merchant_id   TEXT   NOT NULL,
+  order_id      TEXT   NOT NULL,
+  amount_cents  BIGINT NOT NULL,
+  request_key   TEXT   NOT NULL,
+  fingerprint   TEXT   NOT NULL,
+  effect_key    TEXT   NOT NULL,
+  status        TEXT   NOT NULL CHECK (status IN ('running','succeeded','failed')),
+  psp_charge_id TEXT,
+  created_at    BIGINT NOT NULL,
+  currency      TEXT   NOT NULL DEFAULT 'USD',
+  UNIQUE (merchant_id, order_id),
+  UNIQUE (merchant_id, request_key)
+);
+CREATE UNIQUE INDEX idx_effect_key ON payment_intent (merchant_id, effect_key);
+";
+
+const COLUMNS: &str = "intent_id, merchant_id, order_id, amount_cents, currency, request_key, \
+     fingerprint, effect_key, status, psp_charge_id, created_at";
+
+const INSERT_SQL: &str = "INSERT INTO payment_intent (intent_id, merchant_id, order_id, \
+     amount_cents, currency, request_key, fingerprint, effect_key, status, psp_charge_id, \
+     created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $1, 'running', NULL, $8) \
+     ON CONFLICT DO NOTHING";
+
+/// The PostgreSQL side of [`Intents`](super::Intents).
+#[derive(Debug, Clone)]
+pub(crate) struct PgIntents {
+    store: PostgresStore,
+}
+
+fn from_row(row: &Row) -> Result<Intent, IntentsError> {
+    let intent_id: String = row.try_get(0).map_err(PgError::from)?;
+    let status: String = row.try_get(8).map_err(PgError::from)?;
+    let Some(status) = IntentStatus::from_column(&status) else {
+        return Err(IntentsError::Corrupt {
+            intent_id,
+            what: "status",
+        });
+    };
+    let get = |e| PgError::from(e);
+    Ok(Intent {
+        merchant_id: row.try_get(1).map_err(get)?,
+        order_id: row.try_get(2).map_err(get)?,
+        amount_cents: row.try_get(3).map_err(get)?,
+        currency: row.try_get(4).map_err(get)?,
+        request_key: row.try_get(5).map_err(get)?,
+        fingerprint: row.try_get(6).map_err(get)?,
+        effect_key: row.try_get(7).map_err(get)?,
+        status,
+        psp_charge_id: row.try_get(9).map_err(get)?,
+        created_at: row.try_get(10).map_err(get)?,
+        intent_id,
+    })
+}
+
+impl PgIntents {
+    pub(crate) async fn open(store: PostgresStore) -> Result<PgIntents, PgError> {
+        migrate(store.pool(), MIGRATION_NAME, MIGRATION_SQL).await?;
+        Ok(PgIntents { store })
+    }
+
+    /// The insert; when the constraints stopped it, the row that did (read in a statement of
+    /// its own, whose snapshot sees the conflicting row once its transaction committed).
+    pub(crate) async fn create(&self, new: NewIntent) -> Result<Created, IntentsError> {
+        let n = new.clone();
+        let (inserted, by_key, by_order) = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let insert = c.prepare_cached(INSERT_SQL).await?;
+                    let inserted = c
+                        .execute(
+                            &insert,
+                            &[
+                                &n.intent_id,
+                                &n.merchant_id,
+                                &n.order_id,
+                                &n.amount_cents,
+                                &n.currency,
+                                &n.request_key,
+                                &n.fingerprint,
+                                &n.created_at,
+                            ],
+                        )
+                        .await?;
+                    if inserted == 1 {
+                        return Ok((true, None, None));
+                    }
+                    let by_key = c
+                        .query_opt(
+                            &format!(
+                                "SELECT {COLUMNS} FROM payment_intent \
+                                 WHERE merchant_id = $1 AND request_key = $2"
+                            ),
+                            &[&n.merchant_id, &n.request_key],
+                        )
+                        .await?;
+                    if by_key.is_some() {
+                        return Ok((false, by_key, None));
+                    }
+                    let by_order = c
+                        .query_opt(
+                            &format!(
+                                "SELECT {COLUMNS} FROM payment_intent \
+                                 WHERE merchant_id = $1 AND order_id = $2"
+                            ),
+                            &[&n.merchant_id, &n.order_id],
+                        )
+                        .await?;
+                    Ok((false, None, by_order))
+                })
+            })
+            .await?;
+        if inserted {
+            return Ok(Created::New(Intent {
+                effect_key: new.intent_id.clone(),
+                intent_id: new.intent_id,
+                merchant_id: new.merchant_id,
+                order_id: new.order_id,
+                amount_cents: new.amount_cents,
+                currency: new.currency,
+                request_key: new.request_key,
+                fingerprint: new.fingerprint,
+                status: IntentStatus::Running,
+                psp_charge_id: None,
+                created_at: new.created_at,
+            }));
+        }
+        if let Some(row) = by_key {
+            let existing = from_row(&row)?;
+            return Ok(
+                if existing.order_id == new.order_id && existing.fingerprint == new.fingerprint {
+                    Created::Resumed(existing)
+                } else {
+                    Created::KeyReused(existing)
+                },
+            );
+        }
+        match by_order {
+            Some(row) => Ok(Created::OrderConflict(from_row(&row)?)),
+            None => Ok(Created::IdCollision),
+        }
+    }
+
+    /// `succeeded` with the charge id (`Some`) or `failed` (`None`), only from `running`.
+    pub(crate) async fn mark(
+        &self,
+        merchant_id: String,
+        intent_id: String,
+        charge_id: Option<String>,
+    ) -> Result<bool, PgError> {
+        let n = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    match charge_id {
+                        Some(charge) => {
+                            let stmt = c
+                                .prepare_cached(
+                                    "UPDATE payment_intent SET status = 'succeeded', \
+                                     psp_charge_id = $3 WHERE merchant_id = $1 \
+                                     AND intent_id = $2 AND status = 'running'",
+                                )
+                                .await?;
+                            c.execute(&stmt, &[&merchant_id, &intent_id, &charge]).await
+                        }
+                        None => {
+                            let stmt = c
+                                .prepare_cached(
+                                    "UPDATE payment_intent SET status = 'failed' \
+                                     WHERE merchant_id = $1 AND intent_id = $2 \
+                                     AND status = 'running'",
+                                )
+                                .await?;
+                            c.execute(&stmt, &[&merchant_id, &intent_id]).await
+                        }
+                    }
+                })
+            })
+            .await?;
+        Ok(n == 1)
+    }
+
+    pub(crate) async fn get(
+        &self,
+        merchant_id: String,
+        intent_id: String,
+    ) -> Result<Option<Intent>, IntentsError> {
+        let row = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c
+                        .prepare_cached(&format!(
+                            "SELECT {COLUMNS} FROM payment_intent \
+                             WHERE merchant_id = $1 AND intent_id = $2"
+                        ))
+                        .await?;
+                    c.query_opt(&stmt, &[&merchant_id, &intent_id]).await
+                })
+            })
+            .await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    pub(crate) async fn by_order(
+        &self,
+        merchant_id: String,
+        order_id: String,
+    ) -> Result<Vec<Intent>, IntentsError> {
+        let rows = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c
+                        .prepare_cached(&format!(
+                            "SELECT {COLUMNS} FROM payment_intent \
+                             WHERE merchant_id = $1 AND order_id = $2"
+                        ))
+                        .await?;
+                    c.query(&stmt, &[&merchant_id, &order_id]).await
+                })
+            })
+            .await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    pub(crate) async fn count(&self) -> Result<u64, PgError> {
+        let n: i64 = self
+            .store
+            .with_client(|c| {
+                Box::pin(async move {
+                    c.query_one("SELECT count(*) FROM payment_intent", &[])
+                        .await?
+                        .try_get(0)
+                })
+            })
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    pub(crate) async fn ping(&self) -> Result<(), PgError> {
+        self.store
+            .with_client(|c| {
+                Box::pin(
+                    async move { c.simple_query("SELECT 1 FROM payment_intent LIMIT 1").await },
+                )
+            })
+            .await
+            .map(|_| ())
+    }
+}

@@ -1,0 +1,260 @@
+//! The payment service on PostgreSQL (127.0.0.1:5432, database `test`, or
+//! `BACKSTOP_TEST_POSTGRES`), each test in a schema of its own: the same contract as on SQLite,
+//! several instances sharing the tables, and PostgreSQL going away and coming back.
+
+mod support;
+#[path = "support/tcp_proxy.rs"]
+mod tcp_proxy;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use backstop::idempotency::postgres::tokio_postgres;
+use backstop_payment::config::{Config, PspTarget, StoreLocation};
+use backstop_payment::service::Server;
+use reqwest::StatusCode;
+use support::{Harness, body};
+use tcp_proxy::{Mode, TcpProxy};
+
+fn url() -> String {
+    std::env::var("BACKSTOP_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+async fn admin() -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
+        .await
+        .expect("PostgreSQL on 127.0.0.1:5432");
+    tokio::spawn(connection);
+    client
+}
+
+/// A schema dropped (with everything in it) when the test ends.
+struct Schema(String);
+
+impl Schema {
+    async fn create() -> Schema {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let name = format!(
+            "payment_{}_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed),
+            rand::random::<u32>()
+        );
+        admin()
+            .await
+            .batch_execute(&format!("CREATE SCHEMA {name}"))
+            .await
+            .expect("create schema");
+        Schema(name)
+    }
+
+    /// The store URL for this schema, reached at `port` (the server's own, or a proxy's).
+    fn store(&self, port: Option<u16>) -> StoreLocation {
+        let config: tokio_postgres::Config = url().parse().expect("test URL");
+        let user = config.get_user().unwrap_or("postgres");
+        let db = config.get_dbname().unwrap_or("test");
+        let port = port.unwrap_or_else(|| config.get_ports().first().copied().unwrap_or(5432));
+        StoreLocation::parse(&format!(
+            "postgres://{user}@127.0.0.1:{port}/{db}?options=-c%20search_path%3D{}",
+            self.0
+        ))
+        .expect("store URL")
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        admin()
+            .await
+            .query_one(&format!("SELECT count(*) FROM {}.{table}", self.0), &[])
+            .await
+            .expect("count")
+            .get(0)
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.0);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async { admin().await.batch_execute(&sql).await })
+        })
+        .join();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn payments_on_postgres_charge_once_and_replay() {
+    let schema = Schema::create().await;
+    let store = schema.store(None);
+    let h = Harness::start_with(move |c| c.store = store).await;
+
+    let first = h.post(Some("key-1"), &body("order-1", 1000), &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.json);
+    let again = h.post(Some("key-1"), &body("order-1", 1000), &[]).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.bytes, first.bytes);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+
+    let other_key = h.post(Some("key-2"), &body("order-1", 1000), &[]).await;
+    assert_eq!(other_key.status, StatusCode::CONFLICT);
+    assert_eq!(other_key.code(), "order_conflict");
+    let reused = h.post(Some("key-1"), &body("order-1", 5), &[]).await;
+    assert_eq!(reused.code(), "idempotency_key_reused");
+
+    // The same new key sent concurrently: one intent, one charge.
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (http, base) = (h.http.clone(), h.base.clone());
+            tokio::spawn(async move {
+                http.post(format!("{base}/v1/payments"))
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", "key-3")
+                    .body(body("order-3", 300))
+                    .send()
+                    .await
+                    .expect("sent")
+                    .status()
+            })
+        })
+        .collect();
+    for t in tasks {
+        let status = t.await.unwrap();
+        assert!(
+            status == StatusCode::CREATED || status == StatusCode::CONFLICT,
+            "{status}"
+        );
+    }
+    assert_eq!(h.charges("order-3").await.len(), 1);
+    assert_eq!(h.intent_count().await, 2);
+    assert_eq!(schema.count("payment_intent").await, 2);
+    assert_eq!(schema.count("idempotency_key").await, 2);
+    let ready = h.get("/readyz", &[]).await;
+    assert_eq!(ready.status, StatusCode::OK);
+}
+
+/// Two instances starting at once on one schema migrate it once and share its records: a
+/// payment made through one is replayed by the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_share_the_tables() {
+    let schema = Schema::create().await;
+    let h = Harness::start_with({
+        let store = schema.store(None);
+        move |c| c.store = store
+    })
+    .await;
+    let config = |store| {
+        let mut c = Config::new(store);
+        c.http = "127.0.0.1:0".parse().unwrap();
+        c.grpc = "127.0.0.1:0".parse().unwrap();
+        c.psp = PspTarget::Url(h.psp.url());
+        c
+    };
+    let (a, b) = tokio::join!(
+        Server::bind(config(schema.store(None))),
+        Server::bind(config(schema.store(None)))
+    );
+    let (a, b) = (a.expect("a starts").spawn(), b.expect("b starts").spawn());
+    let migrations = schema.count("backstop_migration").await;
+    assert_eq!(
+        migrations, 2,
+        "idempotency_key and payment_intent, once each"
+    );
+
+    let post = |base: String| {
+        let http = h.http.clone();
+        async move {
+            http.post(format!("{base}/v1/payments"))
+                .header("content-type", "application/json")
+                .header("idempotency-key", "shared-key")
+                .body(body("order-shared", 700))
+                .send()
+                .await
+                .expect("sent")
+        }
+    };
+    let first = post(a.url()).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first = first.bytes().await.unwrap();
+    let second = post(b.url()).await;
+    assert_eq!(second.status(), StatusCode::CREATED);
+    assert_eq!(second.headers()["idempotent-replayed"], "true");
+    assert_eq!(second.bytes().await.unwrap(), first);
+    assert_eq!(h.charges("order-shared").await.len(), 1);
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
+
+/// PostgreSQL down: new requests get 503 + Retry-After, `/readyz` fails, nothing is half
+/// written; once it is back the service answers again by itself and the same key goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_down_is_503_and_not_ready_then_recovers() {
+    let schema = Schema::create().await;
+    let upstream = tokio::net::lookup_host(("127.0.0.1", 5432))
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = TcpProxy::start(upstream).await;
+    let store = schema.store(Some(proxy.port()));
+    let h = Harness::start_with(move |c| c.store = store).await;
+    let before = h
+        .post(Some("before"), &body("order-before", 100), &[])
+        .await;
+    assert_eq!(before.status, StatusCode::CREATED);
+
+    for (round, mode) in [Mode::Down, Mode::Silent].into_iter().enumerate() {
+        proxy.set(mode).await;
+        let key = format!("during-{round}");
+        let order = format!("order-during-{round}");
+        let during = h
+            .post(Some(&key), &body(&order, 200), &[("grpc-timeout", "1S")])
+            .await;
+        match mode {
+            Mode::Down => {
+                assert_eq!(
+                    during.status,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "{:?}",
+                    during.json
+                );
+                assert_eq!(during.code(), "store_unavailable");
+                assert!(during.header("retry-after").is_some());
+            }
+            // A silent database is given up on just before the deadline: 503, or the
+            // deadline's 504 if the answer is slower than the margin. Never a 500.
+            _ => assert!(
+                during.status == StatusCode::SERVICE_UNAVAILABLE
+                    || during.status == StatusCode::GATEWAY_TIMEOUT,
+                "{:?}",
+                during.json
+            ),
+        }
+        let ready = h.get("/readyz", &[]).await;
+        assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(h.charges(&order).await.is_empty(), "nothing charged");
+
+        proxy.set(Mode::Forward).await;
+        let mut ready = false;
+        for _ in 0..100 {
+            if h.get("/readyz", &[]).await.status == StatusCode::OK {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(ready, "the service must become ready again after {mode:?}");
+        // Down: nothing reached the database, so the same key simply runs. (Silent: a
+        // statement cut mid-flight has an unknown outcome; a claim it left ends with its lease.)
+        if mode == Mode::Down {
+            let after = h.post(Some(&key), &body(&order, 200), &[]).await;
+            assert_eq!(after.status, StatusCode::CREATED, "{:?}", after.json);
+            assert_eq!(h.charges(&order).await.len(), 1);
+        }
+    }
+    let after = h.post(Some("after"), &body("order-after", 300), &[]).await;
+    assert_eq!(after.status, StatusCode::CREATED, "{:?}", after.json);
+    assert_eq!(schema.count("payment_intent").await, 3);
+}
