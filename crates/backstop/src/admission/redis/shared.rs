@@ -13,8 +13,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{RedisLimitError, RedisTokenBucket};
-use crate::clock::MonotonicClock;
 use crate::admission::{KeyedTokenBucket, Quota};
+use crate::clock::MonotonicClock;
 use crate::deadline::Deadline;
 use crate::observe::{RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL, label, redis_unavailable_result};
 
