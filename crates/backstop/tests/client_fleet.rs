@@ -201,8 +201,10 @@ struct Run {
     extra_sends: usize,
 }
 
+/// Calls made before the slow replica turns slow: more than the latency window holds.
 const WARM_UP: usize = 300;
 
+/// Warms up, then runs `calls` calls over three fresh replicas, hedged or not.
 async fn hedging_run(hedging: bool, calls: usize, concurrency: usize) -> Run {
     let armed = Arc::new(AtomicBool::new(false));
     let (addrs, delayed) = replicas(&armed).await;
@@ -269,7 +271,12 @@ async fn hedging_cuts_p99_with_one_slow_replica_of_three() {
     // Without hedging every delayed request is a slow call, and there are enough of them to
     // set the p99.
     assert_eq!(plain.extra_sends, 0);
-    assert!(plain.slow_calls >= plain.delayed, "{plain:?}");
+    assert!(
+        plain.slow_calls >= plain.delayed,
+        "{} slow calls, {} delayed",
+        plain.slow_calls,
+        plain.delayed
+    );
     assert!(plain.slow_calls * 100 > CALLS, "{} slow", plain.slow_calls);
     assert!(p99_plain >= SLOW);
 
