@@ -13,12 +13,6 @@
 #![doc = include_str!("migration_v1.sql")]
 //! ```
 //!
-//! [`MIGRATION_V2`] then rebuilds it `WITHOUT ROWID` (same columns, rows copied):
-//!
-//! ```sql
-#![doc = include_str!("migration_v2.sql")]
-//! ```
-//!
 //! ```
 //! use std::time::Duration;
 //! use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore};
@@ -64,13 +58,6 @@ pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 /// The `idempotency_key` table and its expiry index.
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
 
-/// Name under which [`MIGRATION_V2`] is recorded by [`Db::migrate`].
-pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2";
-
-/// Rebuilds `idempotency_key` as a `WITHOUT ROWID` table (one b-tree per write instead of two),
-/// copying the rows of [`MIGRATION`]'s table. Applied after it.
-pub const MIGRATION_V2: &str = include_str!("migration_v2.sql");
-
 /// The [`Store`] on SQLite: claims, completions, failures, releases and sweeps go through the
 /// group-commit writer of a [`Db`]; `get` reads on the read pool.
 #[derive(Debug, Clone)]
@@ -79,7 +66,7 @@ pub struct SqliteStore {
 }
 
 impl SqliteStore {
-    /// Opens (or creates) the database at `path` and applies the migrations.
+    /// Opens (or creates) the database at `path` and applies the migration.
     pub async fn open(
         path: impl AsRef<Path>,
         options: SqliteOptions,
@@ -87,10 +74,9 @@ impl SqliteStore {
         SqliteStore::new(Db::open(path, options)?).await
     }
 
-    /// A store on an existing [`Db`] (shared with the application); applies the migrations.
+    /// A store on an existing [`Db`] (shared with the application); applies the migration.
     pub async fn new(db: Db) -> Result<SqliteStore, StoreError> {
         db.migrate(MIGRATION_NAME, MIGRATION).await?;
-        db.migrate(MIGRATION_V2_NAME, MIGRATION_V2).await?;
         Ok(SqliteStore { db })
     }
 
@@ -393,8 +379,8 @@ impl Store for SqliteStore {
             .db
             .write_statement(move |conn| {
                 conn.prepare_cached(
-                    "DELETE FROM idempotency_key WHERE (scope, key) IN ( \
-                     SELECT scope, key FROM idempotency_key WHERE expires_at <= ?1 \
+                    "DELETE FROM idempotency_key WHERE rowid IN ( \
+                     SELECT rowid FROM idempotency_key WHERE expires_at <= ?1 \
                      AND NOT (status = 'running' AND lease_until > ?1) LIMIT ?2)",
                 )?
                 .execute(params![now_ms, limit])
@@ -507,59 +493,6 @@ mod tests {
                 .unwrap(),
             Claim::Replay(response)
         );
-    }
-
-    /// A database written under v1 (rowid table) keeps its records through the v2 rebuild.
-    #[tokio::test]
-    async fn v1_records_survive_the_v2_migration() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("idem.db");
-        {
-            let db = Db::open(&path, SqliteOptions::default()).unwrap();
-            db.migrate(MIGRATION_NAME, MIGRATION).await.unwrap();
-            let fp = Fingerprint::of_bytes("M", b"x").to_hex();
-            db.write(move |c| {
-                c.execute(
-                    "INSERT INTO idempotency_key (scope, key, fingerprint, status, lease_until, \
-                     http_status, response_body, response_headers, created_at, expires_at) \
-                     VALUES ('s', 'k', ?1, 'succeeded', 5, 201, X'7b7d', '[[\"a\",\"b\"]]', 1, 9)",
-                    [fp],
-                )
-            })
-            .await
-            .unwrap();
-        }
-        let store = SqliteStore::open(&path, SqliteOptions::default())
-            .await
-            .unwrap();
-        let rec = store
-            .get("s", &IdempotencyKey::new("k").unwrap())
-            .await
-            .unwrap()
-            .expect("record kept");
-        assert_eq!(rec.fingerprint, Fingerprint::of_bytes("M", b"x"));
-        assert_eq!(
-            rec.response,
-            Some(StoredResponse {
-                status: 201,
-                headers: vec![("a".into(), "b".into())],
-                body: Bytes::from_static(b"{}"),
-            })
-        );
-        assert_eq!((rec.created_at_ms, rec.expires_at_ms), (1, 9));
-        let sql: String = store
-            .db()
-            .read(|c| {
-                c.query_row(
-                    "SELECT sql FROM sqlite_master WHERE name = 'idempotency_key'",
-                    [],
-                    |r| r.get(0),
-                )
-            })
-            .await
-            .unwrap();
-        assert!(sql.ends_with("WITHOUT ROWID"), "{sql}");
-        assert_eq!(store.sweep(10, 100).await.unwrap(), 1);
     }
 
     #[tokio::test]
