@@ -23,10 +23,13 @@ trap '[ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null; rm -rf "$work"' EX
 # run_mode MODE ROUND: sets $r (req/s) and $p (p99 ms).
 run_mode() {
   local mode=$1 round=$2 out addr=""
+  # The shell truncates the file only once the child runs: remove it first, or the loop below
+  # may read the previous server's address.
+  rm -f "$work/server.out"
   TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 &
   server_pid=$!
   for _ in $(seq 100); do
-    addr=$(sed -n 's/^listening on //p' "$work/server.out")
+    addr=$(sed -n 's/^listening on //p' "$work/server.out" 2>/dev/null)
     [ -n "$addr" ] && break
     sleep 0.1
   done
