@@ -20,19 +20,35 @@ work=$(mktemp -d)
 server_pid=""
 trap '[ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null; rm -rf "$work"' EXIT
 
+# stop_server: SIGTERM, then wait (at most 10 s) until the server has exited and printed its stats.
+stop_server() {
+  kill "$server_pid" 2>/dev/null || true
+  for _ in $(seq 200); do
+    state=$(awk '{print $3}' "/proc/$server_pid/stat" 2>/dev/null || true)
+    [ -z "$state" ] || [ "$state" = Z ] && break
+    sleep 0.05
+  done
+}
+
 # run_mode MODE ROUND: sets $r (req/s) and $p (p99 ms).
 run_mode() {
   local mode=$1 round=$2 out addr=""
-  TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 &
-  server_pid=$!
+  # The shell truncates the file only once the child runs: remove it first, or the loop below
+  # may read the previous server's address.
+  rm -f "$work/server.out"
+  # Started from a subshell, so the server is not this shell's child: `wait` on it sometimes
+  # failed with "wait_for: No record of process" and aborted the run (set -e).
+  (TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" \
+    >"$work/server.out" 2>&1 & echo $! >"$work/server.pid")
+  server_pid=$(cat "$work/server.pid")
   for _ in $(seq 100); do
-    addr=$(sed -n 's/^listening on //p' "$work/server.out")
+    addr=$(sed -n 's/^listening on //p' "$work/server.out" 2>/dev/null)
     [ -n "$addr" ] && break
     sleep 0.1
   done
   if [ -z "$addr" ]; then echo "mode $mode: server did not start" >&2; cat "$work/server.out" >&2; exit 1; fi
   out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
-  kill "$server_pid"; wait "$server_pid" 2>/dev/null || true
+  stop_server
   server_pid=""
   batches=$(sed -n 's/^sqlite: //p' "$work/server.out")
   if grep -q "Non-2xx" <<<"$out"; then echo "mode $mode: non-2xx answers" >&2; echo "$out" >&2; exit 1; fi
