@@ -235,6 +235,28 @@ impl Serve {
     }
 }
 
+impl Serve {
+    /// `POST /v1/payments` requests this instance has answered, from its `/metrics`.
+    async fn payments_served(&self) -> f64 {
+        let text = self
+            .http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        text.lines()
+            .filter(|l| {
+                l.starts_with("rpc_server_requests_total{")
+                    && l.contains("method=\"POST /v1/payments\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
 async fn charges(psp: &PspHandle, order: &str) -> usize {
     psp.store()
         .list(Some(order.into()))
@@ -359,6 +381,7 @@ async fn an_instance_killed_mid_load_and_restarted_loses_nothing_and_charges_onc
     const ORDERS: usize = 300;
     const CONCURRENCY: usize = 16;
     const KILL_AFTER: usize = 80;
+    const AFTER_RESTART_FROM: usize = 200;
 
     let schema = Schema::create().await;
     let psp = psp::spawn(PspConfig::default()).await.expect("PSP");
@@ -369,34 +392,60 @@ async fn an_instance_killed_mid_load_and_restarted_loses_nothing_and_charges_onc
     let client = Arc::new(Mutex::new(payments_client(&fleet, &destination)));
 
     let done = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(CONCURRENCY));
-    let run = Arc::new(unique("run"));
-    let mut load = tokio::task::JoinSet::new();
-    for n in 0..ORDERS {
-        let permit = gate.clone().acquire_owned().await.expect("semaphore");
-        let (shared, finished, run) = (client.clone(), done.clone(), run.clone());
-        load.spawn(async move {
-            let order = format!("order-{run}-{n}");
-            let tries = pay(&shared, &order, &format!("key-{run}-{n}")).await;
-            finished.fetch_add(1, Ordering::SeqCst);
-            drop(permit);
-            (order, tries)
-        });
-        if n == KILL_AFTER + CONCURRENCY {
-            // Requests are in flight on every instance: kill one outright, start it again on
-            // the same store (on new ports) and point the balancer at the fleet as it is now.
-            assert!(done.load(Ordering::SeqCst) >= KILL_AFTER);
-            let mut killed = fleet.remove(1);
-            killed.child.kill().await.expect("SIGKILL");
-            fleet.push(config.start().await);
-            *client.lock().expect("client lock") = payments_client(&fleet, &destination);
-        }
+    let (restarted, wait_for_restart) = tokio::sync::oneshot::channel::<()>();
+    let driver = {
+        let (client, done) = (client.clone(), done.clone());
+        tokio::spawn(async move {
+            let gate = Arc::new(Semaphore::new(CONCURRENCY));
+            let run = unique("run");
+            let mut load = tokio::task::JoinSet::new();
+            let mut wait_for_restart = Some(wait_for_restart);
+            for n in 0..ORDERS {
+                if n == AFTER_RESTART_FROM {
+                    // The last ones go through the restarted instance, however slow its start.
+                    let restart = wait_for_restart.take().expect("once");
+                    restart.await.expect("restart signalled");
+                }
+                let permit = gate.clone().acquire_owned().await.expect("semaphore");
+                let (client, done) = (client.clone(), done.clone());
+                let (order, key) = (format!("order-{run}-{n}"), format!("key-{run}-{n}"));
+                load.spawn(async move {
+                    let tries = pay(&client, &order, &key).await;
+                    done.fetch_add(1, Ordering::SeqCst);
+                    drop(permit);
+                    (order, tries)
+                });
+            }
+            load.join_all().await
+        })
+    };
+
+    while done.load(Ordering::SeqCst) < KILL_AFTER {
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let mut orders = Vec::new();
-    while let Some(result) = load.join_next().await {
-        orders.push(result.expect("logical request"));
+    for serve in &fleet {
+        assert!(
+            serve.payments_served().await > 0.0,
+            "the balancer uses all three"
+        );
     }
+    // The load goes on meanwhile: kill one instance outright, start it again on the same
+    // store (on new ports) and, once it is up, point the balancer at the fleet as it is now.
+    // Until then the balancer still picks the dead endpoint now and then.
+    let mut killed = fleet.remove(1);
+    killed.child.kill().await.expect("SIGKILL");
+    let at_kill = done.load(Ordering::SeqCst);
+    fleet.push(config.start().await);
+    *client.lock().expect("client lock") = payments_client(&fleet, &destination);
+    let at_restart = done.load(Ordering::SeqCst);
+    restarted.send(()).expect("the load is running");
+    let orders = driver.await.expect("load driver");
+    eprintln!("killed after {at_kill} of {ORDERS} logical requests, restarted after {at_restart}");
     assert_eq!(orders.len(), ORDERS);
+    assert!(
+        fleet[2].payments_served().await > 0.0,
+        "the restarted instance took part"
+    );
     let resent = orders.iter().filter(|(_, tries)| *tries > 1).count();
     eprintln!("{resent} of {ORDERS} logical requests were sent again with their key");
     for (order, _) in &orders {
