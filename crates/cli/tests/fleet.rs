@@ -303,13 +303,18 @@ async fn one_key_sent_to_all_three_instances_is_one_intent_and_one_charge() {
     assert_eq!(intents.len(), 24);
     assert!(intents.iter().all(|i| *i == intents[0]), "{intents:?}");
 
-    let got = fleet[2]
-        .http
-        .get(format!("{}/v1/payments/{}", fleet[0].base, intents[0]))
-        .send()
-        .await
-        .expect("GET");
-    assert_eq!(got.status(), 200);
+    // Every instance reads the same intent from the shared tables.
+    for serve in fleet.iter() {
+        let got = serve
+            .http
+            .get(format!("{}/v1/payments/{}", serve.base, intents[0]))
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(got.status(), 200);
+        let json: Value = got.json().await.expect("intent JSON");
+        assert_eq!(json["order_id"], "order-shared", "{json}");
+    }
     assert_eq!(schema.count("payment_intent").await, 1, "one intent");
     assert_eq!(charges(&psp, "order-shared").await, 1, "one PSP charge");
 }
