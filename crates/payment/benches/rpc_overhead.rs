@@ -1,0 +1,338 @@
+//! What the backstop client stack + server stack cost per call, against the same transport
+//! without them, side by side in one run (issue target: >= 0.9x bare RPC/s).
+//!
+//! - gRPC: a trivial `payment.v1.Payment/GetCharge` (a `Safe` method) served by tonic's
+//!   generated service under hyper (axum's server), called by tonic's generated client over one
+//!   `Channel`; "stack" adds `ServerStack` on the server and `ClientStack` around the channel.
+//! - HTTP: a trivial axum `POST /v1/echo` (`Safe`) called by a pooled hyper-util client;
+//!   "stack" adds the same two stacks.
+//!
+//! Each run starts its own server on a loopback port and drives it closed-loop with
+//! `--conns` tasks for `--secs` seconds; modes alternate within each round and the table shows
+//! medians over rounds.
+//!
+//! ```sh
+//! cargo bench -p backstop-payment --bench rpc_overhead -- --secs 5 --conns 64 --rounds 3
+//! ```
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::post;
+use axum::serve::ListenerExt;
+use backstop::admission::{KeyedTokenBucket, Quota};
+use backstop::client::replay::ReplayBody;
+use backstop::client::{ClientStack, Destination, connect};
+use backstop::contract::{Idempotency, MethodContract};
+use backstop::idempotency::MemoryStore;
+use backstop::server::ServerStack;
+use backstop_payment::grpc::proto::payment_client::PaymentClient;
+use backstop_payment::grpc::proto::payment_server::{Payment, PaymentServer};
+use backstop_payment::grpc::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http::Method;
+use http_body_util::{BodyExt, Full};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
+
+const GET_CHARGE: &str = "/payment.v1.Payment/GetCharge";
+
+/// The cheapest possible service: the call's cost is the stacks and the transport.
+#[derive(Debug, Clone, Copy)]
+struct Trivial;
+
+#[tonic::async_trait]
+impl Payment for Trivial {
+    async fn charge(
+        &self,
+        _request: tonic::Request<ChargeRequest>,
+    ) -> Result<tonic::Response<ChargeResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this benchmark"))
+    }
+
+    async fn get_charge(
+        &self,
+        request: tonic::Request<GetChargeRequest>,
+    ) -> Result<tonic::Response<ChargeResponse>, tonic::Status> {
+        Ok(tonic::Response::new(ChargeResponse {
+            charge_id: "ch_1".into(),
+            status: "succeeded".into(),
+            amount_cents: 100,
+            intent_id: request.into_inner().intent_id,
+        }))
+    }
+}
+
+fn server_stack() -> ServerStack<MemoryStore> {
+    // Limits far above the offered load: this measures the layers' cost, not their refusals.
+    let buckets = KeyedTokenBucket::new(
+        Quota::per_second(
+            std::num::NonZeroU32::new(100_000_000).unwrap(),
+            std::num::NonZeroU32::new(100_000_000).unwrap(),
+        ),
+        std::num::NonZeroUsize::new(1024).unwrap(),
+    );
+    ServerStack::new("bench", MemoryStore::new())
+        .tenant_buckets(buckets)
+        .gate(backstop::admission::Gate::new(
+            100_000,
+            Duration::from_millis(1),
+        ))
+        .route(Method::POST, GET_CHARGE)
+        .route(Method::POST, "/v1/echo")
+}
+
+fn contract(name: &str) -> MethodContract {
+    MethodContract::builder(name, Idempotency::Safe)
+        .default_timeout(Duration::from_secs(10))
+        .build()
+}
+
+async fn serve(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Without TCP_NODELAY small answers wait on delayed ACKs (40 ms): measure the stacks.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+fn grpc_router(stack: bool) -> Router {
+    let router =
+        Router::new().route_service("/payment.v1.Payment/{method}", PaymentServer::new(Trivial));
+    if stack {
+        router.layer(server_stack().into_layer())
+    } else {
+        router
+    }
+}
+
+fn http_router(stack: bool) -> Router {
+    let router = Router::new().route(
+        "/v1/echo",
+        post(|body: Bytes| async move { ([("content-type", "application/json")], body) }),
+    );
+    if stack {
+        router.layer(server_stack().into_layer())
+    } else {
+        router
+    }
+}
+
+/// Which sides run their backstop stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mode {
+    server: bool,
+    client: bool,
+}
+
+const MODES: [(&str, Mode); 4] = [
+    (
+        "bare",
+        Mode {
+            server: false,
+            client: false,
+        },
+    ),
+    (
+        "server stack",
+        Mode {
+            server: true,
+            client: false,
+        },
+    ),
+    (
+        "client stack",
+        Mode {
+            server: false,
+            client: true,
+        },
+    ),
+    (
+        "both stacks",
+        Mode {
+            server: true,
+            client: true,
+        },
+    ),
+];
+
+/// One closed-loop run: `conns` tasks calling `call` until `secs` pass.
+async fn drive<F, Fut>(conns: usize, secs: u64, call: F) -> (f64, f64)
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..conns)
+        .map(|_| {
+            let (stop, call) = (stop.clone(), call.clone());
+            tokio::spawn(async move {
+                let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    call().await;
+                    h.saturating_record(t.elapsed().as_micros() as u64);
+                }
+                h
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+    for t in tasks {
+        all.add(t.await.unwrap()).unwrap();
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    (
+        all.len() as f64 / elapsed,
+        all.value_at_quantile(0.99) as f64 / 1000.0,
+    )
+}
+
+async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> (f64, f64) {
+    let url = serve(grpc_router(mode.server)).await;
+    let channel = tonic::transport::Channel::from_shared(url)
+        .unwrap()
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .unwrap();
+    let request = || GetChargeRequest {
+        intent_id: "pi_1".into(),
+    };
+    if mode.client {
+        let destination = Destination::new("bench-grpc");
+        let layer = ClientStack::builder(&destination, contract("GetCharge"))
+            .build()
+            .unwrap();
+        // The stack re-sends a replayable body; tonic's channel takes its own body type.
+        let service = ServiceBuilder::new()
+            .layer(layer)
+            .map_request(|r: http::Request<ReplayBody<tonic::body::Body>>| {
+                r.map(tonic::body::Body::new)
+            })
+            .service(channel);
+        let client = PaymentClient::new(service);
+        drive(conns, secs, move || {
+            let mut client = client.clone();
+            async move {
+                client.get_charge(request()).await.unwrap();
+            }
+        })
+        .await
+    } else {
+        let client = PaymentClient::new(channel);
+        drive(conns, secs, move || {
+            let mut client = client.clone();
+            async move {
+                client.get_charge(request()).await.unwrap();
+            }
+        })
+        .await
+    }
+}
+
+async fn http_run(mode: Mode, conns: usize, secs: u64) -> (f64, f64) {
+    let url = serve(http_router(mode.server)).await;
+    let uri: http::Uri = format!("{url}/v1/echo").parse().unwrap();
+    let body = Bytes::from_static(br#"{"order_id":"o-1","amount_cents":100}"#);
+    let request = move || {
+        http::Request::post(uri.clone())
+            .header("content-type", "application/json")
+            .body(Full::new(body.clone()))
+            .unwrap()
+    };
+    if mode.client {
+        let destination = Destination::new("bench-http");
+        let layer = ClientStack::builder(&destination, contract("Echo"))
+            .build()
+            .unwrap();
+        let client = layer.layer(connect::pooled::<ReplayBody<Full<Bytes>>>(false));
+        drive(conns, secs, move || {
+            let (client, request) = (client.clone(), request.clone());
+            async move {
+                let response = client.oneshot(request()).await.unwrap();
+                assert!(response.status().is_success());
+                response.into_body().collect().await.unwrap();
+            }
+        })
+        .await
+    } else {
+        let client = connect::pooled::<Full<Bytes>>(false);
+        drive(conns, secs, move || {
+            let (mut client, request) = (client.clone(), request.clone());
+            async move {
+                let response = client.call(request()).await.unwrap();
+                assert!(response.status().is_success());
+                response.into_body().collect().await.unwrap();
+            }
+        })
+        .await
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn arg(name: &str, default: u64) -> u64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let secs = arg("--secs", 5);
+    let conns = arg("--conns", 64) as usize;
+    let rounds = arg("--rounds", 3);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    println!("conns {conns}, {secs} s per run, {rounds} rounds; medians; ratio vs bare");
+    println!("| transport | mode | RPC/s | ratio | p99 ms |");
+    println!("|---|---|---:|---:|---:|");
+    for transport in ["grpc", "http"] {
+        let mut results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); MODES.len()];
+        for round in 0..rounds {
+            // Rotate which mode goes first, so drift favours none.
+            for i in 0..MODES.len() {
+                let m = (i + round as usize) % MODES.len();
+                let (name, mode) = MODES[m];
+                let result = runtime.block_on(async {
+                    match transport {
+                        "grpc" => grpc_run(mode, conns, secs).await,
+                        _ => http_run(mode, conns, secs).await,
+                    }
+                });
+                eprintln!(
+                    "{transport} round {round} {name}: {:.0} RPC/s, p99 {:.2} ms",
+                    result.0, result.1
+                );
+                results[m].push(result);
+            }
+        }
+        let rate = |v: &[(f64, f64)]| median(v.iter().map(|r| r.0).collect());
+        let p99 = |v: &[(f64, f64)]| median(v.iter().map(|r| r.1).collect());
+        let bare = rate(&results[0]);
+        for (m, (name, _)) in MODES.iter().enumerate() {
+            println!(
+                "| {transport} | {name} | {:.0} | {:.2} | {:.2} |",
+                rate(&results[m]),
+                rate(&results[m]) / bare,
+                p99(&results[m])
+            );
+        }
+    }
+}
