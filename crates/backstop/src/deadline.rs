@@ -32,7 +32,7 @@
 //! # }
 //! ```
 
-use std::sync::Mutex;
+use crate::sample_window::SampleWindow;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -236,14 +236,7 @@ pub fn decode_grpc_timeout(value: &str) -> Result<Duration, GrpcTimeoutError> {
 #[derive(Debug)]
 pub struct Margin {
     floor: Duration,
-    ring: Mutex<Ring>,
-}
-
-#[derive(Debug)]
-struct Ring {
-    samples: Vec<Duration>,
-    next: usize,
-    capacity: usize,
+    window: SampleWindow,
 }
 
 impl Margin {
@@ -259,41 +252,21 @@ impl Margin {
 
     /// An estimator keeping the last `window` samples (at least one).
     pub fn with_window(floor: Duration, window: usize) -> Self {
-        let capacity = window.max(1);
         Self {
             floor,
-            ring: Mutex::new(Ring {
-                samples: Vec::with_capacity(capacity),
-                next: 0,
-                capacity,
-            }),
+            window: SampleWindow::new(window),
         }
     }
 
     /// Records one round-trip time to the peer.
     pub fn observe(&self, rtt: Duration) {
-        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        if ring.samples.len() < ring.capacity {
-            ring.samples.push(rtt);
-        } else {
-            let i = ring.next;
-            ring.samples[i] = rtt;
-        }
-        ring.next = (ring.next + 1) % ring.capacity;
+        self.window.record(rtt);
     }
 
-    /// p99 of the sampled round trips (zero before any sample).
+    /// Nearest-rank p99 of the sampled round trips (zero before any sample); it may lag the
+    /// newest few samples (it is recomputed every few observations, not on every read).
     pub fn rtt_p99(&self) -> Duration {
-        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        if ring.samples.is_empty() {
-            return Duration::ZERO;
-        }
-        let mut sorted = ring.samples.clone();
-        drop(ring);
-        // Nearest-rank p99: the ceil(0.99 n)-th smallest sample.
-        let rank = (sorted.len() * 99).div_ceil(100).max(1);
-        let (_, p99, _) = sorted.select_nth_unstable(rank - 1);
-        *p99
+        self.window.quantile(0.99, 1).unwrap_or(Duration::ZERO)
     }
 
     /// The margin to keep: `max(floor, 2 x RTT_p99 + 5 ms)`.

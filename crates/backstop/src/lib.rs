@@ -125,5 +125,6 @@ pub mod deadline;
 pub mod idempotency;
 pub mod observe;
 pub mod retry;
+mod sample_window;
 pub mod server;
 pub mod status;

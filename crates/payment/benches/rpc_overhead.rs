@@ -303,13 +303,26 @@ fn main() {
     println!("conns {conns}, {secs} s per run, {rounds} rounds; medians; ratio vs bare");
     println!("| transport | mode | RPC/s | ratio | p99 ms |");
     println!("|---|---|---:|---:|---:|");
+    // `--only grpc|http` and `--mode N` (index into MODES) narrow a run, e.g. for profiling.
+    let only = std::env::args().skip_while(|a| a != "--only").nth(1);
+    let only_mode = std::env::args()
+        .skip_while(|a| a != "--mode")
+        .nth(1)
+        .and_then(|m| m.parse::<usize>().ok());
     for transport in ["grpc", "http"] {
+        if only.as_deref().is_some_and(|o| o != transport) {
+            continue;
+        }
         let mut results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); MODES.len()];
         for round in 0..rounds {
             // Rotate which mode goes first, so drift favours none.
             for i in 0..MODES.len() {
                 let m = (i + round as usize) % MODES.len();
                 let (name, mode) = MODES[m];
+                if only_mode.is_some_and(|o| o != m) {
+                    results[m].push((f64::NAN, f64::NAN));
+                    continue;
+                }
                 let result = runtime.block_on(async {
                     match transport {
                         "grpc" => grpc_run(mode, conns, secs).await,

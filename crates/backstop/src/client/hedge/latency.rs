@@ -1,20 +1,14 @@
 //! A rolling window of recent latencies and its percentiles.
 
-use std::sync::Mutex;
 use std::time::Duration;
+
+use crate::sample_window::SampleWindow;
 
 /// The last `capacity` latencies of a destination, in a fixed ring.
 #[derive(Debug)]
 pub struct LatencyWindow {
-    ring: Mutex<Ring>,
+    window: SampleWindow,
     min_samples: usize,
-}
-
-#[derive(Debug)]
-struct Ring {
-    samples: Vec<Duration>,
-    next: usize,
-    capacity: usize,
 }
 
 impl LatencyWindow {
@@ -23,41 +17,21 @@ impl LatencyWindow {
     pub fn new(capacity: usize, min_samples: usize) -> Self {
         let capacity = capacity.max(1);
         Self {
-            ring: Mutex::new(Ring {
-                samples: Vec::with_capacity(capacity),
-                next: 0,
-                capacity,
-            }),
+            window: SampleWindow::new(capacity),
             min_samples: min_samples.clamp(1, capacity),
         }
     }
 
     /// Records one latency.
     pub fn record(&self, latency: Duration) {
-        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        if ring.samples.len() < ring.capacity {
-            ring.samples.push(latency);
-        } else {
-            let i = ring.next;
-            ring.samples[i] = latency;
-        }
-        ring.next = (ring.next + 1) % ring.capacity;
+        self.window.record(latency);
     }
 
     /// The nearest-rank `q` quantile (`0 < q <= 1`) of the window, or `None` while it holds
-    /// fewer than `min_samples` samples.
+    /// fewer than `min_samples` samples. It may lag the newest few samples: it is recomputed
+    /// every few records, not on every read.
     pub fn quantile(&self, q: f64) -> Option<Duration> {
-        let mut sorted = {
-            let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-            if ring.samples.len() < self.min_samples {
-                return None;
-            }
-            ring.samples.clone()
-        };
-        let n = sorted.len();
-        let rank = ((q.clamp(0.0, 1.0) * n as f64).ceil() as usize).clamp(1, n);
-        let (_, value, _) = sorted.select_nth_unstable(rank - 1);
-        Some(*value)
+        self.window.quantile(q, self.min_samples)
     }
 }
 
