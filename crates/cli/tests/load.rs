@@ -112,6 +112,8 @@ async fn retries_without_a_budget_triple_the_load_on_a_dead_dependency() {
     assert_eq!(hits.swap(0, Ordering::Relaxed), 3 * n);
 
     let budgeted = load(&url, &args).await;
+    // Shown with --nocapture: the figures BENCHMARKS.md quotes.
+    eprintln!("naive: {naive}\nbudgeted: {budgeted}");
     assert_eq!(budgeted["logical_requests"], n, "{budgeted}");
     // Budget: ratio 0.1 of logical requests plus a burst of 20.
     let retries = budgeted["retries"].as_u64().unwrap();
