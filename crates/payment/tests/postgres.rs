@@ -3,7 +3,8 @@
 //! several instances sharing the tables, and PostgreSQL going away and coming back.
 
 mod support;
-#[path = "support/tcp_proxy.rs"]
+// One TCP proxy for every crate's outage tests: the library's test copy.
+#[path = "../../backstop/tests/support/tcp_proxy.rs"]
 mod tcp_proxy;
 
 use std::sync::atomic::{AtomicU64, Ordering};
