@@ -1,8 +1,7 @@
 //! Where the load goes and how one attempt is sent: `POST /v1/payments` over HTTP, or
 //! `payment.v1.Payment/Charge` over gRPC.
 
-use std::time::Duration;
-
+use backstop::client::classify;
 use backstop::deadline::Deadline;
 use backstop::status::{Code, Status, problem};
 use backstop_payment::grpc::proto::ChargeRequest;
@@ -11,9 +10,6 @@ use http::StatusCode;
 use serde::Deserialize;
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
-
-/// Largest pushback honoured from a `Retry-After` (a server cannot park the driver for hours).
-const MAX_PUSHBACK: Duration = Duration::from_secs(60);
 
 /// Largest error body read to find its problem `code`.
 const MAX_ERROR_BODY: usize = 16 * 1024;
@@ -167,17 +163,13 @@ impl GrpcClient {
     }
 }
 
-/// Our status of a gRPC error: its code, and the server's pushback when it sent a valid one.
+/// Our status of a gRPC error: its code, and the server's pushback read as every backstop
+/// client reads it ([`classify::pushback`]: a negative or unreadable value means "do not
+/// retry").
 fn from_tonic(status: &tonic::Status) -> Status {
     let code = Code::from_i32(status.code() as i32);
     let answer = Status::new(code, status.message().to_owned());
-    let pushback = status
-        .metadata()
-        .get("grpc-retry-pushback-ms")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(|ms| Duration::from_millis(ms).min(MAX_PUSHBACK));
-    match pushback {
+    match classify::pushback(status.metadata().as_ref()) {
         Some(p) => answer.with_pushback(p),
         None => answer,
     }
@@ -249,7 +241,7 @@ impl HttpClient {
         if status.is_success() {
             return Ok(());
         }
-        let pushback = retry_after(response.headers());
+        let pushback = classify::pushback(response.headers());
         let body = read_bounded(&mut response).await;
         let mut answer = classify(status, problem_code(&body));
         if let Some(p) = pushback {
@@ -278,14 +270,6 @@ fn problem_code(body: &[u8]) -> Option<String> {
     serde_json::from_slice::<Problem>(body).ok()?.code
 }
 
-/// Delta-seconds `Retry-After`, bounded. An HTTP-date or garbage is ignored (then the backoff
-/// decides).
-fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
-    let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
-    let secs: u64 = v.trim().parse().ok()?;
-    Some(Duration::from_secs(secs).min(MAX_PUSHBACK))
-}
-
 async fn read_bounded(response: &mut reqwest::Response) -> Vec<u8> {
     let mut body = Vec::new();
     while let Ok(Some(chunk)) = response.chunk().await {
@@ -299,6 +283,8 @@ async fn read_bounded(response: &mut reqwest::Response) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -345,20 +331,14 @@ mod tests {
         let ours = from_tonic(&s);
         assert_eq!(ours.code(), Code::Unavailable);
         assert_eq!(ours.pushback(), Some(Duration::from_millis(250)));
+        // DESIGN: a negative pushback means "do not retry" (a wait no deadline covers).
         let mut s = tonic::Status::aborted("in progress");
         s.metadata_mut()
             .insert("grpc-retry-pushback-ms", MetadataValue::from_static("-5"));
-        assert_eq!(from_tonic(&s).pushback(), None);
-    }
-
-    #[test]
-    fn retry_after_is_bounded() {
-        let mut h = http::HeaderMap::new();
-        h.insert(http::header::RETRY_AFTER, "999999".parse().unwrap());
-        assert_eq!(retry_after(&h), Some(MAX_PUSHBACK));
-        h.insert(http::header::RETRY_AFTER, "2".parse().unwrap());
-        assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
-        h.insert(http::header::RETRY_AFTER, "-1".parse().unwrap());
-        assert_eq!(retry_after(&h), None);
+        assert_eq!(from_tonic(&s).pushback(), Some(Duration::MAX));
+        assert_eq!(
+            from_tonic(&tonic::Status::unavailable("x")).pushback(),
+            None
+        );
     }
 }
