@@ -75,6 +75,7 @@ pub mod classify;
 pub mod config;
 pub mod connect;
 pub mod deadline;
+pub mod future;
 pub mod hedge;
 pub mod logical;
 pub mod replay;

@@ -164,7 +164,7 @@ impl ClientStack {
     }
 }
 
-impl<S> Layer<S> for ClientStack {
+impl<S: Clone> Layer<S> for ClientStack {
     type Service = ClientService<S>;
 
     fn layer(&self, transport: S) -> Self::Service {
@@ -186,8 +186,10 @@ impl<S> Layer<S> for ClientStack {
             self.replay_cap,
             self.classifier,
             Some(d.name.clone()),
-        );
-        let deadline = SetDeadline::new(retry, self.timeout);
+        )
+        .hedged(self.hedge.is_some());
+        // The retry layer cuts each attempt at the deadline and never waits past it.
+        let deadline = SetDeadline::untimed(retry, self.timeout);
         if self.idempotency != Idempotency::Keyed {
             return IdempotencyKeyService::disabled(deadline);
         }

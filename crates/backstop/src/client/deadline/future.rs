@@ -12,18 +12,36 @@ use tower::BoxError;
 use crate::deadline::{Deadline, DeadlineExceeded, Margin};
 
 pin_project! {
-    /// The logical call, cut off at its deadline with [`DeadlineExceeded`].
+    /// The logical call, cut off at its deadline with [`DeadlineExceeded`] (unless a layer
+    /// below enforces it: see [`SetDeadline::untimed`](super::SetDeadline::untimed)).
     #[derive(Debug)]
     pub struct ResponseFuture<F> {
         #[pin]
-        inner: Timeout<F>,
+        kind: CallKind<F>,
+    }
+}
+
+pin_project! {
+    #[project = CallKindProj]
+    #[derive(Debug)]
+    enum CallKind<F> {
+        Timed { #[pin] inner: Timeout<F> },
+        Untimed { #[pin] inner: F },
     }
 }
 
 impl<F: Future> ResponseFuture<F> {
-    pub(super) fn new(inner: F, deadline: Deadline) -> Self {
+    pub(super) fn timed(inner: F, deadline: Deadline) -> Self {
         Self {
-            inner: tokio::time::timeout_at(deadline.instant(), inner),
+            kind: CallKind::Timed {
+                inner: tokio::time::timeout_at(deadline.instant(), inner),
+            },
+        }
+    }
+
+    pub(super) fn untimed(inner: F) -> Self {
+        Self {
+            kind: CallKind::Untimed { inner },
         }
     }
 }
@@ -36,7 +54,11 @@ where
     type Output = Result<T, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Poll::Ready(match ready!(self.project().inner.poll(cx)) {
+        let timed = match self.project().kind.project() {
+            CallKindProj::Untimed { inner } => return inner.poll(cx).map_err(Into::into),
+            CallKindProj::Timed { inner } => inner,
+        };
+        Poll::Ready(match ready!(timed.poll(cx)) {
             Ok(result) => result.map_err(Into::into),
             Err(_elapsed) => Err(Box::new(DeadlineExceeded {
                 remaining: std::time::Duration::ZERO,

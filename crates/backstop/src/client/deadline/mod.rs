@@ -36,12 +36,27 @@ use crate::deadline::{Deadline, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
 pub struct SetDeadline<S> {
     inner: S,
     default: Duration,
+    timed: bool,
 }
 
 impl<S> SetDeadline<S> {
     /// Wraps `inner`; calls without a [`Deadline`] extension get `default` from now.
     pub fn new(inner: S, default: Duration) -> Self {
-        Self { inner, default }
+        Self {
+            inner,
+            default,
+            timed: true,
+        }
+    }
+
+    /// Like [`new`](Self::new), but leaves cutting the call off to the service below, for a
+    /// service that enforces the deadline itself: the [retry layer](super::retry::Retry) cuts
+    /// every attempt at it and never waits past it. Saves a timer per call.
+    pub fn untimed(inner: S, default: Duration) -> Self {
+        Self {
+            timed: false,
+            ..Self::new(inner, default)
+        }
     }
 }
 
@@ -62,7 +77,12 @@ where
         let deadline = *request
             .extensions_mut()
             .get_or_insert_with(|| Deadline::after(self.default));
-        ResponseFuture::new(self.inner.call(request), deadline)
+        let future = self.inner.call(request);
+        if self.timed {
+            ResponseFuture::timed(future, deadline)
+        } else {
+            ResponseFuture::untimed(future)
+        }
     }
 }
 

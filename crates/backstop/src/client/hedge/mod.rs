@@ -20,8 +20,7 @@ mod layer;
 pub use self::latency::LatencyWindow;
 pub use self::layer::HedgeLayer;
 
-use std::future::Future;
-use std::pin::Pin;
+use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
@@ -34,14 +33,16 @@ use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
 use super::classify::response_status;
+use super::future::LayerFuture;
 use super::replay::{ReplayBody, try_clone_request};
 use super::retry::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
 use crate::retry::RetryBudget;
 use crate::status::RetryClass;
 
-/// The response future of [`Hedge`].
-pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+/// The response future of [`Hedge`]: the inner call's own future unless the attempt may be
+/// hedged.
+pub type ResponseFuture<F, T> = LayerFuture<F, T>;
 
 /// One hedge per logical call: put in the request's extensions by the retry layer and shared by
 /// the call's attempts.
@@ -144,30 +145,27 @@ where
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<Response<ResB>>;
+    type Future = ResponseFuture<S::Future, Response<ResB>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        match &self.policy {
-            Some(policy) => Box::pin(run(self.inner.clone(), policy.clone(), request)),
-            None => send(self.inner.clone(), request),
-        }
+        let Some(policy) = &self.policy else {
+            return LayerFuture::direct(self.inner.call(request));
+        };
+        let policy = policy.clone();
+        let started = Instant::now();
+        // Only an attempt that can be copied, once the window knows the p95, may be hedged;
+        // only then is a second handle on the service needed.
+        let hedge = match (try_clone_request(&request), policy.delay()) {
+            (Some(backup), Some(delay)) => Some((self.inner.clone(), backup, delay)),
+            _ => None,
+        };
+        let primary = self.inner.call(request);
+        LayerFuture::boxed(Box::pin(run(primary, hedge, policy, started)))
     }
-}
-
-type Attempt<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
-
-fn send<S, R>(svc: S, request: R) -> Attempt<S::Response>
-where
-    S: Service<R> + Send + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send,
-    R: Send + 'static,
-{
-    Box::pin(async move { svc.oneshot(request).await.map_err(Into::into) })
 }
 
 /// Whether no other attempt could do better than this result.
@@ -189,26 +187,25 @@ fn record<B>(policy: &HedgePolicy, result: &Result<Response<B>, BoxError>, start
 }
 
 async fn run<S, B, ResB>(
-    svc: S,
+    primary: S::Future,
+    hedge: Option<(S, Request<ReplayBody<B>>, Duration)>,
     policy: HedgePolicy,
-    request: Request<ReplayBody<B>>,
+    started: Instant,
 ) -> Result<Response<ResB>, BoxError>
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Send + 'static,
     S::Error: Into<BoxError>,
     S::Future: Send,
     B: Send + 'static,
     ResB: Send + 'static,
 {
-    let backup = try_clone_request(&request);
-    let allowance = request.extensions().get::<HedgeAllowance>().cloned();
-    let started = Instant::now();
-    let mut primary = send(svc.clone(), request);
-    let (Some(mut backup), Some(delay)) = (backup, policy.delay()) else {
+    let mut primary = pin!(async move { primary.await.map_err(Into::<BoxError>::into) });
+    let Some((svc, mut backup, delay)) = hedge else {
         let result = primary.await;
         record(&policy, &result, started);
         return result;
     };
+    let allowance = backup.extensions().get::<HedgeAllowance>().cloned();
     tokio::select! {
         result = &mut primary => {
             record(&policy, &result, started);
@@ -236,7 +233,8 @@ where
         HeaderValue::from(previous.saturating_add(1)),
     );
     let hedge_started = Instant::now();
-    let mut secondary = send(svc, backup);
+    let mut secondary =
+        pin!(async move { svc.oneshot(backup).await.map_err(Into::<BoxError>::into) });
     // The first final answer wins; the other attempt is dropped, which cancels it.
     tokio::select! {
         result = &mut primary => {

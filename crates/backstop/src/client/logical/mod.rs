@@ -25,8 +25,6 @@ mod layer;
 pub use self::journal::{IntentJournal, JournalError, MAX_OPERATION_LEN};
 pub use self::layer::IdempotencyKeyLayer;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -35,14 +33,16 @@ use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
 use crate::client::classify::response_status;
+use crate::client::future::LayerFuture;
 use crate::idempotency::IdempotencyKey;
 use crate::status::RetryClass;
 
 /// The key's header (HTTP) and metadata key (gRPC): `idempotency-key`.
 pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
-/// The response future of [`IdempotencyKeyService`].
-pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+/// The response future of [`IdempotencyKeyService`]: the inner call's own future unless the
+/// key comes from the journal.
+pub type ResponseFuture<F, T> = LayerFuture<F, T>;
 
 /// Names a logical operation (e.g. `"order-42/charge"`) in a request's extensions, so the
 /// [`IntentJournal`] can find its key again after a restart.
@@ -110,67 +110,73 @@ where
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<Response<ResB>>;
+    type Future = ResponseFuture<S::Future, Response<ResB>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Readiness is awaited in the future, after the key is stored.
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
-        let inner = self.inner.clone();
         if !self.enabled {
-            return Box::pin(async move { inner.oneshot(request).await.map_err(Into::into) });
+            return LayerFuture::direct(self.inner.call(request));
+        }
+        if let Some(given) = request.headers().get(&IDEMPOTENCY_KEY) {
+            if let Some(key) = given
+                .to_str()
+                .ok()
+                .and_then(|v| IdempotencyKey::parse(v).ok())
+            {
+                request.extensions_mut().insert(key);
+            }
+            return LayerFuture::direct(self.inner.call(request));
         }
         #[cfg(feature = "sqlite")]
-        let journal = self.journal.clone();
-        Box::pin(async move {
-            if let Some(given) = request.headers().get(&IDEMPOTENCY_KEY) {
-                if let Some(key) = given
-                    .to_str()
-                    .ok()
-                    .and_then(|v| IdempotencyKey::parse(v).ok())
-                {
-                    request.extensions_mut().insert(key);
-                }
-                return inner.oneshot(request).await.map_err(Into::into);
+        if let (Some(journal), Some(op)) = (&self.journal, request.extensions().get::<Operation>())
+        {
+            let call = journaled(self.inner.clone(), journal.clone(), op.clone(), request);
+            return LayerFuture::boxed(Box::pin(call));
+        }
+        let key = IdempotencyKey::generate();
+        match HeaderValue::from_str(&key.header_value()) {
+            Ok(value) => {
+                request.headers_mut().insert(IDEMPOTENCY_KEY.clone(), value);
+                request.extensions_mut().insert(key);
+                LayerFuture::direct(self.inner.call(request))
             }
-            #[cfg(feature = "sqlite")]
-            let journaled = match (&journal, request.extensions().get::<Operation>()) {
-                (Some(journal), Some(op)) => {
-                    let key = journal.begin(op.as_str()).await?;
-                    Some((journal.clone(), op.clone(), key))
-                }
-                _ => None,
-            };
-            #[cfg(feature = "sqlite")]
-            let key = match &journaled {
-                Some((_, _, key)) => key.clone(),
-                None => IdempotencyKey::generate(),
-            };
-            #[cfg(not(feature = "sqlite"))]
-            let key = IdempotencyKey::generate();
-
-            let value = HeaderValue::from_str(&key.header_value())?;
-            request.headers_mut().insert(IDEMPOTENCY_KEY.clone(), value);
-            request.extensions_mut().insert(key);
-            let result = inner.oneshot(request).await.map_err(Into::into);
-
-            #[cfg(feature = "sqlite")]
-            if let (Some((journal, op, key)), Ok(response)) = (&journaled, &result) {
-                let known =
-                    response_status(response).is_none_or(|s| s.retry_class() == RetryClass::Fatal);
-                if known {
-                    if let Err(e) = journal.complete(op.as_str()).await {
-                        // The operation stays pending; resuming it sends the same key and the
-                        // server replays its stored answer.
-                        tracing::warn!(error = %e, idempotency_key = key.as_str(), "intent journal complete failed");
-                    }
-                }
-            }
-            result
-        })
+            Err(e) => LayerFuture::boxed(Box::pin(async move { Err(e.into()) })),
+        }
     }
+}
+
+/// A call whose key comes from the journal: stored before the first send, marked complete once
+/// the outcome is known.
+#[cfg(feature = "sqlite")]
+async fn journaled<S, B, ResB>(
+    inner: S,
+    journal: IntentJournal,
+    op: Operation,
+    mut request: Request<B>,
+) -> Result<Response<ResB>, BoxError>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+{
+    let key = journal.begin(op.as_str()).await?;
+    let value = HeaderValue::from_str(&key.header_value())?;
+    request.headers_mut().insert(IDEMPOTENCY_KEY.clone(), value);
+    request.extensions_mut().insert(key.clone());
+    let result = inner.oneshot(request).await.map_err(Into::into);
+    if let Ok(response) = &result {
+        let known = response_status(response).is_none_or(|s| s.retry_class() == RetryClass::Fatal);
+        if known {
+            if let Err(e) = journal.complete(op.as_str()).await {
+                // The operation stays pending; resuming it sends the same key and the server
+                // replays its stored answer.
+                tracing::warn!(error = %e, idempotency_key = key.as_str(), "intent journal complete failed");
+            }
+        }
+    }
+    result
 }
 
 #[cfg(test)]
@@ -185,7 +191,7 @@ mod tests {
         handle.allow(3);
         let mut keys = Vec::new();
         for _ in 0..2 {
-            let call = tokio::spawn(svc.call(Request::new(())));
+            let call = tokio::spawn(svc.ready().await.unwrap().call(Request::new(())));
             let (sent, send) = handle.next_request().await.unwrap();
             let header = sent.headers()[&IDEMPOTENCY_KEY]
                 .to_str()
@@ -203,7 +209,7 @@ mod tests {
             .header("idempotency-key", "pi_123")
             .body(())
             .unwrap();
-        let call = tokio::spawn(svc.call(given));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(given));
         let (sent, send) = handle.next_request().await.unwrap();
         assert_eq!(sent.headers()[&IDEMPOTENCY_KEY], "pi_123");
         send.send_response(Response::new(()));
@@ -225,7 +231,7 @@ mod tests {
         };
 
         // The key is stored before the send; a 504 leaves the outcome unknown.
-        let call = tokio::spawn(svc.call(request()));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
         let (sent, send) = handle.next_request().await.unwrap();
         let first = sent.headers()[&IDEMPOTENCY_KEY]
             .to_str()
@@ -237,7 +243,7 @@ mod tests {
         assert!(journal.is_pending("order-7/charge").await.unwrap());
 
         // Resumed (as after a restart): the same key; a success completes it.
-        let call = tokio::spawn(svc.call(request()));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(request()));
         let (sent, send) = handle.next_request().await.unwrap();
         assert_eq!(sent.headers()[&IDEMPOTENCY_KEY], first.as_str());
         send.send_response(Response::new(()));

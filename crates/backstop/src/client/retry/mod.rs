@@ -34,6 +34,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response};
@@ -46,7 +47,7 @@ use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
 use super::replay::{Buffered, ReplayBody, buffer};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
-use crate::deadline::Deadline;
+use crate::deadline::{Deadline, DeadlineExceeded};
 use crate::retry::{CallInfo, RetryPolicy, StopReason};
 use crate::status::{Code, Status};
 
@@ -78,6 +79,7 @@ struct Config {
     replay_cap: usize,
     peer: Option<Arc<str>>,
     classifier: Classifier,
+    hedged: bool,
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).
@@ -110,8 +112,19 @@ impl<S> Retry<S> {
                 replay_cap,
                 peer,
                 classifier,
+                hedged: true,
             }),
         }
+    }
+
+    /// Whether a [hedge layer](super::hedge::Hedge) below may hedge this call's attempts
+    /// (default `true`): the call then carries the [`HedgeAllowance`] that limits it to one
+    /// hedge. Without one below, `false` saves the allowance.
+    pub fn hedged(mut self, hedged: bool) -> Self {
+        if let Some(config) = Arc::get_mut(&mut self.config) {
+            config.hedged = hedged;
+        }
+        self
     }
 }
 
@@ -162,7 +175,9 @@ where
     let deadline = *parts
         .extensions
         .get_or_insert_with(|| Deadline::after(DEFAULT_TIMEOUT));
-    parts.extensions.insert(HedgeAllowance::default());
+    if config.hedged {
+        parts.extensions.insert(HedgeAllowance::default());
+    }
     let key = parts
         .headers
         .get(&IDEMPOTENCY_KEY)
@@ -175,7 +190,14 @@ where
         Idempotency::Unsafe => false,
     };
     let (policy, mut content) = if replayable {
-        match buffer(body, config.replay_cap).await.map_err(Into::into)? {
+        // Reading the body is part of the call: it too ends at the deadline.
+        let buffered = tokio::time::timeout_at(deadline.instant(), buffer(body, config.replay_cap))
+            .await
+            .map_err(|_elapsed| DeadlineExceeded {
+                remaining: Duration::ZERO,
+                margin: Duration::ZERO,
+            })?;
+        match buffered.map_err(Into::into)? {
             Buffered::Replayable(replay) => (&config.policy, Content::Replay(replay)),
             Buffered::TooLarge(once) => (&config.single, Content::Once(Some(once))),
         }

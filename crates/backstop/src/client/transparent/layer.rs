@@ -22,7 +22,7 @@ impl TransparentRetryLayer {
     }
 }
 
-impl<S> Layer<S> for TransparentRetryLayer {
+impl<S: Clone> Layer<S> for TransparentRetryLayer {
     type Service = TransparentRetry<S>;
 
     fn layer(&self, inner: S) -> Self::Service {

@@ -24,17 +24,17 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
 
 use http::Request;
+use pin_project_lite::pin_project;
+use tower::util::Oneshot;
 use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
 use super::replay::{ReplayBody, try_clone_request};
 use crate::retry::RetryBudget;
-
-/// The response future of [`TransparentRetry`].
-pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
 
 /// Whether `error` proves the request never reached the server (see the [module docs](self)).
 /// Walks the `source()` chain, matching types, never messages.
@@ -74,13 +74,20 @@ pub fn never_sent(error: &(dyn StdError + 'static)) -> bool {
 #[derive(Debug, Clone)]
 pub struct TransparentRetry<S> {
     inner: S,
+    /// A handle kept only to be cloned for a re-send, so that calls that are not re-sent (all
+    /// but a few) clone nothing.
+    spare: Arc<Mutex<S>>,
     budget: Option<RetryBudget>,
 }
 
-impl<S> TransparentRetry<S> {
+impl<S: Clone> TransparentRetry<S> {
     /// Wraps `inner`; re-sends spend a token of `budget` when one is given.
     pub fn new(inner: S, budget: Option<RetryBudget>) -> Self {
-        Self { inner, budget }
+        Self {
+            spare: Arc::new(Mutex::new(inner.clone())),
+            inner,
+            budget,
+        }
     }
 }
 
@@ -94,35 +101,102 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Response>;
+    type Future = ResponseFuture<S, B>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        let svc = self.inner.clone();
-        let budget = self.budget.clone();
-        Box::pin(async move {
-            let again = try_clone_request(&request);
-            let error: BoxError = match svc.clone().oneshot(request).await {
-                Ok(response) => return Ok(response),
-                Err(e) => e.into(),
-            };
-            let Some(again) = again else {
-                return Err(error);
-            };
-            if !never_sent(&*error) || !budget.as_ref().is_none_or(RetryBudget::try_withdraw) {
-                return Err(error);
+        let again = try_clone_request(&request);
+        ResponseFuture {
+            state: State::First {
+                future: self.inner.call(request),
+                again,
+            },
+            spare: self.spare.clone(),
+            budget: self.budget.clone(),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`TransparentRetry`]: the attempt, then at most one re-send.
+    pub struct ResponseFuture<S, B>
+    where
+        S: Service<Request<ReplayBody<B>>>,
+    {
+        #[pin]
+        state: State<S, B>,
+        spare: Arc<Mutex<S>>,
+        budget: Option<RetryBudget>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, B>
+    where
+        S: Service<Request<ReplayBody<B>>>,
+    {
+        First { #[pin] future: S::Future, again: Option<Request<ReplayBody<B>>> },
+        Again { #[pin] future: Oneshot<S, Request<ReplayBody<B>>> },
+    }
+}
+
+impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<S, B> Future for ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>> + Clone,
+    S::Error: Into<BoxError>,
+{
+    type Output = Result<S::Response, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::First { future, again } => {
+                    let error: BoxError = match ready!(future.poll(cx)) {
+                        Ok(response) => return Poll::Ready(Ok(response)),
+                        Err(e) => e.into(),
+                    };
+                    let Some(again) = again.take() else {
+                        return Poll::Ready(Err(error));
+                    };
+                    if !never_sent(&*error)
+                        || !this.budget.as_ref().is_none_or(RetryBudget::try_withdraw)
+                    {
+                        return Poll::Ready(Err(error));
+                    }
+                    tracing::debug!(
+                        name: "rpc_transparent_retry",
+                        event = "rpc_transparent_retry",
+                        error = %error,
+                        "re-sending an attempt that never reached the server"
+                    );
+                    let svc = this
+                        .spare
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .clone();
+                    this.state.set(State::Again {
+                        future: svc.oneshot(again),
+                    });
+                }
+                StateProj::Again { future } => {
+                    return future.poll(cx).map_err(Into::into);
+                }
             }
-            tracing::debug!(
-                name: "rpc_transparent_retry",
-                event = "rpc_transparent_retry",
-                error = %error,
-                "re-sending an attempt that never reached the server"
-            );
-            svc.oneshot(again).await.map_err(Into::into)
-        })
+        }
     }
 }
 
@@ -168,7 +242,7 @@ mod tests {
         let mut svc = TransparentRetry::new(svc, Some(budget.clone()));
         handle.allow(4);
 
-        let call = tokio::spawn(svc.call(replayable()));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(replayable()));
         let (_, send) = handle.next_request().await.unwrap();
         send.send_error(io::Error::from(io::ErrorKind::ConnectionRefused));
         let (again, send) = handle.next_request().await.unwrap();
@@ -178,7 +252,7 @@ mod tests {
         assert_eq!(budget.available(), 4.0);
 
         // Once only.
-        let call = tokio::spawn(svc.call(replayable()));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(replayable()));
         for _ in 0..2 {
             let (_, send) = handle.next_request().await.unwrap();
             send.send_error(io::Error::from(io::ErrorKind::ConnectionRefused));
@@ -191,7 +265,7 @@ mod tests {
         let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
         let mut svc = TransparentRetry::new(svc, None);
         handle.allow(2);
-        let call = tokio::spawn(svc.call(replayable()));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(replayable()));
         let (_, send) = handle.next_request().await.unwrap();
         send.send_error(io::Error::from(io::ErrorKind::ConnectionReset));
         assert!(call.await.unwrap().is_err());
