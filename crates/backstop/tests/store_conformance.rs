@@ -31,6 +31,7 @@ mod sqlite {
 
 #[cfg(feature = "postgres")]
 mod support {
+    pub(crate) mod postgres_schema;
     pub(crate) mod tcp_proxy;
 }
 
@@ -39,95 +40,20 @@ mod support {
 #[cfg(feature = "postgres")]
 mod postgres {
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
     use backstop::deadline::Deadline;
     use backstop::idempotency::conformance::WithGuard;
-    use backstop::idempotency::postgres::{PostgresOptions, PostgresStore, tokio_postgres};
+    use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
     use backstop::idempotency::{
         Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store, StoreError,
     };
 
+    use super::support::postgres_schema::Schema;
     use super::support::tcp_proxy::{Mode, TcpProxy};
 
-    fn url() -> String {
-        std::env::var("BACKSTOP_TEST_POSTGRES")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-    }
-
-    async fn admin() -> tokio_postgres::Client {
-        let (client, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
-            .await
-            .expect("PostgreSQL on 127.0.0.1:5432");
-        tokio::spawn(connection);
-        client
-    }
-
-    /// A schema dropped (with everything in it) when the test ends.
-    #[derive(Debug)]
-    pub(super) struct Schema(String);
-
-    impl Schema {
-        async fn create() -> Schema {
-            static NEXT: AtomicU64 = AtomicU64::new(0);
-            let name = format!(
-                "conformance_{}_{}_{}",
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed),
-                rand::random::<u32>()
-            );
-            admin()
-                .await
-                .batch_execute(&format!("CREATE SCHEMA {name}"))
-                .await
-                .expect("create schema");
-            Schema(name)
-        }
-
-        fn config(&self) -> tokio_postgres::Config {
-            let mut config: tokio_postgres::Config = url().parse().expect("test URL");
-            config.options(format!("-c search_path={}", self.0));
-            config
-        }
-    }
-
-    impl Schema {
-        /// The same database and schema, reached through 127.0.0.1:`port`.
-        fn config_via(&self, port: u16) -> tokio_postgres::Config {
-            let base = self.config();
-            let mut config = tokio_postgres::Config::new();
-            config.host("127.0.0.1").port(port);
-            if let Some(user) = base.get_user() {
-                config.user(user);
-            }
-            if let Some(db) = base.get_dbname() {
-                config.dbname(db);
-            }
-            if let Some(options) = base.get_options() {
-                config.options(options);
-            }
-            config
-        }
-    }
-
-    impl Drop for Schema {
-        fn drop(&mut self) {
-            let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.0);
-            // Drop runs inside the test's runtime: do the async cleanup on a thread of its own.
-            let _ = std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("runtime");
-                rt.block_on(async { admin().await.batch_execute(&sql).await })
-            })
-            .join();
-        }
-    }
-
     async fn open(options: PostgresOptions) -> WithGuard<PostgresStore, Schema> {
-        let schema = Schema::create().await;
+        let schema = Schema::create("conformance").await;
         let store = PostgresStore::connect_with(schema.config(), options)
             .await
             .expect("connect store");
@@ -170,7 +96,7 @@ mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_takeovers_across_pools_have_one_winner() {
         const INSTANCES: usize = 8;
-        let schema = Schema::create().await;
+        let schema = Schema::create("conformance").await;
         let options = PostgresOptions {
             max_connections: 2,
             writers: 1,
@@ -216,15 +142,7 @@ mod postgres {
             assert_eq!(winners.len(), 1, "round {round}: {winners:?}");
             assert!(winners[0].lease_until_ms > first.lease_until_ms);
         }
-        let migrations = admin()
-            .await
-            .query_one(
-                &format!("SELECT count(*) FROM {}.backstop_migration", schema.0),
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0);
+        let migrations = schema.count("backstop_migration").await;
         assert_eq!(migrations, 1);
         drop(stores);
     }
@@ -233,7 +151,7 @@ mod postgres {
     /// once in total, a running record with a live lease never.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_sweepers_across_pools_delete_each_record_once() {
-        let schema = Schema::create().await;
+        let schema = Schema::create("conformance").await;
         let options = PostgresOptions {
             max_connections: 2,
             writers: 1,
@@ -399,7 +317,7 @@ mod postgres {
     /// hangs and never half-writes; calls succeed again once it is back, with no restart.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn database_down_or_silent_fails_fast_and_recovers() {
-        let schema = Schema::create().await;
+        let schema = Schema::create("conformance").await;
         let upstream = tokio::net::lookup_host(("127.0.0.1", schema.config().get_ports()[0]))
             .await
             .unwrap()
@@ -454,15 +372,7 @@ mod postgres {
             assert!(matches!(claim, Claim::Claimed(_)));
         }
         // Only the claims made while the database answered exist.
-        let rows = admin()
-            .await
-            .query_one(
-                &format!("SELECT count(*) FROM {}.idempotency_key", schema.0),
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0);
+        let rows = schema.count("idempotency_key").await;
         assert!((3..=9).contains(&rows), "{rows}");
         drop(store);
     }

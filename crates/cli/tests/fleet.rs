@@ -6,8 +6,12 @@
 //! PostgreSQL is 127.0.0.1:5432 (database `test`, or `BACKSTOP_TEST_POSTGRES`) and Redis
 //! 127.0.0.1:6379 (or `BACKSTOP_TEST_REDIS`); each test has its own schema and key prefix.
 
+// The per-test PostgreSQL schema, shared with the library's and the payment service's tests.
+#[path = "../../backstop/tests/support/postgres_schema.rs"]
+mod postgres_schema;
+
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +19,6 @@ use backstop::client::connect::{self, HttpClient};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
 use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
-use backstop::idempotency::postgres::tokio_postgres;
 use backstop::retry::RetryBudget;
 use backstop_payment::psp::{self, PspConfig, PspHandle};
 use bytes::Bytes;
@@ -28,84 +31,12 @@ use tokio::sync::{Semaphore, mpsc};
 use tower::util::BoxCloneService;
 use tower::{BoxError, Layer, ServiceExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+use postgres_schema::{Schema, unique};
 
-fn postgres_url() -> String {
-    std::env::var("BACKSTOP_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
+const BIN: &str = env!("CARGO_BIN_EXE_backstop");
 
 fn redis_url() -> String {
     std::env::var("BACKSTOP_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-async fn admin() -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(&postgres_url(), tokio_postgres::NoTls)
-        .await
-        .expect("PostgreSQL on 127.0.0.1:5432");
-    tokio::spawn(connection);
-    client
-}
-
-fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{prefix}_{}_{}_{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed),
-        rand::random::<u32>()
-    )
-}
-
-/// A schema of its own, dropped (with everything in it) when the test ends.
-struct Schema(String);
-
-impl Schema {
-    async fn create() -> Schema {
-        let name = unique("fleet");
-        admin()
-            .await
-            .batch_execute(&format!("CREATE SCHEMA {name}"))
-            .await
-            .expect("create schema");
-        Schema(name)
-    }
-
-    /// `--store` for every instance: the shared database, this schema first on the path.
-    fn store_url(&self) -> String {
-        format!("{}?options=-c%20search_path%3D{}", postgres_url(), self.0)
-    }
-
-    async fn count(&self, table: &str) -> i64 {
-        admin()
-            .await
-            .query_one(&format!("SELECT count(*) FROM {}.{table}", self.0), &[])
-            .await
-            .expect("count")
-            .get(0)
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.0);
-        // Drop runs inside the test's runtime: drop the schema from a thread of its own.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                if let Ok((client, connection)) =
-                    tokio_postgres::connect(&postgres_url(), tokio_postgres::NoTls).await
-                {
-                    tokio::spawn(connection);
-                    let _ = client.batch_execute(&sql).await;
-                }
-            });
-        })
-        .join();
-    }
 }
 
 /// What every instance of one fleet shares.
@@ -119,7 +50,7 @@ struct Fleet {
 impl Fleet {
     fn new(schema: &Schema, psp: &PspHandle, extra: &[&str]) -> Fleet {
         Fleet {
-            store: schema.store_url(),
+            store: schema.store_url(None),
             redis_prefix: unique("fleet"),
             psp: psp.url(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
@@ -267,7 +198,7 @@ async fn charges(psp: &PspHandle, order: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_key_sent_to_all_three_instances_is_one_intent_and_one_charge() {
-    let schema = Schema::create().await;
+    let schema = Schema::create("fleet").await;
     let psp = psp::spawn(PspConfig::default()).await.expect("PSP");
     let fleet = Arc::new(Fleet::new(&schema, &psp, &[]).start_three().await);
     let body = json!({"order_id": "order-shared", "amount_cents": 1234});
@@ -388,7 +319,7 @@ async fn an_instance_killed_mid_load_and_restarted_loses_nothing_and_charges_onc
     const KILL_AFTER: usize = 80;
     const AFTER_RESTART_FROM: usize = 200;
 
-    let schema = Schema::create().await;
+    let schema = Schema::create("fleet").await;
     let psp = psp::spawn(PspConfig::default()).await.expect("PSP");
     let config = Fleet::new(&schema, &psp, &[]);
     let mut fleet = config.start_three().await;
@@ -470,7 +401,7 @@ async fn a_tenant_rate_holds_across_the_fleet_not_per_instance() {
     const OFFERED_PER_SEC: u32 = 5 * RATE;
     const SECONDS: u32 = 10;
 
-    let schema = Schema::create().await;
+    let schema = Schema::create("fleet").await;
     let psp = psp::spawn(PspConfig::default()).await.expect("PSP");
     let (rate, burst) = (RATE.to_string(), BURST.to_string());
     let config = Fleet::new(

@@ -246,7 +246,12 @@ async fn unknown_psp_outcome_is_unavailable_and_the_same_key_charges_once() {
             && unknown.message().contains("same idempotency-key is safe"),
         "{unknown:?}"
     );
-    assert_eq!(h.charges("g-order-u").await.len(), 1, "the PSP did charge");
+    let charged = h.charges("g-order-u").await;
+    assert_eq!(charged.len(), 1, "the PSP did charge");
+    // The PSP was given what was left of the caller's 1 s, minus the margin: never a new
+    // budget, so it could not still be working once the caller had given up.
+    let budget = charged[0].budget_ms.expect("the PSP saw a grpc-timeout");
+    assert!(budget > 0 && budget < 1000, "the PSP's budget: {budget} ms");
     let retry = charge(&h, "g-order-u", 990, Some("g-key-u"), FIVE_S)
         .await
         .expect("the retry converges")
@@ -256,6 +261,60 @@ async fn unknown_psp_outcome_is_unavailable_and_the_same_key_charges_once() {
     assert_eq!(charges.len(), 1, "charged exactly once");
     assert_eq!(retry.charge_id, charges[0].charge_id);
     assert_eq!(charges[0].effect_key, retry.intent_id);
+}
+
+/// A PSP slower than the caller's deadline: the service gives up on it before that deadline
+/// and says so, so the caller gets the service's answer (the outcome is unknown, the same key
+/// is safe), never its own client-side timeout (tonic's `CANCELLED`). The PSP started nothing
+/// it could not finish; once it is back, the same key charges exactly once.
+#[tokio::test]
+async fn psp_slower_than_the_deadline_is_unknown_never_cancelled_and_the_key_charges_once() {
+    let h = Harness::start().await;
+    h.latency(Duration::from_secs(60));
+    let unknown = charge(
+        &h,
+        "g-order-s",
+        700,
+        Some("g-key-s"),
+        Duration::from_secs(1),
+    )
+    .await
+    .unwrap_err();
+    assert_ne!(unknown.code(), Code::Cancelled, "{unknown:?}");
+    // The README's status for an unknown outcome.
+    assert_eq!(unknown.code(), Code::Unavailable, "{unknown:?}");
+    let message = unknown.message();
+    assert!(
+        message.contains("outcome unknown")
+            && message.contains("same idempotency-key is safe and charges at most once"),
+        "{unknown:?}"
+    );
+    let intent_id = message
+        .split_once("intent_id=")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(id, _)| id.to_owned())
+        .expect("the message names the intent");
+    assert!(
+        h.charges("g-order-s").await.is_empty(),
+        "the PSP charged nothing past its deadline"
+    );
+
+    h.latency(Duration::ZERO);
+    let retry = charge(&h, "g-order-s", 700, Some("g-key-s"), FIVE_S)
+        .await
+        .expect("the same key goes through once the PSP is back")
+        .into_inner();
+    assert_eq!(retry.status, "succeeded");
+    assert_eq!(
+        retry.intent_id, intent_id,
+        "the same payment, not a new one"
+    );
+    let charges = h.charges("g-order-s").await;
+    assert_eq!(charges.len(), 1, "charged exactly once");
+    assert_eq!(charges[0].charge_id, retry.charge_id);
+    assert_eq!(charges[0].effect_key, intent_id);
+    let budget = charges[0].budget_ms.expect("the PSP saw a grpc-timeout");
+    assert!(budget > 0 && budget < 5000, "the PSP's budget: {budget} ms");
 }
 
 #[tokio::test]

@@ -6,90 +6,26 @@ mod support;
 // One TCP proxy for every crate's outage tests: the library's test copy.
 #[path = "../../backstop/tests/support/tcp_proxy.rs"]
 mod tcp_proxy;
+// The per-test PostgreSQL schema, shared with the library's and the CLI's tests.
+#[path = "../../backstop/tests/support/postgres_schema.rs"]
+mod postgres_schema;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use backstop::idempotency::postgres::tokio_postgres;
 use backstop_payment::config::{Config, PspTarget, StoreLocation};
 use backstop_payment::service::Server;
+use postgres_schema::Schema;
 use reqwest::StatusCode;
 use support::{Harness, body};
 use tcp_proxy::{Mode, TcpProxy};
 
-fn url() -> String {
-    std::env::var("BACKSTOP_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
-
-async fn admin() -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
-        .await
-        .expect("PostgreSQL on 127.0.0.1:5432");
-    tokio::spawn(connection);
-    client
-}
-
-/// A schema dropped (with everything in it) when the test ends.
-struct Schema(String);
-
-impl Schema {
-    async fn create() -> Schema {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let name = format!(
-            "payment_{}_{}_{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed),
-            rand::random::<u32>()
-        );
-        admin()
-            .await
-            .batch_execute(&format!("CREATE SCHEMA {name}"))
-            .await
-            .expect("create schema");
-        Schema(name)
-    }
-
-    /// The store URL for this schema, reached at `port` (the server's own, or a proxy's).
-    fn store(&self, port: Option<u16>) -> StoreLocation {
-        let config: tokio_postgres::Config = url().parse().expect("test URL");
-        let user = config.get_user().unwrap_or("postgres");
-        let db = config.get_dbname().unwrap_or("test");
-        let port = port.unwrap_or_else(|| config.get_ports().first().copied().unwrap_or(5432));
-        StoreLocation::parse(&format!(
-            "postgres://{user}@127.0.0.1:{port}/{db}?options=-c%20search_path%3D{}",
-            self.0
-        ))
-        .expect("store URL")
-    }
-
-    async fn count(&self, table: &str) -> i64 {
-        admin()
-            .await
-            .query_one(&format!("SELECT count(*) FROM {}.{table}", self.0), &[])
-            .await
-            .expect("count")
-            .get(0)
-    }
-}
-
-impl Drop for Schema {
-    fn drop(&mut self) {
-        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.0);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async { admin().await.batch_execute(&sql).await })
-        })
-        .join();
-    }
+/// The store for `schema`, reached directly or through 127.0.0.1:`port` (a proxy's).
+fn location(schema: &Schema, port: Option<u16>) -> StoreLocation {
+    StoreLocation::parse(&schema.store_url(port)).expect("store URL")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn payments_on_postgres_charge_once_and_replay() {
-    let schema = Schema::create().await;
-    let store = schema.store(None);
+    let schema = Schema::create("payment").await;
+    let store = location(&schema, None);
     let h = Harness::start_with(move |c| c.store = store).await;
 
     let first = h.post(Some("key-1"), &body("order-1", 1000), &[]).await;
@@ -140,9 +76,9 @@ async fn payments_on_postgres_charge_once_and_replay() {
 /// payment made through one is replayed by the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn instances_share_the_tables() {
-    let schema = Schema::create().await;
+    let schema = Schema::create("payment").await;
     let h = Harness::start_with({
-        let store = schema.store(None);
+        let store = location(&schema, None);
         move |c| c.store = store
     })
     .await;
@@ -154,8 +90,8 @@ async fn instances_share_the_tables() {
         c
     };
     let (a, b) = tokio::join!(
-        Server::bind(config(schema.store(None))),
-        Server::bind(config(schema.store(None)))
+        Server::bind(config(location(&schema, None))),
+        Server::bind(config(location(&schema, None)))
     );
     let (a, b) = (a.expect("a starts").spawn(), b.expect("b starts").spawn());
     let migrations = schema.count("backstop_migration").await;
@@ -192,14 +128,14 @@ async fn instances_share_the_tables() {
 /// written; once it is back the service answers again by itself and the same key goes through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_down_is_503_and_not_ready_then_recovers() {
-    let schema = Schema::create().await;
-    let upstream = tokio::net::lookup_host(("127.0.0.1", 5432))
+    let schema = Schema::create("payment").await;
+    let upstream = tokio::net::lookup_host(("127.0.0.1", schema.config().get_ports()[0]))
         .await
         .unwrap()
         .next()
         .unwrap();
     let proxy = TcpProxy::start(upstream).await;
-    let store = schema.store(Some(proxy.port()));
+    let store = location(&schema, Some(proxy.port()));
     let h = Harness::start_with(move |c| c.store = store).await;
     let before = h
         .post(Some("before"), &body("order-before", 100), &[])

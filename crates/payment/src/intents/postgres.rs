@@ -44,6 +44,11 @@ pub(crate) struct PgIntents {
     store: PostgresStore,
 }
 
+/// Every column of the merchant's (`$1`) intents whose `column` is `$2`.
+fn select_sql(column: &str) -> String {
+    format!("SELECT {COLUMNS} FROM payment_intent WHERE merchant_id = $1 AND {column} = $2")
+}
+
 fn from_row(row: &Row) -> Result<Intent, IntentsError> {
     let intent_id: String = row.try_get(0).map_err(PgError::from)?;
     let status: String = row.try_get(8).map_err(PgError::from)?;
@@ -104,10 +109,7 @@ impl PgIntents {
                     }
                     let by_key = c
                         .query_opt(
-                            &format!(
-                                "SELECT {COLUMNS} FROM payment_intent \
-                                 WHERE merchant_id = $1 AND request_key = $2"
-                            ),
+                            &select_sql("request_key"),
                             &[&n.merchant_id, &n.request_key],
                         )
                         .await?;
@@ -115,13 +117,7 @@ impl PgIntents {
                         return Ok((false, by_key, None));
                     }
                     let by_order = c
-                        .query_opt(
-                            &format!(
-                                "SELECT {COLUMNS} FROM payment_intent \
-                                 WHERE merchant_id = $1 AND order_id = $2"
-                            ),
-                            &[&n.merchant_id, &n.order_id],
-                        )
+                        .query_opt(&select_sql("order_id"), &[&n.merchant_id, &n.order_id])
                         .await?;
                     Ok((false, None, by_order))
                 })
@@ -197,44 +193,39 @@ impl PgIntents {
         Ok(n == 1)
     }
 
+    /// Reads one intent of one merchant; another merchant's intent is `None`.
     pub(crate) async fn get(
         &self,
         merchant_id: String,
         intent_id: String,
     ) -> Result<Option<Intent>, IntentsError> {
-        let row = self
-            .store
-            .with_client(move |c| {
-                Box::pin(async move {
-                    let stmt = c
-                        .prepare_cached(&format!(
-                            "SELECT {COLUMNS} FROM payment_intent \
-                             WHERE merchant_id = $1 AND intent_id = $2"
-                        ))
-                        .await?;
-                    c.query_opt(&stmt, &[&merchant_id, &intent_id]).await
-                })
-            })
-            .await?;
-        row.as_ref().map(from_row).transpose()
+        // The primary key: at most one row.
+        let mut found = self.select("intent_id", merchant_id, intent_id).await?;
+        Ok(found.pop())
     }
 
+    /// Every intent a merchant has for an order (zero or one, by the business-key constraint).
     pub(crate) async fn by_order(
         &self,
         merchant_id: String,
         order_id: String,
     ) -> Result<Vec<Intent>, IntentsError> {
+        self.select("order_id", merchant_id, order_id).await
+    }
+
+    /// The merchant's intents whose `column` is `value`, in one statement.
+    async fn select(
+        &self,
+        column: &'static str,
+        merchant_id: String,
+        value: String,
+    ) -> Result<Vec<Intent>, IntentsError> {
         let rows = self
             .store
             .with_client(move |c| {
                 Box::pin(async move {
-                    let stmt = c
-                        .prepare_cached(&format!(
-                            "SELECT {COLUMNS} FROM payment_intent \
-                             WHERE merchant_id = $1 AND order_id = $2"
-                        ))
-                        .await?;
-                    c.query(&stmt, &[&merchant_id, &order_id]).await
+                    let stmt = c.prepare_cached(&select_sql(column)).await?;
+                    c.query(&stmt, &[&merchant_id, &value]).await
                 })
             })
             .await?;
