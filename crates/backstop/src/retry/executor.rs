@@ -164,68 +164,45 @@ impl RetryPolicy {
         F: FnMut(Attempt) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
+        let mut attempts = self.attempts(call, deadline);
+        loop {
+            let (attempt, remaining) = attempts.start()?;
+            let started = Instant::now();
+            let result = tokio::time::timeout_at(deadline.instant(), f(attempt)).await;
+            let elapsed = started.elapsed();
+            let wait = match result {
+                Ok(Ok(value)) => {
+                    attempts.succeeded(remaining, elapsed);
+                    return Ok(value);
+                }
+                Ok(Err(status)) => attempts.failed(status, remaining, elapsed)?,
+                Err(_elapsed) => attempts.cut_off(remaining, elapsed)?,
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// The bookkeeping of one logical request's attempts, for a caller that runs each attempt
+    /// itself rather than through a closure (the retry layer, which owns the service it calls
+    /// and must not clone it per attempt). [`execute_with`](Self::execute_with) is the loop
+    /// around it: `start`, run the attempt cut off at the deadline, then `succeeded`, `failed`
+    /// or `cut_off`, and sleep the wait they return.
+    pub(crate) fn attempts<'a>(
+        &'a self,
+        call: &'a CallInfo<'a>,
+        deadline: Deadline,
+    ) -> Attempts<'a> {
         self.budget.deposit();
         metrics::counter!(RPC_CLIENT_REQUESTS_TOTAL,
             label::SERVICE => self.service.clone(), label::METHOD => self.method.clone())
         .increment(1);
-
-        let mut prev_delay = Duration::ZERO;
-        let mut last: Option<Status> = None;
-        let mut number: u32 = 0;
-        loop {
-            let remaining = deadline.remaining();
-            if remaining.is_zero() {
-                // Nothing left to send with: only before the first attempt, or after a wait
-                // that ended on the deadline with a zero minimal attempt.
-                let last = last.unwrap_or_else(|| {
-                    Status::new(
-                        Code::DeadlineExceeded,
-                        "deadline passed before the first attempt",
-                    )
-                    .with_problem(problem::DEADLINE_EXCEEDED)
-                });
-                return Err(self.stop(call, last, number, StopReason::Deadline));
-            }
-
-            number += 1;
-            let attempt = Attempt { number, deadline };
-            let started = Instant::now();
-            let result = tokio::time::timeout_at(deadline.instant(), f(attempt)).await;
-            let elapsed = started.elapsed();
-            let (status, cut_off) = match result {
-                Ok(Ok(value)) => {
-                    self.record_attempt(call, number, Outcome::Ok, "OK", remaining, elapsed);
-                    return Ok(value);
-                }
-                Ok(Err(status)) => (status, false),
-                Err(_elapsed) => (
-                    Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
-                        .with_problem(problem::DEADLINE_EXCEEDED),
-                    true,
-                ),
-            };
-            self.record_attempt(
-                call,
-                number,
-                status.outcome(),
-                status.code().as_str(),
-                remaining,
-                elapsed,
-            );
-
-            match self.next_delay(&status, cut_off, number, prev_delay, &deadline) {
-                Err(reason) => return Err(self.stop(call, status, number, reason)),
-                Ok(Wait::Backoff(delay)) => {
-                    prev_delay = delay;
-                    self.record_retry();
-                    tokio::time::sleep(delay).await;
-                }
-                Ok(Wait::Pushback(delay)) => {
-                    self.record_retry();
-                    tokio::time::sleep(delay).await;
-                }
-            }
-            last = Some(status);
+        Attempts {
+            policy: self,
+            call,
+            deadline,
+            number: 0,
+            prev_delay: Duration::ZERO,
+            last: None,
         }
     }
 
@@ -365,6 +342,115 @@ enum Wait {
     Backoff(Duration),
     /// The server's pushback, jittered.
     Pushback(Duration),
+}
+
+/// The attempts of one logical request so far: see [`RetryPolicy::attempts`].
+#[derive(Debug)]
+pub(crate) struct Attempts<'a> {
+    policy: &'a RetryPolicy,
+    call: &'a CallInfo<'a>,
+    deadline: Deadline,
+    number: u32,
+    prev_delay: Duration,
+    /// The status of the last failed attempt, reported if the deadline stops the next one.
+    last: Option<Status>,
+}
+
+impl Attempts<'_> {
+    /// The next attempt and the budget left as it starts, or the stop when nothing is left.
+    pub(crate) fn start(&mut self) -> Result<(Attempt, Duration), RetryError> {
+        let remaining = self.deadline.remaining();
+        if remaining.is_zero() {
+            // Nothing left to send with: only before the first attempt, or after a wait that
+            // ended on the deadline with a zero minimal attempt.
+            let last = self.last.take().unwrap_or_else(|| {
+                Status::new(
+                    Code::DeadlineExceeded,
+                    "deadline passed before the first attempt",
+                )
+                .with_problem(problem::DEADLINE_EXCEEDED)
+            });
+            return Err(self
+                .policy
+                .stop(self.call, last, self.number, StopReason::Deadline));
+        }
+        self.number += 1;
+        Ok((
+            Attempt {
+                number: self.number,
+                deadline: self.deadline,
+            },
+            remaining,
+        ))
+    }
+
+    /// The attempt succeeded.
+    pub(crate) fn succeeded(&self, remaining: Duration, elapsed: Duration) {
+        self.policy.record_attempt(
+            self.call,
+            self.number,
+            Outcome::Ok,
+            "OK",
+            remaining,
+            elapsed,
+        );
+    }
+
+    /// The attempt was cut off at the deadline.
+    pub(crate) fn cut_off(
+        &mut self,
+        remaining: Duration,
+        elapsed: Duration,
+    ) -> Result<Duration, RetryError> {
+        let status = Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
+            .with_problem(problem::DEADLINE_EXCEEDED);
+        self.finish(status, true, remaining, elapsed)
+    }
+
+    /// The attempt failed with `status`: the wait before the next one, or why there is none.
+    pub(crate) fn failed(
+        &mut self,
+        status: Status,
+        remaining: Duration,
+        elapsed: Duration,
+    ) -> Result<Duration, RetryError> {
+        self.finish(status, false, remaining, elapsed)
+    }
+
+    fn finish(
+        &mut self,
+        status: Status,
+        cut_off: bool,
+        remaining: Duration,
+        elapsed: Duration,
+    ) -> Result<Duration, RetryError> {
+        let policy = self.policy;
+        policy.record_attempt(
+            self.call,
+            self.number,
+            status.outcome(),
+            status.code().as_str(),
+            remaining,
+            elapsed,
+        );
+        let wait = match policy.next_delay(
+            &status,
+            cut_off,
+            self.number,
+            self.prev_delay,
+            &self.deadline,
+        ) {
+            Err(reason) => return Err(policy.stop(self.call, status, self.number, reason)),
+            Ok(Wait::Backoff(delay)) => {
+                self.prev_delay = delay;
+                delay
+            }
+            Ok(Wait::Pushback(delay)) => delay,
+        };
+        policy.record_retry();
+        self.last = Some(status);
+        Ok(wait)
+    }
 }
 
 /// Whether `remaining` covers a wait of `delay` and then a minimal attempt.

@@ -32,13 +32,14 @@ pub use self::layer::RetryLayer;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response};
 use http_body::Body;
+use tokio::time::Instant;
 use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
@@ -164,7 +165,7 @@ async fn run<S, B, ResB>(
     request: Request<B>,
 ) -> Result<Response<ResB>, BoxError>
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Send + 'static,
     S::Error: Into<BoxError>,
     S::Future: Send,
     B: Body<Data = Bytes> + Unpin + Send + 'static,
@@ -217,67 +218,80 @@ where
         trace_id: trace_id.as_deref(),
     };
 
+    // The attempts are run here rather than through `execute_with`'s closure, so that they
+    // all call the one service this future owns (readiness, then call) instead of a clone each.
+    let mut inner = inner;
+    let mut attempts = policy.attempts(&call, deadline);
     // The response of the last failed attempt, returned if it ends up being the answer.
-    let last: Arc<Mutex<Option<Response<ResB>>>> = Arc::new(Mutex::new(None));
-    let slot = last.clone();
-    let classify = config.classifier;
-    // The closure owns the service and the request parts, so the future needs `S: Send` only.
-    let result = policy
-        .execute_with(&call, deadline, move |attempt| {
-            let body = match &mut content {
-                Content::Replay(replay) => Some(replay.body()),
-                Content::Once(once) => once.take(),
-            };
-            let request = body.map(|body| {
-                let mut request = Request::from_parts(parts.clone(), body);
-                if attempt.number > 1 {
-                    request.headers_mut().insert(
-                        &GRPC_PREVIOUS_RPC_ATTEMPTS,
-                        HeaderValue::from(attempt.number - 1),
-                    );
-                }
-                request
-            });
-            let svc = inner.clone();
-            let last = slot.clone();
-            *lock(&last) = None;
-            async move {
-                let Some(request) = request else {
-                    return Err(Status::new(Code::Internal, "body already sent"));
-                };
-                match svc.oneshot(request).await {
-                    Ok(response) => match classify(response.status(), response.headers()) {
-                        None => Ok(response),
-                        Some(status) => {
-                            *lock(&last) = Some(response);
-                            Err(status)
-                        }
-                    },
-                    Err(e) => {
-                        let e: BoxError = e.into();
-                        Err(error_status(&*e))
-                    }
-                }
+    let mut last: Option<Response<ResB>> = None;
+    let stopped = loop {
+        let (attempt, remaining) = match attempts.start() {
+            Ok(next) => next,
+            Err(stopped) => break stopped,
+        };
+        let body = match &mut content {
+            Content::Replay(replay) => Some(replay.body()),
+            Content::Once(once) => once.take(),
+        };
+        let Some(body) = body else {
+            // Unreachable: a body sent once allows one attempt only.
+            let status = Status::new(Code::Internal, "body already sent");
+            match attempts.failed(status, remaining, Duration::ZERO) {
+                Ok(_) => continue,
+                Err(stopped) => break stopped,
+            }
+        };
+        let mut request = Request::from_parts(parts.clone(), body);
+        if attempt.number > 1 {
+            request.headers_mut().insert(
+                &GRPC_PREVIOUS_RPC_ATTEMPTS,
+                HeaderValue::from(attempt.number - 1),
+            );
+        }
+        let started = Instant::now();
+        let sent = tokio::time::timeout_at(deadline.instant(), async {
+            match inner.ready().await.map_err(Into::<BoxError>::into) {
+                Ok(svc) => svc.call(request).await.map_err(Into::<BoxError>::into),
+                Err(e) => Err(e),
             }
         })
         .await;
-    match result {
-        Ok(response) => Ok(response),
-        Err(stopped) => match lock(&last).take() {
-            Some(mut response) => {
-                response.extensions_mut().insert(RetryStopped {
-                    reason: stopped.reason,
-                    attempts: stopped.attempts,
-                });
-                Ok(response)
+        let elapsed = started.elapsed();
+        let next = match sent {
+            Ok(Ok(response)) => match (config.classifier)(response.status(), response.headers()) {
+                None => {
+                    attempts.succeeded(remaining, elapsed);
+                    return Ok(response);
+                }
+                Some(status) => {
+                    last = Some(response);
+                    attempts.failed(status, remaining, elapsed)
+                }
+            },
+            Ok(Err(e)) => {
+                last = None;
+                attempts.failed(error_status(&*e), remaining, elapsed)
             }
-            None => Err(Box::new(stopped)),
-        },
+            Err(_elapsed) => {
+                last = None;
+                attempts.cut_off(remaining, elapsed)
+            }
+        };
+        match next {
+            Ok(wait) => tokio::time::sleep(wait).await,
+            Err(stopped) => break stopped,
+        }
+    };
+    match last {
+        Some(mut response) => {
+            response.extensions_mut().insert(RetryStopped {
+                reason: stopped.reason,
+                attempts: stopped.attempts,
+            });
+            Ok(response)
+        }
+        None => Err(Box::new(stopped)),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]
