@@ -6,6 +6,7 @@
 //!
 //! `cargo bench -p backstop --bench stacks`
 
+use std::alloc::System;
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::{Duration, Instant};
@@ -20,7 +21,31 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{Method, Request, Response};
 use http_body_util::Full;
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tower::{Layer, ServiceExt, service_fn};
+
+/// Counts heap allocations, so the report can say how many each call makes.
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// Heap allocations per call of `call`, averaged over 1,000 calls after a warm-up.
+fn allocations_per_call<F, Fut>(runtime: &tokio::runtime::Runtime, call: F) -> f64
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    runtime.block_on(async {
+        for _ in 0..100 {
+            call().await;
+        }
+        let region = Region::new(GLOBAL);
+        for _ in 0..1000 {
+            call().await;
+        }
+        let change = region.change();
+        (change.allocations + change.reallocations) as f64 / 1000.0
+    })
+}
 
 const BODY: &[u8] = br#"{"order_id":"o-1","amount_cents":100}"#;
 
@@ -56,13 +81,16 @@ fn client(c: &mut Criterion) {
     let bare = service_fn(|_r: Request<Full<Bytes>>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
     });
+    let call_bare = || async {
+        let response = bare.oneshot(request()).await.expect("bare");
+        assert!(response.status().is_success());
+    };
+    eprintln!(
+        "client_stack/bare: {:.1} allocations per call",
+        allocations_per_call(&runtime, call_bare)
+    );
     group.bench_function("bare", |b| {
-        b.iter_custom(|iters| {
-            run(&runtime, iters, || async {
-                let response = bare.oneshot(request()).await.expect("bare");
-                assert!(response.status().is_success());
-            })
-        })
+        b.iter_custom(|iters| run(&runtime, iters, call_bare))
     });
 
     let transport = service_fn(|_r: Request<ReplayBody<Full<Bytes>>>| async {
@@ -78,13 +106,16 @@ fn client(c: &mut Criterion) {
             .build()
             .expect("valid stack")
             .layer(transport);
+        let call_stack = || async {
+            let response = stack.clone().oneshot(request()).await.expect("stack");
+            assert!(response.status().is_success());
+        };
+        eprintln!(
+            "client_stack/{name}: {:.1} allocations per call",
+            allocations_per_call(&runtime, call_stack)
+        );
         group.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                run(&runtime, iters, || async {
-                    let response = stack.clone().oneshot(request()).await.expect("stack");
-                    assert!(response.status().is_success());
-                })
-            })
+            b.iter_custom(|iters| run(&runtime, iters, call_stack))
         });
     }
     group.finish();
@@ -100,13 +131,16 @@ fn server(c: &mut Criterion) {
         Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
     });
     let request = || request().map(axum::body::Body::new);
+    let call_bare = || async {
+        let response = handler.oneshot(request()).await.expect("bare");
+        assert!(response.status().is_success());
+    };
+    eprintln!(
+        "server_stack/bare: {:.1} allocations per call",
+        allocations_per_call(&runtime, call_bare)
+    );
     group.bench_function("bare", |b| {
-        b.iter_custom(|iters| {
-            run(&runtime, iters, || async {
-                let response = handler.oneshot(request()).await.expect("bare");
-                assert!(response.status().is_success());
-            })
-        })
+        b.iter_custom(|iters| run(&runtime, iters, call_bare))
     });
 
     // Limits far above the offered load: this measures the layers, not their refusals.
@@ -123,13 +157,16 @@ fn server(c: &mut Criterion) {
         .route(Method::POST, "/v1/echo")
         .into_layer()
         .layer(handler);
+    let call_stack = || async {
+        let response = stack.clone().oneshot(request()).await.expect("stack");
+        assert!(response.status().is_success());
+    };
+    eprintln!(
+        "server_stack/stack: {:.1} allocations per call",
+        allocations_per_call(&runtime, call_stack)
+    );
     group.bench_function("stack", |b| {
-        b.iter_custom(|iters| {
-            run(&runtime, iters, || async {
-                let response = stack.clone().oneshot(request()).await.expect("stack");
-                assert!(response.status().is_success());
-            })
-        })
+        b.iter_custom(|iters| run(&runtime, iters, call_stack))
     });
     group.finish();
 }

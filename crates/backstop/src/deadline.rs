@@ -40,6 +40,9 @@ use tokio::time::Instant;
 /// Header (HTTP) and metadata key (gRPC) carrying the remaining budget.
 pub const GRPC_TIMEOUT: &str = "grpc-timeout";
 
+/// [`GRPC_TIMEOUT`] as a header name, so setting or reading it allocates nothing.
+pub static GRPC_TIMEOUT_HEADER: http::HeaderName = http::HeaderName::from_static(GRPC_TIMEOUT);
+
 /// Largest value a `grpc-timeout` may carry: eight decimal digits.
 const MAX_TIMEOUT_VALUE: u64 = 99_999_999;
 
@@ -177,14 +180,47 @@ impl Deadline {
 /// rounded up so the receiver never gets less than the sender had, and at least one unit
 /// (a zero duration becomes `1n`). Durations beyond `99999999H` are capped to it.
 pub fn encode_grpc_timeout(d: Duration) -> String {
+    let (buf, len) = encode_grpc_timeout_bytes(d);
+    // The bytes are ASCII digits and a unit letter.
+    String::from_utf8_lossy(&buf[..len]).into_owned()
+}
+
+/// [`encode_grpc_timeout`] as a header value, without an intermediate `String`: it is set on
+/// every attempt a client sends.
+pub fn grpc_timeout_header_value(d: Duration) -> http::HeaderValue {
+    let (buf, len) = encode_grpc_timeout_bytes(d);
+    http::HeaderValue::from_bytes(&buf[..len])
+        .unwrap_or_else(|_| http::HeaderValue::from_static("99999999H"))
+}
+
+/// The encoded value in a stack buffer: at most eight digits and the unit.
+fn encode_grpc_timeout_bytes(d: Duration) -> ([u8; 9], usize) {
     let nanos = d.as_nanos();
-    for (unit, unit_nanos) in UNITS {
-        let value = nanos.div_ceil(u128::from(unit_nanos)).max(1);
-        if value <= u128::from(MAX_TIMEOUT_VALUE) {
-            return format!("{value}{}", char::from(unit));
+    let (value, unit) = UNITS
+        .iter()
+        .map(|&(unit, unit_nanos)| (nanos.div_ceil(u128::from(unit_nanos)).max(1), unit))
+        .find(|&(value, _)| value <= u128::from(MAX_TIMEOUT_VALUE))
+        .map_or((MAX_TIMEOUT_VALUE, b'H'), |(value, unit)| {
+            // Fits: checked against the eight-digit maximum just above.
+            (u64::try_from(value).unwrap_or(MAX_TIMEOUT_VALUE), unit)
+        });
+    let mut digits = [0u8; 8];
+    let mut n = 0;
+    let mut rest = value;
+    loop {
+        digits[n] = b'0' + (rest % 10) as u8;
+        n += 1;
+        rest /= 10;
+        if rest == 0 || n == digits.len() {
+            break;
         }
     }
-    format!("{MAX_TIMEOUT_VALUE}H")
+    let mut buf = [0u8; 9];
+    for (i, d) in digits[..n].iter().rev().enumerate() {
+        buf[i] = *d;
+    }
+    buf[n] = unit;
+    (buf, n + 1)
 }
 
 /// Decodes a `grpc-timeout` value (`1*8DIGIT unit`). Malformed input is an error, never a panic.
@@ -394,6 +430,8 @@ mod tests {
             let unit_nanos = UNITS.iter().find(|(u, _)| *u == unit).unwrap().1;
             prop_assert!(decoded >= d);
             prop_assert!(decoded - d < Duration::from_nanos(unit_nanos));
+            let value = grpc_timeout_header_value(d);
+            prop_assert_eq!(value.as_bytes(), encoded.as_bytes());
         }
 
         #[test]

@@ -24,12 +24,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderValue, Request};
+use http::Request;
 use tower::BoxError;
 use tower_service::Service;
 
 use self::future::{AttemptFuture, ResponseFuture};
-use crate::deadline::{Deadline, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
+use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value};
 
 /// Gives a logical call its deadline and cuts the call off when it passes.
 #[derive(Debug, Clone)]
@@ -120,10 +120,10 @@ where
         };
         match deadline.child(self.margin.current()) {
             Ok(child) => {
-                let budget = encode_grpc_timeout(child.remaining());
-                if let Ok(value) = HeaderValue::from_str(&budget) {
-                    request.headers_mut().insert(GRPC_TIMEOUT, value);
-                }
+                request.headers_mut().insert(
+                    &GRPC_TIMEOUT_HEADER,
+                    grpc_timeout_header_value(child.remaining()),
+                );
                 AttemptFuture::running(self.inner.call(request), Some(self.margin.clone()))
             }
             Err(exceeded) => AttemptFuture::refused(exceeded),
@@ -154,7 +154,8 @@ mod tests {
         request.extensions_mut().insert(deadline);
         let call = svc.ready().await.unwrap().call(request);
         let (sent, send) = handle.next_request().await.unwrap();
-        let budget = decode_grpc_timeout(sent.headers()[GRPC_TIMEOUT].to_str().unwrap()).unwrap();
+        let budget =
+            decode_grpc_timeout(sent.headers()[&GRPC_TIMEOUT_HEADER].to_str().unwrap()).unwrap();
         assert_eq!(budget, 980 * MS);
         advance(40 * MS).await;
         send.send_response(Response::new(()));
@@ -166,7 +167,8 @@ mod tests {
         request.extensions_mut().insert(deadline);
         let call = svc.ready().await.unwrap().call(request);
         let (sent, send) = handle.next_request().await.unwrap();
-        let budget = decode_grpc_timeout(sent.headers()[GRPC_TIMEOUT].to_str().unwrap()).unwrap();
+        let budget =
+            decode_grpc_timeout(sent.headers()[&GRPC_TIMEOUT_HEADER].to_str().unwrap()).unwrap();
         assert_eq!(budget, (1000 - 40 - 85) * MS);
         send.send_response(Response::new(()));
         call.await.unwrap();

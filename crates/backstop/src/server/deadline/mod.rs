@@ -39,10 +39,9 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use super::problem::{Problem, Protocol};
-use crate::deadline::{Deadline, GRPC_TIMEOUT, decode_grpc_timeout};
+use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
 
 /// The `grpc-timeout` header, named once.
-static GRPC_TIMEOUT_HEADER: http::HeaderName = http::HeaderName::from_static(GRPC_TIMEOUT);
 use crate::status::{Code, Status, problem};
 
 /// Default budget of a request that carries no `grpc-timeout`.

@@ -1,3 +1,4 @@
+use crate::deadline::GRPC_TIMEOUT;
 use std::convert::Infallible;
 use std::future::pending;
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use super::*;
 fn request(timeout: Option<&str>) -> Request<Bytes> {
     let mut builder = Request::builder().uri("/v1/payments");
     if let Some(t) = timeout {
-        builder = builder.header(GRPC_TIMEOUT, t);
+        builder = builder.header(&GRPC_TIMEOUT_HEADER, t);
     }
     builder.body(Bytes::new()).unwrap()
 }
