@@ -7,8 +7,7 @@
 //! kept in an atomic and recomputed only after [`REFRESH`] new samples (or when asked for
 //! another quantile).
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// New samples after which a read recomputes the quantile.
@@ -17,9 +16,14 @@ pub(crate) const REFRESH: u32 = 16;
 /// `value` when nothing is cached.
 const NONE: u64 = u64::MAX;
 
+/// Recording is lock-free: every attempt of every caller of a destination records into the
+/// same window, from any worker thread, and a lock there would be contended on every call.
 #[derive(Debug)]
 pub(crate) struct SampleWindow {
-    ring: Mutex<Ring>,
+    /// Samples in nanoseconds, written round-robin.
+    slots: Box<[AtomicU64]>,
+    /// Samples ever recorded; the next slot is `recorded % slots.len()`.
+    recorded: AtomicUsize,
     /// Samples recorded since the cached quantile was computed.
     stale: AtomicU32,
     /// Bits of the quantile (`f64`) the cache holds.
@@ -28,23 +32,12 @@ pub(crate) struct SampleWindow {
     value: AtomicU64,
 }
 
-#[derive(Debug)]
-struct Ring {
-    samples: Vec<Duration>,
-    next: usize,
-    capacity: usize,
-}
-
 impl SampleWindow {
     /// A window of the last `capacity` samples (at least one).
     pub(crate) fn new(capacity: usize) -> Self {
-        let capacity = capacity.max(1);
         Self {
-            ring: Mutex::new(Ring {
-                samples: Vec::with_capacity(capacity),
-                next: 0,
-                capacity,
-            }),
+            slots: (0..capacity.max(1)).map(|_| AtomicU64::new(0)).collect(),
+            recorded: AtomicUsize::new(0),
             stale: AtomicU32::new(0),
             cached_q: AtomicU64::new(0),
             value: AtomicU64::new(NONE),
@@ -53,21 +46,15 @@ impl SampleWindow {
 
     /// Records one sample.
     pub(crate) fn record(&self, sample: Duration) {
-        {
-            let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-            if ring.samples.len() < ring.capacity {
-                ring.samples.push(sample);
-            } else {
-                let i = ring.next;
-                ring.samples[i] = sample;
-            }
-            ring.next = (ring.next + 1) % ring.capacity;
-        }
+        let nanos = u64::try_from(sample.as_nanos()).unwrap_or(NONE - 1);
+        let n = self.recorded.fetch_add(1, Ordering::Relaxed);
+        self.slots[n % self.slots.len()].store(nanos, Ordering::Relaxed);
         self.stale.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The nearest-rank `q` quantile (`0 < q <= 1`) of the window, or `None` while it holds
-    /// fewer than `min_samples` samples. At most [`REFRESH`] samples behind the window.
+    /// fewer than `min_samples` samples. At most [`REFRESH`] samples behind the window (a
+    /// sample being written as the quantile is computed may be seen old or new).
     pub(crate) fn quantile(&self, q: f64, min_samples: usize) -> Option<Duration> {
         let cached = self.value.load(Ordering::Acquire);
         if cached != NONE
@@ -76,23 +63,22 @@ impl SampleWindow {
         {
             return Some(Duration::from_nanos(cached));
         }
-        // Selected on a copy: the ring's order is what tells the oldest sample apart.
-        let mut sorted = {
-            let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-            if ring.samples.len() < min_samples.max(1) {
-                return None;
-            }
-            self.stale.store(0, Ordering::Relaxed);
-            ring.samples.clone()
-        };
-        let n = sorted.len();
-        let rank = ((q.clamp(0.0, 1.0) * n as f64).ceil() as usize).clamp(1, n);
+        let len = self.recorded.load(Ordering::Relaxed).min(self.slots.len());
+        if len < min_samples.max(1) {
+            return None;
+        }
+        self.stale.store(0, Ordering::Relaxed);
+        // Until the window is full, only the first `len` slots hold samples.
+        let mut sorted: Vec<u64> = self.slots[..len]
+            .iter()
+            .map(|slot| slot.load(Ordering::Relaxed))
+            .collect();
+        let rank = ((q.clamp(0.0, 1.0) * len as f64).ceil() as usize).clamp(1, len);
         let (_, value, _) = sorted.select_nth_unstable(rank - 1);
-        let value = *value;
-        let nanos = u64::try_from(value.as_nanos()).unwrap_or(NONE - 1);
+        let nanos = *value;
         self.cached_q.store(q.to_bits(), Ordering::Relaxed);
         self.value.store(nanos, Ordering::Release);
-        Some(value)
+        Some(Duration::from_nanos(nanos))
     }
 }
 

@@ -1,5 +1,6 @@
 //! The breaker's state machine: closed, open, half-open, over a sliding window of outcomes.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -92,15 +93,28 @@ impl Default for BreakerConfig {
 #[derive(Debug, Clone)]
 pub struct CircuitBreaker {
     config: BreakerConfig,
-    state: Arc<Mutex<State>>,
+    shared: Arc<Shared>,
+}
+
+/// While closed (nearly always), attempts are let through and counted without the lock: every
+/// attempt to the destination passes here, from every worker thread. The lock guards the phase
+/// changes and the open and half-open states.
+#[derive(Debug)]
+struct Shared {
+    /// Bucket periods are counted from here.
+    origin: Instant,
+    /// Whether the phase is [`Phase::Closed`]; written under the lock.
+    closed: AtomicBool,
+    /// Per bucket: its period (high 32 bits) and the successes counted in it (low 32 bits).
+    ok: [AtomicU64; BUCKETS as usize],
+    /// The same for failures.
+    failed: [AtomicU64; BUCKETS as usize],
+    state: Mutex<State>,
 }
 
 #[derive(Debug)]
 struct State {
-    /// Bucket periods are counted from here.
-    origin: Instant,
     phase: Phase,
-    buckets: [Bucket; BUCKETS as usize],
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -110,12 +124,30 @@ enum Phase {
     HalfOpen { in_flight: u32 },
 }
 
-#[derive(Debug, Clone, Copy, Default)]
-struct Bucket {
-    /// Index of the bucket period this holds (time since the epoch / bucket length).
-    period: u64,
-    ok: u32,
-    failed: u32,
+/// Adds one to `bucket` for `period`, starting it afresh if it held an older period.
+fn count(bucket: &AtomicU64, period: u32) {
+    let mut current = bucket.load(Ordering::Relaxed);
+    loop {
+        let next = if (current >> 32) as u32 == period {
+            current.saturating_add(1)
+        } else {
+            (u64::from(period) << 32) | 1
+        };
+        match bucket.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return,
+            Err(seen) => current = seen,
+        }
+    }
+}
+
+/// The sum of the counts of `buckets` whose periods lie in `oldest..=newest`.
+fn sum(buckets: &[AtomicU64], oldest: u32, newest: u32) -> u64 {
+    buckets
+        .iter()
+        .map(|b| b.load(Ordering::Relaxed))
+        .filter(|v| (oldest..=newest).contains(&((v >> 32) as u32)))
+        .map(|v| v & u64::from(u32::MAX))
+        .sum()
 }
 
 /// Leave to send one attempt; say how it went with [`record`](Self::record). Dropped without
@@ -141,11 +173,15 @@ impl CircuitBreaker {
         }
         Ok(Self {
             config,
-            state: Arc::new(Mutex::new(State {
+            shared: Arc::new(Shared {
                 origin: Instant::now(),
-                phase: Phase::Closed,
-                buckets: [Bucket::default(); BUCKETS as usize],
-            })),
+                closed: AtomicBool::new(true),
+                ok: Default::default(),
+                failed: Default::default(),
+                state: Mutex::new(State {
+                    phase: Phase::Closed,
+                }),
+            }),
         })
     }
 
@@ -165,6 +201,13 @@ impl CircuitBreaker {
 
     /// Leave to send an attempt, or how long until the next probe.
     pub fn try_acquire(&self) -> Result<Permit, CircuitOpen> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Ok(Permit {
+                breaker: self.clone(),
+                probe: false,
+                done: false,
+            });
+        }
         let now = Instant::now();
         let mut state = self.lock();
         let probe = match state.phase {
@@ -200,7 +243,22 @@ impl CircuitBreaker {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reset_counts(&self) {
+        for bucket in self.shared.ok.iter().chain(&self.shared.failed) {
+            bucket.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Opens the circuit (under the lock) for the configured period from `now`.
+    fn open(&self, state: &mut State, now: Instant) {
+        state.phase = Phase::Open {
+            until: now + self.config.open_for,
+        };
+        self.shared.closed.store(false, Ordering::Release);
+        self.reset_counts();
     }
 
     fn bucket_len(&self) -> Duration {
@@ -208,74 +266,74 @@ impl CircuitBreaker {
     }
 
     fn record(&self, probe: bool, success: Option<bool>) {
+        if !probe {
+            // Late answers of attempts sent before the circuit changed do not move it.
+            if let Some(success) = success {
+                if self.shared.closed.load(Ordering::Acquire) {
+                    self.count(success);
+                }
+            }
+            return;
+        }
         let now = Instant::now();
         let mut state = self.lock();
-        match (state.phase, probe) {
-            (Phase::HalfOpen { in_flight }, true) => match success {
+        if let Phase::HalfOpen { in_flight } = state.phase {
+            match success {
                 Some(true) => {
                     state.phase = Phase::Closed;
-                    state.buckets = [Bucket::default(); BUCKETS as usize];
+                    self.reset_counts();
+                    self.shared.closed.store(true, Ordering::Release);
                 }
-                Some(false) => {
-                    state.phase = Phase::Open {
-                        until: now + self.config.open_for,
-                    };
-                }
+                Some(false) => self.open(&mut state, now),
                 None => {
                     state.phase = Phase::HalfOpen {
                         in_flight: in_flight.saturating_sub(1),
                     };
                 }
-            },
-            (Phase::Closed, _) => {
-                let Some(success) = success else { return };
-                let period = period_of(now, state.origin, self.bucket_len());
-                let slot = &mut state.buckets[(period % u64::from(BUCKETS)) as usize];
-                if slot.period != period {
-                    *slot = Bucket {
-                        period,
-                        ok: 0,
-                        failed: 0,
-                    };
-                }
-                if success {
-                    slot.ok += 1;
-                } else {
-                    slot.failed += 1;
-                }
-                let oldest = period.saturating_sub(u64::from(BUCKETS) - 1);
-                let (ok, failed) = state
-                    .buckets
-                    .iter()
-                    .filter(|b| b.period >= oldest && b.period <= period)
-                    .fold((0u64, 0u64), |(o, f), b| {
-                        (o + u64::from(b.ok), f + u64::from(b.failed))
-                    });
-                let total = ok + failed;
-                // Only a failure can open the circuit.
-                if !success
-                    && total >= u64::from(self.config.min_requests)
-                    && failed as f64 >= self.config.failure_ratio * total as f64
-                {
-                    state.phase = Phase::Open {
-                        until: now + self.config.open_for,
-                    };
-                    state.buckets = [Bucket::default(); BUCKETS as usize];
-                }
             }
-            // Late answers of attempts sent before the circuit changed do not move it.
-            _ => {}
+        }
+    }
+
+    /// Counts an outcome of the closed circuit; a failure may open it.
+    fn count(&self, success: bool) {
+        let now = Instant::now();
+        let period = period_of(now, self.shared.origin, self.bucket_len());
+        let slot = (period % BUCKETS) as usize;
+        let buckets = if success {
+            &self.shared.ok
+        } else {
+            &self.shared.failed
+        };
+        count(&buckets[slot], period);
+        // Only a failure can open the circuit.
+        if success {
+            return;
+        }
+        let oldest = period.saturating_sub(BUCKETS - 1);
+        let ok = sum(&self.shared.ok, oldest, period);
+        let failed = sum(&self.shared.failed, oldest, period);
+        let total = ok + failed;
+        if total >= u64::from(self.config.min_requests)
+            && failed as f64 >= self.config.failure_ratio * total as f64
+        {
+            let mut state = self.lock();
+            // Another failure may have opened it meanwhile.
+            if matches!(state.phase, Phase::Closed) {
+                self.open(&mut state, now);
+            }
         }
     }
 }
 
 /// The bucket period `now` falls in, counted from `origin`. Periods start at 1 so an empty
 /// bucket (period 0) never counts.
-fn period_of(now: Instant, origin: Instant, bucket: Duration) -> u64 {
+fn period_of(now: Instant, origin: Instant, bucket: Duration) -> u32 {
     let since = now.saturating_duration_since(origin);
-    u64::try_from(since.as_nanos() / bucket.as_nanos().max(1))
-        .unwrap_or(u64::MAX - 1)
-        .saturating_add(1)
+    // Wraps after 2^32 buckets (13 years of 100 ms buckets); a wrapped bucket merely
+    // restarts its count.
+    ((since.as_nanos() / bucket.as_nanos().max(1)) as u32)
+        .wrapping_add(1)
+        .max(1)
 }
 
 impl Permit {
