@@ -15,6 +15,15 @@
 //! retry is invisible to them, and above the balancer, so the re-send may go to another
 //! endpoint. Anything else (a reset after the request was sent, a timeout) may have reached the
 //! server and is left to the retry layer and the method's contract.
+//!
+//! One known imprecision, from hyper's HTTP/2 client: on a multi-threaded runtime, a request
+//! that h2 has already handed to the connection can still fail with the connection's `GOAWAY`
+//! error when the `GOAWAY` arrives in the same instant, whatever the stream's id (the error
+//! does not carry the stream id, so the two cases cannot be told apart here). Such a request
+//! may have reached the server and is re-sent anyway. This is why the re-send is limited to
+//! what may be sent twice: an `Unsafe` call's body is never kept for replay, so it is never
+//! re-sent; a `Keyed` call carries the same idempotency key, so the server runs it once; a
+//! `Safe` call has no effect to repeat.
 
 mod layer;
 
