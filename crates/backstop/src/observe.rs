@@ -134,6 +134,17 @@ pub fn attempt_label(attempt: u32) -> &'static str {
     LABELS[(attempt as usize).min(LABELS.len() - 1)]
 }
 
+/// Identity of the metrics recorder in effect on this thread (a local one, else the global
+/// one), or `None` for a stateless recorder such as the no-op one, whose handles are not worth
+/// keeping and whose address says nothing. Metric handles registered once are kept per
+/// recorder: registering on every call builds a key (an allocation) and looks it up.
+pub(crate) fn recorder_id() -> Option<usize> {
+    metrics::with_recorder(|recorder| {
+        (std::mem::size_of_val(recorder) != 0)
+            .then(|| std::ptr::from_ref(recorder).cast::<()>().addr())
+    })
+}
+
 /// Registers units and help texts of every metric above with the installed `metrics` recorder.
 pub fn describe_metrics() {
     describe_counter!(

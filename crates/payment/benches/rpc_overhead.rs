@@ -11,6 +11,9 @@
 //! `--conns` tasks for `--secs` seconds; modes alternate within each round and the table shows
 //! medians over rounds.
 //!
+//! The process installs the Prometheus recorder `backstop serve` uses, so the stacks' metrics
+//! are recorded as in production (`--no-metrics` to leave the no-op recorder).
+//!
 //! ```sh
 //! cargo bench -p backstop-payment --bench rpc_overhead -- --secs 5 --conns 64 --rounds 3
 //! ```
@@ -293,6 +296,11 @@ fn arg(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
+    // As `backstop serve` does: the stacks record their metrics into a real recorder, which
+    // is what they cost in production. `--no-metrics` leaves the no-op recorder.
+    if !std::env::args().any(|a| a == "--no-metrics") {
+        let _handle = backstop_payment::service::prometheus_handle();
+    }
     let secs = arg("--secs", 5);
     let conns = arg("--conns", 64) as usize;
     let rounds = arg("--rounds", 3);

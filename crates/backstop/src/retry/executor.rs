@@ -9,10 +9,7 @@ use tokio::time::Instant;
 
 use super::{RetryError, RetryPolicy, StopReason};
 use crate::deadline::Deadline;
-use crate::observe::{
-    RPC_CLIENT_ATTEMPT_DURATION_SECONDS, RPC_CLIENT_ATTEMPTS_TOTAL, RPC_CLIENT_REQUESTS_TOTAL,
-    RPC_CLIENT_RETRIES_TOTAL, attempt_label, event, label,
-};
+use crate::observe::{event, label};
 use crate::status::{Code, Outcome, RetryClass, Status, problem};
 
 /// Logical requests that failed, by why no further attempt was made:
@@ -193,9 +190,7 @@ impl RetryPolicy {
         deadline: Deadline,
     ) -> Attempts<'a> {
         self.budget.deposit();
-        metrics::counter!(RPC_CLIENT_REQUESTS_TOTAL,
-            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone())
-        .increment(1);
+        self.metrics.request(&self.service, &self.method);
         Attempts {
             policy: self,
             call,
@@ -271,15 +266,13 @@ impl RetryPolicy {
         remaining_at_send: Duration,
         elapsed: Duration,
     ) {
-        let attempt = attempt_label(number);
-        metrics::counter!(RPC_CLIENT_ATTEMPTS_TOTAL,
-            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone(),
-            label::ATTEMPT => attempt, label::OUTCOME => outcome.as_str())
-        .increment(1);
-        metrics::histogram!(RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
-            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone(),
-            label::ATTEMPT => attempt)
-        .record(elapsed.as_secs_f64());
+        self.metrics.attempt(
+            &self.service,
+            &self.method,
+            number,
+            outcome,
+            elapsed.as_secs_f64(),
+        );
         tracing::info!(
             name: "rpc_attempt",
             event = event::RPC_ATTEMPT,
@@ -299,9 +292,7 @@ impl RetryPolicy {
     }
 
     fn record_retry(&self) {
-        metrics::counter!(RPC_CLIENT_RETRIES_TOTAL,
-            label::SERVICE => self.service.clone(), label::METHOD => self.method.clone())
-        .increment(1);
+        self.metrics.retry(&self.service, &self.method);
     }
 
     fn stop(
@@ -472,6 +463,9 @@ fn jitter_pushback<R: Rng + ?Sized>(pushback: Duration, rng: &mut R) -> Duration
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::observe::{
+        RPC_CLIENT_ATTEMPTS_TOTAL, RPC_CLIENT_REQUESTS_TOTAL, RPC_CLIENT_RETRIES_TOTAL,
+    };
     use crate::retry::{Backoff, Jitter, RetryBudget};
     use std::cell::RefCell;
     use std::collections::BTreeMap;

@@ -68,6 +68,7 @@ mod backoff;
 pub mod budget;
 mod error;
 mod executor;
+mod metrics;
 mod policy;
 
 pub use backoff::{Backoff, BackoffError, Jitter};

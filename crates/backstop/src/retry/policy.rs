@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use metrics::SharedString;
 
+use super::metrics::PolicyMetrics;
 use super::{Backoff, RetryBudget};
 use crate::status::Code;
 
@@ -36,6 +37,8 @@ pub struct RetryPolicy {
     pub(super) retryable: Option<Arc<[Code]>>,
     pub(super) service: SharedString,
     pub(super) method: SharedString,
+    /// Shared by clones: the same labels, so the same handles.
+    pub(super) metrics: Arc<PolicyMetrics>,
 }
 
 impl RetryPolicy {
@@ -195,6 +198,7 @@ impl RetryPolicyBuilder {
             retryable: self.retryable,
             service: self.service,
             method: self.method,
+            metrics: Arc::default(),
         })
     }
 }

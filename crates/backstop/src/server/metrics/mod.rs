@@ -82,7 +82,7 @@ struct RouteInner {
 
 /// The server metric handles of one route, registered with one recorder.
 struct Handles {
-    /// Identity of the recorder the handles belong to (see [`recorder_id`]).
+    /// Identity of the recorder the handles belong to (see [`observe::recorder_id`]).
     recorder: usize,
     inflight: Gauge,
     /// `rpc_server_requests_total` and `rpc_server_duration_seconds` per outcome, registered on
@@ -152,7 +152,7 @@ impl Route {
     /// the cache; requests recorded elsewhere take the uncached path) or when the recorder is
     /// stateless (the no-op recorder).
     fn handles(&self) -> Option<&Handles> {
-        let recorder = recorder_id()?;
+        let recorder = observe::recorder_id()?;
         let handles = self.inner.handles.get_or_init(|| Handles {
             recorder,
             inflight: metrics::gauge!(
@@ -237,16 +237,6 @@ fn claim_index(result: &str) -> Option<usize> {
     [CLAIMED, REPLAY, CONFLICT, IN_PROGRESS]
         .iter()
         .position(|r| *r == result)
-}
-
-/// Identity of the metrics recorder in effect on this thread (a local one, else the global
-/// one), or `None` for a stateless recorder such as the no-op one, whose handles are not worth
-/// keeping and whose address says nothing.
-fn recorder_id() -> Option<usize> {
-    metrics::with_recorder(|recorder| {
-        (std::mem::size_of_val(recorder) != 0)
-            .then(|| std::ptr::from_ref(recorder).cast::<()>().addr())
-    })
 }
 
 fn outcome_index(outcome: Outcome) -> usize {
