@@ -170,9 +170,7 @@ impl<S: Clone> Layer<S> for ClientStack {
     fn layer(&self, transport: S) -> Self::Service {
         let d = &self.destination;
         let transparent = TransparentRetry::new(transport, Some(d.budget.clone()));
-        let ab = std::env::var("ABL").unwrap_or_default();
         let breaker = match &d.breaker {
-            _ if ab.contains('b') => Breaker::disabled(transparent),
             Some(b) => Breaker::new(transparent, b.clone()),
             None => Breaker::disabled(transparent),
         };
