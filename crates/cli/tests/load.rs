@@ -1,14 +1,20 @@
 //! `backstop load` as a real process against real servers on loopback: every logical request
 //! charged once against a healthy service, and the retry ratio against a dead one (seed 2.10.2:
-//! the naive preset triples the load, the budget keeps it near its ratio).
+//! the naive preset triples the load, the budget keeps it near its ratio). The `backstop`
+//! policy runs the library's client stack, so its hedges, transparent retries and breaker
+//! show up in the report too.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use backstop_payment::config::{Config, StoreLocation};
+use backstop_payment::grpc::proto::payment_server::{Payment, PaymentServer};
+use backstop_payment::grpc::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
 use backstop_payment::service::Server;
 use serde_json::Value;
 use tokio::process::Command;
@@ -49,6 +55,7 @@ async fn every_logical_request_is_one_order_charged_once(protocol: &str) {
     let s = load(&target, &["--rate", "200", "--duration", "1s"]).await;
     assert_eq!(s["logical_requests"], 200, "{s}");
     assert_eq!(s["skipped"], 0, "{s}");
+    assert_eq!(s["unsent"], 0, "{s}");
     assert_eq!(s["outcomes"]["ok"], 200, "{s}");
     assert_eq!(s["retries"], 0, "{s}");
     assert_eq!(s["policy"], "backstop");
@@ -126,6 +133,186 @@ async fn retries_without_a_budget_triple_the_load_on_a_dead_dependency() {
             > 0
     );
     assert_eq!(hits.load(Ordering::Relaxed), n + retries);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_stops_sending_to_a_dead_dependency() {
+    let (url, hits) = dead_service().await;
+    let n = 500;
+    let s = load(&url, &["--rate", "500", "--duration", "1s", "--breaker"]).await;
+    assert_eq!(s["logical_requests"], n, "{s}");
+    // The default breaker opens after 20 failures in its window and stays open for 5 s,
+    // longer than the run: from then on logical requests are refused without being sent.
+    assert!(
+        s["stop_reasons"]["circuit_open"].as_u64().unwrap() > 0,
+        "{s}"
+    );
+    assert!(s["unsent"].as_u64().unwrap() > 0, "{s}");
+    let sent = hits.load(Ordering::Relaxed);
+    assert!(sent < n, "{sent} sends: {s}");
+    // The report counts what was sent, not what the breaker refused.
+    assert_eq!(s["attempts"], sent, "{s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_that_never_reached_the_server_are_sent_again_transparently() {
+    for scheme in ["http", "grpc"] {
+        // A port nobody listens on: every connection is refused.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let s = load(
+            &format!("{scheme}://{addr}"),
+            &["--rate", "20", "--duration", "1s"],
+        )
+        .await;
+        eprintln!("{scheme}, nobody listening: {s}");
+        assert_eq!(s["logical_requests"], 20, "{s}");
+        assert_eq!(s["outcomes"]["retryable"], 20, "{s}");
+        // The budget (burst 20) pays for the first re-sends at least; each is a send of its
+        // own, not a retry.
+        let resent = s["transparent_retries"].as_u64().unwrap();
+        assert!(resent > 0, "{s}");
+        let retries = s["retries"].as_u64().unwrap();
+        assert_eq!(
+            s["attempts"].as_u64().unwrap(),
+            20 + retries + resent,
+            "{s}"
+        );
+    }
+}
+
+/// How long a stalled request waits unless the client gives up on it first: far longer than
+/// any p95 of this run, so only a hedge gets its logical request answered before it ends.
+const STALL: Duration = Duration::from_secs(20);
+
+/// The payment service as a fleet whose one slow replica stalls the first copy of every
+/// [`STALL_EVERY`]-th key after [`WARM_UP`] keys (a copy with a key seen before, a hedge, is
+/// served by a fast replica). Counts the keys seen twice, and those of them that stalled.
+#[derive(Debug, Clone, Default)]
+struct SlowReplica {
+    keys: Arc<Mutex<HashSet<String>>>,
+    stalled: Arc<Mutex<HashSet<String>>>,
+    copies: Arc<AtomicU64>,
+    copies_of_stalled: Arc<AtomicU64>,
+}
+
+/// Keys answered at once before any stalls, enough for the client's latency window (20
+/// samples) to know its p95.
+const WARM_UP: usize = 100;
+const STALL_EVERY: usize = 25;
+
+impl SlowReplica {
+    async fn charge(&self, key: String) {
+        let stall = {
+            let mut keys = self.keys.lock().unwrap();
+            let first = keys.insert(key.clone());
+            if !first {
+                self.copies.fetch_add(1, Ordering::SeqCst);
+                if self.stalled.lock().unwrap().contains(&key) {
+                    self.copies_of_stalled.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            let n = keys.len();
+            let stall = first && n > WARM_UP && n % STALL_EVERY == 0;
+            if stall {
+                self.stalled.lock().unwrap().insert(key);
+            }
+            stall
+        };
+        if stall {
+            // Ends early when the client drops the request (it got the hedge's answer).
+            tokio::time::sleep(STALL).await;
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Payment for SlowReplica {
+    async fn charge(
+        &self,
+        request: tonic::Request<ChargeRequest>,
+    ) -> Result<tonic::Response<ChargeResponse>, tonic::Status> {
+        let key = request
+            .metadata()
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        self.charge(key).await;
+        Ok(tonic::Response::new(ChargeResponse {
+            charge_id: "ch_1".into(),
+            status: "succeeded".into(),
+            amount_cents: request.into_inner().amount_cents,
+            intent_id: "pi_1".into(),
+        }))
+    }
+
+    async fn get_charge(
+        &self,
+        _request: tonic::Request<GetChargeRequest>,
+    ) -> Result<tonic::Response<ChargeResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this test"))
+    }
+}
+
+/// Serves `replica` over HTTP and gRPC; returns the target for `scheme`.
+async fn serve_slow_replica(replica: &SlowReplica, scheme: &str) -> String {
+    let app = match scheme {
+        "grpc" => Router::new().route_service(
+            "/payment.v1.Payment/{method}",
+            PaymentServer::new(replica.clone()),
+        ),
+        _ => {
+            let replica = replica.clone();
+            Router::new().route(
+                "/v1/payments",
+                post(move |headers: HeaderMap| {
+                    let replica = replica.clone();
+                    async move {
+                        let key = headers
+                            .get("idempotency-key")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned();
+                        replica.charge(key).await;
+                        StatusCode::CREATED
+                    }
+                }),
+            )
+        }
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("{scheme}://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_replica_is_hedged_around_with_the_same_key() {
+    for scheme in ["http", "grpc"] {
+        let replica = SlowReplica::default();
+        let target = serve_slow_replica(&replica, scheme).await;
+        let s = load(&target, &["--rate", "200", "--duration", "1s"]).await;
+        eprintln!("{scheme}, one slow replica: {s}");
+        assert_eq!(s["logical_requests"], 200, "{s}");
+        assert_eq!(s["outcomes"]["ok"], 200, "{s}");
+        assert_eq!(s["retries"], 0, "{s}");
+        // Four requests stalled; a copy of at least one came with the same key, sent by the
+        // stack as a hedge, and answered the logical request: the stalled attempt was
+        // cancelled. (Not "all four": a fast request slower than the p95 may be hedged too,
+        // and hedges spend the budget the stalled ones would use.)
+        let hedges = s["hedges"].as_u64().unwrap();
+        assert!(hedges > 0, "{s}");
+        assert!(replica.copies_of_stalled.load(Ordering::SeqCst) > 0, "{s}");
+        // Only hedges make copies (a hedge whose race was already over may not arrive).
+        assert!(replica.copies.load(Ordering::SeqCst) <= hedges, "{s}");
+        assert!(
+            s["attempt_outcomes"]["cancelled"].as_u64().unwrap() > 0,
+            "{s}"
+        );
+        assert_eq!(replica.keys.lock().unwrap().len(), 200);
+    }
 }
 
 #[tokio::test]

@@ -4,10 +4,12 @@
 //! have finished, so a slow server cannot slow the offered load down and hide its own latency
 //! (coordinated omission). At most `--concurrency` logical requests are in flight; one scheduled
 //! while that many are running is counted as `skipped`, not delayed. Each logical request is a
-//! new order with its own idempotency key, driven by the chosen [`PolicyKind`].
+//! new order with its own idempotency key, driven by the chosen [`PolicyKind`]: `backstop`
+//! sends it through the library's client stack ([`stack`]), `naive` through a plain loop.
 
 mod policy;
 mod report;
+mod stack;
 mod target;
 
 use std::sync::Arc;
@@ -43,10 +45,15 @@ pub(crate) struct LoadArgs {
     /// Most logical requests in flight at once.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     concurrency: u32,
-    /// The client behaviour: `backstop` (one key, one deadline, budgeted retries) or `naive`
-    /// (3 attempts, no budget, no jitter, a fresh key per attempt; for comparison only).
+    /// The client behaviour: `backstop` (the library's client stack: one key, one deadline,
+    /// budgeted retries, hedging, transparent retries) or `naive` (3 attempts, no budget, no
+    /// jitter, a fresh key per attempt; for comparison only).
     #[arg(long, value_enum, default_value_t = PolicyKind::Backstop)]
     policy: PolicyKind,
+    /// Put the stack's circuit breaker in front of the service (`backstop` policy only). Off by
+    /// default: once open it stops sending, which measures the breaker instead of the service.
+    #[arg(long)]
+    breaker: bool,
     /// Deadline of each logical request (sent as `grpc-timeout`).
     #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
     timeout: Duration,
@@ -70,8 +77,13 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         )
         .into());
     }
-    let client = args.target.client(args.api_key.clone())?;
-    let driver = Driver::new(args.policy)?;
+    let driver = Driver::new(
+        args.policy,
+        &args.target,
+        args.api_key.clone(),
+        args.timeout,
+        args.breaker,
+    )?;
     let slots = Arc::new(Semaphore::new(args.concurrency as usize));
     let progress = progress_bar(total);
     // Unique per run, so two runs against one service never collide on an order id.
@@ -96,11 +108,11 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
             order_id: format!("load-{run_id}-{i}"),
             amount_cents: 100 + i % 10_000,
         };
-        let (client, driver, progress) = (client.clone(), driver.clone(), progress.clone());
+        let (driver, progress) = (driver.clone(), progress.clone());
         let timeout = args.timeout;
         tasks.spawn(async move {
             let mut tally = Tally::new();
-            driver.run(&client, &logical, timeout, &mut tally).await;
+            driver.run(&logical, timeout, &mut tally).await;
             drop(slot);
             progress.inc(1);
             tally

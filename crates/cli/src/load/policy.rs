@@ -1,18 +1,18 @@
-//! How a logical request becomes attempts: backstop's policy, or the naive loop of seed 2.10.2
-//! kept for comparison.
+//! How a logical request becomes attempts: backstop's client stack ([`super::stack`]), or the
+//! naive loop of seed 2.10.2 kept for comparison.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
-use backstop::retry::{CallInfo, RetryPolicy, StopReason};
+use backstop::retry::StopReason;
 use backstop::status::{Outcome, RetryClass, Status};
 use clap::ValueEnum;
 use tokio::time::Instant;
 
 use super::report::{AttemptRecord, LogicalRecord, Tally};
-use super::target::{Client, Send};
+use super::stack::StackClient;
+use super::target::{Client, Send, Target};
 
 /// Attempts of the naive preset.
 const NAIVE_ATTEMPTS: u32 = 3;
@@ -22,7 +22,8 @@ const NAIVE_DELAY: Duration = Duration::from_millis(50);
 /// Which client behaviour drives the load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum PolicyKind {
-    /// One key and one deadline per logical request, retry budget, full jitter, pushback.
+    /// The library's client stack: one key and one deadline per logical request, retries
+    /// with a budget, full jitter and pushback, a hedge after the p95, transparent re-sends.
     Backstop,
     /// 3 attempts, no budget, no jitter, a fresh key and a fresh timeout per attempt (the
     /// seed's 2.10.2 bug; for comparison only: it can charge twice).
@@ -48,116 +49,47 @@ pub(crate) struct Logical {
 /// Runs a logical request and tallies it.
 #[derive(Debug, Clone)]
 pub(crate) enum Driver {
-    /// backstop's executor with one budget shared by every logical request (one destination).
-    Backstop { policy: RetryPolicy },
-    /// The naive loop.
-    Naive,
+    /// backstop's client stack, one destination (budget, breaker, latency window) for every
+    /// logical request.
+    Backstop(StackClient),
+    /// The naive loop over a plain client.
+    Naive(Client),
 }
 
 impl Driver {
-    pub(crate) fn new(kind: PolicyKind) -> Result<Driver, String> {
+    /// The driver of `kind` for `target`; `timeout` is each logical request's deadline, and
+    /// `breaker` turns the stack's circuit breaker on (`backstop` only).
+    pub(crate) fn new(
+        kind: PolicyKind,
+        target: &Target,
+        api_key: Option<String>,
+        timeout: Duration,
+        breaker: bool,
+    ) -> Result<Driver, String> {
         match kind {
             PolicyKind::Backstop => {
-                let policy = RetryPolicy::builder("payment", "POST /v1/payments")
-                    .keyed(true)
-                    .build()
-                    .map_err(|e| format!("retry policy: {e}"))?;
-                Ok(Driver::Backstop { policy })
+                StackClient::new(target, api_key.as_deref(), timeout, breaker).map(Driver::Backstop)
             }
-            PolicyKind::Naive => Ok(Driver::Naive),
+            PolicyKind::Naive => target.client(api_key).map(Driver::Naive),
         }
     }
 
     /// Runs `logical` within `timeout` and records its attempts and end in `tally`.
-    pub(crate) async fn run(
-        &self,
-        client: &Client,
-        logical: &Logical,
-        timeout: Duration,
-        tally: &mut Tally,
-    ) {
+    pub(crate) async fn run(&self, logical: &Logical, timeout: Duration, tally: &mut Tally) {
         match self {
-            Driver::Backstop { policy } => backstop(policy, client, logical, timeout, tally).await,
-            Driver::Naive => naive(client, logical, timeout, tally).await,
+            Driver::Backstop(client) => {
+                let (attempts, end) = client.run(logical).await;
+                if attempts.is_empty() {
+                    tally.unsent();
+                }
+                for a in attempts {
+                    tally.attempt(a);
+                }
+                tally.logical(end);
+            }
+            Driver::Naive(client) => naive(client, logical, timeout, tally).await,
         }
     }
-}
-
-/// Records an attempt when dropped: also the attempts the executor cuts off at the deadline,
-/// whose futures never finish.
-struct AttemptGuard<'a> {
-    log: &'a Mutex<Vec<AttemptRecord>>,
-    number: u32,
-    started: Instant,
-    outcome: Outcome,
-}
-
-impl Drop for AttemptGuard<'_> {
-    fn drop(&mut self) {
-        let record = AttemptRecord {
-            number: self.number,
-            latency: self.started.elapsed(),
-            outcome: self.outcome,
-            hedge: false,
-        };
-        self.log
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(record);
-    }
-}
-
-async fn backstop(
-    policy: &RetryPolicy,
-    client: &Client,
-    logical: &Logical,
-    timeout: Duration,
-    tally: &mut Tally,
-) {
-    // Generated once, before the first send, and sent unchanged on every attempt.
-    let key = IdempotencyKey::generate();
-    let deadline = Deadline::after(timeout);
-    let attempts = Mutex::new(Vec::new());
-    let call = CallInfo::new().key(key.as_str());
-    let result = policy
-        .execute_with(&call, deadline, |attempt| {
-            let attempts = &attempts;
-            let key = key.as_str();
-            async move {
-                let mut guard = AttemptGuard {
-                    log: attempts,
-                    number: attempt.number,
-                    started: Instant::now(),
-                    // What it counts as when the deadline cuts it off.
-                    outcome: Outcome::Timeout,
-                };
-                let result = client
-                    .send(Send {
-                        order_id: &logical.order_id,
-                        amount_cents: logical.amount_cents,
-                        idempotency_key: key,
-                        attempt: attempt.number,
-                        deadline: attempt.deadline,
-                    })
-                    .await;
-                guard.outcome = outcome_of(&result);
-                result
-            }
-        })
-        .await;
-    for a in attempts.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        tally.attempt(a);
-    }
-    tally.logical(match result {
-        Ok(()) => LogicalRecord {
-            outcome: Outcome::Ok,
-            stop_reason: None,
-        },
-        Err(e) => LogicalRecord {
-            outcome: e.last.outcome(),
-            stop_reason: Some(e.reason.as_str()),
-        },
-    });
 }
 
 async fn naive(client: &Client, logical: &Logical, timeout: Duration, tally: &mut Tally) {
@@ -188,8 +120,9 @@ async fn naive(client: &Client, logical: &Logical, timeout: Duration, tally: &mu
         tally.attempt(AttemptRecord {
             number,
             latency: started.elapsed(),
-            outcome,
+            outcome: outcome.into(),
             hedge: false,
+            resend: false,
         });
         let stop = match &result {
             Ok(()) => None,

@@ -15,15 +15,43 @@ pub(crate) const TRACKED_ATTEMPTS: usize = 5;
 /// Highest latency a histogram holds (longer attempts are clamped to it): one hour in µs.
 const MAX_LATENCY_US: u64 = 3_600_000_000;
 
-/// One attempt as the load driver saw it.
+/// One attempt (one physical send) as the load driver saw it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AttemptRecord {
-    /// 1 for the first attempt of a logical request.
+    /// 1 for the first attempt of a logical request; a later one is 1 + its
+    /// `grpc-previous-rpc-attempts`.
     pub(crate) number: u32,
     pub(crate) latency: Duration,
-    pub(crate) outcome: Outcome,
+    pub(crate) outcome: AttemptOutcome,
     /// Sent as a hedge rather than a retry.
     pub(crate) hedge: bool,
+    /// A transparent re-send of an attempt that never reached the server (same number).
+    pub(crate) resend: bool,
+}
+
+/// How one attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AttemptOutcome {
+    /// It got an answer, or failed, with this outcome.
+    Done(Outcome),
+    /// Dropped unfinished before the deadline: the other attempt of a hedge race answered
+    /// first.
+    Cancelled,
+}
+
+impl AttemptOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Done(outcome) => outcome.as_str(),
+            AttemptOutcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl From<Outcome> for AttemptOutcome {
+    fn from(outcome: Outcome) -> Self {
+        AttemptOutcome::Done(outcome)
+    }
 }
 
 /// How one logical request ended.
@@ -42,8 +70,11 @@ pub(crate) struct Tally {
     attempts: u64,
     retries: u64,
     hedges: u64,
+    transparent_retries: u64,
     /// Scheduled logical requests not started because `--concurrency` were already in flight.
     skipped: u64,
+    /// Logical requests that ended without any attempt sent.
+    unsent: u64,
     outcomes: BTreeMap<&'static str, u64>,
     attempt_outcomes: BTreeMap<&'static str, u64>,
     stop_reasons: BTreeMap<&'static str, u64>,
@@ -64,7 +95,9 @@ impl Tally {
             attempts: 0,
             retries: 0,
             hedges: 0,
+            transparent_retries: 0,
             skipped: 0,
+            unsent: 0,
             outcomes: BTreeMap::new(),
             attempt_outcomes: BTreeMap::new(),
             stop_reasons: BTreeMap::new(),
@@ -74,7 +107,9 @@ impl Tally {
 
     pub(crate) fn attempt(&mut self, a: AttemptRecord) {
         self.attempts += 1;
-        if a.hedge {
+        if a.resend {
+            self.transparent_retries += 1;
+        } else if a.hedge {
             self.hedges += 1;
         } else if a.number > 1 {
             self.retries += 1;
@@ -97,12 +132,19 @@ impl Tally {
         self.skipped += 1;
     }
 
+    /// A logical request ended without any attempt being sent (the client refused them all).
+    pub(crate) fn unsent(&mut self) {
+        self.unsent += 1;
+    }
+
     pub(crate) fn merge(&mut self, other: Tally) {
         self.logical += other.logical;
         self.attempts += other.attempts;
         self.retries += other.retries;
         self.hedges += other.hedges;
+        self.transparent_retries += other.transparent_retries;
         self.skipped += other.skipped;
+        self.unsent += other.unsent;
         for (map, theirs) in [
             (&mut self.outcomes, other.outcomes),
             (&mut self.attempt_outcomes, other.attempt_outcomes),
@@ -158,9 +200,11 @@ impl Tally {
             elapsed_s: secs,
             logical_requests: self.logical,
             skipped: self.skipped,
+            unsent: self.unsent,
             attempts: self.attempts,
             retries: self.retries,
             hedges: self.hedges,
+            transparent_retries: self.transparent_retries,
             // Retries per logical request, never per attempt (DESIGN section 6).
             retry_ratio: if self.logical == 0 {
                 0.0
@@ -195,14 +239,25 @@ pub(crate) struct Summary {
     logical_requests: u64,
     /// Scheduled but not started: `--concurrency` requests were already in flight.
     skipped: u64,
+    /// Logical requests the client ended without sending any attempt: the stack refuses an
+    /// attempt when its circuit breaker is open or when the deadline leaves no more than the
+    /// margin kept for the way back.
+    unsent: u64,
+    /// Attempts sent (physical sends: retries, hedges and transparent re-sends included).
     attempts: u64,
+    /// Attempts the retry layer sent after a failed one.
     retries: u64,
+    /// Extra attempts sent while a slow one was still running (at most one per logical
+    /// request).
     hedges: u64,
+    /// Attempts sent again, at once, because they provably never reached the server (refused
+    /// connection or stream); not counted in `retries`.
+    transparent_retries: u64,
     /// retries / logical requests.
     retry_ratio: f64,
     /// Logical requests by final outcome.
     outcomes: BTreeMap<&'static str, u64>,
-    /// Attempts by outcome.
+    /// Attempts by outcome (`cancelled`: lost a hedge race).
     attempt_outcomes: BTreeMap<&'static str, u64>,
     /// Logical requests that succeeded, per second of the run.
     goodput_per_s: f64,
@@ -222,12 +277,15 @@ impl Summary {
         );
         let _ = writeln!(
             out,
-            "logical requests {}  skipped {}  attempts {}  retries {}  hedges {}  retry ratio {:.3}",
+            "logical requests {}  skipped {}  unsent {}  attempts {}  retries {}  hedges {}  \
+             transparent retries {}  retry ratio {:.3}",
             self.logical_requests,
             self.skipped,
+            self.unsent,
             self.attempts,
             self.retries,
             self.hedges,
+            self.transparent_retries,
             self.retry_ratio
         );
         let _ = writeln!(out, "goodput {:.1}/s", self.goodput_per_s);
@@ -264,8 +322,9 @@ mod tests {
         AttemptRecord {
             number,
             latency: Duration::from_millis(ms),
-            outcome,
+            outcome: outcome.into(),
             hedge: false,
+            resend: false,
         }
     }
 
@@ -302,14 +361,31 @@ mod tests {
             hedge: true,
             ..attempt(2, 5, Outcome::Ok)
         });
+        b.attempt(AttemptRecord {
+            outcome: AttemptOutcome::Cancelled,
+            ..attempt(1, 9, Outcome::Ok)
+        });
+        b.attempt(AttemptRecord {
+            resend: true,
+            ..attempt(3, 1, Outcome::Retryable)
+        });
         b.skipped();
+        b.unsent();
         a.merge(b);
         let s = a.summary(Duration::from_secs(1), "backstop", "http://x");
-        assert_eq!((s.attempts, s.retries, s.hedges, s.skipped), (3, 1, 1, 1));
+        assert_eq!(
+            (s.attempts, s.retries, s.hedges, s.transparent_retries),
+            (5, 1, 1, 1)
+        );
+        assert_eq!((s.skipped, s.unsent), (1, 1));
+        assert_eq!(s.attempt_outcomes["cancelled"], 1);
         assert_eq!(s.stop_reasons["budget_exhausted"], 1);
         // Attempt 7 lands in the last bucket.
         assert!(s.latency_ms.iter().any(|l| l.attempt == "5+"));
-        assert!(s.render().contains("retry ratio 1.000"));
+        assert!(
+            s.render()
+                .contains("transparent retries 1  retry ratio 1.000")
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Where the load goes and how one attempt is sent: `POST /v1/payments` over HTTP, or
-//! `payment.v1.Payment/Charge` over gRPC.
+//! Where the load goes, and how the naive policy sends one attempt: `POST /v1/payments` over
+//! HTTP, or `payment.v1.Payment/Charge` over gRPC. (The `backstop` policy sends through the
+//! library's client stack instead: [`super::stack`].)
 
 use backstop::client::classify;
 use backstop::deadline::Deadline;
@@ -166,7 +167,7 @@ impl GrpcClient {
 /// Our status of a gRPC error: its code, and the server's pushback read as every backstop
 /// client reads it ([`classify::pushback`]: a negative or unreadable value means "do not
 /// retry").
-fn from_tonic(status: &tonic::Status) -> Status {
+pub(crate) fn from_tonic(status: &tonic::Status) -> Status {
     let code = Code::from_i32(status.code() as i32);
     let answer = Status::new(code, status.message().to_owned());
     match classify::pushback(status.metadata().as_ref()) {

@@ -13,6 +13,11 @@
 //!
 //! A request whose body cannot be replayed (over the cap) is not hedged. Only the answers of
 //! successful attempts feed the latency window, so failures do not lower the hedge delay.
+//!
+//! The hedge's request carries a [`Hedged`] extension. Its `grpc-previous-rpc-attempts` is one
+//! above the attempt it races, the value the next retry would carry too, so a service below
+//! the stack that observes what is sent (a recording transport) needs the marker to tell the
+//! two apart.
 
 mod latency;
 mod layer;
@@ -55,6 +60,11 @@ impl HedgeAllowance {
         !self.0.swap(true, Ordering::AcqRel)
     }
 }
+
+/// Put in the extensions of a hedge's request (and so of a transparent re-send of it); never
+/// in those of an attempt the retry layer sends. See the [module docs](self).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Hedged;
 
 /// How a destination is hedged.
 #[derive(Debug, Clone)]
@@ -232,6 +242,7 @@ where
         &GRPC_PREVIOUS_RPC_ATTEMPTS,
         HeaderValue::from(previous.saturating_add(1)),
     );
+    backup.extensions_mut().insert(Hedged);
     let hedge_started = Instant::now();
     let mut secondary =
         pin!(async move { svc.oneshot(backup).await.map_err(Into::<BoxError>::into) });

@@ -52,6 +52,7 @@ async fn a_slow_attempt_is_hedged_after_the_p95_and_the_loser_is_cancelled() {
                 r.headers()
                     .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
                     .map(|v| v.to_str().unwrap().to_owned()),
+                r.extensions().get::<Hedged>().is_some(),
             ));
             let first = calls.len() == 1;
             let guard = Cancelled(dropped.clone());
@@ -79,6 +80,8 @@ async fn a_slow_attempt_is_hedged_after_the_p95_and_the_loser_is_cancelled() {
     assert_eq!(calls.len(), 2);
     assert_eq!(calls[0].1, None);
     assert_eq!(calls[1].1.as_deref(), Some("1"));
+    // Only the hedge is marked: its header alone would read like a retry's.
+    assert_eq!((calls[0].2, calls[1].2), (false, true));
     assert_eq!(calls[1].0 - calls[0].0, 100 * MS);
     // The slow attempt's future was dropped before it finished: cancelled.
     assert!(dropped.load(Ordering::SeqCst));
