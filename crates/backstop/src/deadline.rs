@@ -259,6 +259,11 @@ pub fn decode_grpc_timeout(value: &str) -> Result<Duration, GrpcTimeoutError> {
 /// It keeps a fixed ring of the most recent round-trip samples; `current()` takes the p99 of
 /// that window. Memory is fixed at construction.
 ///
+/// The margin never exceeds a ceiling ([`Margin::DEFAULT_CEILING`] unless set): a client that
+/// learns round trips from whole attempt durations also learns the server's own work, and a
+/// slow server would otherwise grow the margin past the call's whole budget, so that no attempt
+/// is ever sent. The ceiling is the longest way back worth keeping time for.
+///
 /// ```
 /// use std::time::Duration;
 /// use backstop::deadline::Margin;
@@ -272,6 +277,7 @@ pub fn decode_grpc_timeout(value: &str) -> Result<Duration, GrpcTimeoutError> {
 #[derive(Debug)]
 pub struct Margin {
     floor: Duration,
+    ceiling: Duration,
     window: SampleWindow,
 }
 
@@ -280,6 +286,8 @@ impl Margin {
     pub const DEFAULT_WINDOW: usize = 128;
     /// The constant part of the margin.
     pub const FIXED: Duration = Duration::from_millis(5);
+    /// The largest margin kept unless [`with_ceiling`](Self::with_ceiling) says otherwise.
+    pub const DEFAULT_CEILING: Duration = Duration::from_millis(250);
 
     /// An estimator with the default window and `floor` as the smallest margin it returns.
     pub fn new(floor: Duration) -> Self {
@@ -290,8 +298,16 @@ impl Margin {
     pub fn with_window(floor: Duration, window: usize) -> Self {
         Self {
             floor,
+            ceiling: Self::DEFAULT_CEILING.max(floor),
             window: SampleWindow::new(window),
         }
+    }
+
+    /// The same estimator with `ceiling` as the largest margin it returns (never below the
+    /// floor).
+    pub fn with_ceiling(mut self, ceiling: Duration) -> Self {
+        self.ceiling = ceiling.max(self.floor);
+        self
     }
 
     /// Records one round-trip time to the peer.
@@ -305,10 +321,10 @@ impl Margin {
         self.window.quantile(0.99, 1).unwrap_or(Duration::ZERO)
     }
 
-    /// The margin to keep: `max(floor, 2 x RTT_p99 + 5 ms)`.
+    /// The margin to keep: `2 x RTT_p99 + 5 ms`, within `[floor, ceiling]`.
     pub fn current(&self) -> Duration {
         let m = self.rtt_p99().saturating_mul(2).saturating_add(Self::FIXED);
-        m.max(self.floor)
+        m.clamp(self.floor, self.ceiling)
     }
 }
 
@@ -316,6 +332,26 @@ impl Margin {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A server that takes 1.2 s per answer must not grow the margin past a 2 s deadline:
+    /// the client would stop sending altogether.
+    #[test]
+    fn a_slow_server_does_not_grow_the_margin_past_the_ceiling() {
+        let margin = Margin::new(Duration::from_millis(5));
+        for _ in 0..100 {
+            margin.observe(Duration::from_millis(1200));
+        }
+        assert_eq!(margin.current(), Margin::DEFAULT_CEILING);
+        let deadline = Deadline::after(Duration::from_secs(2));
+        assert!(deadline.child(margin.current()).is_ok());
+
+        let tight = Margin::new(Duration::from_millis(5)).with_ceiling(Duration::from_millis(50));
+        tight.observe(Duration::from_millis(1200));
+        assert_eq!(tight.current(), Duration::from_millis(50));
+        // The floor wins over a lower ceiling.
+        let floor = Margin::new(Duration::from_millis(80)).with_ceiling(Duration::from_millis(50));
+        assert_eq!(floor.current(), Duration::from_millis(80));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn scope_sets_the_current_deadline() {

@@ -398,6 +398,17 @@ impl Attempts<'_> {
         self.finish(status, true, remaining, elapsed)
     }
 
+    /// The attempt could not run for lack of time (e.g. refused before it was sent because
+    /// less than the peer's margin was left): the request stops on the deadline, as if cut off.
+    pub(crate) fn out_of_time(
+        &mut self,
+        status: Status,
+        remaining: Duration,
+        elapsed: Duration,
+    ) -> Result<Duration, RetryError> {
+        self.finish(status, true, remaining, elapsed)
+    }
+
     /// The attempt failed with `status`: the wait before the next one, or why there is none.
     pub(crate) fn failed(
         &mut self,

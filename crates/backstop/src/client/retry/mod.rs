@@ -270,7 +270,14 @@ where
             },
             Ok(Err(e)) => {
                 last = None;
-                attempts.failed(error_status(&*e), remaining, elapsed)
+                let status = error_status(&*e);
+                if e.is::<DeadlineExceeded>() {
+                    // Refused before sending (less than the peer's margin left): a later
+                    // attempt would have even less, so stop on the deadline, spending nothing.
+                    attempts.out_of_time(status, remaining, elapsed)
+                } else {
+                    attempts.failed(status, remaining, elapsed)
+                }
             }
             Err(_elapsed) => {
                 last = None;

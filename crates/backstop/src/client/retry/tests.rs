@@ -236,3 +236,26 @@ async fn a_destination_can_read_its_answers_its_own_way() {
     send.send_response(status(200));
     assert_eq!(call.await.unwrap().unwrap().status(), 200);
 }
+
+/// An attempt the attempt-timeout layer refuses (less than the margin left) is not retried:
+/// the call stops on the deadline and spends no budget on sends that cannot happen.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_refused_for_lack_of_time_stops_on_the_deadline() {
+    use crate::client::deadline::AttemptTimeout;
+    use crate::deadline::Margin;
+    use std::sync::Arc;
+
+    let budget = RetryBudget::new(0.1, 20).unwrap();
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
+    handle.allow(10);
+    // A margin larger than the whole deadline: every attempt is refused before sending.
+    let margin = Arc::new(Margin::new(Duration::from_secs(5)));
+    let svc = RetryLayer::new(policy(budget.clone()), Idempotency::Keyed)
+        .layer(AttemptTimeout::new(svc, margin));
+    let err = svc.oneshot(request("{}", Some("k-1"))).await.unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(stopped.reason, StopReason::Deadline);
+    assert_eq!(stopped.attempts, 1);
+    assert!((budget.available() - 20.0).abs() < 1e-9, "no token spent");
+    assert!(handle.next_request().await.is_none(), "nothing was sent");
+}
