@@ -16,6 +16,13 @@ mod load;
 mod psp;
 mod serve;
 
+/// glibc's allocator serialises frees of memory allocated on another thread behind an arena
+/// lock; under a multi-threaded tokio runtime, where a request's futures and buffers often
+/// move between workers, that lock was most of the process's futex calls (measured in
+/// BENCHMARKS.md: the RPC overhead bench gains about a third of its throughput with mimalloc).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// backstop: RPC reliability toolkit and its reference payment system.
 #[derive(Debug, Parser)]
 #[command(name = "backstop", version, about)]

@@ -12,7 +12,8 @@
 //! medians over rounds.
 //!
 //! The process installs the Prometheus recorder `backstop serve` uses, so the stacks' metrics
-//! are recorded as in production (`--no-metrics` to leave the no-op recorder).
+//! are recorded as in production (`--no-metrics` to leave the no-op recorder), and allocates
+//! with mimalloc, as the `backstop` binary does.
 //!
 //! ```sh
 //! cargo bench -p backstop-payment --bench rpc_overhead -- --secs 5 --conns 64 --rounds 3
@@ -39,6 +40,10 @@ use hdrhistogram::Histogram;
 use http::Method;
 use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
+
+/// The allocator the `backstop` binary uses (see BENCHMARKS.md for the same run under glibc's).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const GET_CHARGE: &str = "/payment.v1.Payment/GetCharge";
 
