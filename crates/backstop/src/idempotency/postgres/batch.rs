@@ -1,13 +1,15 @@
 //! The batching writer: concurrent claims and outcomes share one transaction and one round trip.
 //!
 //! PostgreSQL makes a COMMIT durable with a WAL flush; a store that commits once per call pays
-//! one flush, one round trip and one transaction per call. Here callers put their statement on
-//! one queue that every idle writer task ([`PostgresOptions::writers`]) waits on: while a writer
-//! is free a call runs at once, alone. When every writer is busy, calls queue up, and the next
-//! free writer takes everything queued (up to `max_batch`) and sends `BEGIN`, the statements
-//! (claims of distinct keys as one array statement, completions as another...) and `COMMIT`
-//! pipelined on one connection: one round trip and one flush for the whole batch. Each caller is
-//! answered after the COMMIT that made its row durable.
+//! one flush, one round trip and one transaction per call. Here a call with nothing queued ahead
+//! of it and a free pool connection runs at once on the caller's own task, alone, in autocommit:
+//! no hand-off, no batching cost. When every connection is busy, calls queue up on one queue that
+//! the writer tasks ([`PostgresOptions::writers`]) wait on. A writer takes the first queued call,
+//! waits for a connection, then takes everything queued by then (up to `max_batch`) and sends
+//! `BEGIN`, the statements (claims of distinct keys as one array statement, completions as
+//! another...) and `COMMIT` pipelined on that connection: one round trip, one transaction and
+//! one flush for the whole batch. Each caller is answered after the COMMIT that made its row
+//! durable.
 //!
 //! [`PostgresOptions::writers`]: super::PostgresOptions::writers
 //!
@@ -26,8 +28,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::{Object, Pool, PoolError, TimeoutType, Timeouts};
 use futures_util::future::maybe_done;
 use futures_util::poll;
 use tokio::sync::oneshot;
@@ -255,6 +258,7 @@ struct Counters {
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
     tx: async_channel::Sender<Job>,
+    pool: Pool,
     counters: Arc<Counters>,
 }
 
@@ -271,11 +275,26 @@ impl Writer {
                 Arc::clone(&counters),
             ));
         }
-        Writer { tx, counters }
+        Writer { tx, pool, counters }
     }
 
-    /// Runs `op` in the next batch; gives up at `until`.
+    /// Runs `op` at once on a free connection, or else in the next batch; gives up at `until`.
     pub(super) async fn run(&self, op: Op, until: Instant) -> Result<Outcome, PgError> {
+        // Nothing queued and a connection free: run it here, alone and in autocommit, with no
+        // hand-off to a writer task and back. Calls queue (and are batched) only while every
+        // connection is busy, or behind calls already queued.
+        if self.tx.is_empty() {
+            let now = Timeouts {
+                wait: Some(Duration::ZERO),
+                ..self.pool.timeouts()
+            };
+            match timeout_at(until, self.pool.timeout_get(&now)).await {
+                Ok(Ok(client)) => return self.run_at_once(client, &op, until).await,
+                Ok(Err(PoolError::Timeout(TimeoutType::Wait))) => {}
+                Ok(Err(e)) => return Err(PgError::connect(e)),
+                Err(_) => return Err(PgError::Timeout),
+            }
+        }
         let (reply, answer) = oneshot::channel();
         let job = Job { op, until, reply };
         let waited = timeout_at(until, async {
@@ -284,6 +303,24 @@ impl Writer {
         })
         .await;
         waited.unwrap_or(Err(PgError::Timeout))
+    }
+
+    async fn run_at_once(
+        &self,
+        client: Object,
+        op: &Op,
+        until: Instant,
+    ) -> Result<Outcome, PgError> {
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.jobs.fetch_add(1, Ordering::Relaxed);
+        match timeout_at(until, run_one(&client, op)).await {
+            Ok(outcome) => Ok(outcome?),
+            Err(_) => {
+                // The connection may be mid-statement: never hand it out again.
+                drop(Object::take(client));
+                Err(PgError::Timeout)
+            }
+        }
     }
 
     pub(super) fn stats(&self) -> WriterStats {
@@ -302,12 +339,31 @@ async fn drive(
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
     loop {
-        // Every idle writer waits on the queue, so a job finds one at once while any is free;
-        // jobs queue up, and are batched, only while every writer is busy.
-        match rx.recv().await {
-            Ok(job) => jobs.push(job),
+        // Every idle writer waits on the queue, so a queued job finds one at once while any is
+        // free.
+        let mut first = match rx.recv().await {
+            Ok(job) => job,
             Err(_) => return,
-        }
+        };
+        // Take the connection first and the rest of the queue after: every call queued while
+        // this one waited for a connection joins its batch.
+        let client = tokio::select! {
+            got = timeout_at(first.until, pool.get()) => got,
+            // The caller is gone: stop waiting on its behalf.
+            () = first.reply.closed() => continue,
+        };
+        let client = match client {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => {
+                let _ = first.reply.send(Err(PgError::connect(e)));
+                continue;
+            }
+            Err(_) => {
+                let _ = first.reply.send(Err(PgError::Timeout));
+                continue;
+            }
+        };
+        jobs.push(first);
         while jobs.len() < max_batch {
             match rx.try_recv() {
                 Ok(job) => jobs.push(job),
@@ -328,25 +384,17 @@ async fn drive(
         counters
             .jobs
             .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        run_batch(&pool, &mut jobs).await;
+        run_batch(client, &mut jobs).await;
     }
 }
 
-/// Runs and answers every job of `jobs` (leaving it empty).
-async fn run_batch(pool: &Pool, jobs: &mut Vec<Job>) {
+/// Runs and answers every job of `jobs` (leaving it empty) on `client`.
+async fn run_batch(client: Object, jobs: &mut Vec<Job>) {
     let until = jobs
         .iter()
         .map(|j| j.until)
         .max()
         .unwrap_or_else(Instant::now);
-    let client = match timeout_at(until, pool.get()).await {
-        Ok(Ok(client)) => client,
-        Ok(Err(e)) => {
-            let e = Arc::new(e);
-            return answer_all(jobs, || PgError::Connect(Arc::clone(&e)));
-        }
-        Err(_) => return answer_all(jobs, || PgError::Timeout),
-    };
     let ops: Vec<&Op> = jobs.iter().map(|j| &j.op).collect();
     let ran = timeout_at(until, async {
         if ops.len() == 1 {
