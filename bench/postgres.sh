@@ -2,8 +2,9 @@
 # PostgreSQL claim + complete pairs/s, measured side by side in one run:
 #   pgbench    - pgbench -M prepared running the store's two statements
 #                (bench/postgres_claim_complete.sql), each in autocommit: the baseline
-#   batched    - PostgresStore with its defaults (20 connections, 16 writers): concurrent calls
-#                batched into pipelined transactions while every writer is busy
+#   batched    - PostgresStore with its defaults (20 connections, 4 writers): a call runs at once
+#                on a free connection; calls that find every connection busy are batched into
+#                pipelined transactions
 #   matched    - the same with one connection and one writer per caller, as pgbench has
 #   autocommit - PostgresStore with group_commit off: one statement, one commit per call,
 #                one connection per caller

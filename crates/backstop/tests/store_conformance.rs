@@ -240,6 +240,88 @@ mod postgres {
         );
     }
 
+    /// Batched claims over records in every state (fresh, succeeded, live lease, other
+    /// fingerprint, failed, ended lease) each get their own answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn batched_claims_answer_each_caller() {
+        let fixture = open(PostgresOptions {
+            writers: 1,
+            ..PostgresOptions::default()
+        })
+        .await;
+        let store = fixture.0.clone();
+        let response = backstop::idempotency::StoredResponse {
+            status: 201,
+            headers: vec![("location".into(), "/x".into())],
+            body: bytes::Bytes::from_static(b"\x00\xffbody"),
+        };
+        const EACH: usize = 8;
+        let mut first_leases = Vec::new();
+        for i in 0..EACH {
+            for state in ["done", "live", "other", "failed", "ended"] {
+                let Claim::Claimed(lease) = store
+                    .claim(claim_req(&format!("{state}-{i}"), 1_000))
+                    .await
+                    .unwrap()
+                else {
+                    panic!("first claim of {state}-{i}")
+                };
+                match state {
+                    "done" => store
+                        .complete(&lease, response.clone(), 1_001)
+                        .await
+                        .unwrap(),
+                    "failed" => store.fail(&lease, 1_001).await.unwrap(),
+                    _ => {}
+                }
+                first_leases.push((format!("{state}-{i}"), lease.lease_until_ms));
+            }
+        }
+        let lease_end = first_leases[0].1;
+        let before = store.writer_stats();
+        let requests: Vec<(String, ClaimRequest)> = (0..EACH)
+            .flat_map(|i| {
+                ["fresh", "done", "live", "other", "failed", "ended"].map(|state| {
+                    let key = format!("{state}-{i}");
+                    let req = match state {
+                        "other" => ClaimRequest {
+                            fingerprint: Fingerprint::of_bytes("POST /v1/payments", b"{\"x\":1}"),
+                            ..claim_req(&key, 2_000)
+                        },
+                        "ended" => claim_req(&key, lease_end + 1),
+                        _ => claim_req(&key, 2_000),
+                    };
+                    (state.to_owned(), req)
+                })
+            })
+            .collect();
+        let claims = futures_util::future::join_all(
+            requests.iter().map(|(_, req)| store.claim(req.clone())),
+        )
+        .await;
+        let after = store.writer_stats();
+        assert!(
+            after.batches - before.batches < after.jobs - before.jobs,
+            "{before:?} -> {after:?}"
+        );
+        for ((state, req), claim) in requests.iter().zip(claims) {
+            let claim = claim.unwrap();
+            let ok = match (state.as_str(), &claim) {
+                ("fresh", Claim::Claimed(_)) => true,
+                ("done", Claim::Replay(r)) => *r == response,
+                ("live", Claim::InProgress { retry_after }) => {
+                    *retry_after == Duration::from_millis((lease_end - 2_000) as u64)
+                }
+                ("other", Claim::Conflict { fingerprint_prefix }) => {
+                    *fingerprint_prefix == claim_req("x", 0).fingerprint.prefix8()
+                }
+                ("failed" | "ended", Claim::Claimed(lease)) => lease.lease_until_ms > lease_end,
+                _ => false,
+            };
+            assert!(ok, "{state} {}: {claim:?}", req.key.as_str());
+        }
+    }
+
     /// Batched outcomes (completions, failures, releases, stale leases mixed) each get their
     /// own answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,13 +1,15 @@
 //! The batching writer: concurrent claims and outcomes share one transaction and one round trip.
 //!
 //! PostgreSQL makes a COMMIT durable with a WAL flush; a store that commits once per call pays
-//! one flush, one round trip and one transaction per call. Here callers put their statement on
-//! one queue that every idle writer task ([`PostgresOptions::writers`]) waits on: while a writer
-//! is free a call runs at once, alone. When every writer is busy, calls queue up, and the next
-//! free writer takes everything queued (up to `max_batch`) and sends `BEGIN`, the statements
-//! (claims of distinct keys as one array statement, completions as another...) and `COMMIT`
-//! pipelined on one connection: one round trip and one flush for the whole batch. Each caller is
-//! answered after the COMMIT that made its row durable.
+//! one flush, one round trip and one transaction per call. Here a call with nothing queued ahead
+//! of it and a free pool connection runs at once on the caller's own task, alone, in autocommit:
+//! no hand-off, no batching cost. When every connection is busy, calls queue up on one queue that
+//! the writer tasks ([`PostgresOptions::writers`]) wait on. A writer takes the first queued call,
+//! waits for a connection, then takes everything queued by then (up to `max_batch`) and sends
+//! `BEGIN`, the statements (claims of distinct keys as one array statement, completions as
+//! another...) and `COMMIT` pipelined on that connection: one round trip, one transaction and
+//! one flush for the whole batch. Each caller is answered after the COMMIT that made its row
+//! durable.
 //!
 //! [`PostgresOptions::writers`]: super::PostgresOptions::writers
 //!
@@ -21,13 +23,14 @@
 //! - A batch that does not finish by the latest deadline of its callers is abandoned and its
 //!   connection discarded (a connection left mid-pipeline cannot be reused).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::{Object, Pool, PoolError, TimeoutType, Timeouts};
 use futures_util::future::maybe_done;
 use futures_util::poll;
 use tokio::sync::oneshot;
@@ -77,7 +80,26 @@ pub(super) const RELEASE_SQL: &str = "\
 DELETE FROM idempotency_key \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
-/// [`CLAIM_SQL`] for many distinct keys at once (`ord` numbers the inputs from 1).
+/// Opens a batch's transaction, pinning how its array statements are planned (`SET LOCAL`:
+/// for this transaction only, so a pool shared with the application keeps its settings).
+///
+/// Left to itself the planner joins the input arrays to the table by whatever looks cheapest
+/// under the table's statistics. On a new or freshly emptied table (no statistics yet, a few
+/// pages) that is a sequential scan, and a connection caches such a plan: every later batch on
+/// it then reads the whole table, slower as the table grows. Small batches would otherwise be
+/// re-planned on every execution too (their custom plans look cheaper than the generic one).
+/// Every statement here looks rows up by primary key, so index lookups are right at any size.
+const BEGIN_SQL: &str = "BEGIN; \
+SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
+SET LOCAL enable_mergejoin = off; SET LOCAL plan_cache_mode = force_generic_plan";
+
+/// [`CLAIM_SQL`] for many distinct keys at once. Returns `scope, key, taken, lease_until,
+/// fingerprint, status, http_status, response_body, response_headers`: a row per key taken,
+/// and a row per key that already had a record as of the statement's snapshot (the
+/// record as it stood; a takeover has both). A key with neither vanished in between.
+///
+/// Answers are matched to callers by key rather than by joining the inputs to what was taken:
+/// with hash joins off (see [`BEGIN_SQL`]) that join would compare every pair of rows.
 const CLAIM_MANY_SQL: &str = "\
 WITH input AS ( \
   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[], $6::int8[]) \
@@ -93,11 +115,13 @@ taken AS ( \
   WHERE k.fingerprint = EXCLUDED.fingerprint \
     AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
   RETURNING k.scope, k.key, k.lease_until) \
-SELECT i.ord, t.key IS NOT NULL, COALESCE(t.lease_until, k.lease_until), k.fingerprint, \
-  k.status, k.http_status, k.response_body, k.response_headers \
-FROM input i \
-LEFT JOIN taken t ON t.scope = i.scope AND t.key = i.key \
-LEFT JOIN idempotency_key k ON t.key IS NULL AND k.scope = i.scope AND k.key = i.key";
+SELECT scope, key, true, lease_until, NULL::text, NULL::text, NULL::integer, NULL::bytea, \
+  NULL::text \
+FROM taken \
+UNION ALL \
+SELECT k.scope, k.key, false, k.lease_until, k.fingerprint, k.status, k.http_status, \
+  k.response_body, k.response_headers \
+FROM input i JOIN idempotency_key k ON k.scope = i.scope AND k.key = i.key";
 
 /// [`COMPLETE_SQL`] for many records; returns the `ord` of each input that was applied.
 const COMPLETE_MANY_SQL: &str = "\
@@ -234,6 +258,7 @@ struct Counters {
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
     tx: async_channel::Sender<Job>,
+    pool: Pool,
     counters: Arc<Counters>,
 }
 
@@ -250,11 +275,26 @@ impl Writer {
                 Arc::clone(&counters),
             ));
         }
-        Writer { tx, counters }
+        Writer { tx, pool, counters }
     }
 
-    /// Runs `op` in the next batch; gives up at `until`.
+    /// Runs `op` at once on a free connection, or else in the next batch; gives up at `until`.
     pub(super) async fn run(&self, op: Op, until: Instant) -> Result<Outcome, PgError> {
+        // Nothing queued and a connection free: run it here, alone and in autocommit, with no
+        // hand-off to a writer task and back. Calls queue (and are batched) only while every
+        // connection is busy, or behind calls already queued.
+        if self.tx.is_empty() {
+            let now = Timeouts {
+                wait: Some(Duration::ZERO),
+                ..self.pool.timeouts()
+            };
+            match timeout_at(until, self.pool.timeout_get(&now)).await {
+                Ok(Ok(client)) => return self.run_at_once(client, &op, until).await,
+                Ok(Err(PoolError::Timeout(TimeoutType::Wait))) => {}
+                Ok(Err(e)) => return Err(PgError::connect(e)),
+                Err(_) => return Err(PgError::Timeout),
+            }
+        }
         let (reply, answer) = oneshot::channel();
         let job = Job { op, until, reply };
         let waited = timeout_at(until, async {
@@ -263,6 +303,24 @@ impl Writer {
         })
         .await;
         waited.unwrap_or(Err(PgError::Timeout))
+    }
+
+    async fn run_at_once(
+        &self,
+        client: Object,
+        op: &Op,
+        until: Instant,
+    ) -> Result<Outcome, PgError> {
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.jobs.fetch_add(1, Ordering::Relaxed);
+        match timeout_at(until, run_one(&client, op)).await {
+            Ok(outcome) => Ok(outcome?),
+            Err(_) => {
+                // The connection may be mid-statement: never hand it out again.
+                drop(Object::take(client));
+                Err(PgError::Timeout)
+            }
+        }
     }
 
     pub(super) fn stats(&self) -> WriterStats {
@@ -281,12 +339,31 @@ async fn drive(
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
     loop {
-        // Every idle writer waits on the queue, so a job finds one at once while any is free;
-        // jobs queue up, and are batched, only while every writer is busy.
-        match rx.recv().await {
-            Ok(job) => jobs.push(job),
+        // Every idle writer waits on the queue, so a queued job finds one at once while any is
+        // free.
+        let mut first = match rx.recv().await {
+            Ok(job) => job,
             Err(_) => return,
-        }
+        };
+        // Take the connection first and the rest of the queue after: every call queued while
+        // this one waited for a connection joins its batch.
+        let client = tokio::select! {
+            got = timeout_at(first.until, pool.get()) => got,
+            // The caller is gone: stop waiting on its behalf.
+            () = first.reply.closed() => continue,
+        };
+        let client = match client {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => {
+                let _ = first.reply.send(Err(PgError::connect(e)));
+                continue;
+            }
+            Err(_) => {
+                let _ = first.reply.send(Err(PgError::Timeout));
+                continue;
+            }
+        };
+        jobs.push(first);
         while jobs.len() < max_batch {
             match rx.try_recv() {
                 Ok(job) => jobs.push(job),
@@ -307,25 +384,17 @@ async fn drive(
         counters
             .jobs
             .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        run_batch(&pool, &mut jobs).await;
+        run_batch(client, &mut jobs).await;
     }
 }
 
-/// Runs and answers every job of `jobs` (leaving it empty).
-async fn run_batch(pool: &Pool, jobs: &mut Vec<Job>) {
+/// Runs and answers every job of `jobs` (leaving it empty) on `client`.
+async fn run_batch(client: Object, jobs: &mut Vec<Job>) {
     let until = jobs
         .iter()
         .map(|j| j.until)
         .max()
         .unwrap_or_else(Instant::now);
-    let client = match timeout_at(until, pool.get()).await {
-        Ok(Ok(client)) => client,
-        Ok(Err(e)) => {
-            let e = Arc::new(e);
-            return answer_all(jobs, || PgError::Connect(Arc::clone(&e)));
-        }
-        Err(_) => return answer_all(jobs, || PgError::Timeout),
-    };
     let ops: Vec<&Op> = jobs.iter().map(|j| &j.op).collect();
     let ran = timeout_at(until, async {
         if ops.len() == 1 {
@@ -421,7 +490,7 @@ async fn run_in_transaction(
 
     // A request goes out when its future is first polled: poll each once, in order, so the
     // connection carries BEGIN, every statement, COMMIT, before awaiting any answer.
-    let mut begin = Box::pin(maybe_done(client.batch_execute("BEGIN")));
+    let mut begin = Box::pin(maybe_done(client.batch_execute(BEGIN_SQL)));
     let _ = poll!(begin.as_mut());
     let mut groups: Vec<_> = groups
         .into_iter()
@@ -508,14 +577,28 @@ fn claim_many<'a>(client: &'a Object, ops: &'a [&'a Op], indices: Vec<usize>) ->
         let rows = client
             .query(&stmt, &[&scopes, &keys, &fps, &leases, &nows, &expiries])
             .await?;
-        let mut answers = Vec::with_capacity(rows.len());
+        // The keys are distinct (see `run_in_transaction`).
+        let by_key: HashMap<(&str, &str), usize> =
+            indices.iter().map(|&i| (ops[i].row_key(), i)).collect();
+        let mut answers: HashMap<usize, ClaimRow> = HashMap::with_capacity(n);
         for row in rows {
-            let ord: i64 = row.try_get(0)?;
-            if let Some(&i) = usize::try_from(ord - 1).ok().and_then(|o| indices.get(o)) {
-                answers.push((i, Outcome::Claim(ClaimRow::read(&row, 1)?)));
+            let (scope, key): (&str, &str) = (row.try_get(0)?, row.try_get(1)?);
+            let Some(&i) = by_key.get(&(scope, key)) else {
+                continue;
+            };
+            let found = ClaimRow::read(&row, 2)?;
+            // A takeover returns the lease it took and the record as it stood: the lease wins.
+            match answers.get(&i) {
+                Some(seen) if seen.taken => {}
+                _ => {
+                    answers.insert(i, found);
+                }
             }
         }
-        Ok(answers)
+        Ok(answers
+            .into_iter()
+            .map(|(i, row)| (i, Outcome::Claim(row)))
+            .collect())
     })
 }
 
@@ -667,6 +750,81 @@ async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_postgres::Er
             let stmt = client.prepare_cached(RELEASE_SQL).await?;
             let n = client.execute(&stmt, &[scope, key, token]).await?;
             Ok(Outcome::Changed(n))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a new, empty table (where the planner, left to itself, reads the whole table: cheap
+    /// then, but a connection keeps that plan as the table grows), every array statement,
+    /// planned as in a batch, reaches the table by its primary key only: no sequential scan,
+    /// no hash or merge join.
+    #[tokio::test]
+    async fn batch_statements_look_rows_up_by_primary_key_on_a_new_table() {
+        let url = std::env::var("BACKSTOP_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("PostgreSQL on 127.0.0.1:5432");
+        tokio::spawn(connection);
+        let schema = format!(
+            "batch_plans_{}_{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; SET search_path = {schema}; {}",
+                super::super::MIGRATION
+            ))
+            .await
+            .expect("create table");
+        let (s, k, n) = ("'{s,s,s,s}'", "'{a,b,c,d}'", "'{5,5,5,5}'");
+        let statements = [
+            (
+                CLAIM_MANY_SQL,
+                format!("{s}, {k}, '{{f,f,f,f}}', {n}, {n}, {n}"),
+            ),
+            (
+                COMPLETE_MANY_SQL,
+                format!("{s}, {k}, {n}, '{{201,201,201,201}}', '{{x,x,x,x}}', '{{h,h,h,h}}', {n}"),
+            ),
+            (FAIL_MANY_SQL, format!("{s}, {k}, {n}, {n}")),
+            (RELEASE_MANY_SQL, format!("{s}, {k}, {n}")),
+        ];
+        let mut plans = Vec::new();
+        for (i, (sql, args)) in statements.iter().enumerate() {
+            client
+                .batch_execute(&format!("PREPARE many{i} AS {sql}"))
+                .await
+                .expect("prepare");
+            client.batch_execute(BEGIN_SQL).await.expect("begin");
+            let rows = client
+                .simple_query(&format!("EXPLAIN EXECUTE many{i}({args})"))
+                .await
+                .expect("explain");
+            client.batch_execute("ROLLBACK").await.expect("rollback");
+            let plan: Vec<String> = rows
+                .iter()
+                .filter_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                    _ => None,
+                })
+                .collect();
+            plans.push(plan.join("\n"));
+        }
+        client
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await
+            .expect("drop schema");
+        for plan in plans {
+            assert!(plan.contains("idempotency_key_pkey"), "{plan}");
+            for whole_table in ["Seq Scan on idempotency_key", "Hash", "Merge"] {
+                assert!(!plan.contains(whole_table), "{plan}");
+            }
         }
     }
 }

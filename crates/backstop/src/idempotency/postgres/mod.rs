@@ -21,9 +21,10 @@
 //!   the row it deletes: sweepers on several instances split the work, never wait on each other,
 //!   and never delete a running record whose lease is live.
 //!
-//! Concurrent claims and outcomes are batched, the way the SQLite store group-commits: one
-//! round trip and one transaction (one WAL flush) for many callers, each answered after its row
-//! committed (see `batch.rs` for the rules).
+//! A call runs at once, in autocommit, while a pool connection is free. Calls that find every
+//! connection busy are batched, the way the SQLite store group-commits: one round trip and one
+//! transaction (one WAL flush) for many callers, each answered after its row committed (see
+//! `batch.rs` for the rules).
 //!
 //! Every wait (for a pool connection, for the database) is bounded by the request's
 //! [`Deadline`] when one is set ([`Deadline::scope`]; the server's idempotency layer sets it)
@@ -102,10 +103,11 @@ WHERE (scope, key) IN ( \
 pub struct PostgresOptions {
     /// Most connections open at once (default 20; 0 counts as 1).
     pub max_connections: usize,
-    /// Writer tasks, each with one batch in flight (default 16; at most `max_connections`).
-    /// A writer takes everything queued when it is free, so batches grow only when every
-    /// writer is busy: enough writers keep a caller from waiting behind a batch it could have
-    /// run beside (PostgreSQL already merges the WAL flushes of concurrent commits).
+    /// Writer tasks running queued calls, each with one batch in flight (default 4; at most
+    /// `max_connections`). A call runs at once on a free connection when nothing is queued;
+    /// calls queue only while every connection is busy, and a writer that gets a connection
+    /// takes everything queued as one batch. Fewer writers make bigger batches (less work for
+    /// the database per call); more let batches overlap.
     pub writers: usize,
     /// Most statements per batch (default 256; 0 counts as 1).
     pub max_batch: usize,
@@ -121,7 +123,7 @@ impl Default for PostgresOptions {
     fn default() -> Self {
         PostgresOptions {
             max_connections: 20,
-            writers: 16,
+            writers: 4,
             max_batch: 256,
             group_commit: true,
             timeout: Duration::from_secs(2),
