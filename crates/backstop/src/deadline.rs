@@ -80,6 +80,14 @@ pub struct DeadlineExceeded {
     pub margin: Duration,
 }
 
+impl DeadlineExceeded {
+    /// The deadline itself passed while waiting: nothing left, no margin involved.
+    pub const PASSED: DeadlineExceeded = DeadlineExceeded {
+        remaining: Duration::ZERO,
+        margin: Duration::ZERO,
+    };
+}
+
 /// A `grpc-timeout` value that does not follow the wire format
 /// (`1*8DIGIT unit`, value positive, unit one of `H M S m u n`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

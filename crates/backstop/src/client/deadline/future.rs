@@ -60,10 +60,7 @@ where
         };
         Poll::Ready(match ready!(timed.poll(cx)) {
             Ok(result) => result.map_err(Into::into),
-            Err(_elapsed) => Err(Box::new(DeadlineExceeded {
-                remaining: std::time::Duration::ZERO,
-                margin: std::time::Duration::ZERO,
-            })),
+            Err(_elapsed) => Err(Box::new(DeadlineExceeded::PASSED)),
         })
     }
 }

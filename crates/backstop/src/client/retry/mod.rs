@@ -194,10 +194,7 @@ where
         // Reading the body is part of the call: it too ends at the deadline.
         let buffered = tokio::time::timeout_at(deadline.instant(), buffer(body, config.replay_cap))
             .await
-            .map_err(|_elapsed| DeadlineExceeded {
-                remaining: Duration::ZERO,
-                margin: Duration::ZERO,
-            })?;
+            .map_err(|_elapsed| DeadlineExceeded::PASSED)?;
         match buffered.map_err(Into::into)? {
             Buffered::Replayable(replay) => (&config.policy, Content::Replay(replay)),
             Buffered::TooLarge(once) => (&config.single, Content::Once(Some(once))),
