@@ -26,6 +26,10 @@ use backstop::server::{
 use http::Method;
 use serde_json::Value;
 
+/// The allocator the `backstop` binary ships with, so the bench measures what is served.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Quotas far above what the load reaches: the bench measures the cost of the checks.
 fn buckets() -> KeyedTokenBucket {
     let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);

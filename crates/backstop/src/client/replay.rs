@@ -222,7 +222,10 @@ where
         return Ok(Buffered::TooLarge(ReplayBody::once(body)));
     }
     let mut body = body;
-    let mut chunks: VecDeque<Bytes> = VecDeque::new();
+    // The first chunk is kept apart: most bodies are one chunk, and then nothing is allocated
+    // for the list.
+    let mut first: Option<Bytes> = None;
+    let mut more: VecDeque<Bytes> = VecDeque::new();
     let mut len = 0usize;
     let mut trailers = None;
     while let Some(frame) = body.frame().await {
@@ -231,14 +234,19 @@ where
             Ok(chunk) => {
                 len = len.saturating_add(chunk.len());
                 if !chunk.is_empty() {
-                    chunks.push_back(chunk);
+                    if first.is_none() {
+                        first = Some(chunk);
+                    } else {
+                        more.push_back(chunk);
+                    }
                 }
                 if len > cap {
+                    let mut prefix = more;
+                    if let Some(first) = first {
+                        prefix.push_front(first);
+                    }
                     return Ok(Buffered::TooLarge(ReplayBody {
-                        kind: Kind::Streaming {
-                            prefix: chunks,
-                            rest: body,
-                        },
+                        kind: Kind::Streaming { prefix, rest: body },
                     }));
                 }
             }
@@ -249,12 +257,13 @@ where
             }
         }
     }
-    let data = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop_front().unwrap_or_default(),
-        _ => {
+    let data = match first {
+        None => Bytes::new(),
+        Some(first) if more.is_empty() => first,
+        Some(first) => {
             let mut all = BytesMut::with_capacity(len);
-            for chunk in chunks {
+            all.extend_from_slice(&first);
+            for chunk in more {
                 all.extend_from_slice(&chunk);
             }
             all.freeze()
@@ -313,6 +322,17 @@ mod tests {
         let second = first.try_clone().unwrap();
         assert_eq!(collect(first).await, "abcdef");
         assert_eq!(collect(second).await, "abcdef");
+    }
+
+    #[tokio::test]
+    async fn a_one_chunk_body_is_kept_without_a_copy() {
+        let bytes = Bytes::from_static(b"{\"amount_cents\":100}");
+        let Buffered::Replayable(replay) = buffer(Full::new(bytes.clone()), 64).await.unwrap()
+        else {
+            panic!("fits");
+        };
+        assert_eq!(replay.data().as_ptr(), bytes.as_ptr());
+        assert_eq!(collect(replay.body::<Full<Bytes>>()).await, bytes);
     }
 
     #[tokio::test]

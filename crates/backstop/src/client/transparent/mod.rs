@@ -38,10 +38,10 @@ use std::task::{Context, Poll, ready};
 
 use http::Request;
 use pin_project_lite::pin_project;
-use tower::util::Oneshot;
 use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
+use super::future::BoxResponseFuture;
 use super::replay::{ReplayBody, try_clone_request};
 use crate::retry::RetryBudget;
 
@@ -80,22 +80,39 @@ pub fn never_sent(error: &(dyn StdError + 'static)) -> bool {
 }
 
 /// Re-sends, once, an attempt that never reached the server (see the [module docs](self)).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct TransparentRetry<S> {
     inner: S,
+    shared: Arc<Shared<S>>,
+}
+
+/// What every clone of one [`TransparentRetry`] shares, behind one reference count.
+#[derive(Debug)]
+struct Shared<S> {
     /// A handle kept only to be cloned for a re-send, so that calls that are not re-sent (all
     /// but a few) clone nothing.
-    spare: Arc<Mutex<S>>,
+    spare: Mutex<S>,
     budget: Option<RetryBudget>,
+}
+
+impl<S: Clone> Clone for TransparentRetry<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
 }
 
 impl<S: Clone> TransparentRetry<S> {
     /// Wraps `inner`; re-sends spend a token of `budget` when one is given.
     pub fn new(inner: S, budget: Option<RetryBudget>) -> Self {
         Self {
-            spare: Arc::new(Mutex::new(inner.clone())),
+            shared: Arc::new(Shared {
+                spare: Mutex::new(inner.clone()),
+                budget,
+            }),
             inner,
-            budget,
         }
     }
 }
@@ -117,14 +134,13 @@ where
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        let again = try_clone_request(&request);
+        // A body sent once is never re-sent: then the shared state is not needed either.
+        let again = try_clone_request(&request).map(|again| (again, Arc::clone(&self.shared)));
         ResponseFuture {
             state: State::First {
                 future: self.inner.call(request),
                 again,
             },
-            spare: self.spare.clone(),
-            budget: self.budget.clone(),
         }
     }
 }
@@ -137,10 +153,11 @@ pin_project! {
     {
         #[pin]
         state: State<S, B>,
-        spare: Arc<Mutex<S>>,
-        budget: Option<RetryBudget>,
     }
 }
+
+/// A re-send's copy of the request, and where to send it.
+type Again<S, B> = (Request<ReplayBody<B>>, Arc<Shared<S>>);
 
 pin_project! {
     #[project = StateProj]
@@ -148,8 +165,9 @@ pin_project! {
     where
         S: Service<Request<ReplayBody<B>>>,
     {
-        First { #[pin] future: S::Future, again: Option<Request<ReplayBody<B>>> },
-        Again { #[pin] future: Oneshot<S, Request<ReplayBody<B>>> },
+        First { #[pin] future: S::Future, again: Option<Again<S, B>> },
+        // Boxed: re-sends are rare, and an inline one would make every call's future larger.
+        Again { future: BoxResponseFuture<S::Response> },
     }
 }
 
@@ -164,8 +182,11 @@ where
 
 impl<S, B> Future for ResponseFuture<S, B>
 where
-    S: Service<Request<ReplayBody<B>>> + Clone,
+    S: Service<Request<ReplayBody<B>>> + Clone + Send + 'static,
     S::Error: Into<BoxError>,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    B: Send + 'static,
 {
     type Output = Result<S::Response, BoxError>;
 
@@ -178,11 +199,11 @@ where
                         Ok(response) => return Poll::Ready(Ok(response)),
                         Err(e) => e.into(),
                     };
-                    let Some(again) = again.take() else {
+                    let Some((request, shared)) = again.take() else {
                         return Poll::Ready(Err(error));
                     };
                     if !never_sent(&*error)
-                        || !this.budget.as_ref().is_none_or(RetryBudget::try_withdraw)
+                        || !shared.budget.as_ref().is_none_or(RetryBudget::try_withdraw)
                     {
                         return Poll::Ready(Err(error));
                     }
@@ -192,17 +213,18 @@ where
                         error = %error,
                         "re-sending an attempt that never reached the server"
                     );
-                    let svc = this
+                    let svc = shared
                         .spare
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .clone();
+                    let future = svc.oneshot(request);
                     this.state.set(State::Again {
-                        future: svc.oneshot(again),
+                        future: Box::pin(async move { future.await.map_err(Into::into) }),
                     });
                 }
                 StateProj::Again { future } => {
-                    return future.poll(cx).map_err(Into::into);
+                    return future.as_mut().poll(cx);
                 }
             }
         }
