@@ -28,6 +28,24 @@ use tower::{Layer, ServiceExt, service_fn};
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
+/// Installs the Prometheus recorder once, as `backstop serve` does: the stacks' metric handles
+/// are then registered and cached as in production, rather than rebuilt for the no-op recorder.
+fn install_recorder() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .expect("no other recorder");
+        // As `backstop serve` does every 5 s: drains the histograms' sample buffers.
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                handle.run_upkeep();
+            }
+        });
+    });
+}
+
 /// Heap allocations per call of `call`, averaged over 1,000 calls after a warm-up.
 fn allocations_per_call<F, Fut>(runtime: &tokio::runtime::Runtime, call: F) -> f64
 where
@@ -72,6 +90,7 @@ where
 }
 
 fn client(c: &mut Criterion) {
+    install_recorder();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -122,6 +141,7 @@ fn client(c: &mut Criterion) {
 }
 
 fn server(c: &mut Criterion) {
+    install_recorder();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -207,6 +227,7 @@ where
 }
 
 fn client_concurrent(c: &mut Criterion) {
+    install_recorder();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

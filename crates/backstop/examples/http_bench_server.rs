@@ -50,7 +50,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mode = args.next().unwrap_or_else(|| "bare".into());
     let db = args.next().unwrap_or_else(|| "bench-http.db".into());
     // Record metrics for real, as a served process would.
-    metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    // As `backstop serve` does every 5 s: drains the histograms' sample buffers.
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(Duration::from_secs(5));
+            handle.run_upkeep();
+        }
+    });
 
     let router = Router::new().route("/v1/payments", post(echo));
     let store = SqliteStore::open(&db, SqliteOptions::default()).await?;

@@ -9,7 +9,9 @@
 //!
 //! Each run starts its own server on a loopback port and drives it closed-loop with
 //! `--conns` tasks for `--secs` seconds; modes alternate within each round and the table shows
-//! medians over rounds.
+//! medians over rounds. Besides RPC/s it reports the process's CPU time (user + system, client
+//! and server together) per RPC: on a shared machine, where other work takes cores away for a
+//! while, CPU per RPC moves much less than RPC/s, and its ratio says what the stacks cost.
 //!
 //! The process installs the Prometheus recorder `backstop serve` uses, so the stacks' metrics
 //! are recorded as in production (`--no-metrics` to leave the no-op recorder), and allocates
@@ -169,8 +171,19 @@ const MODES: [(&str, Mode); 4] = [
     ),
 ];
 
+/// What one run measured.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// Calls per second.
+    rate: f64,
+    /// p99 latency in ms.
+    p99: f64,
+    /// Calls completed.
+    calls: u64,
+}
+
 /// One closed-loop run: `conns` tasks calling `call` until `secs` pass.
-async fn drive<F, Fut>(conns: usize, secs: u64, call: F) -> (f64, f64)
+async fn drive<F, Fut>(conns: usize, secs: u64, call: F) -> Run
 where
     F: Fn() -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
@@ -198,13 +211,14 @@ where
         all.add(t.await.unwrap()).unwrap();
     }
     let elapsed = start.elapsed().as_secs_f64();
-    (
-        all.len() as f64 / elapsed,
-        all.value_at_quantile(0.99) as f64 / 1000.0,
-    )
+    Run {
+        rate: all.len() as f64 / elapsed,
+        p99: all.value_at_quantile(0.99) as f64 / 1000.0,
+        calls: all.len(),
+    }
 }
 
-async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> (f64, f64) {
+async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> Run {
     let url = serve(grpc_router(mode.server)).await;
     let channel = tonic::transport::Channel::from_shared(url)
         .unwrap()
@@ -247,7 +261,7 @@ async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> (f64, f64) {
     }
 }
 
-async fn http_run(mode: Mode, conns: usize, secs: u64) -> (f64, f64) {
+async fn http_run(mode: Mode, conns: usize, secs: u64) -> Run {
     let url = serve(http_router(mode.server)).await;
     let uri: http::Uri = format!("{url}/v1/echo").parse().unwrap();
     let body = Bytes::from_static(br#"{"order_id":"o-1","amount_cents":100}"#);
@@ -286,6 +300,17 @@ async fn http_run(mode: Mode, conns: usize, secs: u64) -> (f64, f64) {
     }
 }
 
+/// CPU time this process has used so far (user + system, every thread), from `/proc/self/stat`
+/// in clock ticks of 10 ms (Linux's `USER_HZ` on x86-64); `None` where that file is missing.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name may hold spaces; the fields after it are space-separated.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after the name.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -304,7 +329,15 @@ fn main() {
     // As `backstop serve` does: the stacks record their metrics into a real recorder, which
     // is what they cost in production. `--no-metrics` leaves the no-op recorder.
     if !std::env::args().any(|a| a == "--no-metrics") {
-        let _handle = backstop_payment::service::prometheus_handle();
+        let handle = backstop_payment::service::prometheus_handle();
+        // As the server does every 5 s: drains the histograms' sample buffers, which otherwise
+        // grow with every recorded value until a scrape.
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                handle.run_upkeep();
+            }
+        });
     }
     let secs = arg("--secs", 5);
     let conns = arg("--conns", 64) as usize;
@@ -314,8 +347,8 @@ fn main() {
         .build()
         .unwrap();
     println!("conns {conns}, {secs} s per run, {rounds} rounds; medians; ratio vs bare");
-    println!("| transport | mode | RPC/s | ratio | p99 ms |");
-    println!("|---|---|---:|---:|---:|");
+    println!("| transport | mode | RPC/s | ratio | p99 ms | CPU µs/RPC | CPU ratio |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     // `--only grpc|http` and `--mode N` (index into MODES) narrow a run, e.g. for profiling.
     let only = std::env::args().skip_while(|a| a != "--only").nth(1);
     let only_mode = std::env::args()
@@ -326,38 +359,54 @@ fn main() {
         if only.as_deref().is_some_and(|o| o != transport) {
             continue;
         }
-        let mut results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); MODES.len()];
+        let mut results: Vec<Vec<(Run, f64)>> = vec![Vec::new(); MODES.len()];
         for round in 0..rounds {
             // Rotate which mode goes first, so drift favours none.
             for i in 0..MODES.len() {
                 let m = (i + round as usize) % MODES.len();
                 let (name, mode) = MODES[m];
                 if only_mode.is_some_and(|o| o != m) {
-                    results[m].push((f64::NAN, f64::NAN));
+                    let skipped = Run {
+                        rate: f64::NAN,
+                        p99: f64::NAN,
+                        calls: 0,
+                    };
+                    results[m].push((skipped, f64::NAN));
                     continue;
                 }
+                let cpu_before = process_cpu();
                 let result = runtime.block_on(async {
                     match transport {
                         "grpc" => grpc_run(mode, conns, secs).await,
                         _ => http_run(mode, conns, secs).await,
                     }
                 });
+                // CPU per call, client and server together; NaN where /proc is missing.
+                let cpu = match (cpu_before, process_cpu()) {
+                    (Some(before), Some(after)) if result.calls > 0 => {
+                        (after - before).as_secs_f64() * 1e6 / result.calls as f64
+                    }
+                    _ => f64::NAN,
+                };
                 eprintln!(
-                    "{transport} round {round} {name}: {:.0} RPC/s, p99 {:.2} ms",
-                    result.0, result.1
+                    "{transport} round {round} {name}: {:.0} RPC/s, p99 {:.2} ms, {cpu:.1} µs CPU/RPC",
+                    result.rate, result.p99
                 );
-                results[m].push(result);
+                results[m].push((result, cpu));
             }
         }
-        let rate = |v: &[(f64, f64)]| median(v.iter().map(|r| r.0).collect());
-        let p99 = |v: &[(f64, f64)]| median(v.iter().map(|r| r.1).collect());
-        let bare = rate(&results[0]);
+        let rate = |v: &[(Run, f64)]| median(v.iter().map(|r| r.0.rate).collect());
+        let p99 = |v: &[(Run, f64)]| median(v.iter().map(|r| r.0.p99).collect());
+        let cpu = |v: &[(Run, f64)]| median(v.iter().map(|r| r.1).collect());
+        let (bare, bare_cpu) = (rate(&results[0]), cpu(&results[0]));
         for (m, (name, _)) in MODES.iter().enumerate() {
             println!(
-                "| {transport} | {name} | {:.0} | {:.2} | {:.2} |",
+                "| {transport} | {name} | {:.0} | {:.2} | {:.2} | {:.1} | {:.2} |",
                 rate(&results[m]),
                 rate(&results[m]) / bare,
-                p99(&results[m])
+                p99(&results[m]),
+                cpu(&results[m]),
+                bare_cpu / cpu(&results[m]),
             );
         }
     }
