@@ -10,6 +10,7 @@ use tower::BoxError;
 
 use super::{CircuitOpen, Permit};
 use crate::client::classify::{is_failure_of_destination, response_status};
+use crate::client::transparent::ResendRequested;
 
 pin_project! {
     /// Records the attempt's outcome with the breaker, or fails at once when it was open.
@@ -54,17 +55,20 @@ where
         match self.project().kind.project() {
             KindProj::Open { open } => Poll::Ready(Err(Box::new(*open))),
             KindProj::Running { future, permit } => {
-                let result = ready!(future.poll(cx));
+                let result = ready!(future.poll(cx)).map_err(Into::into);
                 let healthy = match &result {
-                    Ok(response) => {
-                        response_status(response).is_none_or(|s| !is_failure_of_destination(&s))
-                    }
-                    Err(_) => false,
+                    Ok(response) => Some(
+                        response_status(response).is_none_or(|s| !is_failure_of_destination(&s)),
+                    ),
+                    // Never sent, and sent again at once by the retry layer: the re-send's
+                    // outcome is the one that counts (a dropped permit records nothing).
+                    Err(e) if e.is::<ResendRequested>() => None,
+                    Err(_) => Some(false),
                 };
-                if let Some(permit) = permit.take() {
+                if let (Some(permit), Some(healthy)) = (permit.take(), healthy) {
                     permit.record(healthy);
                 }
-                Poll::Ready(result.map_err(Into::into))
+                Poll::Ready(result)
             }
         }
     }

@@ -20,6 +20,10 @@
 //!   destination's shared [`RetryBudget`](crate::retry::RetryBudget), pushback jittered by
 //!   [0.8, 1.2], and a [`StopReason`] on every stop, in metrics and logs.
 //! - `grpc-previous-rpc-attempts` on every retry (the number of attempts before it).
+//! - **Transparent re-sends.** The attempts of a replayable call carry [`ResendAbove`]: a
+//!   [transparent-retry layer](super::transparent) below then keeps no copy of them, and when
+//!   one never reached the server it answers [`ResendRequested`]; the same attempt is sent again
+//!   at once, once, without counting against max attempts.
 //!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
@@ -47,9 +51,10 @@ use super::classify::{Classifier, error_status};
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
 use super::replay::{Buffered, ReplayBody, buffer};
+use super::transparent::{ResendAbove, ResendRequested, Resent};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
 use crate::deadline::{Deadline, DeadlineExceeded};
-use crate::retry::{CallInfo, RetryPolicy, StopReason};
+use crate::retry::{Attempt, CallInfo, RetryPolicy, StopReason};
 use crate::status::{Code, Status};
 
 /// Header carrying, on a retry or a hedge, how many attempts of the call came before it.
@@ -202,6 +207,11 @@ where
     } else {
         (&config.single, Content::Once(Some(ReplayBody::once(body))))
     };
+    if matches!(content, Content::Replay(_)) {
+        // Every attempt can be made again from `parts` and the replay: a transparent-retry
+        // layer below asks for a re-send instead of keeping its own copy of each attempt.
+        parts.extensions.insert(ResendAbove);
+    }
     let trace_id = parts
         .headers
         .get(&TRACEPARENT)
@@ -221,10 +231,16 @@ where
     let mut attempts = policy.attempts(&call, deadline);
     // The response of the last failed attempt, returned if it ends up being the answer.
     let mut last: Option<Response<ResB>> = None;
+    // An attempt that never reached the server, to be sent again at once (see `ResendAbove`).
+    let mut resend: Option<(Attempt, Duration)> = None;
     let stopped = loop {
-        let (attempt, remaining) = match attempts.start() {
-            Ok(next) => next,
-            Err(stopped) => break stopped,
+        let resending = resend.is_some();
+        let (attempt, remaining) = match resend.take() {
+            Some(again) => again,
+            None => match attempts.start() {
+                Ok(next) => next,
+                Err(stopped) => break stopped,
+            },
         };
         let body = match &mut content {
             Content::Replay(replay) => Some(replay.body()),
@@ -244,6 +260,9 @@ where
                 &GRPC_PREVIOUS_RPC_ATTEMPTS,
                 HeaderValue::from(attempt.number - 1),
             );
+        }
+        if resending {
+            request.extensions_mut().insert(Resent);
         }
         let started = Instant::now();
         let sent = tokio::time::timeout_at(deadline.instant(), async {
@@ -266,6 +285,15 @@ where
                 }
             },
             Ok(Err(e)) => {
+                let e = match e.downcast::<ResendRequested>() {
+                    // Not an attempt: the same one goes again, its budget token already taken.
+                    Ok(_never_sent) if !resending => {
+                        resend = Some((attempt, remaining));
+                        continue;
+                    }
+                    Ok(never_sent) => never_sent.into_source(),
+                    Err(e) => e,
+                };
                 last = None;
                 let status = error_status(&*e);
                 if e.is::<DeadlineExceeded>() {

@@ -259,3 +259,107 @@ async fn an_attempt_refused_for_lack_of_time_stops_on_the_deadline() {
     assert!((budget.available() - 20.0).abs() < 1e-9, "no token spent");
     assert!(handle.next_request().await.is_none(), "nothing was sent");
 }
+
+/// The retry layer over the transparent-retry layer (as in the client stack), with a breaker
+/// between them that opens on a single failure.
+fn with_transparent_below(
+    budget: RetryBudget,
+    max_attempts: u32,
+) -> (
+    impl tower::Service<
+        Request<Full<Bytes>>,
+        Response = Response<()>,
+        Error = BoxError,
+        Future = impl Send,
+    > + Send,
+    Handle,
+) {
+    use crate::client::breaker::{Breaker, BreakerConfig, CircuitBreaker};
+    use crate::client::transparent::TransparentRetry;
+
+    let (svc, handle) = mock::pair::<Request<Body>, Response<()>>();
+    let breaker = CircuitBreaker::new(BreakerConfig {
+        failure_ratio: 0.01,
+        min_requests: 1,
+        ..BreakerConfig::default()
+    })
+    .unwrap();
+    let below = Breaker::new(TransparentRetry::new(svc, Some(budget.clone())), breaker);
+    let policy = RetryPolicy::builder("psp", "Charge")
+        .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
+        .budget(budget)
+        .max_attempts(max_attempts)
+        .keyed(true)
+        .build()
+        .unwrap();
+    let svc = RetryLayer::new(policy, Idempotency::Keyed).layer(below);
+    (svc, handle)
+}
+
+/// A transparent re-send under the retry layer is made by the retry layer from its own copy:
+/// the same attempt again (no `grpc-previous-rpc-attempts`, max attempts untouched), marked as
+/// the re-send, paid from the budget, and not counted by the breaker in between.
+#[tokio::test(start_paused = true)]
+async fn a_never_sent_attempt_is_sent_again_by_the_retry_layer() {
+    use crate::client::transparent::{ResendAbove, Resent};
+
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let (svc, mut handle) = with_transparent_below(budget.clone(), 1);
+    handle.allow(4);
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+
+    let (first, send) = handle.next_request().await.unwrap();
+    assert!(first.extensions().get::<ResendAbove>().is_some());
+    assert!(first.extensions().get::<Resent>().is_none());
+    send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+
+    let (again, send) = handle.next_request().await.unwrap();
+    assert!(again.extensions().get::<Resent>().is_some());
+    assert!(again.headers().get(&GRPC_PREVIOUS_RPC_ATTEMPTS).is_none());
+    assert_eq!(again.headers()["idempotency-key"], "k-1");
+    send.send_response(status(200));
+    assert_eq!(body_of(again).await, "{\"a\":1}");
+
+    // One attempt allowed, and it succeeded: the breaker (open on any failure) let it through.
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(
+        (budget.available() - 4.0).abs() < 1e-9,
+        "one token for the re-send"
+    );
+}
+
+/// Once per attempt: a re-send that fails the same way is that attempt's failure.
+#[tokio::test(start_paused = true)]
+async fn a_never_sent_attempt_is_sent_again_once() {
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let (svc, mut handle) = with_transparent_below(budget.clone(), 1);
+    handle.allow(4);
+    let call = tokio::spawn(svc.oneshot(request("{}", Some("k-1"))));
+    for _ in 0..2 {
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+    }
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(stopped.attempts, 1);
+    assert_eq!(stopped.reason, StopReason::MaxAttempts);
+    let pending = futures_util::FutureExt::now_or_never(handle.next_request());
+    assert!(!matches!(pending, Some(Some(_))), "nothing else was sent");
+}
+
+/// Without a budget token there is no re-send, and the failure counts as the attempt's.
+#[tokio::test(start_paused = true)]
+async fn a_never_sent_attempt_without_a_token_is_a_failed_attempt() {
+    // No burst: the budget starts empty.
+    let budget = RetryBudget::new(0.0, 0).unwrap();
+    let (svc, mut handle) = with_transparent_below(budget.clone(), 1);
+    handle.allow(4);
+    let call = tokio::spawn(svc.oneshot(request("{}", Some("k-1"))));
+    let (_, send) = handle.next_request().await.unwrap();
+    send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+    let err = call.await.unwrap().unwrap_err();
+    assert!(err.downcast_ref::<RetryError>().is_some());
+    let pending = futures_util::FutureExt::now_or_never(handle.next_request());
+    assert!(!matches!(pending, Some(Some(_))), "nothing else was sent");
+}

@@ -16,6 +16,20 @@
 //! endpoint. Anything else (a reset after the request was sent, a timeout) may have reached the
 //! server and is left to the retry layer and the method's contract.
 //!
+//! # Under the retry layer
+//!
+//! Keeping a copy of every attempt for a re-send that almost never happens costs a copy of the
+//! request head per attempt (header map, extensions). Under the [retry layer](super::retry),
+//! which already keeps the call's head and body to make attempts from, this layer keeps none:
+//! the retry layer marks the attempts it makes ([`ResendAbove`]), and for such an attempt this
+//! layer answers a never-sent failure it may re-send (budget token taken) with
+//! [`ResendRequested`]; the retry layer then sends the same attempt again at once, without
+//! counting it against max attempts, through the layers below it, so the re-send gets a fresh
+//! `grpc-timeout`. The circuit breaker does not count a [`ResendRequested`] failure (the
+//! re-send's outcome is what it counts), so the re-send stays invisible to it; the re-sent
+//! attempt is marked ([`Resent`]) so that it is not re-sent again. Used alone, this layer copies
+//! each attempt and re-sends it itself.
+//!
 //! One known imprecision, from hyper's HTTP/2 client: on a multi-threaded runtime, a request
 //! that h2 has already handed to the connection can still fail with the connection's `GOAWAY`
 //! error when the `GOAWAY` arrives in the same instant, whatever the stream's id (the error
@@ -79,6 +93,32 @@ pub fn never_sent(error: &(dyn StdError + 'static)) -> bool {
     false
 }
 
+/// Put by the [retry layer](super::retry) on the attempts it makes of a replayable call: it
+/// re-sends an attempt that failed with [`ResendRequested`], so this layer need not keep a copy.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ResendAbove;
+
+/// Put on an attempt that is itself the transparent re-send: it is not re-sent again.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Resent;
+
+/// The failure of an attempt marked [`ResendAbove`] that never reached the server and may be
+/// sent again (the budget token for it is taken): the layer that marked it re-sends it. Its
+/// source is the transport's error.
+#[derive(Debug, thiserror::Error)]
+#[error("the attempt never reached the server; it is sent again")]
+pub struct ResendRequested {
+    #[source]
+    source: BoxError,
+}
+
+impl ResendRequested {
+    /// The transport's error.
+    pub fn into_source(self) -> BoxError {
+        self.source
+    }
+}
+
 /// Re-sends, once, an attempt that never reached the server (see the [module docs](self)).
 #[derive(Debug)]
 pub struct TransparentRetry<S> {
@@ -134,8 +174,15 @@ where
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        // A body sent once is never re-sent: then the shared state is not needed either.
-        let again = try_clone_request(&request).map(|again| (again, Arc::clone(&self.shared)));
+        let extensions = request.extensions();
+        // A body sent once is never re-sent, and neither is a re-send: then nothing is kept.
+        let again = if !request.body().is_replayable() || extensions.get::<Resent>().is_some() {
+            None
+        } else if extensions.get::<ResendAbove>().is_some() {
+            Some(Again::Above(Arc::clone(&self.shared)))
+        } else {
+            try_clone_request(&request).map(|copy| Again::Here(copy, Arc::clone(&self.shared)))
+        };
         ResponseFuture {
             state: State::First {
                 future: self.inner.call(request),
@@ -156,8 +203,17 @@ pin_project! {
     }
 }
 
-/// A re-send's copy of the request, and where to send it.
-type Again<S, B> = (Request<ReplayBody<B>>, Arc<Shared<S>>);
+/// Who re-sends a never-sent attempt.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "held inline in the response future; boxing the copy would cost an allocation per call"
+)]
+enum Again<S, B> {
+    /// This layer, with its copy of the request.
+    Here(Request<ReplayBody<B>>, Arc<Shared<S>>),
+    /// The retry layer above (see [`ResendAbove`]); only the budget is needed here.
+    Above(Arc<Shared<S>>),
+}
 
 pin_project! {
     #[project = StateProj]
@@ -199,8 +255,11 @@ where
                         Ok(response) => return Poll::Ready(Ok(response)),
                         Err(e) => e.into(),
                     };
-                    let Some((request, shared)) = again.take() else {
+                    let Some(again) = again.take() else {
                         return Poll::Ready(Err(error));
+                    };
+                    let shared = match &again {
+                        Again::Here(_, shared) | Again::Above(shared) => shared,
                     };
                     if !never_sent(&*error)
                         || !shared.budget.as_ref().is_none_or(RetryBudget::try_withdraw)
@@ -213,6 +272,12 @@ where
                         error = %error,
                         "re-sending an attempt that never reached the server"
                     );
+                    let (request, shared) = match again {
+                        Again::Here(request, shared) => (request, shared),
+                        Again::Above(_) => {
+                            return Poll::Ready(Err(Box::new(ResendRequested { source: error })));
+                        }
+                    };
                     let svc = shared
                         .spare
                         .lock()
