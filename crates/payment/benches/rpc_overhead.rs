@@ -9,9 +9,9 @@
 //!
 //! Each run starts its own server on a loopback port and drives it closed-loop with
 //! `--conns` tasks for `--secs` seconds; modes alternate within each round and the table shows
-//! medians over rounds. Besides RPC/s it reports the process's CPU time (user + system, client
-//! and server together) per RPC: on a shared machine, where other work takes cores away for a
-//! while, CPU per RPC moves much less than RPC/s, and its ratio says what the stacks cost.
+//! medians over rounds, and the median of each round's ratio against that round's bare run.
+//! It also reports the process's CPU time per RPC (user + system, client and server
+//! together): what the stacks cost in absolute terms on this machine.
 //!
 //! The process installs the Prometheus recorder `backstop serve` uses, so the stacks' metrics
 //! are recorded as in production (`--no-metrics` to leave the no-op recorder), and allocates
@@ -347,8 +347,10 @@ fn main() {
         .build()
         .unwrap();
     println!("conns {conns}, {secs} s per run, {rounds} rounds; medians; ratio vs bare");
-    println!("| transport | mode | RPC/s | ratio | p99 ms | CPU µs/RPC | CPU ratio |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| transport | mode | RPC/s | ratio | round ratio | p99 ms | CPU µs/RPC | CPU ratio |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
     // `--only grpc|http` and `--mode N` (index into MODES) narrow a run, e.g. for profiling.
     let only = std::env::args().skip_while(|a| a != "--only").nth(1);
     let only_mode = std::env::args()
@@ -399,11 +401,23 @@ fn main() {
         let p99 = |v: &[(Run, f64)]| median(v.iter().map(|r| r.0.p99).collect());
         let cpu = |v: &[(Run, f64)]| median(v.iter().map(|r| r.1).collect());
         let (bare, bare_cpu) = (rate(&results[0]), cpu(&results[0]));
+        // Each round's ratio against the same round's bare run, then the median: the machine's
+        // speed drifts between rounds, and a ratio of runs made a few seconds apart drifts less.
+        let round_ratio = |m: usize| {
+            median(
+                results[m]
+                    .iter()
+                    .zip(&results[0])
+                    .map(|(run, base)| run.0.rate / base.0.rate)
+                    .collect(),
+            )
+        };
         for (m, (name, _)) in MODES.iter().enumerate() {
             println!(
-                "| {transport} | {name} | {:.0} | {:.2} | {:.2} | {:.1} | {:.2} |",
+                "| {transport} | {name} | {:.0} | {:.2} | {:.2} | {:.2} | {:.1} | {:.2} |",
                 rate(&results[m]),
                 rate(&results[m]) / bare,
+                round_ratio(m),
                 p99(&results[m]),
                 cpu(&results[m]),
                 bare_cpu / cpu(&results[m]),
