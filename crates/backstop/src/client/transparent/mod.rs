@@ -181,7 +181,8 @@ where
         } else if extensions.get::<ResendAbove>().is_some() {
             Some(Again::Above(Arc::clone(&self.shared)))
         } else {
-            try_clone_request(&request).map(|copy| Again::Here(copy, Arc::clone(&self.shared)))
+            try_clone_request(&request)
+                .map(|copy| Again::Here(Box::new(copy), Arc::clone(&self.shared)))
         };
         ResponseFuture {
             state: State::First {
@@ -204,13 +205,10 @@ pin_project! {
 }
 
 /// Who re-sends a never-sent attempt.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "held inline in the response future; boxing the copy would cost an allocation per call"
-)]
 enum Again<S, B> {
-    /// This layer, with its copy of the request.
-    Here(Request<ReplayBody<B>>, Arc<Shared<S>>),
+    /// This layer, with its copy of the request (boxed: under the retry layer there is no copy,
+    /// and an inline one would make every call's future larger).
+    Here(Box<Request<ReplayBody<B>>>, Arc<Shared<S>>),
     /// The retry layer above (see [`ResendAbove`]); only the budget is needed here.
     Above(Arc<Shared<S>>),
 }
@@ -278,6 +276,7 @@ where
                             return Poll::Ready(Err(Box::new(ResendRequested { source: error })));
                         }
                     };
+                    let request = *request;
                     let svc = shared
                         .spare
                         .lock()
