@@ -5,7 +5,7 @@
 //! `cargo run --release -p backstop --example stack_calls -- MODE CALLS`, where MODE is
 //! `client_bare`, `client_stack`, `server_bare` or `server_stack` (the same services as the
 //! `stacks` criterion bench, on a current-thread runtime, with the Prometheus recorder
-//! installed as `backstop serve` does).
+//! installed and mimalloc allocating, as in `backstop serve`).
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::Duration;
@@ -20,6 +20,10 @@ use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::Full;
 use tower::{Layer, ServiceExt, service_fn};
+
+/// The allocator the `backstop` binary ships with, as in the other benches.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const BODY: &[u8] = br#"{"order_id":"o-1","amount_cents":100}"#;
 
