@@ -16,6 +16,9 @@ pub(crate) const REFRESH: u32 = 16;
 /// `value` when nothing is cached.
 const NONE: u64 = u64::MAX;
 
+/// Up to this many largest samples are kept in one pass instead of selecting in a copy.
+const TOP_K: usize = 8;
+
 /// Recording is lock-free: every attempt of every caller of a destination records into the
 /// same window, from any worker thread, and a lock there would be contended on every call.
 #[derive(Debug)]
@@ -69,13 +72,28 @@ impl SampleWindow {
         }
         self.stale.store(0, Ordering::Relaxed);
         // Until the window is full, only the first `len` slots hold samples.
-        let mut sorted: Vec<u64> = self.slots[..len]
-            .iter()
-            .map(|slot| slot.load(Ordering::Relaxed))
-            .collect();
+        let slots = &self.slots[..len];
         let rank = ((q.clamp(0.0, 1.0) * len as f64).ceil() as usize).clamp(1, len);
-        let (_, value, _) = sorted.select_nth_unstable(rank - 1);
-        let nanos = *value;
+        // The rank-th smallest is the k-th largest. For a high quantile (a p99 keeps the margin)
+        // k is small: one pass keeping the k largest, without copying the window.
+        let k = len - rank + 1;
+        let nanos = if k <= TOP_K {
+            let mut top = [0u64; TOP_K];
+            for slot in slots {
+                let v = slot.load(Ordering::Relaxed);
+                if v > top[k - 1] {
+                    // Insert `v` into the descending `top[..k]`, dropping the smallest.
+                    let at = top[..k].iter().position(|&t| v > t).unwrap_or(k - 1);
+                    top.copy_within(at..k - 1, at + 1);
+                    top[at] = v;
+                }
+            }
+            top[k - 1]
+        } else {
+            let mut sorted: Vec<u64> = slots.iter().map(|s| s.load(Ordering::Relaxed)).collect();
+            let (_, value, _) = sorted.select_nth_unstable(rank - 1);
+            *value
+        };
         self.cached_q.store(q.to_bits(), Ordering::Relaxed);
         self.value.store(nanos, Ordering::Release);
         Some(Duration::from_nanos(nanos))
@@ -106,6 +124,36 @@ mod tests {
         assert_eq!(w.quantile(0.95, 10), Some(1000 * MS));
         // Another quantile is computed afresh: 1..=16 rolled out, 17..=100 and 16 x 1000 left.
         assert_eq!(w.quantile(0.5, 10), Some(66 * MS));
+    }
+
+    proptest::proptest! {
+        /// The one-pass path for high quantiles and the selection path agree with a sort.
+        #[test]
+        fn quantile_is_the_nearest_rank_of_the_window(
+            samples in proptest::collection::vec(0u64..1_000, 1..200),
+            q in 0.01f64..=1.0,
+        ) {
+            let w = SampleWindow::new(128);
+            for &s in &samples {
+                w.record(Duration::from_nanos(s));
+            }
+            let mut kept: Vec<u64> = if samples.len() > 128 {
+                // The window holds the last 128, in slot order.
+                let mut slots = vec![0; 128];
+                for (i, &s) in samples.iter().enumerate() {
+                    slots[i % 128] = s;
+                }
+                slots
+            } else {
+                samples.clone()
+            };
+            kept.sort_unstable();
+            let rank = ((q * kept.len() as f64).ceil() as usize).clamp(1, kept.len());
+            proptest::prop_assert_eq!(
+                w.quantile(q, 1),
+                Some(Duration::from_nanos(kept[rank - 1]))
+            );
+        }
     }
 
     #[test]

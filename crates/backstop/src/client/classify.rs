@@ -19,7 +19,7 @@
 use std::error::Error as StdError;
 use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, Response, StatusCode};
+use http::{HeaderMap, HeaderName, Response, StatusCode};
 
 use super::breaker::CircuitOpen;
 use crate::admission::RetryAfter;
@@ -33,6 +33,12 @@ pub const GRPC_MESSAGE: &str = "grpc-message";
 /// Longest `grpc-message` kept in a status, in bytes.
 const MAX_MESSAGE: usize = 256;
 
+// The same names as typed header names: looking a `&str` up in a `HeaderMap` parses it first,
+// on every response.
+static GRPC_STATUS_NAME: HeaderName = HeaderName::from_static(GRPC_STATUS);
+static GRPC_MESSAGE_NAME: HeaderName = HeaderName::from_static(GRPC_MESSAGE);
+static GRPC_RETRY_PUSHBACK_MS_NAME: HeaderName = HeaderName::from_static(GRPC_RETRY_PUSHBACK_MS);
+
 /// Reads an attempt's response head (status and headers) as a failure, or `None` for a
 /// success. [`classify_head`] is the default; a destination whose answers mean something else
 /// (a provider whose 500 means "try again") gives the retry layer its own.
@@ -45,7 +51,7 @@ pub fn response_status<B>(response: &Response<B>) -> Option<Status> {
 
 /// The default [`Classifier`]: `grpc-status` first, else the HTTP status (module docs).
 pub fn classify_head(http: StatusCode, headers: &HeaderMap) -> Option<Status> {
-    let status = match headers.get(GRPC_STATUS) {
+    let status = match headers.get(&GRPC_STATUS_NAME) {
         Some(value) => {
             let code = value
                 .to_str()
@@ -56,7 +62,7 @@ pub fn classify_head(http: StatusCode, headers: &HeaderMap) -> Option<Status> {
                 return None;
             }
             let message = headers
-                .get(GRPC_MESSAGE)
+                .get(&GRPC_MESSAGE_NAME)
                 .and_then(|m| m.to_str().ok())
                 .map_or_else(String::new, |m| {
                     m.chars().take(MAX_MESSAGE).collect::<String>()
@@ -85,7 +91,7 @@ pub fn classify_head(http: StatusCode, headers: &HeaderMap) -> Option<Status> {
 /// The pushback a response asks for. `Some(Duration::MAX)` for a value that is negative or
 /// cannot be read: the server said something other than "retry after", so do not retry.
 pub fn pushback(headers: &HeaderMap) -> Option<Duration> {
-    if let Some(value) = headers.get(GRPC_RETRY_PUSHBACK_MS) {
+    if let Some(value) = headers.get(&GRPC_RETRY_PUSHBACK_MS_NAME) {
         let ms = value
             .to_str()
             .ok()
