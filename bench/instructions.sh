@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Instructions per call of the in-process client and server stacks against the bare services,
+# Instructions per call of the in-process client and server stacks against the bare services
+# (and of the server stack with an idempotency-keyed route on the in-memory store),
 # counted by valgrind's callgrind (deterministic: the same build gives the same count whatever
 # else the machine is doing, unlike timings). Each mode runs twice, with SMALL and LARGE calls;
 # the difference divided by LARGE - SMALL removes start-up and warm-up costs.
@@ -20,7 +21,7 @@ instructions() {
 }
 
 declare -A per_call
-for mode in client_bare client_stack server_bare server_stack; do
+for mode in client_bare client_stack server_bare server_stack server_keyed; do
   a=$(instructions "$mode" "$small")
   b=$(instructions "$mode" "$large")
   per_call[$mode]=$(( (b - a) / (large - small) ))
@@ -31,4 +32,7 @@ for side in client server; do
   stack=${per_call[${side}_stack]}
   printf '%-8s %12d %12d %8.2f\n' "$side" "$bare" "$stack" "$(echo "$stack / $bare" | bc -l)"
 done
-echo "(instructions per call, callgrind, calls $small vs $large)"
+printf '%-8s %12d %12d %8.2f\n' keyed "${per_call[server_bare]}" "${per_call[server_keyed]}" \
+  "$(echo "${per_call[server_keyed]} / ${per_call[server_bare]}" | bc -l)"
+echo "(instructions per call, callgrind, calls $small vs $large; keyed = the server stack with"
+echo " the route keyed on the in-memory store, a fresh key per call)"

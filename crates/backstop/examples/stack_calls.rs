@@ -3,7 +3,8 @@
 //! whatever else the machine is doing, so they compare two builds where timings cannot.
 //!
 //! `cargo run --release -p backstop --example stack_calls -- MODE CALLS`, where MODE is
-//! `client_bare`, `client_stack`, `server_bare` or `server_stack` (the same services as the
+//! `client_bare`, `client_stack`, `server_bare`, `server_stack` or `server_keyed` (the same
+//! services as the
 //! `stacks` criterion bench, on a current-thread runtime, with the Prometheus recorder
 //! installed and mimalloc allocating, as in `backstop serve`).
 use std::convert::Infallible;
@@ -15,7 +16,7 @@ use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
 use backstop::contract::{Idempotency, MethodContract};
 use backstop::idempotency::MemoryStore;
-use backstop::server::ServerStack;
+use backstop::server::{KeyedRoute, ServerStack};
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::Full;
@@ -72,6 +73,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     assert!(response.status().is_success());
                 }
             }
+            "server_keyed" => {
+                // The route keyed on the in-memory store, a fresh key per call: the
+                // idempotency layer's own work (claim, fingerprint, store the answer).
+                let handler = service_fn(|_r: Request<axum::body::Body>| async {
+                    Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
+                });
+                let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
+                let buckets = KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
+                let stack = ServerStack::new("bench", MemoryStore::new())
+                    .tenant_buckets(buckets)
+                    .gate(Gate::new(100_000, Duration::from_millis(1)))
+                    .keyed(Method::POST, "/v1/echo", KeyedRoute::payments())
+                    .into_layer()
+                    .layer(handler);
+                for i in 0..calls {
+                    let mut request = request().map(axum::body::Body::new);
+                    let key = http::HeaderValue::try_from(format!("key-{i}"))?;
+                    request.headers_mut().insert("idempotency-key", key);
+                    let response = stack.clone().oneshot(request).await?;
+                    assert!(response.status().is_success());
+                }
+            }
             "server_bare" | "server_stack" => {
                 let handler = service_fn(|_r: Request<axum::body::Body>| async {
                     Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
@@ -100,7 +123,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             other => {
                 return Err(format!(
-                    "unknown mode {other:?}: client_bare | client_stack | server_bare | server_stack"
+                    "unknown mode {other:?}: client_bare | client_stack | server_bare | server_stack | \
+                     server_keyed"
                 )
                 .into());
             }
