@@ -158,6 +158,17 @@ impl Outcome {
         Outcome::Rejected,
     ];
 
+    /// Position in [`Outcome::ALL`]: an index into per-outcome tables.
+    pub(crate) const fn index(self) -> usize {
+        match self {
+            Outcome::Ok => 0,
+            Outcome::Retryable => 1,
+            Outcome::Fatal => 2,
+            Outcome::Timeout => 3,
+            Outcome::Rejected => 4,
+        }
+    }
+
     /// The label value: `ok`, `retryable`, `fatal`, `timeout` or `rejected`.
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -506,6 +517,13 @@ impl From<DeadlineExceeded> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outcome_index_is_the_position_in_all() {
+        for (i, outcome) in Outcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome.index(), i, "{outcome:?}");
+        }
+    }
 
     /// DESIGN section 3, row by row: code, HTTP status, retry class.
     #[test]

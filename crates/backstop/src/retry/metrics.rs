@@ -69,13 +69,6 @@ fn duration(service: &SharedString, method: &SharedString, number: u32) -> Histo
         label::ATTEMPT => attempt_label(number))
 }
 
-fn outcome_index(outcome: Outcome) -> usize {
-    Outcome::ALL
-        .iter()
-        .position(|o| *o == outcome)
-        .unwrap_or_default()
-}
-
 impl PolicyMetrics {
     fn handles(&self, service: &SharedString, method: &SharedString) -> Option<&Handles> {
         let recorder = recorder_id()?;
@@ -117,7 +110,7 @@ impl PolicyMetrics {
         match self.handles(service, method) {
             Some(h) => {
                 let slot = (number as usize).min(ATTEMPT_LABELS - 1);
-                h.attempts[slot][outcome_index(outcome)]
+                h.attempts[slot][outcome.index()]
                     .get_or_init(|| attempts(service, method, number, outcome))
                     .increment(1);
                 h.durations[slot]
@@ -135,20 +128,11 @@ impl PolicyMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use crate::server::testing::Recorded;
+    use metrics_util::debugging::DebuggingRecorder;
 
     fn requests_counted(recorder: &DebuggingRecorder) -> u64 {
-        recorder
-            .snapshotter()
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .filter(|(key, ..)| key.key().name() == RPC_CLIENT_REQUESTS_TOTAL)
-            .map(|(.., value)| match value {
-                DebugValue::Counter(n) => n,
-                _ => 0,
-            })
-            .sum()
+        Recorded::of(recorder).counter(RPC_CLIENT_REQUESTS_TOTAL, &[])
     }
 
     /// Handles are cached for the first recorder; a second one still sees every value.

@@ -61,7 +61,7 @@ pub mod tenant;
 mod reject;
 mod route;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 pub use self::deadline::DeadlineLayer;
 pub use self::gate::GateLayer;

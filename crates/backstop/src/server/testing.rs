@@ -17,6 +17,25 @@ pub(crate) struct Recorded(Vec<Sample>);
 type Sample = (String, Vec<(String, String)>, DebugValue);
 
 impl Recorded {
+    /// What `recorder` holds now.
+    pub(crate) fn of(recorder: &DebuggingRecorder) -> Recorded {
+        let recorded = recorder
+            .snapshotter()
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let key = key.key();
+                let labels = key
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                (key.name().to_owned(), labels, value)
+            })
+            .collect();
+        Recorded(recorded)
+    }
+
     fn matching<'a>(
         &'a self,
         name: &'a str,
@@ -68,27 +87,13 @@ where
     Fut: Future,
 {
     let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
         .build()
         .unwrap();
     let output = metrics::with_local_recorder(&recorder, || runtime.block_on(test()));
-    let recorded = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(key, _, _, value)| {
-            let key = key.key();
-            let labels = key
-                .labels()
-                .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                .collect();
-            (key.name().to_owned(), labels, value)
-        })
-        .collect();
-    (output, Recorded(recorded))
+    (output, Recorded::of(&recorder))
 }
 
 thread_local! {

@@ -17,13 +17,15 @@ type Mocked = Retry<mock::Mock<Request<Body>, Response<()>>>;
 
 const MS: Duration = Duration::from_millis(1);
 
-fn policy(budget: RetryBudget) -> RetryPolicy {
+fn policy_builder(budget: RetryBudget) -> crate::retry::RetryPolicyBuilder {
     RetryPolicy::builder("psp", "Charge")
         .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
         .budget(budget)
         .keyed(true)
-        .build()
-        .unwrap()
+}
+
+fn policy(budget: RetryBudget) -> RetryPolicy {
+    policy_builder(budget).build().unwrap()
 }
 
 fn service(idempotency: Idempotency, budget: RetryBudget) -> (Mocked, Handle) {
@@ -285,11 +287,8 @@ fn with_transparent_below(
     })
     .unwrap();
     let below = Breaker::new(TransparentRetry::new(svc, Some(budget.clone())), breaker);
-    let policy = RetryPolicy::builder("psp", "Charge")
-        .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
-        .budget(budget)
+    let policy = policy_builder(budget)
         .max_attempts(max_attempts)
-        .keyed(true)
         .build()
         .unwrap();
     let svc = RetryLayer::new(policy, Idempotency::Keyed).layer(below);

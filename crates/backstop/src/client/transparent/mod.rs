@@ -213,6 +213,14 @@ enum Again<S, B> {
     Above(Arc<Shared<S>>),
 }
 
+impl<S, B> Again<S, B> {
+    fn shared(&self) -> &Shared<S> {
+        match self {
+            Again::Here(_, shared) | Again::Above(shared) => shared,
+        }
+    }
+}
+
 pin_project! {
     #[project = StateProj]
     enum State<S, B>
@@ -256,11 +264,12 @@ where
                     let Some(again) = again.take() else {
                         return Poll::Ready(Err(error));
                     };
-                    let shared = match &again {
-                        Again::Here(_, shared) | Again::Above(shared) => shared,
-                    };
                     if !never_sent(&*error)
-                        || !shared.budget.as_ref().is_none_or(RetryBudget::try_withdraw)
+                        || !again
+                            .shared()
+                            .budget
+                            .as_ref()
+                            .is_none_or(RetryBudget::try_withdraw)
                     {
                         return Poll::Ready(Err(error));
                     }
@@ -270,11 +279,8 @@ where
                         error = %error,
                         "re-sending an attempt that never reached the server"
                     );
-                    let (request, shared) = match again {
-                        Again::Here(request, shared) => (request, shared),
-                        Again::Above(_) => {
-                            return Poll::Ready(Err(Box::new(ResendRequested { source: error })));
-                        }
+                    let Again::Here(request, shared) = again else {
+                        return Poll::Ready(Err(Box::new(ResendRequested { source: error })));
                     };
                     let request = *request;
                     let svc = shared

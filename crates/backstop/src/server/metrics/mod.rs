@@ -86,7 +86,7 @@ struct Handles {
     recorder: usize,
     inflight: Gauge,
     /// `rpc_server_requests_total` and `rpc_server_duration_seconds` per outcome, registered on
-    /// the first request with that outcome (as the macros would), indexed by [`outcome_index`].
+    /// the first request with that outcome (as the macros would), indexed by [`Outcome::index`].
     by_outcome: [OnceLock<(Counter, Histogram)>; Outcome::ALL.len()],
     /// `idempotency_claims_total` per claim result, indexed by [`claim_index`].
     claims: [OnceLock<Counter>; 4],
@@ -200,8 +200,7 @@ impl Route {
         };
         match self.handles() {
             Some(handles) => {
-                let (requests, duration) =
-                    handles.by_outcome[outcome_index(outcome)].get_or_init(resolve);
+                let (requests, duration) = handles.by_outcome[outcome.index()].get_or_init(resolve);
                 requests.increment(1);
                 duration.record(seconds);
             }
@@ -237,16 +236,6 @@ fn claim_index(result: &str) -> Option<usize> {
     [CLAIMED, REPLAY, CONFLICT, IN_PROGRESS]
         .iter()
         .position(|r| *r == result)
-}
-
-fn outcome_index(outcome: Outcome) -> usize {
-    match outcome {
-        Outcome::Ok => 0,
-        Outcome::Retryable => 1,
-        Outcome::Fatal => 2,
-        Outcome::Timeout => 3,
-        Outcome::Rejected => 4,
-    }
 }
 
 /// Message of the per-request log event.

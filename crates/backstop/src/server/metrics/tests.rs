@@ -301,20 +301,11 @@ fn traceparent_parsing() {
 
 #[test]
 fn handles_follow_the_recorder_in_effect() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use crate::server::testing::Recorded;
+    use metrics_util::debugging::DebuggingRecorder;
 
     fn requests(recorder: &DebuggingRecorder) -> u64 {
-        recorder
-            .snapshotter()
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .filter(|(key, ..)| key.key().name() == RPC_SERVER_REQUESTS_TOTAL)
-            .map(|(.., value)| match value {
-                DebugValue::Counter(c) => c,
-                _ => 0,
-            })
-            .sum()
+        Recorded::of(recorder).counter(RPC_SERVER_REQUESTS_TOTAL, &[])
     }
 
     let runtime = tokio::runtime::Builder::new_current_thread()
