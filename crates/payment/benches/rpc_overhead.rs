@@ -182,20 +182,34 @@ struct Run {
     calls: u64,
 }
 
-/// One closed-loop run: `conns` tasks calling `call` until `secs` pass.
-async fn drive<F, Fut>(conns: usize, secs: u64, call: F) -> Run
+/// How long a run lasts.
+#[derive(Debug, Clone, Copy)]
+enum Length {
+    /// Until this many seconds pass.
+    Secs(u64),
+    /// Until each task has made this many calls: a fixed amount of work, for counting
+    /// instructions per call (`bench/rpc_instructions.sh`).
+    CallsPerTask(u64),
+}
+
+/// One closed-loop run: `conns` tasks calling `call` for `length`.
+async fn drive<F, Fut>(conns: usize, length: Length, call: F) -> Run
 where
     F: Fn() -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
+    let limit = match length {
+        Length::Secs(_) => u64::MAX,
+        Length::CallsPerTask(n) => n,
+    };
     let tasks: Vec<_> = (0..conns)
         .map(|_| {
             let (stop, call) = (stop.clone(), call.clone());
             tokio::spawn(async move {
                 let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
-                while !stop.load(Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) && h.len() < limit {
                     let t = Instant::now();
                     call().await;
                     h.saturating_record(t.elapsed().as_micros() as u64);
@@ -204,8 +218,10 @@ where
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs(secs)).await;
-    stop.store(true, Ordering::Relaxed);
+    if let Length::Secs(secs) = length {
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        stop.store(true, Ordering::Relaxed);
+    }
     let mut all = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
     for t in tasks {
         all.add(t.await.unwrap()).unwrap();
@@ -218,7 +234,7 @@ where
     }
 }
 
-async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> Run {
+async fn grpc_run(mode: Mode, conns: usize, length: Length) -> Run {
     let url = serve(grpc_router(mode.server)).await;
     let channel = tonic::transport::Channel::from_shared(url)
         .unwrap()
@@ -242,7 +258,7 @@ async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> Run {
             })
             .service(channel);
         let client = PaymentClient::new(service);
-        drive(conns, secs, move || {
+        drive(conns, length, move || {
             let mut client = client.clone();
             async move {
                 client.get_charge(request()).await.unwrap();
@@ -251,7 +267,7 @@ async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> Run {
         .await
     } else {
         let client = PaymentClient::new(channel);
-        drive(conns, secs, move || {
+        drive(conns, length, move || {
             let mut client = client.clone();
             async move {
                 client.get_charge(request()).await.unwrap();
@@ -261,7 +277,7 @@ async fn grpc_run(mode: Mode, conns: usize, secs: u64) -> Run {
     }
 }
 
-async fn http_run(mode: Mode, conns: usize, secs: u64) -> Run {
+async fn http_run(mode: Mode, conns: usize, length: Length) -> Run {
     let url = serve(http_router(mode.server)).await;
     let uri: http::Uri = format!("{url}/v1/echo").parse().unwrap();
     let body = Bytes::from_static(br#"{"order_id":"o-1","amount_cents":100}"#);
@@ -277,7 +293,7 @@ async fn http_run(mode: Mode, conns: usize, secs: u64) -> Run {
             .build()
             .unwrap();
         let client = layer.layer(connect::pooled::<ReplayBody<Full<Bytes>>>(false));
-        drive(conns, secs, move || {
+        drive(conns, length, move || {
             let (client, request) = (client.clone(), request.clone());
             async move {
                 let response = client.oneshot(request()).await.unwrap();
@@ -288,7 +304,7 @@ async fn http_run(mode: Mode, conns: usize, secs: u64) -> Run {
         .await
     } else {
         let client = connect::pooled::<Full<Bytes>>(false);
-        drive(conns, secs, move || {
+        drive(conns, length, move || {
             let (mut client, request) = (client.clone(), request.clone());
             async move {
                 let response = client.call(request()).await.unwrap();
@@ -342,6 +358,11 @@ fn main() {
     let secs = arg("--secs", 5);
     let conns = arg("--conns", 64) as usize;
     let rounds = arg("--rounds", 3);
+    // `--calls N`: each run makes N calls (split over the tasks) instead of lasting `--secs`.
+    let length = match arg("--calls", 0) {
+        0 => Length::Secs(secs),
+        calls => Length::CallsPerTask(calls.div_ceil(conns as u64)),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -379,8 +400,8 @@ fn main() {
                 let cpu_before = process_cpu();
                 let result = runtime.block_on(async {
                     match transport {
-                        "grpc" => grpc_run(mode, conns, secs).await,
-                        _ => http_run(mode, conns, secs).await,
+                        "grpc" => grpc_run(mode, conns, length).await,
+                        _ => http_run(mode, conns, length).await,
                     }
                 });
                 // CPU per call, client and server together; NaN where /proc is missing.
@@ -391,8 +412,8 @@ fn main() {
                     _ => f64::NAN,
                 };
                 eprintln!(
-                    "{transport} round {round} {name}: {:.0} RPC/s, p99 {:.2} ms, {cpu:.1} µs CPU/RPC",
-                    result.rate, result.p99
+                    "{transport} round {round} {name}: {} calls, {:.0} RPC/s, p99 {:.2} ms, {cpu:.1} µs CPU/RPC",
+                    result.calls, result.rate, result.p99
                 );
                 results[m].push((result, cpu));
             }

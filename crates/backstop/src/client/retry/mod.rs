@@ -44,7 +44,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
-use tower::{BoxError, ServiceExt};
+use tower::BoxError;
 use tower_service::Service;
 
 use super::classify::{Classifier, error_status};
@@ -165,7 +165,7 @@ enum Content<B> {
 }
 
 async fn run<S, B, ResB>(
-    inner: S,
+    mut inner: S,
     config: Arc<Config>,
     request: Request<B>,
 ) -> Result<Response<ResB>, BoxError>
@@ -227,7 +227,6 @@ where
 
     // The attempts are run here rather than through `execute_with`'s closure, so that they
     // all call the one service this future owns (readiness, then call) instead of a clone each.
-    let mut inner = inner;
     let mut attempts = policy.attempts(&call, deadline);
     // The response of the last failed attempt, returned if it ends up being the answer.
     let mut last: Option<Response<ResB>> = None;
@@ -254,24 +253,34 @@ where
                 Err(stopped) => break stopped,
             }
         };
-        let mut request = Request::from_parts(parts.clone(), body);
-        if attempt.number > 1 {
-            request.headers_mut().insert(
-                &GRPC_PREVIOUS_RPC_ATTEMPTS,
-                HeaderValue::from(attempt.number - 1),
-            );
-        }
-        if resending {
-            request.extensions_mut().insert(Resent);
-        }
         let started = Instant::now();
-        let sent = tokio::time::timeout_at(deadline.instant(), async {
-            match inner.ready().await.map_err(Into::<BoxError>::into) {
-                Ok(svc) => svc.call(request).await.map_err(Into::<BoxError>::into),
-                Err(e) => Err(e),
-            }
-        })
+        // Readiness, then the request is made and handed over at once: the future keeps only
+        // the inner call's own future across the await, not a request (keeps it small).
+        let sent = tokio::time::timeout_at(
+            deadline.instant(),
+            std::future::poll_fn(|cx| inner.poll_ready(cx).map_err(Into::<BoxError>::into)),
+        )
         .await;
+        let sent = match sent {
+            Ok(Ok(())) => {
+                let mut request = Request::from_parts(parts.clone(), body);
+                if attempt.number > 1 {
+                    request.headers_mut().insert(
+                        &GRPC_PREVIOUS_RPC_ATTEMPTS,
+                        HeaderValue::from(attempt.number - 1),
+                    );
+                }
+                if resending {
+                    request.extensions_mut().insert(Resent);
+                }
+                let call = inner.call(request);
+                tokio::time::timeout_at(deadline.instant(), call)
+                    .await
+                    .map(|r| r.map_err(Into::<BoxError>::into))
+            }
+            Ok(Err(e)) => Ok(Err(e)),
+            Err(elapsed) => Err(elapsed),
+        };
         let elapsed = started.elapsed();
         let next = match sent {
             Ok(Ok(response)) => match (config.classifier)(response.status(), response.headers()) {
