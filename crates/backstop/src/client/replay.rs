@@ -66,14 +66,35 @@ impl Replay {
 
     /// A fresh body for one attempt.
     pub fn body<B>(&self) -> ReplayBody<B> {
+        self.body_resent_by(ResendBy::Here)
+    }
+
+    /// A fresh body for one attempt, which `by` sends again if it never reached the server.
+    pub(crate) fn body_resent_by<B>(&self, by: ResendBy) -> ReplayBody<B> {
         ReplayBody {
             kind: Kind::Buffered {
                 replay: self.clone(),
                 data_sent: self.data.is_empty(),
                 trailers_sent: self.trailers.is_none(),
+                resend: by,
             },
         }
     }
+}
+
+/// Who sends an attempt with a buffered body again when it provably never reached the server
+/// (see the [transparent-retry layer](super::transparent)). Carried by the body rather than in
+/// the request's extensions: every attempt has a body already, while an extension costs an
+/// allocation per attempt, and another per copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ResendBy {
+    /// The transparent-retry layer, from its own copy of the attempt.
+    Here,
+    /// The [retry layer](super::retry) above, which makes attempts from the call's head and
+    /// this replay: the layer below keeps no copy and asks for the re-send.
+    Above,
+    /// No one: this attempt is itself the re-send.
+    Nobody,
 }
 
 /// What [`buffer`] made of a body.
@@ -103,6 +124,7 @@ pin_project! {
             replay: Replay,
             data_sent: bool,
             trailers_sent: bool,
+            resend: ResendBy,
         },
         Streaming {
             prefix: VecDeque<Bytes>,
@@ -131,7 +153,16 @@ impl<B> ReplayBody<B> {
     /// A fresh copy from the start, for another attempt; `None` for a body sent only once.
     pub fn try_clone(&self) -> Option<Self> {
         match &self.kind {
-            Kind::Buffered { replay, .. } => Some(replay.body()),
+            Kind::Buffered { replay, resend, .. } => Some(replay.body_resent_by(*resend)),
+            Kind::Streaming { .. } => None,
+        }
+    }
+
+    /// Who sends this attempt again if it never reached the server; `None` for a body sent
+    /// only once, which no one may send again.
+    pub(crate) fn resend_by(&self) -> Option<ResendBy> {
+        match &self.kind {
+            Kind::Buffered { resend, .. } => Some(*resend),
             Kind::Streaming { .. } => None,
         }
     }
@@ -153,6 +184,7 @@ where
                 replay,
                 data_sent,
                 trailers_sent,
+                ..
             } => {
                 if !*data_sent {
                     *data_sent = true;

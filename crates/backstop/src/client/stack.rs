@@ -406,6 +406,63 @@ mod tests {
         ));
     }
 
+    /// Each attempt leaves with one `grpc-timeout`, its own remaining budget minus the margin,
+    /// never the call's whole budget nor a value left over from an earlier attempt.
+    #[tokio::test(start_paused = true)]
+    async fn each_attempt_leaves_with_one_grpc_timeout_of_its_own() {
+        use crate::deadline::{GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
+        use bytes::Bytes;
+        use http::{Request, Response};
+        use http_body_util::Full;
+        use std::sync::Mutex;
+        use tower::{ServiceExt, service_fn};
+
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let transport = {
+            let sent = sent.clone();
+            service_fn(move |r: Request<_>| {
+                let values: Vec<Duration> = r
+                    .headers()
+                    .get_all(&GRPC_TIMEOUT_HEADER)
+                    .iter()
+                    .map(|v| decode_grpc_timeout(v.to_str().unwrap()).unwrap())
+                    .collect();
+                let mut sent = sent.lock().unwrap();
+                sent.push(values);
+                let status = if sent.len() == 1 { 503 } else { 200 };
+                async move {
+                    // Each attempt takes 100 ms: the second starts with less left.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Ok::<_, std::io::Error>(Response::builder().status(status).body(()).unwrap())
+                }
+            })
+        };
+        let dest = Destination::new("psp").margin_floor(Duration::from_millis(50));
+        let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+            .default_timeout(Duration::from_secs(2))
+            .build();
+        let svc = ClientStack::builder(&dest, contract)
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = Request::get("http://psp/x")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let response = svc.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let sent = sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 2);
+        // First attempt: 2 s minus the 50 ms floor (nothing observed yet).
+        assert_eq!(sent[0], [Duration::from_millis(1950)]);
+        // Second: after 100 ms and a backoff, minus the margin learnt from the first attempt
+        // (2 x 100 ms + 5 ms).
+        assert_eq!(sent[1].len(), 1, "{sent:?}");
+        assert!(
+            sent[1][0] < Duration::from_millis(2000 - 100 - 205),
+            "{sent:?}"
+        );
+    }
+
     /// Every attempt, retry and hedge of the stack shows up under the DESIGN section 6 names.
     #[tokio::test(start_paused = true)]
     async fn attempts_retries_and_hedges_are_counted() {

@@ -163,8 +163,8 @@ impl RetryPolicy {
     {
         let mut attempts = self.attempts(call, deadline);
         loop {
-            let (attempt, remaining) = attempts.start()?;
             let started = Instant::now();
+            let (attempt, remaining) = attempts.start(started)?;
             let result = tokio::time::timeout_at(deadline.instant(), f(attempt)).await;
             let elapsed = started.elapsed();
             let wait = match result {
@@ -348,9 +348,10 @@ pub(crate) struct Attempts<'a> {
 }
 
 impl Attempts<'_> {
-    /// The next attempt and the budget left as it starts, or the stop when nothing is left.
-    pub(crate) fn start(&mut self) -> Result<(Attempt, Duration), RetryError> {
-        let remaining = self.deadline.remaining();
+    /// The next attempt, starting `now`, and the budget left as it starts, or the stop when
+    /// nothing is left. (`now` from the caller, who times the attempt from the same reading.)
+    pub(crate) fn start(&mut self, now: Instant) -> Result<(Attempt, Duration), RetryError> {
+        let remaining = self.deadline.instant().saturating_duration_since(now);
         if remaining.is_zero() {
             // Nothing left to send with: only before the first attempt, or after a wait that
             // ended on the deadline with a zero minimal attempt.

@@ -84,11 +84,11 @@ pin_project! {
 }
 
 impl<F> AttemptFuture<F> {
-    pub(super) fn running(future: F, margin: Option<Arc<Margin>>) -> Self {
+    pub(super) fn running(future: F, started: Instant, margin: Option<Arc<Margin>>) -> Self {
         Self {
             kind: Kind::Running {
                 future,
-                started: Instant::now(),
+                started,
                 margin,
             },
         }

@@ -29,7 +29,11 @@ use tower::BoxError;
 use tower_service::Service;
 
 use self::future::{AttemptFuture, ResponseFuture};
-use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value};
+use tokio::time::Instant;
+
+use crate::deadline::{
+    Deadline, DeadlineExceeded, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value,
+};
 
 /// Gives a logical call its deadline and cuts the call off when it passes.
 #[derive(Debug, Clone)]
@@ -116,18 +120,20 @@ where
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let Some(deadline) = request.extensions().get::<Deadline>().copied() else {
-            return AttemptFuture::running(self.inner.call(request), None);
+            return AttemptFuture::running(self.inner.call(request), Instant::now(), None);
         };
-        match deadline.child(self.margin.current()) {
-            Ok(child) => {
-                request.headers_mut().insert(
-                    &GRPC_TIMEOUT_HEADER,
-                    grpc_timeout_header_value(child.remaining()),
-                );
-                AttemptFuture::running(self.inner.call(request), Some(self.margin.clone()))
-            }
-            Err(exceeded) => AttemptFuture::refused(exceeded),
+        // `Deadline::child`, from one reading of the clock that also times the attempt.
+        let now = Instant::now();
+        let remaining = deadline.instant().saturating_duration_since(now);
+        let margin = self.margin.current();
+        if remaining <= margin {
+            return AttemptFuture::refused(DeadlineExceeded { remaining, margin });
         }
+        request.headers_mut().insert(
+            &GRPC_TIMEOUT_HEADER,
+            grpc_timeout_header_value(remaining - margin),
+        );
+        AttemptFuture::running(self.inner.call(request), now, Some(self.margin.clone()))
     }
 }
 

@@ -50,8 +50,8 @@ use tower_service::Service;
 use super::classify::{Classifier, error_status};
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
-use super::replay::{Buffered, ReplayBody, buffer};
-use super::transparent::{ResendAbove, ResendRequested, Resent};
+use super::replay::{Buffered, ReplayBody, ResendBy, buffer};
+use super::transparent::ResendRequested;
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
 use crate::deadline::{Deadline, DeadlineExceeded};
 use crate::retry::{Attempt, CallInfo, RetryPolicy, StopReason};
@@ -207,11 +207,6 @@ where
     } else {
         (&config.single, Content::Once(Some(ReplayBody::once(body))))
     };
-    if matches!(content, Content::Replay(_)) {
-        // Every attempt can be made again from `parts` and the replay: a transparent-retry
-        // layer below asks for a re-send instead of keeping its own copy of each attempt.
-        parts.extensions.insert(ResendAbove);
-    }
     let trace_id = parts
         .headers
         .get(&TRACEPARENT)
@@ -230,19 +225,28 @@ where
     let mut attempts = policy.attempts(&call, deadline);
     // The response of the last failed attempt, returned if it ends up being the answer.
     let mut last: Option<Response<ResB>> = None;
-    // An attempt that never reached the server, to be sent again at once (see `ResendAbove`).
+    // An attempt that never reached the server, to be sent again at once (see
+    // `ResendRequested`).
     let mut resend: Option<(Attempt, Duration)> = None;
     let stopped = loop {
         let resending = resend.is_some();
+        let started = Instant::now();
         let (attempt, remaining) = match resend.take() {
             Some(again) => again,
-            None => match attempts.start() {
+            None => match attempts.start(started) {
                 Ok(next) => next,
                 Err(stopped) => break stopped,
             },
         };
         let body = match &mut content {
-            Content::Replay(replay) => Some(replay.body()),
+            // Every attempt can be made again from `parts` and the replay: a transparent-retry
+            // layer below asks for a re-send instead of keeping its own copy of each attempt,
+            // and a re-send is not sent again.
+            Content::Replay(replay) => Some(replay.body_resent_by(if resending {
+                ResendBy::Nobody
+            } else {
+                ResendBy::Above
+            })),
             Content::Once(once) => once.take(),
         };
         let Some(body) = body else {
@@ -253,7 +257,6 @@ where
                 Err(stopped) => break stopped,
             }
         };
-        let started = Instant::now();
         // Readiness, then the request is made and handed over at once: the future keeps only
         // the inner call's own future across the await, not a request (keeps it small).
         let sent = tokio::time::timeout_at(
@@ -269,9 +272,6 @@ where
                         &GRPC_PREVIOUS_RPC_ATTEMPTS,
                         HeaderValue::from(attempt.number - 1),
                     );
-                }
-                if resending {
-                    request.extensions_mut().insert(Resent);
                 }
                 let call = inner.call(request);
                 tokio::time::timeout_at(deadline.instant(), call)

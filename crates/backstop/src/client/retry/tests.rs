@@ -300,7 +300,7 @@ fn with_transparent_below(
 /// the re-send, paid from the budget, and not counted by the breaker in between.
 #[tokio::test(start_paused = true)]
 async fn a_never_sent_attempt_is_sent_again_by_the_retry_layer() {
-    use crate::client::transparent::{ResendAbove, Resent};
+    use crate::client::replay::ResendBy;
 
     let budget = RetryBudget::new(0.1, 5).unwrap();
     let (svc, mut handle) = with_transparent_below(budget.clone(), 1);
@@ -308,12 +308,11 @@ async fn a_never_sent_attempt_is_sent_again_by_the_retry_layer() {
     let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
 
     let (first, send) = handle.next_request().await.unwrap();
-    assert!(first.extensions().get::<ResendAbove>().is_some());
-    assert!(first.extensions().get::<Resent>().is_none());
+    assert_eq!(first.body().resend_by(), Some(ResendBy::Above));
     send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
 
     let (again, send) = handle.next_request().await.unwrap();
-    assert!(again.extensions().get::<Resent>().is_some());
+    assert_eq!(again.body().resend_by(), Some(ResendBy::Nobody));
     assert!(again.headers().get(&GRPC_PREVIOUS_RPC_ATTEMPTS).is_none());
     assert_eq!(again.headers()["idempotency-key"], "k-1");
     send.send_response(status(200));

@@ -21,14 +21,15 @@
 //! Keeping a copy of every attempt for a re-send that almost never happens costs a copy of the
 //! request head per attempt (header map, extensions). Under the [retry layer](super::retry),
 //! which already keeps the call's head and body to make attempts from, this layer keeps none:
-//! the retry layer marks the attempts it makes ([`ResendAbove`]), and for such an attempt this
-//! layer answers a never-sent failure it may re-send (budget token taken) with
-//! [`ResendRequested`]; the retry layer then sends the same attempt again at once, without
-//! counting it against max attempts, through the layers below it, so the re-send gets a fresh
-//! `grpc-timeout`. The circuit breaker does not count a [`ResendRequested`] failure (the
-//! re-send's outcome is what it counts), so the re-send stays invisible to it; the re-sent
-//! attempt is marked ([`Resent`]) so that it is not re-sent again. Used alone, this layer copies
-//! each attempt and re-sends it itself.
+//! the retry layer marks the bodies of the attempts it makes (a mark on the
+//! [`ReplayBody`], which every attempt has anyway, rather than an extension, which would cost an
+//! allocation per attempt), and for such an attempt this layer answers a never-sent failure it
+//! may re-send (budget token taken) with [`ResendRequested`]; the retry layer then sends the
+//! same attempt again at once, without counting it against max attempts, through the layers
+//! below it, so the re-send gets a fresh `grpc-timeout`. The circuit breaker does not count a
+//! [`ResendRequested`] failure (the re-send's outcome is what it counts), so the re-send stays
+//! invisible to it; the re-sent attempt's body is marked so that it is not re-sent again. Used
+//! alone, this layer copies each attempt and re-sends it itself.
 //!
 //! One known imprecision, from hyper's HTTP/2 client: on a multi-threaded runtime, a request
 //! that h2 has already handed to the connection can still fail with the connection's `GOAWAY`
@@ -56,7 +57,7 @@ use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
 use super::future::BoxResponseFuture;
-use super::replay::{ReplayBody, try_clone_request};
+use super::replay::{ReplayBody, ResendBy, try_clone_request};
 use crate::retry::RetryBudget;
 
 /// Whether `error` proves the request never reached the server (see the [module docs](self)).
@@ -93,18 +94,9 @@ pub fn never_sent(error: &(dyn StdError + 'static)) -> bool {
     false
 }
 
-/// Put by the [retry layer](super::retry) on the attempts it makes of a replayable call: it
-/// re-sends an attempt that failed with [`ResendRequested`], so this layer need not keep a copy.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ResendAbove;
-
-/// Put on an attempt that is itself the transparent re-send: it is not re-sent again.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Resent;
-
-/// The failure of an attempt marked [`ResendAbove`] that never reached the server and may be
-/// sent again (the budget token for it is taken): the layer that marked it re-sends it. Its
-/// source is the transport's error.
+/// The failure of an attempt made by the [retry layer](super::retry) above that never reached
+/// the server and may be sent again (the budget token for it is taken): the retry layer
+/// re-sends it. Its source is the transport's error.
 #[derive(Debug, thiserror::Error)]
 #[error("the attempt never reached the server; it is sent again")]
 pub struct ResendRequested {
@@ -174,15 +166,12 @@ where
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        let extensions = request.extensions();
         // A body sent once is never re-sent, and neither is a re-send: then nothing is kept.
-        let again = if !request.body().is_replayable() || extensions.get::<Resent>().is_some() {
-            None
-        } else if extensions.get::<ResendAbove>().is_some() {
-            Some(Again::Above(Arc::clone(&self.shared)))
-        } else {
-            try_clone_request(&request)
-                .map(|copy| Again::Here(Box::new(copy), Arc::clone(&self.shared)))
+        let again = match request.body().resend_by() {
+            None | Some(ResendBy::Nobody) => None,
+            Some(ResendBy::Above) => Some(Again::Above(Arc::clone(&self.shared))),
+            Some(ResendBy::Here) => try_clone_request(&request)
+                .map(|copy| Again::Here(Box::new(copy), Arc::clone(&self.shared))),
         };
         ResponseFuture {
             state: State::First {
@@ -209,7 +198,7 @@ enum Again<S, B> {
     /// This layer, with its copy of the request (boxed: under the retry layer there is no copy,
     /// and an inline one would make every call's future larger).
     Here(Box<Request<ReplayBody<B>>>, Arc<Shared<S>>),
-    /// The retry layer above (see [`ResendAbove`]); only the budget is needed here.
+    /// The retry layer above (see [`ResendRequested`]); only the budget is needed here.
     Above(Arc<Shared<S>>),
 }
 
