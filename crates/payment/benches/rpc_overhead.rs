@@ -363,10 +363,16 @@ fn main() {
         0 => Length::Secs(secs),
         calls => Length::CallsPerTask(calls.div_ceil(conns as u64)),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    // `--threads N`: the runtime's worker threads (default: one per core).
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = std::env::args()
+        .skip_while(|a| a != "--threads")
+        .nth(1)
+        .and_then(|t| t.parse::<usize>().ok())
+    {
+        builder.worker_threads(threads);
+    }
+    let runtime = builder.enable_all().build().unwrap();
     println!("conns {conns}, {secs} s per run, {rounds} rounds; medians; ratio vs bare");
     println!(
         "| transport | mode | RPC/s | ratio | round ratio | p99 ms | CPU µs/RPC | CPU ratio |"
