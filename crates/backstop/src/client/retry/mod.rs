@@ -20,10 +20,10 @@
 //!   destination's shared [`RetryBudget`](crate::retry::RetryBudget), pushback jittered by
 //!   [0.8, 1.2], and a [`StopReason`] on every stop, in metrics and logs.
 //! - `grpc-previous-rpc-attempts` on every retry (the number of attempts before it).
-//! - **Transparent re-sends.** The attempts of a replayable call carry [`ResendAbove`]: a
-//!   [transparent-retry layer](super::transparent) below then keeps no copy of them, and when
-//!   one never reached the server it answers [`ResendRequested`]; the same attempt is sent again
-//!   at once, once, without counting against max attempts.
+//! - **Transparent re-sends.** The bodies of a replayable call's attempts are marked as
+//!   re-sent from here: a [transparent-retry layer](super::transparent) below then keeps no
+//!   copy of them, and when one never reached the server it answers [`ResendRequested`]; the
+//!   same attempt is sent again at once, once, without counting against max attempts.
 //!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
