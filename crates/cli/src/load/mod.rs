@@ -57,6 +57,10 @@ pub(crate) struct LoadArgs {
     /// Deadline of each logical request (sent as `grpc-timeout`).
     #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
     timeout: Duration,
+    /// Never hedge an attempt sooner than this, e.g. `100ms`, whatever the rolling p95 (a gRPC
+    /// `hedgingDelay`; `backstop` policy only). Unset: hedge at the p95.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    hedge_delay: Option<Duration>,
     /// Bearer API key, when the service requires one.
     #[arg(long, value_name = "KEY", env = "BACKSTOP_API_KEY")]
     api_key: Option<String>,
@@ -83,6 +87,7 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         args.api_key.clone(),
         args.timeout,
         args.breaker,
+        args.hedge_delay.unwrap_or_default(),
     )?;
     let slots = Arc::new(Semaphore::new(args.concurrency as usize));
     let progress = progress_bar(total);

@@ -57,18 +57,21 @@ pub(crate) enum Driver {
 }
 
 impl Driver {
-    /// The driver of `kind` for `target`; `timeout` is each logical request's deadline, and
-    /// `breaker` turns the stack's circuit breaker on (`backstop` only).
+    /// The driver of `kind` for `target`; `timeout` is each logical request's deadline,
+    /// `breaker` turns the stack's circuit breaker on and no attempt is hedged before
+    /// `hedge_delay` (`backstop` only).
     pub(crate) fn new(
         kind: PolicyKind,
         target: &Target,
         api_key: Option<String>,
         timeout: Duration,
         breaker: bool,
+        hedge_delay: Duration,
     ) -> Result<Driver, String> {
         match kind {
             PolicyKind::Backstop => {
-                StackClient::new(target, api_key.as_deref(), timeout, breaker).map(Driver::Backstop)
+                StackClient::new(target, api_key.as_deref(), timeout, breaker, hedge_delay)
+                    .map(Driver::Backstop)
             }
             PolicyKind::Naive => target.client(api_key).map(Driver::Naive),
         }
