@@ -37,7 +37,6 @@ use std::task::{Context, Poll};
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
 /// Default byte cap of a replayable body: 64 KiB, far above a unary RPC's usual size.
@@ -249,59 +248,121 @@ pub async fn buffer<B>(body: B, cap: usize) -> Result<Buffered<B>, B::Error>
 where
     B: Body<Data = Bytes> + Unpin,
 {
-    let cap_u64 = u64::try_from(cap).unwrap_or(u64::MAX);
-    if body.size_hint().lower() > cap_u64 {
-        return Ok(Buffered::TooLarge(ReplayBody::once(body)));
-    }
-    let mut body = body;
+    Buffering::new(body, cap).await
+}
+
+/// [`buffer`] as a nameable future, for a hand-written future that reads the body in place
+/// (the [retry layer](super::retry)'s).
+#[derive(Debug)]
+pub(crate) struct Buffering<B> {
+    /// `None` once the body has been handed back in the result.
+    body: Option<B>,
+    cap: usize,
+    /// Whether the size hint has been looked at (on the first poll).
+    checked: bool,
     // The first chunk is kept apart: most bodies are one chunk, and then nothing is allocated
     // for the list.
-    let mut first: Option<Bytes> = None;
-    let mut more: VecDeque<Bytes> = VecDeque::new();
-    let mut len = 0usize;
-    let mut trailers = None;
-    while let Some(frame) = body.frame().await {
-        let frame = frame?;
-        match frame.into_data() {
-            Ok(chunk) => {
-                len = len.saturating_add(chunk.len());
-                if !chunk.is_empty() {
-                    if first.is_none() {
-                        first = Some(chunk);
-                    } else {
-                        more.push_back(chunk);
-                    }
-                }
-                if len > cap {
-                    let mut prefix = more;
-                    if let Some(first) = first {
-                        prefix.push_front(first);
-                    }
-                    return Ok(Buffered::TooLarge(ReplayBody {
-                        kind: Kind::Streaming { prefix, rest: body },
-                    }));
-                }
-            }
-            Err(frame) => {
-                if let Ok(t) = frame.into_trailers() {
-                    trailers = Some(t);
-                }
-            }
+    first: Option<Bytes>,
+    more: VecDeque<Bytes>,
+    len: usize,
+    trailers: Option<HeaderMap>,
+}
+
+impl<B> Buffering<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    pub(crate) fn new(body: B, cap: usize) -> Self {
+        Self {
+            body: Some(body),
+            cap,
+            checked: false,
+            first: None,
+            more: VecDeque::new(),
+            len: 0,
+            trailers: None,
         }
     }
-    let data = match first {
-        None => Bytes::new(),
-        Some(first) if more.is_empty() => first,
-        Some(first) => {
-            let mut all = BytesMut::with_capacity(len);
-            all.extend_from_slice(&first);
-            for chunk in more {
-                all.extend_from_slice(&chunk);
+
+    pub(crate) fn poll_buffer(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Buffered<B>, B::Error>> {
+        let Some(body) = self.body.as_mut() else {
+            // Polled again after it finished: there is nothing left to give.
+            return Poll::Pending;
+        };
+        if !self.checked {
+            self.checked = true;
+            let cap = u64::try_from(self.cap).unwrap_or(u64::MAX);
+            if body.size_hint().lower() > cap {
+                let body = self.body.take().map(ReplayBody::once);
+                return Poll::Ready(Ok(Buffered::TooLarge(body.expect("checked above"))));
             }
-            all.freeze()
         }
-    };
-    Ok(Buffered::Replayable(Replay { data, trailers }))
+        loop {
+            let frame = match std::task::ready!(Pin::new(&mut *body).poll_frame(cx)) {
+                None => break,
+                Some(frame) => frame?,
+            };
+            match frame.into_data() {
+                Ok(chunk) => {
+                    self.len = self.len.saturating_add(chunk.len());
+                    if !chunk.is_empty() {
+                        if self.first.is_none() {
+                            self.first = Some(chunk);
+                        } else {
+                            self.more.push_back(chunk);
+                        }
+                    }
+                    if self.len > self.cap {
+                        let mut prefix = std::mem::take(&mut self.more);
+                        if let Some(first) = self.first.take() {
+                            prefix.push_front(first);
+                        }
+                        let rest = self.body.take().expect("read above");
+                        return Poll::Ready(Ok(Buffered::TooLarge(ReplayBody {
+                            kind: Kind::Streaming { prefix, rest },
+                        })));
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        self.trailers = Some(t);
+                    }
+                }
+            }
+        }
+        self.body = None;
+        let more = std::mem::take(&mut self.more);
+        let data = match self.first.take() {
+            None => Bytes::new(),
+            Some(first) if more.is_empty() => first,
+            Some(first) => {
+                let mut all = BytesMut::with_capacity(self.len);
+                all.extend_from_slice(&first);
+                for chunk in more {
+                    all.extend_from_slice(&chunk);
+                }
+                all.freeze()
+            }
+        };
+        Poll::Ready(Ok(Buffered::Replayable(Replay {
+            data,
+            trailers: self.trailers.take(),
+        })))
+    }
+}
+
+impl<B> std::future::Future for Buffering<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Output = Result<Buffered<B>, B::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().poll_buffer(cx)
+    }
 }
 
 /// A copy of `request` for another attempt: method, URI, version, headers, extensions and a
@@ -321,7 +382,7 @@ pub fn try_clone_request<B>(request: &Request<ReplayBody<B>>) -> Option<Request<
 mod tests {
     use super::*;
     use futures_util::stream;
-    use http_body_util::{Full, StreamBody};
+    use http_body_util::{BodyExt, Full, StreamBody};
     use std::convert::Infallible;
 
     type Chunked = StreamBody<stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, Infallible>>>>;

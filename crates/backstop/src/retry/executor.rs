@@ -161,19 +161,19 @@ impl RetryPolicy {
         F: FnMut(Attempt) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
-        let mut attempts = self.attempts(call, deadline);
+        let mut attempts = self.attempts(deadline);
         loop {
             let started = Instant::now();
-            let (attempt, remaining) = attempts.start(started)?;
+            let (attempt, remaining) = attempts.start(self, call, started)?;
             let result = tokio::time::timeout_at(deadline.instant(), f(attempt)).await;
             let elapsed = started.elapsed();
             let wait = match result {
                 Ok(Ok(value)) => {
-                    attempts.succeeded(remaining, elapsed);
+                    attempts.succeeded(self, call, remaining, elapsed);
                     return Ok(value);
                 }
-                Ok(Err(status)) => attempts.failed(status, remaining, elapsed)?,
-                Err(_elapsed) => attempts.cut_off(remaining, elapsed)?,
+                Ok(Err(status)) => attempts.failed(self, call, status, remaining, elapsed)?,
+                Err(_elapsed) => attempts.cut_off(self, call, remaining, elapsed)?,
             };
             tokio::time::sleep(wait).await;
         }
@@ -184,16 +184,13 @@ impl RetryPolicy {
     /// and must not clone it per attempt). [`execute_with`](Self::execute_with) is the loop
     /// around it: `start`, run the attempt cut off at the deadline, then `succeeded`, `failed`
     /// or `cut_off`, and sleep the wait they return.
-    pub(crate) fn attempts<'a>(
-        &'a self,
-        call: &'a CallInfo<'a>,
-        deadline: Deadline,
-    ) -> Attempts<'a> {
+    ///
+    /// The bookkeeping holds no reference to the policy or the call's details: each step is
+    /// given them, so that a hand-written future can own the bookkeeping beside them.
+    pub(crate) fn attempts(&self, deadline: Deadline) -> Attempts {
         self.budget.deposit();
         self.metrics.request(&self.service, &self.method);
         Attempts {
-            policy: self,
-            call,
             deadline,
             number: 0,
             prev_delay: Duration::ZERO,
@@ -337,9 +334,7 @@ enum Wait {
 
 /// The attempts of one logical request so far: see [`RetryPolicy::attempts`].
 #[derive(Debug)]
-pub(crate) struct Attempts<'a> {
-    policy: &'a RetryPolicy,
-    call: &'a CallInfo<'a>,
+pub(crate) struct Attempts {
     deadline: Deadline,
     number: u32,
     prev_delay: Duration,
@@ -347,10 +342,15 @@ pub(crate) struct Attempts<'a> {
     last: Option<Status>,
 }
 
-impl Attempts<'_> {
+impl Attempts {
     /// The next attempt, starting `now`, and the budget left as it starts, or the stop when
     /// nothing is left. (`now` from the caller, who times the attempt from the same reading.)
-    pub(crate) fn start(&mut self, now: Instant) -> Result<(Attempt, Duration), RetryError> {
+    pub(crate) fn start(
+        &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
+        now: Instant,
+    ) -> Result<(Attempt, Duration), RetryError> {
         let remaining = self.deadline.instant().saturating_duration_since(now);
         if remaining.is_zero() {
             // Nothing left to send with: only before the first attempt, or after a wait that
@@ -362,9 +362,7 @@ impl Attempts<'_> {
                 )
                 .with_problem(problem::DEADLINE_EXCEEDED)
             });
-            return Err(self
-                .policy
-                .stop(self.call, last, self.number, StopReason::Deadline));
+            return Err(policy.stop(call, last, self.number, StopReason::Deadline));
         }
         self.number += 1;
         Ok((
@@ -377,59 +375,65 @@ impl Attempts<'_> {
     }
 
     /// The attempt succeeded.
-    pub(crate) fn succeeded(&self, remaining: Duration, elapsed: Duration) {
-        self.policy.record_attempt(
-            self.call,
-            self.number,
-            Outcome::Ok,
-            "OK",
-            remaining,
-            elapsed,
-        );
+    pub(crate) fn succeeded(
+        &self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
+        remaining: Duration,
+        elapsed: Duration,
+    ) {
+        policy.record_attempt(call, self.number, Outcome::Ok, "OK", remaining, elapsed);
     }
 
     /// The attempt was cut off at the deadline.
     pub(crate) fn cut_off(
         &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
         let status = Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
             .with_problem(problem::DEADLINE_EXCEEDED);
-        self.finish(status, true, remaining, elapsed)
+        self.finish(policy, call, status, true, remaining, elapsed)
     }
 
     /// The attempt could not run for lack of time (e.g. refused before it was sent because
     /// less than the peer's margin was left): the request stops on the deadline, as if cut off.
     pub(crate) fn out_of_time(
         &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
         status: Status,
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
-        self.finish(status, true, remaining, elapsed)
+        self.finish(policy, call, status, true, remaining, elapsed)
     }
 
     /// The attempt failed with `status`: the wait before the next one, or why there is none.
     pub(crate) fn failed(
         &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
         status: Status,
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
-        self.finish(status, false, remaining, elapsed)
+        self.finish(policy, call, status, false, remaining, elapsed)
     }
 
     fn finish(
         &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
         status: Status,
         cut_off: bool,
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
-        let policy = self.policy;
         policy.record_attempt(
-            self.call,
+            call,
             self.number,
             status.outcome(),
             status.code().as_str(),
@@ -443,7 +447,7 @@ impl Attempts<'_> {
             self.prev_delay,
             &self.deadline,
         ) {
-            Err(reason) => return Err(policy.stop(self.call, status, self.number, reason)),
+            Err(reason) => return Err(policy.stop(call, status, self.number, reason)),
             Ok(Wait::Backoff(delay)) => {
                 self.prev_delay = delay;
                 delay

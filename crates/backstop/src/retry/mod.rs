@@ -74,5 +74,6 @@ mod policy;
 pub use backoff::{Backoff, BackoffError, Jitter};
 pub use budget::{BudgetError, RetryBudget};
 pub use error::{RetryError, StopReason};
+pub(crate) use executor::Attempts;
 pub use executor::{Attempt, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
 pub use policy::{PolicyError, RetryPolicy, RetryPolicyBuilder};

@@ -15,14 +15,15 @@
 //! - **Classification.** Each response is read by a [`Classifier`], by default
 //!   [`classify_head`](super::classify::classify_head): HTTP status or
 //!   `grpc-status` (trailers-only answers), pushback from `grpc-retry-pushback-ms` /
-//!   `Retry-After`. Errors by [`error_status`].
+//!   `Retry-After`. Errors by [`error_status`](super::classify::error_status).
 //! - **Budget, backoff, pushback, reasons.** As the executor does: full jitter, the
 //!   destination's shared [`RetryBudget`](crate::retry::RetryBudget), pushback jittered by
 //!   [0.8, 1.2], and a [`StopReason`] on every stop, in metrics and logs.
 //! - `grpc-previous-rpc-attempts` on every retry (the number of attempts before it).
 //! - **Transparent re-sends.** The bodies of a replayable call's attempts are marked as
 //!   re-sent from here: a [transparent-retry layer](super::transparent) below then keeps no
-//!   copy of them, and when one never reached the server it answers [`ResendRequested`]; the
+//!   copy of them, and when one never reached the server it answers
+//!   [`ResendRequested`](super::transparent::ResendRequested); the
 //!   same attempt is sent again at once, once, without counting against max attempts.
 //!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
@@ -30,6 +31,7 @@
 //! one (transport errors, the deadline, an open circuit), the error is a
 //! [`RetryError`](crate::retry::RetryError).
 
+mod future;
 mod layer;
 
 pub use self::layer::RetryLayer;
@@ -38,24 +40,21 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Request, Response};
+use http::{HeaderName, Request, Response};
 use http_body::Body;
-use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use super::classify::{Classifier, error_status};
+use self::future::{Content, RetryCall};
+use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
-use super::replay::{Buffered, ReplayBody, ResendBy, buffer};
-use super::transparent::ResendRequested;
+use super::replay::{Buffering, ReplayBody};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
-use crate::deadline::{Deadline, DeadlineExceeded};
-use crate::retry::{Attempt, CallInfo, RetryPolicy, StopReason};
-use crate::status::{Code, Status};
+use crate::deadline::Deadline;
+use crate::retry::{RetryPolicy, StopReason};
 
 /// Header carrying, on a retry or a hedge, how many attempts of the call came before it.
 pub static GRPC_PREVIOUS_RPC_ATTEMPTS: HeaderName =
@@ -154,184 +153,48 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        Box::pin(run(self.inner.clone(), self.config.clone(), request))
-    }
-}
-
-/// What each attempt sends.
-enum Content<B> {
-    Replay(super::replay::Replay),
-    Once(Option<ReplayBody<B>>),
-}
-
-async fn run<S, B, ResB>(
-    mut inner: S,
-    config: Arc<Config>,
-    request: Request<B>,
-) -> Result<Response<ResB>, BoxError>
-where
-    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Send + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send,
-    B: Body<Data = Bytes> + Unpin + Send + 'static,
-    B::Error: Into<BoxError>,
-    ResB: Send + 'static,
-{
-    let (mut parts, body) = request.into_parts();
-    let deadline = *parts
-        .extensions
-        .get_or_insert_with(|| Deadline::after(DEFAULT_TIMEOUT));
-    if config.hedged {
-        parts.extensions.insert(HedgeAllowance::default());
-    }
-    let key = parts
-        .headers
-        .get(&IDEMPOTENCY_KEY)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    // Decided before reading anything: may this call be sent more than once at all?
-    let replayable = match config.idempotency {
-        Idempotency::Safe => true,
-        Idempotency::Keyed => key.is_some(),
-        Idempotency::Unsafe => false,
-    };
-    let (policy, mut content) = if replayable {
-        // Reading the body is part of the call: it too ends at the deadline.
-        let buffered = tokio::time::timeout_at(deadline.instant(), buffer(body, config.replay_cap))
-            .await
-            .map_err(|_elapsed| DeadlineExceeded::PASSED)?;
-        match buffered.map_err(Into::into)? {
-            Buffered::Replayable(replay) => (&config.policy, Content::Replay(replay)),
-            Buffered::TooLarge(once) => (&config.single, Content::Once(Some(once))),
+        let config = Arc::clone(&self.config);
+        let (mut parts, body) = request.into_parts();
+        let deadline = *parts
+            .extensions
+            .get_or_insert_with(|| Deadline::after(DEFAULT_TIMEOUT));
+        if config.hedged {
+            parts.extensions.insert(HedgeAllowance::default());
         }
-    } else {
-        (&config.single, Content::Once(Some(ReplayBody::once(body))))
-    };
-    let trace_id = parts
-        .headers
-        .get(&TRACEPARENT)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split('-').nth(1))
-        .filter(|id| id.len() == 32)
-        .map(str::to_owned);
-    let call = CallInfo {
-        idempotency_key: key.as_deref(),
-        peer: config.peer.as_deref(),
-        trace_id: trace_id.as_deref(),
-    };
-
-    // The attempts are run here rather than through `execute_with`'s closure, so that they
-    // all call the one service this future owns (readiness, then call) instead of a clone each.
-    let mut attempts = policy.attempts(&call, deadline);
-    // The response of the last failed attempt, returned if it ends up being the answer.
-    let mut last: Option<Response<ResB>> = None;
-    // An attempt that never reached the server, to be sent again at once (see
-    // `ResendRequested`).
-    let mut resend: Option<(Attempt, Duration)> = None;
-    let stopped = loop {
-        let resending = resend.is_some();
-        let started = Instant::now();
-        let (attempt, remaining) = match resend.take() {
-            Some(again) => again,
-            None => match attempts.start(started) {
-                Ok(next) => next,
-                Err(stopped) => break stopped,
-            },
+        let key: Option<Box<str>> = parts
+            .headers
+            .get(&IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(Box::from);
+        // Decided before reading anything: may this call be sent more than once at all?
+        let replayable = match config.idempotency {
+            Idempotency::Safe => true,
+            Idempotency::Keyed => key.is_some(),
+            Idempotency::Unsafe => false,
         };
-        let body = match &mut content {
-            // Every attempt can be made again from `parts` and the replay: a transparent-retry
-            // layer below asks for a re-send instead of keeping its own copy of each attempt,
-            // and a re-send is not sent again.
-            Content::Replay(replay) => Some(replay.body_resent_by(if resending {
-                ResendBy::Nobody
-            } else {
-                ResendBy::Above
-            })),
-            Content::Once(once) => once.take(),
+        let content = if replayable {
+            Content::Buffering(Buffering::new(body, config.replay_cap))
+        } else {
+            Content::Once(Some(ReplayBody::once(body)))
         };
-        let Some(body) = body else {
-            // Unreachable: a body sent once allows one attempt only.
-            let status = Status::new(Code::Internal, "body already sent");
-            match attempts.failed(status, remaining, Duration::ZERO) {
-                Ok(_) => continue,
-                Err(stopped) => break stopped,
-            }
-        };
-        // Readiness, then the request is made and handed over at once: the future keeps only
-        // the inner call's own future across the await, not a request (keeps it small).
-        let sent = tokio::time::timeout_at(
-            deadline.instant(),
-            std::future::poll_fn(|cx| inner.poll_ready(cx).map_err(Into::<BoxError>::into)),
-        )
-        .await;
-        let sent = match sent {
-            Ok(Ok(())) => {
-                let mut request = Request::from_parts(parts.clone(), body);
-                if attempt.number > 1 {
-                    request.headers_mut().insert(
-                        &GRPC_PREVIOUS_RPC_ATTEMPTS,
-                        HeaderValue::from(attempt.number - 1),
-                    );
-                }
-                let call = inner.call(request);
-                tokio::time::timeout_at(deadline.instant(), call)
-                    .await
-                    .map(|r| r.map_err(Into::<BoxError>::into))
-            }
-            Ok(Err(e)) => Ok(Err(e)),
-            Err(elapsed) => Err(elapsed),
-        };
-        let elapsed = started.elapsed();
-        let next = match sent {
-            Ok(Ok(response)) => match (config.classifier)(response.status(), response.headers()) {
-                None => {
-                    attempts.succeeded(remaining, elapsed);
-                    return Ok(response);
-                }
-                Some(status) => {
-                    last = Some(response);
-                    attempts.failed(status, remaining, elapsed)
-                }
-            },
-            Ok(Err(e)) => {
-                let e = match e.downcast::<ResendRequested>() {
-                    // Not an attempt: the same one goes again, its budget token already taken.
-                    Ok(_never_sent) if !resending => {
-                        resend = Some((attempt, remaining));
-                        continue;
-                    }
-                    Ok(never_sent) => never_sent.into_source(),
-                    Err(e) => e,
-                };
-                last = None;
-                let status = error_status(&*e);
-                if e.is::<DeadlineExceeded>() {
-                    // Refused before sending (less than the peer's margin left): a later
-                    // attempt would have even less, so stop on the deadline, spending nothing.
-                    attempts.out_of_time(status, remaining, elapsed)
-                } else {
-                    attempts.failed(status, remaining, elapsed)
-                }
-            }
-            Err(_elapsed) => {
-                last = None;
-                attempts.cut_off(remaining, elapsed)
-            }
-        };
-        match next {
-            Ok(wait) => tokio::time::sleep(wait).await,
-            Err(stopped) => break stopped,
-        }
-    };
-    match last {
-        Some(mut response) => {
-            response.extensions_mut().insert(RetryStopped {
-                reason: stopped.reason,
-                attempts: stopped.attempts,
-            });
-            Ok(response)
-        }
-        None => Err(Box::new(stopped)),
+        let trace_id: Option<Box<str>> = parts
+            .headers
+            .get(&TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split('-').nth(1))
+            .filter(|id| id.len() == 32)
+            .map(Box::from);
+        // The attempts all call the one service this future owns (readiness, then call)
+        // instead of a clone each.
+        Box::pin(RetryCall::new(
+            self.inner.clone(),
+            config,
+            parts,
+            deadline,
+            key,
+            trace_id,
+            content,
+        ))
     }
 }
 

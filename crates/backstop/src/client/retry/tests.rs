@@ -10,6 +10,7 @@ use tower_test::mock;
 use super::*;
 use crate::client::replay::ReplayBody;
 use crate::retry::{Backoff, Jitter, RetryBudget, RetryError};
+use crate::status::{Code, Status};
 
 type Body = ReplayBody<Full<Bytes>>;
 type Handle = mock::Handle<Request<Body>, Response<()>>;

@@ -1,0 +1,401 @@
+//! [`RetryCall`]: one logical call run as attempts, the future behind [`Retry`](super::Retry).
+//!
+//! Written by hand rather than as an `async fn`: the compiler's state machine for the same loop
+//! kept the service twice, the attempt's request beside its future and a timer per await, 3.1 KB
+//! written into a fresh box on every call; here every field is there once and one timer serves
+//! the body read, every attempt (at the deadline) and every backoff (reset in between).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderValue, Request, Response};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tower::BoxError;
+use tower_service::Service;
+
+use super::{Config, GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
+use crate::client::classify::error_status;
+use crate::client::replay::{Buffered, Buffering, Replay, ReplayBody, ResendBy};
+use crate::client::transparent::ResendRequested;
+use crate::deadline::{Deadline, DeadlineExceeded};
+use crate::retry::{Attempt, Attempts, CallInfo, RetryError, RetryPolicy};
+use crate::status::{Code, Status};
+
+/// What each attempt sends.
+pub(super) enum Content<B> {
+    /// The body is being read for replay (an eligible call).
+    Buffering(Buffering<B>),
+    /// Read in full: every attempt gets a copy.
+    Replay(Replay),
+    /// Sent once, by the first attempt (ineligible, or over the replay cap).
+    Once(Option<ReplayBody<B>>),
+}
+
+/// The attempt in flight.
+#[derive(Debug, Clone, Copy)]
+struct Current {
+    attempt: Attempt,
+    /// The budget left when it started.
+    remaining: Duration,
+    started: Instant,
+    /// Whether it is the transparent re-send of the attempt before it.
+    resending: bool,
+}
+
+pin_project! {
+    #[project = StepProj]
+    enum Step<F> {
+        /// Reading the body (cut off at the deadline).
+        Buffering,
+        /// About to start the next attempt (or the re-send of the last one).
+        Next,
+        /// Waiting for the service to be ready for the attempt in flight.
+        Ready,
+        /// The attempt's call.
+        Calling { #[pin] future: F },
+        /// Backing off before the next attempt; the timer is set to the end of the wait.
+        Waiting,
+        /// Finished: the result was returned.
+        Done,
+    }
+}
+
+pin_project! {
+    /// One logical call's attempts (see the [retry layer](super)).
+    pub(super) struct RetryCall<S, B, ResB>
+    where
+        S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    {
+        inner: S,
+        config: Arc<Config>,
+        parts: Parts,
+        deadline: Deadline,
+        key: Option<Box<str>>,
+        trace_id: Option<Box<str>>,
+        content: Content<B>,
+        // Set once the body is read, when the call's request is counted and its budget
+        // deposit made.
+        attempts: Option<Attempts>,
+        // The response of the last failed attempt, returned if it ends up being the answer.
+        last: Option<Response<ResB>>,
+        // An attempt that never reached the server, to be sent again at once (see
+        // `ResendRequested`).
+        resend: Option<(Attempt, Duration)>,
+        current: Option<Current>,
+        // At the deadline while reading the body and during attempts; at the end of the wait
+        // while backing off.
+        #[pin]
+        timer: Sleep,
+        #[pin]
+        step: Step<S::Future>,
+    }
+}
+
+impl<S, B, ResB> RetryCall<S, B, ResB>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+{
+    pub(super) fn new(
+        inner: S,
+        config: Arc<Config>,
+        parts: Parts,
+        deadline: Deadline,
+        key: Option<Box<str>>,
+        trace_id: Option<Box<str>>,
+        content: Content<B>,
+    ) -> Self {
+        let step = match content {
+            Content::Buffering(_) => Step::Buffering,
+            Content::Replay(_) | Content::Once(_) => Step::Next,
+        };
+        Self {
+            inner,
+            config,
+            parts,
+            deadline,
+            key,
+            trace_id,
+            content,
+            attempts: None,
+            last: None,
+            resend: None,
+            current: None,
+            timer: tokio::time::sleep_until(deadline.instant()),
+            step,
+        }
+    }
+}
+
+/// What became of an attempt.
+enum Sent<ResB> {
+    Response(Response<ResB>),
+    Failed(BoxError),
+    CutOff,
+}
+
+/// Where the loop goes after an attempt.
+enum After<ResB> {
+    /// Wait this long, then the next attempt.
+    Wait(Duration),
+    /// The next attempt at once (a transparent re-send).
+    Again,
+    /// Stopped: the call's result.
+    Return(Result<Response<ResB>, BoxError>),
+}
+
+impl<S, B, ResB> Future for RetryCall<S, B, ResB>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<Response<ResB>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let sent = match this.step.as_mut().project() {
+                StepProj::Buffering => {
+                    let Content::Buffering(buffering) = this.content else {
+                        this.step.set(Step::Next);
+                        continue;
+                    };
+                    match buffering.poll_buffer(cx) {
+                        Poll::Ready(Ok(Buffered::Replayable(replay))) => {
+                            *this.content = Content::Replay(replay);
+                        }
+                        Poll::Ready(Ok(Buffered::TooLarge(once))) => {
+                            *this.content = Content::Once(Some(once));
+                        }
+                        Poll::Ready(Err(e)) => {
+                            this.step.set(Step::Done);
+                            return Poll::Ready(Err(e.into()));
+                        }
+                        Poll::Pending => {
+                            // Reading the body is part of the call: it too ends at the deadline.
+                            ready!(this.timer.as_mut().poll(cx));
+                            this.step.set(Step::Done);
+                            return Poll::Ready(Err(Box::new(DeadlineExceeded::PASSED)));
+                        }
+                    }
+                    this.step.set(Step::Next);
+                    continue;
+                }
+                StepProj::Next => {
+                    let policy = policy(this.config, this.content);
+                    let call = call_info(this.config, this.key, this.trace_id);
+                    let attempts = this
+                        .attempts
+                        .get_or_insert_with(|| policy.attempts(*this.deadline));
+                    let started = Instant::now();
+                    let resending = this.resend.is_some();
+                    let (attempt, remaining) = match this.resend.take() {
+                        Some(again) => again,
+                        None => match attempts.start(policy, &call, started) {
+                            Ok(next) => next,
+                            Err(stopped) => {
+                                let result = stop(this.last.take(), stopped);
+                                this.step.set(Step::Done);
+                                return Poll::Ready(result);
+                            }
+                        },
+                    };
+                    if matches!(this.content, Content::Once(None)) {
+                        // Unreachable: a body sent once allows one attempt only.
+                        let status = Status::new(Code::Internal, "body already sent");
+                        match attempts.failed(policy, &call, status, remaining, Duration::ZERO) {
+                            Ok(_) => continue,
+                            Err(stopped) => {
+                                let result = stop(this.last.take(), stopped);
+                                this.step.set(Step::Done);
+                                return Poll::Ready(result);
+                            }
+                        }
+                    }
+                    *this.current = Some(Current {
+                        attempt,
+                        remaining,
+                        started,
+                        resending,
+                    });
+                    this.step.set(Step::Ready);
+                    continue;
+                }
+                StepProj::Ready => match this.inner.poll_ready(cx) {
+                    Poll::Ready(Ok(())) => {
+                        let Some(current) = *this.current else {
+                            this.step.set(Step::Next);
+                            continue;
+                        };
+                        let request = attempt_request(this.parts, this.content, current);
+                        let future = this.inner.call(request);
+                        this.step.set(Step::Calling { future });
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => Sent::Failed(e.into()),
+                    Poll::Pending => {
+                        ready!(this.timer.as_mut().poll(cx));
+                        Sent::CutOff
+                    }
+                },
+                StepProj::Calling { future } => match future.poll(cx) {
+                    Poll::Ready(Ok(response)) => Sent::Response(response),
+                    Poll::Ready(Err(e)) => Sent::Failed(e.into()),
+                    Poll::Pending => {
+                        ready!(this.timer.as_mut().poll(cx));
+                        Sent::CutOff
+                    }
+                },
+                StepProj::Waiting => {
+                    ready!(this.timer.as_mut().poll(cx));
+                    this.timer.as_mut().reset(this.deadline.instant());
+                    this.step.set(Step::Next);
+                    continue;
+                }
+                StepProj::Done => return Poll::Pending,
+            };
+            // The attempt is over (its future, if any, is dropped here, which cancels it).
+            this.step.set(Step::Next);
+            let (Some(current), Some(attempts)) = (this.current.take(), this.attempts.as_mut())
+            else {
+                continue;
+            };
+            let policy = policy(this.config, this.content);
+            let call = call_info(this.config, this.key, this.trace_id);
+            let elapsed = current.started.elapsed();
+            let remaining = current.remaining;
+            let next = match sent {
+                Sent::Response(response) => {
+                    match (this.config.classifier)(response.status(), response.headers()) {
+                        None => {
+                            attempts.succeeded(policy, &call, remaining, elapsed);
+                            this.step.set(Step::Done);
+                            return Poll::Ready(Ok(response));
+                        }
+                        Some(status) => {
+                            *this.last = Some(response);
+                            attempts.failed(policy, &call, status, remaining, elapsed)
+                        }
+                    }
+                }
+                Sent::Failed(e) => {
+                    let e = match e.downcast::<ResendRequested>() {
+                        // Not an attempt: the same one goes again, its budget token already
+                        // taken.
+                        Ok(_never_sent) if !current.resending => {
+                            *this.resend = Some((current.attempt, remaining));
+                            continue;
+                        }
+                        Ok(never_sent) => never_sent.into_source(),
+                        Err(e) => e,
+                    };
+                    *this.last = None;
+                    let status = error_status(&*e);
+                    if e.is::<DeadlineExceeded>() {
+                        // Refused before sending (less than the peer's margin left): a later
+                        // attempt would have even less, so stop on the deadline, spending
+                        // nothing.
+                        attempts.out_of_time(policy, &call, status, remaining, elapsed)
+                    } else {
+                        attempts.failed(policy, &call, status, remaining, elapsed)
+                    }
+                }
+                Sent::CutOff => {
+                    *this.last = None;
+                    attempts.cut_off(policy, &call, remaining, elapsed)
+                }
+            };
+            let after = match next {
+                Ok(wait) if wait.is_zero() => After::Again,
+                Ok(wait) => After::Wait(wait),
+                Err(stopped) => After::Return(stop(this.last.take(), stopped)),
+            };
+            match after {
+                After::Again => {}
+                After::Wait(wait) => {
+                    this.timer.as_mut().reset(Instant::now() + wait);
+                    this.step.set(Step::Waiting);
+                }
+                After::Return(result) => {
+                    this.step.set(Step::Done);
+                    return Poll::Ready(result);
+                }
+            }
+        }
+    }
+}
+
+/// The policy the call runs by: the method's, or a single attempt for a body sent once.
+fn policy<'a, B>(config: &'a Config, content: &Content<B>) -> &'a RetryPolicy {
+    match content {
+        Content::Once(_) => &config.single,
+        Content::Buffering(_) | Content::Replay(_) => &config.policy,
+    }
+}
+
+fn call_info<'a>(
+    config: &'a Config,
+    key: &'a Option<Box<str>>,
+    trace_id: &'a Option<Box<str>>,
+) -> CallInfo<'a> {
+    CallInfo {
+        idempotency_key: key.as_deref(),
+        peer: config.peer.as_deref(),
+        trace_id: trace_id.as_deref(),
+    }
+}
+
+/// The request of the attempt in flight: the call's head and a body for it.
+fn attempt_request<B>(
+    parts: &Parts,
+    content: &mut Content<B>,
+    current: Current,
+) -> Request<ReplayBody<B>> {
+    let body = match content {
+        // Every attempt can be made again from the head and the replay: a transparent-retry
+        // layer below asks for a re-send instead of keeping its own copy of each attempt, and
+        // a re-send is not sent again.
+        Content::Replay(replay) => replay.body_resent_by(if current.resending {
+            ResendBy::Nobody
+        } else {
+            ResendBy::Above
+        }),
+        Content::Once(once) => once.take().unwrap_or_else(|| Replay::default().body()),
+        // Not reached: attempts start once the body is read.
+        Content::Buffering(_) => Replay::default().body(),
+    };
+    let mut request = Request::from_parts(parts.clone(), body);
+    if current.attempt.number > 1 {
+        request.headers_mut().insert(
+            &GRPC_PREVIOUS_RPC_ATTEMPTS,
+            HeaderValue::from(current.attempt.number - 1),
+        );
+    }
+    request
+}
+
+/// The call's result once the attempts stopped: the last failed response, if the last attempt
+/// got one, marked with why they stopped; else the error.
+fn stop<ResB>(
+    last: Option<Response<ResB>>,
+    stopped: RetryError,
+) -> Result<Response<ResB>, BoxError> {
+    match last {
+        Some(mut response) => {
+            response.extensions_mut().insert(RetryStopped {
+                reason: stopped.reason,
+                attempts: stopped.attempts,
+            });
+            Ok(response)
+        }
+        None => Err(Box::new(stopped)),
+    }
+}
