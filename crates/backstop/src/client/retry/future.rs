@@ -7,7 +7,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -40,14 +40,17 @@ pub(super) enum Content<B> {
 
 /// The attempt in flight.
 #[derive(Debug, Clone, Copy)]
-struct Current {
-    attempt: Attempt,
+pub(super) struct Current {
+    pub(super) attempt: Attempt,
     /// The budget left when it started.
-    remaining: Duration,
-    started: Instant,
+    pub(super) remaining: Duration,
+    pub(super) started: Instant,
     /// Whether it is the transparent re-send of the attempt before it.
-    resending: bool,
+    pub(super) resending: bool,
 }
+
+/// The first attempt, already sent by [`Retry::call`](super::Retry) on its own service.
+pub(super) type Sent<F> = (F, Current, Attempts);
 
 pin_project! {
     #[project = StepProj]
@@ -73,7 +76,10 @@ pin_project! {
     where
         S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
     {
-        inner: S,
+        // The service the attempts call; `None` until an attempt after the first needs one
+        // (the first was sent by the layer itself), then a clone of `spare`.
+        inner: Option<S>,
+        spare: Arc<Mutex<S>>,
         config: Arc<Config>,
         parts: Parts,
         deadline: Deadline,
@@ -102,31 +108,37 @@ impl<S, B, ResB> RetryCall<S, B, ResB>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
 {
+    #[allow(clippy::too_many_arguments)] // One constructor, called from one place.
     pub(super) fn new(
-        inner: S,
+        inner: Option<S>,
+        spare: Arc<Mutex<S>>,
         config: Arc<Config>,
         parts: Parts,
         deadline: Deadline,
-        key: Option<Box<str>>,
-        trace_id: Option<Box<str>>,
+        (key, trace_id): (Option<Box<str>>, Option<Box<str>>),
         content: Content<B>,
+        first: Option<Sent<S::Future>>,
     ) -> Self {
-        let step = match content {
-            Content::Buffering(_) => Step::Buffering,
-            Content::Replay(_) | Content::Once(_) => Step::Next,
+        let (step, current, attempts) = match (first, &content) {
+            (Some((future, current, attempts)), _) => {
+                (Step::Calling { future }, Some(current), Some(attempts))
+            }
+            (None, Content::Buffering(_)) => (Step::Buffering, None, None),
+            (None, Content::Replay(_) | Content::Once(_)) => (Step::Next, None, None),
         };
         Self {
             inner,
+            spare,
             config,
             parts,
             deadline,
             key,
             trace_id,
             content,
-            attempts: None,
+            attempts,
             last: None,
             resend: None,
-            current: None,
+            current,
             timer: tokio::time::sleep_until(deadline.instant()),
             step,
         }
@@ -134,7 +146,7 @@ where
 }
 
 /// What became of an attempt.
-enum Sent<ResB> {
+enum Outcome<ResB> {
     Response(Response<ResB>),
     Failed(BoxError),
     CutOff,
@@ -152,7 +164,7 @@ enum After<ResB> {
 
 impl<S, B, ResB> Future for RetryCall<S, B, ResB>
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
@@ -229,29 +241,40 @@ where
                     this.step.set(Step::Ready);
                     continue;
                 }
-                StepProj::Ready => match this.inner.poll_ready(cx) {
-                    Poll::Ready(Ok(())) => {
-                        let Some(current) = *this.current else {
-                            this.step.set(Step::Next);
+                StepProj::Ready => {
+                    let inner = match this.inner {
+                        Some(inner) => inner,
+                        None => this.inner.insert(
+                            this.spare
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .clone(),
+                        ),
+                    };
+                    match inner.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {
+                            let Some(current) = *this.current else {
+                                this.step.set(Step::Next);
+                                continue;
+                            };
+                            let request = attempt_request(this.parts, this.content, current);
+                            let future = inner.call(request);
+                            this.step.set(Step::Calling { future });
                             continue;
-                        };
-                        let request = attempt_request(this.parts, this.content, current);
-                        let future = this.inner.call(request);
-                        this.step.set(Step::Calling { future });
-                        continue;
+                        }
+                        Poll::Ready(Err(e)) => Outcome::Failed(e.into()),
+                        Poll::Pending => {
+                            ready!(this.timer.as_mut().poll(cx));
+                            Outcome::CutOff
+                        }
                     }
-                    Poll::Ready(Err(e)) => Sent::Failed(e.into()),
-                    Poll::Pending => {
-                        ready!(this.timer.as_mut().poll(cx));
-                        Sent::CutOff
-                    }
-                },
+                }
                 StepProj::Calling { future } => match future.poll(cx) {
-                    Poll::Ready(Ok(response)) => Sent::Response(response),
-                    Poll::Ready(Err(e)) => Sent::Failed(e.into()),
+                    Poll::Ready(Ok(response)) => Outcome::Response(response),
+                    Poll::Ready(Err(e)) => Outcome::Failed(e.into()),
                     Poll::Pending => {
                         ready!(this.timer.as_mut().poll(cx));
-                        Sent::CutOff
+                        Outcome::CutOff
                     }
                 },
                 StepProj::Waiting => {
@@ -273,7 +296,7 @@ where
             let elapsed = current.started.elapsed();
             let remaining = current.remaining;
             let next = match sent {
-                Sent::Response(response) => {
+                Outcome::Response(response) => {
                     match (this.config.classifier)(response.status(), response.headers()) {
                         None => {
                             attempts.succeeded(policy, &call, remaining, elapsed);
@@ -286,7 +309,7 @@ where
                         }
                     }
                 }
-                Sent::Failed(e) => {
+                Outcome::Failed(e) => {
                     let e = match e.downcast::<ResendRequested>() {
                         // Not an attempt: the same one goes again, its budget token already
                         // taken.
@@ -308,7 +331,7 @@ where
                         attempts.failed(policy, &call, status, remaining, elapsed)
                     }
                 }
-                Sent::CutOff => {
+                Outcome::CutOff => {
                     *this.last = None;
                     attempts.cut_off(policy, &call, remaining, elapsed)
                 }
@@ -334,14 +357,14 @@ where
 }
 
 /// The policy the call runs by: the method's, or a single attempt for a body sent once.
-fn policy<'a, B>(config: &'a Config, content: &Content<B>) -> &'a RetryPolicy {
+pub(super) fn policy<'a, B>(config: &'a Config, content: &Content<B>) -> &'a RetryPolicy {
     match content {
         Content::Once(_) => &config.single,
         Content::Buffering(_) | Content::Replay(_) => &config.policy,
     }
 }
 
-fn call_info<'a>(
+pub(super) fn call_info<'a>(
     config: &'a Config,
     key: &'a Option<Box<str>>,
     trace_id: &'a Option<Box<str>>,
@@ -354,7 +377,7 @@ fn call_info<'a>(
 }
 
 /// The request of the attempt in flight: the call's head and a body for it.
-fn attempt_request<B>(
+pub(super) fn attempt_request<B>(
     parts: &Parts,
     content: &mut Content<B>,
     current: Current,
@@ -384,7 +407,7 @@ fn attempt_request<B>(
 
 /// The call's result once the attempts stopped: the last failed response, if the last attempt
 /// got one, marked with why they stopped; else the error.
-fn stop<ResB>(
+pub(super) fn stop<ResB>(
     last: Option<Response<ResB>>,
     stopped: RetryError,
 ) -> Result<Response<ResB>, BoxError> {

@@ -38,20 +38,21 @@ pub use self::layer::RetryLayer;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{HeaderName, Request, Response};
 use http_body::Body;
+use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use self::future::{Content, RetryCall};
+use self::future::{Content, Current, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
-use super::replay::{Buffering, ReplayBody};
+use super::replay::{Buffered, Buffering, ReplayBody};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
 use crate::deadline::Deadline;
 use crate::retry::{RetryPolicy, StopReason};
@@ -88,10 +89,27 @@ struct Config {
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Retry<S> {
     inner: S,
+    /// Whether `inner` said it was ready in the last `poll_ready`: then the first attempt is
+    /// sent on it from `call`, and the call clones no service unless it needs a second attempt.
+    ready: bool,
+    /// A handle kept to be cloned for the attempts after the first, shared by every clone.
+    spare: Arc<Mutex<S>>,
     config: Arc<Config>,
+}
+
+impl<S: Clone> Clone for Retry<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            // A clone has not been polled ready.
+            ready: false,
+            spare: Arc::clone(&self.spare),
+            config: Arc::clone(&self.config),
+        }
+    }
 }
 
 impl<S> Retry<S> {
@@ -106,9 +124,14 @@ impl<S> Retry<S> {
         replay_cap: usize,
         classifier: Classifier,
         peer: Option<Arc<str>>,
-    ) -> Self {
+    ) -> Self
+    where
+        S: Clone,
+    {
         let single = policy.single_attempt();
         Self {
+            spare: Arc::new(Mutex::new(inner.clone())),
+            ready: false,
             inner,
             config: Arc::new(Config {
                 policy,
@@ -146,9 +169,11 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<Response<ResB>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Each attempt waits for readiness of its own clone of the inner service, inside the
-        // deadline.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Always ready: waiting for the service is part of an attempt, bounded by the call's
+        // deadline, which is not known here. When the service is ready at once, the first
+        // attempt goes out on it from `call`.
+        self.ready = matches!(self.inner.poll_ready(cx), Poll::Ready(Ok(())));
         Poll::Ready(Ok(()))
     }
 
@@ -172,11 +197,21 @@ where
             Idempotency::Keyed => key.is_some(),
             Idempotency::Unsafe => false,
         };
-        let content = if replayable {
+        let mut content = if replayable {
             Content::Buffering(Buffering::new(body, config.replay_cap))
         } else {
             Content::Once(Some(ReplayBody::once(body)))
         };
+        // A body that is all there already (most are: one buffer) is read here, so that the
+        // first attempt can leave at once.
+        if let Content::Buffering(buffering) = &mut content {
+            match buffering.poll_buffer(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(Ok(Buffered::Replayable(replay))) => content = Content::Replay(replay),
+                Poll::Ready(Ok(Buffered::TooLarge(once))) => content = Content::Once(Some(once)),
+                Poll::Ready(Err(e)) => return Box::pin(std::future::ready(Err(e.into()))),
+                Poll::Pending => {}
+            }
+        }
         let trace_id: Option<Box<str>> = parts
             .headers
             .get(&TRACEPARENT)
@@ -184,16 +219,40 @@ where
             .and_then(|v| v.split('-').nth(1))
             .filter(|id| id.len() == 32)
             .map(Box::from);
-        // The attempts all call the one service this future owns (readiness, then call)
-        // instead of a clone each.
+        // The first attempt goes out now on the service polled ready, if it was and the body
+        // is read; the others (or all, if not) on one clone of it the future owns.
+        let first = if std::mem::take(&mut self.ready) && !matches!(content, Content::Buffering(_))
+        {
+            let policy = future::policy(&config, &content);
+            let call = future::call_info(&config, &key, &trace_id);
+            let mut attempts = policy.attempts(deadline);
+            let started = Instant::now();
+            match attempts.start(policy, &call, started) {
+                Ok((attempt, remaining)) => {
+                    let current = Current {
+                        attempt,
+                        remaining,
+                        started,
+                        resending: false,
+                    };
+                    let request = future::attempt_request(&parts, &mut content, current);
+                    Some((self.inner.call(request), current, attempts))
+                }
+                Err(stopped) => return Box::pin(std::future::ready(future::stop(None, stopped))),
+            }
+        } else {
+            None
+        };
+        let inner = first.is_none().then(|| self.inner.clone());
         Box::pin(RetryCall::new(
-            self.inner.clone(),
+            inner,
+            Arc::clone(&self.spare),
             config,
             parts,
             deadline,
-            key,
-            trace_id,
+            (key, trace_id),
             content,
+            first,
         ))
     }
 }

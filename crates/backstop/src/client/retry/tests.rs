@@ -362,3 +362,71 @@ async fn a_never_sent_attempt_without_a_token_is_a_failed_attempt() {
     let pending = futures_util::FutureExt::now_or_never(handle.next_request());
     assert!(!matches!(pending, Some(Some(_))), "nothing else was sent");
 }
+
+/// A transport that counts its clones and answers each call with the next status.
+#[derive(Debug)]
+struct CountingClones {
+    clones: Arc<std::sync::atomic::AtomicUsize>,
+    statuses: Arc<std::sync::Mutex<Vec<u16>>>,
+}
+
+impl Clone for CountingClones {
+    fn clone(&self) -> Self {
+        self.clones
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self {
+            clones: self.clones.clone(),
+            statuses: self.statuses.clone(),
+        }
+    }
+}
+
+impl Service<Request<Body>> for CountingClones {
+    type Response = Response<()>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Response<()>, std::convert::Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _request: Request<Body>) -> Self::Future {
+        let code = self.statuses.lock().unwrap().remove(0);
+        std::future::ready(Ok(status(code)))
+    }
+}
+
+/// A call whose service is ready and whose body is all there goes out from `call` on the
+/// layer's own service: no clone of the service unless a second attempt needs one (a clone
+/// per call is a copy of the whole stack below and its reference counts, on every call).
+#[tokio::test(start_paused = true)]
+async fn a_call_clones_the_service_only_for_a_second_attempt() {
+    let clones = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let transport = CountingClones {
+        clones: clones.clone(),
+        statuses: Arc::new(std::sync::Mutex::new(vec![200, 503, 200])),
+    };
+    let mut svc =
+        RetryLayer::new(policy(RetryBudget::default()), Idempotency::Keyed).layer(transport);
+    let made = clones.load(std::sync::atomic::Ordering::SeqCst);
+
+    let response = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("{}", Some("k-1")))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made);
+
+    let response = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(request("{}", Some("k-2")))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made + 1);
+}
