@@ -138,7 +138,13 @@ impl Deadline {
 
     /// Budget left; zero once the deadline has passed.
     pub fn remaining(&self) -> Duration {
-        self.end.saturating_duration_since(Instant::now())
+        self.remaining_at(Instant::now())
+    }
+
+    /// Budget left at `now`; zero if the deadline had passed by then. For a caller that reads
+    /// the clock once for several uses (e.g. to time an attempt as well).
+    pub fn remaining_at(&self, now: Instant) -> Duration {
+        self.end.saturating_duration_since(now)
     }
 
     /// Whether no budget is left.
@@ -150,7 +156,12 @@ impl Deadline {
     /// its reply to come back. Fails when the remaining budget is not larger than `margin`: the
     /// call could not produce a useful answer, so it should not be made.
     pub fn child(&self, margin: Duration) -> Result<Deadline, DeadlineExceeded> {
-        let remaining = self.remaining();
+        self.child_at(Instant::now(), margin)
+    }
+
+    /// [`child`](Self::child) as of `now`.
+    pub fn child_at(&self, now: Instant, margin: Duration) -> Result<Deadline, DeadlineExceeded> {
+        let remaining = self.remaining_at(now);
         if remaining <= margin {
             return Err(DeadlineExceeded { remaining, margin });
         }

@@ -328,6 +328,35 @@ mod tests {
     use super::*;
     use crate::contract::KEY_TTL_PAYMENTS;
 
+    /// One `GET` with an empty body through the stack of `contract` to `dest` over `transport`.
+    async fn get_through_stack<T>(
+        dest: &Destination,
+        contract: MethodContract,
+        transport: T,
+    ) -> http::Response<()>
+    where
+        T: tower::Service<
+                http::Request<
+                    crate::client::replay::ReplayBody<http_body_util::Full<bytes::Bytes>>,
+                >,
+                Response = http::Response<()>,
+                Error = std::io::Error,
+            > + Clone
+            + Send
+            + 'static,
+        T::Future: Send,
+    {
+        use tower::ServiceExt;
+        let svc = ClientStack::builder(dest, contract)
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = http::Request::get("http://psp/x")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        svc.oneshot(request).await.unwrap()
+    }
+
     #[test]
     fn hedging_an_unsafe_method_is_a_build_error() {
         let dest = Destination::new("psp");
@@ -411,11 +440,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn each_attempt_leaves_with_one_grpc_timeout_of_its_own() {
         use crate::deadline::{GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
-        use bytes::Bytes;
         use http::{Request, Response};
-        use http_body_util::Full;
         use std::sync::Mutex;
-        use tower::{ServiceExt, service_fn};
+        use tower::service_fn;
 
         let sent = Arc::new(Mutex::new(Vec::new()));
         let transport = {
@@ -441,14 +468,7 @@ mod tests {
         let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
             .default_timeout(Duration::from_secs(2))
             .build();
-        let svc = ClientStack::builder(&dest, contract)
-            .build()
-            .unwrap()
-            .layer(transport);
-        let request = Request::get("http://psp/x")
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let response = svc.oneshot(request).await.unwrap();
+        let response = get_through_stack(&dest, contract, transport).await;
         assert_eq!(response.status(), 200);
         let sent = sent.lock().unwrap().clone();
         assert_eq!(sent.len(), 2);
@@ -466,12 +486,10 @@ mod tests {
     /// Every attempt, retry and hedge of the stack shows up under the DESIGN section 6 names.
     #[tokio::test(start_paused = true)]
     async fn attempts_retries_and_hedges_are_counted() {
-        use bytes::Bytes;
         use http::{Request, Response};
-        use http_body_util::Full;
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
         use std::sync::atomic::{AtomicUsize, Ordering};
-        use tower::{ServiceExt, service_fn};
+        use tower::service_fn;
 
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
@@ -503,14 +521,7 @@ mod tests {
         let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
             .hedging(true)
             .build();
-        let svc = ClientStack::builder(&dest, contract)
-            .build()
-            .unwrap()
-            .layer(transport);
-        let request = Request::get("http://psp/x")
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let response = svc.oneshot(request).await.unwrap();
+        let response = get_through_stack(&dest, contract, transport).await;
         assert_eq!(response.status(), 200);
         assert_eq!(calls.load(Ordering::SeqCst), 3);
 

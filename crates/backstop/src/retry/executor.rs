@@ -351,7 +351,7 @@ impl Attempts {
         call: &CallInfo<'_>,
         now: Instant,
     ) -> Result<(Attempt, Duration), RetryError> {
-        let remaining = self.deadline.instant().saturating_duration_since(now);
+        let remaining = self.deadline.remaining_at(now);
         if remaining.is_zero() {
             // Nothing left to send with: only before the first attempt, or after a wait that
             // ended on the deadline with a zero minimal attempt.

@@ -11,7 +11,7 @@
 //!   the durations of this destination's attempts), so the server gives up before the client
 //!   does and its answer can still travel back. An attempt that would start with no more than
 //!   the margin left fails at once with
-//!   [`DeadlineExceeded`] and is not sent (seed 2.2.2).
+//!   [`DeadlineExceeded`](crate::deadline::DeadlineExceeded) and is not sent (seed 2.2.2).
 //!
 //! HTTP requests carry `grpc-timeout` too: backstop servers read it the way gRPC servers do.
 
@@ -31,9 +31,7 @@ use tower_service::Service;
 use self::future::{AttemptFuture, ResponseFuture};
 use tokio::time::Instant;
 
-use crate::deadline::{
-    Deadline, DeadlineExceeded, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value,
-};
+use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value};
 
 /// Gives a logical call its deadline and cuts the call off when it passes.
 #[derive(Debug, Clone)]
@@ -122,16 +120,15 @@ where
         let Some(deadline) = request.extensions().get::<Deadline>().copied() else {
             return AttemptFuture::running(self.inner.call(request), Instant::now(), None);
         };
-        // `Deadline::child`, from one reading of the clock that also times the attempt.
+        // One reading of the clock for the budget sent and the attempt's start.
         let now = Instant::now();
-        let remaining = deadline.instant().saturating_duration_since(now);
-        let margin = self.margin.current();
-        if remaining <= margin {
-            return AttemptFuture::refused(DeadlineExceeded { remaining, margin });
-        }
+        let child = match deadline.child_at(now, self.margin.current()) {
+            Ok(child) => child,
+            Err(exceeded) => return AttemptFuture::refused(exceeded),
+        };
         request.headers_mut().insert(
             &GRPC_TIMEOUT_HEADER,
-            grpc_timeout_header_value(remaining - margin),
+            grpc_timeout_header_value(child.remaining_at(now)),
         );
         AttemptFuture::running(self.inner.call(request), now, Some(self.margin.clone()))
     }

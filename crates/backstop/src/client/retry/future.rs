@@ -152,16 +152,6 @@ enum Outcome<ResB> {
     CutOff,
 }
 
-/// Where the loop goes after an attempt.
-enum After<ResB> {
-    /// Wait this long, then the next attempt.
-    Wait(Duration),
-    /// The next attempt at once (a transparent re-send).
-    Again,
-    /// Stopped: the call's result.
-    Return(Result<Response<ResB>, BoxError>),
-}
-
 impl<S, B, ResB> Future for RetryCall<S, B, ResB>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
@@ -187,15 +177,11 @@ where
                         Poll::Ready(Ok(Buffered::TooLarge(once))) => {
                             *this.content = Content::Once(Some(once));
                         }
-                        Poll::Ready(Err(e)) => {
-                            this.step.set(Step::Done);
-                            return Poll::Ready(Err(e.into()));
-                        }
+                        Poll::Ready(Err(e)) => return done(this.step, Err(e.into())),
                         Poll::Pending => {
                             // Reading the body is part of the call: it too ends at the deadline.
                             ready!(this.timer.as_mut().poll(cx));
-                            this.step.set(Step::Done);
-                            return Poll::Ready(Err(Box::new(DeadlineExceeded::PASSED)));
+                            return done(this.step, Err(Box::new(DeadlineExceeded::PASSED)));
                         }
                     }
                     this.step.set(Step::Next);
@@ -207,37 +193,22 @@ where
                     let attempts = this
                         .attempts
                         .get_or_insert_with(|| policy.attempts(*this.deadline));
-                    let started = Instant::now();
-                    let resending = this.resend.is_some();
-                    let (attempt, remaining) = match this.resend.take() {
-                        Some(again) => again,
-                        None => match attempts.start(policy, &call, started) {
-                            Ok(next) => next,
-                            Err(stopped) => {
-                                let result = stop(this.last.take(), stopped);
-                                this.step.set(Step::Done);
-                                return Poll::Ready(result);
-                            }
-                        },
+                    let current = match start_attempt(attempts, policy, &call, this.resend.take()) {
+                        Ok(current) => current,
+                        Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
                     };
                     if matches!(this.content, Content::Once(None)) {
                         // Unreachable: a body sent once allows one attempt only.
                         let status = Status::new(Code::Internal, "body already sent");
+                        let remaining = current.remaining;
                         match attempts.failed(policy, &call, status, remaining, Duration::ZERO) {
                             Ok(_) => continue,
                             Err(stopped) => {
-                                let result = stop(this.last.take(), stopped);
-                                this.step.set(Step::Done);
-                                return Poll::Ready(result);
+                                return done(this.step, stop(this.last.take(), stopped));
                             }
                         }
                     }
-                    *this.current = Some(Current {
-                        attempt,
-                        remaining,
-                        started,
-                        resending,
-                    });
+                    *this.current = Some(current);
                     this.step.set(Step::Ready);
                     continue;
                 }
@@ -300,8 +271,7 @@ where
                     match (this.config.classifier)(response.status(), response.headers()) {
                         None => {
                             attempts.succeeded(policy, &call, remaining, elapsed);
-                            this.step.set(Step::Done);
-                            return Poll::Ready(Ok(response));
+                            return done(this.step, Ok(response));
                         }
                         Some(status) => {
                             *this.last = Some(response);
@@ -336,24 +306,45 @@ where
                     attempts.cut_off(policy, &call, remaining, elapsed)
                 }
             };
-            let after = match next {
-                Ok(wait) if wait.is_zero() => After::Again,
-                Ok(wait) => After::Wait(wait),
-                Err(stopped) => After::Return(stop(this.last.take(), stopped)),
-            };
-            match after {
-                After::Again => {}
-                After::Wait(wait) => {
+            match next {
+                // No wait (a zero backoff, or a transparent re-send): the next attempt now.
+                Ok(wait) if wait.is_zero() => {}
+                Ok(wait) => {
                     this.timer.as_mut().reset(Instant::now() + wait);
                     this.step.set(Step::Waiting);
                 }
-                After::Return(result) => {
-                    this.step.set(Step::Done);
-                    return Poll::Ready(result);
-                }
+                Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
             }
         }
     }
+}
+
+/// Ends the call with `result`.
+fn done<F, T>(mut step: Pin<&mut Step<F>>, result: T) -> Poll<T> {
+    step.set(Step::Done);
+    Poll::Ready(result)
+}
+
+/// Starts the next attempt `now`: the transparent re-send of the last one if there is one
+/// (neither counted nor timed against the deadline again), else a new one, or the stop.
+pub(super) fn start_attempt(
+    attempts: &mut Attempts,
+    policy: &RetryPolicy,
+    call: &CallInfo<'_>,
+    resend: Option<(Attempt, Duration)>,
+) -> Result<Current, RetryError> {
+    let started = Instant::now();
+    let resending = resend.is_some();
+    let (attempt, remaining) = match resend {
+        Some(again) => again,
+        None => attempts.start(policy, call, started)?,
+    };
+    Ok(Current {
+        attempt,
+        remaining,
+        started,
+        resending,
+    })
 }
 
 /// The policy the call runs by: the method's, or a single attempt for a body sent once.

@@ -44,11 +44,10 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use http::{HeaderName, Request, Response};
 use http_body::Body;
-use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use self::future::{Content, Current, RetryCall};
+use self::future::{Content, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
@@ -226,15 +225,8 @@ where
             let policy = future::policy(&config, &content);
             let call = future::call_info(&config, &key, &trace_id);
             let mut attempts = policy.attempts(deadline);
-            let started = Instant::now();
-            match attempts.start(policy, &call, started) {
-                Ok((attempt, remaining)) => {
-                    let current = Current {
-                        attempt,
-                        remaining,
-                        started,
-                        resending: false,
-                    };
+            match future::start_attempt(&mut attempts, policy, &call, None) {
+                Ok(current) => {
                     let request = future::attempt_request(&parts, &mut content, current);
                     Some((self.inner.call(request), current, attempts))
                 }
