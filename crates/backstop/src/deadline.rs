@@ -206,10 +206,17 @@ pub fn encode_grpc_timeout(d: Duration) -> String {
 
 /// [`encode_grpc_timeout`] as a header value, without an intermediate `String`: it is set on
 /// every attempt a client sends.
+///
+/// The value is marked sensitive, which HTTP/2 encodes as a never-indexed literal: a budget
+/// differs on every attempt, so indexing it would only fill the peer's HPACK table with
+/// entries nobody reuses, evict the ones that are reused, and make each encode walk a chain of
+/// stale `grpc-timeout` entries.
 pub fn grpc_timeout_header_value(d: Duration) -> http::HeaderValue {
     let (buf, len) = encode_grpc_timeout_bytes(d);
-    http::HeaderValue::from_bytes(&buf[..len])
-        .unwrap_or_else(|_| http::HeaderValue::from_static("99999999H"))
+    let mut value = http::HeaderValue::from_bytes(&buf[..len])
+        .unwrap_or_else(|_| http::HeaderValue::from_static("99999999H"));
+    value.set_sensitive(true);
+    value
 }
 
 /// The encoded value in a stack buffer: at most eight digits and the unit.

@@ -160,6 +160,10 @@ mod tests {
         let budget =
             decode_grpc_timeout(sent.headers()[&GRPC_TIMEOUT_HEADER].to_str().unwrap()).unwrap();
         assert_eq!(budget, 980 * MS);
+        assert!(
+            sent.headers()[&GRPC_TIMEOUT_HEADER].is_sensitive(),
+            "a per-attempt budget must not be HPACK-indexed"
+        );
         advance(40 * MS).await;
         send.send_response(Response::new(()));
         call.await.unwrap();

@@ -137,7 +137,7 @@ where
             return LayerFuture::boxed(Box::pin(call));
         }
         let key = IdempotencyKey::generate();
-        match HeaderValue::from_str(&key.header_value()) {
+        match key_header_value(&key) {
             Ok(value) => {
                 request.headers_mut().insert(IDEMPOTENCY_KEY.clone(), value);
                 request.extensions_mut().insert(key);
@@ -146,6 +146,15 @@ where
             Err(e) => LayerFuture::boxed(Box::pin(async move { Err(e.into()) })),
         }
     }
+}
+
+/// `key` as the `idempotency-key` value, marked sensitive: HTTP/2 sends it as a never-indexed
+/// literal, since a key is used by one logical call only and indexing it would just evict the
+/// peer's useful HPACK entries (and keys are not for intermediaries' tables anyway).
+fn key_header_value(key: &IdempotencyKey) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
+    let mut value = HeaderValue::from_str(&key.header_value())?;
+    value.set_sensitive(true);
+    Ok(value)
 }
 
 /// A call whose key comes from the journal: stored before the first send, marked complete once
@@ -162,7 +171,7 @@ where
     S::Error: Into<BoxError>,
 {
     let key = journal.begin(op.as_str()).await?;
-    let value = HeaderValue::from_str(&key.header_value())?;
+    let value = key_header_value(&key)?;
     request.headers_mut().insert(IDEMPOTENCY_KEY.clone(), value);
     request.extensions_mut().insert(key.clone());
     let result = inner.oneshot(request).await.map_err(Into::into);
@@ -199,6 +208,10 @@ mod tests {
                 .to_owned();
             let ext = sent.extensions().get::<IdempotencyKey>().unwrap();
             assert_eq!(ext.as_str(), header);
+            assert!(
+                sent.headers()[&IDEMPOTENCY_KEY].is_sensitive(),
+                "a one-call key must not be HPACK-indexed"
+            );
             keys.push(header);
             send.send_response(Response::new(()));
             call.await.unwrap().unwrap();
