@@ -3,7 +3,8 @@
 #   bare  - plain axum, one trivial POST JSON route (the baseline)
 #   stack - the same route behind the stack without idempotency
 #   keyed - the full stack, route Keyed on SQLite (WAL, synchronous=FULL, group commit)
-# (MODES may also name single layers: deadline metrics rate_limit gate.)
+# (MODES may also name keyed_memory (the in-memory store), keyed_normal (SQLite without the
+# fsync on COMMIT: what durability costs) and single layers: deadline metrics rate_limit gate.)
 # The server runs on core 0 with one tokio worker, wrk on core 1, so req/s measures the
 # server's CPU cost per request. Modes run ROUNDS times, interleaved; medians are reported.
 # Needs wrk (apt-get install wrk). Usage: bench/http.sh [SECONDS] [CONNECTIONS] [ROUNDS]

@@ -6,11 +6,13 @@
 //! - `stack`: the server stack without idempotency (deadline, metrics, tenant, rate limit, gate);
 //! - `keyed`: the full stack, the route `Keyed` on a SQLite store (WAL, `synchronous=FULL`,
 //!   group commit) at DB_PATH;
+//! - `keyed_normal`: `keyed` with `synchronous=NORMAL` (no fsync on COMMIT; not durable):
+//!   what the rest costs without the sync;
 //! - `keyed_memory`: the same on the in-memory store (not durable; isolates the layer's cost);
 //! - `deadline`, `metrics`, `rate_limit`, `gate`: one layer alone, to attribute the cost.
 //!
 //! Prints `listening on ADDR` once it accepts connections (port chosen by the OS), and in
-//! `keyed` mode, on SIGTERM, how many write jobs the SQLite writer committed in how many
+//! the SQLite `keyed` modes, on SIGTERM, how many write jobs the SQLite writer committed in how many
 //! transactions.
 use std::time::Duration;
 
@@ -19,7 +21,7 @@ use std::num::{NonZeroU32, NonZeroUsize};
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::MemoryStore;
-use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore};
+use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore, Synchronous};
 use backstop::server::{
     DeadlineLayer, GateLayer, KeyedRoute, MetricsLayer, RateLimitLayer, ServerStack,
 };
@@ -60,8 +62,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
 
     let router = Router::new().route("/v1/payments", post(echo));
-    let store = SqliteStore::open(&db, SqliteOptions::default()).await?;
-    let writer = (mode == "keyed").then(|| store.db().clone());
+    let options = SqliteOptions {
+        // `keyed_normal` bounds what durability costs: no fsync on COMMIT.
+        synchronous: if mode == "keyed_normal" {
+            Synchronous::Normal
+        } else {
+            Synchronous::Full
+        },
+        ..SqliteOptions::default()
+    };
+    let store = SqliteStore::open(&db, options).await?;
+    let writer = matches!(mode.as_str(), "keyed" | "keyed_normal").then(|| store.db().clone());
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
         if let Ok(mut term) = signal(SignalKind::terminate()) {
@@ -81,7 +92,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = match mode.as_str() {
         "bare" => router,
         "stack" => router.layer(stack.into_layer()),
-        "keyed" => router.layer(
+        "keyed" | "keyed_normal" => router.layer(
             stack
                 .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
                 .into_layer(),
