@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::store::duration_ms;
@@ -10,9 +11,10 @@ use super::{
     StoredResponse,
 };
 
-/// The [`Store`] in a `Mutex<HashMap>`: every operation is one short critical section, so the
-/// claim's insert-or-inspect-or-take-over is atomic exactly like the SQL version's conditional
-/// statements. Nothing survives a restart; bound its size with a `Sweeper`.
+/// The [`Store`] in sharded `Mutex<HashMap>`s: every operation is one short critical section on
+/// the shard that holds its key, so the claim's insert-or-inspect-or-take-over is atomic exactly
+/// like the SQL version's conditional statements. Nothing survives a restart; bound its size
+/// with a `Sweeper`.
 ///
 /// ```
 /// use std::time::Duration;
@@ -38,7 +40,32 @@ use super::{
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
-    records: Arc<Mutex<HashMap<(String, String), Record>>>,
+    shards: Arc<Shards>,
+}
+
+/// Records are spread over this many maps, each behind its own lock: a map that grows rehashes
+/// every record it holds while its lock is held, and at a few hundred thousand records in one
+/// map that stalled every request for tens of milliseconds (most of it the kernel zeroing the
+/// new table's pages). Sharded, a rehash moves 1/64 of the records and blocks 1/64 of the keys;
+/// a sweep takes one shard's lock at a time.
+const SHARDS: usize = 64;
+
+type Map = HashMap<(String, String), Record>;
+
+#[derive(Debug)]
+struct Shards {
+    /// Picks the shard of a `(scope, key)`.
+    hasher: RandomState,
+    maps: Box<[Mutex<Map>]>,
+}
+
+impl Default for Shards {
+    fn default() -> Self {
+        Shards {
+            hasher: RandomState::new(),
+            maps: (0..SHARDS).map(|_| Mutex::default()).collect(),
+        }
+    }
 }
 
 impl MemoryStore {
@@ -49,21 +76,24 @@ impl MemoryStore {
 
     /// Number of records held (of any state).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.shards.maps.iter().map(|m| lock(m).len()).sum()
     }
 
     /// Whether the store holds no record.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.shards.maps.iter().all(|m| lock(m).is_empty())
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Record>> {
-        // No operation leaves a record half-written, so a poisoned map is still consistent.
-        self.records.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The locked shard that holds `(scope, key)`.
+    fn shard(&self, scope: &str, key: &str) -> MutexGuard<'_, Map> {
+        let hash = self.shards.hasher.hash_one((scope, key));
+        // The remainder is below SHARDS, so it fits any usize.
+        let index = usize::try_from(hash % SHARDS as u64).unwrap_or(0);
+        lock(&self.shards.maps[index])
     }
 
     fn claim_now(&self, req: &ClaimRequest) -> Claim {
-        let mut records = self.lock();
+        let mut records = self.shard(&req.scope, req.key.as_str());
         let id = (req.scope.clone(), req.key.as_str().to_owned());
         let Some(rec) = records.get_mut(&id) else {
             let lease_until = req.lease_until_ms();
@@ -116,9 +146,9 @@ impl MemoryStore {
     fn with_held(
         &self,
         lease: &Lease,
-        f: impl FnOnce(&mut HashMap<(String, String), Record>, (String, String)),
+        f: impl FnOnce(&mut Map, (String, String)),
     ) -> Result<(), StoreError> {
-        let mut records = self.lock();
+        let mut records = self.shard(&lease.scope, lease.key.as_str());
         let id = (lease.scope.clone(), lease.key.as_str().to_owned());
         match records.get(&id) {
             Some(rec)
@@ -149,6 +179,11 @@ impl MemoryStore {
             }
         })
     }
+}
+
+fn lock(map: &Mutex<Map>) -> MutexGuard<'_, Map> {
+    // No operation leaves a record half-written, so a poisoned map is still consistent.
+    map.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Store for MemoryStore {
@@ -185,7 +220,7 @@ impl Store for MemoryStore {
         key: &IdempotencyKey,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
         let id = (scope.to_owned(), key.as_str().to_owned());
-        std::future::ready(Ok(self.lock().get(&id).cloned()))
+        std::future::ready(Ok(self.shard(scope, key.as_str()).get(&id).cloned()))
     }
 
     fn sweep(
@@ -193,16 +228,66 @@ impl Store for MemoryStore {
         now_ms: i64,
         limit: usize,
     ) -> impl Future<Output = Result<usize, StoreError>> + Send {
-        let mut records = self.lock();
-        let doomed: Vec<(String, String)> = records
-            .iter()
-            .filter(|(_, rec)| rec.is_sweepable(now_ms))
-            .map(|(id, _)| id.clone())
-            .take(limit)
-            .collect();
-        for id in &doomed {
-            records.remove(id);
+        let mut swept = 0;
+        for map in &self.shards.maps {
+            if swept == limit {
+                break;
+            }
+            let mut records = lock(map);
+            let doomed: Vec<(String, String)> = records
+                .iter()
+                .filter(|(_, rec)| rec.is_sweepable(now_ms))
+                .map(|(id, _)| id.clone())
+                .take(limit - swept)
+                .collect();
+            for id in &doomed {
+                records.remove(id);
+            }
+            swept += doomed.len();
         }
-        std::future::ready(Ok(doomed.len()))
+        std::future::ready(Ok(swept))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::idempotency::Fingerprint;
+
+    /// No shard may end up with most of the records: a growing shard rehashes everything it
+    /// holds under its lock, which is the stall sharding is there to bound.
+    #[tokio::test]
+    async fn records_spread_over_the_shards() {
+        let store = MemoryStore::new();
+        let fingerprint = Fingerprint::of_json("POST /v1/payments", b"{}").unwrap();
+        for i in 0..6_400 {
+            let req = ClaimRequest {
+                scope: format!("merchant-{}", i % 3),
+                key: IdempotencyKey::parse(&format!("k-{i}")).unwrap(),
+                fingerprint,
+                lease: Duration::from_secs(5),
+                ttl: Duration::from_secs(60),
+                now_ms: 1_000,
+            };
+            assert!(matches!(store.claim(req).await.unwrap(), Claim::Claimed(_)));
+        }
+        assert_eq!(store.len(), 6_400);
+        let largest = store
+            .shards
+            .maps
+            .iter()
+            .map(|m| lock(m).len())
+            .max()
+            .unwrap();
+        // 100 per shard on average; a fair hash stays far below twice that.
+        assert!(
+            largest < 200,
+            "largest shard holds {largest} of 6,400 records"
+        );
+        // A sweep crosses shards until its limit.
+        assert_eq!(store.sweep(1_000 + 61_000, 150).await.unwrap(), 150);
+        assert_eq!(store.len(), 6_250);
     }
 }
