@@ -47,14 +47,20 @@ pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
 pub struct Replay {
     data: Bytes,
     trailers: Option<HeaderMap>,
+    /// Whether the original body did not announce its exact length. Each attempt announces what
+    /// the original did, so replaying never changes the request on the wire: a body of unknown
+    /// length stays chunked on HTTP/1.1 and gets no `content-length` on HTTP/2 (tonic's
+    /// bodies, for one, announce none).
+    length_unknown: bool,
 }
 
 impl Replay {
-    /// A replay of `data` without trailers.
+    /// A replay of `data` without trailers, announcing its exact length.
     pub fn new(data: Bytes) -> Self {
         Self {
             data,
             trailers: None,
+            length_unknown: false,
         }
     }
 
@@ -219,11 +225,20 @@ where
         match &self.kind {
             Kind::Buffered {
                 replay, data_sent, ..
-            } => SizeHint::with_exact(if *data_sent {
-                0
-            } else {
-                replay.data.len() as u64
-            }),
+            } => {
+                let left = if *data_sent {
+                    0
+                } else {
+                    replay.data.len() as u64
+                };
+                if replay.length_unknown {
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(left);
+                    hint
+                } else {
+                    SizeHint::with_exact(left)
+                }
+            }
             Kind::Streaming { prefix, rest } => {
                 let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
                 let hint = rest.size_hint();
@@ -266,6 +281,8 @@ pub(crate) struct Buffering<B> {
     more: VecDeque<Bytes>,
     len: usize,
     trailers: Option<HeaderMap>,
+    /// Whether the body did not announce its exact length before it was read.
+    length_unknown: bool,
 }
 
 impl<B> Buffering<B>
@@ -281,6 +298,7 @@ where
             more: VecDeque::new(),
             len: 0,
             trailers: None,
+            length_unknown: false,
         }
     }
 
@@ -295,7 +313,9 @@ where
         if !self.checked {
             self.checked = true;
             let cap = u64::try_from(self.cap).unwrap_or(u64::MAX);
-            if body.size_hint().lower() > cap {
+            let hint = body.size_hint();
+            self.length_unknown = hint.exact().is_none();
+            if hint.lower() > cap {
                 let body = self.body.take().map(ReplayBody::once);
                 return Poll::Ready(Ok(Buffered::TooLarge(body.expect("checked above"))));
             }
@@ -350,6 +370,7 @@ where
         Poll::Ready(Ok(Buffered::Replayable(Replay {
             data,
             trailers: self.trailers.take(),
+            length_unknown: self.length_unknown,
         })))
     }
 }
@@ -403,6 +424,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn every_attempt_announces_the_length_the_original_did() {
+        // Known length: each attempt says so (HTTP/1.1 content-length).
+        let Buffered::Replayable(known) = buffer(Full::new(Bytes::from_static(b"abc")), 64)
+            .await
+            .unwrap()
+        else {
+            panic!("3 bytes fit");
+        };
+        let first: ReplayBody<Full<Bytes>> = known.body();
+        assert_eq!(first.size_hint().exact(), Some(3));
+        assert_eq!(first.try_clone().unwrap().size_hint().exact(), Some(3));
+        // Unknown length (a stream, or tonic's encoder): never invented by the replay, so the
+        // attempts go out chunked on HTTP/1.1 and without content-length on HTTP/2, as the
+        // original would have.
+        let Buffered::Replayable(unknown) = buffer(chunked(&["a", "bc"]), 64).await.unwrap() else {
+            panic!("3 bytes fit");
+        };
+        let first: ReplayBody<Chunked> = unknown.body();
+        assert_eq!(first.size_hint().exact(), None);
+        let again = first.try_clone().unwrap();
+        assert_eq!(again.size_hint().exact(), None);
+        assert_eq!(again.size_hint().lower(), 3);
+        assert_eq!(collect(again).await, "abc");
+    }
+
+    #[tokio::test]
     async fn a_body_within_the_cap_replays_any_number_of_times() {
         let Buffered::Replayable(replay) = buffer(chunked(&["ab", "cd", "ef"]), 6).await.unwrap()
         else {
@@ -411,7 +458,9 @@ mod tests {
         assert_eq!(replay.data(), "abcdef");
         let first: ReplayBody<Chunked> = replay.body();
         assert!(first.is_replayable());
-        assert_eq!(first.size_hint().exact(), Some(6));
+        // A stream of unknown length stays one: each attempt announces what the original did.
+        assert_eq!(first.size_hint().exact(), None);
+        assert_eq!(first.size_hint().lower(), 6);
         let second = first.try_clone().unwrap();
         assert_eq!(collect(first).await, "abcdef");
         assert_eq!(collect(second).await, "abcdef");
