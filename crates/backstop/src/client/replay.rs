@@ -46,7 +46,9 @@ pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
 #[derive(Debug, Clone, Default)]
 pub struct Replay {
     data: Bytes,
-    trailers: Option<HeaderMap>,
+    // Boxed: request trailers are rare, and every attempt's request (moved from layer to layer
+    // and inside the transport) carries a copy of this struct in its body.
+    trailers: Option<Box<HeaderMap>>,
     /// Whether the original body did not announce its exact length. Each attempt announces what
     /// the original did, so replaying never changes the request on the wire: a body of unknown
     /// length stays chunked on HTTP/1.1 and gets no `content-length` on HTTP/2 (tonic's
@@ -198,7 +200,7 @@ where
                 if !*trailers_sent {
                     *trailers_sent = true;
                     if let Some(trailers) = &replay.trailers {
-                        return Poll::Ready(Some(Ok(Frame::trailers(trailers.clone()))));
+                        return Poll::Ready(Some(Ok(Frame::trailers(HeaderMap::clone(trailers)))));
                     }
                 }
                 Poll::Ready(None)
@@ -369,7 +371,7 @@ where
         };
         Poll::Ready(Ok(Buffered::Replayable(Replay {
             data,
-            trailers: self.trailers.take(),
+            trailers: self.trailers.take().map(Box::new),
             length_unknown: self.length_unknown,
         })))
     }
@@ -421,6 +423,17 @@ mod tests {
         B::Error: std::fmt::Debug,
     {
         body.collect().await.unwrap().to_bytes()
+    }
+
+    /// Every attempt's request carries its body through each layer and the transport, moved
+    /// (copied) at every step: the body must stay a few words, not a header map.
+    #[test]
+    fn a_replay_body_stays_small() {
+        assert!(
+            std::mem::size_of::<ReplayBody<http_body_util::Full<Bytes>>>() <= 64,
+            "{} bytes",
+            std::mem::size_of::<ReplayBody<http_body_util::Full<Bytes>>>()
+        );
     }
 
     #[tokio::test]
