@@ -25,12 +25,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::Request;
+use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
 use self::future::{AttemptFuture, ResponseFuture};
-use tokio::time::Instant;
-
 use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value};
 
 /// Gives a logical call its deadline and cuts the call off when it passes.

@@ -38,6 +38,16 @@ pub(super) enum Content<B> {
     Once(Option<ReplayBody<B>>),
 }
 
+impl<B> From<Buffered<B>> for Content<B> {
+    /// What the attempts send once the body is read.
+    fn from(buffered: Buffered<B>) -> Self {
+        match buffered {
+            Buffered::Replayable(replay) => Content::Replay(replay),
+            Buffered::TooLarge(once) => Content::Once(Some(once)),
+        }
+    }
+}
+
 /// The attempt in flight.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Current {
@@ -171,12 +181,7 @@ where
                         continue;
                     };
                     match buffering.poll_buffer(cx) {
-                        Poll::Ready(Ok(Buffered::Replayable(replay))) => {
-                            *this.content = Content::Replay(replay);
-                        }
-                        Poll::Ready(Ok(Buffered::TooLarge(once))) => {
-                            *this.content = Content::Once(Some(once));
-                        }
+                        Poll::Ready(Ok(buffered)) => *this.content = buffered.into(),
                         Poll::Ready(Err(e)) => return done(this.step, Err(e.into())),
                         Poll::Pending => {
                             // Reading the body is part of the call: it too ends at the deadline.

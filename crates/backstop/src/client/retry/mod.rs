@@ -51,7 +51,7 @@ use self::future::{Content, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
-use super::replay::{Buffered, Buffering, ReplayBody};
+use super::replay::{Buffering, ReplayBody};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
 use crate::deadline::Deadline;
 use crate::retry::{RetryPolicy, StopReason};
@@ -205,8 +205,7 @@ where
         // first attempt can leave at once.
         if let Content::Buffering(buffering) = &mut content {
             match buffering.poll_buffer(&mut Context::from_waker(Waker::noop())) {
-                Poll::Ready(Ok(Buffered::Replayable(replay))) => content = Content::Replay(replay),
-                Poll::Ready(Ok(Buffered::TooLarge(once))) => content = Content::Once(Some(once)),
+                Poll::Ready(Ok(buffered)) => content = buffered.into(),
                 Poll::Ready(Err(e)) => return Box::pin(std::future::ready(Err(e.into()))),
                 Poll::Pending => {}
             }
