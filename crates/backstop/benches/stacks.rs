@@ -34,6 +34,8 @@ fn install_recorder() {
     static INSTALLED: std::sync::Once = std::sync::Once::new();
     INSTALLED.call_once(|| {
         let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .set_buckets(backstop::observe::LATENCY_BUCKETS_SECONDS)
+            .expect("buckets")
             .install_recorder()
             .expect("no other recorder");
         // As `backstop serve` does every 5 s: drains the histograms' sample buffers.

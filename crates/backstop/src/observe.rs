@@ -52,9 +52,12 @@ pub const IDEMPOTENCY_CLAIMS_TOTAL: &str = "idempotency_claims_total";
 /// time, labelled `result` (see [`redis_unavailable_result`]).
 pub const RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL: &str = "rate_limit_redis_unavailable_total";
 
-/// Histogram buckets (seconds) suited to RPC latencies, 1 ms to 10 s.
+/// Histogram buckets (seconds) for the duration metrics, 250 µs (a loopback or same-rack call)
+/// to 10 s. Exporters should render the durations as histograms over these buckets: bucket
+/// counts add up across instances (quantile summaries do not), and recording a sample is a
+/// bucket increment instead of a sketch update.
 pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
 /// Label names.

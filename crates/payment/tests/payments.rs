@@ -596,6 +596,12 @@ async fn health_readiness_and_metrics() {
     assert_eq!(m.status, StatusCode::OK);
     let text = String::from_utf8(m.bytes).unwrap();
     assert!(text.contains("rpc_server_requests_total"), "{text}");
+    // Durations are histograms (bucket counts add up across instances), not quantile summaries.
+    assert!(
+        text.contains("rpc_server_duration_seconds_bucket{") && text.contains("le=\"0.00025\""),
+        "{text}"
+    );
+    assert!(!text.contains("quantile="), "{text}");
     assert!(!text.contains("order-m"), "no business ids in labels");
     let nf = h.get("/nope", &[]).await;
     assert_eq!(nf.status, StatusCode::NOT_FOUND);

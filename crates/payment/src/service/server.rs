@@ -9,6 +9,7 @@ use backstop::clock::{Clock, SystemClock};
 use backstop::idempotency::Sweeper;
 use backstop::idempotency::postgres::{PgError, PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::{Db, DbError, SqliteOptions, SqliteStore};
+use backstop::observe::LATENCY_BUCKETS_SECONDS;
 use backstop::retry::RetryBudget;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
@@ -68,13 +69,22 @@ pub enum ServeError {
     Serve(#[source] std::io::Error),
 }
 
+/// The Prometheus exporter's settings: the duration metrics as histograms over
+/// [`LATENCY_BUCKETS_SECONDS`] (the exporter's default would render quantile summaries, which
+/// cannot be added up across instances and cost a sketch update per sample).
+pub fn prometheus_builder() -> PrometheusBuilder {
+    PrometheusBuilder::new()
+        .set_buckets(LATENCY_BUCKETS_SECONDS)
+        .expect("the bucket list is not empty")
+}
+
 /// The process-wide Prometheus handle: installs the recorder on first use. If another global
 /// recorder was installed first, the handle renders only what reaches it (nothing).
 pub fn prometheus_handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            let recorder = prometheus_builder().build_recorder();
             let handle = recorder.handle();
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed; /metrics stays empty");
