@@ -87,8 +87,10 @@ pin_project! {
         S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
     {
         // The service the attempts call; `None` until an attempt after the first needs one
-        // (the first was sent by the layer itself), then a clone of `spare`.
-        inner: Option<S>,
+        // (the first was sent by the layer itself), then a clone of `spare`. Boxed, as is
+        // `last`: both are rare, and inline they would make every call's future larger (this
+        // future is allocated and moved once per call; over 1 KiB, the allocator's slow path).
+        inner: Option<Box<S>>,
         spare: Arc<Mutex<S>>,
         config: Arc<Config>,
         parts: Parts,
@@ -100,7 +102,7 @@ pin_project! {
         // deposit made.
         attempts: Option<Attempts>,
         // The response of the last failed attempt, returned if it ends up being the answer.
-        last: Option<Response<ResB>>,
+        last: Option<Box<Response<ResB>>>,
         // An attempt that never reached the server, to be sent again at once (see
         // `ResendRequested`).
         resend: Option<(Attempt, Duration)>,
@@ -137,7 +139,7 @@ where
             (None, Content::Replay(_) | Content::Once(_)) => (Step::Next, None, None),
         };
         Self {
-            inner,
+            inner: inner.map(Box::new),
             spare,
             config,
             parts,
@@ -200,7 +202,7 @@ where
                         .get_or_insert_with(|| policy.attempts(*this.deadline));
                     let current = match start_attempt(attempts, policy, &call, this.resend.take()) {
                         Ok(current) => current,
-                        Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
+                        Err(stopped) => return done(this.step, stop(this.last.take().map(|last| *last), stopped)),
                     };
                     if matches!(this.content, Content::Once(None)) {
                         // Unreachable: a body sent once allows one attempt only.
@@ -209,7 +211,7 @@ where
                         match attempts.failed(policy, &call, status, remaining, Duration::ZERO) {
                             Ok(_) => continue,
                             Err(stopped) => {
-                                return done(this.step, stop(this.last.take(), stopped));
+                                return done(this.step, stop(this.last.take().map(|last| *last), stopped));
                             }
                         }
                     }
@@ -220,12 +222,12 @@ where
                 StepProj::Ready => {
                     let inner = match this.inner {
                         Some(inner) => inner,
-                        None => this.inner.insert(
+                        None => this.inner.insert(Box::new(
                             this.spare
                                 .lock()
                                 .unwrap_or_else(PoisonError::into_inner)
                                 .clone(),
-                        ),
+                        )),
                     };
                     match inner.poll_ready(cx) {
                         Poll::Ready(Ok(())) => {
@@ -279,7 +281,7 @@ where
                             return done(this.step, Ok(response));
                         }
                         Some(status) => {
-                            *this.last = Some(response);
+                            *this.last = Some(Box::new(response));
                             attempts.failed(policy, &call, status, remaining, elapsed)
                         }
                     }
@@ -318,7 +320,7 @@ where
                     this.timer.as_mut().reset(Instant::now() + wait);
                     this.step.set(Step::Waiting);
                 }
-                Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
+                Err(stopped) => return done(this.step, stop(this.last.take().map(|last| *last), stopped)),
             }
         }
     }
