@@ -1,26 +1,35 @@
 //! Runs N calls through one in-process stack, for counting instructions per call with
-//! `valgrind --tool=callgrind` (`bench/instructions.sh`): instruction counts do not move with
-//! whatever else the machine is doing, so they compare two builds where timings cannot.
+//! `valgrind --tool=callgrind` (`bench/instructions.sh`, `bench/client_layers.sh`): instruction
+//! counts do not move with whatever else the machine is doing, so they compare two builds where
+//! timings cannot.
 //!
-//! `cargo run --release -p backstop --example stack_calls -- MODE CALLS`, where MODE is
+//! `cargo run --release -p backstop --example stack_calls -- MODE CALLS [LAYERS]`, where MODE is
 //! `client_bare`, `client_stack`, `server_bare`, `server_stack` or `server_keyed` (the same
-//! services as the
-//! `stacks` criterion bench, on a current-thread runtime, with the Prometheus recorder
-//! installed and mimalloc allocating, as in `backstop serve`).
+//! services as the `stacks` criterion bench), or `client_layers` with the number of client
+//! layers to stack (0 to 7); on a current-thread runtime, with the Prometheus recorder installed
+//! and mimalloc allocating, as in `backstop serve`.
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::Duration;
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
-use backstop::client::replay::ReplayBody;
+use backstop::client::breaker::{Breaker, BreakerConfig, CircuitBreaker};
+use backstop::client::classify::classify_head;
+use backstop::client::deadline::{AttemptTimeout, SetDeadline};
+use backstop::client::hedge::Hedge;
+use backstop::client::logical::IdempotencyKeyService;
+use backstop::client::replay::{DEFAULT_REPLAY_CAP, ReplayBody};
+use backstop::client::retry::Retry;
+use backstop::client::transparent::TransparentRetry;
 use backstop::client::{ClientStack, Destination};
 use backstop::contract::{Idempotency, MethodContract};
+use backstop::deadline::Deadline;
 use backstop::idempotency::MemoryStore;
 use backstop::server::{KeyedRoute, ServerStack};
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::Full;
-use tower::{Layer, ServiceExt, service_fn};
+use tower::{BoxError, Layer, Service, ServiceExt, service_fn};
 
 /// The allocator the `backstop` binary ships with, as in the other benches.
 #[global_allocator]
@@ -33,6 +42,82 @@ fn request() -> Request<Full<Bytes>> {
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from_static(BODY)))
         .expect("valid request")
+}
+
+/// Calls `service` `calls` times, each with a fresh request carrying a [`Deadline`] (as every
+/// attempt below the retry layer does) and its body wrapped by `body`.
+async fn drive<S, B>(service: S, calls: u64, body: fn(Full<Bytes>) -> B) -> Result<(), BoxError>
+where
+    S: Service<Request<B>, Response = Response<Full<Bytes>>> + Clone,
+    S::Error: Into<BoxError>,
+{
+    for _ in 0..calls {
+        let mut request = request().map(body);
+        request
+            .extensions_mut()
+            .insert(Deadline::after(Duration::from_secs(10)));
+        let response = service.clone().oneshot(request).await.map_err(Into::into)?;
+        assert!(response.status().is_success());
+    }
+    Ok(())
+}
+
+/// The client stack's lowest `layers` layers (0 to 7) over the same transport as
+/// `client_stack`, so that the difference between two counts is what one layer costs per call:
+/// 1 transparent retry, 2 breaker, 3 attempt timeout, 4 hedge (off, as for the bench's method),
+/// 5 retry, 6 deadline, 7 logical request (keys off: the method is `Safe`). All 7 is the
+/// `client_stack` service, except that every request already carries its deadline.
+async fn client_layers(layers: usize, calls: u64) -> Result<(), BoxError> {
+    let transport = service_fn(|_r: Request<ReplayBody<Full<Bytes>>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
+    });
+    let destination = Destination::new("bench");
+    let contract = MethodContract::builder("Echo", Idempotency::Safe)
+        .default_timeout(Duration::from_secs(10))
+        .build();
+    let policy = ClientStack::builder(&destination, contract)
+        .build()?
+        .policy()
+        .clone();
+    let timeout = Duration::from_secs(10);
+    let once = ReplayBody::once;
+    let transparent = TransparentRetry::new(transport, Some(destination.retry_budget().clone()));
+    if layers == 0 {
+        return drive(transport, calls, once).await;
+    }
+    if layers == 1 {
+        return drive(transparent, calls, once).await;
+    }
+    let breaker = Breaker::new(transparent, CircuitBreaker::new(BreakerConfig::default())?);
+    if layers == 2 {
+        return drive(breaker, calls, once).await;
+    }
+    let attempt = AttemptTimeout::new(breaker, destination.margin().clone());
+    if layers == 3 {
+        return drive(attempt, calls, once).await;
+    }
+    let hedge = Hedge::disabled(attempt);
+    if layers == 4 {
+        return drive(hedge, calls, once).await;
+    }
+    let retry = Retry::new(
+        hedge,
+        policy,
+        Idempotency::Safe,
+        DEFAULT_REPLAY_CAP,
+        classify_head,
+        Some("bench".into()),
+    )
+    .hedged(false);
+    let same = |body| body;
+    if layers == 5 {
+        return drive(retry, calls, same).await;
+    }
+    let deadline = SetDeadline::untimed(retry, timeout);
+    if layers == 6 {
+        return drive(deadline, calls, same).await;
+    }
+    drive(IdempotencyKeyService::disabled(deadline), calls, same).await
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -110,7 +195,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 } else {
                     // Limits far above the offered load: this counts the layers, not refusals.
                     let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
-                    let buckets = KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
+                    let buckets =
+                        KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
                     let stack = ServerStack::new("bench", MemoryStore::new())
                         .tenant_buckets(buckets)
                         .gate(Gate::new(100_000, Duration::from_millis(1)))
@@ -123,10 +209,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }
             }
+            "client_layers" => {
+                let layers = args.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                client_layers(layers, calls)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
             other => {
                 return Err(format!(
-                    "unknown mode {other:?}: client_bare | client_stack | server_bare | server_stack | \
-                     server_keyed"
+                    "unknown mode {other:?}: client_bare | client_stack | client_layers | \
+                     server_bare | server_stack | server_keyed"
                 )
                 .into());
             }

@@ -202,7 +202,12 @@ where
                         .get_or_insert_with(|| policy.attempts(*this.deadline));
                     let current = match start_attempt(attempts, policy, &call, this.resend.take()) {
                         Ok(current) => current,
-                        Err(stopped) => return done(this.step, stop(this.last.take().map(|last| *last), stopped)),
+                        Err(stopped) => {
+                            return done(
+                                this.step,
+                                stop(this.last.take().map(|last| *last), stopped),
+                            );
+                        }
                     };
                     if matches!(this.content, Content::Once(None)) {
                         // Unreachable: a body sent once allows one attempt only.
@@ -211,7 +216,10 @@ where
                         match attempts.failed(policy, &call, status, remaining, Duration::ZERO) {
                             Ok(_) => continue,
                             Err(stopped) => {
-                                return done(this.step, stop(this.last.take().map(|last| *last), stopped));
+                                return done(
+                                    this.step,
+                                    stop(this.last.take().map(|last| *last), stopped),
+                                );
                             }
                         }
                     }
@@ -320,7 +328,9 @@ where
                     this.timer.as_mut().reset(Instant::now() + wait);
                     this.step.set(Step::Waiting);
                 }
-                Err(stopped) => return done(this.step, stop(this.last.take().map(|last| *last), stopped)),
+                Err(stopped) => {
+                    return done(this.step, stop(this.last.take().map(|last| *last), stopped));
+                }
             }
         }
     }
