@@ -5,8 +5,8 @@
 //!
 //! `cargo run --release -p backstop --example stack_calls -- MODE CALLS [LAYERS]`, where MODE is
 //! `client_bare`, `client_stack`, `server_bare`, `server_stack` or `server_keyed` (the same
-//! services as the `stacks` criterion bench), or `client_layers` with the number of client
-//! layers to stack (0 to 7); on a current-thread runtime, with the Prometheus recorder installed
+//! services as the `stacks` criterion bench), or `client_layers` / `server_layers` with the
+//! number of layers to stack (0 to 7 / 0 to 6); on a current-thread runtime, with the Prometheus recorder installed
 //! and mimalloc allocating, as in `backstop serve`.
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
@@ -25,7 +25,10 @@ use backstop::client::{ClientStack, Destination};
 use backstop::contract::{Idempotency, MethodContract};
 use backstop::deadline::Deadline;
 use backstop::idempotency::MemoryStore;
-use backstop::server::{KeyedRoute, ServerStack};
+use backstop::server::{
+    DeadlineLayer, GateLayer, IdempotencyLayer, KeyedRoute, MetricsLayer, RateLimitLayer,
+    ServerStack, TenantLayer,
+};
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::Full;
@@ -120,6 +123,49 @@ async fn client_layers(layers: usize, calls: u64) -> Result<(), BoxError> {
     drive(IdempotencyKeyService::disabled(deadline), calls, same).await
 }
 
+/// Calls `service` `calls` times, as the server stack's modes do.
+async fn serve<S, B>(service: S, calls: u64) -> Result<(), Box<dyn std::error::Error>>
+where
+    S: Service<Request<axum::body::Body>, Response = Response<B>> + Clone,
+    S::Error: std::error::Error + 'static,
+{
+    for _ in 0..calls {
+        let request = request().map(axum::body::Body::new);
+        let response = service.clone().oneshot(request).await?;
+        assert!(response.status().is_success());
+    }
+    Ok(())
+}
+
+/// The server stack's innermost `layers` layers (0 to 6) around the `server_stack` handler,
+/// each as `ServerStack` configures it for that mode: 1 idempotency (the route is not keyed),
+/// 2 gate, 3 tenant rate limit, 4 tenant, 5 metrics, 6 deadline (all 6 is `server_stack`).
+async fn server_layers(layers: usize, calls: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let handler = service_fn(|_r: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
+    });
+    let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
+    let buckets = KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
+    let idempotency = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
+    let gate = GateLayer::new(Gate::new(100_000, Duration::from_millis(1)));
+    let metrics = MetricsLayer::new("bench").route(Method::POST, "/v1/echo");
+    match layers {
+        0 => serve(handler, calls).await,
+        1 => serve(idempotency, calls).await,
+        2 => serve(gate.layer(idempotency), calls).await,
+        3 => serve(RateLimitLayer::new(buckets).layer(gate.layer(idempotency)), calls).await,
+        _ => {
+            let tenant = TenantLayer::none()
+                .layer(RateLimitLayer::new(buckets).layer(gate.layer(idempotency)));
+            match layers {
+                4 => serve(tenant, calls).await,
+                5 => serve(metrics.layer(tenant), calls).await,
+                _ => serve(DeadlineLayer::default().layer(metrics.layer(tenant)), calls).await,
+            }
+        }
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_default();
@@ -209,6 +255,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }
             }
+            "server_layers" => {
+                let layers = args.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                server_layers(layers, calls).await?;
+            }
             "client_layers" => {
                 let layers = args.next().and_then(|n| n.parse().ok()).unwrap_or(0);
                 client_layers(layers, calls)
@@ -218,7 +268,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             other => {
                 return Err(format!(
                     "unknown mode {other:?}: client_bare | client_stack | client_layers | \
-                     server_bare | server_stack | server_keyed"
+                     server_bare | server_stack | server_layers | server_keyed"
                 )
                 .into());
             }
