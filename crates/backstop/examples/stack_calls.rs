@@ -149,19 +149,17 @@ async fn server_layers(layers: usize, calls: u64) -> Result<(), Box<dyn std::err
     let idempotency = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
     let gate = GateLayer::new(Gate::new(100_000, Duration::from_millis(1)));
     let metrics = MetricsLayer::new("bench").route(Method::POST, "/v1/echo");
+    let limited = || RateLimitLayer::new(buckets.clone()).layer(gate.layer(idempotency.clone()));
     match layers {
         0 => serve(handler, calls).await,
         1 => serve(idempotency, calls).await,
         2 => serve(gate.layer(idempotency), calls).await,
-        3 => serve(RateLimitLayer::new(buckets).layer(gate.layer(idempotency)), calls).await,
+        3 => serve(limited(), calls).await,
+        4 => serve(TenantLayer::none().layer(limited()), calls).await,
+        5 => serve(metrics.layer(TenantLayer::none().layer(limited())), calls).await,
         _ => {
-            let tenant = TenantLayer::none()
-                .layer(RateLimitLayer::new(buckets).layer(gate.layer(idempotency)));
-            match layers {
-                4 => serve(tenant, calls).await,
-                5 => serve(metrics.layer(tenant), calls).await,
-                _ => serve(DeadlineLayer::default().layer(metrics.layer(tenant)), calls).await,
-            }
+            let tenant = TenantLayer::none().layer(limited());
+            serve(DeadlineLayer::default().layer(metrics.layer(tenant)), calls).await
         }
     }
 }
