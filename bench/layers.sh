@@ -5,25 +5,10 @@
 # SMALL and a LARGE run as in bench/instructions.sh. Needs valgrind.
 # Usage: bench/layers.sh [SMALL] [LARGE]
 set -euo pipefail
-cd "$(dirname "$0")/.."
 small=${1:-2000}
 large=${2:-12000}
-cargo build --release -q -p backstop --example stack_calls
-bin=${CARGO_TARGET_DIR:-target}/release/examples/stack_calls
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-
-# per_call ARGS...: instructions per call of `stack_calls MODE CALLS [LAYERS]`.
-per_call() {
-  local mode=$1 totals=()
-  shift
-  for calls in "$small" "$large"; do
-    valgrind --tool=callgrind --callgrind-out-file="$work/out" "$bin" "$mode" "$calls" "$@" \
-      >/dev/null 2>"$work/log"
-    totals+=("$(sed -n 's/^summary: //p' "$work/out")")
-  done
-  echo $(( (totals[1] - totals[0]) / (large - small) ))
-}
+# shellcheck source=bench/stack_calls.sh
+source "$(dirname "$0")/stack_calls.sh"
 
 # table MODE WHOLE NAMES...: one row per layer count, then the whole stack's own mode.
 table() {

@@ -1,13 +1,13 @@
 //! Runs N calls through one in-process stack, for counting instructions per call with
-//! `valgrind --tool=callgrind` (`bench/instructions.sh`, `bench/client_layers.sh`): instruction
-//! counts do not move with whatever else the machine is doing, so they compare two builds where
+//! `valgrind --tool=callgrind` (`bench/instructions.sh`, `bench/layers.sh`): instruction counts
+//! do not move with whatever else the machine is doing, so they compare two builds where
 //! timings cannot.
 //!
 //! `cargo run --release -p backstop --example stack_calls -- MODE CALLS [LAYERS]`, where MODE is
 //! `client_bare`, `client_stack`, `server_bare`, `server_stack` or `server_keyed` (the same
 //! services as the `stacks` criterion bench), or `client_layers` / `server_layers` with the
-//! number of layers to stack (0 to 7 / 0 to 6); on a current-thread runtime, with the Prometheus recorder installed
-//! and mimalloc allocating, as in `backstop serve`.
+//! number of layers to stack (0 to 7 / 0 to 6); on a current-thread runtime, with the
+//! Prometheus recorder installed and mimalloc allocating, as in `backstop serve`.
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::Duration;

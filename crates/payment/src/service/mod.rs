@@ -60,7 +60,7 @@ mod store;
 pub mod trace;
 
 pub use handlers::AppState;
-pub use server::{RunningServer, ServeError, Server, prometheus_builder, prometheus_handle, serve};
+pub use server::{RunningServer, ServeError, Server, prometheus_handle, serve};
 pub use store::PaymentStore;
 
 use std::time::Duration;

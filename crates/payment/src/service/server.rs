@@ -72,7 +72,7 @@ pub enum ServeError {
 /// The Prometheus exporter's settings: the duration metrics as histograms over
 /// [`LATENCY_BUCKETS_SECONDS`] (the exporter's default would render quantile summaries, which
 /// cannot be added up across instances and cost a sketch update per sample).
-pub fn prometheus_builder() -> PrometheusBuilder {
+fn prometheus_builder() -> PrometheusBuilder {
     PrometheusBuilder::new()
         .set_buckets(LATENCY_BUCKETS_SECONDS)
         .expect("the bucket list is not empty")

@@ -203,10 +203,7 @@ where
                     let current = match start_attempt(attempts, policy, &call, this.resend.take()) {
                         Ok(current) => current,
                         Err(stopped) => {
-                            return done(
-                                this.step,
-                                stop(this.last.take().map(|last| *last), stopped),
-                            );
+                            return done(this.step, stop(this.last.take(), stopped));
                         }
                     };
                     if matches!(this.content, Content::Once(None)) {
@@ -216,10 +213,7 @@ where
                         match attempts.failed(policy, &call, status, remaining, Duration::ZERO) {
                             Ok(_) => continue,
                             Err(stopped) => {
-                                return done(
-                                    this.step,
-                                    stop(this.last.take().map(|last| *last), stopped),
-                                );
+                                return done(this.step, stop(this.last.take(), stopped));
                             }
                         }
                     }
@@ -329,7 +323,7 @@ where
                     this.step.set(Step::Waiting);
                 }
                 Err(stopped) => {
-                    return done(this.step, stop(this.last.take().map(|last| *last), stopped));
+                    return done(this.step, stop(this.last.take(), stopped));
                 }
             }
         }
@@ -416,10 +410,10 @@ pub(super) fn attempt_request<B>(
 /// The call's result once the attempts stopped: the last failed response, if the last attempt
 /// got one, marked with why they stopped; else the error.
 pub(super) fn stop<ResB>(
-    last: Option<Response<ResB>>,
+    last: Option<Box<Response<ResB>>>,
     stopped: RetryError,
 ) -> Result<Response<ResB>, BoxError> {
-    match last {
+    match last.map(|last| *last) {
         Some(mut response) => {
             response.extensions_mut().insert(RetryStopped {
                 reason: stopped.reason,
