@@ -7,6 +7,8 @@
 # fsync on COMMIT: what durability costs) and single layers: deadline metrics rate_limit gate.)
 # The server runs on core 0 with one tokio worker, wrk on core 1, so req/s measures the
 # server's CPU cost per request. Modes run ROUNDS times, interleaved; medians are reported.
+# UNPINNED=1 runs both unpinned instead, as a deployment would: the server with its default
+# tokio workers and wrk with two threads share both cores (what the machine as a whole serves).
 # Needs wrk (apt-get install wrk). Usage: bench/http.sh [SECONDS] [CONNECTIONS] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,8 +41,12 @@ run_mode() {
   rm -f "$work/server.out"
   # Started from a subshell, so the server is not this shell's child: `wait` on it sometimes
   # failed with "wait_for: No record of process" and aborted the run (set -e).
-  (TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" \
-    >"$work/server.out" 2>&1 & echo $! >"$work/server.pid")
+  if [ -n "${UNPINNED:-}" ]; then
+    ("$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 & echo $! >"$work/server.pid")
+  else
+    (TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" \
+      >"$work/server.out" 2>&1 & echo $! >"$work/server.pid")
+  fi
   server_pid=$(cat "$work/server.pid")
   for _ in $(seq 100); do
     addr=$(sed -n 's/^listening on //p' "$work/server.out" 2>/dev/null)
@@ -48,7 +54,11 @@ run_mode() {
     sleep 0.1
   done
   if [ -z "$addr" ]; then echo "mode $mode: server did not start" >&2; cat "$work/server.out" >&2; exit 1; fi
-  out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
+  if [ -n "${UNPINNED:-}" ]; then
+    out=$(wrk -t2 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
+  else
+    out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
+  fi
   stop_server
   server_pid=""
   batches=$(sed -n 's/^sqlite: //p' "$work/server.out")
@@ -76,4 +86,8 @@ for mode in $modes; do
   ratio=$( [ -n "$base" ] && echo "$r / $base" | bc -l || echo 0)
   printf '%-10s %10.0f %9.2f %14.2f\n' "$mode" "$r" "$p" "$ratio"
 done
-echo "(wrk -t1 -c$conns -d${secs}s on core 1; server on core 0, one tokio worker; median of $rounds interleaved rounds)"
+if [ -n "${UNPINNED:-}" ]; then
+  echo "(wrk -t2 -c$conns -d${secs}s and the server unpinned on both cores; median of $rounds interleaved rounds)"
+else
+  echo "(wrk -t1 -c$conns -d${secs}s on core 1; server on core 0, one tokio worker; median of $rounds interleaved rounds)"
+fi
