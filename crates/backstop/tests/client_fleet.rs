@@ -389,11 +389,13 @@ async fn rolling_restart_with_goaway_loses_no_logical_request() {
         .budget(RetryBudget::new(0.1, u32::try_from(CALLS).unwrap()).unwrap());
     // Hedged, as a keyed method facing restarts should be: an attempt stuck on a connection
     // that went away is overtaken by a second attempt on another replica, with the same key,
-    // instead of holding the call until its deadline. Unhedged, once in about 260 runs (9
-    // restarts, 1,200 calls, four runs at once on two cores) strands attempts this way: traced,
-    // hyper-util's pool handed an idle HTTP/2 connection to two sends 3 and 10 ms after that
-    // connection had received the replica's first GOAWAY (last stream id 2^31-1), before the
-    // pool saw it closed; neither send was answered, failed, or retried inside hyper-util.
+    // instead of holding the call until its deadline. Unhedged, a few runs in a thousand (9
+    // restarts, 1,200 calls, four runs at once on two cores) strand attempts this way. Traced
+    // three times: hyper-util's pool handed an idle HTTP/2 connection to one or two sends just
+    // after that connection had received the replica's first GOAWAY (last stream id 2^31-1);
+    // hyper's dispatcher for it then shut down. Sends queued on a dispatcher that shuts down are
+    // normally cancelled and sent again by hyper-util on a new connection (19 times in one such
+    // run); these were neither answered, failed, nor sent again.
     let svc = ClientStack::builder(&payments, contract)
         .hedging(true)
         .build()
