@@ -20,6 +20,17 @@ cargo build --release -q -p backstop --example http_bench_server
 bin=${CARGO_TARGET_DIR:-target}/release/examples/http_bench_server
 work=$(mktemp -d)
 
+# Pinned: the server alone on core 0 with one tokio worker, wrk on core 1.
+if [ -n "${UNPINNED:-}" ]; then
+  run_server=()
+  run_wrk=(wrk -t2)
+  placement="wrk -t2 and the server unpinned on both cores"
+else
+  run_server=(env TOKIO_WORKER_THREADS=1 taskset -c 0)
+  run_wrk=(taskset -c 1 wrk -t1)
+  placement="wrk -t1 on core 1; server on core 0, one tokio worker"
+fi
+
 server_pid=""
 trap '[ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null; rm -rf "$work"' EXIT
 
@@ -41,12 +52,8 @@ run_mode() {
   rm -f "$work/server.out"
   # Started from a subshell, so the server is not this shell's child: `wait` on it sometimes
   # failed with "wait_for: No record of process" and aborted the run (set -e).
-  if [ -n "${UNPINNED:-}" ]; then
-    ("$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 & echo $! >"$work/server.pid")
-  else
-    (TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/$mode-$round.db" \
-      >"$work/server.out" 2>&1 & echo $! >"$work/server.pid")
-  fi
+  ("${run_server[@]}" "$bin" "$mode" "$work/$mode-$round.db" >"$work/server.out" 2>&1 &
+    echo $! >"$work/server.pid")
   server_pid=$(cat "$work/server.pid")
   for _ in $(seq 100); do
     addr=$(sed -n 's/^listening on //p' "$work/server.out" 2>/dev/null)
@@ -54,11 +61,7 @@ run_mode() {
     sleep 0.1
   done
   if [ -z "$addr" ]; then echo "mode $mode: server did not start" >&2; cat "$work/server.out" >&2; exit 1; fi
-  if [ -n "${UNPINNED:-}" ]; then
-    out=$(wrk -t2 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
-  else
-    out=$(taskset -c 1 wrk -t1 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
-  fi
+  out=$("${run_wrk[@]}" -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
   stop_server
   server_pid=""
   batches=$(sed -n 's/^sqlite: //p' "$work/server.out")
@@ -86,8 +89,4 @@ for mode in $modes; do
   ratio=$( [ -n "$base" ] && echo "$r / $base" | bc -l || echo 0)
   printf '%-10s %10.0f %9.2f %14.2f\n' "$mode" "$r" "$p" "$ratio"
 done
-if [ -n "${UNPINNED:-}" ]; then
-  echo "(wrk -t2 -c$conns -d${secs}s and the server unpinned on both cores; median of $rounds interleaved rounds)"
-else
-  echo "(wrk -t1 -c$conns -d${secs}s on core 1; server on core 0, one tokio worker; median of $rounds interleaved rounds)"
-fi
+echo "($placement; wrk -c$conns -d${secs}s; median of $rounds interleaved rounds)"

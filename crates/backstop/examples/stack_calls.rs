@@ -47,6 +47,42 @@ fn request() -> Request<Full<Bytes>> {
         .expect("valid request")
 }
 
+/// The client modes' transport: answers at once, never sending anything.
+fn transport() -> impl Service<
+    Request<ReplayBody<Full<Bytes>>>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Copy {
+    service_fn(|_r: Request<ReplayBody<Full<Bytes>>>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
+    })
+}
+
+/// The server modes' trivial handler.
+fn handler() -> impl Service<
+    Request<axum::body::Body>,
+    Response = Response<axum::body::Body>,
+    Error = Infallible,
+    Future = impl Send,
+> + Copy {
+    service_fn(|_r: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
+    })
+}
+
+/// Tenant buckets with limits far above the offered load: the server modes count the layers,
+/// not refusals.
+fn unlimited_buckets() -> KeyedTokenBucket {
+    let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
+    KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023))
+}
+
+/// A gate far wider than the offered load.
+fn wide_gate() -> Gate {
+    Gate::new(100_000, Duration::from_millis(1))
+}
+
 /// Calls `service` `calls` times, each with a fresh request carrying a [`Deadline`] (as every
 /// attempt below the retry layer does) and its body wrapped by `body`.
 async fn drive<S, B>(service: S, calls: u64, body: fn(Full<Bytes>) -> B) -> Result<(), BoxError>
@@ -71,9 +107,7 @@ where
 /// 5 retry, 6 deadline, 7 logical request (keys off: the method is `Safe`). All 7 is the
 /// `client_stack` service, except that every request already carries its deadline.
 async fn client_layers(layers: usize, calls: u64) -> Result<(), BoxError> {
-    let transport = service_fn(|_r: Request<ReplayBody<Full<Bytes>>>| async {
-        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
-    });
+    let transport = transport();
     let destination = Destination::new("bench");
     let contract = MethodContract::builder("Echo", Idempotency::Safe)
         .default_timeout(Duration::from_secs(10))
@@ -141,13 +175,10 @@ where
 /// each as `ServerStack` configures it for that mode: 1 idempotency (the route is not keyed),
 /// 2 gate, 3 tenant rate limit, 4 tenant, 5 metrics, 6 deadline (all 6 is `server_stack`).
 async fn server_layers(layers: usize, calls: u64) -> Result<(), Box<dyn std::error::Error>> {
-    let handler = service_fn(|_r: Request<axum::body::Body>| async {
-        Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
-    });
-    let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
-    let buckets = KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
+    let handler = handler();
+    let buckets = unlimited_buckets();
     let idempotency = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
-    let gate = GateLayer::new(Gate::new(100_000, Duration::from_millis(1)));
+    let gate = GateLayer::new(wide_gate());
     let metrics = MetricsLayer::new("bench").route(Method::POST, "/v1/echo");
     let limited = || RateLimitLayer::new(buckets.clone()).layer(gate.layer(idempotency.clone()));
     match layers {
@@ -186,15 +217,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             "client_stack" => {
-                let transport = service_fn(|_r: Request<ReplayBody<Full<Bytes>>>| async {
-                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
-                });
                 let contract = MethodContract::builder("Echo", Idempotency::Safe)
                     .default_timeout(Duration::from_secs(10))
                     .build();
                 let stack = ClientStack::builder(&Destination::new("bench"), contract)
                     .build()?
-                    .layer(transport);
+                    .layer(transport());
                 for _ in 0..calls {
                     let response = stack
                         .clone()
@@ -207,17 +235,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "server_keyed" => {
                 // The route keyed on the in-memory store, a fresh key per call: the
                 // idempotency layer's own work (claim, fingerprint, store the answer).
-                let handler = service_fn(|_r: Request<axum::body::Body>| async {
-                    Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
-                });
-                let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
-                let buckets = KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
                 let stack = ServerStack::new("bench", MemoryStore::new())
-                    .tenant_buckets(buckets)
-                    .gate(Gate::new(100_000, Duration::from_millis(1)))
+                    .tenant_buckets(unlimited_buckets())
+                    .gate(wide_gate())
                     .keyed(Method::POST, "/v1/echo", KeyedRoute::payments())
                     .into_layer()
-                    .layer(handler);
+                    .layer(handler());
                 for i in 0..calls {
                     let mut request = request().map(axum::body::Body::new);
                     let key = http::HeaderValue::try_from(format!("key-{i}"))?;
@@ -226,32 +249,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     assert!(response.status().is_success());
                 }
             }
-            "server_bare" | "server_stack" => {
-                let handler = service_fn(|_r: Request<axum::body::Body>| async {
-                    Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
-                });
-                let request = || request().map(axum::body::Body::new);
-                if mode == "server_bare" {
-                    for _ in 0..calls {
-                        let response = handler.oneshot(request()).await?;
-                        assert!(response.status().is_success());
-                    }
-                } else {
-                    // Limits far above the offered load: this counts the layers, not refusals.
-                    let quota = Quota::per_second(NonZeroU32::MAX, NonZeroU32::MAX);
-                    let buckets =
-                        KeyedTokenBucket::new(quota, NonZeroUsize::MIN.saturating_add(1023));
-                    let stack = ServerStack::new("bench", MemoryStore::new())
-                        .tenant_buckets(buckets)
-                        .gate(Gate::new(100_000, Duration::from_millis(1)))
-                        .route(Method::POST, "/v1/echo")
-                        .into_layer()
-                        .layer(handler);
-                    for _ in 0..calls {
-                        let response = stack.clone().oneshot(request()).await?;
-                        assert!(response.status().is_success());
-                    }
-                }
+            "server_bare" => serve(handler(), calls).await?,
+            "server_stack" => {
+                let stack = ServerStack::new("bench", MemoryStore::new())
+                    .tenant_buckets(unlimited_buckets())
+                    .gate(wide_gate())
+                    .route(Method::POST, "/v1/echo")
+                    .into_layer()
+                    .layer(handler());
+                serve(stack, calls).await?;
             }
             "server_layers" => {
                 let layers = args.next().and_then(|n| n.parse().ok()).unwrap_or(0);

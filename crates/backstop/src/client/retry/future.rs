@@ -202,9 +202,7 @@ where
                         .get_or_insert_with(|| policy.attempts(*this.deadline));
                     let current = match start_attempt(attempts, policy, &call, this.resend.take()) {
                         Ok(current) => current,
-                        Err(stopped) => {
-                            return done(this.step, stop(this.last.take(), stopped));
-                        }
+                        Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
                     };
                     if matches!(this.content, Content::Once(None)) {
                         // Unreachable: a body sent once allows one attempt only.
@@ -322,9 +320,7 @@ where
                     this.timer.as_mut().reset(Instant::now() + wait);
                     this.step.set(Step::Waiting);
                 }
-                Err(stopped) => {
-                    return done(this.step, stop(this.last.take(), stopped));
-                }
+                Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
             }
         }
     }
