@@ -3,7 +3,7 @@
 //! Dashboards, alerts and the PromQL of seed 2.8.3 depend on these names, so every layer takes
 //! them from here instead of spelling them out. Two rules come with them:
 //!
-//! - labels have bounded cardinality: `service`, `method`, `outcome` (five values, see
+//! - labels have bounded cardinality: `service`, `method`, `outcome` (six values, see
 //!   [`Outcome`]), `attempt` (see [`attempt_label`]), `reason`, `result`. Never an
 //!   idempotency key, tenant or user id as a label: those go into logs.
 //! - the retry ratio is `retries / logical requests`
@@ -66,7 +66,7 @@ pub mod label {
     pub const SERVICE: &str = "service";
     /// The method name; on every metric.
     pub const METHOD: &str = "method";
-    /// One of the five [`Outcome`](super::Outcome) values.
+    /// One of the six [`Outcome`](super::Outcome) values.
     pub const OUTCOME: &str = "outcome";
     /// The attempt number, see [`attempt_label`](super::attempt_label).
     pub const ATTEMPT: &str = "attempt";
@@ -178,7 +178,7 @@ pub fn describe_metrics() {
     describe_counter!(
         RPC_SERVER_REQUESTS_TOTAL,
         Unit::Count,
-        "Requests served, by outcome (ok, retryable, fatal, timeout, rejected)."
+        "Requests served, by outcome (ok, retryable, fatal, timeout, rejected, cancelled)."
     );
     describe_histogram!(
         RPC_SERVER_DURATION_SECONDS,

@@ -133,7 +133,7 @@ pub enum RetryClass {
     Fatal,
 }
 
-/// The `outcome` metric label: exactly five values (DESIGN section 1).
+/// The `outcome` metric label: exactly six values (DESIGN section 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
     /// Succeeded.
@@ -146,16 +146,20 @@ pub enum Outcome {
     Timeout,
     /// Refused by admission control (overload or quota) before any work was done.
     Rejected,
+    /// The caller went away (disconnected, or cancelled a hedge that lost) before the answer:
+    /// not a failure of the server.
+    Cancelled,
 }
 
 impl Outcome {
     /// All label values.
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Ok,
         Outcome::Retryable,
         Outcome::Fatal,
         Outcome::Timeout,
         Outcome::Rejected,
+        Outcome::Cancelled,
     ];
 
     /// Position in [`Outcome::ALL`]: an index into per-outcome tables.
@@ -166,10 +170,11 @@ impl Outcome {
             Outcome::Fatal => 2,
             Outcome::Timeout => 3,
             Outcome::Rejected => 4,
+            Outcome::Cancelled => 5,
         }
     }
 
-    /// The label value: `ok`, `retryable`, `fatal`, `timeout` or `rejected`.
+    /// The label value: `ok`, `retryable`, `fatal`, `timeout`, `rejected` or `cancelled`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
@@ -177,6 +182,7 @@ impl Outcome {
             Outcome::Fatal => "fatal",
             Outcome::Timeout => "timeout",
             Outcome::Rejected => "rejected",
+            Outcome::Cancelled => "cancelled",
         }
     }
 
@@ -190,11 +196,12 @@ impl Outcome {
         Outcome::of_code(Code::from_http(status))
     }
 
-    /// The outcome for a code: `Ok` is ok; otherwise by [`Code::retry_class`]
-    /// (quota refusals, `RESOURCE_EXHAUSTED`, are rejected).
+    /// The outcome for a code: `Ok` is ok, `CANCELLED` (the caller went away) cancelled;
+    /// otherwise by [`Code::retry_class`] (quota refusals, `RESOURCE_EXHAUSTED`, are rejected).
     pub const fn of_code(code: Code) -> Outcome {
         match code {
             Code::Ok => Outcome::Ok,
+            Code::Cancelled => Outcome::Cancelled,
             Code::ResourceExhausted => Outcome::Rejected,
             _ => match code.retry_class() {
                 RetryClass::Retryable | RetryClass::RetryAfterPushback => Outcome::Retryable,
@@ -656,8 +663,27 @@ mod tests {
             Outcome::Timeout
         );
         assert_eq!(Outcome::from_http(StatusCode::BAD_REQUEST), Outcome::Fatal);
+        let client_closed = StatusCode::from_u16(CLIENT_CLOSED_REQUEST).unwrap();
+        assert_eq!(Outcome::from_http(client_closed), Outcome::Cancelled);
+        assert_eq!(
+            Status::new(Code::Cancelled, "").outcome(),
+            Outcome::Cancelled
+        );
+        for (i, outcome) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(outcome.index(), i, "{outcome}");
+        }
         let labels: Vec<_> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
-        assert_eq!(labels, ["ok", "retryable", "fatal", "timeout", "rejected"]);
+        assert_eq!(
+            labels,
+            [
+                "ok",
+                "retryable",
+                "fatal",
+                "timeout",
+                "rejected",
+                "cancelled"
+            ]
+        );
     }
 
     #[test]

@@ -232,6 +232,16 @@ pub struct ServerStackLayer<St> {
     parts: ServerStack<St>,
 }
 
+impl<St> ServerStackLayer<St> {
+    /// The stack's metrics layer alone, labelling every request `unmatched` (see
+    /// [`MetricsLayer::unmatched`]): for the router's fallback, so requests no route takes
+    /// are counted and logged under the same `service` without running admission control or
+    /// idempotency.
+    pub fn unmatched(&self) -> MetricsLayer {
+        self.parts.metrics.clone().unmatched()
+    }
+}
+
 impl<S, St: Store> Layer<S> for ServerStackLayer<St> {
     type Service = ServerStackService<S, St>;
 

@@ -66,6 +66,7 @@ pub use store::PaymentStore;
 use std::time::Duration;
 
 use axum::Router;
+use axum::handler::Handler;
 use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
@@ -152,6 +153,8 @@ pub fn build_routers<St: Store>(
         })
         .into_layer();
 
+    // Requests no route takes are counted and logged too, as `unmatched`.
+    let unmatched = stack.unmatched();
     let grpc = grpc::router(state.clone()).layer(stack.clone());
 
     let payments = Router::new()
@@ -165,8 +168,9 @@ pub fn build_routers<St: Store>(
         .route("/healthz", get(handlers::healthz))
         .route("/readyz", get(handlers::readyz))
         .route("/metrics", get(handlers::metrics))
+        .method_not_allowed_fallback(handlers::method_not_allowed.layer(unmatched.clone()))
         .with_state(state)
         .merge(payments)
-        .fallback(handlers::not_found);
+        .fallback(handlers::not_found.layer(unmatched));
     Routers { http, grpc }
 }

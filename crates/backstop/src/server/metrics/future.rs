@@ -15,7 +15,7 @@ use super::{PeerFn, Rejected, Route, trace_id};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
 use crate::server::problem::grpc_status;
-use crate::status::Outcome;
+use crate::status::{Code, Outcome};
 
 pin_project! {
     /// Polls the inner future and records the request when it answers (or is dropped).
@@ -45,23 +45,27 @@ where
         match &result {
             Ok(response) => {
                 let extensions = response.extensions();
+                // A gRPC error answered trailers-only says its code in the head.
+                let grpc_code = grpc_status(response.headers());
                 let outcome = if extensions.get::<Rejected>().is_some() {
                     Outcome::Rejected
                 } else {
                     // A problem answer says its own outcome; a status alone is ambiguous (409).
-                    // A gRPC error answered trailers-only says its code in the head.
-                    extensions.get::<Outcome>().copied().unwrap_or_else(|| {
-                        match grpc_status(response.headers()) {
+                    extensions
+                        .get::<Outcome>()
+                        .copied()
+                        .unwrap_or_else(|| match grpc_code {
                             Some(code) => Outcome::of_code(code),
                             None => outcome_of(response.status()),
-                        }
-                    })
+                        })
                 };
-                this.record.finish(response.status(), outcome);
+                this.record.finish(response.status(), grpc_code, outcome);
             }
-            Err(_) => this
-                .record
-                .finish(StatusCode::INTERNAL_SERVER_ERROR, Outcome::Fatal),
+            Err(_) => this.record.finish(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Some(Code::Internal),
+                Outcome::Fatal,
+            ),
         }
         Poll::Ready(result)
     }
@@ -80,6 +84,22 @@ static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 static PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
 
+/// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`, ...).
+fn is_grpc<B>(request: &Request<B>) -> bool {
+    request
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// `duration` in milliseconds to the microsecond, e.g. `1.25`: a whole number of microseconds
+/// divided by 1000 prints as a short decimal, where `as_secs_f64() * 1000.0` would print binary
+/// noise such as `1.2500000000000002`.
+pub(crate) fn millis(duration: std::time::Duration) -> f64 {
+    // Exact up to 2^53 µs (285 years).
+    duration.as_micros() as f64 / 1000.0
+}
+
 /// Fields of the log event read from the request, only when the event is enabled.
 #[derive(Debug, Default)]
 struct LogFields {
@@ -88,6 +108,8 @@ struct LogFields {
     peer: Option<SocketAddr>,
     /// 1 for a first attempt; the caller's `grpc-previous-rpc-attempts` + 1 otherwise.
     attempt: u32,
+    /// The request is a gRPC call: the event carries a `grpc_code`.
+    grpc: bool,
 }
 
 impl LogFields {
@@ -103,6 +125,7 @@ impl LogFields {
             attempt: header(&PREVIOUS_ATTEMPTS)
                 .and_then(|v| v.trim().parse::<u32>().ok())
                 .map_or(1, |previous| previous.saturating_add(1)),
+            grpc: is_grpc(request),
         }
     }
 }
@@ -139,7 +162,9 @@ impl Record {
         }
     }
 
-    pub(super) fn finish(&mut self, status: StatusCode, outcome: Outcome) {
+    /// Records the request once. `grpc_code` is the code the answer's head carries (a
+    /// trailers-only gRPC answer: every gRPC error this stack sends), `None` otherwise.
+    pub(super) fn finish(&mut self, status: StatusCode, grpc_code: Option<Code>, outcome: Outcome) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
@@ -148,13 +173,27 @@ impl Record {
         self.route.inflight(-1.0);
         self.route.finished(outcome, elapsed.as_secs_f64());
         let log = self.log.as_deref();
+        // A gRPC answer without a code in its head sends it in the trailers after the message,
+        // which only a successful call does here.
+        let grpc_code = log.filter(|l| l.grpc).map(|_| {
+            grpc_code
+                .unwrap_or_else(|| {
+                    if status.is_success() {
+                        Code::Ok
+                    } else {
+                        Code::from_http(status)
+                    }
+                })
+                .as_str()
+        });
         tracing::info!(
             target: TARGET,
             service = self.route.service(),
             method = self.route.method(),
             status = status.as_u16(),
             outcome = outcome.as_str(),
-            duration_ms = elapsed.as_secs_f64() * 1000.0,
+            grpc_code,
+            duration_ms = millis(elapsed),
             deadline_remaining_ms = self.deadline.map(|d| {
                 u64::try_from(d.instant().saturating_duration_since(now).as_millis())
                     .unwrap_or(u64::MAX)
@@ -173,12 +212,17 @@ impl Drop for Record {
         if self.done {
             return;
         }
-        // Dropped before answering: the deadline layer cut it (504), or the client went away.
+        // Dropped before answering: the deadline layer cut it (504), or the client went away
+        // (it disconnected, or it was a hedge that lost): 499, `cancelled`, not a failure.
         if self.deadline.is_some_and(|d| d.expired()) {
-            self.finish(StatusCode::GATEWAY_TIMEOUT, Outcome::Timeout);
+            self.finish(
+                StatusCode::GATEWAY_TIMEOUT,
+                Some(Code::DeadlineExceeded),
+                Outcome::Timeout,
+            );
         } else {
             let cancelled = StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST);
-            self.finish(cancelled, outcome_of(cancelled));
+            self.finish(cancelled, Some(Code::Cancelled), Outcome::Cancelled);
         }
     }
 }

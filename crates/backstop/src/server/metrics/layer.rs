@@ -38,7 +38,13 @@ pub(super) struct Shared {
     pub(super) peer_fn: Option<PeerFn>,
     /// `Route`s of the names the route function gave so far (at most [`MAX_NAMED`]).
     named: RwLock<Vec<Route>>,
+    /// Set by [`MetricsLayer::unmatched`]: the one `Route` of every request.
+    unmatched: Option<Route>,
 }
+
+/// The `method` label of the requests no route of the server matched (see
+/// [`MetricsLayer::unmatched`]).
+pub const UNMATCHED: &str = "unmatched";
 
 impl Clone for Shared {
     fn clone(&self) -> Self {
@@ -49,6 +55,7 @@ impl Clone for Shared {
             route_fn: self.route_fn.clone(),
             peer_fn: self.peer_fn,
             named: RwLock::default(),
+            unmatched: self.unmatched.clone(),
         }
     }
 }
@@ -93,6 +100,7 @@ impl MetricsLayer {
                 route_fn: None,
                 peer_fn: None,
                 named: RwLock::default(),
+                unmatched: None,
             }),
         }
     }
@@ -123,6 +131,19 @@ impl MetricsLayer {
         self
     }
 
+    /// This layer for a router's fallback: every request is labelled `method="unmatched"`
+    /// (one value whatever the path or method, so a scan of random paths cannot grow the
+    /// metric set), so requests no route takes (404, 405) are counted and logged like the
+    /// others instead of passing unseen.
+    pub fn unmatched(mut self) -> Self {
+        let shared = Arc::make_mut(&mut self.shared);
+        shared.unmatched = Some(Route::new(
+            shared.service.clone(),
+            SharedString::const_str(UNMATCHED),
+        ));
+        self
+    }
+
     /// The `service` label.
     pub fn service(&self) -> &str {
         &self.shared.service
@@ -137,6 +158,9 @@ impl Shared {
     /// The `Route` of a request: the first declared pattern it matches, else the route
     /// function's name for it, else `"<METHOD> other"`.
     pub(super) fn route_of(&self, method: &Method, path: &str) -> Route {
+        if let Some(route) = &self.unmatched {
+            return route.clone();
+        }
         if let Some((_, route)) = self.routes.iter().find(|(p, _)| p.matches(method, path)) {
             return route.clone();
         }

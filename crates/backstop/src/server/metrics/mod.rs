@@ -4,7 +4,7 @@
 //! the ones refused by the layers below it. Per request it records:
 //!
 //! - `rpc_server_requests_total{service,method,outcome}`: `outcome` is one of `ok`, `retryable`,
-//!   `fatal`, `timeout`, `rejected`, derived from the HTTP status through
+//!   `fatal`, `timeout`, `rejected`, `cancelled`, derived from the HTTP status through
 //!   [`status`](crate::status); a response carrying the [`Rejected`] extension (set by the rate
 //!   limiter and the gate) counts as `rejected`;
 //!   a gRPC answer with `grpc-status` in its head (trailers-only: every gRPC error) counts by
@@ -12,21 +12,24 @@
 //! - `rpc_server_duration_seconds{service,method,outcome}` (histogram);
 //! - `rpc_server_inflight{service,method}` (gauge);
 //! - one `tracing` event `rpc_server_request` with `service`, `method`, `status`, `outcome`,
-//!   `duration_ms`, `deadline_remaining_ms`, `idempotency_key` (from the header, when it is a
+//!   `grpc_code` (gRPC calls only), `duration_ms` (to the microsecond), `deadline_remaining_ms`, `idempotency_key` (from the header, when it is a
 //!   valid key), `attempt` (1 + the caller's `grpc-previous-rpc-attempts`), `peer` (see
 //!   [`MetricsLayer::peer_from`]) and `trace_id` (from a valid W3C `traceparent`).
 //!
 //! The `method` label is a route name such as `POST /v1/payments`, never the raw path: paths
 //! carry ids and keys, and a label per id would grow the metric set without bound. Routes are
 //! declared with [`MetricsLayer::route`] (`{param}` matches one segment) or named by a function
-//! ([`MetricsLayer::route_name`]); anything else is labelled `"<METHOD> other"`.
+//! ([`MetricsLayer::route_name`]); anything else is labelled `"<METHOD> other"`. A router's
+//! fallback (no route matched: 404, 405) goes under [`MetricsLayer::unmatched`], labelled
+//! `"unmatched"`.
 //!
 //! The layer also inserts a [`Route`] request extension so the layers below label their own
 //! metrics (`rpc_server_rejected_total`, `idempotency_claims_total`) with the same `service` and
 //! `method`.
 //!
 //! A request whose future is dropped before it answered is recorded too: as `timeout` / 504 when
-//! its deadline had passed (the deadline layer cut it), else as a client cancellation (499).
+//! its deadline had passed (the deadline layer cut it), else as `cancelled` / 499 (the client
+//! disconnected or reset the stream, as it does to a hedge that lost): not a server failure.
 //!
 //! The metric handles of a route are resolved once, from the recorder in effect when the route
 //! first records, and kept (per outcome), so a request pays no registry lookup. A request
@@ -48,7 +51,7 @@
 pub mod future;
 mod layer;
 
-pub use self::layer::{MetricsLayer, PeerFn, RouteFn};
+pub use self::layer::{MetricsLayer, PeerFn, RouteFn, UNMATCHED};
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};

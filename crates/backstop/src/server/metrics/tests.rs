@@ -101,7 +101,8 @@ fn conflict_is_fatal_and_in_progress_is_retryable() {
                 .await
                 .unwrap()
         });
-        ["ok", "retryable", "fatal", "timeout", "rejected"]
+        Outcome::ALL
+            .map(Outcome::as_str)
             .into_iter()
             .find(|o| m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", *o)]) == 1)
             .unwrap()
@@ -215,7 +216,7 @@ fn request_cut_by_the_deadline_is_a_timeout() {
 }
 
 #[test]
-fn client_going_away_is_a_cancellation() {
+fn client_going_away_is_cancelled_not_fatal() {
     let ((), m) = with_metrics(|| async {
         let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
             pending::<()>().await;
@@ -226,8 +227,12 @@ fn client_going_away_is_a_cancellation() {
         let _ = tokio::time::timeout(Duration::from_millis(10), fut).await;
     });
     assert_eq!(
-        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "fatal")]),
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "cancelled")]),
         1
+    );
+    assert_eq!(
+        m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "fatal")]),
+        0
     );
     assert_eq!(m.gauge(RPC_SERVER_INFLIGHT, &[]), 0.0);
 }
@@ -325,4 +330,113 @@ fn handles_follow_the_recorder_in_effect() {
     }
     assert_eq!(requests(&first), 2);
     assert_eq!(requests(&second), 3);
+}
+
+#[test]
+fn a_lost_hedge_is_logged_cancelled_with_its_grpc_code() {
+    let ((), logs) = with_logs(|| {
+        with_metrics(|| async {
+            let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
+                pending::<()>().await;
+                Ok::<_, Infallible>(Response::new(Bytes::new()))
+            }));
+            let req = Request::builder()
+                .method(Method::POST)
+                .uri("/payment.v1.Payment/Charge")
+                .header("content-type", "application/grpc")
+                .body(Bytes::new())
+                .unwrap();
+            // The other hedge answered first: the client resets this stream.
+            let _ = tokio::time::timeout(Duration::from_millis(10), svc.oneshot(req)).await;
+        })
+        .0
+    });
+    let event = logs
+        .iter()
+        .find(|l| l["message"] == "rpc_server_request")
+        .unwrap();
+    assert_eq!(event["outcome"], "cancelled");
+    assert_eq!(event["status"], 499);
+    assert_eq!(event["grpc_code"], "CANCELLED");
+}
+
+/// The log event of one gRPC-or-not request answered by `respond`.
+fn logged(grpc: bool, respond: fn() -> Response<Bytes>) -> serde_json::Value {
+    let (_, logs) = with_logs(|| {
+        with_metrics(|| async move {
+            let svc = layer().layer(service_fn(move |_req: Request<Bytes>| async move {
+                Ok::<_, Infallible>(respond())
+            }));
+            let mut req = Request::builder().method(Method::POST).uri("/v1/payments");
+            if grpc {
+                req = req.header("content-type", "application/grpc+proto");
+            }
+            svc.oneshot(req.body(Bytes::new()).unwrap()).await.unwrap()
+        })
+    });
+    logs.into_iter()
+        .find(|l| l["message"] == "rpc_server_request")
+        .unwrap()
+}
+
+#[test]
+fn grpc_log_lines_carry_the_grpc_code() {
+    let unavailable = logged(true, || {
+        let mut res = Response::new(Bytes::new());
+        res.headers_mut()
+            .insert("grpc-status", http::HeaderValue::from_static("14"));
+        res
+    });
+    assert_eq!(unavailable["grpc_code"], "UNAVAILABLE");
+    assert_eq!(unavailable["outcome"], "retryable");
+    // A success sends its status in the trailers, after the message.
+    let ok = logged(true, || Response::new(Bytes::new()));
+    assert_eq!(ok["grpc_code"], "OK");
+    // Plain HTTP has no gRPC code to log.
+    let http = logged(false, || Response::new(Bytes::new()));
+    assert!(http.get("grpc_code").is_none(), "{http}");
+}
+
+#[test]
+fn durations_are_logged_without_float_noise() {
+    for (micros, text) in [
+        (1_100, "1.1"),
+        (1_250, "1.25"),
+        (12_345, "12.345"),
+        (10_000_000, "10000.0"),
+        (7, "0.007"),
+    ] {
+        let millis = future::millis(Duration::from_micros(micros));
+        assert_eq!(serde_json::to_string(&millis).unwrap(), text, "{micros} µs");
+    }
+    // The nanoseconds below a microsecond are dropped, not printed as noise.
+    let millis = future::millis(Duration::from_nanos(1_100_999));
+    assert_eq!(serde_json::to_string(&millis).unwrap(), "1.1");
+}
+
+#[test]
+fn unmatched_requests_are_counted_under_one_label() {
+    let ((), m) = with_metrics(|| async {
+        let svc = layer()
+            .unmatched()
+            .layer(service_fn(|_req: Request<Bytes>| async {
+                let mut res = Response::new(Bytes::new());
+                *res.status_mut() = StatusCode::NOT_FOUND;
+                Ok::<_, Infallible>(res)
+            }));
+        for (method, path) in [
+            (Method::GET, "/wp-login.php"),
+            (Method::POST, "/v1/payments/x/y"),
+            (Method::from_bytes(b"BREW").unwrap(), "/pot-123"),
+        ] {
+            svc.clone().oneshot(request(method, path)).await.unwrap();
+        }
+    });
+    let labels = [
+        ("service", "payments"),
+        ("method", UNMATCHED),
+        ("outcome", "fatal"),
+    ];
+    assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &labels), 3);
+    assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &[]), 3);
 }
