@@ -10,9 +10,11 @@ use std::error::Error;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
 
+mod api_keys;
+mod error_chain;
 mod load;
+mod logging;
 mod psp;
 mod serve;
 
@@ -27,6 +29,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Debug, Parser)]
 #[command(name = "backstop", version, about)]
 struct Cli {
+    /// Log lines on stderr: `text` (readable) or `json` (one object a line). Default: text on
+    /// a terminal, JSON otherwise. `RUST_LOG` filters them.
+    #[arg(long, global = true, value_enum, value_name = "FORMAT")]
+    log_format: Option<logging::LogFormat>,
     #[command(subcommand)]
     command: Command,
 }
@@ -48,10 +54,15 @@ enum Command {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The load driver would drown its own summary in per-attempt events: warnings only.
-    init_tracing(match cli.command {
+    let default_level = match cli.command {
         Command::Load(_) => "warn",
         _ => "info",
-    });
+    };
+    if let Err(error) = logging::init(cli.log_format, default_level) {
+        // Same status as a flag error: the process was started wrong and did nothing.
+        eprintln!("error: {error}");
+        return ExitCode::from(2);
+    }
     let result: Result<(), Box<dyn Error>> = match cli.command {
         Command::Serve(args) => {
             let config = args
@@ -74,13 +85,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            let mut message = error.to_string();
-            let mut source = error.source();
-            while let Some(cause) = source {
-                message.push_str(": ");
-                message.push_str(&cause.to_string());
-                source = cause.source();
-            }
+            let message = error_chain::Chain(&*error).to_string();
             tracing::error!(error = %message, "backstop stopped");
             eprintln!("error: {message}");
             ExitCode::FAILURE
@@ -97,17 +102,6 @@ fn usage_error(error: clap::Error, subcommand: &str) -> ! {
         Some(command) => error.format(command).exit(),
         None => error.format(&mut cli).exit(),
     }
-}
-
-/// JSON logs on stderr; `RUST_LOG` filters (default `default_level`).
-fn init_tracing(default_level: &str) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
 }
 
 /// Resolves on ctrl-c, or SIGTERM on unix.

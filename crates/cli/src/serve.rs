@@ -10,6 +10,8 @@ use backstop_payment::service::{self, ServeError};
 use clap::Args;
 use clap::error::ErrorKind;
 
+use crate::api_keys;
+
 /// Flags of `backstop serve`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct ServeArgs {
@@ -36,10 +38,15 @@ pub(crate) struct ServeArgs {
     /// Burst per merchant.
     #[arg(long, value_name = "N", default_value_t = NonZeroU32::new(2000).expect("non-zero"))]
     tenant_burst: NonZeroU32,
-    /// `MERCHANT=KEY`, repeatable. With keys, `Authorization: Bearer KEY` is required; without,
-    /// the service is open (merchant `default`) and only on a loopback address.
+    /// `MERCHANT=KEY`, repeatable (visible in `ps`: prefer --api-key-file or
+    /// BACKSTOP_API_KEYS=MERCHANT=KEY,...). With keys from any of the three, `Authorization:
+    /// Bearer KEY` is required; without, the service is open (merchant `default`) and only on a
+    /// loopback address.
     #[arg(long = "api-key", value_name = "MERCHANT=KEY")]
     api_keys: Vec<String>,
+    /// File of API keys: one `MERCHANT=KEY` a line, `#` comments; not readable by every user.
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Option<std::path::PathBuf>,
     /// Share the per-merchant rate limits between instances through this Redis
     /// (`redis://HOST:PORT[/DB]`); without it each instance limits on its own.
     #[arg(long, value_name = "URL")]
@@ -57,8 +64,13 @@ pub(crate) struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// The service configuration these flags describe.
+    /// The service configuration these flags and `BACKSTOP_API_KEYS` describe.
     pub(crate) fn config(&self) -> Result<Config, clap::Error> {
+        self.config_with_env_keys(std::env::var(api_keys::ENV).ok().as_deref())
+    }
+
+    /// The configuration, with `env_keys` as the value of `BACKSTOP_API_KEYS`.
+    fn config_with_env_keys(&self, env_keys: Option<&str>) -> Result<Config, clap::Error> {
         let invalid =
             |e: &dyn std::fmt::Display| clap::Error::raw(ErrorKind::InvalidValue, format!("{e}\n"));
         let store = StoreLocation::parse(&self.store).map_err(|e| invalid(&e))?;
@@ -82,6 +94,16 @@ impl ServeArgs {
             .map(|k| ApiKey::parse(k))
             .collect::<Result<_, _>>()
             .map_err(|e| invalid(&e))?;
+        if let Some(value) = env_keys {
+            config
+                .api_keys
+                .extend(api_keys::from_env_value(value).map_err(|e| invalid(&e))?);
+        }
+        if let Some(path) = &self.api_key_file {
+            config
+                .api_keys
+                .extend(api_keys::from_file(path).map_err(|e| invalid(&e))?);
+        }
         if let Some(url) = &self.redis {
             let redis = RedisConfig::new(url)
                 .map_err(|_| invalid(&"--redis must be a redis:// URL"))?
@@ -116,7 +138,7 @@ mod tests {
     fn parse(args: &[&str]) -> Result<Config, clap::Error> {
         let mut argv = vec!["serve"];
         argv.extend_from_slice(args);
-        T::try_parse_from(argv)?.args.config()
+        T::try_parse_from(argv)?.args.config_with_env_keys(None)
     }
 
     #[test]
@@ -187,6 +209,51 @@ mod tests {
         assert_eq!(c.api_keys.len(), 2);
         assert_eq!(c.psp, PspTarget::Url("http://127.0.0.1:8082".into()));
         assert!(c.validate().is_ok());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn api_keys_from_flags_environment_and_file_add_up() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("keys");
+        std::fs::write(&file, "# merchants\ninitech=k3\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let args = T::try_parse_from([
+            "serve",
+            "--http",
+            "0.0.0.0:9000",
+            "--api-key",
+            "acme=k1",
+            "--api-key-file",
+            file.to_str().unwrap(),
+        ])
+        .unwrap()
+        .args;
+        let c = args.config_with_env_keys(Some("globex=k2")).unwrap();
+        let merchants: Vec<_> = c.api_keys.iter().map(|k| k.merchant.as_str()).collect();
+        assert_eq!(merchants, ["acme", "globex", "initech"]);
+        assert!(
+            c.validate().is_ok(),
+            "keys from any source close the service"
+        );
+
+        let env_only = T::try_parse_from(["serve", "--http", "0.0.0.0:9000"])
+            .unwrap()
+            .args
+            .config_with_env_keys(Some("acme=k1"))
+            .unwrap();
+        assert_eq!(env_only.api_keys.len(), 1);
+        assert!(env_only.validate().is_ok());
+
+        std::fs::write(&file, "initech=k3\nbroken\n").unwrap();
+        let error = args.config_with_env_keys(None).unwrap_err().to_string();
+        assert!(error.contains("line 2"), "{error}");
+        let error = args
+            .config_with_env_keys(Some("a=1,,b"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("BACKSTOP_API_KEYS: entry 3"), "{error}");
     }
 
     #[test]

@@ -15,6 +15,10 @@ use tonic::transport::Channel;
 /// Largest error body read to find its problem `code`.
 const MAX_ERROR_BODY: usize = 16 * 1024;
 
+/// The targets `load` can drive, said in every refusal of a target.
+const SCHEMES: &str = "use http://HOST:PORT (the HTTP JSON API, e.g. http://127.0.0.1:8081) or \
+grpc://HOST:PORT (the gRPC API, e.g. grpc://127.0.0.1:50051)";
+
 /// The service under load.
 #[derive(Debug, Clone)]
 pub(crate) enum Target {
@@ -27,10 +31,15 @@ pub(crate) enum Target {
 impl Target {
     /// Parses `http://host:port` or `grpc://host:port`.
     pub(crate) fn parse(s: &str) -> Result<Target, String> {
+        // `127.0.0.1:8081` is a relative URL to the URL parser and `localhost:8081` one with
+        // the scheme `localhost`: either way the scheme is what is missing.
+        if !s.contains("://") {
+            return Err(format!("target {s:?} has no scheme: {SCHEMES}"));
+        }
         let url = reqwest::Url::parse(s).map_err(|e| format!("invalid target URL {s:?}: {e}"))?;
         if !matches!(url.scheme(), "http" | "grpc") {
             return Err(format!(
-                "unsupported target scheme {:?} in {s:?}: use http://HOST:PORT or grpc://HOST:PORT",
+                "unsupported target scheme {:?} in {s:?}: {SCHEMES}",
                 url.scheme()
             ));
         }
@@ -304,7 +313,29 @@ mod tests {
                 .contains("port")
         );
         assert!(Target::parse("ftp://x").unwrap_err().contains("scheme"));
-        assert!(Target::parse("not a url").unwrap_err().contains("invalid"));
+        assert!(
+            Target::parse("not a url")
+                .unwrap_err()
+                .contains("no scheme")
+        );
+        assert!(
+            Target::parse("http://")
+                .unwrap_err()
+                .contains("invalid target URL")
+        );
+    }
+
+    #[test]
+    fn a_target_without_scheme_says_which_schemes_work() {
+        for bare in ["127.0.0.1:8081", "localhost:8081", "[::1]:50051"] {
+            let error = Target::parse(bare).unwrap_err();
+            assert!(!error.contains("relative URL"), "{error}");
+            assert!(error.contains("no scheme"), "{error}");
+            assert!(error.contains("http://HOST:PORT"), "{error}");
+            assert!(error.contains("grpc://HOST:PORT"), "{error}");
+        }
+        let error = Target::parse("https://127.0.0.1:8081").unwrap_err();
+        assert!(error.contains("grpc://HOST:PORT"), "{error}");
     }
 
     #[test]
