@@ -27,7 +27,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// backstop: RPC reliability toolkit and its reference payment system.
 #[derive(Debug, Parser)]
-#[command(name = "backstop", version, about)]
+#[command(
+    name = "backstop",
+    version,
+    about = "backstop's reference payment system: the payment service, a PSP simulator and a load driver"
+)]
 struct Cli {
     /// Log lines on stderr: `text` (readable) or `json` (one object a line). Default: text on
     /// a terminal, JSON otherwise. `RUST_LOG` filters them.
@@ -39,14 +43,20 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the payment service: HTTP JSON on 127.0.0.1:8081 by default, a SQLite store, and an
-    /// embedded PSP unless --psp is given.
+    /// Run the payment service (HTTP JSON and gRPC, with retries made safe by idempotency keys)
+    ///
+    /// HTTP JSON on 127.0.0.1:8081 and gRPC on 127.0.0.1:50051 by default, a SQLite store, and
+    /// an embedded PSP unless --psp is given.
     Serve(serve::ServeArgs),
-    /// Run the PSP simulator: a fake payment provider with its own store, dedup on the effect
-    /// key, and fault injection.
+    /// Run the PSP simulator: a fake payment provider with fault injection
+    ///
+    /// It keeps its own store, deduplicates charges on the effect key, and injects errors,
+    /// latency and lost answers on demand.
     Psp(psp::PspArgs),
-    /// Drive the payment service with open-loop load (a new order and key per logical
-    /// request) and summarise attempts, retries, outcomes and latency.
+    /// Drive the payment service with open-loop load and summarise what it cost
+    ///
+    /// Each logical request is a new order with its own key; the summary gives attempts,
+    /// retries, outcomes and latency per attempt.
     Load(load::LoadArgs),
 }
 

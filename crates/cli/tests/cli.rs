@@ -89,3 +89,101 @@ fn logs_are_json_off_a_terminal_and_text_on_request() {
         "{chosen}"
     );
 }
+
+/// Every subcommand of `backstop`, as `backstop --help` should list it.
+const SUBCOMMANDS: [&str; 3] = ["serve", "psp", "load"];
+
+fn help(args: &[&str]) -> String {
+    let out = run(args, &[]);
+    assert!(out.status.success(), "{args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn help_lists_every_subcommand_with_a_one_line_description() {
+    let text = help(&["--help"]);
+    let commands = text
+        .split("Commands:\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n\n").next())
+        .unwrap_or_else(|| panic!("no command list: {text}"));
+    for name in SUBCOMMANDS {
+        let line = commands
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} missing from: {text}"));
+        let description = line.trim_start()[name.len()..].trim();
+        assert!(
+            description.len() > 20,
+            "{name} needs a description: {line:?}"
+        );
+        assert!(
+            description.len() < 100,
+            "one short line for {name}: {line:?}"
+        );
+    }
+    // A new subcommand must be added here, and so to this check.
+    let listed = commands
+        .lines()
+        .filter(|l| l.starts_with("  ") && !l.starts_with("   "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| *name != "help")
+        .collect::<Vec<_>>();
+    assert_eq!(listed, SUBCOMMANDS, "{text}");
+}
+
+/// Where `text` cites a section of a document that does not ship with the product: "seed
+/// 2.4.3", "the seed's", "DESIGN section 6", "section 3", "§", or a bare "2.10.2".
+fn section_references(text: &str) -> Vec<String> {
+    let lower = text.to_lowercase();
+    let mut found: Vec<String> = [
+        "seed 2",
+        "seed 1",
+        "seed's",
+        "design.md",
+        "design section",
+        "§",
+        "chapter",
+    ]
+    .into_iter()
+    .filter(|needle| lower.contains(needle))
+    .map(str::to_owned)
+    .collect();
+    for word in lower.split(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        let word = word.trim_end_matches('.');
+        let parts: Vec<_> = word.split('.').collect();
+        // Three numbers: a section number (an address has four, a rate or a version in a help
+        // text has two).
+        if parts.len() == 3 && parts.iter().all(|p| !p.is_empty() && p.len() <= 2) {
+            found.push(word.to_owned());
+        }
+    }
+    for (at, _) in lower.match_indices("section ") {
+        if lower[at + "section ".len()..].starts_with(|c: char| c.is_ascii_digit()) {
+            found.push(lower[at..].chars().take(12).collect());
+        }
+    }
+    found
+}
+
+#[test]
+fn the_reference_finder_finds_references() {
+    assert_eq!(section_references("as seed 2.4.3 says").len(), 2);
+    assert!(!section_references("(the seed's 2.10.2 bug)").is_empty());
+    assert!(!section_references("DESIGN section 6").is_empty());
+    assert!(section_references("listen on 127.0.0.1:8081, rate in [0, 1], 0.25").is_empty());
+    assert!(section_references("Seed of the fault RNG").is_empty());
+}
+
+#[test]
+fn no_help_text_cites_a_document_section() {
+    let mut pages = vec![help(&["--help"])];
+    for name in SUBCOMMANDS {
+        pages.push(help(&[name, "--help"]));
+        pages.push(help(&[name, "-h"]));
+    }
+    for page in pages {
+        let found = section_references(&page);
+        assert!(found.is_empty(), "{found:?} in:\n{page}");
+    }
+}

@@ -13,6 +13,7 @@ mod stack;
 mod target;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use clap::Args;
@@ -90,7 +91,8 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         args.hedge_delay.unwrap_or_default(),
     )?;
     let slots = Arc::new(Semaphore::new(args.concurrency as usize));
-    let progress = progress_bar(total);
+    let live = Arc::new(LiveCounts::default());
+    let progress = progress_bar(total, live.clone());
     // Unique per run, so two runs against one service never collide on an order id.
     let run_id = uuid::Uuid::now_v7().simple().to_string();
 
@@ -113,12 +115,13 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
             order_id: format!("load-{run_id}-{i}"),
             amount_cents: 100 + i % 10_000,
         };
-        let (driver, progress) = (driver.clone(), progress.clone());
+        let (driver, progress, live) = (driver.clone(), progress.clone(), live.clone());
         let timeout = args.timeout;
         tasks.spawn(async move {
             let mut tally = Tally::new();
             driver.run(&logical, timeout, &mut tally).await;
             drop(slot);
+            live.add(&tally);
             progress.inc(1);
             tally
         });
@@ -150,15 +153,51 @@ fn merge(tally: &mut Tally, done: Result<Tally, tokio::task::JoinError>) {
     }
 }
 
-fn progress_bar(total: u64) -> ProgressBar {
-    // Drawn on stderr, and hidden when stderr is not a terminal.
-    let bar = ProgressBar::new(total);
-    if let Ok(style) =
-        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {per_sec}")
-    {
-        bar.set_style(style.progress_chars("=> "));
+/// Counts shown on the progress bar while the load runs (the summary's own counts are merged
+/// from each request's tally at the end).
+#[derive(Debug, Default)]
+struct LiveCounts {
+    /// Logical requests that ended other than `ok`.
+    errors: AtomicU64,
+    /// Retries sent so far.
+    retries: AtomicU64,
+}
+
+impl LiveCounts {
+    /// Adds one finished logical request's tally.
+    fn add(&self, tally: &Tally) {
+        let errors = tally.logical_count().saturating_sub(tally.ok_count());
+        self.errors.fetch_add(errors, Ordering::Relaxed);
+        self.retries
+            .fetch_add(tally.retry_count(), Ordering::Relaxed);
     }
+}
+
+/// Drawn on stderr (hidden when stderr is not a terminal): elapsed time, progress, the rate of
+/// finished logical requests, and the errors and retries so far.
+fn progress_bar(total: u64, live: Arc<LiveCounts>) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(progress_style(live));
     bar
+}
+
+fn progress_style(live: Arc<LiveCounts>) -> ProgressStyle {
+    let template = "{elapsed_precise} [{bar:40}] {pos}/{len} {per_sec} {live}";
+    let style =
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    style
+        .with_key(
+            "live",
+            move |_: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(
+                    w,
+                    "errors {} retries {}",
+                    live.errors.load(Ordering::Relaxed),
+                    live.retries.load(Ordering::Relaxed)
+                );
+            },
+        )
+        .progress_chars("=> ")
 }
 
 fn parse_rate(s: &str) -> Result<f64, String> {
@@ -186,6 +225,60 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A terminal that keeps what is drawn on it.
+    #[derive(Debug, Default, Clone)]
+    struct Screen(Arc<std::sync::Mutex<String>>);
+
+    impl indicatif::TermLike for Screen {
+        fn width(&self) -> u16 {
+            160
+        }
+        fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.write_str(s)
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            self.0.lock().unwrap().push_str(s);
+            Ok(())
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_progress_bar_shows_rate_errors_and_retries() {
+        let live = Arc::new(LiveCounts::default());
+        let screen = Screen::default();
+        let bar = ProgressBar::with_draw_target(
+            Some(10),
+            indicatif::ProgressDrawTarget::term_like(Box::new(screen.clone())),
+        );
+        bar.set_style(progress_style(live.clone()));
+        live.errors.fetch_add(3, Ordering::Relaxed);
+        live.retries.fetch_add(7, Ordering::Relaxed);
+        bar.inc(4);
+        bar.force_draw();
+        let drawn = screen.0.lock().unwrap().clone();
+        assert!(drawn.contains("4/10"), "{drawn:?}");
+        assert!(drawn.contains("/s"), "the rate: {drawn:?}");
+        assert!(drawn.contains("errors 3 retries 7"), "{drawn:?}");
+    }
 
     #[test]
     fn rates_and_durations_are_checked() {

@@ -1,5 +1,5 @@
 //! How a logical request becomes attempts: backstop's client stack ([`super::stack`]), or the
-//! naive loop of seed 2.10.2 kept for comparison.
+//! naive retry loop (a fresh key per attempt) kept for comparison.
 
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ pub(crate) enum PolicyKind {
     /// with a budget, full jitter and pushback, a hedge after the p95, transparent re-sends.
     Backstop,
     /// 3 attempts, no budget, no jitter, a fresh key and a fresh timeout per attempt (the
-    /// seed's 2.10.2 bug; for comparison only: it can charge twice).
+    /// classic retry bug; for comparison only: it can charge twice).
     Naive,
 }
 

@@ -164,6 +164,11 @@ impl Tally {
         self.logical
     }
 
+    /// Retries (attempts after the first, hedges excluded).
+    pub(crate) fn retry_count(&self) -> u64 {
+        self.retries
+    }
+
     pub(crate) fn ok_count(&self) -> u64 {
         self.outcomes
             .get(Outcome::Ok.as_str())
