@@ -1,4 +1,4 @@
-//! Per-method behaviour contracts, checked at start-up (seed 2.1.2, 2.11).
+//! Per-method behaviour contracts, checked at start-up.
 //!
 //! An IDL describes the success path; it says nothing about what a failure allows. Whether a
 //! method may be retried, hedged, or must carry an idempotency key is a property of the method,
@@ -39,17 +39,17 @@ use std::time::Duration;
 
 use crate::status::{Code, RetryClass};
 
-/// Hard cap on attempts per logical request, retries and hedges included (seed 2.3.5).
+/// Hard cap on attempts per logical request, retries and hedges included.
 pub const MAX_ATTEMPTS_CAP: u32 = 5;
 /// Attempts per logical request unless a contract says otherwise.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 /// Timeout used when a request carries no deadline, unless a contract says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
-/// Idempotency key TTL for synchronous APIs (seed 2.4.4).
+/// Idempotency key TTL for synchronous APIs.
 pub const KEY_TTL_SYNC: Duration = Duration::from_secs(24 * 3_600);
-/// Idempotency key TTL for payments (seed 2.4.4).
+/// Idempotency key TTL for payments.
 pub const KEY_TTL_PAYMENTS: Duration = Duration::from_secs(7 * 24 * 3_600);
-/// Idempotency key TTL for asynchronous jobs (seed 2.4.4).
+/// Idempotency key TTL for asynchronous jobs.
 pub const KEY_TTL_ASYNC: Duration = Duration::from_secs(30 * 24 * 3_600);
 /// Rate class used when a contract names none.
 pub const DEFAULT_RATE_CLASS: &str = "default";

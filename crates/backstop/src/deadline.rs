@@ -1,4 +1,4 @@
-//! Deadlines: one absolute end time per logical request, shrinking hop by hop (seed 2.2).
+//! Deadlines: one absolute end time per logical request, shrinking hop by hop.
 //!
 //! A timeout says "how long I am willing to wait"; a deadline says "when this request must be
 //! done". Over several hops only the deadline stays correct: a gateway that forwards with a fresh
@@ -280,7 +280,7 @@ pub fn decode_grpc_timeout(value: &str) -> Result<Duration, GrpcTimeoutError> {
     Ok(Duration::new(secs, sub))
 }
 
-/// Per-peer margin estimator: `2 x RTT_p99 + 5 ms`, never below a configured floor (seed 2.2.2).
+/// Per-peer margin estimator: `2 x RTT_p99 + 5 ms`, never below a configured floor.
 ///
 /// It keeps a fixed ring of the most recent round-trip samples; `current()` takes the p99 of
 /// that window. Memory is fixed at construction.

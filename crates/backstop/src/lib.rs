@@ -29,7 +29,7 @@
 //! - [`deadline`]: [`Deadline`], the `grpc-timeout` codec, the per-peer
 //!   [`Margin`](deadline::Margin) (2 x RTT p99 + 5 ms).
 //! - [`status`]: [`Status`], one error type carrying gRPC code, HTTP status, retry class and
-//!   pushback (the classification table of DESIGN section 3).
+//!   pushback (one classification table for both protocols).
 //! - [`contract`]: per-method behaviour contracts (`Safe`, `Keyed`, `Unsafe`; timeouts,
 //!   attempts, hedging), validated at start-up.
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
@@ -42,7 +42,7 @@
 //! - [`admission`]: [`Gate`](admission::Gate) (bounded concurrency with budget-bounded
 //!   waiting), [`TokenBucket`](admission::TokenBucket) and its per-tenant keyed variant,
 //!   [`RetryAfter`](admission::RetryAfter).
-//! - [`observe`]: metric and log names (DESIGN section 6).
+//! - [`observe`]: metric and log names.
 //! - [`clock`]: the wall clock behind a trait; stores take `now` explicitly.
 //! - [`server`]: the tower layers, composed by [`ServerStack`](server::ServerStack).
 //! - [`client`]: the client layers (idempotency key, deadline, retry with replay, hedging,

@@ -1,6 +1,6 @@
-//! Metric and log names, in one place (DESIGN section 6, seed 2.8).
+//! Metric and log names, in one place.
 //!
-//! Dashboards, alerts and the PromQL of seed 2.8.3 depend on these names, so every layer takes
+//! Dashboards, alerts and their PromQL queries depend on these names, so every layer takes
 //! them from here instead of spelling them out. Two rules come with them:
 //!
 //! - labels have bounded cardinality: `service`, `method`, `outcome` (six values, see

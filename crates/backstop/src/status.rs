@@ -1,8 +1,8 @@
-//! One error type for every outcome, with its retry class decided in one place (seed 2.3.1).
+//! One error type for every outcome, with its retry class decided in one place.
 //!
 //! Whether a failure may be retried is a property of the failure, not of the code path that saw
-//! it. A [`Status`] carries the gRPC [`Code`], the HTTP status it maps to (grpc-gateway's table,
-//! DESIGN section 3), its [`RetryClass`], an optional pushback (`Retry-After` /
+//! it. A [`Status`] carries the gRPC [`Code`], the HTTP status it maps to (grpc-gateway's table),
+//! its [`RetryClass`], an optional pushback (`Retry-After` /
 //! `grpc-retry-pushback-ms`) and a stable problem code that `application/problem+json` bodies
 //! carry in their `code` field. The HTTP and gRPC adapters both read this one table, so the two
 //! protocols cannot drift apart.
@@ -119,7 +119,7 @@ pub enum Code {
     Unauthenticated = 16,
 }
 
-/// How a failure may be retried (DESIGN section 3).
+/// How a failure may be retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RetryClass {
     /// Transient: retry with backoff (a non-idempotent method only with its key).
@@ -133,7 +133,7 @@ pub enum RetryClass {
     Fatal,
 }
 
-/// The `outcome` metric label: exactly six values (DESIGN section 1).
+/// The `outcome` metric label: exactly six values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
     /// Succeeded.
@@ -299,7 +299,7 @@ impl Code {
         }
     }
 
-    /// The HTTP status (grpc-gateway's mapping, DESIGN section 3). `FAILED_PRECONDITION` is
+    /// The HTTP status (grpc-gateway's mapping). `FAILED_PRECONDITION` is
     /// 400 here; a key or state conflict answers 409 through [`Status::with_http_status`].
     pub fn http_status(self) -> StatusCode {
         match self {
@@ -321,7 +321,7 @@ impl Code {
         }
     }
 
-    /// The retry class (DESIGN section 3).
+    /// The retry class.
     pub const fn retry_class(self) -> RetryClass {
         match self {
             Code::Unavailable => RetryClass::Retryable,

@@ -16,7 +16,7 @@ pub const DEFAULT_HTTP: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::
 pub const DEFAULT_GRPC: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 50051));
 /// Default store file, relative to the working directory.
 pub const DEFAULT_STORE: &str = "backstop.db";
-/// Largest accepted request body (DESIGN section 5): 1 MiB.
+/// Largest accepted request body: 1 MiB.
 pub const BODY_LIMIT: usize = 1024 * 1024;
 /// Merchant of every request when the service runs without API keys.
 pub const DEFAULT_MERCHANT: &str = "default";
@@ -173,9 +173,9 @@ pub struct Config {
     /// Budget of a request that carries no `grpc-timeout`.
     pub default_timeout: Duration,
     /// Smallest margin kept back from the request deadline for the PSP call (the margin is
-    /// otherwise 2 x RTT_p99 + 5 ms of the PSP, seed 2.2.2).
+    /// otherwise 2 x RTT_p99 + 5 ms of the PSP).
     pub psp_margin_floor: Duration,
-    /// How long an idempotency record is kept (DESIGN section 4: 7 days for payments).
+    /// How long an idempotency record is kept (7 days for payments).
     pub key_ttl: Duration,
     /// How long a claimed key stays `running` before another request may take it over.
     pub lease: Duration,

@@ -1,4 +1,4 @@
-//! Payment intents: the `payment_intent` table of seed 2.10.3 and the only queries that touch it.
+//! Payment intents: the `payment_intent` table and the only queries that touch it.
 //!
 //! Three keys, three unique constraints:
 //!
@@ -29,7 +29,7 @@ use serde::Serialize;
 /// Migration name registered with the shared database.
 pub const MIGRATION_NAME: &str = "payment_intent_v1";
 
-/// Schema of `payment_intent`: seed 2.10.3 column for column, plus `currency`.
+/// Schema of `payment_intent`.
 pub const MIGRATION_SQL: &str = "
 CREATE TABLE IF NOT EXISTS payment_intent (
   intent_id     TEXT PRIMARY KEY,

@@ -4,7 +4,7 @@
 //! - [`service`]: the HTTP payment service (`POST /v1/payments`, `GET /v1/payments/{id}`,
 //!   `/metrics`, `/healthz`, `/readyz`), its start-up and graceful shutdown.
 //! - [`grpc`]: the gRPC payment service (`payment.v1.Payment`) behind the same server stack.
-//! - [`intents`]: the `payment_intent` table (seed 2.10.3) on the shared group-commit SQLite
+//! - [`intents`]: the `payment_intent` table on the shared group-commit SQLite
 //!   database or on PostgreSQL.
 //! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, the client stack.
 //! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).

@@ -4,9 +4,9 @@
 //! Every charge carries three things across the hop:
 //! - the **effect key** (`Idempotency-Key: <intent_id>`), the same on every attempt and on every
 //!   later retry of the same intent, so the PSP's own dedup turns "timed out, send again" into
-//!   one charge (seed 2.10.2);
+//!   one charge;
 //! - the **child deadline** (`grpc-timeout`): the request's deadline minus a margin of
-//!   `max(floor, 2 x RTT_p99 + 5 ms)` (seed 2.2.2), never a fresh budget; when nothing is left
+//!   `max(floor, 2 x RTT_p99 + 5 ms)`, never a fresh budget; when nothing is left
 //!   the call is not made at all;
 //! - the **trace** (`traceparent`): the caller's trace id with a new span id per attempt.
 //!

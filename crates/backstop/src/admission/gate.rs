@@ -1,4 +1,4 @@
-//! A concurrency gate whose wait is bounded by the caller's deadline (seed 2.6.3).
+//! A concurrency gate whose wait is bounded by the caller's deadline.
 
 use std::sync::Arc;
 use std::time::Duration;

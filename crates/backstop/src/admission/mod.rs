@@ -1,4 +1,4 @@
-//! Admission control: say "not now" early and cheaply instead of collapsing (seed 2.6, 2.7).
+//! Admission control: say "not now" early and cheaply instead of collapsing.
 //!
 //! Two different questions, two different answers:
 //!

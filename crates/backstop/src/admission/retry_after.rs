@@ -1,4 +1,4 @@
-//! The `Retry-After` header: delta-seconds or an HTTP-date (RFC 9110 section 10.2.3, seed 2.7.2).
+//! The `Retry-After` header: delta-seconds or an HTTP-date (RFC 9110 section 10.2.3).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -1,4 +1,4 @@
-//! A lock-free token bucket (GCRA on one `AtomicU64`), seed 2.7.1.
+//! A lock-free token bucket (GCRA on one `AtomicU64`).
 //!
 //! A token bucket with rate `r` and capacity `B` is the same thing as GCRA ("generic cell rate
 //! algorithm"): instead of a token count and a refill timestamp, it keeps one number, the

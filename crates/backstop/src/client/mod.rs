@@ -1,4 +1,4 @@
-//! The client stack: one logical request turned into safe attempts (seed 2.1-2.3, 2.5.3, 2.8).
+//! The client stack: one logical request turned into safe attempts.
 //!
 //! Every mechanism is a tower layer over `http::Request<B> -> http::Response<B>`, so the same
 //! stack wraps a tonic `Channel` (gRPC), a hyper-util client or any HTTP client exposed as a
@@ -27,7 +27,7 @@
 //! several endpoints) or a tonic channel. [`config`] reads gRPC service configs into the same
 //! policies. Every attempt is counted (`rpc_client_attempts_total{attempt,outcome}`,
 //! `rpc_client_attempt_duration_seconds`), every hedge (`rpc_client_hedges_total`) and retry
-//! (`rpc_client_retries_total`), and logged as an `rpc_attempt` event (DESIGN section 6).
+//! (`rpc_client_retries_total`), and logged as an `rpc_attempt` event.
 //!
 //! ```
 //! use std::sync::{Arc, Mutex};

@@ -261,7 +261,7 @@ impl ClientStackBuilder {
     }
 
     /// How the retry layer reads answers (default
-    /// [`classify_head`](super::classify::classify_head), the DESIGN section 3 table).
+    /// [`classify_head`](super::classify::classify_head), the [`Code`](crate::status::Code) table).
     pub fn classifier(mut self, classifier: Classifier) -> Self {
         self.classifier = classifier;
         self
@@ -483,7 +483,8 @@ mod tests {
         );
     }
 
-    /// Every attempt, retry and hedge of the stack shows up under the DESIGN section 6 names.
+    /// Every attempt, retry and hedge of the stack shows up under the
+    /// [`observe`](crate::observe) names.
     #[tokio::test(start_paused = true)]
     async fn attempts_retries_and_hedges_are_counted() {
         use http::{Request, Response};

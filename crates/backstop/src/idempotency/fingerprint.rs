@@ -1,4 +1,4 @@
-//! [`Fingerprint`]: same key, other parameters must be refused (seed 2.4.2).
+//! [`Fingerprint`]: same key, other parameters must be refused.
 
 use std::fmt;
 use std::io::Write;

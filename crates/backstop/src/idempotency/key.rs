@@ -1,4 +1,4 @@
-//! [`IdempotencyKey`]: one user intent, one key (seed 2.4.1).
+//! [`IdempotencyKey`]: one user intent, one key.
 
 use std::borrow::Cow;
 use std::fmt;

@@ -1,4 +1,4 @@
-//! Idempotency: turn "unknown" into "exactly one effect" (seed 2.4).
+//! Idempotency: turn "unknown" into "exactly one effect".
 //!
 //! A retry is safe only if the server can tell it is the same logical request. Two things tell
 //! it: the **key** (identity: "same intent?", [`IdempotencyKey`]) and the **fingerprint**
@@ -19,7 +19,7 @@
 //! cannot write a result over its successor's. A takeover must assume the predecessor may have
 //! performed the downstream effect: downstream calls carry their own (effect) key.
 //!
-//! Records expire after a TTL (24 h for synchronous APIs, 7 days for payments, seed 2.4.4); the
+//! Records expire after a TTL (24 h for synchronous APIs, 7 days for payments); the
 //! [`Sweeper`] deletes expired ones and never a running record whose lease is live.
 //!
 //! ```

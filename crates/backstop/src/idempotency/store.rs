@@ -1,4 +1,4 @@
-//! The [`Store`] trait: the dedup table and its state machine (seed 2.4.3).
+//! The [`Store`] trait: the dedup table and its state machine.
 
 use std::future::Future;
 use std::time::Duration;
@@ -16,11 +16,10 @@ pub struct ClaimRequest {
     pub key: IdempotencyKey,
     /// The request's parameters; the same key with another fingerprint is a conflict.
     pub fingerprint: Fingerprint,
-    /// How long the claimer may run before another request may take the key over (default 5 s,
-    /// seed 2.4.3).
+    /// How long the claimer may run before another request may take the key over (default 5 s).
     pub lease: Duration,
     /// How long the record (and so the replayable response) is kept (24 h for synchronous APIs,
-    /// 7 days for payments, seed 2.4.4).
+    /// 7 days for payments).
     pub ttl: Duration,
     /// Wall-clock time of the claim, unix epoch milliseconds (from a `Clock`).
     pub now_ms: i64,
@@ -48,7 +47,7 @@ impl ClaimRequest {
     }
 }
 
-/// The answer to a claim: the four outcomes of seed 2.4.3.
+/// The answer to a claim: one of four outcomes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// The key is ours: run the request, then [`Store::complete`], [`Store::fail`] or
@@ -118,7 +117,7 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
-/// State of a record (seed 2.4.3 state machine).
+/// State of a record: running, then succeeded or failed (a failed key may run again).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RecordStatus {
     /// Claimed; someone runs (or ran and crashed, if the lease has ended).
@@ -224,7 +223,7 @@ impl StoreError {
     }
 }
 
-/// The dedup table: where claims are decided and responses kept (seed 2.4.3).
+/// The dedup table: where claims are decided and responses kept.
 ///
 /// The state machine: `claim` inserts a `running` record (or answers replay / conflict /
 /// in-progress); `complete` moves it to `succeeded` (terminal, replayed from then on); `fail`

@@ -1,4 +1,4 @@
-//! [`Sweeper`]: deletes expired records on a timer (seed 2.4.4).
+//! [`Sweeper`]: deletes expired records on a timer.
 
 use std::time::Duration;
 

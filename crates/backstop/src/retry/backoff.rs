@@ -1,4 +1,4 @@
-//! Exponential backoff with jitter, a cap and a floor (seed 2.3.2).
+//! Exponential backoff with jitter, a cap and a floor.
 //!
 //! Without jitter every client that failed at the same moment retries at the same moment, and
 //! the retries arrive as a synchronized pulse. The ceiling for retry `i` (0 for the first retry)
@@ -12,8 +12,8 @@
 //!   `[cap / 2, cap]`. A backoff that first jitters and then clamps a value drawn above the cap
 //!   parks most capped clients on exactly `cap`, which is the lockstep jitter exists to break.
 //! - The floor raises the low end of the draw instead of piling every short draw onto one
-//!   value: full jitter never degenerates into "retry immediately" (seed 2.3.2 suggests a
-//!   minimum wait such as 10 ms), and a floor above a small ceiling yields the floor.
+//!   value: full jitter never degenerates into "retry immediately" (a minimum wait such as
+//!   10 ms), and a floor above a small ceiling yields the floor.
 //!
 //! The random number generator is a parameter, so tests use a seeded one and stay
 //! deterministic.
@@ -102,7 +102,7 @@ pub enum BackoffError {
 
 /// Exponential backoff: `base x 2^i`, bounded by `cap`, jittered, never below `floor`.
 ///
-/// Every delay lies in `[floor, cap]`. The defaults (DESIGN section 4, seed 2.3.2) are base
+/// Every delay lies in `[floor, cap]`. The defaults are base
 /// 50 ms, cap 2 s, [`Jitter::Full`], floor 10 ms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {

@@ -1,4 +1,4 @@
-//! A retry budget: retries limited to a fraction of requests (seed 2.3.3).
+//! A retry budget: retries limited to a fraction of requests.
 //!
 //! # Why budgets, not max retries
 //!
@@ -79,7 +79,7 @@ struct Inner {
 }
 
 impl Default for RetryBudget {
-    /// Ratio 0.1, burst 20 (DESIGN section 4, seed 2.3.3).
+    /// Ratio 0.1, burst 20.
     fn default() -> Self {
         RetryBudget::with_units(0.1, 20)
     }

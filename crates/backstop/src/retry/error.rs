@@ -4,7 +4,7 @@ use std::fmt;
 
 use crate::status::Status;
 
-/// Why no further attempt was made (DESIGN section 7). Every "did not retry" carries one, in
+/// Why no further attempt was made. Every "did not retry" carries one, in
 /// the error, the `rpc_client_retry_stops_total{reason}` metric and the `rpc_retry_stopped`
 /// log event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,5 +1,5 @@
 //! Running a logical request: attempts under one deadline, backoff or pushback between them,
-//! the budget consulted before every retry (seed 2.3.5).
+//! the budget consulted before every retry.
 
 use std::future::Future;
 use std::time::Duration;
@@ -468,7 +468,7 @@ fn fits(remaining: Duration, delay: Duration, min_attempt: Duration) -> bool {
 }
 
 /// `pushback` x uniform[0.8, 1.2], at least [`MIN_PUSHBACK`], saturating instead of
-/// overflowing: clients told the same Retry-After must not all come back at once (seed 2.7.2).
+/// overflowing: clients told the same Retry-After must not all come back at once.
 fn jitter_pushback<R: Rng + ?Sized>(pushback: Duration, rng: &mut R) -> Duration {
     let factor: f64 = rng.random_range(0.8..=1.2);
     Duration::try_from_secs_f64(pushback.as_secs_f64() * factor)

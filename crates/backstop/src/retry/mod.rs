@@ -1,4 +1,4 @@
-//! Retries that cannot multiply load (seed 2.3).
+//! Retries that cannot multiply load.
 //!
 //! A retry is worth sending only when the failure may go away, a second attempt can still
 //! finish before the caller stops waiting, and its side effect is controlled. This module holds
@@ -7,15 +7,15 @@
 //! - [`Backoff`]: exponential delays with jitter, a cap and a floor, so that clients that failed
 //!   together do not come back together.
 //! - [`RetryBudget`]: retries as a fraction of logical requests, shared by every caller of a
-//!   destination, so that a failing dependency sees at most `1 + ratio` times its normal load
-//!   (DESIGN section 7), not `max_attempts` times.
+//!   destination, so that a failing dependency sees at most `1 + ratio` times its normal load,
+//!   not `max_attempts` times.
 //! - [`RetryPolicy::execute`]: one logical request run as attempts that share ONE
 //!   [`Deadline`](crate::deadline::Deadline), waiting between them only when the deadline
 //!   leaves room for the wait and a minimal attempt, honouring the server's pushback, and
 //!   reporting why it stopped ([`StopReason`]) in the error, the metrics and the logs.
 //!
-//! Which statuses are retried follows [`Status::retry_class`](crate::status::Status::retry_class)
-//! (DESIGN section 3): `UNAVAILABLE` with backoff, `RESOURCE_EXHAUSTED` and `ABORTED` after
+//! Which statuses are retried follows [`Status::retry_class`](crate::status::Status::retry_class):
+//! `UNAVAILABLE` with backoff, `RESOURCE_EXHAUSTED` and `ABORTED` after
 //! their pushback, `DEADLINE_EXCEEDED` only when the call carries an idempotency key
 //! ([`RetryPolicyBuilder::keyed`]), everything else never.
 //!

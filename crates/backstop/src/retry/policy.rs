@@ -42,12 +42,12 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// Attempts per logical request unless configured (DESIGN section 4).
+    /// Attempts per logical request unless configured.
     pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-    /// The most attempts a policy may allow (seed 2.3.5): more would only pile load on a
+    /// The most attempts a policy may allow: more would only pile load on a
     /// dependency that failed four times already.
     pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
-    /// The shortest time worth starting an attempt with, unless configured (seed 2.3.5).
+    /// The shortest time worth starting an attempt with, unless configured.
     pub const DEFAULT_MIN_ATTEMPT: Duration = Duration::from_millis(20);
 
     /// A builder with the defaults: 3 attempts, [`Backoff::default`], a fresh

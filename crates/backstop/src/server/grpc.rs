@@ -1,5 +1,5 @@
 //! gRPC framing for the server layers: the unary request message read under a size cap
-//! decided from the frame header, before the message is buffered (seed 2.1.5).
+//! decided from the frame header, before the message is buffered.
 //!
 //! A gRPC message is a 5-byte prefix (compressed flag, big-endian `u32` length) and the
 //! message bytes. A length above the cap is refused as soon as the prefix has arrived, with
@@ -29,7 +29,7 @@ use tower_service::Service;
 use super::problem::{Problem, Protocol};
 use crate::status::{Code, Status, problem};
 
-/// Default cap on one gRPC message: 4 MiB (DESIGN section 4, as gRPC's own default).
+/// Default cap on one gRPC message: 4 MiB (as gRPC's own default).
 pub const DEFAULT_MAX_MESSAGE: usize = 4 * 1024 * 1024;
 
 /// Length of the message prefix: compressed flag and `u32` length.

@@ -2,9 +2,9 @@
 //! trailers-only response for gRPC.
 //!
 //! Every refusal the server layers produce is a problem document with a stable `code` that
-//! clients can switch on, the HTTP status from the DESIGN section 3 table, and, when the server
-//! asks the client to back off, a `Retry-After` header (delta-seconds, at least 1) mirrored in the
-//! `retry_after` field.
+//! clients can switch on, the HTTP status of its gRPC code (grpc-gateway's mapping), and, when
+//! the server asks the client to back off, a `Retry-After` header (delta-seconds, at least 1)
+//! mirrored in the `retry_after` field.
 //!
 //! ```
 //! use backstop::server::problem::Problem;

@@ -104,7 +104,7 @@ pub(crate) enum Client {
 }
 
 impl Client {
-    /// Sends one attempt and classifies its answer (DESIGN section 3).
+    /// Sends one attempt and classifies its answer.
     pub(crate) async fn send(&self, s: Send<'_>) -> Result<(), Status> {
         match self {
             Client::Http(c) => c.send(s).await,
@@ -206,7 +206,7 @@ impl HttpClient {
         })
     }
 
-    /// Sends one attempt and classifies its answer (DESIGN section 3). A 409 is told apart by
+    /// Sends one attempt and classifies its answer. A 409 is told apart by
     /// its problem `code`: `request_in_progress` is retryable, a reused key or another
     /// order's key is not.
     async fn send(&self, s: Send<'_>) -> Result<(), Status> {

@@ -3,7 +3,7 @@
 //!
 //! The payment service sends each charge with its effect key (the intent id) as
 //! `Idempotency-Key`. The PSP creates at most one charge per effect key, whatever the number
-//! of requests, so "PSP timed out, retry with the same key" charges once (seed 2.10.3).
+//! of requests, so "PSP timed out, retry with the same key" charges once.
 //!
 //! # HTTP contract
 //!

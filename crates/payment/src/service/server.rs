@@ -21,7 +21,7 @@ use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
 use crate::psp_client::{ClientError, PspClient};
 
-/// Retry budget of the PSP client (DESIGN section 4): 10 % of logical requests, burst 20.
+/// Retry budget of the PSP client: 10 % of logical requests, burst 20.
 const PSP_RETRY_RATIO: f64 = 0.1;
 const PSP_RETRY_BURST: u32 = 20;
 /// How often expired idempotency records are swept.

@@ -11,7 +11,7 @@
 //!   the durations of this destination's attempts), so the server gives up before the client
 //!   does and its answer can still travel back. An attempt that would start with no more than
 //!   the margin left fails at once with
-//!   [`DeadlineExceeded`](crate::deadline::DeadlineExceeded) and is not sent (seed 2.2.2).
+//!   [`DeadlineExceeded`](crate::deadline::DeadlineExceeded) and is not sent.
 //!
 //! HTTP requests carry `grpc-timeout` too: backstop servers read it the way gRPC servers do.
 

@@ -1,4 +1,4 @@
-//! Hedging: one extra attempt when the first is slower than usual (seed 2.3.4).
+//! Hedging: one extra attempt when the first is slower than usual.
 //!
 //! Tail latency is mostly one slow replica or one unlucky packet. [`Hedge`] sends the attempt,
 //! and if no answer has come after the rolling p95 of the destination's recent latencies, sends

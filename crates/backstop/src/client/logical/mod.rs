@@ -1,8 +1,8 @@
 //! The logical request: one idempotency key per call, made once, before anything is sent.
 //!
 //! The most expensive retry bug is the simplest: the key is generated inside the retry loop,
-//! every attempt looks new to the server, and one intent is charged twice (seed 2.11, DESIGN
-//! section 8). [`IdempotencyKeyService`] sits above the retry layer, so it runs once per
+//! every attempt looks new to the server, and one intent is charged twice.
+//! [`IdempotencyKeyService`] sits above the retry layer, so it runs once per
 //! logical call: it sets the `Idempotency-Key` header (for gRPC the metadata key is the same
 //! name, `idempotency-key`), and every attempt, retry and hedge below it carries that value.
 //!

@@ -11,7 +11,7 @@
 //!
 //! [`TransparentRetry`] re-sends such an attempt once, at once, without counting it against
 //! the method's max attempts, but paying from the destination's budget like any other extra
-//! attempt (DESIGN section 7). It sits below the circuit breaker and the hedge so that the
+//! attempt. It sits below the circuit breaker and the hedge so that the
 //! retry is invisible to them, and above the balancer, so the re-send may go to another
 //! endpoint. Anything else (a reset after the request was sent, a timeout) may have reached the
 //! server and is left to the retry layer and the method's contract.

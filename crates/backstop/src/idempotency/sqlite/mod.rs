@@ -7,7 +7,7 @@
 //! writes, when it shares the `Db`) are batched into one transaction by a single writer thread,
 //! each caller answered once its row is durable.
 //!
-//! The table is the seed's (2.4.3), column for column, plus `response_headers`:
+//! The table:
 //!
 //! ```sql
 #![doc = include_str!("migration_v1.sql")]

@@ -3,7 +3,7 @@
 //! The caller sends its remaining budget in `grpc-timeout` (the same header gRPC uses; HTTP
 //! callers send it too, as grpc-gateway does). [`DeadlineLayer`] converts it into an absolute
 //! [`Deadline`] on the local monotonic clock *in `call`*, before any other layer, so that queueing,
-//! authentication and decoding are paid out of the caller's budget (seed 2.2.1). The deadline is
+//! authentication and decoding are paid out of the caller's budget. The deadline is
 //! stored as a request extension for the layers and the handler below.
 //!
 //! - no header: a configured default budget (10 s unless set);

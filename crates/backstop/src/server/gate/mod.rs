@@ -1,4 +1,4 @@
-//! Concurrency gate: bounded in-flight work, bounded waiting, 503 + `Retry-After` (seed 2.6).
+//! Concurrency gate: bounded in-flight work, bounded waiting, 503 + `Retry-After`.
 //!
 //! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
 //! permit is acquired when the request is called (at once when the gate has room) or *inside the

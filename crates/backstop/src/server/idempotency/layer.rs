@@ -150,12 +150,12 @@ impl KeyedRoute {
         }
     }
 
-    /// Payments and refunds (seed 2.4.4): records kept 7 days.
+    /// Payments and refunds: records kept 7 days.
     pub fn payments() -> Self {
         Self::new(Duration::from_secs(7 * 24 * 3600))
     }
 
-    /// Synchronous APIs (seed 2.4.4): records kept 24 hours.
+    /// Synchronous APIs: records kept 24 hours.
     pub fn sync() -> Self {
         Self::new(Duration::from_secs(24 * 3600))
     }

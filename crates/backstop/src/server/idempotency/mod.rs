@@ -1,4 +1,4 @@
-//! Idempotency at the RPC layer: one key, one effect, one stored answer (seed 2.4).
+//! Idempotency at the RPC layer: one key, one effect, one stored answer.
 //!
 //! [`IdempotencyLayer`] is the innermost server layer. For each *keyed* route (declared with
 //! [`IdempotencyLayer::keyed`]) it:
@@ -19,8 +19,8 @@
 //!      nothing is written;
 //!    - **replay**: the stored status, headers and body, plus `Idempotent-Replayed: true`;
 //!    - **conflict**: 409 `idempotency_key_reused` with `fingerprint_prefix`, the first 8 hex of
-//!      the *original* request's fingerprint (seed 2.4.2; the IETF draft says 422 and Stripe 400,
-//!      DESIGN section 7 explains the choice of 409);
+//!      the *original* request's fingerprint (the IETF draft says 422 and Stripe 400; 409 is
+//!      what the other "this key is taken" answers already use);
 //!    - **in progress**: 409 `request_in_progress` with `Retry-After`.
 //!
 //! # gRPC
@@ -107,7 +107,7 @@ pub const STORE_UNAVAILABLE: &str = "store_unavailable";
 /// Default cap on a keyed request's body.
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
-/// Default claim lease (seed 2.4.3).
+/// Default claim lease.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
 
 /// Prefix of a stored trailer's name in [`StoredResponse::headers`].

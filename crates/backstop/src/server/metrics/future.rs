@@ -71,7 +71,7 @@ where
     }
 }
 
-/// The outcome label of an HTTP status (DESIGN section 3).
+/// The outcome label of an HTTP status.
 pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
     Outcome::from_http(status)
 }

@@ -1,4 +1,4 @@
-//! Server metrics and the per-request log event (DESIGN section 6).
+//! Server metrics and the per-request log event.
 //!
 //! [`MetricsLayer`] sits right inside the deadline layer, so it sees every request, including
 //! the ones refused by the layers below it. Per request it records:

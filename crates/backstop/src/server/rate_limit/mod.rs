@@ -1,4 +1,4 @@
-//! Per-tenant rate limit: a tenant over its quota gets 429 + `Retry-After` (seed 2.7).
+//! Per-tenant rate limit: a tenant over its quota gets 429 + `Retry-After`.
 //!
 //! [`RateLimitLayer`] spends one token of the caller's bucket in a
 //! [`KeyedTokenBucket`] keyed by the [`Tenant`] request
