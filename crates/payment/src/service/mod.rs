@@ -19,7 +19,7 @@
 //! |---|---|---|
 //! | 400 | `missing_idempotency_key`, `invalid_idempotency_key` | key absent, or not 1-255 visible ASCII |
 //! | 400 | `invalid_body` | the body is not JSON (the idempotency layer fingerprints it first) |
-//! | 400 | `invalid_body`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
+//! | 400 | `malformed_json`, `invalid_body`, `duplicate_field`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
 //! | 400 | `invalid_grpc_timeout` | malformed `grpc-timeout` (no unit, 9 digits, zero) |
 //! | 401 | `unauthenticated` | keys configured and no or an unknown bearer key |
 //! | 402 | `payment_declined` | the PSP refused definitively (a 4xx): intent `failed`, nothing charged. 402 rather than 422: the request was valid, the payment was refused |
