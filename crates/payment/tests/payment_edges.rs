@@ -27,3 +27,60 @@ async fn duplicate_json_member_is_refused_and_charges_nothing() {
     assert_eq!(ok.status, StatusCode::CREATED, "{:?}", ok.json);
     assert_eq!(h.charges("o-dup").await.len(), 1);
 }
+
+fn two_merchants(c: &mut backstop_payment::config::Config) {
+    use backstop_payment::config::ApiKey;
+    c.api_keys = vec![
+        ApiKey::parse("acme=key-acme-0001").unwrap(),
+        ApiKey::parse("globex=key-globex-0002").unwrap(),
+    ];
+}
+
+const ACME: (&str, &str) = ("authorization", "Bearer key-acme-0001");
+const GLOBEX: (&str, &str) = ("authorization", "Bearer key-globex-0002");
+
+#[tokio::test]
+async fn two_authorization_headers_are_401_never_first_wins() {
+    let h = Harness::start_with(two_merchants).await;
+    for headers in [
+        vec![ACME, GLOBEX],
+        vec![GLOBEX, ACME],
+        vec![ACME, ACME],
+        vec![ACME, ("authorization", "Bearer nope")],
+    ] {
+        let r = h
+            .post(Some("two-auth"), &body("o-auth", 100), &headers)
+            .await;
+        assert_eq!(
+            r.status,
+            StatusCode::UNAUTHORIZED,
+            "{headers:?}: {:?}",
+            r.json
+        );
+        assert_eq!(r.code(), "unauthenticated");
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    }
+    assert_eq!(h.intent_count().await, 0);
+    assert_eq!(h.all_charges().await, 0);
+}
+
+#[tokio::test]
+async fn every_401_carries_a_bearer_challenge() {
+    let h = Harness::start_with(two_merchants).await;
+    for headers in [
+        vec![],
+        vec![("authorization", "Bearer nope")],
+        vec![("authorization", "Basic a2V5")],
+    ] {
+        let post = h.post(Some("k-401"), &body("o-401", 100), &headers).await;
+        let get = h.get("/v1/payments/anything", &headers).await;
+        for r in [post, get] {
+            assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+            assert_eq!(r.header("www-authenticate"), Some("Bearer"), "{headers:?}");
+            assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        }
+    }
+    let ok = h.post(Some("k-401"), &body("o-401", 100), &[ACME]).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert!(ok.header("www-authenticate").is_none());
+}

@@ -21,7 +21,7 @@
 //! | 400 | `invalid_body` | the body is not JSON (the idempotency layer fingerprints it first) |
 //! | 400 | `malformed_json`, `invalid_body`, `duplicate_field`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
 //! | 400 | `invalid_grpc_timeout` | malformed `grpc-timeout` (no unit, 9 digits, zero) |
-//! | 401 | `unauthenticated` | keys configured and no or an unknown bearer key |
+//! | 401 | `unauthenticated` + `WWW-Authenticate: Bearer` | keys configured and no, an unknown, or more than one bearer key |
 //! | 402 | `payment_declined` | the PSP refused definitively (a 4xx): intent `failed`, nothing charged. 402 rather than 422: the request was valid, the payment was refused |
 //! | 409 | `order_conflict` | the order already has an intent under another key; names `intent_id` |
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
