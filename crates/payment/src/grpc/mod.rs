@@ -12,7 +12,7 @@
 //! |---|---|
 //! | charged (or replayed: `idempotent-replayed: true`) | `OK`, `status` `succeeded` |
 //! | the PSP declined; nothing charged | `OK`, `status` `failed` |
-//! | missing or invalid key, invalid field, malformed `grpc-timeout` | `INVALID_ARGUMENT` |
+//! | missing or invalid key, invalid field, malformed `grpc-timeout`, a message that does not decode (the key stays unused) | `INVALID_ARGUMENT` |
 //! | key reused with other parameters | `FAILED_PRECONDITION` |
 //! | same key still running | `ABORTED` + `grpc-retry-pushback-ms` |
 //! | same order, other key | `ALREADY_EXISTS` (names the intent) |
@@ -24,6 +24,7 @@
 //! | unknown bearer key | `UNAUTHENTICATED` |
 //! | no such payment (`GetCharge`) | `NOT_FOUND` |
 
+pub mod codec;
 pub mod proto;
 pub(crate) mod server;
 mod service;
