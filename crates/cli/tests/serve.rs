@@ -129,7 +129,14 @@ impl Serve {
 }
 
 async fn charges(psp: &PspHandle, order: &str) -> usize {
-    psp.store().list(Some(order.into())).await.unwrap().len()
+    psp.store()
+        .list(Some(backstop_payment::psp_client::psp_reference(
+            backstop_payment::config::DEFAULT_MERCHANT,
+            order,
+        )))
+        .await
+        .unwrap()
+        .len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

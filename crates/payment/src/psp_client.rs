@@ -57,12 +57,23 @@ pub const SERVICE_LABEL: &str = "psp";
 /// The method label of charges.
 pub const METHOD_LABEL: &str = "Charge";
 
+/// The PSP `reference` of a merchant's order: `MERCHANT:ORDER_ID`. Order ids are unique per
+/// merchant only, so the bare order id would let two merchants' `o-1` share one reference in
+/// the PSP's listing. Merchant names never contain `:` (see
+/// [`ApiKey::parse`](crate::config::ApiKey::parse)), so the first `:` splits the two
+/// unambiguously; at most 64 + 1 + 128 bytes, within the PSP's 255.
+pub fn psp_reference(merchant_id: &str, order_id: &str) -> String {
+    format!("{merchant_id}:{order_id}")
+}
+
 /// What a charge needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChargeCall {
     /// The effect key: the intent id.
     pub effect_key: String,
-    /// The order id, sent as the PSP's `reference`.
+    /// The merchant whose order it is.
+    pub merchant_id: String,
+    /// The order id; the PSP's `reference` is [`psp_reference`] of both.
     pub order_id: String,
     /// Amount in minor units.
     pub amount_cents: i64,
@@ -218,7 +229,7 @@ impl PspClient {
             .child(self.inner.margin.current())
             .map_err(ChargeError::NoBudget)?;
         let body = ChargeRequest {
-            reference: call.order_id.clone(),
+            reference: psp_reference(&call.merchant_id, &call.order_id),
             amount_cents: call.amount_cents,
             currency: call.currency.clone(),
         };
@@ -284,11 +295,12 @@ impl PspClient {
         })
     }
 
-    /// Looks for the charge made under `effect_key` for `order_id` (`GET
+    /// Looks for the charge made under `effect_key` for the merchant's `order_id` (`GET
     /// /v1/charges?reference=`), one attempt bounded by the child of `deadline`. `Ok(None)`
     /// means the PSP has no such charge *now*; it does not prove that none is in flight.
     pub async fn find_charge(
         &self,
+        merchant_id: &str,
         order_id: &str,
         effect_key: &str,
         deadline: Deadline,
@@ -298,7 +310,7 @@ impl PspClient {
             .map_err(Status::from)?;
         let url = reqwest::Url::parse_with_params(
             &self.inner.charges_url.to_string(),
-            [("reference", order_id)],
+            [("reference", psp_reference(merchant_id, order_id))],
         )
         .map_err(|_| Status::new(Code::InvalidArgument, "cannot build the PSP query URL"))?;
         let query = async {

@@ -84,3 +84,29 @@ async fn every_401_carries_a_bearer_challenge() {
     assert_eq!(ok.status, StatusCode::CREATED);
     assert!(ok.header("www-authenticate").is_none());
 }
+
+#[tokio::test]
+async fn two_merchants_same_order_id_never_share_a_psp_reference() {
+    let h = Harness::start_with(two_merchants).await;
+    let a = h.post(Some("k-a"), &body("o-1", 100), &[ACME]).await;
+    let b = h.post(Some("k-b"), &body("o-1", 700), &[GLOBEX]).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{:?}", a.json);
+    assert_eq!(b.status, StatusCode::CREATED, "{:?}", b.json);
+    let acme = h.merchant_charges("acme", "o-1").await;
+    let globex = h.merchant_charges("globex", "o-1").await;
+    assert_eq!(acme.len(), 1);
+    assert_eq!(globex.len(), 1);
+    assert_eq!(acme[0].amount_cents, 100);
+    assert_eq!(globex[0].amount_cents, 700);
+    assert_eq!(acme[0].effect_key, a.json["intent_id"].as_str().unwrap());
+    assert_eq!(globex[0].effect_key, b.json["intent_id"].as_str().unwrap());
+    assert!(h.charges("o-1").await.is_empty(), "no bare order id");
+    // Each merchant's GET converges with its own charge.
+    let got = h
+        .get(
+            &format!("/v1/payments/{}", a.json["intent_id"].as_str().unwrap()),
+            &[ACME],
+        )
+        .await;
+    assert_eq!(got.json["charge_id"], acme[0].charge_id.as_str());
+}

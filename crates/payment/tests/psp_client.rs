@@ -5,10 +5,11 @@ use std::time::Duration;
 use backstop::deadline::Deadline;
 use backstop::retry::{RetryBudget, StopReason};
 use backstop_payment::psp::{self, Fault, PspConfig, PspHandle};
-use backstop_payment::psp_client::{ChargeCall, ChargeError, PspClient};
+use backstop_payment::psp_client::{ChargeCall, ChargeError, PspClient, psp_reference};
 use backstop_payment::service::trace::TraceParent;
 
 const MARGIN: Duration = Duration::from_millis(20);
+const MERCHANT: &str = "acme";
 
 async fn setup() -> (PspHandle, PspClient) {
     setup_with(MARGIN).await
@@ -23,6 +24,7 @@ async fn setup_with(margin: Duration) -> (PspHandle, PspClient) {
 fn call(key: &str, order: &str, budget: Duration) -> ChargeCall {
     ChargeCall {
         effect_key: key.into(),
+        merchant_id: MERCHANT.into(),
         order_id: order.into(),
         amount_cents: 250,
         currency: "EUR".into(),
@@ -33,7 +35,10 @@ fn call(key: &str, order: &str, budget: Duration) -> ChargeCall {
 }
 
 async fn charges(psp: &PspHandle, order: &str) -> Vec<psp::Charge> {
-    psp.store().list(Some(order.into())).await.unwrap()
+    psp.store()
+        .list(Some(psp_reference(MERCHANT, order)))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -155,12 +160,22 @@ async fn find_charge_looks_up_the_effect_key() {
         .await
         .unwrap();
     let found = client
-        .find_charge("o-9", "intent-9", Deadline::after(Duration::from_secs(1)))
+        .find_charge(
+            MERCHANT,
+            "o-9",
+            "intent-9",
+            Deadline::after(Duration::from_secs(1)),
+        )
         .await
         .unwrap();
     assert_eq!(found, Some(charge));
     let missing = client
-        .find_charge("o-9", "other", Deadline::after(Duration::from_secs(1)))
+        .find_charge(
+            MERCHANT,
+            "o-9",
+            "other",
+            Deadline::after(Duration::from_secs(1)),
+        )
         .await
         .unwrap();
     assert_eq!(missing, None);

@@ -10,7 +10,7 @@
 use std::marker::PhantomData;
 
 use tonic::Status;
-use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic_prost::{ProstCodec, ProstEncoder};
 
 use super::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};

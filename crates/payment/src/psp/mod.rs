@@ -93,7 +93,7 @@ pub const TRACEPARENT: &str = "traceparent";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChargeRequest {
-    /// The caller's reference, 1 to 255 bytes (the payment service sends the order id).
+    /// The caller's reference, 1 to 255 bytes (the payment service sends `MERCHANT:ORDER_ID`).
     pub reference: String,
     /// Amount in minor units; must be positive.
     pub amount_cents: i64,

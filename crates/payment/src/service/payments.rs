@@ -103,6 +103,7 @@ pub(crate) async fn charge(
 
     let call = ChargeCall {
         effect_key: intent.effect_key.clone(),
+        merchant_id: intent.merchant_id.clone(),
         order_id: intent.order_id.clone(),
         amount_cents: intent.amount_cents,
         currency: intent.currency.clone(),
@@ -191,7 +192,7 @@ pub(crate) async fn lookup(
     if intent.status == IntentStatus::Running {
         match state
             .psp
-            .find_charge(&intent.order_id, &intent.effect_key, deadline)
+            .find_charge(merchant, &intent.order_id, &intent.effect_key, deadline)
             .await
         {
             Ok(Some(charge)) => {
