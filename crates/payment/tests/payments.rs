@@ -643,7 +643,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish() {
     assert_eq!(r.status(), StatusCode::CREATED);
     assert_eq!(
         psp.store()
-            .list(Some("order-drain".into()))
+            .list(Some("default:order-drain".into()))
             .await
             .unwrap()
             .len(),

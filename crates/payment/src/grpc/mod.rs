@@ -19,8 +19,9 @@
 //! | merchant over quota | `RESOURCE_EXHAUSTED` + pushback |
 //! | message over 4 MiB (decided from the length prefix) | `RESOURCE_EXHAUSTED` |
 //! | server overloaded, store unavailable | `UNAVAILABLE` + pushback |
-//! | the PSP's outcome is unknown | `UNAVAILABLE`, "payment outcome unknown ... safe to retry with the same idempotency-key" |
-//! | the request's deadline passed | `DEADLINE_EXCEEDED` |
+//! | the PSP charged nothing and the PSP client gave up | `UNAVAILABLE` + pushback, "the payment provider charged nothing ..." |
+//! | a charge was sent and its outcome is unknown | `UNAVAILABLE` + pushback, "payment outcome unknown ... safe to retry with the same idempotency-key" |
+//! | the request's deadline passed, or cannot cover a PSP round trip | `DEADLINE_EXCEEDED` |
 //! | unknown bearer key | `UNAUTHENTICATED` |
 //! | no such payment (`GetCharge`) | `NOT_FOUND` |
 

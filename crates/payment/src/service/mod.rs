@@ -32,8 +32,12 @@
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
 //! | 503 | `overloaded` + `Retry-After` | more than `--max-inflight` requests and no slot frees in time |
 //! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
-//! | 504 | `payment_outcome_unknown`, `"status": "unknown"`, `intent_id` | the PSP's outcome is unknown: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
-//! | 504 | `deadline_exceeded` | the request's own deadline passed |
+//! | 503 | `psp_unavailable` + `Retry-After`, `intent_id` | the PSP charged nothing and the PSP client gave up (retry budget spent, PSP unreachable or pushing back): retry with the same key |
+//! | 504 | `payment_outcome_unknown` + `Retry-After`, `"status": "unknown"`, `intent_id` | a charge was sent and no answer came: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
+//! | 504 | `deadline_exceeded` | the request's own deadline passed, or cannot cover a PSP round trip (checked before any write) |
+//!
+//! A running payment two minutes old is settled by [`crate::resolver`] (in the background and
+//! on `GET`): charged, or its effect key voided at the PSP and the payment failed.
 //!
 //! # Layers
 //!
