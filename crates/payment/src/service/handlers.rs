@@ -156,7 +156,10 @@ fn unknown(intent: &Intent, detail: &str, retry_after: std::time::Duration) -> R
 fn declined(intent: &Intent) -> Response {
     problem(
         Problem::new(StatusCode::PAYMENT_REQUIRED, PAYMENT_DECLINED)
-            .detail("the payment provider declined the charge; nothing was charged")
+            .detail(
+                "the payment failed and nothing was charged: the payment provider declined \
+                 it, or it was abandoned with its outcome unknown and then voided",
+            )
             .with("intent_id", intent.intent_id.as_str()),
     )
 }
