@@ -98,18 +98,37 @@ async fn failures_that_charged_nothing_are_retried() {
 }
 
 #[tokio::test]
-async fn pushback_beyond_the_deadline_stops_and_is_unknown() {
+async fn pushback_beyond_the_deadline_stops_and_says_nothing_was_charged() {
     let (psp, client) = setup().await;
     psp.faults().script([Fault::Unavailable]).unwrap();
     let err = client
         .charge(&call("intent-5", "o-5", Duration::from_millis(500)))
         .await
         .unwrap_err();
-    let ChargeError::Unknown(e) = err else {
-        panic!("expected unknown, got {err:?}");
+    // The PSP's 503 charges nothing: the outcome is known, and when to come back is said.
+    assert_eq!(err.retry_after(), Duration::from_secs(1));
+    let ChargeError::NotCharged { tried, source } = err else {
+        panic!("expected not charged, got {err:?}");
     };
-    assert_eq!(e.reason, StopReason::Pushback);
-    assert_eq!(e.attempts, 1);
+    assert!(tried);
+    assert_eq!(source.reason, StopReason::Pushback);
+    assert_eq!(source.attempts, 1);
+    assert!(charges(&psp, "o-5").await.is_empty());
+}
+
+#[tokio::test]
+async fn refused_connections_charge_nothing_and_are_not_unknown() {
+    // Nothing listens on the port the PSP had.
+    let (psp, client) = setup().await;
+    psp.shutdown().await;
+    let err = client
+        .charge(&call("intent-10", "o-10", Duration::from_millis(500)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ChargeError::NotCharged { tried: true, .. }),
+        "{err:?}"
+    );
 }
 
 #[tokio::test]
