@@ -23,7 +23,7 @@
 //! | 400 | `invalid_grpc_timeout` | malformed `grpc-timeout` (no unit, 9 digits, zero) |
 //! | 401 | `unauthenticated` + `WWW-Authenticate: Bearer` | keys configured and no, an unknown, or more than one bearer key |
 //! | 402 | `payment_declined` | the PSP refused definitively (a 4xx): intent `failed`, nothing charged. 402 rather than 422: the request was valid, the payment was refused |
-//! | 409 | `order_conflict` | the order already has an intent under another key; names `intent_id` |
+//! | 409 | `order_conflict` | the order already has a running or succeeded intent under another key; names `intent_id` |
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
 //! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
