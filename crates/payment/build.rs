@@ -9,6 +9,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={}", proto.display());
     let mut config = tonic_prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
-    tonic_prost_build::configure().compile_with_config(config, &[proto], &[root])?;
+    // Undecodable request messages are INVALID_ARGUMENT, not tonic's INTERNAL (see
+    // src/grpc/codec.rs).
+    tonic_prost_build::configure()
+        .codec_path("crate::grpc::codec::PaymentCodec")
+        .compile_with_config(config, &[proto], &[root])?;
     Ok(())
 }

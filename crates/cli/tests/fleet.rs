@@ -190,7 +190,10 @@ impl Serve {
 
 async fn charges(psp: &PspHandle, order: &str) -> usize {
     psp.store()
-        .list(Some(order.into()))
+        .list(Some(backstop_payment::psp_client::psp_reference(
+            backstop_payment::config::DEFAULT_MERCHANT,
+            order,
+        )))
         .await
         .expect("PSP charge list")
         .len()

@@ -129,7 +129,14 @@ impl Serve {
 }
 
 async fn charges(psp: &PspHandle, order: &str) -> usize {
-    psp.store().list(Some(order.into())).await.unwrap().len()
+    psp.store()
+        .list(Some(backstop_payment::psp_client::psp_reference(
+            backstop_payment::config::DEFAULT_MERCHANT,
+            order,
+        )))
+        .await
+        .unwrap()
+        .len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -182,7 +189,11 @@ async fn kill_9_mid_request_then_retry_on_the_same_store_charges_once() {
     assert_eq!(status, 201, "{json}");
     assert_eq!(json["status"], "succeeded");
     assert_eq!(charges(&psp, "order-k9").await, 1, "charged exactly once");
-    let stored = psp.store().list(Some("order-k9".into())).await.unwrap();
+    let stored = psp
+        .store()
+        .list(Some("default:order-k9".into()))
+        .await
+        .unwrap();
     assert_eq!(json["charge_id"], stored[0].charge_id.as_str());
     assert_eq!(json["intent_id"], stored[0].effect_key.as_str());
 

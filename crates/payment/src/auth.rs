@@ -45,6 +45,10 @@ pub enum AuthError {
     /// No `Authorization` header.
     #[error("missing Authorization: Bearer header")]
     Missing,
+    /// More than one `Authorization` header: which one is meant is ambiguous, so none is
+    /// taken.
+    #[error("exactly one Authorization header is allowed")]
+    Repeated,
     /// Not a `Bearer` credential, or not readable.
     #[error("the Authorization header must be \"Bearer <key>\"")]
     Malformed,
@@ -75,10 +79,11 @@ impl Authenticator {
         if self.is_open() {
             return Ok(DEFAULT_MERCHANT.to_owned());
         }
-        let value = head
-            .headers
-            .get(http::header::AUTHORIZATION)
-            .ok_or(AuthError::Missing)?;
+        let mut values = head.headers.get_all(http::header::AUTHORIZATION).iter();
+        let value = values.next().ok_or(AuthError::Missing)?;
+        if values.next().is_some() {
+            return Err(AuthError::Repeated);
+        }
         if value.len() > MAX_AUTHORIZATION {
             return Err(AuthError::Malformed);
         }
@@ -114,6 +119,19 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_authorization_headers_are_refused_never_first_wins() {
+        let a = Authenticator::new(&[
+            ApiKey::parse("acme=key-a").unwrap(),
+            ApiKey::parse("globex=key-b").unwrap(),
+        ]);
+        for second in ["Bearer key-b", "Bearer key-a", "Bearer nope"] {
+            let mut h = head(Some("Bearer key-a"));
+            h.headers.append("authorization", second.parse().unwrap());
+            assert_eq!(a.authenticate(&h), Err(AuthError::Repeated), "{second}");
+        }
+    }
 
     fn head(auth: Option<&str>) -> Parts {
         let mut b = http::Request::builder().uri("/v1/payments");

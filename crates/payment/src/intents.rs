@@ -4,7 +4,7 @@
 //!
 //! | key | constraint | stops |
 //! |---|---|---|
-//! | business key `(merchant_id, order_id)` | `UNIQUE` | a second intent for the same order (a client that generated a fresh key per attempt) |
+//! | business key `(merchant_id, order_id)` | `UNIQUE INDEX ... WHERE status <> 'failed'` | a second live intent for the same order (a client that generated a fresh key per attempt); a `failed` intent charged nothing, so it frees its order for another key |
 //! | request key `(merchant_id, request_key)` | `UNIQUE` | two concurrent inserts for the same `Idempotency-Key` |
 //! | effect key `(merchant_id, effect_key)` | `UNIQUE INDEX` | one intent producing two downstream effects |
 //!
@@ -29,7 +29,40 @@ use serde::Serialize;
 /// Migration name registered with the shared database.
 pub const MIGRATION_NAME: &str = "payment_intent_v1";
 
-/// Schema of `payment_intent`.
+/// Name of the second migration ([`MIGRATION_V2_SQL`]).
+pub const MIGRATION_V2_NAME: &str = "payment_intent_v2_live_order";
+
+/// Second migration: the business key binds live intents only (a `failed` intent frees its
+/// order), and running intents are indexed by age for the resolver. SQLite cannot drop a
+/// table constraint, so the table is rebuilt (once, in the migration's transaction).
+pub const MIGRATION_V2_SQL: &str = "
+CREATE TABLE payment_intent_v2 (
+  intent_id     TEXT PRIMARY KEY,
+  merchant_id   TEXT    NOT NULL,
+  order_id      TEXT    NOT NULL,
+  amount_cents  INTEGER NOT NULL,
+  request_key   TEXT    NOT NULL,
+  fingerprint   TEXT    NOT NULL,
+  effect_key    TEXT    NOT NULL,
+  status        TEXT    NOT NULL CHECK (status IN ('running','succeeded','failed')),
+  psp_charge_id TEXT,
+  created_at    INTEGER NOT NULL,
+  currency      TEXT    NOT NULL DEFAULT 'USD',
+  UNIQUE (merchant_id, request_key)
+);
+INSERT INTO payment_intent_v2 (intent_id, merchant_id, order_id, amount_cents, request_key,
+  fingerprint, effect_key, status, psp_charge_id, created_at, currency)
+  SELECT intent_id, merchant_id, order_id, amount_cents, request_key, fingerprint, effect_key,
+  status, psp_charge_id, created_at, currency FROM payment_intent;
+DROP TABLE payment_intent;
+ALTER TABLE payment_intent_v2 RENAME TO payment_intent;
+CREATE UNIQUE INDEX idx_effect_key ON payment_intent (merchant_id, effect_key);
+CREATE UNIQUE INDEX idx_live_order ON payment_intent (merchant_id, order_id)
+  WHERE status <> 'failed';
+CREATE INDEX idx_running_age ON payment_intent (created_at) WHERE status = 'running';
+";
+
+/// Schema of `payment_intent`: three keys, three unique constraints, plus `currency`.
 pub const MIGRATION_SQL: &str = "
 CREATE TABLE IF NOT EXISTS payment_intent (
   intent_id     TEXT PRIMARY KEY,
@@ -137,7 +170,8 @@ pub enum Created {
     /// The merchant already has an intent for this request key and these parameters: carry on
     /// with it (same effect key), never create a second one.
     Resumed(Intent),
-    /// The order already has an intent created under another request key.
+    /// The order already has a live (running or succeeded) intent created under another
+    /// request key.
     OrderConflict(Intent),
     /// The request key already names an intent with other parameters.
     KeyReused(Intent),
@@ -189,7 +223,8 @@ fn select_one(
 ///
 /// When the insert is stopped, the row that stopped it is read back: the same request key with
 /// the same parameters resumes that intent; the same request key with other parameters is
-/// [`Created::KeyReused`]; the same order under another key is [`Created::OrderConflict`].
+/// [`Created::KeyReused`]; the same order under another key, while that intent is live, is
+/// [`Created::OrderConflict`].
 /// Run it inside one transaction (the group-commit writer does) so the read sees the row that
 /// stopped the insert.
 pub fn insert(conn: &Connection, new: &NewIntent) -> rusqlite::Result<Created> {
@@ -241,7 +276,7 @@ pub fn insert(conn: &Connection, new: &NewIntent) -> rusqlite::Result<Created> {
     }
     if let Some(existing) = select_one(
         conn,
-        "merchant_id = ?1 AND order_id = ?2",
+        "merchant_id = ?1 AND order_id = ?2 AND status <> 'failed'",
         &new.merchant_id,
         &new.order_id,
     )? {
@@ -296,7 +331,7 @@ pub fn get(
     )
 }
 
-/// Every intent a merchant has for an order (zero or one, by the business-key constraint).
+/// Every intent a merchant has for an order: at most one live, any number failed.
 pub fn by_order(
     conn: &Connection,
     merchant_id: &str,
@@ -306,6 +341,22 @@ pub fn by_order(
         format!("SELECT {COLUMNS} FROM payment_intent WHERE merchant_id = ?1 AND order_id = ?2");
     let mut stmt = conn.prepare_cached(&sql)?;
     let rows = stmt.query_map(params![merchant_id, order_id], from_row)?;
+    rows.collect()
+}
+
+/// Running intents (all merchants) created at or before `created_before` (unix ms), oldest
+/// first, at most `limit`: candidates for the resolver.
+pub fn running_before(
+    conn: &Connection,
+    created_before: i64,
+    limit: u32,
+) -> rusqlite::Result<Vec<Intent>> {
+    let sql = format!(
+        "SELECT {COLUMNS} FROM payment_intent WHERE status = 'running' AND created_at <= ?1 \
+         ORDER BY created_at LIMIT ?2"
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let rows = stmt.query_map(params![created_before, limit], from_row)?;
     rows.collect()
 }
 
@@ -350,9 +401,10 @@ enum Backend {
 }
 
 impl Intents {
-    /// Runs the `payment_intent` migration on `db` (once per database) and returns the handle.
+    /// Runs the `payment_intent` migrations on `db` (once per database) and returns the handle.
     pub async fn open(db: Db) -> Result<Self, DbError> {
         db.migrate(MIGRATION_NAME, MIGRATION_SQL).await?;
+        db.migrate(MIGRATION_V2_NAME, MIGRATION_V2_SQL).await?;
         Ok(Intents {
             backend: Backend::Sqlite(db),
         })
@@ -435,6 +487,20 @@ impl Intents {
         }
     }
 
+    /// [`running_before`] on a read connection (one statement on PostgreSQL).
+    pub async fn running_before(
+        &self,
+        created_before: i64,
+        limit: u32,
+    ) -> Result<Vec<Intent>, IntentsError> {
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db
+                .read(move |c| running_before(c, created_before, limit))
+                .await?),
+            Backend::Postgres(pg) => pg.running_before(created_before, limit).await,
+        }
+    }
+
     /// [`count`] on a read connection.
     pub async fn count(&self) -> Result<u64, IntentsError> {
         match &self.backend {
@@ -465,6 +531,7 @@ mod tests {
     fn db() -> Connection {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch(MIGRATION_SQL).unwrap();
+        conn.execute_batch(MIGRATION_V2_SQL).unwrap();
         conn
     }
 
@@ -528,6 +595,58 @@ mod tests {
         };
         assert_eq!(i.intent_id, "i1");
         assert_eq!(count(&c).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_failed_intent_frees_its_order_for_another_key() {
+        let c = db();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        assert!(mark_failed(&c, "m", "i1").unwrap());
+        let Created::New(i) = insert(&c, &new("i2", "m", "o1", "k2", "f")).unwrap() else {
+            panic!("expected a new intent for the freed order");
+        };
+        assert_eq!(i.order_id, "o1");
+        // The new live intent binds the order again.
+        let Created::OrderConflict(live) = insert(&c, &new("i3", "m", "o1", "k3", "f")).unwrap()
+        else {
+            panic!("expected order conflict");
+        };
+        assert_eq!(live.intent_id, "i2");
+        // The failed intent's own key still answers with it.
+        assert!(matches!(
+            insert(&c, &new("i4", "m", "o1", "k1", "f")).unwrap(),
+            Created::Resumed(i) if i.intent_id == "i1" && i.status == IntentStatus::Failed
+        ));
+        assert_eq!(by_order(&c, "m", "o1").unwrap().len(), 2);
+    }
+
+    #[test]
+    fn running_before_lists_old_running_intents_oldest_first() {
+        let c = db();
+        for (id, at) in [("i3", 30), ("i1", 10), ("i2", 20), ("i4", 40)] {
+            let mut n = new(id, "m", id, id, "f");
+            n.created_at = at;
+            insert(&c, &n).unwrap();
+        }
+        assert!(mark_succeeded(&c, "m", "i2", "ch").unwrap());
+        let ids = |v: Vec<Intent>| v.into_iter().map(|i| i.intent_id).collect::<Vec<_>>();
+        assert_eq!(ids(running_before(&c, 30, 10).unwrap()), ["i1", "i3"]);
+        assert_eq!(ids(running_before(&c, 30, 1).unwrap()), ["i1"]);
+    }
+
+    #[test]
+    fn v2_migration_keeps_existing_rows() {
+        let c = Connection::open_in_memory().unwrap();
+        c.execute_batch(MIGRATION_SQL).unwrap();
+        insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
+        assert!(mark_succeeded(&c, "m", "i1", "ch_1").unwrap());
+        c.execute_batch(MIGRATION_V2_SQL).unwrap();
+        let i = get(&c, "m", "i1").unwrap().unwrap();
+        assert_eq!(i.psp_charge_id.as_deref(), Some("ch_1"));
+        assert!(matches!(
+            insert(&c, &new("i2", "m", "o1", "k2", "f")).unwrap(),
+            Created::OrderConflict(_)
+        ));
     }
 
     #[test]

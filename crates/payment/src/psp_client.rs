@@ -24,14 +24,30 @@
 //! | 500, 502, other 5xx, connection refused or reset, unreadable answer | retryable | [`ChargeError::Unknown`] |
 //! | 504, 408, no answer before the deadline | timeout (retried: keyed) | [`ChargeError::Unknown`] |
 //! | 409 (effect key seen with other parameters) | fatal | [`ChargeError::EffectKeyConflict`] |
-//! | other 4xx | fatal: a definitive refusal, nothing charged | [`ChargeError::Declined`] |
+//! | other 4xx (`410` when the effect key was voided) | fatal: a definitive refusal, nothing charged | [`ChargeError::Declined`] |
+//!
+//! "Unknown" is said only when a charge may have been sent. Below the client stack each
+//! attempt is recorded as it meets the transport: an attempt answered by the PSP with an error
+//! charged nothing (the PSP's contract), one that provably never left (connection refused,
+//! refused stream: [`never_sent`]) neither; one that got no answer (reset, cut at the deadline,
+//! a hedge that lost) may have. When no attempt may have charged, the result is
+//! [`ChargeError::NotCharged`] instead of [`ChargeError::Unknown`].
+//!
+//! [`PspClient::void`] settles an effect key whose outcome is unknown for good: the PSP answers
+//! with the charge it made, or voids the key so that no charge with it can ever land. That is
+//! what makes it safe to mark an abandoned intent failed and free its order.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use backstop::client::connect::{self, HttpClient};
 use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
+use backstop::client::transparent::never_sent;
 use backstop::client::{ClientService, ClientStack, Destination, StackError};
 use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
@@ -41,9 +57,9 @@ use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full, Limited};
 use tokio::time::Instant;
-use tower::ServiceExt;
+use tower::{BoxError, Service, ServiceExt};
 
-use crate::psp::{Charge, ChargeRequest};
+use crate::psp::{Charge, ChargeRequest, Void};
 use crate::service::trace::{TRACEPARENT, TraceParent};
 
 /// Largest PSP answer body read (a charge is a few hundred bytes; a list is bounded by the
@@ -56,13 +72,30 @@ const MAX_PUSHBACK_SECS: u64 = 3600;
 pub const SERVICE_LABEL: &str = "psp";
 /// The method label of charges.
 pub const METHOD_LABEL: &str = "Charge";
+/// The least time the PSP is given to commit a charge: below it (after both margins), no
+/// charge is attempted and nothing is written.
+pub const MIN_PSP_BUDGET: Duration = Duration::from_millis(5);
+/// How long a caller is asked to wait when the PSP charged nothing and said nothing about
+/// when to come back.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The PSP `reference` of a merchant's order: `MERCHANT:ORDER_ID`. Order ids are unique per
+/// merchant only, so the bare order id would let two merchants' `o-1` share one reference in
+/// the PSP's listing. Merchant names never contain `:` (see
+/// [`ApiKey::parse`](crate::config::ApiKey::parse)), so the first `:` splits the two
+/// unambiguously; at most 64 + 1 + 128 bytes, within the PSP's 255.
+pub fn psp_reference(merchant_id: &str, order_id: &str) -> String {
+    format!("{merchant_id}:{order_id}")
+}
 
 /// What a charge needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChargeCall {
     /// The effect key: the intent id.
     pub effect_key: String,
-    /// The order id, sent as the PSP's `reference`.
+    /// The merchant whose order it is.
+    pub merchant_id: String,
+    /// The order id; the PSP's `reference` is [`psp_reference`] of both.
     pub order_id: String,
     /// Amount in minor units.
     pub amount_cents: i64,
@@ -97,6 +130,33 @@ pub enum ChargeError {
     /// the same effect key or by querying.
     #[error("the PSP outcome is unknown")]
     Unknown(#[source] RetryError),
+    /// No attempt of this call can have charged: none reached the PSP, or every one that did
+    /// was answered with an error (which charges nothing). Safe to retry with the same key.
+    #[error("the PSP charged nothing")]
+    NotCharged {
+        /// Whether any attempt was handed to the transport (`false`: the budget or the
+        /// client's own limits stopped every attempt before it was sent).
+        tried: bool,
+        /// Why the attempts stopped.
+        #[source]
+        source: RetryError,
+    },
+}
+
+impl ChargeError {
+    /// How long the caller should wait before retrying: the PSP's pushback when it sent one,
+    /// else [`DEFAULT_RETRY_AFTER`].
+    pub fn retry_after(&self) -> Duration {
+        let last = match self {
+            ChargeError::NoBudget(_) => None,
+            ChargeError::Declined { source, .. }
+            | ChargeError::EffectKeyConflict(source)
+            | ChargeError::Unknown(source)
+            | ChargeError::NotCharged { source, .. } => source.last.pushback(),
+        };
+        last.unwrap_or(DEFAULT_RETRY_AFTER)
+            .max(Duration::from_secs(1))
+    }
 }
 
 /// Errors building a [`PspClient`].
@@ -116,6 +176,97 @@ pub enum ClientError {
 /// The body of a charge request, as the client stack sends it.
 type PspBody = ReplayBody<Full<Bytes>>;
 
+/// What the attempts of one charge did at the transport (see the module documentation). A
+/// request extension: every attempt's head is a copy of the call's, so all share one log.
+#[derive(Debug, Clone, Default)]
+struct SendLog(Arc<SendFlags>);
+
+#[derive(Debug, Default)]
+struct SendFlags {
+    /// An attempt was handed to the transport.
+    tried: AtomicBool,
+    /// An attempt may have reached the PSP and charged.
+    maybe_charged: AtomicBool,
+}
+
+impl SendLog {
+    fn tried(&self) -> bool {
+        self.0.tried.load(Ordering::Acquire)
+    }
+
+    fn maybe_charged(&self) -> bool {
+        self.0.maybe_charged.load(Ordering::Acquire)
+    }
+}
+
+/// One attempt at the transport: may have charged unless settled otherwise, so an attempt
+/// whose future is dropped unanswered (cut at the deadline, a lost hedge) counts as sent.
+struct AttemptRecord {
+    log: Option<SendLog>,
+    settled: bool,
+}
+
+impl AttemptRecord {
+    fn start(log: Option<SendLog>) -> Self {
+        if let Some(log) = &log {
+            log.0.tried.store(true, Ordering::Release);
+        }
+        AttemptRecord {
+            log,
+            settled: false,
+        }
+    }
+
+    fn settle(&mut self, maybe_charged: bool) {
+        self.settled = !maybe_charged;
+    }
+}
+
+impl Drop for AttemptRecord {
+    fn drop(&mut self) {
+        if let (false, Some(log)) = (self.settled, &self.log) {
+            log.0.maybe_charged.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// The transport under the client stack, recording each attempt in the request's [`SendLog`].
+#[derive(Debug, Clone)]
+struct Recorded<S> {
+    inner: S,
+}
+
+impl<S, B, ResB> Service<http::Request<B>> for Recorded<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<ResB>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    ResB: Send + 'static,
+{
+    type Response = http::Response<ResB>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<http::Response<ResB>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let log = request.extensions().get::<SendLog>().cloned();
+        let sent = self.inner.call(request);
+        Box::pin(async move {
+            let mut attempt = AttemptRecord::start(log);
+            let result = sent.await.map_err(Into::into);
+            match &result {
+                // An answer says what the attempt did: a 2xx charged, an error charged nothing.
+                Ok(response) => attempt.settle(response.status().is_success()),
+                Err(error) => attempt.settle(!never_sent(&**error)),
+            }
+            result
+        })
+    }
+}
+
 /// A pooled HTTP client for one PSP, with its retry policy, shared budget and margin estimator.
 /// Cheap to clone.
 #[derive(Debug, Clone)]
@@ -126,10 +277,12 @@ pub struct PspClient {
 #[derive(Debug)]
 struct Inner {
     http: reqwest::Client,
-    charges: ClientService<HttpClient<PspBody>>,
+    charges: ClientService<Recorded<HttpClient<PspBody>>>,
     base: String,
     charges_url: http::Uri,
     margin: Margin,
+    /// The margin each attempt keeps (the client stack's, per destination).
+    attempt_margin: Arc<Margin>,
 }
 
 impl PspClient {
@@ -170,7 +323,12 @@ impl PspClient {
             .classifier(psp_answer)
             .build()
             .map_err(ClientError::Stack)?;
-        let charges = tower::Layer::layer(&stack, connect::pooled(false));
+        let charges = tower::Layer::layer(
+            &stack,
+            Recorded {
+                inner: connect::pooled(false),
+            },
+        );
         Ok(PspClient {
             inner: Arc::new(Inner {
                 http,
@@ -178,6 +336,7 @@ impl PspClient {
                 charges_url,
                 base,
                 margin: Margin::new(margin_floor),
+                attempt_margin: Arc::clone(destination.margin()),
             }),
         })
     }
@@ -210,6 +369,16 @@ impl PspClient {
         Ok(rtt)
     }
 
+    /// Whether `deadline` leaves enough for a charge to reach the PSP and come back: the child
+    /// deadline's margin, each attempt's margin and [`MIN_PSP_BUDGET`] for the PSP's own work.
+    /// The payment service checks it before writing anything, so a budget that cannot cover a
+    /// round trip leaves no intent behind.
+    pub fn check_budget(&self, deadline: Deadline) -> Result<(), DeadlineExceeded> {
+        let needed =
+            self.inner.margin.current() + self.inner.attempt_margin.current() + MIN_PSP_BUDGET;
+        deadline.child(needed).map(|_| ())
+    }
+
     /// Charges once per effect key: attempts under the child deadline with the shared retry
     /// budget; see the module documentation for the classification.
     pub async fn charge(&self, call: &ChargeCall) -> Result<Charge, ChargeError> {
@@ -217,8 +386,9 @@ impl PspClient {
             .deadline
             .child(self.inner.margin.current())
             .map_err(ChargeError::NoBudget)?;
+        let log = SendLog::default();
         let body = ChargeRequest {
-            reference: call.order_id.clone(),
+            reference: psp_reference(&call.merchant_id, &call.order_id),
             amount_cents: call.amount_cents,
             currency: call.currency.clone(),
         };
@@ -240,23 +410,32 @@ impl PspClient {
                 ))
             })?;
         request.extensions_mut().insert(child);
+        request.extensions_mut().insert(log.clone());
         let response = match self.inner.charges.clone().oneshot(request).await {
             Ok(response) => response,
             Err(e) => {
-                return Err(match e.downcast::<RetryError>() {
-                    Ok(stopped) => classify_failure(*stopped),
-                    Err(other) => unknown(Status::new(Code::Unavailable, other.to_string())),
-                });
+                let stopped = match e.downcast::<RetryError>() {
+                    Ok(stopped) => *stopped,
+                    Err(other) => RetryError {
+                        last: Status::new(Code::Unavailable, other.to_string()),
+                        attempts: 1,
+                        reason: StopReason::NonRetryable,
+                    },
+                };
+                return Err(classify_failure(stopped, &log));
             }
         };
         if let Some(stopped) = response.extensions().get::<RetryStopped>().copied() {
             let last = psp_answer(response.status(), response.headers())
                 .unwrap_or_else(|| Status::new(Code::Unknown, "the PSP answer ended the attempts"));
-            return Err(classify_failure(RetryError {
-                last,
-                attempts: stopped.attempts,
-                reason: stopped.reason,
-            }));
+            return Err(classify_failure(
+                RetryError {
+                    last,
+                    attempts: stopped.attempts,
+                    reason: stopped.reason,
+                },
+                &log,
+            ));
         }
         let bytes = tokio::time::timeout_at(
             child.instant(),
@@ -284,11 +463,45 @@ impl PspClient {
         })
     }
 
-    /// Looks for the charge made under `effect_key` for `order_id` (`GET
+    /// Settles `effect_key` at the PSP for good (`POST /v1/voids`), one attempt bounded by the
+    /// child of `deadline`: the charge it made, or "voided", after which no charge with that
+    /// key can land. Only for an effect key whose work was abandoned: a charge still in flight
+    /// with it is then refused.
+    pub async fn void(&self, effect_key: &str, deadline: Deadline) -> Result<Void, Status> {
+        let child = deadline
+            .child(self.inner.margin.current())
+            .map_err(Status::from)?;
+        let query = async {
+            let mut response = self
+                .inner
+                .http
+                .post(format!("{}/v1/voids", self.inner.base))
+                .header("idempotency-key", effect_key)
+                .header(GRPC_TIMEOUT, encode_grpc_timeout(child.remaining()))
+                .send()
+                .await
+                .map_err(|e| transport_status(&e))?;
+            let status = response.status();
+            if !status.is_success() {
+                return Err(answer_status(status, retry_after(response.headers())));
+            }
+            let bytes = read_bounded(&mut response).await?;
+            serde_json::from_slice::<Void>(&bytes).map_err(|_| {
+                Status::new(Code::Unavailable, "the PSP answer is not a void")
+                    .with_http_status(StatusCode::BAD_GATEWAY)
+            })
+        };
+        tokio::time::timeout_at(child.instant(), query)
+            .await
+            .map_err(|_| Status::new(Code::DeadlineExceeded, "the PSP did not answer in time"))?
+    }
+
+    /// Looks for the charge made under `effect_key` for the merchant's `order_id` (`GET
     /// /v1/charges?reference=`), one attempt bounded by the child of `deadline`. `Ok(None)`
     /// means the PSP has no such charge *now*; it does not prove that none is in flight.
     pub async fn find_charge(
         &self,
+        merchant_id: &str,
         order_id: &str,
         effect_key: &str,
         deadline: Deadline,
@@ -298,7 +511,7 @@ impl PspClient {
             .map_err(Status::from)?;
         let url = reqwest::Url::parse_with_params(
             &self.inner.charges_url.to_string(),
-            [("reference", order_id)],
+            [("reference", psp_reference(merchant_id, order_id))],
         )
         .map_err(|_| Status::new(Code::InvalidArgument, "cannot build the PSP query URL"))?;
         let query = async {
@@ -399,14 +612,19 @@ fn transport_status(e: &reqwest::Error) -> Status {
     }
 }
 
-fn classify_failure(e: RetryError) -> ChargeError {
+/// A failed charge by its last status and by what its attempts did at the transport.
+fn classify_failure(e: RetryError, log: &SendLog) -> ChargeError {
     match e.last.code() {
         Code::AlreadyExists => ChargeError::EffectKeyConflict(e),
         Code::FailedPrecondition => ChargeError::Declined {
             status: e.last.http_status(),
             source: e,
         },
-        _ => ChargeError::Unknown(e),
+        _ if log.maybe_charged() => ChargeError::Unknown(e),
+        _ => ChargeError::NotCharged {
+            tried: log.tried(),
+            source: e,
+        },
     }
 }
 
@@ -445,26 +663,79 @@ mod tests {
         assert_eq!(retry_after(&h), None);
     }
 
-    #[test]
-    fn a_declined_last_attempt_is_declined_anything_unclear_is_unknown() {
-        let stop = |s: Status| RetryError {
+    fn stop(s: Status) -> RetryError {
+        RetryError {
             last: s,
             attempts: 1,
             reason: backstop::retry::StopReason::NonRetryable,
-        };
+        }
+    }
+
+    fn sent(maybe_charged: bool) -> SendLog {
+        let log = SendLog::default();
+        let mut attempt = AttemptRecord::start(Some(log.clone()));
+        attempt.settle(maybe_charged);
+        drop(attempt);
+        log
+    }
+
+    #[test]
+    fn a_declined_last_attempt_is_declined_anything_unclear_is_unknown() {
+        let log = sent(true);
         assert!(matches!(
-            classify_failure(stop(answer_status(StatusCode::PAYMENT_REQUIRED, None))),
+            classify_failure(stop(answer_status(StatusCode::PAYMENT_REQUIRED, None)), &log),
             ChargeError::Declined { status, .. } if status == StatusCode::PAYMENT_REQUIRED
         ));
         assert!(matches!(
-            classify_failure(stop(answer_status(StatusCode::CONFLICT, None))),
+            classify_failure(stop(answer_status(StatusCode::GONE, None)), &log),
+            ChargeError::Declined { status, .. } if status == StatusCode::GONE
+        ));
+        assert!(matches!(
+            classify_failure(stop(answer_status(StatusCode::CONFLICT, None)), &log),
             ChargeError::EffectKeyConflict(_)
         ));
         for s in [500, 503, 504] {
             assert!(matches!(
-                classify_failure(stop(answer_status(StatusCode::from_u16(s).unwrap(), None))),
+                classify_failure(
+                    stop(answer_status(StatusCode::from_u16(s).unwrap(), None)),
+                    &log
+                ),
                 ChargeError::Unknown(_)
             ));
         }
+    }
+
+    #[test]
+    fn unknown_only_when_an_attempt_may_have_charged() {
+        let answered = sent(false);
+        let e = classify_failure(
+            stop(answer_status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(Duration::from_secs(3)),
+            )),
+            &answered,
+        );
+        assert!(
+            matches!(e, ChargeError::NotCharged { tried: true, .. }),
+            "{e:?}"
+        );
+        assert_eq!(e.retry_after(), Duration::from_secs(3));
+        let nothing = SendLog::default();
+        let e = classify_failure(
+            stop(Status::new(Code::DeadlineExceeded, "no time")),
+            &nothing,
+        );
+        assert!(
+            matches!(e, ChargeError::NotCharged { tried: false, .. }),
+            "{e:?}"
+        );
+        assert_eq!(e.retry_after(), DEFAULT_RETRY_AFTER);
+        // An attempt dropped unanswered may have charged.
+        let dropped = SendLog::default();
+        drop(AttemptRecord::start(Some(dropped.clone())));
+        assert!(matches!(
+            classify_failure(stop(Status::new(Code::DeadlineExceeded, "cut")), &dropped),
+            ChargeError::Unknown(_)
+        ));
     }
 }

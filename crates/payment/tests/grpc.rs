@@ -281,12 +281,14 @@ async fn psp_slower_than_the_deadline_is_unknown_never_cancelled_and_the_key_cha
     .await
     .unwrap_err();
     assert_ne!(unknown.code(), Code::Cancelled, "{unknown:?}");
-    // The README's status for an unknown outcome.
+    // UNAVAILABLE with pushback: "outcome unknown" when the attempt was cut before the PSP's
+    // answer, "charged nothing" when the PSP's 504 (which charges nothing) came back first.
     assert_eq!(unknown.code(), Code::Unavailable, "{unknown:?}");
+    assert!(pushback_ms(&unknown).is_some(), "{unknown:?}");
     let message = unknown.message();
     assert!(
-        message.contains("outcome unknown")
-            && message.contains("same idempotency-key is safe and charges at most once"),
+        (message.contains("outcome unknown") || message.contains("charged nothing"))
+            && message.contains("same idempotency-key"),
         "{unknown:?}"
     );
     let intent_id = message
@@ -488,4 +490,37 @@ async fn grpc_calls_are_counted_by_their_status_code() {
     assert!(counted("ok"), "{text}");
     // A trailers-only error is counted by its grpc-status, not by HTTP 200.
     assert!(counted("fatal"), "{text}");
+}
+
+#[tokio::test]
+async fn undecodable_charge_is_invalid_argument_and_leaves_the_key_unused() {
+    let h = Harness::start().await;
+    // One 4-byte message: field 1 (order_id, a string) sent as a varint, then a truncated
+    // field 2.
+    const JUNK: &[u8] = &[0, 0, 0, 0, 4, 0x08, 0x96, 0x01, 0x12];
+    let response = raw::send(
+        h.server.grpc_addr(),
+        "/payment.v1.Payment/Charge",
+        JUNK,
+        false,
+    )
+    .await;
+    let (head, body) = response.into_parts();
+    let trailers = http_body_util::BodyExt::collect(body)
+        .await
+        .unwrap()
+        .trailers()
+        .cloned()
+        .unwrap_or_default();
+    let status = head
+        .headers
+        .get("grpc-status")
+        .or_else(|| trailers.get("grpc-status"))
+        .expect("a grpc-status");
+    assert_eq!(status, "3", "{head:?} {trailers:?}");
+    assert_eq!(h.intent_count().await, 0);
+    assert_eq!(h.idempotency_rows().await, 0, "the key was left unused");
+    // The same key with a valid message is served, not refused as reused.
+    let ok = charge(&h, "g-junk", 100, Some("bomb-key"), FIVE_S).await;
+    assert_eq!(ok.expect("served").into_inner().status, "succeeded");
 }

@@ -643,7 +643,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish() {
     assert_eq!(r.status(), StatusCode::CREATED);
     assert_eq!(
         psp.store()
-            .list(Some("order-drain".into()))
+            .list(Some("default:order-drain".into()))
             .await
             .unwrap()
             .len(),
@@ -673,7 +673,7 @@ async fn embedded_psp_runs_next_to_the_store() {
         .unwrap();
     assert_eq!(r.status(), StatusCode::CREATED);
     let charges: serde_json::Value = http
-        .get(format!("{psp_url}/v1/charges?reference=order-emb"))
+        .get(format!("{psp_url}/v1/charges?reference=default:order-emb"))
         .send()
         .await
         .unwrap()

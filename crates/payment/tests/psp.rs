@@ -697,3 +697,54 @@ async fn unknown_route_is_404_problem() {
     assert_eq!(problem_code(response).await, "not_found");
     psp.shutdown().await;
 }
+
+async fn void(client: &reqwest::Client, psp: &PspHandle, key: Option<&str>) -> reqwest::Response {
+    let mut request = client.post(format!("{}/v1/voids", psp.url()));
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    request.send().await.expect("void answered")
+}
+
+#[tokio::test]
+async fn void_settles_an_effect_key_for_good() {
+    let psp = start().await;
+    let client = client();
+    // No charge yet: voided, and every later charge with the key is refused.
+    let voided = void(&client, &psp, Some("pi_void")).await;
+    assert_eq!(voided.status(), StatusCode::OK);
+    let voided: psp::Void = voided.json().await.unwrap();
+    assert_eq!(voided.status, psp::VoidStatus::Voided);
+    assert_eq!(voided.charge, None);
+    let refused = charge(&client, &psp, "pi_void", &body("m:o-1", 100)).await;
+    assert_eq!(refused.status(), StatusCode::GONE);
+    assert_eq!(problem_code(refused).await, "effect_key_voided");
+    assert!(list(&client, &psp, Some("m:o-1")).await.is_empty());
+    // Voiding again answers the same.
+    let again: psp::Void = void(&client, &psp, Some("pi_void"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(again, voided);
+
+    // Charged first: the void answers with the charge and changes nothing.
+    let created: Charge = charge(&client, &psp, "pi_paid", &body("m:o-2", 300))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let settled: psp::Void = void(&client, &psp, Some("pi_paid"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(settled.status, psp::VoidStatus::Charged);
+    assert_eq!(settled.charge, Some(created.clone()));
+    let replay = charge(&client, &psp, "pi_paid", &body("m:o-2", 300)).await;
+    assert_eq!(replay.status(), StatusCode::OK);
+
+    let missing = void(&client, &psp, None).await;
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(problem_code(missing).await, "missing_idempotency_key");
+}

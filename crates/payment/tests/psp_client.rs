@@ -5,10 +5,11 @@ use std::time::Duration;
 use backstop::deadline::Deadline;
 use backstop::retry::{RetryBudget, StopReason};
 use backstop_payment::psp::{self, Fault, PspConfig, PspHandle};
-use backstop_payment::psp_client::{ChargeCall, ChargeError, PspClient};
+use backstop_payment::psp_client::{ChargeCall, ChargeError, PspClient, psp_reference};
 use backstop_payment::service::trace::TraceParent;
 
 const MARGIN: Duration = Duration::from_millis(20);
+const MERCHANT: &str = "acme";
 
 async fn setup() -> (PspHandle, PspClient) {
     setup_with(MARGIN).await
@@ -23,6 +24,7 @@ async fn setup_with(margin: Duration) -> (PspHandle, PspClient) {
 fn call(key: &str, order: &str, budget: Duration) -> ChargeCall {
     ChargeCall {
         effect_key: key.into(),
+        merchant_id: MERCHANT.into(),
         order_id: order.into(),
         amount_cents: 250,
         currency: "EUR".into(),
@@ -33,7 +35,10 @@ fn call(key: &str, order: &str, budget: Duration) -> ChargeCall {
 }
 
 async fn charges(psp: &PspHandle, order: &str) -> Vec<psp::Charge> {
-    psp.store().list(Some(order.into())).await.unwrap()
+    psp.store()
+        .list(Some(psp_reference(MERCHANT, order)))
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -93,18 +98,37 @@ async fn failures_that_charged_nothing_are_retried() {
 }
 
 #[tokio::test]
-async fn pushback_beyond_the_deadline_stops_and_is_unknown() {
+async fn pushback_beyond_the_deadline_stops_and_says_nothing_was_charged() {
     let (psp, client) = setup().await;
     psp.faults().script([Fault::Unavailable]).unwrap();
     let err = client
         .charge(&call("intent-5", "o-5", Duration::from_millis(500)))
         .await
         .unwrap_err();
-    let ChargeError::Unknown(e) = err else {
-        panic!("expected unknown, got {err:?}");
+    // The PSP's 503 charges nothing: the outcome is known, and when to come back is said.
+    assert_eq!(err.retry_after(), Duration::from_secs(1));
+    let ChargeError::NotCharged { tried, source } = err else {
+        panic!("expected not charged, got {err:?}");
     };
-    assert_eq!(e.reason, StopReason::Pushback);
-    assert_eq!(e.attempts, 1);
+    assert!(tried);
+    assert_eq!(source.reason, StopReason::Pushback);
+    assert_eq!(source.attempts, 1);
+    assert!(charges(&psp, "o-5").await.is_empty());
+}
+
+#[tokio::test]
+async fn refused_connections_charge_nothing_and_are_not_unknown() {
+    // Nothing listens on the port the PSP had.
+    let (psp, client) = setup().await;
+    psp.shutdown().await;
+    let err = client
+        .charge(&call("intent-10", "o-10", Duration::from_millis(500)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ChargeError::NotCharged { tried: true, .. }),
+        "{err:?}"
+    );
 }
 
 #[tokio::test]
@@ -155,12 +179,22 @@ async fn find_charge_looks_up_the_effect_key() {
         .await
         .unwrap();
     let found = client
-        .find_charge("o-9", "intent-9", Deadline::after(Duration::from_secs(1)))
+        .find_charge(
+            MERCHANT,
+            "o-9",
+            "intent-9",
+            Deadline::after(Duration::from_secs(1)),
+        )
         .await
         .unwrap();
     assert_eq!(found, Some(charge));
     let missing = client
-        .find_charge("o-9", "other", Deadline::after(Duration::from_secs(1)))
+        .find_charge(
+            MERCHANT,
+            "o-9",
+            "other",
+            Deadline::after(Duration::from_secs(1)),
+        )
         .await
         .unwrap();
     assert_eq!(missing, None);

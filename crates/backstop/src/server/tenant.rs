@@ -6,7 +6,8 @@
 //!
 //! [`TenantLayer::from_fn`] runs an authentication function on the request head: it returns the
 //! tenant, or a [`Status`] (for example `UNAUTHENTICATED`) that is answered as problem+json
-//! without calling the inner service.
+//! without calling the inner service. An HTTP `401` (`UNAUTHENTICATED`) also carries
+//! `WWW-Authenticate: Bearer`, the challenge RFC 9110 requires on every 401.
 //!
 //! ```
 //! use backstop::server::tenant::{Tenant, TenantLayer};
@@ -29,14 +30,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response, request::Parts};
+use http::{HeaderValue, Request, Response, header, request::Parts};
 use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
-use crate::status::Status;
+use crate::status::{Code, Status};
 
 /// The tenant (merchant, account) a request belongs to; a request extension.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -167,11 +168,22 @@ where
                 let request = Request::from_parts(head, body);
                 ResponseFuture::new(RejectOr::inner(self.inner.call(request)))
             }
-            Err(status) => ResponseFuture::new(RejectOr::reject(
-                Problem::from_status(&status).into_response_for(Protocol::of(&head.headers)),
-            )),
+            Err(status) => ResponseFuture::new(RejectOr::reject(refusal(&status, &head))),
         }
     }
+}
+
+/// The answer to a request whose tenant was refused: problem+json (or a gRPC status), with
+/// the `Bearer` challenge on an HTTP 401.
+fn refusal<B: From<Bytes>>(status: &Status, head: &Parts) -> Response<B> {
+    let protocol = Protocol::of(&head.headers);
+    let mut response = Problem::from_status(status).into_response_for(protocol);
+    if protocol == Protocol::Http && status.code() == Code::Unauthenticated {
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    response
 }
 
 pin_project! {
@@ -203,7 +215,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::Code;
     use std::convert::Infallible;
     use tower::{ServiceExt, service_fn};
 
@@ -248,7 +259,20 @@ mod tests {
         }));
         let res = svc.oneshot(Request::new(Bytes::new())).await.unwrap();
         assert_eq!(res.status(), 401);
+        assert_eq!(res.headers()[header::WWW_AUTHENTICATE], "Bearer");
         let doc: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
         assert_eq!(doc["code"], "unauthenticated");
+    }
+
+    #[tokio::test]
+    async fn grpc_refusal_carries_no_http_challenge() {
+        let svc = auth().layer(service_fn(echo_tenant));
+        let req = Request::builder()
+            .header("content-type", "application/grpc")
+            .body(Bytes::new())
+            .unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        assert_eq!(res.headers()["grpc-status"], "16");
+        assert!(!res.headers().contains_key(header::WWW_AUTHENTICATE));
     }
 }

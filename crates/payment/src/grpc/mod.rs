@@ -12,18 +12,20 @@
 //! |---|---|
 //! | charged (or replayed: `idempotent-replayed: true`) | `OK`, `status` `succeeded` |
 //! | the PSP declined; nothing charged | `OK`, `status` `failed` |
-//! | missing or invalid key, invalid field, malformed `grpc-timeout` | `INVALID_ARGUMENT` |
+//! | missing or invalid key, invalid field, malformed `grpc-timeout`, a message that does not decode (the key stays unused) | `INVALID_ARGUMENT` |
 //! | key reused with other parameters | `FAILED_PRECONDITION` |
 //! | same key still running | `ABORTED` + `grpc-retry-pushback-ms` |
 //! | same order, other key | `ALREADY_EXISTS` (names the intent) |
 //! | merchant over quota | `RESOURCE_EXHAUSTED` + pushback |
 //! | message over 4 MiB (decided from the length prefix) | `RESOURCE_EXHAUSTED` |
 //! | server overloaded, store unavailable | `UNAVAILABLE` + pushback |
-//! | the PSP's outcome is unknown | `UNAVAILABLE`, "payment outcome unknown ... safe to retry with the same idempotency-key" |
-//! | the request's deadline passed | `DEADLINE_EXCEEDED` |
+//! | the PSP charged nothing and the PSP client gave up | `UNAVAILABLE` + pushback, "the payment provider charged nothing ..." |
+//! | a charge was sent and its outcome is unknown | `UNAVAILABLE` + pushback, "payment outcome unknown ... safe to retry with the same idempotency-key" |
+//! | the request's deadline passed, or cannot cover a PSP round trip | `DEADLINE_EXCEEDED` |
 //! | unknown bearer key | `UNAUTHENTICATED` |
 //! | no such payment (`GetCharge`) | `NOT_FOUND` |
 
+pub mod codec;
 pub mod proto;
 pub(crate) mod server;
 mod service;

@@ -102,11 +102,43 @@ impl Payment for PaymentService {
                 "the payment provider holds payment {}'s effect key with other parameters",
                 intent.intent_id
             ))),
-            ChargeOutcome::Unknown { intent, detail } => Err(Status::unavailable(format!(
-                "payment outcome unknown (intent_id={}): {detail}; retrying with the same \
-                 idempotency-key is safe and charges at most once",
-                intent.intent_id
-            ))),
+            ChargeOutcome::Unknown {
+                intent,
+                detail,
+                retry_after,
+            } => Err(with_pushback(
+                Code::Unavailable,
+                format!(
+                    "payment outcome unknown (intent_id={}): {detail}; retrying with the same \
+                     idempotency-key is safe and charges at most once",
+                    intent.intent_id
+                ),
+                retry_after,
+            )),
+            ChargeOutcome::DeadlineExceeded { intent } => {
+                Err(Status::deadline_exceeded(match intent {
+                    Some(intent) => format!(
+                        "the deadline left no time to reach the payment provider; nothing was \
+                         charged by this call (intent_id={})",
+                        intent.intent_id
+                    ),
+                    None => "the deadline left no time to reach the payment provider; nothing \
+                             was written or charged"
+                        .to_owned(),
+                }))
+            }
+            ChargeOutcome::PspUnavailable {
+                intent,
+                retry_after,
+            } => Err(with_pushback(
+                Code::Unavailable,
+                format!(
+                    "the payment provider charged nothing and cannot be reached now \
+                     (intent_id={}); retry with the same idempotency-key after the pushback",
+                    intent.intent_id
+                ),
+                retry_after,
+            )),
         }
     }
 

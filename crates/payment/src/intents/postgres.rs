@@ -8,7 +8,9 @@
 use backstop::idempotency::postgres::tokio_postgres::Row;
 use backstop::idempotency::postgres::{PgError, PostgresStore, migrate};
 
-use super::{Created, Intent, IntentStatus, IntentsError, MIGRATION_NAME, NewIntent};
+use super::{
+    Created, Intent, IntentStatus, IntentsError, MIGRATION_NAME, MIGRATION_V2_NAME, NewIntent,
+};
 
 /// Schema of `payment_intent` on PostgreSQL.
 pub const MIGRATION_SQL: &str = "
@@ -28,6 +30,16 @@ CREATE TABLE payment_intent (
   UNIQUE (merchant_id, request_key)
 );
 CREATE UNIQUE INDEX idx_effect_key ON payment_intent (merchant_id, effect_key);
+";
+
+/// Second migration: the business key binds live intents only (a `failed` intent frees its
+/// order), and running intents are indexed by age for the resolver.
+pub const MIGRATION_V2_SQL: &str = "
+ALTER TABLE payment_intent DROP CONSTRAINT IF EXISTS payment_intent_merchant_id_order_id_key;
+CREATE UNIQUE INDEX IF NOT EXISTS idx_live_order ON payment_intent (merchant_id, order_id)
+  WHERE status <> 'failed';
+CREATE INDEX IF NOT EXISTS idx_running_age ON payment_intent (created_at)
+  WHERE status = 'running';
 ";
 
 const COLUMNS: &str = "intent_id, merchant_id, order_id, amount_cents, currency, request_key, \
@@ -77,6 +89,7 @@ fn from_row(row: &Row) -> Result<Intent, IntentsError> {
 impl PgIntents {
     pub(crate) async fn open(store: PostgresStore) -> Result<PgIntents, PgError> {
         migrate(store.pool(), MIGRATION_NAME, MIGRATION_SQL).await?;
+        migrate(store.pool(), MIGRATION_V2_NAME, MIGRATION_V2_SQL).await?;
         Ok(PgIntents { store })
     }
 
@@ -116,9 +129,8 @@ impl PgIntents {
                     if by_key.is_some() {
                         return Ok((false, by_key, None));
                     }
-                    let by_order = c
-                        .query_opt(&select_sql("order_id"), &[&n.merchant_id, &n.order_id])
-                        .await?;
+                    let live = format!("{} AND status <> 'failed'", select_sql("order_id"));
+                    let by_order = c.query_opt(&live, &[&n.merchant_id, &n.order_id]).await?;
                     Ok((false, None, by_order))
                 })
             })
@@ -204,7 +216,7 @@ impl PgIntents {
         Ok(found.pop())
     }
 
-    /// Every intent a merchant has for an order (zero or one, by the business-key constraint).
+    /// Every intent a merchant has for an order: at most one live, any number failed.
     pub(crate) async fn by_order(
         &self,
         merchant_id: String,
@@ -226,6 +238,30 @@ impl PgIntents {
                 Box::pin(async move {
                     let stmt = c.prepare_cached(&select_sql(column)).await?;
                     c.query(&stmt, &[&merchant_id, &value]).await
+                })
+            })
+            .await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    /// Running intents created at or before `created_before`, oldest first, at most `limit`.
+    pub(crate) async fn running_before(
+        &self,
+        created_before: i64,
+        limit: u32,
+    ) -> Result<Vec<Intent>, IntentsError> {
+        let limit = i64::from(limit);
+        let rows = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c
+                        .prepare_cached(&format!(
+                            "SELECT {COLUMNS} FROM payment_intent WHERE status = 'running' \
+                             AND created_at <= $1 ORDER BY created_at LIMIT $2"
+                        ))
+                        .await?;
+                    c.query(&stmt, &[&created_before, &limit]).await
                 })
             })
             .await?;

@@ -10,6 +10,7 @@
 //! | request | answers |
 //! |---|---|
 //! | `POST /v1/charges` | `201` + [`Charge`] when the effect key is new; `200` + the same charge and `Idempotent-Replayed: true` when it was seen with the same parameters; `409` `idempotency_key_reused` when seen with another reference, amount or currency |
+//! | `POST /v1/voids` | settles the effect key in `Idempotency-Key`: `200` + [`Void`] `{"effect_key", "status": "voided"}` when it has no charge (from then on every charge with that key is refused with `410` `effect_key_voided`), or `{"effect_key", "status": "charged", "charge": {...}}` when it already charged |
 //! | `GET /v1/charges?reference=R` | `200` + JSON array of the charges for `R`, newest first (at most [`store::LIST_LIMIT`]) |
 //! | `GET /v1/charges` | `200` + the newest charges (at most [`store::LIST_LIMIT`]), newest first |
 //! | `GET /healthz` | `200` `{"status":"ok"}` |
@@ -30,6 +31,7 @@
 //! stable `code`: `400` `missing_idempotency_key`, `invalid_idempotency_key`,
 //! `invalid_grpc_timeout`, `invalid_body`, `invalid_amount`, `invalid_reference`,
 //! `invalid_currency`; `413` `body_too_large` (64 KiB); `409` `idempotency_key_reused`;
+//! `410` `effect_key_voided`;
 //! `500` `psp_error` (injected) or `store_error`; `503` `psp_unavailable` (injected) or
 //! `shutting_down`, both with `Retry-After: 1`; `504` `deadline_exceeded`. None of these
 //! charges anything.
@@ -80,7 +82,7 @@ mod server;
 pub mod store;
 
 pub use faults::{Fault, FaultControl, Faults, FaultsError};
-pub use store::{Charge, ChargeStatus, ChargeStore, StoreError};
+pub use store::{Charge, ChargeStatus, ChargeStore, StoreError, VoidOutcome};
 
 /// Header carrying the effect key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -93,12 +95,34 @@ pub const TRACEPARENT: &str = "traceparent";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChargeRequest {
-    /// The caller's reference, 1 to 255 bytes (the payment service sends the order id).
+    /// The caller's reference, 1 to 255 bytes (the payment service sends `MERCHANT:ORDER_ID`).
     pub reference: String,
     /// Amount in minor units; must be positive.
     pub amount_cents: i64,
     /// ISO 4217 code: three upper-case letters, e.g. `"USD"`.
     pub currency: String,
+}
+
+/// Body of a `POST /v1/voids` answer: how the effect key is settled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Void {
+    /// The effect key that was settled.
+    pub effect_key: String,
+    /// `"voided"` (no charge, and none will ever be made) or `"charged"`.
+    pub status: VoidStatus,
+    /// The charge, when `status` is `"charged"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charge: Option<Charge>,
+}
+
+/// How [`Void`] settled an effect key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VoidStatus {
+    /// No charge was made under the key, and none will be.
+    Voided,
+    /// The key had charged (the answer carries the charge).
+    Charged,
 }
 
 /// How to run a PSP simulator.

@@ -26,8 +26,8 @@ use tower::ServiceExt;
 use backstop::deadline::{GRPC_TIMEOUT, decode_grpc_timeout};
 
 use super::faults::{Fault, FaultControl, Faults};
-use super::store::{ChargeOutcome, ChargeStore, NewCharge, StoreError};
-use super::{ChargeRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, TRACEPARENT};
+use super::store::{ChargeOutcome, ChargeStore, NewCharge, StoreError, VoidOutcome};
+use super::{ChargeRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, TRACEPARENT, Void, VoidStatus};
 
 /// Largest request body read (charge requests and fault settings are tiny).
 const MAX_BODY: usize = 64 * 1024;
@@ -59,6 +59,7 @@ struct ConnKill(Arc<Notify>);
 fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/charges", get(list_charges).post(create_charge))
+        .route("/v1/voids", axum::routing::post(void_effect_key))
         .route("/admin/faults", get(get_faults).put(put_faults))
         .route("/healthz", get(healthz))
         .fallback(not_found)
@@ -220,6 +221,13 @@ async fn create_charge(
     let (status, charge, replayed) = match outcome {
         ChargeOutcome::Created(charge) => (StatusCode::CREATED, charge, false),
         ChargeOutcome::Replayed(charge) => (StatusCode::OK, charge, true),
+        ChargeOutcome::Voided => {
+            return Err(problem(
+                StatusCode::GONE,
+                "effect_key_voided",
+                "this Idempotency-Key was voided; nothing was charged",
+            ));
+        }
         ChargeOutcome::Conflict(charge) => {
             tracing::info!(
                 effect_key = %charge.effect_key,
@@ -271,6 +279,33 @@ async fn create_charge(
             .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     Ok(response)
+}
+
+/// `POST /v1/voids`: settles the effect key for good (see [`ChargeStore::void`]).
+async fn void_effect_key(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
+    let effect_key = effect_key(&headers)?;
+    let outcome = state
+        .store
+        .void(effect_key.clone())
+        .await
+        .map_err(store_failed)?;
+    let void = match outcome {
+        VoidOutcome::Voided => Void {
+            effect_key,
+            status: VoidStatus::Voided,
+            charge: None,
+        },
+        VoidOutcome::Charged(charge) => Void {
+            effect_key,
+            status: VoidStatus::Charged,
+            charge: Some(charge),
+        },
+    };
+    tracing::info!(effect_key = %void.effect_key, status = ?void.status, "psp void");
+    Ok(axum::Json(void).into_response())
 }
 
 #[derive(Debug, Deserialize)]

@@ -4,6 +4,11 @@
 //! existing row inside one `BEGIN IMMEDIATE` transaction, so concurrent requests with one
 //! effect key create one charge whatever their interleaving. A file database runs in WAL mode
 //! with `synchronous=FULL`: a charge that was answered survives a power cut.
+//!
+//! [`ChargeStore::void`] settles an effect key that has no charge: it records the key as
+//! voided (or returns the charge it already made), in one transaction as well, so from then on
+//! a charge with that key is refused ([`ChargeOutcome::Voided`]). A caller that gave up on a
+//! key can thus learn its outcome for good: charged, or never to be.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -28,6 +33,9 @@ CREATE TABLE IF NOT EXISTS charge (
     UNIQUE (effect_key)
 );
 CREATE INDEX IF NOT EXISTS charge_reference ON charge (reference, id);
+CREATE TABLE IF NOT EXISTS voided_effect_key (
+    effect_key TEXT PRIMARY KEY NOT NULL
+);
 ";
 
 const COLUMNS: &str =
@@ -99,6 +107,17 @@ pub enum ChargeOutcome {
     Replayed(Charge),
     /// The effect key was seen with other parameters: the existing charge, nothing written.
     Conflict(Charge),
+    /// The effect key was voided ([`ChargeStore::void`]): nothing charged, ever.
+    Voided,
+}
+
+/// Result of [`ChargeStore::void`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VoidOutcome {
+    /// The key has no charge and now never will (also when it was voided before).
+    Voided,
+    /// The key had already charged: nothing changed.
+    Charged(Charge),
 }
 
 /// Failures of the PSP store.
@@ -148,6 +167,16 @@ impl ChargeStore {
         let charge_id = format!("ch_{}", uuid::Uuid::now_v7().simple());
         self.with_conn(move |conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let voided = tx
+                .query_row(
+                    "SELECT 1 FROM voided_effect_key WHERE effect_key = ?1",
+                    [&new.effect_key],
+                    |_| Ok(()),
+                )
+                .optional()?;
+            if voided.is_some() {
+                return Ok(ChargeOutcome::Voided);
+            }
             let inserted = tx
                 .query_row(
                     &format!(
@@ -185,6 +214,35 @@ impl ChargeStore {
                     } else {
                         ChargeOutcome::Conflict(existing)
                     }
+                }
+            };
+            tx.commit()?;
+            Ok(outcome)
+        })
+        .await
+    }
+
+    /// Settles `effect_key`: its charge if it made one, else voided for good (see the module
+    /// documentation). Idempotent.
+    pub async fn void(&self, effect_key: String) -> Result<VoidOutcome, StoreError> {
+        self.with_conn(move |conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let charged = tx
+                .query_row(
+                    &format!("SELECT {COLUMNS} FROM charge WHERE effect_key = ?1"),
+                    [&effect_key],
+                    read_charge,
+                )
+                .optional()?;
+            let outcome = match charged {
+                Some(charge) => VoidOutcome::Charged(charge?),
+                None => {
+                    tx.execute(
+                        "INSERT INTO voided_effect_key (effect_key) VALUES (?1) \
+                         ON CONFLICT (effect_key) DO NOTHING",
+                        [&effect_key],
+                    )?;
+                    VoidOutcome::Voided
                 }
             };
             tx.commit()?;
@@ -305,6 +363,32 @@ mod tests {
             ChargeOutcome::Conflict(first.clone())
         );
         assert_eq!(store.count().await.unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_voided_key_never_charges_and_a_charged_key_is_not_voided() {
+        let store = ChargeStore::open(None).unwrap();
+        assert_eq!(store.void("k1".into()).await.unwrap(), VoidOutcome::Voided);
+        assert_eq!(store.void("k1".into()).await.unwrap(), VoidOutcome::Voided);
+        assert_eq!(
+            store.charge(new_charge("k1", "o1", 500)).await.unwrap(),
+            ChargeOutcome::Voided
+        );
+        assert_eq!(store.count().await.unwrap(), 0);
+
+        let ChargeOutcome::Created(charge) =
+            store.charge(new_charge("k2", "o2", 500)).await.unwrap()
+        else {
+            panic!("k2 not charged");
+        };
+        assert_eq!(
+            store.void("k2".into()).await.unwrap(),
+            VoidOutcome::Charged(charge.clone())
+        );
+        assert_eq!(
+            store.charge(new_charge("k2", "o2", 500)).await.unwrap(),
+            ChargeOutcome::Replayed(charge)
+        );
     }
 
     #[tokio::test]

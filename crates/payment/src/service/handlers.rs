@@ -32,6 +32,9 @@ pub const PAYMENT_DECLINED: &str = "payment_declined";
 pub const PAYMENT_NOT_FOUND: &str = "payment_not_found";
 /// Problem code of a 503 when the store does not answer (retry with the same key).
 pub const STORE_UNAVAILABLE: &str = "store_unavailable";
+/// Problem code of a 503 when the PSP charged nothing and the service's client gave up
+/// (retry budget spent, PSP unreachable or pushing back): retry with the same key later.
+pub const PSP_UNAVAILABLE: &str = "psp_unavailable";
 /// Problem code of a 502 when the PSP holds the effect key with other parameters.
 pub const PSP_CONFLICT: &str = "psp_conflict";
 /// Problem code of a 404 on an unknown route.
@@ -124,10 +127,10 @@ fn problem(p: Problem) -> Response {
     p.into_response::<Body>()
 }
 
-/// 504 with `"status": "unknown"`: the charge may or may not have happened. The `status`
-/// member carries the payment status instead of repeating the HTTP status (RFC 9457 lets
-/// consumers ignore a non-numeric `status`; the status line says 504).
-fn unknown(intent: &Intent, detail: &str) -> Response {
+/// 504 with `"status": "unknown"` and `Retry-After`: the charge may or may not have happened.
+/// The `status` member carries the payment status instead of repeating the HTTP status (RFC
+/// 9457 lets consumers ignore a non-numeric `status`; the status line says 504).
+fn unknown(intent: &Intent, detail: &str, retry_after: std::time::Duration) -> Response {
     let p = Problem::new(StatusCode::GATEWAY_TIMEOUT, PAYMENT_OUTCOME_UNKNOWN)
         .detail(detail)
         .with("intent_id", intent.intent_id.as_str())
@@ -143,13 +146,20 @@ fn unknown(intent: &Intent, detail: &str) -> Response {
         header::CONTENT_TYPE,
         HeaderValue::from_static(backstop::server::problem::CONTENT_TYPE),
     );
+    response.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(retry_after.as_secs().max(1)),
+    );
     response
 }
 
 fn declined(intent: &Intent) -> Response {
     problem(
         Problem::new(StatusCode::PAYMENT_REQUIRED, PAYMENT_DECLINED)
-            .detail("the payment provider declined the charge; nothing was charged")
+            .detail(
+                "the payment failed and nothing was charged: the payment provider declined \
+                 it, or it was abandoned with its outcome unknown and then voided",
+            )
             .with("intent_id", intent.intent_id.as_str()),
     )
 }
@@ -230,7 +240,33 @@ async fn create(
                 )
                 .with("intent_id", intent.intent_id.as_str()),
         ),
-        ChargeOutcome::Unknown { intent, detail } => unknown(&intent, detail),
+        ChargeOutcome::Unknown {
+            intent,
+            detail,
+            retry_after,
+        } => unknown(&intent, detail, retry_after),
+        ChargeOutcome::DeadlineExceeded { intent } => {
+            let mut p = Problem::new(StatusCode::GATEWAY_TIMEOUT, codes::DEADLINE_EXCEEDED).detail(
+                "the deadline left no time to reach the payment provider; nothing was charged \
+                 by this request: retry with the same Idempotency-Key and a longer deadline",
+            );
+            if let Some(intent) = intent {
+                p = p.with("intent_id", intent.intent_id.as_str());
+            }
+            problem(p)
+        }
+        ChargeOutcome::PspUnavailable {
+            intent,
+            retry_after,
+        } => problem(
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, PSP_UNAVAILABLE)
+                .detail(
+                    "the payment provider charged nothing and cannot be reached now; retry \
+                     with the same Idempotency-Key after Retry-After",
+                )
+                .with("intent_id", intent.intent_id.as_str())
+                .retry_after(retry_after),
+        ),
     }
 }
 

@@ -19,11 +19,11 @@
 //! |---|---|---|
 //! | 400 | `missing_idempotency_key`, `invalid_idempotency_key` | key absent, or not 1-255 visible ASCII |
 //! | 400 | `invalid_body` | the body is not JSON (the idempotency layer fingerprints it first) |
-//! | 400 | `invalid_body`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
+//! | 400 | `malformed_json`, `invalid_body`, `duplicate_field`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
 //! | 400 | `invalid_grpc_timeout` | malformed `grpc-timeout` (no unit, 9 digits, zero) |
-//! | 401 | `unauthenticated` | keys configured and no or an unknown bearer key |
+//! | 401 | `unauthenticated` + `WWW-Authenticate: Bearer` | keys configured and no, an unknown, or more than one bearer key |
 //! | 402 | `payment_declined` | the PSP refused definitively (a 4xx): intent `failed`, nothing charged. 402 rather than 422: the request was valid, the payment was refused |
-//! | 409 | `order_conflict` | the order already has an intent under another key; names `intent_id` |
+//! | 409 | `order_conflict` | the order already has a running or succeeded intent under another key; names `intent_id` |
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
 //! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
@@ -32,8 +32,12 @@
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
 //! | 503 | `overloaded` + `Retry-After` | more than `--max-inflight` requests and no slot frees in time |
 //! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
-//! | 504 | `payment_outcome_unknown`, `"status": "unknown"`, `intent_id` | the PSP's outcome is unknown: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
-//! | 504 | `deadline_exceeded` | the request's own deadline passed |
+//! | 503 | `psp_unavailable` + `Retry-After`, `intent_id` | the PSP charged nothing and the PSP client gave up (retry budget spent, PSP unreachable or pushing back): retry with the same key |
+//! | 504 | `payment_outcome_unknown` + `Retry-After`, `"status": "unknown"`, `intent_id` | a charge was sent and no answer came: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
+//! | 504 | `deadline_exceeded` | the request's own deadline passed, or cannot cover a PSP round trip (checked before any write) |
+//!
+//! A running payment two minutes old is settled by [`crate::resolver`] (in the background and
+//! on `GET`): charged, or its effect key voided at the PSP and the payment failed.
 //!
 //! # Layers
 //!

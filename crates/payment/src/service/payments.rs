@@ -9,8 +9,13 @@ use backstop::idempotency::IdempotencyKey;
 use super::handlers::AppState;
 use super::request::{self, PaymentRequest};
 use super::trace::TraceParent;
+use std::time::Duration;
+
+use backstop::retry::StopReason;
+
 use crate::intents::{Created, Intent, IntentStatus, NewIntent};
 use crate::psp_client::{ChargeCall, ChargeError};
+use crate::resolver;
 
 /// How a charge ended.
 #[derive(Debug)]
@@ -30,12 +35,30 @@ pub(crate) enum ChargeOutcome {
     StoreUnavailable(&'static str),
     /// The PSP holds the effect key with other parameters (never expected).
     PspConflict(Intent),
-    /// The PSP's outcome is not known: retry with the same key, or query.
+    /// The PSP's outcome is not known (a charge may have been sent): retry with the same key
+    /// after `retry_after`, or query.
     Unknown {
         /// The running intent.
         intent: Intent,
         /// What happened, for the caller.
         detail: &'static str,
+        /// When to retry.
+        retry_after: Duration,
+    },
+    /// The budget could not cover a call to the PSP, and nothing was sent: before any write
+    /// (`intent` is `None`), or after the intent was created or resumed (it stays running).
+    DeadlineExceeded {
+        /// The intent, if one was created or resumed.
+        intent: Option<Intent>,
+    },
+    /// The PSP charged nothing (no attempt reached it, or every one was refused) and the
+    /// client gave up: retry budget spent, PSP unreachable or pushing back. The intent stays
+    /// running; retry with the same key after `retry_after`.
+    PspUnavailable {
+        /// The running intent.
+        intent: Intent,
+        /// When to retry.
+        retry_after: Duration,
     },
 }
 
@@ -67,6 +90,11 @@ pub(crate) async fn charge(
     trace: TraceParent,
     req: PaymentRequest,
 ) -> ChargeOutcome {
+    // Before any write: a budget that cannot cover a PSP round trip leaves nothing behind.
+    if let Err(e) = state.psp.check_budget(deadline) {
+        tracing::info!(error = %e, "budget too small for a charge; nothing written");
+        return ChargeOutcome::DeadlineExceeded { intent: None };
+    }
     let new = NewIntent {
         intent_id: uuid::Uuid::now_v7().to_string(),
         merchant_id: merchant.to_owned(),
@@ -103,6 +131,7 @@ pub(crate) async fn charge(
 
     let call = ChargeCall {
         effect_key: intent.effect_key.clone(),
+        merchant_id: intent.merchant_id.clone(),
         order_id: intent.order_id.clone(),
         amount_cents: intent.amount_cents,
         currency: intent.currency.clone(),
@@ -123,6 +152,7 @@ pub(crate) async fn charge(
                     ChargeOutcome::Unknown {
                         intent,
                         detail: "charged, but the result was not recorded; retry with the same Idempotency-Key",
+                        retry_after: crate::psp_client::DEFAULT_RETRY_AFTER,
                     }
                 }
                 Ok(_) => match state.intents.get(merchant, &intent.intent_id).await {
@@ -130,6 +160,7 @@ pub(crate) async fn charge(
                     Ok(None) => ChargeOutcome::Unknown {
                         intent,
                         detail: "the payment vanished; retry with the same Idempotency-Key",
+                        retry_after: crate::psp_client::DEFAULT_RETRY_AFTER,
                     },
                     Err(e) => ChargeOutcome::StoreUnavailable(store_failed(&e)),
                 },
@@ -147,10 +178,30 @@ pub(crate) async fn charge(
             ChargeOutcome::PspConflict(intent)
         }
         Err(ChargeError::NoBudget(e)) => {
-            tracing::info!(error = %e, intent_id = %intent.intent_id, "no budget left for the PSP call");
-            ChargeOutcome::Unknown {
-                intent,
-                detail: "the deadline left no time to reach the payment provider; retry with the same Idempotency-Key or query the payment",
+            tracing::info!(error = %e, intent_id = %intent.intent_id, "no budget left for the PSP call; nothing sent");
+            ChargeOutcome::DeadlineExceeded {
+                intent: Some(intent),
+            }
+        }
+        Err(ChargeError::NotCharged { tried, source }) => {
+            tracing::info!(
+                intent_id = %intent.intent_id,
+                attempts = source.attempts,
+                reason = source.reason.as_str(),
+                code = source.last.code().as_str(),
+                tried,
+                "the PSP charged nothing"
+            );
+            if !tried && source.reason == StopReason::Deadline {
+                ChargeOutcome::DeadlineExceeded {
+                    intent: Some(intent),
+                }
+            } else {
+                let retry_after = ChargeError::NotCharged { tried, source }.retry_after();
+                ChargeOutcome::PspUnavailable {
+                    intent,
+                    retry_after,
+                }
             }
         }
         Err(ChargeError::Unknown(e)) => {
@@ -161,16 +212,22 @@ pub(crate) async fn charge(
                 code = e.last.code().as_str(),
                 "PSP outcome unknown"
             );
+            let retry_after = e
+                .last
+                .pushback()
+                .unwrap_or(crate::psp_client::DEFAULT_RETRY_AFTER);
             ChargeOutcome::Unknown {
                 intent,
-                detail: "the payment provider's answer did not arrive in time; retry with the same Idempotency-Key or query the payment",
+                detail: "a charge was sent but its answer did not arrive; retry with the same Idempotency-Key (it charges at most once) or query the payment",
+                retry_after: retry_after.max(Duration::from_secs(1)),
             }
         }
     }
 }
 
 /// The merchant's payment `intent_id`. A running intent is converged by asking the PSP for a
-/// charge under its effect key.
+/// charge under its effect key; one old enough to be abandoned is settled by the resolver
+/// (charged, or failed with its effect key voided at the PSP).
 pub(crate) async fn lookup(
     state: &AppState,
     merchant: &str,
@@ -188,10 +245,19 @@ pub(crate) async fn lookup(
             return Lookup::StoreUnavailable;
         }
     };
+    if resolver::is_abandoned(&intent, state.clock.now_ms()) {
+        return match resolver::settle(state, &intent, deadline).await {
+            Ok(settled) => Lookup::Found(Box::new(settled)),
+            Err(e) => {
+                tracing::info!(error = %e, intent_id = %intent.intent_id, "abandoned intent not settled; answering the stored state");
+                Lookup::Found(Box::new(intent))
+            }
+        };
+    }
     if intent.status == IntentStatus::Running {
         match state
             .psp
-            .find_charge(&intent.order_id, &intent.effect_key, deadline)
+            .find_charge(merchant, &intent.order_id, &intent.effect_key, deadline)
             .await
         {
             Ok(Some(charge)) => {

@@ -9,6 +9,9 @@
 //! | `amount_cents` | required JSON integer, 1..=[`MAX_AMOUNT_CENTS`] (no fraction, no exponent) |
 //! | `currency` | optional string of three uppercase ASCII letters, default `"USD"` |
 //!
+//! A member named twice (`{"amount_cents":1,"amount_cents":99999}`) is refused as
+//! `duplicate_field`: parsers disagree on which one wins, so the request is ambiguous.
+//!
 //! Anything else is refused before any row is written.
 
 use serde::Serialize;
@@ -44,6 +47,9 @@ pub enum RequestError {
     /// The body is JSON but not an object.
     #[error("the body must be a JSON object")]
     NotAnObject,
+    /// The object names a member twice: which value was meant is ambiguous.
+    #[error("field {0:?} appears more than once")]
+    DuplicateField(String),
     /// The object has a member this endpoint does not know.
     #[error("unknown field {0:?}")]
     UnknownField(String),
@@ -67,6 +73,7 @@ impl RequestError {
         match self {
             RequestError::MalformedJson => "malformed_json",
             RequestError::NotAnObject => "invalid_body",
+            RequestError::DuplicateField(_) => "duplicate_field",
             RequestError::UnknownField(_) => "unknown_field",
             RequestError::MissingField(_) => "missing_field",
             RequestError::InvalidOrderId => "invalid_order_id",
@@ -78,7 +85,7 @@ impl RequestError {
     /// The member at fault, if any.
     pub fn field(&self) -> Option<&str> {
         match self {
-            RequestError::UnknownField(f) => Some(f),
+            RequestError::UnknownField(f) | RequestError::DuplicateField(f) => Some(f),
             RequestError::MissingField(f) => Some(f),
             RequestError::InvalidOrderId => Some("order_id"),
             RequestError::InvalidAmount => Some("amount_cents"),
@@ -98,11 +105,81 @@ fn echo(name: &str) -> String {
 
 /// Parses and validates a body. The caller bounds the body size before calling.
 pub fn parse(body: &[u8]) -> Result<PaymentRequest, RequestError> {
-    let value: Value = serde_json::from_slice(body).map_err(|_| RequestError::MalformedJson)?;
-    let Value::Object(map) = value else {
-        return Err(RequestError::NotAnObject);
-    };
-    validate(&map)
+    let top: TopLevel = serde_json::from_slice(body).map_err(|_| RequestError::MalformedJson)?;
+    match top {
+        TopLevel::Object(map) => validate(&map),
+        TopLevel::Duplicate(name) => Err(RequestError::DuplicateField(name)),
+        TopLevel::Other => Err(RequestError::NotAnObject),
+    }
+}
+
+/// The body's top-level value as read by [`TopLevel::deserialize`]: `serde_json::Value` keeps
+/// the last of two members with one name, which would let the second `amount_cents` win.
+enum TopLevel {
+    /// An object whose member names are all distinct.
+    Object(Map<String, Value>),
+    /// An object naming this member (echo-bounded) more than once.
+    Duplicate(String),
+    /// Any other JSON value.
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for TopLevel {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(TopLevelVisitor)
+    }
+}
+
+struct TopLevelVisitor;
+
+impl<'de> serde::de::Visitor<'de> for TopLevelVisitor {
+    type Value = TopLevel;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut access: A) -> Result<TopLevel, A::Error> {
+        let mut map = Map::new();
+        let mut duplicate = None;
+        while let Some(name) = access.next_key::<String>()? {
+            // Every value is still read, so a malformed document stays malformed_json.
+            let value: Value = access.next_value()?;
+            if map.contains_key(&name) {
+                duplicate.get_or_insert_with(|| echo(&name));
+            } else {
+                map.insert(name, value);
+            }
+        }
+        Ok(match duplicate {
+            Some(name) => TopLevel::Duplicate(name),
+            None => TopLevel::Object(map),
+        })
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut access: A) -> Result<TopLevel, A::Error> {
+        while access.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(TopLevel::Other)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<TopLevel, E> {
+        Ok(TopLevel::Other)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<TopLevel, E> {
+        Ok(TopLevel::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<TopLevel, E> {
+        Ok(TopLevel::Other)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<TopLevel, E> {
+        Ok(TopLevel::Other)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<TopLevel, E> {
+        Ok(TopLevel::Other)
+    }
+    fn visit_unit<E>(self) -> Result<TopLevel, E> {
+        Ok(TopLevel::Other)
+    }
 }
 
 fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
@@ -298,6 +375,58 @@ mod tests {
         assert_eq!(err("o", 0, ""), "invalid_amount");
         assert_eq!(err("o", MAX_AMOUNT_CENTS + 1, ""), "invalid_amount");
         assert_eq!(err("o", 5, "usd"), "invalid_currency");
+    }
+
+    #[test]
+    fn duplicate_member_is_refused_never_last_wins() {
+        let e = parse(br#"{"order_id":"o","amount_cents":1,"amount_cents":99999}"#).unwrap_err();
+        assert_eq!(e, RequestError::DuplicateField("amount_cents".into()));
+        assert_eq!(e.code(), "duplicate_field");
+        assert_eq!(e.field(), Some("amount_cents"));
+        // Same value twice is still ambiguous input.
+        assert_eq!(
+            err(r#"{"order_id":"o","order_id":"o","amount_cents":1}"#),
+            "duplicate_field"
+        );
+        // A member of a nested object may repeat only inside a value that is refused anyway.
+        assert_eq!(
+            err(r#"{"order_id":"o","amount_cents":1,"currency":{"a":1,"a":2}}"#),
+            "invalid_currency"
+        );
+        assert_eq!(
+            err(r#"{"order_id":"o","amount_cents":1,"a":1"#),
+            "malformed_json"
+        );
+    }
+
+    proptest::proptest! {
+        /// Whatever the members and their order, a name given twice is refused, and a body
+        /// without repeats parses as `serde_json` reads it.
+        #[test]
+        fn any_repeated_member_is_refused(
+            members in proptest::collection::vec(
+                (proptest::sample::select(vec!["order_id", "amount_cents", "currency", "x"]),
+                 proptest::sample::select(vec!["\"o-1\"", "1", "99999", "\"EUR\"", "null"])),
+                0..6,
+            )
+        ) {
+            let body = format!(
+                "{{{}}}",
+                members.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect::<Vec<_>>().join(",")
+            );
+            let mut names: Vec<&str> = members.iter().map(|(k, _)| *k).collect();
+            names.sort_unstable();
+            let repeated = names.windows(2).any(|w| w[0] == w[1]);
+            let got = parse(body.as_bytes());
+            if repeated {
+                proptest::prop_assert_eq!(got.unwrap_err().code(), "duplicate_field");
+            } else {
+                let Value::Object(map) = serde_json::from_str::<Value>(&body).unwrap() else {
+                    unreachable!("an object was written");
+                };
+                proptest::prop_assert_eq!(got, validate(&map));
+            }
+        }
     }
 
     #[test]

@@ -186,6 +186,7 @@ impl Server {
                 tokio::time::sleep(PROBE_EVERY).await;
             }
         }));
+        background.push(crate::resolver::spawn(state.clone()));
         background.push(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(UPKEEP_EVERY).await;

@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
-use backstop_payment::config::{Config, PspTarget, StoreLocation};
+use backstop_payment::config::{Config, DEFAULT_MERCHANT, PspTarget, StoreLocation};
 use backstop_payment::psp::{self, Charge, Fault, Faults, PspConfig, PspHandle};
+use backstop_payment::psp_client::psp_reference;
 use backstop_payment::service::{RunningServer, Server};
 use reqwest::header::HeaderMap;
 use reqwest::{Client, StatusCode};
@@ -100,10 +101,16 @@ impl Harness {
         answer(req.send().await.expect("request sent")).await
     }
 
+    /// The PSP's charges for the open service's (merchant `default`) order.
     pub async fn charges(&self, order: &str) -> Vec<Charge> {
+        self.merchant_charges(DEFAULT_MERCHANT, order).await
+    }
+
+    /// The PSP's charges for a merchant's order.
+    pub async fn merchant_charges(&self, merchant: &str, order: &str) -> Vec<Charge> {
         self.psp
             .store()
-            .list(Some(order.to_owned()))
+            .list(Some(psp_reference(merchant, order)))
             .await
             .expect("psp store")
     }
