@@ -430,3 +430,112 @@ async fn a_call_clones_the_service_only_for_a_second_attempt() {
     assert_eq!(response.status(), 200);
     assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made + 1);
 }
+
+/// A retry layer with the default [`AttemptLimit`] over a mock, its margin with no samples
+/// (so the limit is the 250 ms floor), at most `max_attempts` attempts.
+fn limited(idempotency: Idempotency, max_attempts: u32) -> (Mocked, Handle, Arc<Margin>) {
+    let (svc, handle) = mock::pair();
+    let margin = Arc::new(Margin::new(MS));
+    let policy = policy_builder(RetryBudget::default())
+        .max_attempts(max_attempts)
+        .build()
+        .unwrap();
+    let layer = RetryLayer::new(policy, idempotency)
+        .replay_cap(16)
+        .attempt_limit(AttemptLimit::default(), margin.clone());
+    (layer.layer(svc), handle, margin)
+}
+
+/// An attempt stranded without an answer (a send on a connection that went away as it was
+/// handed out) is abandoned at the attempt limit and the call retried with its key, long
+/// before its deadline: an unhedged call is not lost to it (issue 14, item 3).
+#[tokio::test(start_paused = true)]
+async fn a_stranded_attempt_is_abandoned_at_its_limit_and_retried_within_the_deadline() {
+    let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 3);
+    handle.allow(2);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+
+    // Never answered, never failed.
+    let (_stranded, never_answered) = handle.next_request().await.unwrap();
+    let (again, send) = handle.next_request().await.unwrap();
+    // The 250 ms floor (no round trip measured yet), then the 10 ms backoff.
+    assert_eq!(started.elapsed(), 260 * MS);
+    assert_eq!(again.headers()["idempotency-key"], "k-1");
+    assert_eq!(again.headers()[&GRPC_PREVIOUS_RPC_ATTEMPTS], "1");
+    send.send_response(status(201));
+    assert_eq!(body_of(again).await, "{\"a\":1}");
+    assert_eq!(call.await.unwrap().unwrap().status(), 201);
+    drop(never_answered);
+}
+
+/// The limit is `10 x RTT_p99` of the destination's attempts once that is above the floor.
+#[tokio::test(start_paused = true)]
+async fn the_attempt_limit_follows_the_destinations_round_trips() {
+    let (svc, mut handle, margin) = limited(Idempotency::Safe, 3);
+    for _ in 0..10 {
+        margin.observe(40 * MS);
+    }
+    handle.allow(2);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("", None)));
+    let (_stranded, _never_answered) = handle.next_request().await.unwrap();
+    let (_again, send) = handle.next_request().await.unwrap();
+    assert_eq!(started.elapsed(), (400 + 10) * MS);
+    send.send_response(status(200));
+    assert_eq!(call.await.unwrap().unwrap().status(), 200);
+}
+
+/// The attempt the call cannot retry (its last, or any attempt of a call sent once) runs until
+/// the deadline: cutting it short could only turn a late answer into a failure.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_cannot_be_retried_is_never_cut_short() {
+    // The last of two attempts.
+    let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 2);
+    handle.allow(3);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+    let (_first, _unanswered) = handle.next_request().await.unwrap();
+    let (_last, _unanswered_too) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (2, StopReason::Deadline)
+    );
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+
+    // An `Unsafe` call is sent once and waits for its answer until the deadline.
+    let (svc, mut handle, _margin) = limited(Idempotency::Unsafe, 3);
+    handle.allow(2);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", None)));
+    let (_once, _unanswered) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (1, StopReason::Deadline)
+    );
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+}
+
+/// An attempt is only limited when the limit leaves at least as long for the next one: with a
+/// 400 ms deadline (less than twice the 250 ms floor) it runs until the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_too_short_for_two_limits_leaves_the_attempt_alone() {
+    let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 3);
+    handle.allow(2);
+    let mut call = request("{\"a\":1}", Some("k-1"));
+    call.extensions_mut().insert(Deadline::after(400 * MS));
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(call));
+    let (_only, _unanswered) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (1, StopReason::Deadline)
+    );
+    assert_eq!(started.elapsed(), 400 * MS);
+}
