@@ -329,9 +329,14 @@ async fn hedging_cuts_p99_with_one_slow_replica_of_three() {
     );
 }
 
-/// An HTTP/2 (h2c) server on `listener` until `stop` fires; then it stops accepting, sends
-/// `GOAWAY` on every connection, lets the streams it accepted finish, and returns.
-fn serve_h2(listener: TcpListener, app: Router) -> (oneshot::Sender<()>, JoinHandle<()>) {
+/// An HTTP/2 (h2c) server on `listener`, counting the connections it accepts in `connections`,
+/// until `stop` fires; then it stops accepting, sends `GOAWAY` on every connection, lets the
+/// streams it accepted finish, and returns.
+fn serve_h2(
+    listener: TcpListener,
+    app: Router,
+    connections: Arc<AtomicUsize>,
+) -> (oneshot::Sender<()>, JoinHandle<()>) {
     let (stop, mut stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let graceful = GracefulShutdown::new();
@@ -339,6 +344,7 @@ fn serve_h2(listener: TcpListener, app: Router) -> (oneshot::Sender<()>, JoinHan
             tokio::select! {
                 accepted = listener.accept() => {
                     let Ok((socket, _)) = accepted else { continue };
+                    connections.fetch_add(1, Ordering::SeqCst);
                     let service = TowerToHyperService::new(app.clone());
                     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .serve_connection(TokioIo::new(socket), service);
@@ -410,7 +416,7 @@ async fn rolling_restart(hedging: bool) {
     for _ in 0..3 {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         addrs.push(listener.local_addr().unwrap());
-        servers.push(Some(serve_h2(listener, app.clone())));
+        servers.push(Some(serve_h2(listener, app.clone(), Arc::default())));
     }
 
     let sends = Sends::default();
@@ -468,14 +474,16 @@ async fn rolling_restart(hedging: bool) {
     };
     let load = tokio::spawn(drive(counted, CALLS, CONCURRENCY, charge));
 
-    // Restart each replica in turn, on the same port, under load.
+    // Restart each replica in turn, on the same port, under load, counting the connections
+    // the restarted replicas accept.
+    let reconnects = Arc::new(AtomicUsize::new(0));
     for (i, addr) in addrs.iter().enumerate() {
         done.wait_for(|n| *n >= (i + 1) * CALLS / 4).await.unwrap();
         let (stop, task) = servers[i].take().unwrap();
         stop.send(()).unwrap();
         task.await.unwrap();
         let listener = TcpListener::bind(addr).await.unwrap();
-        servers[i] = Some(serve_h2(listener, app.clone()));
+        servers[i] = Some(serve_h2(listener, app.clone(), reconnects.clone()));
     }
     let latencies = load.await.unwrap();
     assert_eq!(latencies.len(), CALLS);
@@ -495,11 +503,14 @@ async fn rolling_restart(hedging: bool) {
     let twice: Vec<_> = charges.iter().filter(|(_, n)| **n != 1).collect();
     assert!(twice.is_empty(), "charged more than once: {twice:?}");
     assert!(charges.keys().all(|k| !k.is_empty()));
-    // The restarts were felt by the transport, and hidden by the stack: what failed either
-    // provably never reached a server (refused connections while a replica was down, streams
-    // above a GOAWAY's last id) and was sent again without counting as an attempt, or raced
-    // the replica's close (a write that met the closed socket) and was retried with its key,
-    // which the store turned into a replay, never a second charge (checked above). (Sends
-    // beyond one per call include hedges, so only the failed ones show the restarts.)
-    assert!(sends.failed() > 0 || sends.sent() > CALLS);
+    // The restarts were felt by the transport, and hidden by the stack: the client dialled
+    // the restarted replicas again, and what failed on the way either provably never reached a
+    // server (refused connections while a replica was down, streams above a GOAWAY's last id)
+    // and was sent again without counting as an attempt, or raced the replica's close (a write
+    // that met the closed socket, or an attempt stranded and abandoned at its limit) and was
+    // retried with its key, which the store turned into a replay, never a second charge
+    // (checked above). A restart can also go unnoticed but for the new connection, when every
+    // stream on the old one was answered before its GOAWAY: so only the reconnects are
+    // asserted (more than 200 calls follow the first restart, spread over three replicas).
+    assert!(reconnects.load(Ordering::SeqCst) > 0);
 }
