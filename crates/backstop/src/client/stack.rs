@@ -42,7 +42,7 @@ impl Destination {
     /// A destination named `name` (the `service` metric label and the `peer` log field: keep
     /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a margin floor
     /// of 5 ms, a breaker with [`BreakerConfig::default`] and the default [`AttemptLimit`]
-    /// (`max(250 ms, 10 x RTT_p99)`).
+    /// (`max(1 s, 10 x RTT_p99)`).
     pub fn new(name: impl Into<Arc<str>>) -> Self {
         Self {
             name: name.into(),
@@ -202,6 +202,11 @@ impl<S: Clone> Layer<S> for ClientStack {
         )
         .hedged(self.hedge.is_some());
         if let Some(limit) = d.attempt_limit {
+            // A stranded attempt of a hedged call is first overtaken by its hedge.
+            let limit = match &self.hedge {
+                Some(hedge) => limit.at_least(hedge.min_hedge_delay().saturating_mul(2)),
+                None => limit,
+            };
             retry = retry.attempt_limit(limit, d.margin.clone());
         }
         // The retry layer cuts each attempt at the deadline and never waits past it.
@@ -543,10 +548,11 @@ mod tests {
         let started = Instant::now();
         let response = call(&Destination::new("psp")).await.unwrap();
         assert_eq!(response.status(), 201);
+        // Abandoned at the 1 s floor, then the (jittered) backoff: far from the deadline.
+        let elapsed = started.elapsed();
         assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "{:?}",
-            started.elapsed()
+            elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(2),
+            "{elapsed:?}"
         );
         let sent = keys.lock().unwrap().clone();
         assert_eq!(sent.len(), 2);
@@ -558,6 +564,55 @@ mod tests {
         assert!(call(&unlimited).await.is_err());
         assert_eq!(started.elapsed(), Duration::from_secs(10));
         assert_eq!(keys.lock().unwrap().len(), 1);
+    }
+
+    /// A hedged stack's attempt limit does not pre-empt the hedge: it is at least twice the
+    /// hedge's minimum delay, so a stranded attempt is overtaken by the hedge, not abandoned.
+    #[tokio::test(start_paused = true)]
+    async fn a_stranded_hedged_attempt_is_overtaken_by_its_hedge_first() {
+        use crate::client::hedge::Hedged;
+        use http::{Request, Response};
+        use std::sync::Mutex;
+        use tokio::time::Instant;
+        use tower::{ServiceExt, service_fn};
+
+        let hedged = Arc::new(Mutex::new(Vec::new()));
+        let transport = {
+            let hedged = hedged.clone();
+            service_fn(move |r: Request<_>| {
+                let mut hedged = hedged.lock().unwrap();
+                hedged.push(r.extensions().get::<Hedged>().is_some());
+                let stranded = hedged.len() == 1;
+                async move {
+                    if stranded {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<_, std::io::Error>(Response::builder().status(201).body(()).unwrap())
+                }
+            })
+        };
+        let dest = Destination::new("psp");
+        for _ in 0..HedgePolicy::MIN_SAMPLES {
+            dest.latencies.record(Duration::from_millis(10));
+        }
+        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+            .default_timeout(Duration::from_secs(10))
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .hedging(true)
+            .build();
+        let svc = ClientStack::builder(&dest, charge)
+            .min_hedge_delay(Duration::from_secs(3))
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = Request::post("http://psp/v1/charges")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        let started = Instant::now();
+        let response = svc.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), 201);
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+        assert_eq!(*hedged.lock().unwrap(), [false, true]);
     }
 
     /// Every attempt, retry and hedge of the stack shows up under the DESIGN section 6 names.

@@ -17,6 +17,12 @@ use crate::deadline::Margin;
 /// (`Safe` calls, `Keyed` calls with their key), the policy allows another attempt, the
 /// destination's retry budget has a token, and at least the limit is left of the deadline once
 /// it would be cut. The last attempt the call can make is never cut short.
+///
+/// An attempt abandoned while the server is still working on it is not free: a `Keyed` retry
+/// may then find its key in progress. Hence a floor well above a healthy round trip and a
+/// multiple well past the tail: the limit is for attempts that will never be answered, not for
+/// slow ones (hedging is for those; a hedged stack's limit is never below twice the hedge's
+/// minimum delay, so it does not pre-empt the hedge).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttemptLimit {
     floor: Duration,
@@ -24,9 +30,9 @@ pub struct AttemptLimit {
 }
 
 impl AttemptLimit {
-    /// The shortest limit by default: long enough for a loaded server, short enough to leave a
-    /// one-second deadline time for a retry.
-    pub const DEFAULT_FLOOR: Duration = Duration::from_millis(250);
+    /// The shortest limit by default: far longer than a loaded server takes to answer, so that
+    /// only calls with more than 2 s of deadline are ever cut short.
+    pub const DEFAULT_FLOOR: Duration = Duration::from_secs(1);
     /// The multiple of the destination's round-trip p99 by default: an answer that slow is
     /// far past its tail.
     pub const DEFAULT_MULTIPLE: u32 = 10;
@@ -34,6 +40,11 @@ impl AttemptLimit {
     /// A limit of `max(floor, multiple x RTT_p99)`.
     pub fn new(floor: Duration, multiple: u32) -> Self {
         Self { floor, multiple }
+    }
+
+    /// The same limit, never below `floor`.
+    pub fn at_least(self, floor: Duration) -> Self {
+        Self::new(self.floor.max(floor), self.multiple)
     }
 
     /// The limit for an attempt to a destination whose round-trip p99 is `rtt_p99` (zero
@@ -51,7 +62,7 @@ impl AttemptLimit {
 }
 
 impl Default for AttemptLimit {
-    /// `max(250 ms, 10 x RTT_p99)`.
+    /// `max(1 s, 10 x RTT_p99)`.
     fn default() -> Self {
         Self::new(Self::DEFAULT_FLOOR, Self::DEFAULT_MULTIPLE)
     }
@@ -73,9 +84,11 @@ mod tests {
     #[test]
     fn the_limit_follows_the_round_trips_above_its_floor() {
         let limit = AttemptLimit::default();
-        assert_eq!(limit.limit(Duration::ZERO), 250 * MS);
-        assert_eq!(limit.limit(3 * MS), 250 * MS);
-        assert_eq!(limit.limit(80 * MS), 800 * MS);
+        assert_eq!(limit.limit(Duration::ZERO), 1_000 * MS);
+        assert_eq!(limit.limit(3 * MS), 1_000 * MS);
+        assert_eq!(limit.limit(180 * MS), 1_800 * MS);
+        assert_eq!(limit.at_least(1_500 * MS).limit(3 * MS), 1_500 * MS);
+        assert_eq!(limit.at_least(MS), limit);
         assert_eq!(
             AttemptLimit::new(MS, u32::MAX).limit(Duration::MAX),
             Duration::MAX
@@ -84,7 +97,7 @@ mod tests {
 
     #[test]
     fn an_attempt_is_limited_only_when_the_next_one_gets_as_long() {
-        let limit = AttemptLimit::default();
+        let limit = AttemptLimit::new(250 * MS, 10);
         assert_eq!(limit.within(Duration::ZERO, 500 * MS), Some(250 * MS));
         assert_eq!(limit.within(Duration::ZERO, 499 * MS), None);
         assert_eq!(limit.within(100 * MS, 10_000 * MS), Some(1_000 * MS));

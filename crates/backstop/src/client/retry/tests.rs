@@ -431,8 +431,8 @@ async fn a_call_clones_the_service_only_for_a_second_attempt() {
     assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made + 1);
 }
 
-/// A retry layer with the default [`AttemptLimit`] over a mock, its margin with no samples
-/// (so the limit is the 250 ms floor), at most `max_attempts` attempts.
+/// A retry layer with an [`AttemptLimit`] of `max(250 ms, 10 x RTT_p99)` over a mock, its
+/// margin with no samples (so the limit is the floor), at most `max_attempts` attempts.
 fn limited(idempotency: Idempotency, max_attempts: u32) -> (Mocked, Handle, Arc<Margin>) {
     let (svc, handle) = mock::pair();
     let margin = Arc::new(Margin::new(MS));
@@ -442,7 +442,7 @@ fn limited(idempotency: Idempotency, max_attempts: u32) -> (Mocked, Handle, Arc<
         .unwrap();
     let layer = RetryLayer::new(policy, idempotency)
         .replay_cap(16)
-        .attempt_limit(AttemptLimit::default(), margin.clone());
+        .attempt_limit(AttemptLimit::new(250 * MS, 10), margin.clone());
     (layer.layer(svc), handle, margin)
 }
 
