@@ -442,8 +442,8 @@ async fn rolling_restart(hedging: bool) {
     // (19 times in one such run); a send that lands in its queue as the dispatcher drops it is
     // held there by the very pooled handle that waits for its answer. Hedged, such an attempt
     // is overtaken by the hedge after the p95; unhedged, the destination's attempt limit
-    // abandons it after max(1 s, 10 x RTT_p99) and retries it with the same key, well inside
-    // the 10 s deadline. Either way the call succeeds.
+    // abandons it after half the 10 s deadline and retries it with the same key in the other
+    // half. Either way the call succeeds.
     let svc = ClientStack::builder(&payments, contract)
         .hedging(hedging)
         .build()

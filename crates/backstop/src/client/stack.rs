@@ -42,7 +42,7 @@ impl Destination {
     /// A destination named `name` (the `service` metric label and the `peer` log field: keep
     /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a margin floor
     /// of 5 ms, a breaker with [`BreakerConfig::default`] and the default [`AttemptLimit`]
-    /// (`max(1 s, 10 x RTT_p99)`).
+    /// (half the budget left, when that is more than `max(1 s, 10 x RTT_p99)`).
     pub fn new(name: impl Into<Arc<str>>) -> Self {
         Self {
             name: name.into(),
@@ -548,10 +548,10 @@ mod tests {
         let started = Instant::now();
         let response = call(&Destination::new("psp")).await.unwrap();
         assert_eq!(response.status(), 201);
-        // Abandoned at the 1 s floor, then the (jittered) backoff: far from the deadline.
+        // Abandoned after half the 10 s, then the (jittered) backoff: far from the deadline.
         let elapsed = started.elapsed();
         assert!(
-            elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(2),
+            elapsed >= Duration::from_secs(5) && elapsed < Duration::from_secs(6),
             "{elapsed:?}"
         );
         let sent = keys.lock().unwrap().clone();
@@ -566,8 +566,10 @@ mod tests {
         assert_eq!(keys.lock().unwrap().len(), 1);
     }
 
-    /// A hedged stack's attempt limit does not pre-empt the hedge: it is at least twice the
-    /// hedge's minimum delay, so a stranded attempt is overtaken by the hedge, not abandoned.
+    /// A hedged stack's attempt limit does not pre-empt the hedge: its floor is at least twice
+    /// the hedge's minimum delay, so a stranded attempt is overtaken by the hedge, not
+    /// abandoned. (Here, unraised, the 1 s floor would abandon it after half the 4 s, before
+    /// the 3 s hedge.)
     #[tokio::test(start_paused = true)]
     async fn a_stranded_hedged_attempt_is_overtaken_by_its_hedge_first() {
         use crate::client::hedge::Hedged;
@@ -596,7 +598,7 @@ mod tests {
             dest.latencies.record(Duration::from_millis(10));
         }
         let charge = MethodContract::builder("Charge", Idempotency::Keyed)
-            .default_timeout(Duration::from_secs(10))
+            .default_timeout(Duration::from_secs(4))
             .key_ttl(KEY_TTL_PAYMENTS)
             .hedging(true)
             .build();

@@ -1,28 +1,31 @@
-//! [`AttemptLimit`]: how long one attempt may go unanswered before it is abandoned and retried.
+//! [`AttemptLimit`]: when an attempt that has had no answer is abandoned for the next one.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::deadline::Margin;
 
-/// How long one attempt of a retryable call may wait for its answer before the retry layer
-/// abandons it (dropping it, which cancels it) and sends the next attempt, inside the call's one
-/// deadline: `max(floor, multiple x RTT_p99)` of the destination's recent attempts, as its
-/// [`Margin`] measures them.
+/// When the retry layer abandons an attempt that has had no answer (dropping it, which cancels
+/// it) and sends the next one, inside the call's one deadline: an attempt that could be retried
+/// is given half of what is left of the deadline, when that half is more than
+/// `max(floor, multiple x RTT_p99)` of the destination's recent attempts (as its [`Margin`]
+/// measures them); otherwise it runs until the deadline.
 ///
 /// An attempt can be stranded without any answer or error: sent on a connection that went away
 /// at the same instant, or to a peer that vanished without closing it. Without a limit it holds
-/// the call until the deadline; with one, the call loses `limit` and is retried. An attempt is
-/// only limited when the call may still be retried after it: its body is kept for replay
-/// (`Safe` calls, `Keyed` calls with their key), the policy allows another attempt, the
-/// destination's retry budget has a token, and at least the limit is left of the deadline once
-/// it would be cut. The last attempt the call can make is never cut short.
+/// the call until the deadline; with one, it costs half the budget and the retry gets the rest.
+/// An attempt is only limited when the call may still be retried after it: its body is kept for
+/// replay (`Safe` calls, `Keyed` calls with their key), the policy allows another attempt on
+/// `UNAVAILABLE`, and the destination's retry budget has a token. The last attempt the call can
+/// make is never cut short.
 ///
 /// An attempt abandoned while the server is still working on it is not free: a `Keyed` retry
-/// may then find its key in progress. Hence a floor well above a healthy round trip and a
-/// multiple well past the tail: the limit is for attempts that will never be answered, not for
-/// slow ones (hedging is for those; a hedged stack's limit is never below twice the hedge's
-/// minimum delay, so it does not pre-empt the hedge).
+/// may find its key in progress, and the retry adds load to a server that may be slow because
+/// it is overloaded. Hence half the budget rather than a multiple of recent latencies (which lag
+/// behind a server slowing down under load), and only past `max(floor, multiple x RTT_p99)`:
+/// the limit is for attempts that will never be answered, not for slow ones (hedging is for
+/// those; a hedged stack's floor is at least twice the hedge's minimum delay, so the limit
+/// does not pre-empt the hedge).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttemptLimit {
     floor: Duration,
@@ -30,39 +33,39 @@ pub struct AttemptLimit {
 }
 
 impl AttemptLimit {
-    /// The shortest limit by default: far longer than a loaded server takes to answer, so that
-    /// only calls with more than 2 s of deadline are ever cut short.
+    /// The shortest limit by default: calls with no more than 2 s of deadline are never cut
+    /// short.
     pub const DEFAULT_FLOOR: Duration = Duration::from_secs(1);
-    /// The multiple of the destination's round-trip p99 by default: an answer that slow is
-    /// far past its tail.
+    /// The multiple of the destination's round-trip p99 the limit must exceed by default: an
+    /// answer that slow is far past its tail.
     pub const DEFAULT_MULTIPLE: u32 = 10;
 
-    /// A limit of `max(floor, multiple x RTT_p99)`.
+    /// Half the budget left, when that is more than `max(floor, multiple x RTT_p99)`.
     pub fn new(floor: Duration, multiple: u32) -> Self {
         Self { floor, multiple }
     }
 
-    /// The same limit, never below `floor`.
+    /// The same limit with a floor of at least `floor`.
     pub fn at_least(self, floor: Duration) -> Self {
         Self::new(self.floor.max(floor), self.multiple)
     }
 
-    /// The limit for an attempt to a destination whose round-trip p99 is `rtt_p99` (zero
-    /// before any was measured: then the floor).
-    pub fn limit(&self, rtt_p99: Duration) -> Duration {
+    /// The shortest limit for a destination whose round-trip p99 is `rtt_p99` (zero before any
+    /// was measured): `max(floor, multiple x rtt_p99)`.
+    pub fn shortest(&self, rtt_p99: Duration) -> Duration {
         rtt_p99.saturating_mul(self.multiple).max(self.floor)
     }
 
-    /// The limit applying to an attempt starting with `remaining` of the call's budget, or
-    /// `None` when cutting it there would not leave at least as long for the next one.
-    pub(crate) fn within(&self, rtt_p99: Duration, remaining: Duration) -> Option<Duration> {
-        let limit = self.limit(rtt_p99);
-        (limit.saturating_mul(2) <= remaining).then_some(limit)
+    /// How long an attempt starting with `remaining` of the call's budget is given: half of
+    /// it, or `None` (until the deadline) when half is not more than [`shortest`](Self::shortest).
+    pub fn limit(&self, rtt_p99: Duration, remaining: Duration) -> Option<Duration> {
+        let half = remaining / 2;
+        (half > self.shortest(rtt_p99)).then_some(half)
     }
 }
 
 impl Default for AttemptLimit {
-    /// `max(1 s, 10 x RTT_p99)`.
+    /// Half the budget left, when that is more than `max(1 s, 10 x RTT_p99)`.
     fn default() -> Self {
         Self::new(Self::DEFAULT_FLOOR, Self::DEFAULT_MULTIPLE)
     }
@@ -80,27 +83,35 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+    const S: Duration = Duration::from_secs(1);
 
     #[test]
-    fn the_limit_follows_the_round_trips_above_its_floor() {
+    fn an_attempt_gets_half_the_budget_left() {
         let limit = AttemptLimit::default();
-        assert_eq!(limit.limit(Duration::ZERO), 1_000 * MS);
-        assert_eq!(limit.limit(3 * MS), 1_000 * MS);
-        assert_eq!(limit.limit(180 * MS), 1_800 * MS);
-        assert_eq!(limit.at_least(1_500 * MS).limit(3 * MS), 1_500 * MS);
-        assert_eq!(limit.at_least(MS), limit);
+        assert_eq!(limit.limit(Duration::ZERO, 10 * S), Some(5 * S));
+        assert_eq!(limit.limit(3 * MS, 30 * S), Some(15 * S));
         assert_eq!(
-            AttemptLimit::new(MS, u32::MAX).limit(Duration::MAX),
-            Duration::MAX
+            limit.limit(Duration::ZERO, 2_001 * MS),
+            Some(Duration::from_micros(1_000_500))
         );
     }
 
     #[test]
-    fn an_attempt_is_limited_only_when_the_next_one_gets_as_long() {
-        let limit = AttemptLimit::new(250 * MS, 10);
-        assert_eq!(limit.within(Duration::ZERO, 500 * MS), Some(250 * MS));
-        assert_eq!(limit.within(Duration::ZERO, 499 * MS), None);
-        assert_eq!(limit.within(100 * MS, 10_000 * MS), Some(1_000 * MS));
-        assert_eq!(limit.within(100 * MS, 1_999 * MS), None);
+    fn only_when_half_is_past_the_floor_and_the_destinations_tail() {
+        let limit = AttemptLimit::default();
+        // The floor: a 2 s call is never cut short.
+        assert_eq!(limit.limit(Duration::ZERO, 2 * S), None);
+        assert_eq!(limit.shortest(3 * MS), S);
+        // The tail: 10 x a p99 of 600 ms is more than half of 10 s.
+        assert_eq!(limit.shortest(600 * MS), 6 * S);
+        assert_eq!(limit.limit(600 * MS, 10 * S), None);
+        assert_eq!(limit.limit(400 * MS, 10 * S), Some(5 * S));
+        // A hedged stack's floor.
+        assert_eq!(limit.at_least(6 * S).limit(Duration::ZERO, 10 * S), None);
+        assert_eq!(limit.at_least(MS), limit);
+        assert_eq!(
+            AttemptLimit::new(MS, u32::MAX).shortest(Duration::MAX),
+            Duration::MAX
+        );
     }
 }

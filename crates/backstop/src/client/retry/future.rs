@@ -360,9 +360,9 @@ where
 }
 
 /// When the attempt `current` is abandoned if it has no answer yet: `None` unless the call
-/// has an [`AttemptLimit`](super::AttemptLimit) and could be retried after this attempt (its
-/// body is kept, the policy allows another attempt that an `UNAVAILABLE` would start, the
-/// budget has a token, and the limit leaves at least as long for it).
+/// has an [`AttemptLimit`](super::AttemptLimit) that applies to it, and could be retried after
+/// this attempt (its body is kept, the policy allows another attempt that an `UNAVAILABLE`
+/// would start, and the budget has a token).
 fn abandon_at<B>(config: &Config, content: &Content<B>, current: Current) -> Option<Instant> {
     let limiter = config.limiter.as_ref()?;
     let policy = &config.policy;
@@ -377,7 +377,7 @@ fn abandon_at<B>(config: &Config, content: &Content<B>, current: Current) -> Opt
     }
     let limit = limiter
         .limit
-        .within(limiter.margin.rtt_p99(), current.remaining)?;
+        .limit(limiter.margin.rtt_p99(), current.remaining)?;
     Some(current.started + limit)
 }
 

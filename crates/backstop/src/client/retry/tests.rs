@@ -431,8 +431,8 @@ async fn a_call_clones_the_service_only_for_a_second_attempt() {
     assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made + 1);
 }
 
-/// A retry layer with an [`AttemptLimit`] of `max(250 ms, 10 x RTT_p99)` over a mock, its
-/// margin with no samples (so the limit is the floor), at most `max_attempts` attempts.
+/// A retry layer with an [`AttemptLimit`] of half the budget past `max(250 ms, 10 x RTT_p99)`
+/// over a mock, its margin with no samples, at most `max_attempts` attempts. Calls get 1 s.
 fn limited(idempotency: Idempotency, max_attempts: u32) -> (Mocked, Handle, Arc<Margin>) {
     let (svc, handle) = mock::pair();
     let margin = Arc::new(Margin::new(MS));
@@ -459,8 +459,8 @@ async fn a_stranded_attempt_is_abandoned_at_its_limit_and_retried_within_the_dea
     // Never answered, never failed.
     let (_stranded, never_answered) = handle.next_request().await.unwrap();
     let (again, send) = handle.next_request().await.unwrap();
-    // The 250 ms floor (no round trip measured yet), then the 10 ms backoff.
-    assert_eq!(started.elapsed(), 260 * MS);
+    // Half the 1 s, then the 10 ms backoff.
+    assert_eq!(started.elapsed(), 510 * MS);
     assert_eq!(again.headers()["idempotency-key"], "k-1");
     assert_eq!(again.headers()[&GRPC_PREVIOUS_RPC_ATTEMPTS], "1");
     send.send_response(status(201));
@@ -469,21 +469,31 @@ async fn a_stranded_attempt_is_abandoned_at_its_limit_and_retried_within_the_dea
     drop(never_answered);
 }
 
-/// The limit is `10 x RTT_p99` of the destination's attempts once that is above the floor.
+/// Half the budget must be past `10 x RTT_p99` of the destination's attempts: a destination
+/// that slow for the deadline is left to answer.
 #[tokio::test(start_paused = true)]
-async fn the_attempt_limit_follows_the_destinations_round_trips() {
-    let (svc, mut handle, margin) = limited(Idempotency::Safe, 3);
-    for _ in 0..10 {
-        margin.observe(40 * MS);
+async fn the_attempt_limit_leaves_a_destination_slow_for_the_deadline_alone() {
+    for (p99, abandoned) in [(40 * MS, true), (60 * MS, false)] {
+        let (svc, mut handle, margin) = limited(Idempotency::Safe, 3);
+        for _ in 0..10 {
+            margin.observe(p99);
+        }
+        handle.allow(2);
+        let started = Instant::now();
+        let call = tokio::spawn(svc.oneshot(request("", None)));
+        let (_first, unanswered) = handle.next_request().await.unwrap();
+        if abandoned {
+            let (_again, send) = handle.next_request().await.unwrap();
+            assert_eq!(started.elapsed(), (500 + 10) * MS);
+            send.send_response(status(200));
+            assert_eq!(call.await.unwrap().unwrap().status(), 200);
+        } else {
+            tokio::time::sleep(900 * MS).await;
+            unanswered.send_response(status(200));
+            assert_eq!(call.await.unwrap().unwrap().status(), 200);
+            assert_eq!(started.elapsed(), 900 * MS);
+        }
     }
-    handle.allow(2);
-    let started = Instant::now();
-    let call = tokio::spawn(svc.oneshot(request("", None)));
-    let (_stranded, _never_answered) = handle.next_request().await.unwrap();
-    let (_again, send) = handle.next_request().await.unwrap();
-    assert_eq!(started.elapsed(), (400 + 10) * MS);
-    send.send_response(status(200));
-    assert_eq!(call.await.unwrap().unwrap().status(), 200);
 }
 
 /// The attempt the call cannot retry (its last, or any attempt of a call sent once) runs until
@@ -520,8 +530,8 @@ async fn an_attempt_that_cannot_be_retried_is_never_cut_short() {
     assert_eq!(started.elapsed(), Duration::from_secs(1));
 }
 
-/// An attempt is only limited when the limit leaves at least as long for the next one: with a
-/// 400 ms deadline (less than twice the 250 ms floor) it runs until the deadline.
+/// An attempt is only limited when half the budget is past the floor: with a 400 ms deadline
+/// (half of it under the 250 ms floor) it runs until the deadline.
 #[tokio::test(start_paused = true)]
 async fn a_deadline_too_short_for_two_limits_leaves_the_attempt_alone() {
     let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 3);
