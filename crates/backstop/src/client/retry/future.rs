@@ -141,7 +141,8 @@ where
             (None, Content::Buffering(_)) => (Step::Buffering, None, None),
             (None, Content::Replay(_) | Content::Once(_)) => (Step::Next, None, None),
         };
-        let abandon_at = current.and_then(|current| abandon_at(&config, &content, current));
+        let abandon_at =
+            current.and_then(|current| abandon_at(&config, &content, current, &deadline));
         Self {
             inner: inner.map(Box::new),
             spare,
@@ -244,7 +245,8 @@ where
                             };
                             let request = attempt_request(this.parts, this.content, current);
                             let future = inner.call(request);
-                            *this.abandon_at = abandon_at(this.config, this.content, current);
+                            *this.abandon_at =
+                                abandon_at(this.config, this.content, current, this.deadline);
                             if let Some(at) = *this.abandon_at {
                                 this.timer.as_mut().reset(at);
                             }
@@ -362,8 +364,15 @@ where
 /// When the attempt `current` is abandoned if it has no answer yet: `None` unless the call
 /// has an [`AttemptLimit`](super::AttemptLimit) that applies to it, and could be retried after
 /// this attempt (its body is kept, the policy allows another attempt that an `UNAVAILABLE`
-/// would start, and the budget has a token).
-fn abandon_at<B>(config: &Config, content: &Content<B>, current: Current) -> Option<Instant> {
+/// would start, and the budget has a token). Measured from what is left of `deadline` as the
+/// attempt starts (a transparent re-send's `remaining` is its first send's), so it is always
+/// before the deadline.
+fn abandon_at<B>(
+    config: &Config,
+    content: &Content<B>,
+    current: Current,
+    deadline: &Deadline,
+) -> Option<Instant> {
     let limiter = config.limiter.as_ref()?;
     let policy = &config.policy;
     let retryable = matches!(content, Content::Replay(_))
@@ -375,9 +384,8 @@ fn abandon_at<B>(config: &Config, content: &Content<B>, current: Current) -> Opt
     if !retryable {
         return None;
     }
-    let limit = limiter
-        .limit
-        .limit(limiter.margin.rtt_p99(), current.remaining)?;
+    let remaining = deadline.remaining_at(current.started);
+    let limit = limiter.limit.limit(limiter.margin.rtt_p99(), remaining)?;
     Some(current.started + limit)
 }
 

@@ -549,3 +549,32 @@ async fn a_deadline_too_short_for_two_limits_leaves_the_attempt_alone() {
     );
     assert_eq!(started.elapsed(), 400 * MS);
 }
+
+/// A transparent re-send's limit is half of what is left as it starts, not of what its first
+/// send had (which, for a re-send late in the call, would run past the deadline).
+#[tokio::test(start_paused = true)]
+async fn a_re_sent_attempt_is_limited_by_what_is_left_as_it_starts() {
+    use crate::client::transparent::TransparentRetry;
+
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
+    let budget = RetryBudget::default();
+    let policy = policy_builder(budget.clone()).build().unwrap();
+    let svc = RetryLayer::new(policy, Idempotency::Keyed)
+        .attempt_limit(AttemptLimit::new(100 * MS, 10), Arc::new(Margin::new(MS)))
+        .layer(TransparentRetry::new(svc, Some(budget)));
+    handle.allow(3);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+
+    // The first send (limited to 500 ms) fails as never sent after 400 ms (a slow connect):
+    // re-sent at once with 600 ms left, so it may run 300 ms, not half of the first's 1 s.
+    let (_first, send) = handle.next_request().await.unwrap();
+    tokio::time::sleep(400 * MS).await;
+    send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+    let (_resent, _unanswered) = handle.next_request().await.unwrap();
+    let (retry, send) = handle.next_request().await.unwrap();
+    assert_eq!(started.elapsed(), (400 + 300 + 10) * MS);
+    assert_eq!(retry.headers()[&GRPC_PREVIOUS_RPC_ATTEMPTS], "1");
+    send.send_response(status(201));
+    assert_eq!(call.await.unwrap().unwrap().status(), 201);
+}
