@@ -545,8 +545,13 @@ mod tests {
             svc.oneshot(request)
         };
 
+        // The destination's tail is known (until it is, nothing is cut short).
+        let psp = Destination::new("psp");
+        for _ in 0..AttemptLimit::MIN_SAMPLES {
+            psp.margin().observe(Duration::from_millis(10));
+        }
         let started = Instant::now();
-        let response = call(&Destination::new("psp")).await.unwrap();
+        let response = call(&psp).await.unwrap();
         assert_eq!(response.status(), 201);
         // Abandoned after half the 10 s, then the (jittered) backoff: far from the deadline.
         let elapsed = started.elapsed();
@@ -594,8 +599,9 @@ mod tests {
             })
         };
         let dest = Destination::new("psp");
-        for _ in 0..HedgePolicy::MIN_SAMPLES {
+        for _ in 0..HedgePolicy::MIN_SAMPLES.max(AttemptLimit::MIN_SAMPLES) {
             dest.latencies.record(Duration::from_millis(10));
+            dest.margin().observe(Duration::from_millis(10));
         }
         let charge = MethodContract::builder("Charge", Idempotency::Keyed)
             .default_timeout(Duration::from_secs(4))

@@ -9,7 +9,8 @@ use crate::deadline::Margin;
 /// it) and sends the next one, inside the call's one deadline: an attempt that could be retried
 /// is given half of what is left of the deadline, when that half is more than
 /// `max(floor, multiple x RTT_p99)` of the destination's recent attempts (as its [`Margin`]
-/// measures them); otherwise it runs until the deadline.
+/// measures them, once it holds [`MIN_SAMPLES`](Self::MIN_SAMPLES) of them: until the
+/// destination's tail is known, nothing is cut short); otherwise it runs until the deadline.
 ///
 /// An attempt can be stranded without any answer or error: sent on a connection that went away
 /// at the same instant, or to a peer that vanished without closing it. Without a limit it holds
@@ -39,6 +40,8 @@ impl AttemptLimit {
     /// The multiple of the destination's round-trip p99 the limit must exceed by default: an
     /// answer that slow is far past its tail.
     pub const DEFAULT_MULTIPLE: u32 = 10;
+    /// Round trips measured before any attempt is limited.
+    pub const MIN_SAMPLES: usize = 20;
 
     /// Half the budget left, when that is more than `max(floor, multiple x RTT_p99)`.
     pub fn new(floor: Duration, multiple: u32) -> Self {
@@ -57,10 +60,18 @@ impl AttemptLimit {
     }
 
     /// How long an attempt starting with `remaining` of the call's budget is given: half of
-    /// it, or `None` (until the deadline) when half is not more than [`shortest`](Self::shortest).
-    pub fn limit(&self, rtt_p99: Duration, remaining: Duration) -> Option<Duration> {
+    /// it, or `None` (until the deadline) when half is not more than
+    /// [`shortest`](Self::shortest) or the round-trip p99 is not known (`None`).
+    pub fn limit(&self, rtt_p99: Option<Duration>, remaining: Duration) -> Option<Duration> {
         let half = remaining / 2;
-        (half > self.shortest(rtt_p99)).then_some(half)
+        (half > self.shortest(rtt_p99?)).then_some(half)
+    }
+
+    /// How long an attempt starting with `remaining` of the call's budget is given, measured
+    /// against `margin`'s round trips.
+    pub(crate) fn limit_by(&self, margin: &Margin, remaining: Duration) -> Option<Duration> {
+        let known = margin.samples() >= Self::MIN_SAMPLES;
+        self.limit(known.then(|| margin.rtt_p99()), remaining)
     }
 }
 
@@ -88,10 +99,10 @@ mod tests {
     #[test]
     fn an_attempt_gets_half_the_budget_left() {
         let limit = AttemptLimit::default();
-        assert_eq!(limit.limit(Duration::ZERO, 10 * S), Some(5 * S));
-        assert_eq!(limit.limit(3 * MS, 30 * S), Some(15 * S));
+        assert_eq!(limit.limit(Some(Duration::ZERO), 10 * S), Some(5 * S));
+        assert_eq!(limit.limit(Some(3 * MS), 30 * S), Some(15 * S));
         assert_eq!(
-            limit.limit(Duration::ZERO, 2_001 * MS),
+            limit.limit(Some(Duration::ZERO), 2_001 * MS),
             Some(Duration::from_micros(1_000_500))
         );
     }
@@ -100,18 +111,34 @@ mod tests {
     fn only_when_half_is_past_the_floor_and_the_destinations_tail() {
         let limit = AttemptLimit::default();
         // The floor: a 2 s call is never cut short.
-        assert_eq!(limit.limit(Duration::ZERO, 2 * S), None);
+        assert_eq!(limit.limit(Some(Duration::ZERO), 2 * S), None);
         assert_eq!(limit.shortest(3 * MS), S);
         // The tail: 10 x a p99 of 600 ms is more than half of 10 s.
         assert_eq!(limit.shortest(600 * MS), 6 * S);
-        assert_eq!(limit.limit(600 * MS, 10 * S), None);
-        assert_eq!(limit.limit(400 * MS, 10 * S), Some(5 * S));
+        assert_eq!(limit.limit(Some(600 * MS), 10 * S), None);
+        assert_eq!(limit.limit(Some(400 * MS), 10 * S), Some(5 * S));
         // A hedged stack's floor.
-        assert_eq!(limit.at_least(6 * S).limit(Duration::ZERO, 10 * S), None);
+        assert_eq!(
+            limit.at_least(6 * S).limit(Some(Duration::ZERO), 10 * S),
+            None
+        );
         assert_eq!(limit.at_least(MS), limit);
         assert_eq!(
             AttemptLimit::new(MS, u32::MAX).shortest(Duration::MAX),
             Duration::MAX
         );
+    }
+
+    #[test]
+    fn nothing_is_cut_short_until_the_destinations_tail_is_known() {
+        let limit = AttemptLimit::default();
+        assert_eq!(limit.limit(None, 60 * S), None);
+        let margin = Margin::new(MS);
+        for _ in 1..AttemptLimit::MIN_SAMPLES {
+            margin.observe(3 * MS);
+        }
+        assert_eq!(limit.limit_by(&margin, 10 * S), None);
+        margin.observe(3 * MS);
+        assert_eq!(limit.limit_by(&margin, 10 * S), Some(5 * S));
     }
 }

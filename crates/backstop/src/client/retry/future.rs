@@ -385,7 +385,7 @@ fn abandon_at<B>(
         return None;
     }
     let remaining = deadline.remaining_at(current.started);
-    let limit = limiter.limit.limit(limiter.margin.rtt_p99(), remaining)?;
+    let limit = limiter.limit.limit_by(&limiter.margin, remaining)?;
     Some(current.started + limit)
 }
 

@@ -27,10 +27,11 @@
 //!   same attempt is sent again at once, once, without counting against max attempts.
 //! - **Attempt limit.** With an [`AttemptLimit`] (the [client stack](super::ClientStack) sets
 //!   one per destination), an attempt that could still be retried and has had no answer after
-//!   half of what was left of the deadline (when that half is past the destination's tail) is
-//!   abandoned (dropped, which cancels it) and counted as `UNAVAILABLE`; the next attempt
-//!   follows within the same deadline. A stranded attempt (sent on a connection that went away
-//!   at that instant, or to a peer that vanished) then costs half the budget, not all of it.
+//!   half of what was left of the deadline (when that half is past the destination's measured
+//!   tail) is abandoned (dropped, which cancels it) and counted as `UNAVAILABLE`; the next
+//!   attempt follows within the same deadline. A stranded attempt (sent on a connection that
+//!   went away at that instant, or to a peer that vanished) then costs half the budget, not all
+//!   of it.
 //!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without

@@ -431,11 +431,20 @@ async fn a_call_clones_the_service_only_for_a_second_attempt() {
     assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made + 1);
 }
 
+/// A margin that has seen enough round trips of 1 ms for the attempt limit to apply.
+fn measured() -> Arc<Margin> {
+    let margin = Arc::new(Margin::new(MS));
+    for _ in 0..AttemptLimit::MIN_SAMPLES {
+        margin.observe(MS);
+    }
+    margin
+}
+
 /// A retry layer with an [`AttemptLimit`] of half the budget past `max(250 ms, 10 x RTT_p99)`
-/// over a mock, its margin with no samples, at most `max_attempts` attempts. Calls get 1 s.
+/// over a mock, its margin [`measured`], at most `max_attempts` attempts. Calls get 1 s.
 fn limited(idempotency: Idempotency, max_attempts: u32) -> (Mocked, Handle, Arc<Margin>) {
     let (svc, handle) = mock::pair();
-    let margin = Arc::new(Margin::new(MS));
+    let margin = measured();
     let policy = policy_builder(RetryBudget::default())
         .max_attempts(max_attempts)
         .build()
@@ -475,7 +484,7 @@ async fn a_stranded_attempt_is_abandoned_at_its_limit_and_retried_within_the_dea
 async fn the_attempt_limit_leaves_a_destination_slow_for_the_deadline_alone() {
     for (p99, abandoned) in [(40 * MS, true), (60 * MS, false)] {
         let (svc, mut handle, margin) = limited(Idempotency::Safe, 3);
-        for _ in 0..10 {
+        for _ in 0..AttemptLimit::MIN_SAMPLES {
             margin.observe(p99);
         }
         handle.allow(2);
@@ -560,7 +569,7 @@ async fn a_re_sent_attempt_is_limited_by_what_is_left_as_it_starts() {
     let budget = RetryBudget::default();
     let policy = policy_builder(budget.clone()).build().unwrap();
     let svc = RetryLayer::new(policy, Idempotency::Keyed)
-        .attempt_limit(AttemptLimit::new(100 * MS, 10), Arc::new(Margin::new(MS)))
+        .attempt_limit(AttemptLimit::new(100 * MS, 10), measured())
         .layer(TransparentRetry::new(svc, Some(budget)));
     handle.allow(3);
     let started = Instant::now();
