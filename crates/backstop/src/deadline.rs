@@ -347,6 +347,11 @@ impl Margin {
         self.window.quantile(0.99, 1).unwrap_or(Duration::ZERO)
     }
 
+    /// How many round trips the window holds (at most its size).
+    pub fn samples(&self) -> usize {
+        self.window.len()
+    }
+
     /// The margin to keep: `2 x RTT_p99 + 5 ms`, within `[floor, ceiling]`.
     pub fn current(&self) -> Duration {
         let m = self.rtt_p99().saturating_mul(2).saturating_add(Self::FIXED);

@@ -55,6 +55,11 @@ impl SampleWindow {
         self.stale.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// How many samples the window holds (at most its capacity).
+    pub(crate) fn len(&self) -> usize {
+        self.recorded.load(Ordering::Relaxed).min(self.slots.len())
+    }
+
     /// The nearest-rank `q` quantile (`0 < q <= 1`) of the window, or `None` while it holds
     /// fewer than `min_samples` samples. At most [`REFRESH`] samples behind the window (a
     /// sample being written as the quantile is computed may be seen old or new).

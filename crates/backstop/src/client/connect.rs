@@ -9,14 +9,21 @@
 //! - [`Endpoint`] pins a client to one address: it rewrites each request's scheme and authority.
 //! - [`balanced`] spreads calls over several endpoints with tower's power-of-two-choices
 //!   balancer on pending requests (a slow or stuck endpoint collects fewer calls), behind a
-//!   `Buffer` so the result is `Clone` and shared by every stack calling the destination.
+//!   `Buffer` so the result is `Clone` and shared by every stack calling the destination. An
+//!   endpoint that refuses a connection (a replica restarting) fails fast, so it would look
+//!   the least loaded and draw the calls: [`CoolDown`] leaves it out of the choice for
+//!   [`COOL_DOWN`] after each refusal.
 //!
 //! A tonic `Channel` is already pooled and balanced (`Channel::balance_list`); it goes below
 //! the stack as it is.
 
+use std::error::Error as StdError;
 use std::future::Future;
+use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -25,6 +32,8 @@ use http_body::Body;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 use tower::BoxError;
 use tower::balance::p2c::Balance;
 use tower::buffer::Buffer;
@@ -131,13 +140,149 @@ pub fn endpoints<S: Clone>(
         .collect()
 }
 
+/// How long [`CoolDown`] leaves an endpoint out after it refused a connection.
+pub const COOL_DOWN: Duration = Duration::from_millis(250);
+
+/// An endpoint that is not ready for [`COOL_DOWN`] (or the period given) after a call to it
+/// failed to connect, so that a balancer sends the calls elsewhere meanwhile instead of to the
+/// endpoint that fails them fastest. Only refused or failed connections count: the request
+/// never reached that endpoint, and a replica that is restarting refuses them.
+#[derive(Debug)]
+pub struct CoolDown<S> {
+    inner: S,
+    state: Arc<CoolState>,
+    period: Duration,
+    /// Set while cooling down: wakes the balancer when the period ends.
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+#[derive(Debug, Default)]
+struct CoolState {
+    /// Whether `until` may be in the future: read on every `poll_ready`, so that the lock is
+    /// taken only after a refusal.
+    cooling: AtomicBool,
+    until: Mutex<Option<Instant>>,
+}
+
+impl CoolState {
+    fn cool_until(&self, until: Instant) {
+        *self.until.lock().unwrap_or_else(PoisonError::into_inner) = Some(until);
+        self.cooling.store(true, Ordering::Release);
+    }
+
+    fn until(&self) -> Option<Instant> {
+        *self.until.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<S> CoolDown<S> {
+    /// `inner`, left out for `period` after each failed connection.
+    pub fn new(inner: S, period: Duration) -> Self {
+        Self {
+            inner,
+            state: Arc::default(),
+            period,
+            sleep: None,
+        }
+    }
+}
+
+/// Whether `error` says the connection could not be made (refused, or any connect error of
+/// the hyper-util client). Walks the `source()` chain, matching types.
+fn failed_to_connect(error: &(dyn StdError + 'static)) -> bool {
+    let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<io::Error>() {
+            if io.kind() == io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+            if io.get_ref().is_some_and(|inner| failed_to_connect(inner)) {
+                return true;
+            }
+        }
+        if e.downcast_ref::<hyper_util::client::legacy::Error>()
+            .is_some_and(hyper_util::client::legacy::Error::is_connect)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+impl<S, Req> Service<Req> for CoolDown<S>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = CoolDownFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if self.state.cooling.load(Ordering::Acquire) {
+            if let Some(until) = self.state.until().filter(|u| *u > Instant::now()) {
+                let sleep = self
+                    .sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+                if sleep.deadline() != until {
+                    sleep.as_mut().reset(until);
+                }
+                ready!(sleep.as_mut().poll(cx));
+            }
+            self.state.cooling.store(false, Ordering::Release);
+            self.sleep = None;
+        }
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Req) -> Self::Future {
+        CoolDownFuture {
+            inner: self.inner.call(request),
+            state: Arc::clone(&self.state),
+            period: self.period,
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`CoolDown`].
+    #[derive(Debug)]
+    pub struct CoolDownFuture<F> {
+        #[pin]
+        inner: F,
+        state: Arc<CoolState>,
+        period: Duration,
+    }
+}
+
+impl<F, T, E> Future for CoolDownFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        Poll::Ready(ready!(this.inner.poll(cx)).map_err(|e| {
+            let e = e.into();
+            if failed_to_connect(&*e) {
+                this.state.cool_until(Instant::now() + *this.period);
+            }
+            e
+        }))
+    }
+}
+
 /// The balanced, shared service [`balanced`] returns.
 pub type Balanced<Req, Rsp> =
     Buffer<Req, Pin<Box<dyn Future<Output = Result<Rsp, BoxError>> + Send + 'static>>>;
 
-/// Balances calls over `services` (power of two choices on pending requests), behind a buffer
-/// of `capacity` queued requests. Must be called inside a tokio runtime (the buffer's worker
-/// is spawned on it).
+/// Balances calls over `services` (power of two choices on pending requests; an endpoint that
+/// refused a connection is left out for [`COOL_DOWN`], see [`CoolDown`]), behind a buffer of
+/// `capacity` queued requests. Must be called inside a tokio runtime (the buffer's worker is
+/// spawned on it).
 pub fn balanced<S, Req>(services: Vec<S>, capacity: usize) -> Balanced<Req, S::Response>
 where
     S: Service<Req> + Send + 'static,
@@ -146,9 +291,9 @@ where
     S::Response: Send + 'static,
     Req: Send + 'static,
 {
-    let loaded: Vec<PendingRequests<S>> = services
+    let loaded: Vec<PendingRequests<CoolDown<S>>> = services
         .into_iter()
-        .map(|s| PendingRequests::new(s, CompleteOnResponse::default()))
+        .map(|s| PendingRequests::new(CoolDown::new(s, COOL_DOWN), CompleteOnResponse::default()))
         .collect();
     let balance = Balance::new(ServiceList::new(loaded));
     Buffer::new(BoxService::new(balance), capacity.max(1))
@@ -192,5 +337,54 @@ mod tests {
         }
         let hits = hits.lock().unwrap();
         assert_eq!(hits.len(), 3, "{hits:?}");
+    }
+
+    /// A replica that refuses connections (restarting) fails fast, so on pending requests it
+    /// would look the least loaded and draw the calls (and their retries) of a rolling restart:
+    /// after a refusal it is left out of the choice for the cool-down, and the calls go to the
+    /// others meanwhile (issue 14, item 3).
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_that_refused_a_connection_is_left_out_while_it_cools_down() {
+        let hits = std::sync::Arc::new(std::sync::Mutex::new([0usize; 2]));
+        let services: Vec<_> = (0..2)
+            .map(|i| {
+                let hits = hits.clone();
+                service_fn(move |_r: Request<()>| {
+                    hits.lock().unwrap()[i] += 1;
+                    async move {
+                        if i == 0 {
+                            Err(io::Error::from(io::ErrorKind::ConnectionRefused))
+                        } else {
+                            Ok(Response::new(()))
+                        }
+                    }
+                })
+            })
+            .collect();
+        let svc = balanced(services, 16);
+        let refused = || async {
+            for _ in 0..200 {
+                if svc.clone().oneshot(Request::new(())).await.is_err() {
+                    return true;
+                }
+            }
+            false
+        };
+        // The balancer picks at random between two equally loaded endpoints: the restarting
+        // one is tried soon enough.
+        assert!(refused().await);
+        let before = *hits.lock().unwrap();
+        for _ in 0..50 {
+            svc.clone().oneshot(Request::new(())).await.unwrap();
+        }
+        let after = *hits.lock().unwrap();
+        assert_eq!(
+            after[0], before[0],
+            "no call to the refusing endpoint: {after:?}"
+        );
+        assert_eq!(after[1], before[1] + 50);
+        // Once cooled down it is back in the choice.
+        tokio::time::advance(COOL_DOWN).await;
+        assert!(refused().await);
     }
 }

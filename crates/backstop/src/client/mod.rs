@@ -11,7 +11,12 @@
 //!    Above retry, so retries share it and can never extend it.
 //! 3. [`retry`]: the [`RetryPolicy`](crate::retry::RetryPolicy) executor: eligibility from the
 //!    method's contract, [`replay`] of the body, the destination's budget, full jitter,
-//!    pushback, `grpc-previous-rpc-attempts`, and a stop reason on every stop.
+//!    pushback, `grpc-previous-rpc-attempts`, and a stop reason on every stop. An attempt
+//!    that could still be retried and is left unanswered past the destination's
+//!    [`AttemptLimit`](retry::AttemptLimit) (half the budget left, when that is more than
+//!    `max(1 s, 10 x RTT_p99)`, by default) is abandoned for the next one, so an attempt
+//!    stranded on a connection that went away costs half the deadline, not all of it, even
+//!    without hedging.
 //! 4. [`hedge`]: at most one extra attempt after the rolling p95 (`Safe`/`Keyed` methods
 //!    only), paid from the same budget. Below retry, so a hedge is part of one attempt.
 //! 5. [`deadline`] ([`AttemptTimeout`](deadline::AttemptTimeout)): each attempt (hedges too)

@@ -14,7 +14,7 @@ use super::logical::IdempotencyKeyService;
 #[cfg(feature = "sqlite")]
 use super::logical::IntentJournal;
 use super::replay::DEFAULT_REPLAY_CAP;
-use super::retry::Retry;
+use super::retry::{AttemptLimit, Retry};
 use super::transparent::TransparentRetry;
 use crate::contract::{ContractError, Idempotency, MethodContract};
 use crate::deadline::Margin;
@@ -22,8 +22,9 @@ use crate::retry::{Backoff, PolicyError, RetryBudget, RetryPolicy};
 use crate::status::Code;
 
 /// What every method calling one destination shares: its name, its retry budget (retries,
-/// hedges and transparent retries all spend it), its margin estimator, its circuit breaker and
-/// its latency window. Cheap to clone; clones share the state.
+/// hedges and transparent retries all spend it), its margin estimator (whose round trips also
+/// set the attempt limit), its circuit breaker and its latency window. Cheap to clone; clones
+/// share the state.
 #[derive(Debug, Clone)]
 pub struct Destination {
     name: Arc<str>,
@@ -31,6 +32,7 @@ pub struct Destination {
     margin: Arc<Margin>,
     breaker: Option<CircuitBreaker>,
     latencies: Arc<LatencyWindow>,
+    attempt_limit: Option<AttemptLimit>,
 }
 
 impl Destination {
@@ -39,7 +41,8 @@ impl Destination {
 
     /// A destination named `name` (the `service` metric label and the `peer` log field: keep
     /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a margin floor
-    /// of 5 ms and a breaker with [`BreakerConfig::default`].
+    /// of 5 ms, a breaker with [`BreakerConfig::default`] and the default [`AttemptLimit`]
+    /// (half the budget left, when that is more than `max(1 s, 10 x RTT_p99)`).
     pub fn new(name: impl Into<Arc<str>>) -> Self {
         Self {
             name: name.into(),
@@ -50,6 +53,7 @@ impl Destination {
                 HedgePolicy::WINDOW,
                 HedgePolicy::MIN_SAMPLES,
             )),
+            attempt_limit: Some(AttemptLimit::default()),
         }
     }
 
@@ -68,6 +72,14 @@ impl Destination {
     /// The circuit breaker, or `None` for none.
     pub fn breaker(mut self, breaker: Option<CircuitBreaker>) -> Self {
         self.breaker = breaker;
+        self
+    }
+
+    /// How long an attempt that could still be retried may go unanswered before it is
+    /// abandoned for the next one (see [`AttemptLimit`]), or `None` to let every attempt run
+    /// until the call's deadline.
+    pub fn attempt_limit(mut self, limit: Option<AttemptLimit>) -> Self {
+        self.attempt_limit = limit;
         self
     }
 
@@ -110,7 +122,8 @@ pub enum StackError {
 ///
 /// 1. [logical request](super::logical): the idempotency key (`Keyed` methods), once;
 /// 2. [deadline](super::deadline::SetDeadline): one deadline for the call;
-/// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons;
+/// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons, an
+///    attempt left unanswered past the destination's [`AttemptLimit`] abandoned for the next;
 /// 4. [hedge](super::hedge): one extra attempt after the p95 (`Safe`/`Keyed`, if enabled);
 /// 5. [attempt timeout](super::deadline::AttemptTimeout): `grpc-timeout` minus the margin;
 /// 6. [circuit breaker](super::breaker);
@@ -179,7 +192,7 @@ impl<S: Clone> Layer<S> for ClientStack {
             Some(policy) => Hedge::new(attempt, policy.clone()),
             None => Hedge::disabled(attempt),
         };
-        let retry = Retry::new(
+        let mut retry = Retry::new(
             hedge,
             self.policy.clone(),
             self.idempotency,
@@ -188,6 +201,14 @@ impl<S: Clone> Layer<S> for ClientStack {
             Some(d.name.clone()),
         )
         .hedged(self.hedge.is_some());
+        if let Some(limit) = d.attempt_limit {
+            // A stranded attempt of a hedged call is first overtaken by its hedge.
+            let limit = match &self.hedge {
+                Some(hedge) => limit.at_least(hedge.min_hedge_delay().saturating_mul(2)),
+                None => limit,
+            };
+            retry = retry.attempt_limit(limit, d.margin.clone());
+        }
         // The retry layer cuts each attempt at the deadline and never waits past it.
         let deadline = SetDeadline::untimed(retry, self.timeout);
         if self.idempotency != Idempotency::Keyed {
@@ -481,6 +502,125 @@ mod tests {
             sent[1][0] < Duration::from_millis(2000 - 100 - 205),
             "{sent:?}"
         );
+    }
+
+    /// Without hedging, an attempt stranded with no answer (as on a connection that received
+    /// `GOAWAY` just as the pool handed it out) no longer holds the call until its deadline:
+    /// the destination's attempt limit abandons it and the retry, same key, succeeds (issue 14,
+    /// item 3). With the limit switched off, the same call ends at its deadline.
+    #[tokio::test(start_paused = true)]
+    async fn an_unhedged_call_survives_an_attempt_stranded_without_an_answer() {
+        use http::{Request, Response};
+        use std::sync::Mutex;
+        use tokio::time::Instant;
+        use tower::{ServiceExt, service_fn};
+
+        let keys = Arc::new(Mutex::new(Vec::new()));
+        let transport = {
+            let keys = keys.clone();
+            service_fn(move |r: Request<_>| {
+                let mut keys = keys.lock().unwrap();
+                keys.push(r.headers()["idempotency-key"].clone());
+                let stranded = keys.len() == 1;
+                async move {
+                    if stranded {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<_, std::io::Error>(Response::builder().status(201).body(()).unwrap())
+                }
+            })
+        };
+        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+            .default_timeout(Duration::from_secs(10))
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .build();
+        let call = |dest: &Destination| {
+            let svc = ClientStack::builder(dest, charge.clone())
+                .build()
+                .unwrap()
+                .layer(transport.clone());
+            let request = Request::post("http://psp/v1/charges")
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+                .unwrap();
+            svc.oneshot(request)
+        };
+
+        // The destination's tail is known (until it is, nothing is cut short).
+        let psp = Destination::new("psp");
+        for _ in 0..AttemptLimit::MIN_SAMPLES {
+            psp.margin().observe(Duration::from_millis(10));
+        }
+        let started = Instant::now();
+        let response = call(&psp).await.unwrap();
+        assert_eq!(response.status(), 201);
+        // Abandoned after half the 10 s, then the (jittered) backoff: far from the deadline.
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(5) && elapsed < Duration::from_secs(6),
+            "{elapsed:?}"
+        );
+        let sent = keys.lock().unwrap().clone();
+        assert_eq!(sent.len(), 2);
+        assert_eq!(sent[0], sent[1], "the retry carries the call's key");
+
+        keys.lock().unwrap().clear();
+        let started = Instant::now();
+        let unlimited = Destination::new("psp").attempt_limit(None);
+        assert!(call(&unlimited).await.is_err());
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+        assert_eq!(keys.lock().unwrap().len(), 1);
+    }
+
+    /// A hedged stack's attempt limit does not pre-empt the hedge: its floor is at least twice
+    /// the hedge's minimum delay, so a stranded attempt is overtaken by the hedge, not
+    /// abandoned. (Here, unraised, the 1 s floor would abandon it after half the 4 s, before
+    /// the 3 s hedge.)
+    #[tokio::test(start_paused = true)]
+    async fn a_stranded_hedged_attempt_is_overtaken_by_its_hedge_first() {
+        use crate::client::hedge::Hedged;
+        use http::{Request, Response};
+        use std::sync::Mutex;
+        use tokio::time::Instant;
+        use tower::{ServiceExt, service_fn};
+
+        let hedged = Arc::new(Mutex::new(Vec::new()));
+        let transport = {
+            let hedged = hedged.clone();
+            service_fn(move |r: Request<_>| {
+                let mut hedged = hedged.lock().unwrap();
+                hedged.push(r.extensions().get::<Hedged>().is_some());
+                let stranded = hedged.len() == 1;
+                async move {
+                    if stranded {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<_, std::io::Error>(Response::builder().status(201).body(()).unwrap())
+                }
+            })
+        };
+        let dest = Destination::new("psp");
+        for _ in 0..HedgePolicy::MIN_SAMPLES.max(AttemptLimit::MIN_SAMPLES) {
+            dest.latencies.record(Duration::from_millis(10));
+            dest.margin().observe(Duration::from_millis(10));
+        }
+        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+            .default_timeout(Duration::from_secs(4))
+            .key_ttl(KEY_TTL_PAYMENTS)
+            .hedging(true)
+            .build();
+        let svc = ClientStack::builder(&dest, charge)
+            .min_hedge_delay(Duration::from_secs(3))
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = Request::post("http://psp/v1/charges")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        let started = Instant::now();
+        let response = svc.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), 201);
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+        assert_eq!(*hedged.lock().unwrap(), [false, true]);
     }
 
     /// Every attempt, retry and hedge of the stack shows up under the

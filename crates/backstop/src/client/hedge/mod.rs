@@ -106,6 +106,11 @@ impl HedgePolicy {
         self
     }
 
+    /// The shortest delay before a hedge.
+    pub fn min_hedge_delay(&self) -> Duration {
+        self.min_delay
+    }
+
     /// Shares a latency window (e.g. one per destination across methods).
     pub fn latencies(mut self, window: Arc<LatencyWindow>) -> Self {
         self.latencies = window;

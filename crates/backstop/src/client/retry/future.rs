@@ -107,8 +107,11 @@ pin_project! {
         // `ResendRequested`).
         resend: Option<(Attempt, Duration)>,
         current: Option<Current>,
-        // At the deadline while reading the body and during attempts; at the end of the wait
-        // while backing off.
+        // When the attempt in flight is abandoned if still unanswered (see `AttemptLimit`);
+        // `None` when it runs until the deadline.
+        abandon_at: Option<Instant>,
+        // At the deadline while reading the body and during attempts (at `abandon_at` during
+        // an attempt that has one); at the end of the wait while backing off.
         #[pin]
         timer: Sleep,
         #[pin]
@@ -138,6 +141,8 @@ where
             (None, Content::Buffering(_)) => (Step::Buffering, None, None),
             (None, Content::Replay(_) | Content::Once(_)) => (Step::Next, None, None),
         };
+        let abandon_at =
+            current.and_then(|current| abandon_at(&config, &content, current, &deadline));
         Self {
             inner: inner.map(Box::new),
             spare,
@@ -151,7 +156,8 @@ where
             last: None,
             resend: None,
             current,
-            timer: tokio::time::sleep_until(deadline.instant()),
+            abandon_at,
+            timer: tokio::time::sleep_until(abandon_at.unwrap_or(deadline.instant())),
             step,
         }
     }
@@ -162,6 +168,8 @@ enum Outcome<ResB> {
     Response(Response<ResB>),
     Failed(BoxError),
     CutOff,
+    /// Unanswered at its limit, before the deadline.
+    Abandoned,
 }
 
 impl<S, B, ResB> Future for RetryCall<S, B, ResB>
@@ -237,6 +245,11 @@ where
                             };
                             let request = attempt_request(this.parts, this.content, current);
                             let future = inner.call(request);
+                            *this.abandon_at =
+                                abandon_at(this.config, this.content, current, this.deadline);
+                            if let Some(at) = *this.abandon_at {
+                                this.timer.as_mut().reset(at);
+                            }
                             this.step.set(Step::Calling { future });
                             continue;
                         }
@@ -252,7 +265,11 @@ where
                     Poll::Ready(Err(e)) => Outcome::Failed(e.into()),
                     Poll::Pending => {
                         ready!(this.timer.as_mut().poll(cx));
-                        Outcome::CutOff
+                        if this.abandon_at.is_some() {
+                            Outcome::Abandoned
+                        } else {
+                            Outcome::CutOff
+                        }
                     }
                 },
                 StepProj::Waiting => {
@@ -265,6 +282,9 @@ where
             };
             // The attempt is over (its future, if any, is dropped here, which cancels it).
             this.step.set(Step::Next);
+            if this.abandon_at.take().is_some() {
+                this.timer.as_mut().reset(this.deadline.instant());
+            }
             let (Some(current), Some(attempts)) = (this.current.take(), this.attempts.as_mut())
             else {
                 continue;
@@ -312,6 +332,21 @@ where
                     *this.last = None;
                     attempts.cut_off(policy, &call, remaining, elapsed)
                 }
+                Outcome::Abandoned => {
+                    *this.last = None;
+                    tracing::debug!(
+                        name: "rpc_attempt_abandoned",
+                        event = "rpc_attempt_abandoned",
+                        attempt = current.attempt.number,
+                        duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+                        "no answer within the attempt limit; abandoned for the next attempt"
+                    );
+                    let status = Status::new(
+                        Code::Unavailable,
+                        "no answer within the attempt limit; abandoned",
+                    );
+                    attempts.failed(policy, &call, status, remaining, elapsed)
+                }
             };
             match next {
                 // No wait (a zero backoff, or a transparent re-send): the next attempt now.
@@ -324,6 +359,34 @@ where
             }
         }
     }
+}
+
+/// When the attempt `current` is abandoned if it has no answer yet: `None` unless the call
+/// has an [`AttemptLimit`](super::AttemptLimit) that applies to it, and could be retried after
+/// this attempt (its body is kept, the policy allows another attempt that an `UNAVAILABLE`
+/// would start, and the budget has a token). Measured from what is left of `deadline` as the
+/// attempt starts (a transparent re-send's `remaining` is its first send's), so it is always
+/// before the deadline.
+fn abandon_at<B>(
+    config: &Config,
+    content: &Content<B>,
+    current: Current,
+    deadline: &Deadline,
+) -> Option<Instant> {
+    let limiter = config.limiter.as_ref()?;
+    let policy = &config.policy;
+    let retryable = matches!(content, Content::Replay(_))
+        && current.attempt.number < policy.max_attempts()
+        && policy
+            .retryable_codes()
+            .is_none_or(|codes| codes.contains(&Code::Unavailable))
+        && policy.budget().available() >= 1.0;
+    if !retryable {
+        return None;
+    }
+    let remaining = deadline.remaining_at(current.started);
+    let limit = limiter.limit.limit_by(&limiter.margin, remaining)?;
+    Some(current.started + limit)
 }
 
 /// Ends the call with `result`.

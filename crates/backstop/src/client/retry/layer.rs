@@ -2,10 +2,11 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use super::Retry;
+use super::{AttemptLimit, Retry};
 use crate::client::classify::{Classifier, classify_head};
 use crate::client::replay::DEFAULT_REPLAY_CAP;
 use crate::contract::Idempotency;
+use crate::deadline::Margin;
 use crate::retry::RetryPolicy;
 
 /// Applies [`Retry`] with one method's policy.
@@ -16,6 +17,7 @@ pub struct RetryLayer {
     replay_cap: usize,
     classifier: Classifier,
     peer: Option<Arc<str>>,
+    attempt_limit: Option<(AttemptLimit, Arc<Margin>)>,
 }
 
 impl RetryLayer {
@@ -28,6 +30,7 @@ impl RetryLayer {
             replay_cap: DEFAULT_REPLAY_CAP,
             classifier: classify_head,
             peer: None,
+            attempt_limit: None,
         }
     }
 
@@ -48,19 +51,30 @@ impl RetryLayer {
         self.peer = Some(peer.into());
         self
     }
+
+    /// Abandons and retries an attempt left unanswered past `limit`, measured against the
+    /// round trips of `margin` (see [`Retry::attempt_limit`]).
+    pub fn attempt_limit(mut self, limit: AttemptLimit, margin: Arc<Margin>) -> Self {
+        self.attempt_limit = Some((limit, margin));
+        self
+    }
 }
 
 impl<S: Clone> Layer<S> for RetryLayer {
     type Service = Retry<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Retry::new(
+        let retry = Retry::new(
             inner,
             self.policy.clone(),
             self.idempotency,
             self.replay_cap,
             self.classifier,
             self.peer.clone(),
-        )
+        );
+        match &self.attempt_limit {
+            Some((limit, margin)) => retry.attempt_limit(*limit, margin.clone()),
+            None => retry,
+        }
     }
 }

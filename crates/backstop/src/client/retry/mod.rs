@@ -25,15 +25,24 @@
 //!   copy of them, and when one never reached the server it answers
 //!   [`ResendRequested`](super::transparent::ResendRequested); the
 //!   same attempt is sent again at once, once, without counting against max attempts.
+//! - **Attempt limit.** With an [`AttemptLimit`] (the [client stack](super::ClientStack) sets
+//!   one per destination), an attempt that could still be retried and has had no answer after
+//!   half of what was left of the deadline (when that half is past the destination's measured
+//!   tail) is abandoned (dropped, which cancels it) and counted as `UNAVAILABLE`; the next
+//!   attempt follows within the same deadline. A stranded attempt (sent on a connection that
+//!   went away at that instant, or to a peer that vanished) then costs half the budget, not all
+//!   of it.
 //!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
 //! one (transport errors, the deadline, an open circuit), the error is a
 //! [`RetryError`](crate::retry::RetryError).
 
+mod attempt_limit;
 mod future;
 mod layer;
 
+pub use self::attempt_limit::AttemptLimit;
 pub use self::layer::RetryLayer;
 
 use std::future::Future;
@@ -47,13 +56,14 @@ use http_body::Body;
 use tower::BoxError;
 use tower_service::Service;
 
+use self::attempt_limit::Limiter;
 use self::future::{Content, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
 use super::replay::{Buffering, ReplayBody};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
-use crate::deadline::Deadline;
+use crate::deadline::{Deadline, Margin};
 use crate::retry::{RetryPolicy, StopReason};
 
 /// Header carrying, on a retry or a hedge, how many attempts of the call came before it.
@@ -85,6 +95,7 @@ struct Config {
     peer: Option<Arc<str>>,
     classifier: Classifier,
     hedged: bool,
+    limiter: Option<Limiter>,
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).
@@ -140,6 +151,7 @@ impl<S> Retry<S> {
                 peer,
                 classifier,
                 hedged: true,
+                limiter: None,
             }),
         }
     }
@@ -150,6 +162,17 @@ impl<S> Retry<S> {
     pub fn hedged(mut self, hedged: bool) -> Self {
         if let Some(config) = Arc::get_mut(&mut self.config) {
             config.hedged = hedged;
+        }
+        self
+    }
+
+    /// Abandons and retries an attempt left unanswered past `limit`, measured against the
+    /// round trips of `margin` (the destination's, shared with its
+    /// [`AttemptTimeout`](super::deadline::AttemptTimeout)); see [`AttemptLimit`]. Without it
+    /// (the default) an attempt runs until the deadline.
+    pub fn attempt_limit(mut self, limit: AttemptLimit, margin: Arc<Margin>) -> Self {
+        if let Some(config) = Arc::get_mut(&mut self.config) {
+            config.limiter = Some(Limiter { limit, margin });
         }
         self
     }

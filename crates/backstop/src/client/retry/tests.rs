@@ -430,3 +430,160 @@ async fn a_call_clones_the_service_only_for_a_second_attempt() {
     assert_eq!(response.status(), 200);
     assert_eq!(clones.load(std::sync::atomic::Ordering::SeqCst), made + 1);
 }
+
+/// A margin that has seen enough round trips of 1 ms for the attempt limit to apply.
+fn measured() -> Arc<Margin> {
+    let margin = Arc::new(Margin::new(MS));
+    for _ in 0..AttemptLimit::MIN_SAMPLES {
+        margin.observe(MS);
+    }
+    margin
+}
+
+/// A retry layer with an [`AttemptLimit`] of half the budget past `max(250 ms, 10 x RTT_p99)`
+/// over a mock, its margin [`measured`], at most `max_attempts` attempts. Calls get 1 s.
+fn limited(idempotency: Idempotency, max_attempts: u32) -> (Mocked, Handle, Arc<Margin>) {
+    let (svc, handle) = mock::pair();
+    let margin = measured();
+    let policy = policy_builder(RetryBudget::default())
+        .max_attempts(max_attempts)
+        .build()
+        .unwrap();
+    let layer = RetryLayer::new(policy, idempotency)
+        .replay_cap(16)
+        .attempt_limit(AttemptLimit::new(250 * MS, 10), margin.clone());
+    (layer.layer(svc), handle, margin)
+}
+
+/// An attempt stranded without an answer (a send on a connection that went away as it was
+/// handed out) is abandoned at the attempt limit and the call retried with its key, long
+/// before its deadline: an unhedged call is not lost to it (issue 14, item 3).
+#[tokio::test(start_paused = true)]
+async fn a_stranded_attempt_is_abandoned_at_its_limit_and_retried_within_the_deadline() {
+    let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 3);
+    handle.allow(2);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+
+    // Never answered, never failed.
+    let (_stranded, never_answered) = handle.next_request().await.unwrap();
+    let (again, send) = handle.next_request().await.unwrap();
+    // Half the 1 s, then the 10 ms backoff.
+    assert_eq!(started.elapsed(), 510 * MS);
+    assert_eq!(again.headers()["idempotency-key"], "k-1");
+    assert_eq!(again.headers()[&GRPC_PREVIOUS_RPC_ATTEMPTS], "1");
+    send.send_response(status(201));
+    assert_eq!(body_of(again).await, "{\"a\":1}");
+    assert_eq!(call.await.unwrap().unwrap().status(), 201);
+    drop(never_answered);
+}
+
+/// Half the budget must be past `10 x RTT_p99` of the destination's attempts: a destination
+/// that slow for the deadline is left to answer.
+#[tokio::test(start_paused = true)]
+async fn the_attempt_limit_leaves_a_destination_slow_for_the_deadline_alone() {
+    for (p99, abandoned) in [(40 * MS, true), (60 * MS, false)] {
+        let (svc, mut handle, margin) = limited(Idempotency::Safe, 3);
+        for _ in 0..AttemptLimit::MIN_SAMPLES {
+            margin.observe(p99);
+        }
+        handle.allow(2);
+        let started = Instant::now();
+        let call = tokio::spawn(svc.oneshot(request("", None)));
+        let (_first, unanswered) = handle.next_request().await.unwrap();
+        if abandoned {
+            let (_again, send) = handle.next_request().await.unwrap();
+            assert_eq!(started.elapsed(), (500 + 10) * MS);
+            send.send_response(status(200));
+            assert_eq!(call.await.unwrap().unwrap().status(), 200);
+        } else {
+            tokio::time::sleep(900 * MS).await;
+            unanswered.send_response(status(200));
+            assert_eq!(call.await.unwrap().unwrap().status(), 200);
+            assert_eq!(started.elapsed(), 900 * MS);
+        }
+    }
+}
+
+/// The attempt the call cannot retry (its last, or any attempt of a call sent once) runs until
+/// the deadline: cutting it short could only turn a late answer into a failure.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_cannot_be_retried_is_never_cut_short() {
+    // The last of two attempts.
+    let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 2);
+    handle.allow(3);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+    let (_first, _unanswered) = handle.next_request().await.unwrap();
+    let (_last, _unanswered_too) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (2, StopReason::Deadline)
+    );
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+
+    // An `Unsafe` call is sent once and waits for its answer until the deadline.
+    let (svc, mut handle, _margin) = limited(Idempotency::Unsafe, 3);
+    handle.allow(2);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", None)));
+    let (_once, _unanswered) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (1, StopReason::Deadline)
+    );
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+}
+
+/// An attempt is only limited when half the budget is past the floor: with a 400 ms deadline
+/// (half of it under the 250 ms floor) it runs until the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_too_short_for_two_limits_leaves_the_attempt_alone() {
+    let (svc, mut handle, _margin) = limited(Idempotency::Keyed, 3);
+    handle.allow(2);
+    let mut call = request("{\"a\":1}", Some("k-1"));
+    call.extensions_mut().insert(Deadline::after(400 * MS));
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(call));
+    let (_only, _unanswered) = handle.next_request().await.unwrap();
+    let err = call.await.unwrap().unwrap_err();
+    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    assert_eq!(
+        (stopped.attempts, stopped.reason),
+        (1, StopReason::Deadline)
+    );
+    assert_eq!(started.elapsed(), 400 * MS);
+}
+
+/// A transparent re-send's limit is half of what is left as it starts, not of what its first
+/// send had (which, for a re-send late in the call, would run past the deadline).
+#[tokio::test(start_paused = true)]
+async fn a_re_sent_attempt_is_limited_by_what_is_left_as_it_starts() {
+    use crate::client::transparent::TransparentRetry;
+
+    let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
+    let budget = RetryBudget::default();
+    let policy = policy_builder(budget.clone()).build().unwrap();
+    let svc = RetryLayer::new(policy, Idempotency::Keyed)
+        .attempt_limit(AttemptLimit::new(100 * MS, 10), measured())
+        .layer(TransparentRetry::new(svc, Some(budget)));
+    handle.allow(3);
+    let started = Instant::now();
+    let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", Some("k-1"))));
+
+    // The first send (limited to 500 ms) fails as never sent after 400 ms (a slow connect):
+    // re-sent at once with 600 ms left, so it may run 300 ms, not half of the first's 1 s.
+    let (_first, send) = handle.next_request().await.unwrap();
+    tokio::time::sleep(400 * MS).await;
+    send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+    let (_resent, _unanswered) = handle.next_request().await.unwrap();
+    let (retry, send) = handle.next_request().await.unwrap();
+    assert_eq!(started.elapsed(), (400 + 300 + 10) * MS);
+    assert_eq!(retry.headers()[&GRPC_PREVIOUS_RPC_ATTEMPTS], "1");
+    send.send_response(status(201));
+    assert_eq!(call.await.unwrap().unwrap().status(), 201);
+}
