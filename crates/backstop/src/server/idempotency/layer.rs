@@ -5,7 +5,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, header};
 use tower_layer::Layer;
 
-use super::{DEFAULT_MAX_BODY, Idempotency, KeyedRoute};
+use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
@@ -91,6 +91,14 @@ impl<St: Store> IdempotencyLayer<St> {
                 s.stored_headers.push(name)
             }
         })
+    }
+
+    /// The layer to put outside the gate, sharing this layer's routes and store: it reads
+    /// keyed requests' bodies and waits for running attempts with the same key without holding
+    /// a permit (see [`intake`](super::intake)). [`ServerStack`](crate::server::ServerStack)
+    /// places it.
+    pub fn intake(&self) -> IntakeLayer<St> {
+        IntakeLayer::new(self.shared.clone())
     }
 
     /// The store.
