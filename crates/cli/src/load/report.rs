@@ -233,8 +233,8 @@ pub(crate) struct HedgeResults {
     /// The hedge was dropped unanswered: the attempt it raced answered first (or the deadline
     /// passed with neither answered).
     lost: u64,
-    /// The service answered the hedge with an error: refused it (the same key in progress
-    /// past the hedge's budget, overload, quota) or failed it.
+    /// The hedge ended with an error: the service refused it (the same key still in progress
+    /// past the hedge's budget, overload, quota) or failed it, or the transport did.
     refused: u64,
 }
 
