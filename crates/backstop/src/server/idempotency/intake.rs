@@ -13,8 +13,8 @@
 //!   request runs itself. Only when its budget ends first is it answered 409
 //!   `request_in_progress` + `Retry-After`.
 //!
-//! The key, fingerprint and body read here travel to [`Idempotency`] as a request extension, so
-//! the request is read and fingerprinted once.
+//! The key, fingerprint and body read here travel to [`Idempotency`](super::Idempotency) as a
+//! request extension, so the request is read and fingerprinted once.
 
 use std::fmt;
 use std::future::Future;
