@@ -63,6 +63,12 @@ async fn pay(State(app): State<App>, Json(req): Json<Value>) -> Response {
         .into_response()
 }
 
+/// A route that is not keyed: echoes its JSON body.
+async fn lookup(State(app): State<App>, Json(req): Json<Value>) -> Response {
+    app.calls.fetch_add(1, Ordering::SeqCst);
+    Json(req).into_response()
+}
+
 fn authenticate(head: &http::request::Parts) -> Result<Tenant, Status> {
     match head.headers.get("authorization").map(|v| v.as_bytes()) {
         Some(b"Bearer key-a") => Ok(Tenant::new("merchant-a")),
@@ -84,6 +90,7 @@ async fn start<St: Store>(store: St, max_inflight: usize) -> Server {
     let app = App::default();
     let stack = ServerStack::new("payments", store)
         .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .buffered(Method::POST, "/v1/lookup")
         .authenticate(authenticate)
         // Quotas are not under test: hundreds of requests a second per merchant.
         .tenant_buckets(KeyedTokenBucket::new(
@@ -96,6 +103,7 @@ async fn start<St: Store>(store: St, max_inflight: usize) -> Server {
         .gate(Gate::new(max_inflight, Duration::from_millis(5)));
     let router = Router::new()
         .route("/v1/payments", post(pay))
+        .route("/v1/lookup", post(lookup))
         .layer(stack.into_layer())
         .with_state(app.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -319,6 +327,33 @@ async fn stalled_http1_bodies_hold_no_gate_permit() {
         held.push(socket);
     }
     stalled_bodies_leave_room_for_others(&server).await;
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_bodies_on_a_buffered_route_hold_no_gate_permit() {
+    let server = start(MemoryStore::new(), MAX_INFLIGHT).await;
+    let mut held = Vec::new();
+    for _ in 0..STALLED {
+        let mut socket = TcpStream::connect(server.addr).await.unwrap();
+        let head = "POST /v1/lookup HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-a\r\n\
+                    content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":";
+        socket.write_all(head.as_bytes()).await.unwrap();
+        held.push(socket);
+    }
+    stalled_bodies_leave_room_for_others(&server).await;
+    let looked_up = server
+        .http
+        .post(format!("{}/v1/lookup", server.base))
+        .header("authorization", "Bearer key-b")
+        .header("content-type", "application/json")
+        .header("grpc-timeout", "5S")
+        .body(r#"{"id":"x"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(looked_up.status(), StatusCode::OK);
+    assert_eq!(looked_up.text().await.unwrap(), r#"{"id":"x"}"#);
     drop(held);
 }
 

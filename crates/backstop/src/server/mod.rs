@@ -207,6 +207,14 @@ impl<St: Store> ServerStack<St> {
         self
     }
 
+    /// Names a route that is not keyed in the metrics and has its whole body read before the
+    /// gate (see [`IdempotencyLayer::buffered`]): for unary calls, never a streaming route.
+    pub fn buffered(mut self, method: Method, pattern: &str) -> Self {
+        self.metrics = self.metrics.route(method.clone(), pattern);
+        self.idempotency = self.idempotency.buffered(method, pattern);
+        self
+    }
+
     /// The finished layer.
     pub fn into_layer(self) -> ServerStackLayer<St> {
         ServerStackLayer { parts: self }

@@ -145,7 +145,8 @@ pub fn build_routers<St: Store>(
         .keyed(Method::POST, "/v1/payments", keyed)
         .route(Method::GET, "/v1/payments/{intent_id}")
         .keyed(Method::POST, grpc::CHARGE, keyed)
-        .route(Method::POST, grpc::GET_CHARGE)
+        // Unary and small: its body is read before the gate, like Charge's.
+        .buffered(Method::POST, grpc::GET_CHARGE)
         .peer_from(|ext| {
             ext.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
                 .map(|info| info.0)

@@ -13,6 +13,9 @@
 //!   request runs itself. Only when its budget ends first is it answered 409
 //!   `request_in_progress` + `Retry-After`.
 //!
+//! Routes declared with [`IdempotencyLayer::buffered`](super::IdempotencyLayer::buffered)
+//! (unary calls that are not keyed) have their bodies read here too, within the same caps.
+//!
 //! The key, fingerprint and body read here travel to [`Idempotency`](super::Idempotency) as a
 //! request extension, so the request is read and fingerprinted once.
 
@@ -33,7 +36,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::layer::Shared;
-use super::{BoxError, InProgress, KeyedRoute, prepare};
+use super::{BoxError, InProgress, KeyedRoute, prepare, read_body};
 use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::{IdempotencyKey, RecordStatus, Store};
@@ -130,23 +133,25 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let Some(route) = self
-            .shared
-            .route_for(request.method(), request.uri().path())
-        else {
+        let (method, path) = (request.method(), request.uri().path());
+        let route = self.shared.route_for(method, path);
+        if route.is_none() && !self.shared.is_buffered(method, path) {
             return IntakeFuture {
                 kind: Kind::Passthrough {
                     fut: self.inner.call(request),
                 },
             };
-        };
+        }
         // The ready service answers the first call; later calls wait for readiness again.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        let fut: Keyed<ResBody, S::Error> = match route {
+            Some(route) => Box::pin(intake(shared, route, inner, request)),
+            None => Box::pin(buffer(shared, inner, request)),
+        };
         IntakeFuture {
-            kind: Kind::Keyed {
-                fut: Box::pin(intake(self.shared.clone(), route, inner, request)),
-            },
+            kind: Kind::Keyed { fut },
         }
     }
 }
@@ -196,6 +201,29 @@ where
             KindProj::Passthrough { fut } => fut.poll(cx),
             KindProj::Keyed { fut } => fut.as_mut().poll(cx),
         }
+    }
+}
+
+/// Reads the whole body of a request to a buffered route, then sends it on.
+async fn buffer<S, St, ReqBody, ResBody>(
+    shared: Arc<Shared<St>>,
+    mut inner: S,
+    request: Request<ReqBody>,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: From<Bytes>,
+{
+    let (head, body) = request.into_parts();
+    match read_body(&shared, &head, body).await {
+        Ok(body) => {
+            inner
+                .call(Request::from_parts(head, ReqBody::from(body)))
+                .await
+        }
+        Err(refusal) => Ok(refusal),
     }
 }
 

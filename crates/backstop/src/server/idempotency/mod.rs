@@ -98,7 +98,7 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use self::layer::Shared;
-use super::grpc::read_unary;
+use super::grpc::{PREFIX_LEN, read_unary};
 use super::metrics::Route;
 use super::problem::{Problem, Protocol, grpc_status};
 use super::tenant::Tenant;
@@ -441,19 +441,41 @@ where
     let protocol = Protocol::of(&head.headers);
     let key =
         key_of(&head.headers).map_err(|(code, detail)| bad_request(code, detail, protocol))?;
-
+    let body = read_body(shared, head, body).await?;
     let operation = format!("{} {}", head.method, head.uri.path());
+    let fingerprint = match protocol {
+        // `read_body` checked the frame: the message follows its prefix.
+        Protocol::Grpc => Fingerprint::of_bytes(&operation, &body[PREFIX_LEN..]),
+        Protocol::Http => Fingerprint::of_json(&operation, &body)
+            .map_err(|_| bad_request(INVALID_BODY, "the request body must be JSON", protocol))?,
+    };
+    Ok(Prepared {
+        key,
+        fingerprint,
+        body,
+    })
+}
+
+/// A request's whole body within the caps: for gRPC exactly one framed message (its length
+/// prefix checked before the message is read), for HTTP at most `max_body` bytes (an
+/// announced larger `Content-Length` refused before a byte is read).
+async fn read_body<St, ReqBody, B>(
+    shared: &Shared<St>,
+    head: &http::request::Parts,
+    body: ReqBody,
+) -> Result<Bytes, Response<B>>
+where
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    B: From<Bytes>,
+{
+    let protocol = Protocol::of(&head.headers);
     match protocol {
         Protocol::Grpc => match read_unary(body, shared.max_message).await {
-            Ok(message) => Ok(Prepared {
-                key,
-                fingerprint: Fingerprint::of_bytes(&operation, message.message()),
-                body: message.framed().clone(),
-            }),
+            Ok(message) => Ok(message.framed().clone()),
             Err(status) => Err(Problem::from_status(&status).into_response_for(protocol)),
         },
         Protocol::Http => {
-            // Refuse an announced oversized body before reading a byte of it.
             let announced = head
                 .headers
                 .get(header::CONTENT_LENGTH)
@@ -462,29 +484,15 @@ where
             if announced.is_some_and(|len| len > shared.max_body as u64) {
                 return Err(too_large(shared.max_body));
             }
-            let body = match Limited::new(body, shared.max_body).collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(e) if e.is::<LengthLimitError>() => return Err(too_large(shared.max_body)),
-                Err(_) => {
-                    return Err(bad_request(
-                        INVALID_BODY,
-                        "the request body could not be read",
-                        protocol,
-                    ));
-                }
-            };
-            let Ok(fingerprint) = Fingerprint::of_json(&operation, &body) else {
-                return Err(bad_request(
+            match Limited::new(body, shared.max_body).collect().await {
+                Ok(collected) => Ok(collected.to_bytes()),
+                Err(e) if e.is::<LengthLimitError>() => Err(too_large(shared.max_body)),
+                Err(_) => Err(bad_request(
                     INVALID_BODY,
-                    "the request body must be JSON",
+                    "the request body could not be read",
                     protocol,
-                ));
-            };
-            Ok(Prepared {
-                key,
-                fingerprint,
-                body,
-            })
+                )),
+            }
         }
     }
 }

@@ -921,6 +921,33 @@ mod grpc {
     }
 
     #[tokio::test]
+    async fn buffered_route_is_read_before_the_inner_service_within_the_cap() {
+        const GET: &str = "/payment.v1.Payment/GetCharge";
+        let store = MemoryStore::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = grpc_layer(&store)
+            .buffered(Method::POST, GET)
+            .intake()
+            .layer(handler(calls.clone(), 0));
+        let to_get = |body: Bytes| {
+            let mut req = call(None, body);
+            *req.uri_mut() = http::Uri::from_static(GET);
+            req
+        };
+        let bomb = Bytes::from_static(&[0, 0xFF, 0xFF, 0xFF, 0xFF]);
+        let refused = send_grpc(&svc, to_get(bomb)).await;
+        assert_eq!(refused.headers["grpc-status"], "8");
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "refused from the prefix");
+        let answered = send_grpc(&svc, to_get(framed(b"id"))).await;
+        assert_eq!(answered.trailers.unwrap()["grpc-status"], "0");
+        assert_eq!(
+            answered.body,
+            framed(b"id").iter().copied().chain([1]).collect::<Vec<_>>()
+        );
+        assert!(store.is_empty(), "no key, no record");
+    }
+
+    #[tokio::test]
     async fn error_codes_fail_or_release_the_record_like_http() {
         let store = MemoryStore::new();
         for (code, key, expected) in [
