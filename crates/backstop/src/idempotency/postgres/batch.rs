@@ -22,9 +22,10 @@
 //! - A call whose start-by time passes before it runs is answered at once without being sent
 //!   (nothing written); one whose caller went away is dropped before it runs.
 //! - A call that was sent is always answered with what the database did: a caller that waits
-//!   for its answer knows whether its claim was taken, and can release it. Only the store's
-//!   timeout bounds a batch; one that does not finish by then is abandoned and its connection
-//!   discarded (a connection left mid-pipeline cannot be reused).
+//!   for its answer knows whether its claim was taken, and can release it. A batch is waited
+//!   for until the latest deadline of its callers, and at least the store's timeout; one that
+//!   does not finish by then is abandoned and its connection discarded (a connection left
+//!   mid-pipeline cannot be reused).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -325,7 +326,7 @@ impl Writer {
                 ..self.pool.timeouts()
             };
             match timeout_at(start.until, self.pool.timeout_get(&now)).await {
-                Ok(Ok(client)) => return self.run_at_once(client, &op).await,
+                Ok(Ok(client)) => return self.run_at_once(client, &op, start).await,
                 Ok(Err(PoolError::Timeout(TimeoutType::Wait))) => {}
                 Ok(Err(e)) => return Err(PgError::connect(e)),
                 // Nothing to wait for but a new connection: the database is slow to answer.
@@ -344,10 +345,16 @@ impl Writer {
         answer.await.map_err(|_| PgError::Closed)?
     }
 
-    async fn run_at_once(&self, client: Object, op: &Op) -> Result<Outcome, PgError> {
+    async fn run_at_once(
+        &self,
+        client: Object,
+        op: &Op,
+        start: StartBy,
+    ) -> Result<Outcome, PgError> {
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.jobs.fetch_add(1, Ordering::Relaxed);
-        match timeout_at(Instant::now() + self.timeout, run_one(&client, op)).await {
+        let until = answer_by(start.until, self.timeout);
+        match timeout_at(until, run_one(&client, op)).await {
             Ok(outcome) => Ok(outcome?),
             Err(_) => {
                 // The connection may be mid-statement: never hand it out again.
@@ -424,8 +431,17 @@ async fn drive(
         counters
             .jobs
             .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        run_batch(client, &mut jobs, Instant::now() + timeout).await;
+        let latest = jobs.iter().map(|job| job.start.until).max();
+        let until = answer_by(latest.unwrap_or_else(Instant::now), timeout);
+        run_batch(client, &mut jobs, until).await;
     }
+}
+
+/// How long a sent statement is waited for: until its caller's start-by time (the request's
+/// deadline, for a request), and at least `timeout` from now. Never cut short at a deadline
+/// that is about to pass: the caller must learn what its statement did.
+fn answer_by(start_by: Instant, timeout: Duration) -> Instant {
+    start_by.max(Instant::now() + timeout)
 }
 
 /// Runs and answers every job of `jobs` (leaving it empty) on `client`, giving up at `until`.

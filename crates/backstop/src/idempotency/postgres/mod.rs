@@ -30,7 +30,8 @@
 //! request's [`Deadline`] allows when one is set ([`Deadline::scope`]; the server's
 //! idempotency layer sets it): when that passes first the claim is
 //! [`StoreError::DeadlineExceeded`] and nothing was sent. Once a statement is sent, its answer
-//! is awaited (bounded by [`PostgresOptions::timeout`] alone), so the caller always learns
+//! is awaited (until the request's deadline, and at least [`PostgresOptions::timeout`]; never
+//! cut short because the deadline is about to pass), so the caller always learns
 //! whether its claim was taken and can release it; cutting a statement at the request's
 //! deadline would leave a committed claim nobody knows of. Outcomes (complete, fail, release)
 //! finish the request's record, so the request's deadline does not bound them at all.
@@ -342,12 +343,14 @@ impl PostgresStore {
             .map(|_| ())
     }
 
-    /// Runs an outcome statement. It finishes a request's record, so only the store's timeout
-    /// bounds it: a `fail` or `release` given up at the request's deadline would leave the key
-    /// held until its lease ends.
+    /// Runs an outcome statement. It finishes a request's record, so the request's deadline
+    /// never cuts it short (a `fail` or `release` given up at the deadline would leave the key
+    /// held until its lease ends): it may take until that deadline, and at least the store's
+    /// timeout.
     async fn changed(&self, op: Op) -> Result<u64, StoreError> {
+        let at_least = Instant::now() + self.timeout;
         let start = StartBy {
-            until: Instant::now() + self.timeout,
+            until: Deadline::current().map_or(at_least, |d| d.instant().max(at_least)),
             by_request: false,
         };
         match self.writer.run(op, start).await? {
