@@ -301,10 +301,11 @@ async fn same_key_in_flight_is_409_when_the_budget_ends_first() {
     );
 }
 
-/// Merchant A opens more stalled requests (headers sent, body never finished) than the server
-/// has places; merchant B's payment must still get one.
+/// Merchant A opens more stalled requests (headers sent, body never finished, a 60 s budget)
+/// than the server has places; merchant B's payment must still get one. Its 20 s budget ends
+/// long before A's requests do: a place freed by one of them cannot serve it.
 async fn stalled_bodies_leave_room_for_others(server: &Server) {
-    let paid = server.pay("b-1", &order("b-order-1"), Some("5S")).await;
+    let paid = server.pay("b-1", &order("b-order-1"), Some("20S")).await;
     assert_eq!(paid.status(), StatusCode::CREATED, "merchant B is served");
     assert_eq!(server.app.calls.load(Ordering::SeqCst), 1, "A never ran");
 }
@@ -321,7 +322,7 @@ async fn stalled_http1_bodies_hold_no_gate_permit() {
         let head = format!(
             "POST /v1/payments HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-a\r\n\
              idempotency-key: a-{i}\r\ncontent-type: application/json\r\n\
-             content-length: 100\r\n\r\n{{\"order_id\":"
+             grpc-timeout: 60S\r\ncontent-length: 100\r\n\r\n{{\"order_id\":"
         );
         socket.write_all(head.as_bytes()).await.unwrap();
         held.push(socket);
@@ -337,7 +338,8 @@ async fn stalled_bodies_on_a_buffered_route_hold_no_gate_permit() {
     for _ in 0..STALLED {
         let mut socket = TcpStream::connect(server.addr).await.unwrap();
         let head = "POST /v1/lookup HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-a\r\n\
-                    content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":";
+                    content-type: application/json\r\ngrpc-timeout: 60S\r\n\
+                    content-length: 100\r\n\r\n{\"id\":";
         socket.write_all(head.as_bytes()).await.unwrap();
         held.push(socket);
     }
@@ -347,7 +349,7 @@ async fn stalled_bodies_on_a_buffered_route_hold_no_gate_permit() {
         .post(format!("{}/v1/lookup", server.base))
         .header("authorization", "Bearer key-b")
         .header("content-type", "application/json")
-        .header("grpc-timeout", "5S")
+        .header("grpc-timeout", "20S")
         .body(r#"{"id":"x"}"#)
         .send()
         .await
@@ -370,6 +372,7 @@ async fn stalled_http2_bodies_hold_no_gate_permit() {
             .header("authorization", "Bearer key-a")
             .header("idempotency-key", format!("a-{i}"))
             .header("content-type", "application/json")
+            .header("grpc-timeout", "60S")
             .body(())
             .unwrap();
         let (response, mut stream) = client.send_request(request, false).unwrap();
