@@ -11,7 +11,8 @@
 //!   store with backoff, so it works across instances sharing a store) and then claims again:
 //!   the stored answer is replayed, or, if the attempt failed retryably or was released, this
 //!   request runs itself. Only when its budget ends first is it answered 409
-//!   `request_in_progress` + `Retry-After`.
+//!   `request_in_progress` + `Retry-After`. A waiter is woken at once when the attempt runs
+//!   on the same instance.
 //!
 //! Routes declared with [`IdempotencyLayer::buffered`](super::IdempotencyLayer::buffered)
 //! (unary calls that are not keyed) have their bodies read here too, within the same caps.
@@ -274,8 +275,8 @@ where
 }
 
 /// Waits until the record of `key` is no longer running under a live lease (completed,
-/// failed, released, or its runner gone), looking with growing pauses. False when `give_up`
-/// comes first.
+/// failed, released, or its runner gone), looking with growing pauses and woken at once when
+/// the attempt settles on this instance. False when `give_up` comes first.
 async fn finished<St: Store>(
     shared: &Shared<St>,
     scope: &str,
@@ -283,23 +284,28 @@ async fn finished<St: Store>(
     give_up: Instant,
     pause: &mut Duration,
 ) -> bool {
+    let settled = shared.settled.watch(scope, key);
     loop {
-        let now = Instant::now();
-        if now >= give_up {
-            return false;
-        }
-        sleep_until((now + *pause).min(give_up)).await;
-        *pause = (*pause * 2).min(MAX_PAUSE);
+        // Registered before the look, so a settling after it is not missed.
+        let woken = settled.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
         match timeout_at(give_up, shared.store.get(scope, key)).await {
             Err(_) => return false,
             Ok(Ok(Some(record)))
                 if record.status == RecordStatus::Running
-                    && record.lease_until_ms > shared.clock.now_ms() =>
-            {
-                continue;
-            }
+                    && record.lease_until_ms > shared.clock.now_ms() => {}
             // Settled, or the store could not say: the claim decides.
             Ok(_) => return true,
         }
+        let now = Instant::now();
+        if now >= give_up {
+            return false;
+        }
+        tokio::select! {
+            () = sleep_until((now + *pause).min(give_up)) => {}
+            () = woken => {}
+        }
+        *pause = (*pause * 2).min(MAX_PAUSE);
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, header};
 use tower_layer::Layer;
 
+use super::settled::Settled;
 use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
@@ -27,6 +28,8 @@ pub(super) struct Shared<St> {
     pub(super) max_body: usize,
     pub(super) max_message: usize,
     pub(super) stored_headers: Vec<HeaderName>,
+    /// Wakes this instance's waiters for a key when its attempt settles.
+    pub(super) settled: Settled,
 }
 
 impl<St> Clone for IdempotencyLayer<St> {
@@ -61,6 +64,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 max_body: DEFAULT_MAX_BODY,
                 max_message: DEFAULT_MAX_MESSAGE,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+                settled: Settled::default(),
             }),
         }
     }
@@ -135,6 +139,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     max_body: old.max_body,
                     max_message: old.max_message,
                     stored_headers: old.stored_headers.clone(),
+                    settled: Settled::default(),
                 };
                 f(&mut shared);
                 self.shared = Arc::new(shared);

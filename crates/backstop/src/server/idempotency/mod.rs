@@ -79,6 +79,7 @@ pub mod body;
 pub mod future;
 pub mod intake;
 mod layer;
+mod settled;
 
 pub use self::body::ResponseBody;
 pub use self::intake::IntakeLayer;
@@ -262,7 +263,7 @@ where
         ttl: route.ttl,
         now_ms: shared.clock.now_ms(),
     };
-    let claim = match ClaimInFlight::new(shared.store.clone(), claim).await {
+    let claim = match ClaimInFlight::new(shared.clone(), claim).await {
         Ok(claim) => claim,
         // The request's own budget ran out before the store was reached: its deadline, not a
         // store failure (nothing was written).
@@ -392,6 +393,7 @@ where
             {
                 tracing::error!(target: "backstop::server", %error, "idempotency complete failed");
             }
+            shared.settled.settle(&lease.scope, &lease.key);
             guard.disarm();
             Ok(Response::from_parts(
                 parts,
@@ -536,21 +538,21 @@ type PendingClaim = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Sen
 /// Instead, a dropped `ClaimInFlight` hands the claim to a spawned task, which releases the
 /// key if the claim was taken: the request did nothing, so it leaves nothing behind.
 struct ClaimInFlight<St: Store> {
-    store: St,
+    shared: Arc<Shared<St>>,
     claim: Option<PendingClaim>,
 }
 
 impl<St: Store> ClaimInFlight<St> {
-    fn new(store: St, request: ClaimRequest) -> Self {
-        let claimer = store.clone();
+    fn new(shared: Arc<Shared<St>>, request: ClaimRequest) -> Self {
+        let store = shared.store.clone();
         Self {
-            store,
-            claim: Some(Box::pin(async move { claimer.claim(request).await })),
+            shared,
+            claim: Some(Box::pin(async move { store.claim(request).await })),
         }
     }
 }
 
-// The boxed claim is pinned on the heap; the store is never pinned.
+// The boxed claim is pinned on the heap; nothing else is ever pinned.
 impl<St: Store> Unpin for ClaimInFlight<St> {}
 
 impl<St: Store> Future for ClaimInFlight<St> {
@@ -575,12 +577,10 @@ impl<St: Store> Drop for ClaimInFlight<St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.store.clone();
+        let shared = self.shared.clone();
         runtime.spawn(async move {
             if let Ok(Claim::Claimed(lease)) = claim.await {
-                if let Err(error) = store.release(&lease).await {
-                    tracing::warn!(target: "backstop::server", %error, "release of an abandoned claim failed");
-                }
+                release(&shared, &lease).await;
             }
         });
     }
@@ -590,6 +590,7 @@ async fn release<St: Store>(shared: &Shared<St>, lease: &Lease) {
     if let Err(error) = shared.store.release(lease).await {
         tracing::warn!(target: "backstop::server", %error, "idempotency release failed");
     }
+    shared.settled.settle(&lease.scope, &lease.key);
 }
 
 /// What a gRPC code does to the record: the HTTP rule applied to the code's HTTP status
@@ -637,11 +638,12 @@ async fn fail<St: Store>(shared: &Shared<St>, lease: &Lease) {
     if let Err(error) = shared.store.fail(lease, shared.clock.now_ms()).await {
         tracing::warn!(target: "backstop::server", %error, "idempotency fail failed");
     }
+    shared.settled.settle(&lease.scope, &lease.key);
 }
 
 /// Marks the record failed if the flow is dropped while it owns the lease.
 struct FailOnDrop<'a, St: Store> {
-    shared: &'a Shared<St>,
+    shared: &'a Arc<Shared<St>>,
     lease: Option<&'a Lease>,
 }
 
@@ -659,14 +661,9 @@ impl<St: Store> Drop for FailOnDrop<'_, St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.shared.store.clone();
-        let now_ms = self.shared.clock.now_ms();
+        let shared = self.shared.clone();
         let lease = lease.clone();
-        runtime.spawn(async move {
-            if let Err(error) = store.fail(&lease, now_ms).await {
-                tracing::warn!(target: "backstop::server", %error, "idempotency fail after drop failed");
-            }
-        });
+        runtime.spawn(async move { fail(&shared, &lease).await });
     }
 }
 

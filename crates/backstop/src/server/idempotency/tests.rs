@@ -693,6 +693,27 @@ async fn same_key_in_flight_waits_and_replays_the_first_answer() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn waiter_is_answered_as_soon_as_the_attempt_settles_on_this_instance() {
+    let stacked = Stacked::new();
+    let svc = stacked.service(4);
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    stacked.entered(1).await;
+    let waiter = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    // Long enough for the waiter's pauses between looks to have grown to their longest.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let settled_at = tokio::time::Instant::now();
+    stacked.release.add_permits(1);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let waiter = waiter.await.unwrap().unwrap();
+    assert_eq!(waiter.headers()[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(
+        settled_at.elapsed(),
+        Duration::ZERO,
+        "woken by the settling, not by its next look at the store"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn same_key_waits_out_a_failed_attempt_then_runs_itself() {
     let stacked = Stacked::new();
     let svc = stacked.service(4);
