@@ -64,9 +64,11 @@
 //! [`ServerStack`](server::ServerStack) applies, outermost first: **deadline** (read
 //! `grpc-timeout` the moment the request arrives, so queueing counts against the budget; a late
 //! answer becomes 504) -> **metrics** (sees every request, the refused ones too) -> **tenant**
-//! (who is calling) -> **rate limit** (429: the cheapest refusal first) -> **gate** (503: our
-//! own capacity) -> **idempotency** (last, so a request refused above leaves its key unused, and
-//! only admitted requests pay for reading the body and a store round trip).
+//! (who is calling) -> **rate limit** (429: the cheapest refusal first) -> **idempotency
+//! intake** (reads a keyed request's body, and waits for a running attempt with the same key,
+//! holding no capacity) -> **gate** (503: our own capacity) -> **idempotency** (last, so a
+//! request refused above leaves its key unused, and only admitted requests pay for a store
+//! round trip).
 //!
 //! # Example: the whole stack on an axum app
 //!

@@ -251,13 +251,17 @@ async fn same_key_with_other_parameters_silently_accepted() {
 }
 
 #[tokio::test]
-async fn concurrent_retry_gets_in_progress_with_retry_after() {
+async fn concurrent_retry_whose_budget_ends_first_gets_in_progress_with_retry_after() {
     let s = server().await;
     let first = tokio::spawn(s.pay("acme", Some("k-slow"), &order("slow-1", 100)).send());
     s.app.entered.notified().await;
 
+    // The retry waits for the first attempt's answer, but no longer than its own budget.
     let retry = s
-        .send(s.pay("acme", Some("k-slow"), &order("slow-1", 100)))
+        .send(
+            s.pay("acme", Some("k-slow"), &order("slow-1", 100))
+                .header("grpc-timeout", "200m"),
+        )
         .await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(retry.code(), "request_in_progress");

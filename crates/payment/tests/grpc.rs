@@ -158,7 +158,7 @@ async fn same_order_other_key_is_already_exists() {
 }
 
 #[tokio::test]
-async fn same_key_in_progress_is_aborted_with_pushback() {
+async fn same_key_in_progress_past_the_budget_is_aborted_with_pushback() {
     let h = Arc::new(Harness::start().await);
     h.latency(Duration::from_millis(1500));
     let slow = {
@@ -166,9 +166,16 @@ async fn same_key_in_progress_is_aborted_with_pushback() {
         tokio::spawn(async move { charge(&h, "g-order-p", 100, Some("g-key-p"), FIVE_S).await })
     };
     until_claimed(&h, 1).await;
-    let busy = charge(&h, "g-order-p", 100, Some("g-key-p"), FIVE_S)
-        .await
-        .unwrap_err();
+    // It would wait for the running call's answer, but its own deadline ends first.
+    let busy = charge(
+        &h,
+        "g-order-p",
+        100,
+        Some("g-key-p"),
+        Duration::from_millis(300),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(busy.code(), Code::Aborted, "{busy:?}");
     assert!(pushback_ms(&busy).is_some_and(|ms| ms >= 1), "{busy:?}");
     let slow = slow.await.unwrap().expect("the first attempt finishes");

@@ -268,21 +268,15 @@ async fn concurrent_first_attempts_with_one_key_charge_once() {
         }));
     }
     let mut created = Vec::new();
-    let mut in_progress = 0;
     for t in tasks {
         let r = t.await.unwrap();
         match r.status {
             StatusCode::CREATED => created.push(r),
-            StatusCode::CONFLICT => {
-                assert_eq!(r.code(), "request_in_progress", "{:?}", r.json);
-                assert!(r.header("retry-after").is_some());
-                in_progress += 1;
-            }
             other => panic!("unexpected {other}: {:?}", r.json),
         }
     }
-    assert!(!created.is_empty());
-    assert_eq!(created.len() + in_progress, 32);
+    // Those that found the key running waited for its answer: all 32 have it, none a 409.
+    assert_eq!(created.len(), 32);
     assert!(created.iter().all(|r| r.bytes == created[0].bytes));
     assert_eq!(h.intent_count().await, 1);
     assert_eq!(h.charges("order-32").await.len(), 1);

@@ -205,6 +205,10 @@ pub enum StoreError {
         /// Which field is wrong.
         what: &'static str,
     },
+    /// The request's deadline passed before the operation reached the backend: nothing was
+    /// written. The server answers it as the deadline it is (504), not as a store failure.
+    #[error("the request's deadline passed before the idempotency store was reached")]
+    DeadlineExceeded,
     /// The SQLite backend failed.
     #[cfg(feature = "sqlite")]
     #[error("SQLite idempotency store failed")]

@@ -27,10 +27,14 @@
 //!    idempotency scope.
 //! 4. [`rate_limit`]: a tenant over quota gets 429. Cheap rejections come first: a token
 //!    bucket check costs nanoseconds and protects the gate from a single noisy tenant.
-//! 5. [`gate`]: our own capacity; 503 when the request could not start within its budget.
-//! 6. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
+//! 5. [`idempotency::intake`]: reads a keyed request's key and body (bounded by the body cap
+//!    and the deadline) before the gate, so a client sending its body slowly, or never
+//!    finishing it, holds no permit another tenant needs; and waits, holding no permit, for a
+//!    running attempt with the same key to finish, then has its answer replayed.
+//! 6. [`gate`]: our own capacity; 503 when the request could not start within its budget.
+//! 7. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
-//!    and only admitted requests pay for reading the body and a store round trip.
+//!    and only admitted requests pay for a store round trip.
 //!
 //! # Example
 //!
@@ -203,6 +207,14 @@ impl<St: Store> ServerStack<St> {
         self
     }
 
+    /// Names a route that is not keyed in the metrics and has its whole body read before the
+    /// gate (see [`IdempotencyLayer::buffered`]): for unary calls, never a streaming route.
+    pub fn buffered(mut self, method: Method, pattern: &str) -> Self {
+        self.metrics = self.metrics.route(method.clone(), pattern);
+        self.idempotency = self.idempotency.buffered(method, pattern);
+        self
+    }
+
     /// The finished layer.
     pub fn into_layer(self) -> ServerStackLayer<St> {
         ServerStackLayer { parts: self }
@@ -220,13 +232,15 @@ fn default_buckets() -> KeyedTokenBucket {
 pub type ServerStackService<S, St> = deadline::DeadlineService<
     metrics::Metrics<
         tenant::SetTenant<
-            rate_limit::RateLimit<gate::GateService<idempotency::Idempotency<S, St>>>,
+            rate_limit::RateLimit<
+                idempotency::intake::Intake<gate::GateService<idempotency::Idempotency<S, St>>, St>,
+            >,
         >,
     >,
 >;
 
-/// The composed layer made by [`ServerStack::into_layer`]:
-/// deadline → metrics → tenant → rate limit → gate → idempotency → your service.
+/// The composed layer made by [`ServerStack::into_layer`]: deadline → metrics → tenant →
+/// rate limit → idempotency intake → gate → idempotency → your service.
 #[derive(Debug, Clone)]
 pub struct ServerStackLayer<St> {
     parts: ServerStack<St>,
@@ -252,6 +266,7 @@ impl<S, St: Store> Layer<S> for ServerStackLayer<St> {
             .layer(p.metrics.clone())
             .layer(p.tenant.clone())
             .layer(p.rate_limit.clone())
+            .layer(p.idempotency.intake())
             .layer(p.gate.clone())
             .layer(p.idempotency.clone())
             .service(inner)

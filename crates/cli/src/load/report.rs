@@ -70,6 +70,7 @@ pub(crate) struct Tally {
     attempts: u64,
     retries: u64,
     hedges: u64,
+    hedge_results: HedgeResults,
     transparent_retries: u64,
     /// Scheduled logical requests not started because `--concurrency` were already in flight.
     skipped: u64,
@@ -95,6 +96,7 @@ impl Tally {
             attempts: 0,
             retries: 0,
             hedges: 0,
+            hedge_results: HedgeResults::default(),
             transparent_retries: 0,
             skipped: 0,
             unsent: 0,
@@ -111,6 +113,7 @@ impl Tally {
             self.transparent_retries += 1;
         } else if a.hedge {
             self.hedges += 1;
+            self.hedge_results.count(a.outcome);
         } else if a.number > 1 {
             self.retries += 1;
         }
@@ -142,6 +145,7 @@ impl Tally {
         self.attempts += other.attempts;
         self.retries += other.retries;
         self.hedges += other.hedges;
+        self.hedge_results.add(other.hedge_results);
         self.transparent_retries += other.transparent_retries;
         self.skipped += other.skipped;
         self.unsent += other.unsent;
@@ -209,6 +213,7 @@ impl Tally {
             attempts: self.attempts,
             retries: self.retries,
             hedges: self.hedges,
+            hedge_results: self.hedge_results,
             transparent_retries: self.transparent_retries,
             // Retries per logical request, never per attempt (DESIGN section 6).
             retry_ratio: if self.logical == 0 {
@@ -222,6 +227,35 @@ impl Tally {
             latency_ms,
             stop_reasons: self.stop_reasons.clone(),
         }
+    }
+}
+
+/// How the hedges of a run ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub(crate) struct HedgeResults {
+    /// The hedge answered with a success first: its answer was the one used.
+    won: u64,
+    /// The hedge was dropped unanswered: the attempt it raced answered first (or the deadline
+    /// passed with neither answered).
+    lost: u64,
+    /// The hedge ended with an error: the service refused it (the same key still in progress
+    /// past the hedge's budget, overload, quota) or failed it, or the transport did.
+    refused: u64,
+}
+
+impl HedgeResults {
+    fn count(&mut self, outcome: AttemptOutcome) {
+        match outcome {
+            AttemptOutcome::Done(Outcome::Ok) => self.won += 1,
+            AttemptOutcome::Cancelled | AttemptOutcome::Done(Outcome::Timeout) => self.lost += 1,
+            AttemptOutcome::Done(_) => self.refused += 1,
+        }
+    }
+
+    fn add(&mut self, other: HedgeResults) {
+        self.won += other.won;
+        self.lost += other.lost;
+        self.refused += other.refused;
     }
 }
 
@@ -255,6 +289,8 @@ pub(crate) struct Summary {
     /// Extra attempts sent while a slow one was still running (at most one per logical
     /// request).
     hedges: u64,
+    /// How the hedges ended: won, lost or refused.
+    hedge_results: HedgeResults,
     /// Attempts sent again, at once, because they provably never reached the server (refused
     /// connection or stream); not counted in `retries`.
     transparent_retries: u64,
@@ -292,6 +328,11 @@ impl Summary {
             self.hedges,
             self.transparent_retries,
             self.retry_ratio
+        );
+        let _ = writeln!(
+            out,
+            "hedges: won={} lost={} refused={}",
+            self.hedge_results.won, self.hedge_results.lost, self.hedge_results.refused
         );
         let _ = writeln!(out, "goodput {:.1}/s", self.goodput_per_s);
         let _ = writeln!(out, "outcomes (logical): {}", join(&self.outcomes));
@@ -391,6 +432,42 @@ mod tests {
             s.render()
                 .contains("transparent retries 1  retry ratio 1.000")
         );
+    }
+
+    #[test]
+    fn hedges_are_counted_as_won_lost_or_refused() {
+        let mut t = Tally::new();
+        let hedge = |outcome: AttemptOutcome| AttemptRecord {
+            hedge: true,
+            outcome,
+            ..attempt(2, 5, Outcome::Ok)
+        };
+        t.attempt(hedge(Outcome::Ok.into()));
+        t.attempt(hedge(AttemptOutcome::Cancelled));
+        t.attempt(hedge(Outcome::Timeout.into()));
+        t.attempt(hedge(Outcome::Retryable.into()));
+        t.attempt(hedge(Outcome::Fatal.into()));
+        // Not hedges: a retry and a transparent re-send.
+        t.attempt(attempt(2, 5, Outcome::Ok));
+        t.attempt(AttemptRecord {
+            resend: true,
+            ..attempt(2, 5, Outcome::Retryable)
+        });
+        let mut merged = Tally::new();
+        merged.merge(t);
+        let s = merged.summary(Duration::from_secs(1), "backstop", "http://x");
+        assert_eq!(s.hedges, 5);
+        assert_eq!(
+            s.hedge_results,
+            HedgeResults {
+                won: 1,
+                lost: 2,
+                refused: 2
+            }
+        );
+        assert!(s.render().contains("hedges: won=1 lost=2 refused=2"));
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["hedge_results"]["refused"], 2);
     }
 
     #[test]

@@ -12,9 +12,9 @@
 //! |---|---|
 //! | charged (or replayed: `idempotent-replayed: true`) | `OK`, `status` `succeeded` |
 //! | the PSP declined; nothing charged | `OK`, `status` `failed` |
-//! | missing or invalid key, invalid field, malformed `grpc-timeout`, a message that does not decode (the key stays unused) | `INVALID_ARGUMENT` |
+//! | missing, invalid or repeated key, invalid field, malformed `grpc-timeout`, a message that does not decode (the key stays unused) | `INVALID_ARGUMENT` |
 //! | key reused with other parameters | `FAILED_PRECONDITION` |
-//! | same key still running | `ABORTED` + `grpc-retry-pushback-ms` |
+//! | same key still running when the call's deadline nears (until then it waits for that answer) | `ABORTED` + `grpc-retry-pushback-ms` |
 //! | same order, other key | `ALREADY_EXISTS` (names the intent) |
 //! | merchant over quota | `RESOURCE_EXHAUSTED` + pushback |
 //! | message over 4 MiB (decided from the length prefix) | `RESOURCE_EXHAUSTED` |

@@ -17,7 +17,7 @@
 //!
 //! | status | code | when |
 //! |---|---|---|
-//! | 400 | `missing_idempotency_key`, `invalid_idempotency_key` | key absent, or not 1-255 visible ASCII |
+//! | 400 | `missing_idempotency_key`, `invalid_idempotency_key` | key absent, sent twice, or not 1-255 visible ASCII |
 //! | 400 | `invalid_body` | the body is not JSON (the idempotency layer fingerprints it first) |
 //! | 400 | `malformed_json`, `invalid_body`, `duplicate_field`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency` | see [`request`] |
 //! | 400 | `invalid_grpc_timeout` | malformed `grpc-timeout` (no unit, 9 digits, zero) |
@@ -25,7 +25,7 @@
 //! | 402 | `payment_declined` | the PSP refused definitively (a 4xx): intent `failed`, nothing charged. 402 rather than 422: the request was valid, the payment was refused |
 //! | 409 | `order_conflict` | the order already has a running or succeeded intent under another key; names `intent_id` |
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
-//! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
+//! | 409 | `request_in_progress` + `Retry-After` | the same key is still running when this request's budget ends (until then it waits for that answer, which it replays) |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
 //! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
@@ -34,7 +34,7 @@
 //! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
 //! | 503 | `psp_unavailable` + `Retry-After`, `intent_id` | the PSP charged nothing and the PSP client gave up (retry budget spent, PSP unreachable or pushing back): retry with the same key |
 //! | 504 | `payment_outcome_unknown` + `Retry-After`, `"status": "unknown"`, `intent_id` | a charge was sent and no answer came: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
-//! | 504 | `deadline_exceeded` | the request's own deadline passed, or cannot cover a PSP round trip (checked before any write) |
+//! | 504 | `deadline_exceeded` | the request's own deadline passed (also before the store was reached: the key stays unused), or cannot cover a PSP round trip (checked before any write) |
 //!
 //! A running payment two minutes old is settled by [`crate::resolver`] (in the background and
 //! on `GET`): charged, or its effect key voided at the PSP and the payment failed.
@@ -150,7 +150,8 @@ pub fn build_routers<St: Store>(
         .keyed(Method::POST, "/v1/payments", keyed)
         .route(Method::GET, "/v1/payments/{intent_id}")
         .keyed(Method::POST, grpc::CHARGE, keyed)
-        .route(Method::POST, grpc::GET_CHARGE)
+        // Unary and small: its body is read before the gate, like Charge's.
+        .buffered(Method::POST, grpc::GET_CHARGE)
         .peer_from(|ext| {
             ext.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
                 .map(|info| info.0)

@@ -19,9 +19,13 @@
 //! - If one statement fails, PostgreSQL aborts the batch's transaction and nothing of it was
 //!   written; the statements then run again one by one, so only the failing caller sees its
 //!   error.
-//! - A caller that has given up (its deadline passed) is dropped from the batch before it runs.
-//! - A batch that does not finish by the latest deadline of its callers is abandoned and its
-//!   connection discarded (a connection left mid-pipeline cannot be reused).
+//! - A call whose start-by time passes before it runs is answered at once without being sent
+//!   (nothing written); one whose caller went away is dropped before it runs.
+//! - A call that was sent is always answered with what the database did: a caller that waits
+//!   for its answer knows whether its claim was taken, and can release it. A batch is waited
+//!   for until the latest deadline of its callers, and at least the store's timeout; one that
+//!   does not finish by then is abandoned and its connection discarded (a connection left
+//!   mid-pipeline cannot be reused).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -233,9 +237,29 @@ pub(super) enum Outcome {
     Changed(u64),
 }
 
+/// By when a call must have been sent, and what it is answered when it was not.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StartBy {
+    /// The latest instant the call may be sent.
+    pub(super) until: Instant,
+    /// Whether `until` is the request's deadline (else the store's timeout).
+    pub(super) by_request: bool,
+}
+
+impl StartBy {
+    /// The error of a call that was not sent by `until`.
+    pub(super) fn missed(self) -> PgError {
+        if self.by_request {
+            PgError::DeadlineExceeded
+        } else {
+            PgError::Timeout
+        }
+    }
+}
+
 struct Job {
     op: Op,
-    until: Instant,
+    start: StartBy,
     reply: oneshot::Sender<Result<Outcome, PgError>>,
 }
 
@@ -260,11 +284,14 @@ pub(super) struct Writer {
     tx: async_channel::Sender<Job>,
     pool: Pool,
     counters: Arc<Counters>,
+    /// Bound on a statement once sent.
+    timeout: Duration,
 }
 
 impl Writer {
     /// Spawns `writers` writer tasks on the current runtime.
-    pub(super) fn start(pool: Pool, writers: usize, max_batch: usize) -> Writer {
+    /// `timeout` bounds a statement (or batch) once sent.
+    pub(super) fn start(pool: Pool, writers: usize, max_batch: usize, timeout: Duration) -> Writer {
         let (tx, rx) = async_channel::bounded(QUEUE);
         let counters = Arc::new(Counters::default());
         for _ in 0..writers.max(1) {
@@ -272,14 +299,24 @@ impl Writer {
                 pool.clone(),
                 rx.clone(),
                 max_batch.max(1),
+                timeout,
                 Arc::clone(&counters),
             ));
         }
-        Writer { tx, pool, counters }
+        Writer {
+            tx,
+            pool,
+            counters,
+            timeout,
+        }
     }
 
-    /// Runs `op` at once on a free connection, or else in the next batch; gives up at `until`.
-    pub(super) async fn run(&self, op: Op, until: Instant) -> Result<Outcome, PgError> {
+    /// Runs `op` at once on a free connection, or else in the next batch. Gives up without
+    /// sending it when it cannot be sent by `start.until`; once sent, waits for its answer.
+    pub(super) async fn run(&self, op: Op, start: StartBy) -> Result<Outcome, PgError> {
+        if start.until <= Instant::now() {
+            return Err(start.missed());
+        }
         // Nothing queued and a connection free: run it here, alone and in autocommit, with no
         // hand-off to a writer task and back. Calls queue (and are batched) only while every
         // connection is busy, or behind calls already queued.
@@ -288,31 +325,35 @@ impl Writer {
                 wait: Some(Duration::ZERO),
                 ..self.pool.timeouts()
             };
-            match timeout_at(until, self.pool.timeout_get(&now)).await {
-                Ok(Ok(client)) => return self.run_at_once(client, &op, until).await,
+            match timeout_at(start.until, self.pool.timeout_get(&now)).await {
+                Ok(Ok(client)) => return self.run_at_once(client, &op, start).await,
                 Ok(Err(PoolError::Timeout(TimeoutType::Wait))) => {}
                 Ok(Err(e)) => return Err(PgError::connect(e)),
+                // Nothing to wait for but a new connection: the database is slow to answer.
                 Err(_) => return Err(PgError::Timeout),
             }
         }
         let (reply, answer) = oneshot::channel();
-        let job = Job { op, until, reply };
-        let waited = timeout_at(until, async {
-            self.tx.send(job).await.map_err(|_| PgError::Closed)?;
-            answer.await.map_err(|_| PgError::Closed)?
-        })
-        .await;
-        waited.unwrap_or(Err(PgError::Timeout))
+        let job = Job { op, start, reply };
+        match timeout_at(start.until, self.tx.send(job)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(PgError::Closed),
+            Err(_) => return Err(start.missed()),
+        }
+        // Queued: a writer answers every job, by `start.until` if it did not send it, else
+        // with what the database did (bounded by the store's timeout).
+        answer.await.map_err(|_| PgError::Closed)?
     }
 
     async fn run_at_once(
         &self,
         client: Object,
         op: &Op,
-        until: Instant,
+        start: StartBy,
     ) -> Result<Outcome, PgError> {
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.jobs.fetch_add(1, Ordering::Relaxed);
+        let until = answer_by(start.until, self.timeout);
         match timeout_at(until, run_one(&client, op)).await {
             Ok(outcome) => Ok(outcome?),
             Err(_) => {
@@ -335,6 +376,7 @@ async fn drive(
     pool: Pool,
     rx: async_channel::Receiver<Job>,
     max_batch: usize,
+    timeout: Duration,
     counters: Arc<Counters>,
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
@@ -348,7 +390,7 @@ async fn drive(
         // Take the connection first and the rest of the queue after: every call queued while
         // this one waited for a connection joins its batch.
         let client = tokio::select! {
-            got = timeout_at(first.until, pool.get()) => got,
+            got = timeout_at(first.start.until, pool.get()) => got,
             // The caller is gone: stop waiting on its behalf.
             () = first.reply.closed() => continue,
         };
@@ -359,7 +401,7 @@ async fn drive(
                 continue;
             }
             Err(_) => {
-                let _ = first.reply.send(Err(PgError::Timeout));
+                let _ = first.reply.send(Err(first.start.missed()));
                 continue;
             }
         };
@@ -371,10 +413,15 @@ async fn drive(
             }
         }
         let now = Instant::now();
-        jobs.retain(|job| {
-            // The caller is gone (its deadline passed): never write what nobody will hear of.
-            !job.reply.is_closed() && job.until > now
-        });
+        // A caller that is gone, or a call that can no longer start in time: never write what
+        // nobody will hear of.
+        let (late, live): (Vec<_>, Vec<_>) = jobs
+            .drain(..)
+            .partition(|job| job.reply.is_closed() || job.start.until <= now);
+        jobs.extend(live);
+        for job in late {
+            let _ = job.reply.send(Err(job.start.missed()));
+        }
         if jobs.is_empty() {
             continue;
         }
@@ -384,17 +431,21 @@ async fn drive(
         counters
             .jobs
             .fetch_add(jobs.len() as u64, Ordering::Relaxed);
-        run_batch(client, &mut jobs).await;
+        let latest = jobs.iter().map(|job| job.start.until).max();
+        let until = answer_by(latest.unwrap_or_else(Instant::now), timeout);
+        run_batch(client, &mut jobs, until).await;
     }
 }
 
-/// Runs and answers every job of `jobs` (leaving it empty) on `client`.
-async fn run_batch(client: Object, jobs: &mut Vec<Job>) {
-    let until = jobs
-        .iter()
-        .map(|j| j.until)
-        .max()
-        .unwrap_or_else(Instant::now);
+/// How long a sent statement is waited for: until its caller's start-by time (the request's
+/// deadline, for a request), and at least `timeout` from now. Never cut short at a deadline
+/// that is about to pass: the caller must learn what its statement did.
+fn answer_by(start_by: Instant, timeout: Duration) -> Instant {
+    start_by.max(Instant::now() + timeout)
+}
+
+/// Runs and answers every job of `jobs` (leaving it empty) on `client`, giving up at `until`.
+async fn run_batch(client: Object, jobs: &mut Vec<Job>, until: Instant) {
     let ops: Vec<&Op> = jobs.iter().map(|j| &j.op).collect();
     let ran = timeout_at(until, async {
         if ops.len() == 1 {

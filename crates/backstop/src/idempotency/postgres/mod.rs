@@ -26,11 +26,18 @@
 //! transaction (one WAL flush) for many callers, each answered after its row committed (see
 //! `batch.rs` for the rules).
 //!
-//! Every wait (for a pool connection, for the database) is bounded by the request's
-//! [`Deadline`] when one is set ([`Deadline::scope`]; the server's idempotency layer sets it)
-//! and by [`PostgresOptions::timeout`] in any case. PostgreSQL down or slow is a
-//! [`StoreError::Backend`] holding a [`PgError`], which the server answers with 503 +
-//! `Retry-After`; the pool reconnects by itself when the database comes back.
+//! A claim waits to *start* (for a pool connection, for a place in a batch) no longer than the
+//! request's [`Deadline`] allows when one is set ([`Deadline::scope`]; the server's
+//! idempotency layer sets it): when that passes first the claim is
+//! [`StoreError::DeadlineExceeded`] and nothing was sent. Once a statement is sent, its answer
+//! is awaited (until the request's deadline, and at least [`PostgresOptions::timeout`]; never
+//! cut short because the deadline is about to pass), so the caller always learns
+//! whether its claim was taken and can release it; cutting a statement at the request's
+//! deadline would leave a committed claim nobody knows of. Outcomes (complete, fail, release)
+//! finish the request's record, so the request's deadline does not bound them at all.
+//! PostgreSQL down or slow is a [`StoreError::Backend`] holding a [`PgError`], which the
+//! server answers with 503 + `Retry-After`; the pool reconnects by itself when the database
+//! comes back.
 //!
 //! ```no_run
 //! use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
@@ -65,7 +72,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::NoTls;
 
-use self::batch::{ClaimRow, Op, Outcome, Writer};
+use self::batch::{ClaimRow, Op, Outcome, StartBy, Writer};
 use super::store::duration_ms;
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
@@ -147,10 +154,13 @@ pub enum PgError {
     /// A statement (or its batch's transaction) failed; nothing of it was written.
     #[error("PostgreSQL statement failed")]
     Database(#[source] Arc<tokio_postgres::Error>),
-    /// The database did not answer before the deadline; the statement may or may not have been
-    /// applied, and a claim left behind ends with its lease.
-    #[error("PostgreSQL did not answer before the deadline")]
+    /// The database did not answer within the store's timeout; the statement may or may not
+    /// have been applied, and a claim left behind ends with its lease.
+    #[error("PostgreSQL did not answer in time")]
     Timeout,
+    /// The request's deadline passed before the statement was sent: nothing was written.
+    #[error("the request's deadline passed before the statement was sent")]
+    DeadlineExceeded,
     /// The store's writer tasks have stopped (the runtime is shutting down).
     #[error("the PostgreSQL store's writers have stopped")]
     Closed,
@@ -173,7 +183,10 @@ impl From<tokio_postgres::Error> for PgError {
 
 impl From<PgError> for StoreError {
     fn from(e: PgError) -> Self {
-        StoreError::Backend(Box::new(e))
+        match e {
+            PgError::DeadlineExceeded => StoreError::DeadlineExceeded,
+            e => StoreError::Backend(Box::new(e)),
+        }
     }
 }
 
@@ -258,7 +271,7 @@ impl PostgresStore {
         };
         let writers = options.writers.min(options.max_connections).max(1);
         Ok(PostgresStore {
-            writer: Writer::start(pool.clone(), writers, max_batch),
+            writer: Writer::start(pool.clone(), writers, max_batch, options.timeout),
             pool,
             timeout: options.timeout,
         })
@@ -277,16 +290,25 @@ impl PostgresStore {
     /// When the current operation gives up: shortly before the request's deadline, or after
     /// the store's timeout, whichever comes first.
     pub fn operation_deadline(&self) -> Instant {
+        self.start_by().until
+    }
+
+    /// [`operation_deadline`](Self::operation_deadline), and whether the request's deadline
+    /// or the store's timeout sets it.
+    fn start_by(&self) -> StartBy {
         let now = Instant::now();
         let fallback = now + self.timeout;
-        match Deadline::current() {
-            None => fallback,
-            // Give up a little before the request's deadline, so the caller still has time to
-            // answer "store unavailable" (503) rather than be cut at the deadline itself.
-            Some(d) => d
-                .child(DEADLINE_MARGIN)
-                .map_or(now, |d| d.instant())
-                .min(fallback),
+        // Give up a little before the request's deadline, so the caller still has time to
+        // answer rather than be cut at the deadline itself.
+        match Deadline::current().map(|d| d.child(DEADLINE_MARGIN).map_or(now, |d| d.instant())) {
+            Some(until) if until < fallback => StartBy {
+                until,
+                by_request: true,
+            },
+            _ => StartBy {
+                until: fallback,
+                by_request: false,
+            },
         }
     }
 
@@ -321,8 +343,17 @@ impl PostgresStore {
             .map(|_| ())
     }
 
+    /// Runs an outcome statement. It finishes a request's record, so the request's deadline
+    /// never cuts it short (a `fail` or `release` given up at the deadline would leave the key
+    /// held until its lease ends): it may take until that deadline, and at least the store's
+    /// timeout.
     async fn changed(&self, op: Op) -> Result<u64, StoreError> {
-        match self.writer.run(op, self.operation_deadline()).await? {
+        let at_least = Instant::now() + self.timeout;
+        let start = StartBy {
+            until: Deadline::current().map_or(at_least, |d| d.instant().max(at_least)),
+            by_request: false,
+        };
+        match self.writer.run(op, start).await? {
             Outcome::Changed(n) => Ok(n),
             Outcome::Claim(_) => Ok(0),
         }
@@ -409,7 +440,7 @@ fn headers_json(headers: &[(String, String)]) -> String {
 
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        let until = self.operation_deadline();
+        let start = self.start_by();
         let fingerprint = req.fingerprint.to_hex();
         for _ in 0..CLAIM_ATTEMPTS {
             let op = Op::Claim {
@@ -420,7 +451,7 @@ impl Store for PostgresStore {
                 now: req.now_ms,
                 expires_at: req.expires_at_ms(),
             };
-            let row = match self.writer.run(op, until).await? {
+            let row = match self.writer.run(op, start).await? {
                 Outcome::Claim(row) => row,
                 Outcome::Changed(_) => ClaimRow::default(),
             };

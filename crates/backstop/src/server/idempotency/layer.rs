@@ -5,7 +5,8 @@ use std::time::Duration;
 use http::{HeaderName, Method, header};
 use tower_layer::Layer;
 
-use super::{DEFAULT_MAX_BODY, Idempotency, KeyedRoute};
+use super::settled::Settled;
+use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
@@ -22,9 +23,13 @@ pub(super) struct Shared<St> {
     pub(super) store: St,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) routes: Vec<(RoutePattern, KeyedRoute)>,
+    /// Routes that are not keyed whose bodies the intake reads before the gate.
+    pub(super) buffered: Vec<RoutePattern>,
     pub(super) max_body: usize,
     pub(super) max_message: usize,
     pub(super) stored_headers: Vec<HeaderName>,
+    /// Wakes this instance's waiters for a key when its attempt settles.
+    pub(super) settled: Settled,
 }
 
 impl<St> Clone for IdempotencyLayer<St> {
@@ -55,9 +60,11 @@ impl<St: Store> IdempotencyLayer<St> {
                 store,
                 clock: Arc::new(SystemClock),
                 routes: Vec::new(),
+                buffered: Vec::new(),
                 max_body: DEFAULT_MAX_BODY,
                 max_message: DEFAULT_MAX_MESSAGE,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+                settled: Settled::default(),
             }),
         }
     }
@@ -66,6 +73,14 @@ impl<St: Store> IdempotencyLayer<St> {
     /// `{param}` segments) need an `Idempotency-Key` and are deduplicated.
     pub fn keyed(self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
         self.edit(|s| s.routes.push((RoutePattern::new(method, pattern), route)))
+    }
+
+    /// Declares a route that is not keyed whose whole body the [intake](Self::intake) reads
+    /// before the gate, within the same caps (a body or message over them is refused as on a
+    /// keyed route): a client sending such a body slowly holds no gate permit either. For
+    /// unary calls and small bodies only; a streaming route must not be declared.
+    pub fn buffered(self, method: Method, pattern: &str) -> Self {
+        self.edit(|s| s.buffered.push(RoutePattern::new(method, pattern)))
     }
 
     /// The wall clock used for leases and TTLs (default: [`SystemClock`]).
@@ -93,6 +108,14 @@ impl<St: Store> IdempotencyLayer<St> {
         })
     }
 
+    /// The layer to put outside the gate, sharing this layer's routes and store: it reads
+    /// keyed requests' bodies and waits for running attempts with the same key without holding
+    /// a permit (see [`intake`](super::intake)). [`ServerStack`](crate::server::ServerStack)
+    /// places it.
+    pub fn intake(&self) -> IntakeLayer<St> {
+        IntakeLayer::new(self.shared.clone())
+    }
+
     /// The store.
     pub fn store(&self) -> &St {
         &self.shared.store
@@ -112,9 +135,11 @@ impl<St: Store> IdempotencyLayer<St> {
                     store: old.store.clone(),
                     clock: old.clock.clone(),
                     routes: old.routes.clone(),
+                    buffered: old.buffered.clone(),
                     max_body: old.max_body,
                     max_message: old.max_message,
                     stored_headers: old.stored_headers.clone(),
+                    settled: Settled::default(),
                 };
                 f(&mut shared);
                 self.shared = Arc::new(shared);
@@ -130,6 +155,11 @@ impl<St> Shared<St> {
             .iter()
             .find(|(p, _)| p.matches(method, path))
             .map(|(_, r)| *r)
+    }
+
+    /// Whether `method` and `path` name a route declared with [`IdempotencyLayer::buffered`].
+    pub(super) fn is_buffered(&self, method: &Method, path: &str) -> bool {
+        self.buffered.iter().any(|p| p.matches(method, path))
     }
 }
 

@@ -3,8 +3,9 @@
 //! [`IdempotencyLayer`] is the innermost server layer. For each *keyed* route (declared with
 //! [`IdempotencyLayer::keyed`]) it:
 //!
-//! 1. requires an `Idempotency-Key` header (a bare token or a quoted Structured Field string):
-//!    400 `missing_idempotency_key` / `invalid_idempotency_key`;
+//! 1. requires exactly one `Idempotency-Key` header (a bare token or a quoted Structured Field
+//!    string): 400 `missing_idempotency_key` / `invalid_idempotency_key` (also for two header
+//!    lines, even equal ones: the field cannot be repeated, and no line is picked over another);
 //! 2. buffers the body up to a cap (1 MiB unless set), checking `Content-Length` before reading
 //!    anything: 413 `body_too_large`;
 //! 3. fingerprints `"METHOD path"` and the body's canonical JSON: 400 `invalid_body` when the
@@ -21,7 +22,13 @@
 //!    - **conflict**: 409 `idempotency_key_reused` with `fingerprint_prefix`, the first 8 hex of
 //!      the *original* request's fingerprint (the IETF draft says 422 and Stripe 400; 409 is
 //!      what the other "this key is taken" answers already use);
-//!    - **in progress**: 409 `request_in_progress` with `Retry-After`.
+//!    - **in progress**: 409 `request_in_progress` with `Retry-After`. Behind the
+//!      [`IntakeLayer`] (as in [`ServerStack`](crate::server::ServerStack)) the request first
+//!      waits, holding no gate permit, for the running attempt's outcome and has it replayed;
+//!      it gets this answer only when its own budget ends first.
+//!
+//! Steps 1 to 3 run in the [`IntakeLayer`], before the gate, when it is in front; this layer
+//! then takes what it read from a request extension.
 //!
 //! # gRPC
 //!
@@ -47,9 +54,15 @@
 //!   the stored trailers (`grpc-status` included) byte for byte. Trailers are kept in the
 //!   store's header list under the name `trailer:<name>`, which no HTTP header can have.
 //!
-//! If the claimed request's future is dropped before it answered (the client went away, or the
-//! deadline layer cut it) a guard marks the record failed from a spawned task, so a retry can
-//! take over at once instead of waiting for the lease to run out.
+//! If the request's future is dropped while its claim is in flight (the client went away, or
+//! the deadline layer cut it), the claim runs to its end on a spawned task and, if it was taken,
+//! is released: a backend may commit a claim after its caller stopped listening, and the
+//! request did nothing. If it is dropped after the claim, before it answered, a guard marks the
+//! record failed from a spawned task. Either way a retry can take over at once instead of
+//! waiting for the lease to run out. A request whose deadline has passed claims nothing (504
+//! `deadline_exceeded`), and a store that gives up because the request's deadline passed
+//! ([`StoreError::DeadlineExceeded`]) is answered the same; only a store that fails is 503
+//! `store_unavailable`.
 //!
 //! The lease is the route's lease (5 s unless set) or the request's remaining deadline budget,
 //! whichever is longer: while the first attempt may still be running, a retry gets
@@ -64,11 +77,16 @@
 
 pub mod body;
 pub mod future;
+pub mod intake;
 mod layer;
+mod settled;
 
 pub use self::body::ResponseBody;
+pub use self::intake::IntakeLayer;
 pub use self::layer::IdempotencyLayer;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -81,14 +99,14 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use self::layer::Shared;
-use super::grpc::read_unary;
+use super::grpc::{PREFIX_LEN, read_unary};
 use super::metrics::Route;
 use super::problem::{Problem, Protocol, grpc_status};
 use super::tenant::Tenant;
 use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoredResponse,
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoreError, StoredResponse,
 };
 use crate::status::{Code, Status, problem};
 
@@ -211,69 +229,28 @@ where
     let labels = Route::from_extensions(&head.extensions);
     let protocol = Protocol::of(&head.headers);
 
-    let key = match head.headers.get(IDEMPOTENCY_KEY) {
-        None => {
-            return Ok(bad_request(
-                problem::MISSING_IDEMPOTENCY_KEY,
-                "this route requires an Idempotency-Key header",
-                protocol,
-            ));
-        }
-        Some(value) => match value.to_str().ok().map(IdempotencyKey::parse) {
-            Some(Ok(key)) => key,
-            _ => {
-                return Ok(bad_request(
-                    problem::INVALID_IDEMPOTENCY_KEY,
-                    "Idempotency-Key must be 1 to 255 visible ASCII characters",
-                    protocol,
-                ));
-            }
+    // Read before the gate by the intake, or here when this layer is used on its own.
+    let prepared = match head.extensions.remove::<Prepared>() {
+        Some(prepared) => prepared,
+        None => match prepare(&shared, &head, body).await {
+            Ok(prepared) => prepared,
+            Err(refusal) => return Ok(refusal),
         },
     };
+    let Prepared {
+        key,
+        fingerprint,
+        body,
+    } = prepared;
 
-    let operation = format!("{} {}", head.method, head.uri.path());
-    let (body, fingerprint) = match protocol {
-        Protocol::Grpc => match read_unary(body, shared.max_message).await {
-            Ok(message) => {
-                let fingerprint = Fingerprint::of_bytes(&operation, message.message());
-                (message.framed().clone(), fingerprint)
-            }
-            Err(status) => {
-                return Ok(Problem::from_status(&status).into_response_for(protocol));
-            }
-        },
-        Protocol::Http => {
-            // Refuse an announced oversized body before reading a byte of it.
-            let announced = head
-                .headers
-                .get(header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok());
-            if announced.is_some_and(|len| len > shared.max_body as u64) {
-                return Ok(too_large(shared.max_body));
-            }
-            let body = match Limited::new(body, shared.max_body).collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(e) if e.is::<LengthLimitError>() => return Ok(too_large(shared.max_body)),
-                Err(_) => {
-                    return Ok(bad_request(
-                        INVALID_BODY,
-                        "the request body could not be read",
-                        protocol,
-                    ));
-                }
-            };
-            let Ok(fingerprint) = Fingerprint::of_json(&operation, &body) else {
-                return Ok(bad_request(
-                    INVALID_BODY,
-                    "the request body must be JSON",
-                    protocol,
-                ));
-            };
-            (body, fingerprint)
-        }
-    };
-
+    // Budget checks come before any write: a request out of time claims nothing.
+    if head
+        .extensions
+        .get::<Deadline>()
+        .is_some_and(Deadline::expired)
+    {
+        return Ok(deadline_exceeded(protocol));
+    }
     let lease_for = match head.extensions.get::<Deadline>() {
         Some(deadline) => route.lease.max(deadline.remaining()),
         None => route.lease,
@@ -286,8 +263,14 @@ where
         ttl: route.ttl,
         now_ms: shared.clock.now_ms(),
     };
-    let claim = match shared.store.claim(claim).await {
+    let claim = match ClaimInFlight::new(shared.clone(), claim).await {
         Ok(claim) => claim,
+        // The request's own budget ran out before the store was reached: its deadline, not a
+        // store failure (nothing was written).
+        Err(StoreError::DeadlineExceeded) => {
+            tracing::debug!(target: "backstop::server", "deadline passed before the claim");
+            return Ok(deadline_exceeded(protocol));
+        }
         Err(error) => {
             tracing::error!(target: "backstop::server", %error, "idempotency claim failed");
             return Ok(store_unavailable(protocol));
@@ -314,7 +297,11 @@ where
             )
             .with_problem(problem::REQUEST_IN_PROGRESS)
             .with_pushback(retry_after);
-            return Ok(Problem::from_status(&status).into_response_for(protocol));
+            let mut response: Response<ResponseBody<ResBody>> =
+                Problem::from_status(&status).into_response_for(protocol);
+            // Tells the intake (outside the gate) to wait for the running attempt's outcome.
+            response.extensions_mut().insert(InProgress);
+            return Ok(response);
         }
     };
 
@@ -406,6 +393,7 @@ where
             {
                 tracing::error!(target: "backstop::server", %error, "idempotency complete failed");
             }
+            shared.settled.settle(&lease.scope, &lease.key);
             guard.disarm();
             Ok(Response::from_parts(
                 parts,
@@ -425,10 +413,184 @@ where
     }
 }
 
+/// What a keyed request brings to its claim: its key, its fingerprint and its whole body.
+///
+/// The intake reads it before the gate and hands it to [`Idempotency`] as a request extension,
+/// so the body is read once, and without holding a gate permit.
+#[derive(Clone)]
+struct Prepared {
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    body: Bytes,
+}
+
+/// Marks a `request_in_progress` refusal for the intake.
+#[derive(Clone, Copy)]
+struct InProgress;
+
+/// Reads the key, the body (bounded by the route's caps) and the fingerprint of a keyed
+/// request, or the refusal that answers it.
+async fn prepare<St, ReqBody, B>(
+    shared: &Shared<St>,
+    head: &http::request::Parts,
+    body: ReqBody,
+) -> Result<Prepared, Response<B>>
+where
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    B: From<Bytes>,
+{
+    let protocol = Protocol::of(&head.headers);
+    let key =
+        key_of(&head.headers).map_err(|(code, detail)| bad_request(code, detail, protocol))?;
+    let body = read_body(shared, head, body).await?;
+    let operation = format!("{} {}", head.method, head.uri.path());
+    let fingerprint = match protocol {
+        // `read_body` checked the frame: the message follows its prefix.
+        Protocol::Grpc => Fingerprint::of_bytes(&operation, &body[PREFIX_LEN..]),
+        Protocol::Http => Fingerprint::of_json(&operation, &body)
+            .map_err(|_| bad_request(INVALID_BODY, "the request body must be JSON", protocol))?,
+    };
+    Ok(Prepared {
+        key,
+        fingerprint,
+        body,
+    })
+}
+
+/// A request's whole body within the caps: for gRPC exactly one framed message (its length
+/// prefix checked before the message is read), for HTTP at most `max_body` bytes (an
+/// announced larger `Content-Length` refused before a byte is read).
+async fn read_body<St, ReqBody, B>(
+    shared: &Shared<St>,
+    head: &http::request::Parts,
+    body: ReqBody,
+) -> Result<Bytes, Response<B>>
+where
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    B: From<Bytes>,
+{
+    let protocol = Protocol::of(&head.headers);
+    match protocol {
+        Protocol::Grpc => match read_unary(body, shared.max_message).await {
+            Ok(message) => Ok(message.framed().clone()),
+            Err(status) => Err(Problem::from_status(&status).into_response_for(protocol)),
+        },
+        Protocol::Http => {
+            let announced = head
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            if announced.is_some_and(|len| len > shared.max_body as u64) {
+                return Err(too_large(shared.max_body));
+            }
+            match Limited::new(body, shared.max_body).collect().await {
+                Ok(collected) => Ok(collected.to_bytes()),
+                Err(e) if e.is::<LengthLimitError>() => Err(too_large(shared.max_body)),
+                Err(_) => Err(bad_request(
+                    INVALID_BODY,
+                    "the request body could not be read",
+                    protocol,
+                )),
+            }
+        }
+    }
+}
+
+/// The request's one `Idempotency-Key`, or the problem code and detail refusing it.
+///
+/// The header is a Structured Field Item, which cannot be repeated: two header lines (even
+/// equal ones) are refused rather than one of them picked.
+fn key_of(headers: &HeaderMap) -> Result<IdempotencyKey, (&'static str, &'static str)> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Err((
+            problem::MISSING_IDEMPOTENCY_KEY,
+            "this route requires an Idempotency-Key header",
+        ));
+    };
+    if values.next().is_some() {
+        return Err((
+            problem::INVALID_IDEMPOTENCY_KEY,
+            "send exactly one Idempotency-Key header",
+        ));
+    }
+    match value.to_str().ok().map(IdempotencyKey::parse) {
+        Some(Ok(key)) => Ok(key),
+        _ => Err((
+            problem::INVALID_IDEMPOTENCY_KEY,
+            "Idempotency-Key must be 1 to 255 visible ASCII characters",
+        )),
+    }
+}
+
+/// A store's claim, boxed so that it can be handed to another task.
+type PendingClaim = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+
+/// A claim that runs to its end even when the request is dropped while it is in flight (the
+/// deadline layer cut it, or the client went away).
+///
+/// A backend may commit a claim after its caller stopped listening (a statement already sent,
+/// a group commit already under way). Dropping that future would leave a `running` record
+/// nobody owns, refusing the client's retry with `request_in_progress` until the lease ends.
+/// Instead, a dropped `ClaimInFlight` hands the claim to a spawned task, which releases the
+/// key if the claim was taken: the request did nothing, so it leaves nothing behind.
+struct ClaimInFlight<St: Store> {
+    shared: Arc<Shared<St>>,
+    claim: Option<PendingClaim>,
+}
+
+impl<St: Store> ClaimInFlight<St> {
+    fn new(shared: Arc<Shared<St>>, request: ClaimRequest) -> Self {
+        let store = shared.store.clone();
+        Self {
+            shared,
+            claim: Some(Box::pin(async move { store.claim(request).await })),
+        }
+    }
+}
+
+// The boxed claim is pinned on the heap; nothing else is ever pinned.
+impl<St: Store> Unpin for ClaimInFlight<St> {}
+
+impl<St: Store> Future for ClaimInFlight<St> {
+    type Output = Result<Claim, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let claim = self
+            .claim
+            .as_mut()
+            .expect("ClaimInFlight polled after it completed");
+        let outcome = std::task::ready!(claim.as_mut().poll(cx));
+        self.claim = None;
+        Poll::Ready(outcome)
+    }
+}
+
+impl<St: Store> Drop for ClaimInFlight<St> {
+    fn drop(&mut self) {
+        let Some(claim) = self.claim.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = self.shared.clone();
+        runtime.spawn(async move {
+            if let Ok(Claim::Claimed(lease)) = claim.await {
+                release(&shared, &lease).await;
+            }
+        });
+    }
+}
+
 async fn release<St: Store>(shared: &Shared<St>, lease: &Lease) {
     if let Err(error) = shared.store.release(lease).await {
         tracing::warn!(target: "backstop::server", %error, "idempotency release failed");
     }
+    shared.settled.settle(&lease.scope, &lease.key);
 }
 
 /// What a gRPC code does to the record: the HTTP rule applied to the code's HTTP status
@@ -476,11 +638,12 @@ async fn fail<St: Store>(shared: &Shared<St>, lease: &Lease) {
     if let Err(error) = shared.store.fail(lease, shared.clock.now_ms()).await {
         tracing::warn!(target: "backstop::server", %error, "idempotency fail failed");
     }
+    shared.settled.settle(&lease.scope, &lease.key);
 }
 
 /// Marks the record failed if the flow is dropped while it owns the lease.
 struct FailOnDrop<'a, St: Store> {
-    shared: &'a Shared<St>,
+    shared: &'a Arc<Shared<St>>,
     lease: Option<&'a Lease>,
 }
 
@@ -498,14 +661,9 @@ impl<St: Store> Drop for FailOnDrop<'_, St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = self.shared.store.clone();
-        let now_ms = self.shared.clock.now_ms();
+        let shared = self.shared.clone();
         let lease = lease.clone();
-        runtime.spawn(async move {
-            if let Err(error) = store.fail(&lease, now_ms).await {
-                tracing::warn!(target: "backstop::server", %error, "idempotency fail after drop failed");
-            }
-        });
+        runtime.spawn(async move { fail(&shared, &lease).await });
     }
 }
 
@@ -558,6 +716,15 @@ fn too_large<B: From<Bytes>>(max: usize) -> Response<B> {
     Problem::new(StatusCode::PAYLOAD_TOO_LARGE, problem::BODY_TOO_LARGE)
         .detail(format!("the request body exceeds {max} bytes"))
         .into_response()
+}
+
+fn deadline_exceeded<B: From<Bytes>>(protocol: Protocol) -> Response<B> {
+    let status = Status::new(
+        Code::DeadlineExceeded,
+        "the deadline passed before the request could start",
+    )
+    .with_problem(problem::DEADLINE_EXCEEDED);
+    Problem::from_status(&status).into_response_for(protocol)
 }
 
 fn store_unavailable<B: From<Bytes>>(protocol: Protocol) -> Response<B> {

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use tokio::sync::Semaphore;
 use tower::{Service, ServiceExt, service_fn};
@@ -479,6 +479,306 @@ fn claims_are_counted_by_result() {
     }
 }
 
+#[tokio::test]
+async fn two_idempotency_key_headers_are_400_never_first_wins() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    for (first, second) in [("k1", "k2"), ("k1", "k1")] {
+        let mut req = post(Some(first), PAY);
+        req.headers_mut()
+            .append(IDEMPOTENCY_KEY, HeaderValue::from_static(second));
+        let (status, _, bytes) = send(&svc, req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{first} + {second}");
+        assert_eq!(problem_code(&bytes), "invalid_idempotency_key");
+    }
+    assert_eq!(handler.calls(), 0);
+    assert!(store.is_empty(), "neither key was used");
+}
+
+#[tokio::test(start_paused = true)]
+async fn expired_budget_is_504_and_claims_nothing() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).layer(handler.service());
+    let mut req = post(Some("k1"), PAY);
+    req.extensions_mut()
+        .insert(Deadline::after(Duration::from_micros(1)));
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let (status, _, bytes) = send(&svc, req).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(problem_code(&bytes), "deadline_exceeded");
+    assert_eq!(handler.calls(), 0);
+    assert!(store.is_empty());
+}
+
+/// A store whose claims are committed by a writer task of their own, as the SQLite and
+/// PostgreSQL writers do: the caller only waits for the answer, and dropping the caller does not
+/// stop the commit. Each claim waits for a permit of `commit` before it is written.
+#[derive(Clone)]
+struct WriterStore {
+    inner: MemoryStore,
+    commit: Arc<Semaphore>,
+}
+
+impl Store for WriterStore {
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, crate::idempotency::StoreError> {
+        let (inner, commit) = (self.inner.clone(), self.commit.clone());
+        let writer = tokio::spawn(async move {
+            commit.acquire().await.unwrap().forget();
+            inner.claim(req).await
+        });
+        writer.await.unwrap()
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: StoredResponse,
+        now_ms: i64,
+    ) -> Result<(), crate::idempotency::StoreError> {
+        self.inner.complete(lease, response, now_ms).await
+    }
+
+    async fn fail(&self, lease: &Lease, now_ms: i64) -> Result<(), crate::idempotency::StoreError> {
+        self.inner.fail(lease, now_ms).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), crate::idempotency::StoreError> {
+        self.inner.release(lease).await
+    }
+
+    async fn get(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Option<crate::idempotency::Record>, crate::idempotency::StoreError> {
+        self.inner.get(scope, key).await
+    }
+
+    async fn sweep(
+        &self,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<usize, crate::idempotency::StoreError> {
+        self.inner.sweep(now_ms, limit).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn claim_committed_after_its_request_was_dropped_is_released() {
+    let memory = MemoryStore::new();
+    let store = WriterStore {
+        inner: memory.clone(),
+        commit: Arc::new(Semaphore::new(0)),
+    };
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = IdempotencyLayer::new(store.clone())
+        .clock(ManualClock::new(1_000_000))
+        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .layer(handler.service());
+    // The request is cut (deadline, disconnect) while its claim waits for the writer...
+    let cut = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
+    tokio::task::yield_now().await;
+    cut.abort();
+    let _ = cut.await;
+    // ...which then commits it anyway.
+    store.commit.add_permits(1);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(record(&memory, "default", "k1").await, None, "released");
+    // The retry with the same key runs at once, rather than waiting out the lease.
+    store.commit.add_permits(1);
+    let res = svc.clone().oneshot(post(Some("k1"), PAY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(handler.calls(), 1);
+}
+
+/// intake → gate (`permits` in flight) → idempotency → a handler that waits for a permit of
+/// `release` when the order id starts with `slow`, and answers 503 on the first call of an
+/// order starting with `flaky`.
+struct Stacked {
+    store: MemoryStore,
+    release: Arc<Semaphore>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Stacked {
+    fn new() -> Self {
+        Self {
+            store: MemoryStore::new(),
+            release: Arc::new(Semaphore::new(0)),
+            calls: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn service(
+        &self,
+        permits: usize,
+    ) -> impl Service<
+        Request<Body>,
+        Response = Response<ResponseBody<Body>>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static {
+        let idempotency = layer(&self.store);
+        let (release, calls) = (self.release.clone(), self.calls.clone());
+        let handler = service_fn(move |req: Request<Body>| {
+            let (release, calls) = (release.clone(), calls.clone());
+            async move {
+                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                let json = body(Response::new(req.into_body())).await;
+                let order: serde_json::Value = serde_json::from_slice(&json).unwrap();
+                let order = order["order_id"].as_str().unwrap().to_owned();
+                if order.starts_with("slow") {
+                    release.acquire().await.unwrap().forget();
+                }
+                let status = if order.starts_with("flaky") && n == 1 {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::CREATED
+                };
+                let mut res = Response::new(Body::from(format!("{{\"call\":{n}}}")));
+                *res.status_mut() = status;
+                Ok::<_, Infallible>(res)
+            }
+        });
+        tower::ServiceBuilder::new()
+            .layer(idempotency.intake())
+            .layer(crate::server::GateLayer::new(crate::admission::Gate::new(
+                permits,
+                Duration::from_millis(1),
+            )))
+            .layer(idempotency)
+            .service(handler)
+    }
+
+    async fn entered(&self, n: usize) {
+        while self.calls.load(Ordering::SeqCst) < n {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+fn with_budget(mut req: Request<Body>, budget: Duration) -> Request<Body> {
+    req.extensions_mut().insert(Deadline::after(budget));
+    req
+}
+
+const SLOW: &str = r#"{"order_id":"slow-1","amount_cents":100}"#;
+
+#[tokio::test(start_paused = true)]
+async fn same_key_in_flight_waits_and_replays_the_first_answer() {
+    let stacked = Stacked::new();
+    let svc = stacked.service(4);
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    stacked.entered(1).await;
+    let second = tokio::spawn(
+        svc.clone()
+            .oneshot(with_budget(post(Some("k1"), SLOW), Duration::from_secs(10))),
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!second.is_finished(), "waits instead of 409");
+    stacked.release.add_permits(1);
+    let first = first.await.unwrap().unwrap();
+    let (parts, second) = second.await.unwrap().unwrap().into_parts();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(parts.status, StatusCode::CREATED);
+    assert_eq!(parts.headers[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(body(Response::new(second)).await, &b"{\"call\":1}"[..]);
+    assert_eq!(stacked.calls.load(Ordering::SeqCst), 1, "run once");
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiter_is_answered_as_soon_as_the_attempt_settles_on_this_instance() {
+    let stacked = Stacked::new();
+    let svc = stacked.service(4);
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    stacked.entered(1).await;
+    let waiter = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    // Long enough for the waiter's pauses between looks to have grown to their longest.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let settled_at = tokio::time::Instant::now();
+    stacked.release.add_permits(1);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let waiter = waiter.await.unwrap().unwrap();
+    assert_eq!(waiter.headers()[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(
+        settled_at.elapsed(),
+        Duration::ZERO,
+        "woken by the settling, not by its next look at the store"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn same_key_waits_out_a_failed_attempt_then_runs_itself() {
+    let stacked = Stacked::new();
+    let svc = stacked.service(4);
+    let flaky = r#"{"order_id":"flaky-slow","amount_cents":100}"#;
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), flaky)));
+    stacked.entered(1).await;
+    let second = tokio::spawn(svc.clone().oneshot(post(Some("k1"), flaky)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stacked.release.add_permits(2);
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let second = second.await.unwrap().unwrap();
+    assert_eq!(second.status(), StatusCode::CREATED);
+    assert!(second.headers().get(IDEMPOTENT_REPLAYED).is_none());
+    assert_eq!(stacked.calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiter_is_409_in_progress_only_when_its_budget_ends_first() {
+    let stacked = Stacked::new();
+    let svc = stacked.service(4);
+    let _first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    stacked.entered(1).await;
+    let started = tokio::time::Instant::now();
+    let budget = Duration::from_millis(300);
+    let res = svc
+        .clone()
+        .oneshot(with_budget(post(Some("k1"), SLOW), budget))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    assert!(res.headers().contains_key(header::RETRY_AFTER));
+    let waited = started.elapsed();
+    assert!(
+        waited > budget / 2 && waited < budget,
+        "waited {waited:?} of its {budget:?}"
+    );
+    assert_eq!(
+        problem_code(&body(Response::new(res.into_body())).await),
+        "request_in_progress"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_for_the_same_key_holds_no_gate_permit() {
+    let stacked = Stacked::new();
+    // Two permits: the running attempt holds one; the waiter must leave the other free.
+    let svc = stacked.service(2);
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    stacked.entered(1).await;
+    let waiter = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let other = svc
+        .clone()
+        .oneshot(with_budget(post(Some("k2"), PAY), Duration::from_secs(1)))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::CREATED, "a permit was free");
+    stacked.release.add_permits(1);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let waiter = waiter.await.unwrap().unwrap();
+    assert_eq!(waiter.headers()[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(stacked.store.len(), 2, "one record per key, nothing else");
+}
+
 // ---- gRPC ----
 
 mod grpc {
@@ -625,6 +925,47 @@ mod grpc {
         assert_eq!(status(&reused), "9"); // FAILED_PRECONDITION
         let message = reused.headers["grpc-message"].to_str().unwrap();
         assert!(message.contains("fingerprint_prefix="), "{message}");
+    }
+
+    #[tokio::test]
+    async fn two_idempotency_key_metadata_are_invalid_argument() {
+        let store = MemoryStore::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = grpc_layer(&store).layer(handler(calls.clone(), 0));
+        let mut req = call(Some("g1"), framed(b"pay"));
+        req.headers_mut()
+            .append("idempotency-key", HeaderValue::from_static("g2"));
+        let answer = send_grpc(&svc, req).await;
+        assert_eq!(answer.headers["grpc-status"], "3");
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn buffered_route_is_read_before_the_inner_service_within_the_cap() {
+        const GET: &str = "/payment.v1.Payment/GetCharge";
+        let store = MemoryStore::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let svc = grpc_layer(&store)
+            .buffered(Method::POST, GET)
+            .intake()
+            .layer(handler(calls.clone(), 0));
+        let to_get = |body: Bytes| {
+            let mut req = call(None, body);
+            *req.uri_mut() = http::Uri::from_static(GET);
+            req
+        };
+        let bomb = Bytes::from_static(&[0, 0xFF, 0xFF, 0xFF, 0xFF]);
+        let refused = send_grpc(&svc, to_get(bomb)).await;
+        assert_eq!(refused.headers["grpc-status"], "8");
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "refused from the prefix");
+        let answered = send_grpc(&svc, to_get(framed(b"id"))).await;
+        assert_eq!(answered.trailers.unwrap()["grpc-status"], "0");
+        assert_eq!(
+            answered.body,
+            framed(b"id").iter().copied().chain([1]).collect::<Vec<_>>()
+        );
+        assert!(store.is_empty(), "no key, no record");
     }
 
     #[tokio::test]

@@ -1,0 +1,311 @@
+//! The part of idempotency that runs before the gate: [`IntakeLayer`].
+//!
+//! Two things a keyed request may spend a long time on need no capacity of ours, so they
+//! happen here, outside the gate, holding no permit:
+//!
+//! - **reading the body.** A client that sends its body slowly (or never finishes it) waits
+//!   here, bounded by the body cap and the request's deadline, instead of holding a permit
+//!   that another tenant's request needs;
+//! - **waiting for a running attempt.** When another request with the same key and the same
+//!   parameters is still running, the request waits for that attempt's outcome (polling the
+//!   store with backoff, so it works across instances sharing a store) and then claims again:
+//!   the stored answer is replayed, or, if the attempt failed retryably or was released, this
+//!   request runs itself. Only when its budget ends first is it answered 409
+//!   `request_in_progress` + `Retry-After`. A waiter is woken at once when the attempt runs
+//!   on the same instance.
+//!
+//! Routes declared with [`IdempotencyLayer::buffered`](super::IdempotencyLayer::buffered)
+//! (unary calls that are not keyed) have their bodies read here too, within the same caps.
+//!
+//! The key, fingerprint and body read here travel to [`Idempotency`](super::Idempotency) as a
+//! request extension, so the request is read and fingerprinted once.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, sleep_until, timeout_at};
+use tower::ServiceExt;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::layer::Shared;
+use super::{BoxError, InProgress, KeyedRoute, prepare, read_body};
+use crate::clock::Clock;
+use crate::deadline::Deadline;
+use crate::idempotency::{IdempotencyKey, RecordStatus, Store};
+use crate::server::tenant::Tenant;
+
+/// First pause before looking at a running attempt again; each later pause doubles.
+const FIRST_PAUSE: Duration = Duration::from_millis(2);
+
+/// Longest pause between two looks at a running attempt.
+const MAX_PAUSE: Duration = Duration::from_millis(50);
+
+/// Budget kept, when the wait ends, to claim again and answer before the deadline.
+const ANSWER_MARGIN: Duration = Duration::from_millis(10);
+
+/// Reads keyed requests and waits for running attempts outside the gate; see the
+/// [module docs](self). Made by [`IdempotencyLayer::intake`](super::IdempotencyLayer::intake),
+/// with which it shares the route table and the store.
+pub struct IntakeLayer<St> {
+    shared: Arc<Shared<St>>,
+}
+
+impl<St> IntakeLayer<St> {
+    pub(super) fn new(shared: Arc<Shared<St>>) -> Self {
+        Self { shared }
+    }
+}
+
+impl<St> Clone for IntakeLayer<St> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<St> fmt::Debug for IntakeLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IntakeLayer")
+            .field("routes", &self.shared.routes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St> Layer<S> for IntakeLayer<St> {
+    type Service = Intake<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Intake {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service of [`IntakeLayer`].
+pub struct Intake<S, St> {
+    inner: S,
+    shared: Arc<Shared<St>>,
+}
+
+impl<S: Clone, St> Clone for Intake<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St> fmt::Debug for Intake<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Intake")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Intake<S, St>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: From<Bytes> + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = IntakeFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let (method, path) = (request.method(), request.uri().path());
+        let route = self.shared.route_for(method, path);
+        if route.is_none() && !self.shared.is_buffered(method, path) {
+            return IntakeFuture {
+                kind: Kind::Passthrough {
+                    fut: self.inner.call(request),
+                },
+            };
+        }
+        // The ready service answers the first call; later calls wait for readiness again.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        let fut: Keyed<ResBody, S::Error> = match route {
+            Some(route) => Box::pin(intake(shared, route, inner, request)),
+            None => Box::pin(buffer(shared, inner, request)),
+        };
+        IntakeFuture {
+            kind: Kind::Keyed { fut },
+        }
+    }
+}
+
+type Keyed<B, E> = Pin<Box<dyn Future<Output = Result<Response<B>, E>> + Send>>;
+
+pin_project! {
+    /// Response future of [`Intake`]: the inner future unchanged (routes that are not keyed)
+    /// or the keyed intake.
+    pub struct IntakeFuture<F, B, E> {
+        #[pin]
+        kind: Kind<F, B, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B, E> {
+        Passthrough {
+            #[pin]
+            fut: F,
+        },
+        Keyed {
+            fut: Keyed<B, E>,
+        },
+    }
+}
+
+impl<F, B, E> fmt::Debug for IntakeFuture<F, B, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            Kind::Passthrough { .. } => "passthrough",
+            Kind::Keyed { .. } => "keyed",
+        };
+        f.debug_struct("IntakeFuture").field("kind", &kind).finish()
+    }
+}
+
+impl<F, B, E> Future for IntakeFuture<F, B, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Passthrough { fut } => fut.poll(cx),
+            KindProj::Keyed { fut } => fut.as_mut().poll(cx),
+        }
+    }
+}
+
+/// Reads the whole body of a request to a buffered route, then sends it on.
+async fn buffer<S, St, ReqBody, ResBody>(
+    shared: Arc<Shared<St>>,
+    mut inner: S,
+    request: Request<ReqBody>,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: From<Bytes>,
+{
+    let (head, body) = request.into_parts();
+    match read_body(&shared, &head, body).await {
+        Ok(body) => {
+            inner
+                .call(Request::from_parts(head, ReqBody::from(body)))
+                .await
+        }
+        Err(refusal) => Ok(refusal),
+    }
+}
+
+/// Reads the request, then sends it on until it is not refused as in progress, or its budget
+/// ends.
+async fn intake<S, St, ReqBody, ResBody>(
+    shared: Arc<Shared<St>>,
+    route: KeyedRoute,
+    mut inner: S,
+    request: Request<ReqBody>,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: From<Bytes>,
+{
+    let (mut head, body) = request.into_parts();
+    let prepared = match prepare(&shared, &head, body).await {
+        Ok(prepared) => prepared,
+        Err(refusal) => return Ok(refusal),
+    };
+    let scope = Tenant::from_extensions(&head.extensions).to_owned();
+    let (key, body) = (prepared.key.clone(), prepared.body.clone());
+    head.extensions.insert(prepared);
+    // Without a deadline layer outside, wait no longer than one lease.
+    let deadline = head
+        .extensions
+        .get::<Deadline>()
+        .copied()
+        .unwrap_or_else(|| Deadline::after(route.lease));
+    let give_up = deadline
+        .instant()
+        .checked_sub(ANSWER_MARGIN)
+        .unwrap_or_else(Instant::now);
+    let mut pause = FIRST_PAUSE;
+    loop {
+        let request = Request::from_parts(head.clone(), ReqBody::from(body.clone()));
+        let response = inner.ready().await?.call(request).await?;
+        if response.extensions().get::<InProgress>().is_none() {
+            return Ok(response);
+        }
+        if !finished(&shared, &scope, &key, give_up, &mut pause).await {
+            return Ok(response);
+        }
+    }
+}
+
+/// Waits until the record of `key` is no longer running under a live lease (completed,
+/// failed, released, or its runner gone), looking with growing pauses and woken at once when
+/// the attempt settles on this instance. False when `give_up` comes first.
+async fn finished<St: Store>(
+    shared: &Shared<St>,
+    scope: &str,
+    key: &IdempotencyKey,
+    give_up: Instant,
+    pause: &mut Duration,
+) -> bool {
+    let settled = shared.settled.watch(scope, key);
+    loop {
+        // Registered before the look, so a settling after it is not missed.
+        let woken = settled.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        match timeout_at(give_up, shared.store.get(scope, key)).await {
+            Err(_) => return false,
+            Ok(Ok(Some(record)))
+                if record.status == RecordStatus::Running
+                    && record.lease_until_ms > shared.clock.now_ms() => {}
+            // Settled, or the store could not say: the claim decides.
+            Ok(_) => return true,
+        }
+        let now = Instant::now();
+        if now >= give_up {
+            return false;
+        }
+        tokio::select! {
+            () = sleep_until((now + *pause).min(give_up)) => {}
+            () = woken => {}
+        }
+        *pause = (*pause * 2).min(MAX_PAUSE);
+    }
+}
