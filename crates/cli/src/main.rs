@@ -81,7 +81,7 @@ async fn main() -> ExitCode {
                 message.push_str(&cause.to_string());
                 source = cause.source();
             }
-            tracing::error!(error = %message, "backstop stopped");
+            // One line: the logs go to the same stderr.
             eprintln!("error: {message}");
             ExitCode::FAILURE
         }

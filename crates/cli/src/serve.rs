@@ -30,6 +30,10 @@ pub(crate) struct ServeArgs {
     /// Requests executing at once; beyond it 503 + Retry-After.
     #[arg(long, value_name = "N", default_value_t = 256)]
     max_inflight: usize,
+    /// Connections open at once on each port; at the cap an idle one is closed to make room,
+    /// or the new one refused when all are busy. Keep it below the file descriptor limit.
+    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
     #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
@@ -74,6 +78,7 @@ impl ServeArgs {
             config.psp = PspTarget::Url(url.clone());
         }
         config.max_inflight = self.max_inflight;
+        config.max_connections = self.max_connections;
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
         config.api_keys = self
@@ -183,6 +188,10 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.max_inflight, 8);
+        assert_eq!(
+            c.max_connections,
+            backstop_payment::config::DEFAULT_MAX_CONNECTIONS
+        );
         assert_eq!(c.tenant_rate.get(), 5);
         assert_eq!(c.api_keys.len(), 2);
         assert_eq!(c.psp, PspTarget::Url("http://127.0.0.1:8082".into()));
@@ -206,5 +215,13 @@ mod tests {
         assert!(parse(&["--tenant-rate", "0"]).is_err());
         let open_public = parse(&["--http", "0.0.0.0:9000"]).unwrap();
         assert!(open_public.validate().is_err());
+        let open_public_grpc = parse(&["--grpc", "0.0.0.0:50051"]).unwrap();
+        assert!(open_public_grpc.validate().is_err());
+        assert!(
+            parse(&["--max-connections", "0"])
+                .unwrap()
+                .validate()
+                .is_err()
+        );
     }
 }

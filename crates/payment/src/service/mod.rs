@@ -26,6 +26,7 @@
 //! | 409 | `order_conflict` | the order already has an intent under another key; names `intent_id` |
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
 //! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
+//! | 415 | `grpc_on_http_port` | `Content-Type: application/grpc` on the HTTP port (gRPC has its own address) |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
 //! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
@@ -53,7 +54,9 @@
 //! - `store`: [`PaymentStore`], the idempotency store on SQLite or PostgreSQL.
 
 pub mod handlers;
+mod leases;
 pub(crate) mod payments;
+pub mod protocol;
 pub mod request;
 mod server;
 mod store;
@@ -70,12 +73,14 @@ use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::Store;
+use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack};
 use http::Method;
 
 use crate::auth::Authenticator;
 use crate::config::{BODY_LIMIT, Config};
 use crate::grpc;
+use protocol::{OneProtocolLayer, Port};
 
 /// Service label of the server metrics.
 pub const SERVICE_NAME: &str = "payment";
@@ -146,13 +151,17 @@ pub fn build_routers<St: Store>(
         .route(Method::GET, "/v1/payments/{intent_id}")
         .keyed(Method::POST, grpc::CHARGE, keyed)
         .route(Method::POST, grpc::GET_CHARGE)
-        .peer_from(|ext| {
-            ext.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-                .map(|info| info.0)
+        .peer_from(|ext| match ext.get::<ConnectionInfo>() {
+            Some(connection) => Some(connection.peer()),
+            None => ext
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|info| info.0),
         })
         .into_layer();
 
-    let grpc = grpc::router(state.clone()).layer(stack.clone());
+    let grpc = grpc::router(state.clone())
+        .layer(stack.clone())
+        .layer(OneProtocolLayer(Port::Grpc));
 
     let payments = Router::new()
         .route("/v1/payments", post(handlers::create_payment))
@@ -167,6 +176,7 @@ pub fn build_routers<St: Store>(
         .route("/metrics", get(handlers::metrics))
         .with_state(state)
         .merge(payments)
-        .fallback(handlers::not_found);
+        .fallback(handlers::not_found)
+        .layer(OneProtocolLayer(Port::Http));
     Routers { http, grpc }
 }

@@ -5,6 +5,8 @@ use http_body_util::{BodyExt, Empty, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 
+use hyper_util::rt::TokioExecutor;
+
 use super::*;
 
 /// A running listener whose service answers `hello`, except `/hold`, which waits for `release`
@@ -220,4 +222,32 @@ async fn close_from_a_request_drops_the_connection_without_an_answer() {
         Listener::new("test", tcp, ListenConfig::default()).serve(service, std::future::pending()),
     );
     assert_eq!(http1_get(addr, "/").await, "");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_http2_request_still_running_at_the_drain_bound_is_dropped() {
+    let config = ListenConfig {
+        drain_timeout: Duration::from_secs(3),
+        ..ListenConfig::default()
+    };
+    let mut running = start(config).await;
+    let stream = TcpStream::connect(running.addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let request = Request::get(format!("http://{}/hold", running.addr))
+        .body(Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let held = tokio::spawn(send.send_request(request));
+    running.entered.notified().await;
+    running.stop().await;
+    // hyper runs each HTTP/2 request on a task of its own: serve returns only once it is gone.
+    (&mut running.served).await.unwrap();
+    assert!(
+        running.dropped.load(Ordering::SeqCst),
+        "the request was cut"
+    );
+    assert!(held.await.unwrap().is_err());
 }
