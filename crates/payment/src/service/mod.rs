@@ -26,8 +26,8 @@
 //! | 409 | `order_conflict` | the order already has an intent under another key; names `intent_id` |
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
 //! | 409 | `request_in_progress` + `Retry-After` | the same key is running |
-//! | 415 | `grpc_on_http_port` | `Content-Type: application/grpc` on the HTTP port (gRPC has its own address) |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
+//! | 415 | `grpc_on_http_port` | `Content-Type: application/grpc` on the HTTP port (gRPC has its own address) |
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
 //! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
