@@ -6,12 +6,12 @@
 //! loop and well-behaved clients (health checks included) cannot get in. [`Listener`] bounds
 //! each of these:
 //!
-//! - **header read timeout**: an HTTP/1 connection must deliver a complete request head within
-//!   [`ListenConfig::header_read_timeout`], counted from the moment it is ready for one (so it
-//!   also closes keep-alive connections idle that long);
+//! - **header read timeout**: once the first bytes of an HTTP/1 request head arrive, the whole
+//!   head must follow within [`ListenConfig::header_read_timeout`], or the connection is closed;
 //! - **idle timeout**: a connection with no request in flight and none started for
-//!   [`ListenConfig::idle_timeout`] is shut down gracefully (HTTP/2 `GOAWAY`); this covers the
-//!   HTTP/2 connections and the first bytes, before the protocol is known;
+//!   [`ListenConfig::idle_timeout`] is shut down gracefully (HTTP/2 `GOAWAY`). It is kept longer
+//!   than the idle time clients keep pooled connections (90 s is common), so that the server
+//!   rarely closes a connection a client is about to reuse;
 //! - **HTTP/2 keepalive pings and a stream limit**: a dead peer is found within
 //!   [`ListenConfig::http2_keepalive_interval`] + [`ListenConfig::http2_keepalive_timeout`], and
 //!   one connection runs at most [`ListenConfig::http2_max_concurrent_streams`] requests;
@@ -70,6 +70,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use pin_project_lite::pin_project;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
@@ -87,12 +88,12 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ListenConfig {
-    /// Longest time an HTTP/1 connection may take to send a complete request head, counted
-    /// from the moment it is ready for one. Default 10 s.
+    /// Longest time an HTTP/1 request head may take, from its first bytes to its end.
+    /// Default 10 s.
     pub header_read_timeout: Duration,
     /// A connection with no request in flight and none started for this long is shut down
     /// gracefully (checked every `idle_timeout`, so it may live up to twice as long).
-    /// Default 60 s.
+    /// Default 120 s: longer than clients keep idle pooled connections.
     pub idle_timeout: Duration,
     /// Interval of HTTP/2 keepalive pings. Default 20 s.
     pub http2_keepalive_interval: Duration,
@@ -117,7 +118,7 @@ impl Default for ListenConfig {
     fn default() -> Self {
         ListenConfig {
             header_read_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(120),
             http2_keepalive_interval: Duration::from_secs(20),
             http2_keepalive_timeout: Duration::from_secs(20),
             http2_max_concurrent_streams: 256,
@@ -186,10 +187,13 @@ impl Listener {
         let Listener { name, tcp, config } = self;
         let streams = Streams::default();
         let mut builder = auto::Builder::new(streams.clone());
+        // hyper's own header timeout would also run while a keep-alive connection waits for
+        // its next request, closing it under clients that pool connections longer: the head
+        // timer below starts at the first byte of a head instead.
         builder
             .http1()
             .timer(TokioTimer::new())
-            .header_read_timeout(config.header_read_timeout);
+            .header_read_timeout(None);
         builder
             .http2()
             .timer(TokioTimer::new())
@@ -290,7 +294,7 @@ impl Shared {
             return None;
         }
         let id = self.open.next_id.fetch_add(1, Ordering::Relaxed);
-        let conn = Arc::new(ConnState::default());
+        let conn = Arc::new(ConnState::new());
         open.insert(id, Arc::clone(&conn));
         drop(open);
         self.metrics.open.increment(1.0);
@@ -332,8 +336,17 @@ impl Registry {
 }
 
 /// State of one connection, seen by its task, its requests and the registry.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ConnState {
+    /// When the connection was accepted: the origin of `head_since`.
+    opened: tokio::time::Instant,
+    /// Milliseconds from `opened` to the first byte of the request head being read, plus one;
+    /// 0 while no head is being read.
+    head_since: AtomicU64,
+    /// Notified when a head starts.
+    head_started: Notify,
+    /// The peer speaks HTTP/2: frames between requests (pings, window updates) are no head.
+    http2: std::sync::atomic::AtomicBool,
     /// Requests between the service call and the end of their response body.
     in_flight: AtomicUsize,
     /// Requests started so far (for the idle timeout).
@@ -343,6 +356,44 @@ struct ConnState {
     /// Notified to close the connection at once.
     close: Notify,
 }
+
+impl ConnState {
+    fn new() -> Self {
+        ConnState {
+            opened: tokio::time::Instant::now(),
+            head_since: AtomicU64::new(0),
+            head_started: Notify::new(),
+            http2: Default::default(),
+            in_flight: AtomicUsize::new(0),
+            started: AtomicU64::new(0),
+            evicted: Default::default(),
+            close: Notify::new(),
+        }
+    }
+
+    /// Bytes arrived: when no request is in flight they start a request head.
+    fn bytes_read(&self, first: &[u8], first_read: bool) {
+        if first_read && first.starts_with(HTTP2_PREFACE_START) {
+            self.http2.store(true, Ordering::Relaxed);
+        }
+        if self.http2.load(Ordering::Relaxed) || self.in_flight.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let since = u64::try_from(self.opened.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1);
+        if self
+            .head_since
+            .compare_exchange(0, since, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.head_started.notify_one();
+        }
+    }
+}
+
+/// How an HTTP/2 connection with prior knowledge starts (`PRI * HTTP/2.0`).
+const HTTP2_PREFACE_START: &[u8] = b"PRI ";
 
 /// A connection's place in the registry; leaving it (drop) frees the place.
 struct Registered {
@@ -356,6 +407,7 @@ struct InFlight(Arc<ConnState>);
 impl InFlight {
     fn start(conn: &Arc<ConnState>) -> Self {
         conn.in_flight.fetch_add(1, Ordering::AcqRel);
+        conn.head_since.store(0, Ordering::Release);
         conn.started.fetch_add(1, Ordering::Relaxed);
         InFlight(Arc::clone(conn))
     }
@@ -428,12 +480,17 @@ async fn serve_connection<S, B>(
             conn: Arc::clone(&conn_state),
         },
     };
-    let conn = shared
-        .builder
-        .serve_connection(TokioIo::new(stream), service);
+    let io = ReadWatch {
+        stream,
+        conn: Arc::clone(&conn_state),
+        first_read: true,
+    };
+    let conn = shared.builder.serve_connection(TokioIo::new(io), service);
     let mut conn = std::pin::pin!(conn);
     let idle = idle_for(&conn_state, shared.config.idle_timeout);
     let mut idle = std::pin::pin!(idle);
+    let slow_head = head_too_slow(&conn_state, shared.config.header_read_timeout);
+    let mut slow_head = std::pin::pin!(slow_head);
     let stop = tokio::select! {
         result = conn.as_mut() => {
             if let Err(error) = result {
@@ -442,6 +499,7 @@ async fn serve_connection<S, B>(
             Stop::Done
         }
         () = conn_state.close.notified() => Stop::Close,
+        () = &mut slow_head => Stop::Close,
         () = &mut idle => Stop::Idle,
         _ = drain.wait_for(|draining| *draining) => Stop::Drain,
     };
@@ -462,6 +520,25 @@ async fn serve_connection<S, B>(
             tokio::select! {
                 _ = conn.as_mut() => {}
                 () = conn_state.close.notified() => {}
+            }
+        }
+    }
+}
+
+/// Resolves once a request head has taken longer than `timeout` since its first byte.
+async fn head_too_slow(conn: &ConnState, timeout: Duration) {
+    loop {
+        conn.head_started.notified().await;
+        loop {
+            let since = conn.head_since.load(Ordering::Acquire);
+            if since == 0 {
+                // The request started: wait for the next head.
+                break;
+            }
+            let started = conn.opened + Duration::from_millis(since - 1);
+            tokio::time::sleep_until(started + timeout).await;
+            if conn.head_since.load(Ordering::Acquire) == since {
+                return;
             }
         }
     }
@@ -594,6 +671,9 @@ where
     type Future = ResponseFuture<Oneshot<S, Request<Incoming>>>;
 
     fn call(&self, mut request: Request<Incoming>) -> Self::Future {
+        if request.version() == http::Version::HTTP_2 {
+            self.info.conn.http2.store(true, Ordering::Relaxed);
+        }
         let in_flight = InFlight::start(&self.info.conn);
         request.extensions_mut().insert(self.info.clone());
         ResponseFuture {
@@ -660,6 +740,64 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+pin_project! {
+    /// The connection's socket, telling its state when the bytes of a request head arrive.
+    struct ReadWatch {
+        #[pin]
+        stream: TcpStream,
+        conn: Arc<ConnState>,
+        first_read: bool,
+    }
+}
+
+impl AsyncRead for ReadWatch {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        ready!(this.stream.poll_read(cx, buf))?;
+        let read = &buf.filled()[before..];
+        if !read.is_empty() {
+            this.conn.bytes_read(read, *this.first_read);
+            *this.first_read = false;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for ReadWatch {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.project().stream.poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.project().stream.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.project().stream.poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.project().stream.poll_shutdown(cx)
     }
 }
 
