@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::time::Duration;
 
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
 use backstop_payment::config::{ApiKey, Config, PspTarget, StoreLocation};
@@ -34,6 +35,10 @@ pub(crate) struct ServeArgs {
     /// or the new one refused when all are busy. Keep it below the file descriptor limit.
     #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+    /// On SIGTERM or ctrl-c, how long in-flight requests may take to finish before they are cut
+    /// (both ports drain at once, within this one bound).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_drain)]
+    drain_timeout: Duration,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
     #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
@@ -79,6 +84,7 @@ impl ServeArgs {
         }
         config.max_inflight = self.max_inflight;
         config.max_connections = self.max_connections;
+        config.drain_timeout = self.drain_timeout;
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
         config.api_keys = self
@@ -97,6 +103,18 @@ impl ServeArgs {
         config.instances = self.instances;
         Ok(config)
     }
+}
+
+/// Longest accepted `--drain-timeout`.
+const MAX_DRAIN: Duration = Duration::from_secs(600);
+
+fn parse_drain(s: &str) -> Result<Duration, String> {
+    let drain = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 10s or 500ms: {e}"))?;
+    if drain > MAX_DRAIN {
+        return Err(format!("{s} is longer than 10 minutes"));
+    }
+    Ok(drain)
 }
 
 /// Runs the service until `shutdown` resolves (ctrl-c / SIGTERM), draining in-flight requests.
@@ -138,6 +156,7 @@ mod tests {
         );
         assert!(c.api_keys.is_empty());
         assert!(c.redis.is_none());
+        assert_eq!(c.drain_timeout, Duration::from_secs(10));
         assert!(c.validate().is_ok());
     }
 
@@ -222,6 +241,12 @@ mod tests {
                 .unwrap()
                 .validate()
                 .is_err()
+        );
+        assert!(parse(&["--drain-timeout", "soon"]).is_err());
+        assert!(parse(&["--drain-timeout", "2h"]).is_err());
+        assert_eq!(
+            parse(&["--drain-timeout", "1500ms"]).unwrap().drain_timeout,
+            Duration::from_millis(1500)
         );
     }
 }

@@ -213,6 +213,42 @@ async fn kill_9_mid_request_then_retry_on_the_same_store_charges_once() {
     assert!(exit.success(), "graceful shutdown exits 0: {exit:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_cuts_a_call_at_the_drain_bound_and_releases_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("pay.db");
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    // The PSP commits, then holds its answer past the drain bound.
+    psp.faults().script([Fault::CommitThenTimeout]).unwrap();
+    let body = json!({"order_id": "order-drain-cut", "amount_cents": 700});
+    let server = Serve::start_with(&store, &psp.url(), &["--drain-timeout", "1s"], None).await;
+    let held = {
+        let http = server.http.clone();
+        let url = format!("{}/v1/payments", server.base);
+        let body = body.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .header("idempotency-key", "drain-cut-key")
+                .header("grpc-timeout", "60S")
+                .json(&body)
+                .send()
+                .await
+        })
+    };
+    while charges(&psp, "order-drain-cut").await == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(server.terminate().await.success(), "a clean stop");
+    assert!(held.await.unwrap().is_err(), "cut at the drain bound");
+
+    // The same key at once: the cut call no longer holds it (no 409 for the lease).
+    let server = Serve::start(&store, &psp.url()).await;
+    let (status, json, _) = server.post("drain-cut-key", &body, "10S").await.unwrap();
+    assert_eq!(status, 201, "{json}");
+    assert_eq!(charges(&psp, "order-drain-cut").await, 1, "charged once");
+    assert!(server.terminate().await.success());
+}
+
 #[tokio::test]
 async fn grpc_is_served_on_the_grpc_address_with_the_same_store() {
     use backstop_payment::grpc::proto::ChargeRequest;
