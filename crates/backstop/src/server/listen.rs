@@ -239,7 +239,10 @@ impl Listener {
                             tracing::warn!(listener = %name, %error, "accept failed; backing off");
                         }
                         backoff = Some(wait);
-                        tokio::time::sleep(wait).await;
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            () = &mut shutdown => break,
+                        }
                     }
                 },
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
