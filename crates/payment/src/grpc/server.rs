@@ -11,7 +11,10 @@ use tokio::task::JoinHandle;
 
 use crate::service::ServeError;
 
-/// A bound gRPC listener and the router it will serve.
+/// `service` label of the gRPC listener's connection metrics.
+const LISTENER: &str = "payment-grpc";
+
+/// A bound gRPC listener.
 #[derive(Debug)]
 pub(crate) struct Bound {
     listener: TcpListener,
@@ -40,7 +43,7 @@ impl Bound {
         limits: ListenConfig,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> JoinHandle<()> {
-        let listener = Listener::new(crate::service::SERVICE_NAME, self.listener, limits);
+        let listener = Listener::new(LISTENER, self.listener, limits);
         tokio::spawn(listener.serve(router, shutdown))
     }
 }
