@@ -102,9 +102,9 @@ pub struct ListenConfig {
     pub http2_keepalive_timeout: Duration,
     /// Most requests (streams) one HTTP/2 connection runs at once. Default 256.
     pub http2_max_concurrent_streams: u32,
-    /// Most connections open at once (see the [module docs](self)). Keep it below the
-    /// process's file descriptor limit, leaving room for the store and outgoing connections.
-    /// Default 1024.
+    /// Most connections open at once (see the [module docs](self)); the ones closed to make
+    /// room may overrun it by an eighth while they close. Keep it below the process's file
+    /// descriptor limit, leaving room for the store and outgoing connections. Default 1024.
     pub max_connections: usize,
     /// First pause after a failed accept; doubles on each failure in a row. Default 5 ms.
     pub accept_backoff: Duration,
@@ -291,8 +291,14 @@ struct Shared {
 impl Shared {
     /// Registers a new connection, making room at the cap; `None` when it must be refused.
     fn admit(&self) -> Option<Registered> {
+        let cap = self.config.max_connections;
+        // Connections picked to make room close on their own task: an eighth over the cap is
+        // left for them, so a fast flood cannot outrun the closing and exhaust descriptors.
+        let hard_cap = cap.saturating_add((cap / 8).max(1));
         let mut open = self.open.lock();
-        if open.len() >= self.config.max_connections && !Registry::evict_in(&open, &self.metrics) {
+        if open.len() >= cap
+            && (open.len() >= hard_cap || !Registry::evict_in(&open, &self.metrics))
+        {
             self.metrics.rejected(connection_rejected::REFUSED);
             return None;
         }
@@ -518,6 +524,14 @@ async fn serve_connection<S, B>(
             }
         }
         Stop::Drain => {
+            // An HTTP/1 connection with no request started (idle, or a head still arriving)
+            // has nothing to finish; HTTP/2 gets its GOAWAY, which tells the client which
+            // requests were taken.
+            if !conn_state.http2.load(Ordering::Relaxed)
+                && conn_state.in_flight.load(Ordering::Acquire) == 0
+            {
+                return;
+            }
             conn.as_mut().graceful_shutdown();
             // The listener's drain bound aborts this task if the requests take too long.
             tokio::select! {

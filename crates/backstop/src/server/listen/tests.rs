@@ -282,3 +282,22 @@ async fn an_http2_request_still_running_at_the_drain_bound_is_dropped() {
     );
     assert!(held.await.unwrap().is_err());
 }
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_closes_a_connection_with_no_request_started_at_once() {
+    let config = ListenConfig::default();
+    let drain = config.drain_timeout;
+    let mut running = start(config).await;
+    let mut slow = TcpStream::connect(running.addr).await.unwrap();
+    slow.write_all(b"GET / HTTP/1.1\r\nx-slow: ").await.unwrap();
+    // Served once: the connection is open and registered.
+    assert!(http1_get(running.addr, "/").await.ends_with("hello"));
+    let began = tokio::time::Instant::now();
+    running.stop().await;
+    (&mut running.served).await.unwrap();
+    assert!(
+        began.elapsed() < drain,
+        "no wait for a head that never ends"
+    );
+    assert!(closed_without_answer(&mut slow).await);
+}
