@@ -46,6 +46,11 @@ pub const RPC_SERVER_DURATION_SECONDS: &str = "rpc_server_duration_seconds";
 pub const RPC_SERVER_INFLIGHT: &str = "rpc_server_inflight";
 /// Server: requests refused by admission control, labelled `reason` (see [`reject_reason`]).
 pub const RPC_SERVER_REJECTED_TOTAL: &str = "rpc_server_rejected_total";
+/// Server: connections open now, per listener (`service`).
+pub const RPC_SERVER_CONNECTIONS: &str = "rpc_server_connections";
+/// Server: connections refused or closed by the connection cap, labelled `reason` (see
+/// [`connection_rejected`]).
+pub const RPC_SERVER_CONNECTIONS_REJECTED_TOTAL: &str = "rpc_server_connections_rejected_total";
 /// Server: idempotency claims, labelled `result` (see [`claim_result`]).
 pub const IDEMPOTENCY_CLAIMS_TOTAL: &str = "idempotency_claims_total";
 /// Server: rate-limit decisions made without Redis because it failed or did not answer in
@@ -86,6 +91,14 @@ pub mod reject_reason {
     pub const DEADLINE: &str = "deadline";
     /// The shared rate limiter (Redis) is unavailable and fails closed: 503.
     pub const RATE_LIMITER_UNAVAILABLE: &str = "rate_limiter_unavailable";
+}
+
+/// Values of the `reason` label on [`RPC_SERVER_CONNECTIONS_REJECTED_TOTAL`].
+pub mod connection_rejected {
+    /// A new connection closed at once: every open one was serving a request.
+    pub const REFUSED: &str = "refused";
+    /// An idle or slow connection (no request in flight) closed to make room for a new one.
+    pub const EVICTED: &str = "evicted";
 }
 
 /// Values of the `result` label on [`RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL`].
@@ -195,6 +208,16 @@ pub fn describe_metrics() {
         Unit::Count,
         "Requests refused by admission control, by reason."
     );
+    describe_gauge!(
+        RPC_SERVER_CONNECTIONS,
+        Unit::Count,
+        "Connections open now, per listener."
+    );
+    describe_counter!(
+        RPC_SERVER_CONNECTIONS_REJECTED_TOTAL,
+        Unit::Count,
+        "Connections refused or evicted by the connection cap, by reason."
+    );
     describe_counter!(
         IDEMPOTENCY_CLAIMS_TOTAL,
         Unit::Count,
@@ -264,6 +287,12 @@ mod tests {
             (RPC_CLIENT_HEDGES_TOTAL, "counter", Unit::Count),
             (RPC_CLIENT_REQUESTS_TOTAL, "counter", Unit::Count),
             (RPC_CLIENT_RETRIES_TOTAL, "counter", Unit::Count),
+            (RPC_SERVER_CONNECTIONS, "gauge", Unit::Count),
+            (
+                RPC_SERVER_CONNECTIONS_REJECTED_TOTAL,
+                "counter",
+                Unit::Count,
+            ),
             (RPC_SERVER_DURATION_SECONDS, "histogram", Unit::Seconds),
             (RPC_SERVER_INFLIGHT, "gauge", Unit::Count),
             (RPC_SERVER_REJECTED_TOTAL, "counter", Unit::Count),
@@ -285,6 +314,7 @@ mod tests {
             RPC_CLIENT_HEDGES_TOTAL,
             RPC_SERVER_REQUESTS_TOTAL,
             RPC_SERVER_REJECTED_TOTAL,
+            RPC_SERVER_CONNECTIONS_REJECTED_TOTAL,
             IDEMPOTENCY_CLAIMS_TOTAL,
             RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL,
         ] {

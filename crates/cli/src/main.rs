@@ -96,7 +96,7 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             let message = error_chain::Chain(&*error).to_string();
-            tracing::error!(error = %message, "backstop stopped");
+            // One line: the logs go to the same stderr.
             eprintln!("error: {message}");
             ExitCode::FAILURE
         }

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::time::Duration;
 
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
 use backstop_payment::config::{ApiKey, Config, PspTarget, StoreLocation};
@@ -32,6 +33,14 @@ pub(crate) struct ServeArgs {
     /// Requests executing at once; beyond it 503 + Retry-After.
     #[arg(long, value_name = "N", default_value_t = 256)]
     max_inflight: usize,
+    /// Connections open at once on each port; at the cap an idle one is closed to make room,
+    /// or the new one refused when all are busy. Keep it below the file descriptor limit.
+    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// On SIGTERM or ctrl-c, how long in-flight requests may take to finish before they are cut
+    /// (both ports drain at once, within this one bound).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_drain)]
+    drain_timeout: Duration,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
     #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
@@ -86,6 +95,8 @@ impl ServeArgs {
             config.psp = PspTarget::Url(url.clone());
         }
         config.max_inflight = self.max_inflight;
+        config.max_connections = self.max_connections;
+        config.drain_timeout = self.drain_timeout;
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
         config.api_keys = self
@@ -114,6 +125,18 @@ impl ServeArgs {
         config.instances = self.instances;
         Ok(config)
     }
+}
+
+/// Longest accepted `--drain-timeout`.
+const MAX_DRAIN: Duration = Duration::from_secs(600);
+
+fn parse_drain(s: &str) -> Result<Duration, String> {
+    let drain = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 10s or 500ms: {e}"))?;
+    if drain > MAX_DRAIN {
+        return Err(format!("{s} is longer than 10 minutes"));
+    }
+    Ok(drain)
 }
 
 /// Runs the service until `shutdown` resolves (ctrl-c / SIGTERM), draining in-flight requests.
@@ -155,6 +178,7 @@ mod tests {
         );
         assert!(c.api_keys.is_empty());
         assert!(c.redis.is_none());
+        assert_eq!(c.drain_timeout, Duration::from_secs(10));
         assert!(c.validate().is_ok());
     }
 
@@ -205,6 +229,10 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.max_inflight, 8);
+        assert_eq!(
+            c.max_connections,
+            backstop_payment::config::DEFAULT_MAX_CONNECTIONS
+        );
         assert_eq!(c.tenant_rate.get(), 5);
         assert_eq!(c.api_keys.len(), 2);
         assert_eq!(c.psp, PspTarget::Url("http://127.0.0.1:8082".into()));
@@ -273,5 +301,19 @@ mod tests {
         assert!(parse(&["--tenant-rate", "0"]).is_err());
         let open_public = parse(&["--http", "0.0.0.0:9000"]).unwrap();
         assert!(open_public.validate().is_err());
+        let open_public_grpc = parse(&["--grpc", "0.0.0.0:50051"]).unwrap();
+        assert!(open_public_grpc.validate().is_err());
+        assert!(
+            parse(&["--max-connections", "0"])
+                .unwrap()
+                .validate()
+                .is_err()
+        );
+        assert!(parse(&["--drain-timeout", "soon"]).is_err());
+        assert!(parse(&["--drain-timeout", "2h"]).is_err());
+        assert_eq!(
+            parse(&["--drain-timeout", "1500ms"]).unwrap().drain_timeout,
+            Duration::from_millis(1500)
+        );
     }
 }

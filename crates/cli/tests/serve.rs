@@ -25,7 +25,24 @@ struct Serve {
 impl Serve {
     /// Starts the binary on a free port and returns once `/healthz` answers.
     async fn start(store: &Path, psp_url: &str) -> Serve {
-        let mut child = Command::new(BIN)
+        Serve::start_with(store, psp_url, &[], None).await
+    }
+
+    /// [`Serve::start`] with extra flags and, with `nofile`, a lowered file descriptor limit.
+    async fn start_with(store: &Path, psp_url: &str, extra: &[&str], nofile: Option<u32>) -> Serve {
+        let mut command = match nofile {
+            Some(limit) => {
+                let mut sh = Command::new("sh");
+                sh.args([
+                    "-c",
+                    &format!("ulimit -n {limit} && exec \"$0\" \"$@\""),
+                    BIN,
+                ]);
+                sh
+            }
+            None => Command::new(BIN),
+        };
+        let mut child = command
             .args([
                 "serve",
                 "--http",
@@ -36,6 +53,7 @@ impl Serve {
             ])
             .arg(store)
             .args(["--psp", psp_url])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -213,6 +231,42 @@ async fn kill_9_mid_request_then_retry_on_the_same_store_charges_once() {
     assert!(exit.success(), "graceful shutdown exits 0: {exit:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_cuts_a_call_at_the_drain_bound_and_releases_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("pay.db");
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    // The PSP commits, then holds its answer past the drain bound.
+    psp.faults().script([Fault::CommitThenTimeout]).unwrap();
+    let body = json!({"order_id": "order-drain-cut", "amount_cents": 700});
+    let server = Serve::start_with(&store, &psp.url(), &["--drain-timeout", "1s"], None).await;
+    let held = {
+        let http = server.http.clone();
+        let url = format!("{}/v1/payments", server.base);
+        let body = body.clone();
+        tokio::spawn(async move {
+            http.post(url)
+                .header("idempotency-key", "drain-cut-key")
+                .header("grpc-timeout", "60S")
+                .json(&body)
+                .send()
+                .await
+        })
+    };
+    while charges(&psp, "order-drain-cut").await == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(server.terminate().await.success(), "a clean stop");
+    assert!(held.await.unwrap().is_err(), "cut at the drain bound");
+
+    // The same key at once: the cut call no longer holds it (no 409 for the lease).
+    let server = Serve::start(&store, &psp.url()).await;
+    let (status, json, _) = server.post("drain-cut-key", &body, "10S").await.unwrap();
+    assert_eq!(status, 201, "{json}");
+    assert_eq!(charges(&psp, "order-drain-cut").await, 1, "charged once");
+    assert!(server.terminate().await.success());
+}
+
 #[tokio::test]
 async fn grpc_is_served_on_the_grpc_address_with_the_same_store() {
     use backstop_payment::grpc::proto::ChargeRequest;
@@ -280,6 +334,120 @@ async fn open_service_on_a_public_address_refuses_to_start() {
         stderr.contains("refusing to serve without API keys"),
         "{stderr}"
     );
+}
+
+#[tokio::test]
+async fn open_service_on_a_public_grpc_address_refuses_to_start() {
+    let (status, stderr) = refused(&["--grpc", "0.0.0.0:0"]).await;
+    assert!(!status.success());
+    assert!(
+        stderr.contains("refusing to serve without API keys on non-loopback address 0.0.0.0:0"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_busy_port_fails_before_creating_anything_and_says_so_once() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy_addr = busy.local_addr().unwrap().to_string();
+    for flags in [
+        ["--http", busy_addr.as_str(), "--grpc", "127.0.0.1:0"],
+        ["--http", "127.0.0.1:0", "--grpc", busy_addr.as_str()],
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(BIN)
+            .arg("serve")
+            .args(flags)
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "one line: {stderr}");
+        assert!(
+            lines[0].contains(&format!("cannot listen on {busy_addr}")),
+            "{stderr}"
+        );
+        let created: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(created.is_empty(), "nothing is created: {created:?}");
+    }
+}
+
+/// Connections that open and never finish a request head.
+async fn slowloris(addr: &str, count: usize, partial: &[u8]) -> Vec<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let mut held = Vec::with_capacity(count);
+    for _ in 0..count {
+        let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+            continue;
+        };
+        // The server may already have closed it to make room: that is the point.
+        let _ = stream.write_all(partial).await;
+        held.push(stream);
+    }
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_flood_past_the_fd_limit_leaves_the_service_reachable() {
+    let dir = tempfile::tempdir().unwrap();
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    // 256 descriptors for the whole process; 300 + 100 slow connections would exhaust them.
+    let server = Serve::start_with(
+        &dir.path().join("pay.db"),
+        &psp.url(),
+        &["--max-connections", "64"],
+        Some(256),
+    )
+    .await;
+    let http_addr = server.base.trim_start_matches("http://").to_owned();
+    let _http_flood = slowloris(&http_addr, 300, b"POST /v1/payments HTTP/1.1\r\nx-slow: ").await;
+    let _grpc_flood = slowloris(&server.grpc, 100, b"PRI * HTTP/2.0\r\n").await;
+
+    // A new, well-behaved client still gets in, on a connection of its own.
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let health = client
+        .get(format!("{}/healthz", server.base))
+        .send()
+        .await
+        .expect("/healthz answers during the flood");
+    assert_eq!(health.status(), 200);
+    let payment = client
+        .post(format!("{}/v1/payments", server.base))
+        .header("idempotency-key", "during-the-flood")
+        .header("grpc-timeout", "30S")
+        .json(&json!({"order_id": "order-flood", "amount_cents": 100}))
+        .send()
+        .await
+        .expect("a payment answers during the flood");
+    assert_eq!(payment.status(), 201);
+    let metrics = client
+        .get(format!("{}/metrics", server.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("rpc_server_connections_rejected_total{")
+                && l.contains("reason=\"evicted\"")),
+        "{metrics}"
+    );
+    assert!(server.terminate().await.success());
 }
 
 #[tokio::test]

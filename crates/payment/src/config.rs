@@ -12,12 +12,14 @@ use std::time::Duration;
 
 /// Default HTTP listen address.
 pub const DEFAULT_HTTP: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8081));
-/// Default gRPC listen address (accepted; gRPC is not served yet).
+/// Default gRPC listen address.
 pub const DEFAULT_GRPC: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 50051));
 /// Default store file, relative to the working directory.
 pub const DEFAULT_STORE: &str = "backstop.db";
 /// Largest accepted request body: 1 MiB.
 pub const BODY_LIMIT: usize = 1024 * 1024;
+/// Default cap on open connections per listener.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// Merchant of every request when the service runs without API keys.
 pub const DEFAULT_MERCHANT: &str = "default";
 
@@ -181,6 +183,10 @@ pub struct Config {
     pub lease: Duration,
     /// Bound on draining in-flight requests at shutdown.
     pub drain_timeout: Duration,
+    /// Most connections open at once on each listener; at the cap an idle connection is closed
+    /// to make room, or the new one is refused when all are busy. Keep it below the file
+    /// descriptor limit.
+    pub max_connections: usize,
     /// Per-merchant rate limits shared through Redis by all instances; `None` keeps them in
     /// this process.
     pub redis: Option<RedisConfig>,
@@ -211,6 +217,7 @@ impl Config {
             key_ttl: Duration::from_secs(7 * 24 * 3600),
             lease: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(10),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             redis: None,
             redis_failure: FailurePolicy::Open,
             instances: NonZeroU32::MIN,
@@ -219,11 +226,19 @@ impl Config {
 
     /// Checks the combination before anything starts.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.api_keys.is_empty() && !self.http.ip().is_loopback() {
-            return Err(ConfigError::OpenOnNonLoopback(self.http));
+        if self.api_keys.is_empty() {
+            // Every listener serves the same payments: each one is bound by the rule.
+            for addr in [self.http, self.grpc] {
+                if !addr.ip().is_loopback() {
+                    return Err(ConfigError::OpenOnNonLoopback(addr));
+                }
+            }
         }
         if self.max_inflight == 0 {
             return Err(ConfigError::ZeroInflight);
+        }
+        if self.max_connections == 0 {
+            return Err(ConfigError::ZeroConnections);
         }
         for (i, a) in self.api_keys.iter().enumerate() {
             if self.api_keys[..i].iter().any(|b| b.key == a.key) {
@@ -270,6 +285,9 @@ pub enum ConfigError {
     /// `--max-inflight 0`.
     #[error("--max-inflight must be at least 1")]
     ZeroInflight,
+    /// `--max-connections 0`.
+    #[error("--max-connections must be at least 1")]
+    ZeroConnections,
     /// Zero timeout or lease, or a key TTL shorter than the lease.
     #[error("timeouts and leases must be positive and the key TTL at least the lease")]
     Durations,
@@ -353,6 +371,19 @@ mod tests {
         assert!(c.validate().is_ok());
         c.http = "[::1]:8081".parse().unwrap();
         c.api_keys.clear();
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn open_service_refuses_a_public_grpc_address_too() {
+        let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
+        c.grpc = "0.0.0.0:50051".parse().unwrap();
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::OpenOnNonLoopback(c.grpc)),
+            "an open gRPC port charges unauthenticated calls"
+        );
+        c.api_keys.push(ApiKey::parse("a=k").unwrap());
         assert!(c.validate().is_ok());
     }
 

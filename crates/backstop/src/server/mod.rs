@@ -57,6 +57,7 @@ pub mod deadline;
 pub mod gate;
 pub mod grpc;
 pub mod idempotency;
+pub mod listen;
 pub mod metrics;
 pub mod problem;
 pub mod rate_limit;

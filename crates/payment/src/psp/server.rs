@@ -2,7 +2,6 @@
 //! really drop a connection.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,16 +13,14 @@ use axum::http::{HeaderMap, HeaderValue, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, watch};
-use tokio::task::JoinSet;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
 use backstop::deadline::{GRPC_TIMEOUT, decode_grpc_timeout};
+use backstop::server::listen::{ConnectionInfo, ListenConfig, Listener};
 
 use super::faults::{Fault, FaultControl, Faults};
 use super::store::{ChargeOutcome, ChargeStore, NewCharge, StoreError, VoidOutcome};
@@ -42,8 +39,6 @@ const HOLD_WITHOUT_DEADLINE: Duration = Duration::from_secs(30);
 const MAX_HOLD: Duration = Duration::from_secs(600);
 /// How long shutdown waits for in-flight requests before closing their connections.
 const DRAIN: Duration = Duration::from_secs(5);
-/// Pause after a failed accept (e.g. out of file descriptors) before trying again.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Clone)]
 pub(super) struct AppState {
@@ -52,9 +47,9 @@ pub(super) struct AppState {
     pub(super) shutdown: watch::Receiver<bool>,
 }
 
-/// Request extension: notifying it makes the connection task drop the connection.
+/// Request extension: closing it drops the connection without an answer.
 #[derive(Debug, Clone)]
-struct ConnKill(Arc<Notify>);
+struct ConnKill(ConnectionInfo);
 
 fn router(state: AppState) -> Router {
     Router::new()
@@ -66,8 +61,8 @@ fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves `listener` until `stop` resolves, then stops accepting, lets in-flight requests end
-/// (at most [`DRAIN`]) and closes the remaining connections.
+/// Serves `listener` until `stop` resolves, then stops accepting, wakes held requests, lets
+/// in-flight requests end (at most [`DRAIN`]) and closes the remaining connections.
 pub(super) async fn run(
     listener: TcpListener,
     state: AppState,
@@ -75,63 +70,22 @@ pub(super) async fn run(
     stop: impl Future<Output = ()>,
 ) {
     let router = router(state);
-    let mut conns = JoinSet::new();
-    let mut stop = std::pin::pin!(stop);
-    loop {
-        tokio::select! {
-            () = &mut stop => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => {
-                    conns.spawn(serve_conn(stream, router.clone(), shutdown_tx.subscribe()));
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "psp accept failed");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                }
-            },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+    let service = tower::service_fn(move |mut req: Request<Incoming>| {
+        if let Some(connection) = req.extensions().get::<ConnectionInfo>().cloned() {
+            req.extensions_mut().insert(ConnKill(connection));
         }
-    }
-    drop(listener);
-    // Wakes held requests and asks every connection to finish its current request.
-    let _ = shutdown_tx.send(true);
-    let drained =
-        tokio::time::timeout(DRAIN, async { while conns.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!(
-            open = conns.len(),
-            "psp shutdown: closing connections still busy"
-        );
-    }
-    conns.shutdown().await;
-}
-
-async fn serve_conn(stream: TcpStream, router: Router, mut shutdown: watch::Receiver<bool>) {
-    let kill = Arc::new(Notify::new());
-    let ext = ConnKill(Arc::clone(&kill));
-    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
-        req.extensions_mut().insert(ext.clone());
         router.clone().oneshot(req)
     });
-    let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-    let mut conn = std::pin::pin!(conn);
-    // Returning drops `conn` and with it the socket: the peer sees the connection close
-    // without a response.
-    tokio::select! {
-        result = conn.as_mut() => {
-            if let Err(error) = result {
-                tracing::debug!(%error, "psp connection ended with an error");
-            }
-            return;
-        }
-        () = kill.notified() => return,
-        () = wait_shutdown(&mut shutdown) => {}
-    }
-    conn.as_mut().graceful_shutdown();
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        () = kill.notified() => {}
-    }
+    let mut limits = ListenConfig::default();
+    limits.drain_timeout = DRAIN;
+    let stop = async move {
+        stop.await;
+        // Wakes held requests: they drop their connection instead of answering.
+        let _ = shutdown_tx.send(true);
+    };
+    Listener::new("psp", listener, limits)
+        .serve(service, stop)
+        .await;
 }
 
 async fn wait_shutdown(shutdown: &mut watch::Receiver<bool>) {
@@ -254,7 +208,7 @@ async fn create_charge(
 
     match fault {
         Fault::CommitThenDrop => {
-            kill.0.notify_one();
+            kill.0.close();
             // The connection task drops this future together with the connection.
             return std::future::pending().await;
         }
@@ -265,7 +219,7 @@ async fn create_charge(
                 .min(arrived + MAX_HOLD);
             if !hold(&state.shutdown, until).await {
                 // Shutting down while holding: the caller never gets an answer.
-                kill.0.notify_one();
+                kill.0.close();
                 return std::future::pending().await;
             }
         }

@@ -27,6 +27,7 @@
 //! | 409 | `idempotency_key_reused` | the key was used with other parameters; `fingerprint_prefix` |
 //! | 409 | `request_in_progress` + `Retry-After` | the same key is still running when this request's budget ends (until then it waits for that answer, which it replays) |
 //! | 413 | `body_too_large` | body over 1 MiB (decided on `Content-Length` before reading when present) |
+//! | 415 | `grpc_on_http_port` | `Content-Type: application/grpc` on the HTTP port (gRPC has its own address) |
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
 //! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
@@ -57,7 +58,9 @@
 //! - `store`: [`PaymentStore`], the idempotency store on SQLite or PostgreSQL.
 
 pub mod handlers;
+mod leases;
 pub(crate) mod payments;
+pub mod protocol;
 pub mod request;
 mod server;
 mod store;
@@ -75,12 +78,14 @@ use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::Store;
+use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack};
 use http::Method;
 
 use crate::auth::Authenticator;
 use crate::config::{BODY_LIMIT, Config};
 use crate::grpc;
+use protocol::{OneProtocolLayer, Port};
 
 /// Service label of the server metrics.
 pub const SERVICE_NAME: &str = "payment";
@@ -152,15 +157,19 @@ pub fn build_routers<St: Store>(
         .keyed(Method::POST, grpc::CHARGE, keyed)
         // Unary and small: its body is read before the gate, like Charge's.
         .buffered(Method::POST, grpc::GET_CHARGE)
-        .peer_from(|ext| {
-            ext.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-                .map(|info| info.0)
+        .peer_from(|ext| match ext.get::<ConnectionInfo>() {
+            Some(connection) => Some(connection.peer()),
+            None => ext
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|info| info.0),
         })
         .into_layer();
 
     // Requests no route takes are counted and logged too, as `unmatched`.
     let unmatched = stack.unmatched();
-    let grpc = grpc::router(state.clone()).layer(stack.clone());
+    let grpc = grpc::router(state.clone())
+        .layer(stack.clone())
+        .layer(OneProtocolLayer(Port::Grpc));
 
     let payments = Router::new()
         .route("/v1/payments", post(handlers::create_payment))
@@ -176,6 +185,7 @@ pub fn build_routers<St: Store>(
         .method_not_allowed_fallback(handlers::method_not_allowed.layer(unmatched.clone()))
         .with_state(state)
         .merge(payments)
-        .fallback(handlers::not_found.layer(unmatched));
+        .fallback(handlers::not_found.layer(unmatched))
+        .layer(OneProtocolLayer(Port::Http));
     Routers { http, grpc }
 }

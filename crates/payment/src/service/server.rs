@@ -11,10 +11,13 @@ use backstop::idempotency::postgres::{PgError, PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::{Db, DbError, SqliteOptions, SqliteStore};
 use backstop::observe::LATENCY_BUCKETS_SECONDS;
 use backstop::retry::RetryBudget;
+use backstop::server::listen::{ListenConfig, Listener};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::leases::OpenLeases;
 use super::{AppState, PaymentStore, Routers, build_routers, rate_limit_layer};
 use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
 use crate::intents::Intents;
@@ -28,6 +31,10 @@ const PSP_RETRY_BURST: u32 = 20;
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// How often the PSP round trip is sampled for the deadline margin.
 const PROBE_EVERY: Duration = Duration::from_secs(5);
+/// Longest wait at shutdown for the keys of requests cut at the drain bound to be released.
+const RELEASE_GRACE: Duration = Duration::from_secs(2);
+/// `service` label of the HTTP listener's connection metrics.
+const HTTP_LISTENER: &str = "payment-http";
 /// How often the Prometheus recorder drains its histogram buffers.
 const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 
@@ -64,8 +71,8 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
-    /// Serving failed.
-    #[error("the HTTP server failed")]
+    /// A listener's task failed.
+    #[error("the server failed")]
     Serve(#[source] std::io::Error),
 }
 
@@ -98,27 +105,39 @@ pub fn prometheus_handle() -> PrometheusHandle {
 
 /// A bound, ready-to-run payment service.
 ///
-/// [`Server::bind`] opens the store (running migrations), starts the embedded PSP if needed and
-/// binds the listener: when it returns, connections are accepted (they queue until
-/// [`Server::run`] serves them).
+/// [`Server::bind`] binds both listeners first (so a busy port fails before anything is
+/// created), then opens the store (running migrations) and starts the embedded PSP if needed:
+/// when it returns, connections are accepted (they queue until [`Server::run`] serves them).
 #[derive(Debug)]
 pub struct Server {
     listener: TcpListener,
     addr: SocketAddr,
     app: axum::Router,
     grpc: crate::grpc::server::Bound,
+    grpc_router: axum::Router,
+    limits: ListenConfig,
+    leases: OpenLeases,
     state: AppState,
     store: PaymentStore,
     psp: Option<PspHandle>,
     psp_url: String,
     background: Vec<JoinHandle<()>>,
-    drain: Duration,
 }
 
 impl Server {
-    /// Validates `config`, opens the store, starts or reaches the PSP and binds the HTTP port.
+    /// Validates `config`, binds the HTTP and gRPC ports, opens the store and starts or reaches
+    /// the PSP.
     pub async fn bind(config: Config) -> Result<Server, ServeError> {
         config.validate()?;
+        // Both ports first: a busy one must fail before a store or PSP file is created.
+        let bind_error = |source| ServeError::Bind {
+            addr: config.http,
+            source,
+        };
+        let listener = TcpListener::bind(config.http).await.map_err(bind_error)?;
+        let addr = listener.local_addr().map_err(bind_error)?;
+        let grpc = crate::grpc::server::Bound::bind(config.grpc).await?;
+
         let (store, intents) = match &config.store {
             StoreLocation::Sqlite(path) => {
                 let db = Db::open(path, SqliteOptions::default()).map_err(ServeError::Store)?;
@@ -162,20 +181,14 @@ impl Server {
         let metrics = prometheus_handle();
         let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
         let rate_limit = rate_limit_layer(&config).map_err(ServeError::RateLimit)?;
-        let Routers { http: app, grpc } =
-            build_routers(state.clone(), store.clone(), &config, rate_limit);
-        let grpc = crate::grpc::server::Bound::bind(config.grpc, grpc).await?;
-
-        let listener = TcpListener::bind(config.http)
-            .await
-            .map_err(|source| ServeError::Bind {
-                addr: config.http,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| ServeError::Bind {
-            addr: config.http,
-            source,
-        })?;
+        let leases = OpenLeases::new(store.clone());
+        let Routers {
+            http: app,
+            grpc: grpc_router,
+        } = build_routers(state.clone(), leases.clone(), &config, rate_limit);
+        let mut limits = ListenConfig::default();
+        limits.max_connections = config.max_connections;
+        limits.drain_timeout = config.drain_timeout;
 
         let mut background = vec![Sweeper::spawn(store.clone(), SystemClock, SWEEP_EVERY)];
         background.push(tokio::spawn(async move {
@@ -202,6 +215,7 @@ impl Server {
             open = config.is_open(),
             merchants = config.api_keys.len(),
             max_inflight = config.max_inflight,
+            max_connections = config.max_connections,
             "payment service listening"
         );
         if let Some(redis) = &config.redis {
@@ -218,12 +232,14 @@ impl Server {
             addr,
             app,
             grpc,
+            grpc_router,
+            limits,
+            leases,
             state,
             store,
             psp,
             psp_url,
             background,
-            drain: config.drain_timeout,
         })
     }
 
@@ -262,8 +278,10 @@ impl Server {
         &self.store
     }
 
-    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
-    /// (at most the configured drain time) and stops the embedded PSP.
+    /// Serves until `shutdown` resolves, then stops accepting on both ports at once, lets
+    /// in-flight requests finish on both concurrently (at most the configured drain time), waits
+    /// briefly for the idempotency keys of the requests cut at that bound to be released, and
+    /// stops the embedded PSP.
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -272,44 +290,41 @@ impl Server {
             listener,
             app,
             grpc,
+            grpc_router,
+            limits,
+            leases,
             psp,
             background,
-            drain,
             ..
         } = self;
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let served = axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
-            let _ = stop_rx.await;
-        });
-        let mut served = tokio::spawn(async move { served.await });
-        let grpc = grpc.spawn();
-        let result = tokio::select! {
-            r = &mut served => Some(r),
-            () = shutdown => None,
-        };
-        let result = match result {
-            Some(r) => r,
-            None => {
-                tracing::info!(
-                    drain_ms = drain.as_millis() as u64,
-                    "shutting down: draining in-flight requests"
-                );
-                let _ = stop_tx.send(());
-                match tokio::time::timeout(drain, &mut served).await {
-                    Ok(r) => r,
-                    Err(_) => {
-                        tracing::warn!("drain bound reached: closing the remaining connections");
-                        served.abort();
-                        Ok(Ok(()))
-                    }
-                }
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stopped = move || {
+            let mut stop_rx = stop_rx.clone();
+            async move {
+                let _ = stop_rx.wait_for(|stop| *stop).await;
             }
         };
-        grpc.stop(drain).await;
+        let http = Listener::new(HTTP_LISTENER, listener, limits.clone());
+        let http = tokio::spawn(http.serve(app, stopped()));
+        let grpc = grpc.spawn(grpc_router, limits.clone(), stopped());
+        shutdown.await;
+        tracing::info!(
+            drain_ms = limits.drain_timeout.as_millis() as u64,
+            "shutting down: draining in-flight requests"
+        );
+        let _ = stop_tx.send(true);
+        let (http, grpc) = tokio::join!(http, grpc);
+        // Requests cut at the drain bound release their keys from tasks of their own: let them
+        // land before the process ends, or the keys stay held for the lease.
+        if tokio::time::timeout(RELEASE_GRACE, leases.settled())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                open = leases.open(),
+                "idempotency keys still held after the drain"
+            );
+        }
         for task in background {
             task.abort();
         }
@@ -317,12 +332,14 @@ impl Server {
             psp.shutdown().await;
         }
         tracing::info!("payment service stopped");
-        match result {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(ServeError::Serve(e)),
-            Err(join) if join.is_cancelled() => Ok(()),
-            Err(join) => Err(ServeError::Serve(std::io::Error::other(join))),
+        for joined in [http, grpc] {
+            if let Err(join) = joined {
+                if !join.is_cancelled() {
+                    return Err(ServeError::Serve(std::io::Error::other(join)));
+                }
+            }
         }
+        Ok(())
     }
 
     /// Runs the server on a background task; the returned handle stops it.
