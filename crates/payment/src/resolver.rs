@@ -6,7 +6,7 @@
 //! the intent is [`SETTLE_AFTER`] old (longer than any request's budget, so no attempt of the
 //! work that created it can still be on its way).
 //!
-//! Settling asks the PSP to *void* the intent's effect key ([`PspClient::void`]). The PSP
+//! Settling asks the PSP to *void* the intent's effect key ([`PspClient::void`](crate::psp_client::PspClient::void)). The PSP
 //! answers in one transaction with either the charge the key made (the intent becomes
 //! `succeeded`) or "voided": no charge was made and none can be made with that key from then
 //! on, so the intent becomes `failed` and its order is free for another key. Marking an intent
@@ -113,7 +113,7 @@ pub async fn settle(
 }
 
 /// One round: settles the running intents at least `settle_after` old at `now_ms` (at most
-/// [`BATCH`], oldest first), each within its own [`SETTLE_BUDGET`]. Returns how many were
+/// [`BATCH`], oldest first), each within its own budget (5 s). Returns how many were
 /// settled; failures are logged and left for the next round.
 pub async fn settle_abandoned(
     state: &AppState,

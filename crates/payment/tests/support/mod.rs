@@ -63,7 +63,7 @@ impl Harness {
         config.psp = PspTarget::Url(psp.url());
         // Tests keep a wide margin for the way back so a 504 built by the handler is never
         // overtaken by the request deadline on a slow disk.
-        config.psp_margin_floor = Duration::from_millis(150);
+        config.psp_margin_floor = Duration::from_millis(300);
         tune(&mut config);
         let server = Server::bind(config).await.expect("service starts").spawn();
         let base = server.url();
