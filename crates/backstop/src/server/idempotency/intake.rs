@@ -49,8 +49,19 @@ const FIRST_PAUSE: Duration = Duration::from_millis(2);
 /// Longest pause between two looks at a running attempt.
 const MAX_PAUSE: Duration = Duration::from_millis(50);
 
-/// Budget kept, when the wait ends, to claim again and answer before the deadline.
-const ANSWER_MARGIN: Duration = Duration::from_millis(10);
+/// Least budget kept, when the wait ends, to claim again and answer before the deadline.
+const MIN_ANSWER_MARGIN: Duration = Duration::from_millis(10);
+
+/// Most budget kept back for the answer.
+const MAX_ANSWER_MARGIN: Duration = Duration::from_millis(250);
+
+/// The budget a waiter keeps for its own answer: a fifth of what it had when it began to wait,
+/// within [`MIN_ANSWER_MARGIN`, `MAX_ANSWER_MARGIN`]. The caller's clock started before ours
+/// (the request had to travel), so an answer sent at our deadline arrives after the caller
+/// stopped listening; the 409 and its `Retry-After` are only useful if they arrive in time.
+fn answer_margin(remaining: Duration) -> Duration {
+    (remaining / 5).clamp(MIN_ANSWER_MARGIN, MAX_ANSWER_MARGIN)
+}
 
 /// Reads keyed requests and waits for running attempts outside the gate; see the
 /// [module docs](self). Made by [`IdempotencyLayer::intake`](super::IdempotencyLayer::intake),
@@ -259,7 +270,7 @@ where
         .unwrap_or_else(|| Deadline::after(route.lease));
     let give_up = deadline
         .instant()
-        .checked_sub(ANSWER_MARGIN)
+        .checked_sub(answer_margin(deadline.remaining()))
         .unwrap_or_else(Instant::now);
     let mut pause = FIRST_PAUSE;
     loop {
@@ -307,5 +318,21 @@ async fn finished<St: Store>(
             () = woken => {}
         }
         *pause = (*pause * 2).min(MAX_PAUSE);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_waiter_keeps_a_fifth_of_its_budget_for_the_answer_within_bounds() {
+        assert_eq!(
+            answer_margin(Duration::from_millis(300)),
+            Duration::from_millis(60)
+        );
+        assert_eq!(answer_margin(Duration::from_millis(20)), MIN_ANSWER_MARGIN);
+        assert_eq!(answer_margin(Duration::ZERO), MIN_ANSWER_MARGIN);
+        assert_eq!(answer_margin(Duration::from_secs(10)), MAX_ANSWER_MARGIN);
     }
 }
