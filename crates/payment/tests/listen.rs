@@ -111,15 +111,24 @@ async fn shutdown_stops_both_ports_at_once_and_a_call_cut_at_the_bound_releases_
             .send()
             .await
     });
-    while psp
-        .store()
-        .list(Some("order-cut".into()))
-        .await
-        .unwrap()
-        .is_empty()
-    {
-        tokio::task::yield_now().await;
-    }
+    let reference = backstop_payment::psp_client::psp_reference(
+        backstop_payment::config::DEFAULT_MERCHANT,
+        "order-cut",
+    );
+    // Bounded, so a charge that never comes fails the test instead of hanging it.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while psp
+            .store()
+            .list(Some(reference.clone()))
+            .await
+            .unwrap()
+            .is_empty()
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the PSP was charged");
     let stopping = tokio::spawn(server.shutdown());
     // The gRPC port closes at once, while the HTTP call is still being drained.
     while TcpStream::connect(grpc).await.is_ok() {
