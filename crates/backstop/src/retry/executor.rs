@@ -193,9 +193,6 @@ impl RetryPolicy {
     /// given them, so that a hand-written future can own the bookkeeping beside them.
     pub(crate) fn attempts(&self, deadline: Deadline) -> Attempts {
         self.budget.deposit();
-        if let Some(storm) = &self.storm {
-            storm.record_request();
-        }
         self.metrics.request(&self.service, &self.method);
         Attempts {
             deadline,
@@ -411,6 +408,17 @@ impl Attempts {
         ))
     }
 
+    /// Counts the logical request for the storm alarm when its first attempt ends: counted
+    /// as it starts, a burst of calls still waiting for their first answer would dilute the
+    /// retries the earliest answers ask for, and let a storm run on before the alarm trips.
+    fn first_answered(&self, policy: &RetryPolicy) {
+        if self.number == 1 {
+            if let Some(storm) = &policy.storm {
+                storm.record_request();
+            }
+        }
+    }
+
     /// The attempt succeeded.
     pub(crate) fn succeeded(
         &self,
@@ -422,6 +430,7 @@ impl Attempts {
         if let Some(throttle) = &policy.throttle {
             throttle.record_accept();
         }
+        self.first_answered(policy);
         policy.record_attempt(
             call,
             self.number,
@@ -480,6 +489,7 @@ impl Attempts {
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
+        self.first_answered(policy);
         if !cut_off && !is_overload_refusal(&status) {
             if let Some(throttle) = &policy.throttle {
                 throttle.record_accept();

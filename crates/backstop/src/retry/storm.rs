@@ -13,7 +13,10 @@
 //!
 //! Retries are counted when asked for, whether or not they are then sent: counting only the
 //! retries sent would make the alarm clear itself as soon as it stopped them, and send the
-//! next wave into the same outage. Nothing is judged on fewer than
+//! next wave into the same outage. The retry executor counts a logical request when its first
+//! attempt ends, not when it starts, so that a burst of calls still waiting for their first
+//! answer does not dilute the ratio while the first answers already say the destination is
+//! down. Nothing is judged on fewer than
 //! [`StormConfig::min_requests`] logical requests in the window.
 //!
 //! On every change of level the gauge `rpc_client_storm_alarm{service,level}` (`level` one of
@@ -169,6 +172,8 @@ struct State {
     /// Logical requests (first) and retries asked for (second).
     counts: SlidingCounts,
     level: StormLevel,
+    /// Times it tripped so far.
+    trips: u64,
 }
 
 /// A change of level, reported outside the lock.
@@ -189,6 +194,7 @@ impl StormAlarm {
                 state: Mutex::new(State {
                     counts: SlidingCounts::new(config.window),
                     level: StormLevel::Calm,
+                    trips: 0,
                 }),
             }),
         }
@@ -213,6 +219,11 @@ impl StormAlarm {
     /// The level now (the window slides even without calls).
     pub fn level(&self) -> StormLevel {
         self.record(0, 0)
+    }
+
+    /// How many times the alarm has tripped since it was made.
+    pub fn trips(&self) -> u64 {
+        self.lock().trips
     }
 
     /// Retries asked for per logical request over the window now.
@@ -252,6 +263,9 @@ impl StormAlarm {
                 StormLevel::Calm
             };
             let changed = std::mem::replace(&mut state.level, level) != level;
+            if changed && level == StormLevel::Tripped {
+                state.trips += 1;
+            }
             (
                 level,
                 changed.then_some(Change {
@@ -411,6 +425,7 @@ mod tests {
         assert_eq!(alarm.level(), StormLevel::Calm);
         assert!(alarm.retry_wanted());
         assert_eq!(gauges(), (0.0, 0.0));
+        assert_eq!(alarm.trips(), 1);
     }
 
     #[tokio::test(start_paused = true)]
