@@ -118,7 +118,7 @@ async fn retries_without_a_budget_triple_the_load_on_a_dead_dependency() {
     assert_eq!(naive["retry_ratio"], 2.0);
     assert_eq!(hits.swap(0, Ordering::Relaxed), 3 * n);
 
-    let budgeted = load(&url, &args).await;
+    let budgeted = load(&url, &[&args[..], &["--no-storm-alarm"]].concat()).await;
     // Shown with --nocapture: the figures BENCHMARKS.md quotes.
     eprintln!("naive: {naive}\nbudgeted: {budgeted}");
     assert_eq!(budgeted["logical_requests"], n, "{budgeted}");
@@ -132,7 +132,21 @@ async fn retries_without_a_budget_triple_the_load_on_a_dead_dependency() {
             .unwrap()
             > 0
     );
-    assert_eq!(hits.load(Ordering::Relaxed), n + retries);
+    assert_eq!(hits.swap(0, Ordering::Relaxed), n + retries);
+
+    // Issue 15, item 5: the storm alarm (on by default) stops retrying once the retries asked
+    // for pass 0.2 per logical request: at most 1.02 attempts per logical request.
+    let alarmed = load(&url, &args).await;
+    eprintln!("storm alarm: {alarmed}");
+    assert_eq!(alarmed["logical_requests"], n, "{alarmed}");
+    let attempts = alarmed["attempts"].as_u64().unwrap();
+    assert!(attempts * 100 <= n * 102, "{alarmed}");
+    assert!(
+        alarmed["stop_reasons"]["storm"].as_u64().unwrap() > 0,
+        "{alarmed}"
+    );
+    assert_eq!(alarmed["storm_alarm"]["level"], "tripped", "{alarmed}");
+    assert_eq!(hits.load(Ordering::Relaxed), attempts);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,10 @@
 //! 2. [`deadline`] ([`SetDeadline`](deadline::SetDeadline)): one deadline for the whole call.
 //!    Above retry, so retries share it and can never extend it.
 //! 3. [`retry`]: the [`RetryPolicy`](crate::retry::RetryPolicy) executor: eligibility from the
-//!    method's contract, [`replay`] of the body, the destination's budget, full jitter,
+//!    method's contract, [`replay`] of the body, the destination's budget and
+//!    [storm alarm](crate::retry::StormAlarm) (no retry or hedge while its retry ratio says
+//!    it is down for everyone), its [adaptive throttle](crate::retry::AdaptiveThrottle) if
+//!    set (attempts rejected locally while the server refuses load), full jitter,
 //!    pushback, `grpc-previous-rpc-attempts`, and a stop reason on every stop. An attempt
 //!    that could still be retried and is left unanswered past the destination's
 //!    [`AttemptLimit`](retry::AttemptLimit) (half the budget left, when that is more than

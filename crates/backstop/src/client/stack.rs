@@ -18,17 +18,23 @@ use super::retry::{AttemptLimit, Retry};
 use super::transparent::TransparentRetry;
 use crate::contract::{ContractError, Idempotency, MethodContract};
 use crate::deadline::Margin;
-use crate::retry::{Backoff, PolicyError, RetryBudget, RetryPolicy};
+use crate::retry::{
+    AdaptiveThrottle, Backoff, PolicyError, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
+};
 use crate::status::Code;
 
 /// What every method calling one destination shares: its name, its retry budget (retries,
-/// hedges and transparent retries all spend it), its margin estimator (whose round trips also
-/// set the attempt limit), its circuit breaker and its latency window. Cheap to clone; clones
-/// share the state.
+/// hedges and transparent retries all spend it), its storm alarm (retries and hedges stop
+/// while the retry ratio says the destination is down for everyone), its adaptive throttle if
+/// any (attempts rejected locally while the server refuses load), its margin estimator (whose
+/// round trips also set the attempt limit), its circuit breaker and its latency window. Cheap
+/// to clone; clones share the state.
 #[derive(Debug, Clone)]
 pub struct Destination {
     name: Arc<str>,
     budget: RetryBudget,
+    storm: Option<StormAlarm>,
+    throttle: Option<AdaptiveThrottle>,
     margin: Arc<Margin>,
     breaker: Option<CircuitBreaker>,
     latencies: Arc<LatencyWindow>,
@@ -40,12 +46,20 @@ impl Destination {
     pub const DEFAULT_MARGIN_FLOOR: Duration = Duration::from_millis(5);
 
     /// A destination named `name` (the `service` metric label and the `peer` log field: keep
-    /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a margin floor
-    /// of 5 ms, a breaker with [`BreakerConfig::default`] and the default [`AttemptLimit`]
-    /// (half the budget left, when that is more than `max(1 s, 10 x RTT_p99)`).
+    /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a storm alarm
+    /// with [`StormConfig::default`] (warns above 0.1 retries per request, stops retries and
+    /// hedges above 0.2), no adaptive throttle, a margin floor of 5 ms, a breaker with
+    /// [`BreakerConfig::default`] and the default [`AttemptLimit`] (half the budget left, when
+    /// that is more than `max(1 s, 10 x RTT_p99)`).
     pub fn new(name: impl Into<Arc<str>>) -> Self {
+        let name: Arc<str> = name.into();
         Self {
-            name: name.into(),
+            storm: Some(StormAlarm::new(
+                metrics::SharedString::from(Arc::clone(&name)),
+                StormConfig::default(),
+            )),
+            throttle: None,
+            name,
             budget: RetryBudget::default(),
             margin: Arc::new(Margin::new(Self::DEFAULT_MARGIN_FLOOR)),
             breaker: CircuitBreaker::new(BreakerConfig::default()).ok(),
@@ -60,6 +74,24 @@ impl Destination {
     /// The retry budget (e.g. one from a service config's `retryThrottling`).
     pub fn budget(mut self, budget: RetryBudget) -> Self {
         self.budget = budget;
+        self
+    }
+
+    /// The storm alarm's thresholds and window, or `None` for no alarm (retries then stop
+    /// only on the budget).
+    pub fn storm_alarm(mut self, config: Option<StormConfig>) -> Self {
+        self.storm = config.map(|config| {
+            StormAlarm::new(metrics::SharedString::from(Arc::clone(&self.name)), config)
+        });
+        self
+    }
+
+    /// Client-side adaptive throttling (off unless set): attempts are rejected locally, never
+    /// reaching the transport, with a probability that grows as the server refuses load (see
+    /// [`AdaptiveThrottle`]); such a call stops with
+    /// [`StopReason::Throttled`](crate::retry::StopReason::Throttled).
+    pub fn throttle(mut self, throttle: Option<AdaptiveThrottle>) -> Self {
+        self.throttle = throttle;
         self
     }
 
@@ -91,6 +123,16 @@ impl Destination {
     /// The shared retry budget.
     pub fn retry_budget(&self) -> &RetryBudget {
         &self.budget
+    }
+
+    /// The storm alarm, if any.
+    pub fn storm(&self) -> Option<&StormAlarm> {
+        self.storm.as_ref()
+    }
+
+    /// The adaptive throttle, if any.
+    pub fn adaptive_throttle(&self) -> Option<&AdaptiveThrottle> {
+        self.throttle.as_ref()
     }
 
     /// The margin estimator.
@@ -322,12 +364,15 @@ impl ClientStackBuilder {
             .max_attempts(self.max_attempts.unwrap_or(contract.max_attempts()))
             .backoff(self.backoff)
             .budget(d.budget.clone())
+            .storm_alarm(d.storm.clone())
+            .throttle(d.throttle.clone())
             .keyed(idempotency != Idempotency::Unsafe)
             .retryable_codes(retryable)
             .build()?;
         let hedge = self.hedging.then(|| {
             HedgePolicy::new(d.budget.clone(), service, method)
                 .latencies(d.latencies.clone())
+                .storm_alarm(d.storm.clone())
                 .min_delay(self.min_hedge_delay)
         });
         Ok(ClientStack {
@@ -348,6 +393,7 @@ impl ClientStackBuilder {
 mod tests {
     use super::*;
     use crate::contract::KEY_TTL_PAYMENTS;
+    use crate::retry::{RetryError, StopReason, StormLevel};
 
     /// One `GET` with an empty body through the stack of `contract` to `dest` over `transport`.
     async fn get_through_stack<T>(
@@ -707,5 +753,182 @@ mod tests {
         assert_eq!(count("rpc_client_attempts_total", &attempt("2", "ok")), 1);
         // Two budget tokens: the retry and the hedge.
         assert!((dest.retry_budget().available() - 18.0).abs() < 1e-9);
+    }
+
+    /// What 1,000 logical `GetCharge` calls, 10 ms apart, cost a transport that fails each
+    /// attempt with probability `failing` (a 503 without pushback, drawn from a seeded
+    /// generator): attempts that reached it, calls that succeeded, and the stop reasons.
+    async fn thousand_calls(dest: &Destination, failing: f64) -> (u64, u64, Vec<StopReason>) {
+        use crate::client::retry::RetryStopped;
+        use http::{Request, Response};
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use std::sync::Mutex;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use tower::{ServiceExt, service_fn};
+
+        let attempts = Arc::new(AtomicU64::new(0));
+        let rng = Arc::new(Mutex::new(StdRng::seed_from_u64(15)));
+        let transport = {
+            let attempts = attempts.clone();
+            service_fn(move |_r: Request<_>| {
+                attempts.fetch_add(1, Ordering::Relaxed);
+                let failed = rng.lock().unwrap().random_bool(failing);
+                let status = if failed { 503 } else { 200 };
+                async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    Ok::<_, std::io::Error>(Response::builder().status(status).body(()).unwrap())
+                }
+            })
+        };
+        let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+            .default_timeout(Duration::from_secs(2))
+            .build();
+        let client = ClientStack::builder(dest, contract)
+            .build()
+            .unwrap()
+            .layer(transport);
+        let (mut ok, mut stops) = (0, Vec::new());
+        for _ in 0..1_000 {
+            let request = Request::get("http://psp/v1/charges/c-1")
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            match client.clone().oneshot(request).await {
+                Ok(response) if response.status() == 200 => ok += 1,
+                Ok(response) => stops.extend(
+                    response
+                        .extensions()
+                        .get::<RetryStopped>()
+                        .map(|s| s.reason),
+                ),
+                Err(e) => stops.extend(e.downcast_ref::<RetryError>().map(|e| e.reason)),
+            }
+            tokio::time::advance(Duration::from_millis(10)).await;
+        }
+        (attempts.load(Ordering::Relaxed), ok, stops)
+    }
+
+    /// Issue 15, item 5: against a dependency that answers every attempt with UNAVAILABLE,
+    /// the storm alarm (on by default) holds the destination to the budget's burst: at most
+    /// 1.02 attempts per logical call over 1,000 calls, where the budget alone lets 1.1x
+    /// through. (The breaker is off, so that every first attempt reaches the transport.)
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_dependency_gets_at_most_1_02_attempts_per_call() {
+        let storm = Destination::new("psp").breaker(None);
+        let (attempts, ok, stops) = thousand_calls(&storm, 1.0).await;
+        assert_eq!(ok, 0);
+        let per_call = attempts as f64 / 1_000.0;
+        assert!(per_call <= 1.02, "{attempts} attempts for 1,000 calls");
+        assert!(
+            stops.iter().filter(|r| **r == StopReason::Storm).count() > 900,
+            "{stops:?}"
+        );
+        assert_eq!(storm.storm().unwrap().level(), StormLevel::Tripped);
+
+        // The same calls with the budget alone.
+        let budget_only = Destination::new("psp").breaker(None).storm_alarm(None);
+        let (attempts, _, _) = thousand_calls(&budget_only, 1.0).await;
+        assert!(
+            attempts as f64 / 1_000.0 > 1.09,
+            "{attempts} attempts for 1,000 calls"
+        );
+    }
+
+    /// Issue 15, item 5: with 10 % of attempts failing at random the retry ratio stays near
+    /// 0.1, the alarm never trips, and at least 99 % of the logical calls succeed.
+    #[tokio::test(start_paused = true)]
+    async fn ten_percent_random_failures_still_succeed_99_percent() {
+        let psp = Destination::new("psp").breaker(None);
+        let (attempts, ok, stops) = thousand_calls(&psp, 0.1).await;
+        assert!(ok >= 990, "{ok} of 1,000 succeeded; stops {stops:?}");
+        assert!(!stops.contains(&StopReason::Storm), "{stops:?}");
+        assert!(attempts < 1_150, "{attempts}");
+        assert_ne!(psp.storm().unwrap().level(), StormLevel::Tripped);
+    }
+
+    /// Issue 15, item 5: with adaptive throttling a client facing a server that sheds every
+    /// attempt (503 with `Retry-After`) sends it a small fraction of its calls; the rest are
+    /// rejected locally, never reaching the transport, and stop with `throttled`, counted as
+    /// attempts with outcome `rejected`. Without it every call is sent.
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_throttling_sends_less_to_a_shedding_server() {
+        use crate::client::retry::RetryStopped;
+        use crate::retry::AdaptiveThrottle;
+        use crate::server::testing::Recorded;
+        use http::{Request, Response};
+        use metrics_util::debugging::DebuggingRecorder;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use tower::{ServiceExt, service_fn};
+
+        let recorder = DebuggingRecorder::new();
+        let _guard = metrics::set_default_local_recorder(&recorder);
+        let run = |dest: Destination| async move {
+            let sent = Arc::new(AtomicU64::new(0));
+            let transport = {
+                let sent = sent.clone();
+                service_fn(move |_r: Request<_>| {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    async move {
+                        Ok::<_, std::io::Error>(
+                            Response::builder()
+                                .status(503)
+                                .header("retry-after", "1")
+                                .body(())
+                                .unwrap(),
+                        )
+                    }
+                })
+            };
+            let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+                .default_timeout(Duration::from_millis(500))
+                .build();
+            let client = ClientStack::builder(&dest, contract)
+                .build()
+                .unwrap()
+                .layer(transport);
+            let mut throttled = 0;
+            for _ in 0..1_000 {
+                let request = Request::get("http://psp/v1/charges/c-1")
+                    .body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .unwrap();
+                let reason = match client.clone().oneshot(request).await {
+                    Ok(response) => response
+                        .extensions()
+                        .get::<RetryStopped>()
+                        .map(|s| s.reason),
+                    Err(e) => e.downcast_ref::<RetryError>().map(|e| e.reason),
+                };
+                if reason == Some(StopReason::Throttled) {
+                    throttled += 1;
+                }
+                tokio::time::advance(Duration::from_millis(10)).await;
+            }
+            (sent.load(Ordering::Relaxed), throttled)
+        };
+
+        let (sent, throttled) = run(Destination::new("psp").breaker(None).storm_alarm(None)).await;
+        assert_eq!(
+            (sent, throttled),
+            (1_000, 0),
+            "the pushback leaves no room to retry"
+        );
+
+        let throttle = AdaptiveThrottle::default().seeded(15);
+        let dest = Destination::new("psp")
+            .breaker(None)
+            .storm_alarm(None)
+            .throttle(Some(throttle.clone()));
+        let (sent, throttled) = run(dest).await;
+        assert_eq!(sent + throttled, 1_000, "every call was sent or throttled");
+        assert!(
+            sent < 50,
+            "{sent} of 1,000 sent to a server shedding everything"
+        );
+        assert!(throttle.reject_probability() > 0.9);
+        let rejected = Recorded::of(&recorder).counter(
+            crate::observe::RPC_CLIENT_ATTEMPTS_TOTAL,
+            &[("service", "psp"), ("outcome", "rejected")],
+        );
+        // Only the local rejections: the server's 503s are counted as `retryable`.
+        assert_eq!(rejected, throttled);
     }
 }

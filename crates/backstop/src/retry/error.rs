@@ -26,11 +26,13 @@ pub enum StopReason {
     CircuitOpen,
     /// The storm alarm is on: retries are switched off while the retry ratio is too high.
     Storm,
+    /// Adaptive throttling rejected the attempt locally: it was not sent.
+    Throttled,
 }
 
 impl StopReason {
     /// Every reason, in declaration order.
-    pub const ALL: [StopReason; 7] = [
+    pub const ALL: [StopReason; 8] = [
         StopReason::NonRetryable,
         StopReason::MaxAttempts,
         StopReason::BudgetExhausted,
@@ -38,10 +40,11 @@ impl StopReason {
         StopReason::Pushback,
         StopReason::CircuitOpen,
         StopReason::Storm,
+        StopReason::Throttled,
     ];
 
     /// The reason code used in metrics and logs: `non_retryable`, `max_attempts`,
-    /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open` or `storm`.
+    /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open`, `storm` or `throttled`.
     pub const fn as_str(self) -> &'static str {
         match self {
             StopReason::NonRetryable => "non_retryable",
@@ -51,6 +54,7 @@ impl StopReason {
             StopReason::Pushback => "pushback",
             StopReason::CircuitOpen => "circuit_open",
             StopReason::Storm => "storm",
+            StopReason::Throttled => "throttled",
         }
     }
 }
@@ -96,7 +100,8 @@ mod tests {
                 "deadline",
                 "pushback",
                 "circuit_open",
-                "storm"
+                "storm",
+                "throttled"
             ]
         );
         assert_eq!(StopReason::Pushback.to_string(), "pushback");

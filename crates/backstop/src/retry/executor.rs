@@ -7,6 +7,7 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::time::Instant;
 
+use super::throttle::is_overload_refusal;
 use super::{RetryError, RetryPolicy, StopReason};
 use crate::deadline::Deadline;
 use crate::observe::{event, label};
@@ -16,6 +17,9 @@ use crate::status::{Code, Outcome, RetryClass, Status, problem};
 /// `rpc_client_retry_stops_total{service,method,reason}`, `reason` one of
 /// [`StopReason::as_str`]. The other client metrics are named in [`crate::observe`].
 pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
+
+/// The problem code of an attempt rejected locally by adaptive throttling.
+const THROTTLED_PROBLEM: &str = "throttled";
 
 /// The smallest wait after a pushback: a server that says "retry after 0" still gets a pause.
 const MIN_PUSHBACK: Duration = Duration::from_millis(1);
@@ -229,6 +233,14 @@ impl RetryPolicy {
         if attempts >= self.max_attempts {
             return Err(StopReason::MaxAttempts);
         }
+        // A retry is asked for: the storm alarm counts it whether or not it is sent.
+        if self
+            .storm
+            .as_ref()
+            .is_some_and(|storm| !storm.retry_wanted())
+        {
+            return Err(StopReason::Storm);
+        }
         let remaining = deadline.remaining();
         // The thread-local generator is used and dropped here, never held across an await.
         let mut rng = rand::rng();
@@ -254,12 +266,14 @@ impl RetryPolicy {
         Ok(wait)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn record_attempt(
         &self,
         call: &CallInfo<'_>,
         number: u32,
         outcome: Outcome,
         code: &'static str,
+        stop_reason: Option<StopReason>,
         remaining_at_send: Duration,
         elapsed: Duration,
     ) {
@@ -282,6 +296,7 @@ impl RetryPolicy {
             deadline_remaining_ms =
                 u64::try_from(remaining_at_send.as_millis()).unwrap_or(u64::MAX),
             duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+            stop_reason = stop_reason.map(StopReason::as_str),
             peer = call.peer,
             trace_id = call.trace_id,
             "rpc_attempt"
@@ -364,6 +379,25 @@ impl Attempts {
             });
             return Err(policy.stop(call, last, self.number, StopReason::Deadline));
         }
+        if policy.throttle.as_ref().is_some_and(|t| !t.admit()) {
+            // Rejected locally: never sent, so not counted as an attempt made.
+            let status = Status::new(
+                Code::Unavailable,
+                "rejected locally by adaptive throttling: the server is refusing load",
+            )
+            .with_problem(THROTTLED_PROBLEM);
+            policy.record_attempt(
+                call,
+                self.number + 1,
+                Outcome::Rejected,
+                status.code().as_str(),
+                Some(StopReason::Throttled),
+                remaining,
+                Duration::ZERO,
+            );
+            let last = self.last.take().unwrap_or(status);
+            return Err(policy.stop(call, last, self.number, StopReason::Throttled));
+        }
         self.number += 1;
         Ok((
             Attempt {
@@ -374,6 +408,17 @@ impl Attempts {
         ))
     }
 
+    /// Counts the logical request for the storm alarm when its first attempt ends: counted
+    /// as it starts, a burst of calls still waiting for their first answer would dilute the
+    /// retries the earliest answers ask for, and let a storm run on before the alarm trips.
+    fn first_answered(&self, policy: &RetryPolicy) {
+        if self.number == 1 {
+            if let Some(storm) = &policy.storm {
+                storm.record_request();
+            }
+        }
+    }
+
     /// The attempt succeeded.
     pub(crate) fn succeeded(
         &self,
@@ -382,7 +427,19 @@ impl Attempts {
         remaining: Duration,
         elapsed: Duration,
     ) {
-        policy.record_attempt(call, self.number, Outcome::Ok, "OK", remaining, elapsed);
+        if let Some(throttle) = &policy.throttle {
+            throttle.record_accept();
+        }
+        self.first_answered(policy);
+        policy.record_attempt(
+            call,
+            self.number,
+            Outcome::Ok,
+            "OK",
+            None,
+            remaining,
+            elapsed,
+        );
     }
 
     /// The attempt was cut off at the deadline.
@@ -432,21 +489,29 @@ impl Attempts {
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
-        policy.record_attempt(
-            call,
-            self.number,
-            status.outcome(),
-            status.code().as_str(),
-            remaining,
-            elapsed,
-        );
-        let wait = match policy.next_delay(
+        self.first_answered(policy);
+        if !cut_off && !is_overload_refusal(&status) {
+            if let Some(throttle) = &policy.throttle {
+                throttle.record_accept();
+            }
+        }
+        let next = policy.next_delay(
             &status,
             cut_off,
             self.number,
             self.prev_delay,
             &self.deadline,
-        ) {
+        );
+        policy.record_attempt(
+            call,
+            self.number,
+            status.outcome(),
+            status.code().as_str(),
+            next.err(),
+            remaining,
+            elapsed,
+        );
+        let wait = match next {
             Err(reason) => return Err(policy.stop(call, status, self.number, reason)),
             Ok(Wait::Backoff(delay)) => {
                 self.prev_delay = delay;
@@ -1097,5 +1162,120 @@ mod tests {
         assert_eq!(stopped.len(), 1);
         assert_eq!(stopped[0]["reason"], "max_attempts");
         assert_eq!(stopped[0]["attempts"], "3");
+    }
+
+    /// Issue 15, item 5: a tripped storm alarm stops the retry with `storm`, in the error, the
+    /// stops metric and the last `rpc_attempt` event, with one `rpc_storm_alarm` event when it
+    /// trips; no budget token is spent on the retry not sent.
+    #[tokio::test(start_paused = true)]
+    async fn a_tripped_storm_alarm_stops_retries_with_storm() {
+        use crate::retry::{StormAlarm, StormConfig, StormLevel};
+
+        let counters = Counters::default();
+        let _metrics = metrics::set_default_local_recorder(&counters);
+        let events = Events::default();
+        let _tracing = tracing::subscriber::set_default(events.clone());
+
+        let alarm = StormAlarm::new("psp", StormConfig::default());
+        let budget = RetryBudget::new(0.1, 100).unwrap();
+        let policy = policy()
+            .budget(budget.clone())
+            .storm_alarm(Some(alarm.clone()))
+            .build()
+            .unwrap();
+        let fail = |_| async { Err::<(), _>(unavailable()) };
+        // Four calls each make three attempts (two retries): 8 / 4, but too few to judge.
+        for _ in 0..4 {
+            let err = policy
+                .execute(Deadline::after(Duration::from_secs(1)), fail)
+                .await
+                .unwrap_err();
+            assert_eq!(err.reason, StopReason::MaxAttempts);
+        }
+        assert_eq!(alarm.level(), StormLevel::Calm);
+        // Five more logical requests: the retry the tenth asks for trips the alarm.
+        for _ in 0..5 {
+            alarm.record_request();
+        }
+        let tokens = budget.available();
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(1)), fail)
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::Storm));
+        assert_eq!(alarm.level(), StormLevel::Tripped);
+        assert!(
+            budget.available() >= tokens,
+            "no token spent on a retry not sent"
+        );
+
+        let stop = [
+            ("service", "psp"),
+            ("method", "Charge"),
+            ("reason", "storm"),
+        ];
+        assert_eq!(counters.get(RPC_CLIENT_RETRY_STOPS_TOTAL, &stop), 1);
+        let events = events.0.lock().unwrap();
+        let last_attempt = events
+            .iter()
+            .rev()
+            .find(|e| e.get("event").map(String::as_str) == Some("rpc_attempt"))
+            .unwrap();
+        assert_eq!(last_attempt["stop_reason"], "storm");
+        let alarms: Vec<&Fields> = events
+            .iter()
+            .filter(|e| e.get("event").map(String::as_str) == Some("rpc_storm_alarm"))
+            .collect();
+        assert_eq!(alarms.len(), 1, "{alarms:?}");
+        assert_eq!(alarms[0]["level"], "tripped");
+    }
+
+    /// Issue 15, item 5: an attempt the adaptive throttle rejects is never made: the call
+    /// ends with `throttled` and zero attempts, counted with outcome `rejected`.
+    #[tokio::test(start_paused = true)]
+    async fn a_throttled_attempt_is_not_sent() {
+        use crate::retry::AdaptiveThrottle;
+
+        let counters = Counters::default();
+        let _metrics = metrics::set_default_local_recorder(&counters);
+        let throttle = AdaptiveThrottle::default();
+        // The server refused 100 attempts: the next is rejected with probability 100/101.
+        for _ in 0..100 {
+            throttle.record_request();
+        }
+        let policy = policy()
+            .throttle(Some(throttle.clone().seeded(1)))
+            .build()
+            .unwrap();
+        let sent = AtomicU64::new(0);
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(1)), |_| {
+                sent.fetch_add(1, Ordering::Relaxed);
+                async { Ok::<_, Status>(()) }
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (0, StopReason::Throttled));
+        assert_eq!(sent.load(Ordering::Relaxed), 0);
+        let who = [("service", "psp"), ("method", "Charge")];
+        let rejected = [who[0], who[1], ("attempt", "1"), ("outcome", "rejected")];
+        assert_eq!(counters.get(RPC_CLIENT_ATTEMPTS_TOTAL, &rejected), 1);
+        let stop = [who[0], who[1], ("reason", "throttled")];
+        assert_eq!(counters.get(RPC_CLIENT_RETRY_STOPS_TOTAL, &stop), 1);
+
+        // Accepted answers bring the probability back to zero: every call goes out.
+        for _ in 0..100 {
+            throttle.record_accept();
+        }
+        for _ in 0..10 {
+            policy
+                .execute(Deadline::after(Duration::from_secs(1)), |_| {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    async { Ok::<_, Status>(()) }
+                })
+                .await
+                .unwrap();
+        }
+        assert_eq!(sent.load(Ordering::Relaxed), 10);
     }
 }

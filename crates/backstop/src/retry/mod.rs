@@ -9,6 +9,11 @@
 //! - [`RetryBudget`]: retries as a fraction of logical requests, shared by every caller of a
 //!   destination, so that a failing dependency sees at most `1 + ratio` times its normal load,
 //!   not `max_attempts` times.
+//! - [`StormAlarm`]: the retry ratio per destination over a sliding window; above 0.2 retries
+//!   and hedges stop ([`StopReason::Storm`]) until it falls back to 0.1.
+//! - [`AdaptiveThrottle`] (optional): attempts rejected locally, before the transport, with a
+//!   probability that grows with the share of attempts the server refused
+//!   ([`StopReason::Throttled`]).
 //! - [`RetryPolicy::execute`]: one logical request run as attempts that share ONE
 //!   [`Deadline`](crate::deadline::Deadline), waiting between them only when the deadline
 //!   leaves room for the wait and a minimal attempt, honouring the server's pushback, and
@@ -50,6 +55,10 @@
 //! - `policy`: [`RetryPolicy`] and its builder.
 //! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`].
 //! - `error`: [`RetryError`] and [`StopReason`].
+//! - [`storm`]: [`StormAlarm`], retries and hedges stopped while a destination's retry ratio
+//!   says it is down for everyone.
+//! - [`throttle`]: [`AdaptiveThrottle`], attempts rejected locally while the server refuses
+//!   load.
 //!
 //! # Metrics and logs
 //!
@@ -70,6 +79,9 @@ mod error;
 mod executor;
 mod metrics;
 mod policy;
+pub mod storm;
+pub mod throttle;
+mod window;
 
 pub use backoff::{Backoff, BackoffError, Jitter};
 pub use budget::{BudgetError, RetryBudget};
@@ -77,3 +89,5 @@ pub use error::{RetryError, StopReason};
 pub(crate) use executor::Attempts;
 pub use executor::{Attempt, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
 pub use policy::{PolicyError, RetryPolicy, RetryPolicyBuilder};
+pub use storm::{RPC_CLIENT_STORM_ALARM, StormAlarm, StormConfig, StormConfigError, StormLevel};
+pub use throttle::{AdaptiveThrottle, ThrottleError};

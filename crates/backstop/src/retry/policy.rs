@@ -8,7 +8,7 @@ use std::time::Duration;
 use metrics::SharedString;
 
 use super::metrics::PolicyMetrics;
-use super::{Backoff, RetryBudget};
+use super::{AdaptiveThrottle, Backoff, RetryBudget, StormAlarm};
 use crate::status::Code;
 
 /// A policy that cannot be built.
@@ -32,6 +32,8 @@ pub struct RetryPolicy {
     pub(super) max_attempts: u32,
     pub(super) backoff: Backoff,
     pub(super) budget: RetryBudget,
+    pub(super) storm: Option<StormAlarm>,
+    pub(super) throttle: Option<AdaptiveThrottle>,
     pub(super) min_attempt: Duration,
     pub(super) keyed: bool,
     pub(super) retryable: Option<Arc<[Code]>>,
@@ -64,6 +66,8 @@ impl RetryPolicy {
             max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
             backoff: Backoff::default(),
             budget: None,
+            storm: None,
+            throttle: None,
             min_attempt: Self::DEFAULT_MIN_ATTEMPT,
             keyed: false,
             retryable: None,
@@ -85,6 +89,16 @@ impl RetryPolicy {
     /// The shared retry budget.
     pub fn budget(&self) -> &RetryBudget {
         &self.budget
+    }
+
+    /// The destination's storm alarm, if any.
+    pub fn storm_alarm(&self) -> Option<&StormAlarm> {
+        self.storm.as_ref()
+    }
+
+    /// The destination's adaptive throttle, if any.
+    pub fn throttle(&self) -> Option<&AdaptiveThrottle> {
+        self.throttle.as_ref()
     }
 
     /// The shortest time worth starting an attempt with: a retry is sent only if the deadline
@@ -132,6 +146,8 @@ pub struct RetryPolicyBuilder {
     max_attempts: u32,
     backoff: Backoff,
     budget: Option<RetryBudget>,
+    storm: Option<StormAlarm>,
+    throttle: Option<AdaptiveThrottle>,
     min_attempt: Duration,
     keyed: bool,
     retryable: Option<Arc<[Code]>>,
@@ -156,6 +172,21 @@ impl RetryPolicyBuilder {
     /// The retry budget, shared with every other policy calling the same destination.
     pub fn budget(mut self, budget: RetryBudget) -> Self {
         self.budget = Some(budget);
+        self
+    }
+
+    /// The storm alarm, shared with every other policy calling the same destination (default
+    /// none): while it is tripped no retry is sent ([`StopReason::Storm`](super::StopReason)).
+    pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
+        self.storm = alarm;
+        self
+    }
+
+    /// Client-side adaptive throttling, shared with every other policy calling the same
+    /// destination (default none): attempts it rejects are not sent
+    /// ([`StopReason::Throttled`](super::StopReason)).
+    pub fn throttle(mut self, throttle: Option<AdaptiveThrottle>) -> Self {
+        self.throttle = throttle;
         self
     }
 
@@ -193,6 +224,8 @@ impl RetryPolicyBuilder {
             max_attempts: self.max_attempts,
             backoff: self.backoff,
             budget: self.budget.unwrap_or_default(),
+            storm: self.storm,
+            throttle: self.throttle,
             min_attempt: self.min_attempt,
             keyed: self.keyed,
             retryable: self.retryable,

@@ -16,6 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use backstop::client::Destination;
+use backstop::retry::AdaptiveThrottle;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
@@ -62,6 +64,14 @@ pub(crate) struct LoadArgs {
     /// `hedgingDelay`; `backstop` policy only). Unset: hedge at the p95.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     hedge_delay: Option<Duration>,
+    /// Reject attempts locally, before they are sent, with client-side adaptive throttling
+    /// (K = 2 over 2 minutes) while the service refuses load (`backstop` policy only).
+    #[arg(long)]
+    throttle: bool,
+    /// Switch the storm alarm off: retries and hedges then stop only on the retry budget
+    /// (`backstop` policy only; for comparison).
+    #[arg(long)]
+    no_storm_alarm: bool,
     /// Bearer API key, when the service requires one.
     #[arg(long, value_name = "KEY", env = "BACKSTOP_API_KEY")]
     api_key: Option<String>,
@@ -82,12 +92,13 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         )
         .into());
     }
+    let destination = destination(&args);
     let driver = Driver::new(
         args.policy,
         &args.target,
         args.api_key.clone(),
         args.timeout,
-        args.breaker,
+        destination.clone(),
         args.hedge_delay.unwrap_or_default(),
     )?;
     let slots = Arc::new(Semaphore::new(args.concurrency as usize));
@@ -132,7 +143,10 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
     let elapsed = start.elapsed();
     progress.finish_and_clear();
 
-    let summary = tally.summary(elapsed, args.policy.as_str(), args.target.name());
+    let mut summary = tally.summary(elapsed, args.policy.as_str(), args.target.name());
+    if args.policy == PolicyKind::Backstop {
+        summary.storm_alarm(destination.storm());
+    }
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {
@@ -144,6 +158,24 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         "load finished"
     );
     Ok(())
+}
+
+/// The destination every logical request of a `backstop` run shares, as the flags configure
+/// it: no breaker unless `--breaker`, the storm alarm unless `--no-storm-alarm`, adaptive
+/// throttling with `--throttle`.
+fn destination(args: &LoadArgs) -> Destination {
+    let mut destination = Destination::new("payment");
+    if !args.breaker {
+        // Once open it stops sending, which measures the breaker instead of the service.
+        destination = destination.breaker(None);
+    }
+    if args.no_storm_alarm {
+        destination = destination.storm_alarm(None);
+    }
+    if args.throttle {
+        destination = destination.throttle(Some(AdaptiveThrottle::default()));
+    }
+    destination
 }
 
 fn merge(tally: &mut Tally, done: Result<Tally, tokio::task::JoinError>) {

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use backstop::client::Destination;
 use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
 use backstop::retry::StopReason;
@@ -58,21 +59,25 @@ pub(crate) enum Driver {
 
 impl Driver {
     /// The driver of `kind` for `target`; `timeout` is each logical request's deadline,
-    /// `breaker` turns the stack's circuit breaker on and no attempt is hedged before
-    /// `hedge_delay` (`backstop` only).
+    /// `destination` (breaker, storm alarm, throttle) is shared by every logical request and
+    /// no attempt is hedged before `hedge_delay` (`backstop` only).
     pub(crate) fn new(
         kind: PolicyKind,
         target: &Target,
         api_key: Option<String>,
         timeout: Duration,
-        breaker: bool,
+        destination: Destination,
         hedge_delay: Duration,
     ) -> Result<Driver, String> {
         match kind {
-            PolicyKind::Backstop => {
-                StackClient::new(target, api_key.as_deref(), timeout, breaker, hedge_delay)
-                    .map(Driver::Backstop)
-            }
+            PolicyKind::Backstop => StackClient::new(
+                target,
+                api_key.as_deref(),
+                timeout,
+                &destination,
+                hedge_delay,
+            )
+            .map(Driver::Backstop),
             PolicyKind::Naive => target.client(api_key).map(Driver::Naive),
         }
     }

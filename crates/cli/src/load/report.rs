@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use backstop::retry::StormAlarm;
 use backstop::status::Outcome;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -226,6 +227,7 @@ impl Tally {
             goodput_per_s: ok as f64 / secs,
             latency_ms,
             stop_reasons: self.stop_reasons.clone(),
+            storm_alarm: None,
         }
     }
 }
@@ -305,9 +307,32 @@ pub(crate) struct Summary {
     latency_ms: Vec<AttemptLatency>,
     /// Why failed logical requests were not retried further.
     stop_reasons: BTreeMap<&'static str, u64>,
+    /// The destination's storm alarm at the end of the run, if it had one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    storm_alarm: Option<StormAlarmState>,
+}
+
+/// The storm alarm as a run left it.
+#[derive(Debug, Clone, Serialize)]
+struct StormAlarmState {
+    /// `calm`, `warning` or `tripped`.
+    level: &'static str,
+    /// Times it tripped during the run.
+    trips: u64,
+    /// Retries asked for per logical request over its window at the end.
+    ratio: f64,
 }
 
 impl Summary {
+    /// Adds the storm alarm's state (`None`: the destination had none).
+    pub(crate) fn storm_alarm(&mut self, alarm: Option<&StormAlarm>) {
+        self.storm_alarm = alarm.map(|alarm| StormAlarmState {
+            level: alarm.level().as_str(),
+            trips: alarm.trips(),
+            ratio: alarm.ratio(),
+        });
+    }
+
     /// Human-readable summary.
     pub(crate) fn render(&self) -> String {
         let mut out = String::new();
@@ -338,6 +363,13 @@ impl Summary {
         let _ = writeln!(out, "outcomes (logical): {}", join(&self.outcomes));
         let _ = writeln!(out, "outcomes (attempts): {}", join(&self.attempt_outcomes));
         let _ = writeln!(out, "stop reasons: {}", join(&self.stop_reasons));
+        if let Some(storm) = &self.storm_alarm {
+            let _ = writeln!(
+                out,
+                "storm alarm: {}  trips {}  retry ratio asked {:.3}",
+                storm.level, storm.trips, storm.ratio
+            );
+        }
         let _ = writeln!(out, "attempt  count       p50 ms     p99 ms");
         for l in &self.latency_ms {
             let _ = writeln!(

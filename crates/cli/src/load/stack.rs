@@ -119,22 +119,16 @@ type GrpcTransport =
     MapRequest<Channel, fn(Request<ReplayBody<tonic::body::Body>>) -> Request<tonic::body::Body>>;
 
 impl StackClient {
-    /// The stack for `Charge` on `target`: each logical request's deadline is `timeout`; the
-    /// circuit breaker only when `breaker` (the payment service's own client of a charge
-    /// API runs without one: a load driver that stopped sending would hide the failures it
-    /// is there to measure); no hedge before `hedge_delay`.
+    /// The stack for `Charge` on `target` through `destination`: each logical request's
+    /// deadline is `timeout`; no hedge before `hedge_delay`.
     pub(crate) fn new(
         target: &Target,
         api_key: Option<&str>,
         timeout: Duration,
-        breaker: bool,
+        destination: &Destination,
         hedge_delay: Duration,
     ) -> Result<Self, String> {
-        let mut destination = Destination::new("payment");
-        if !breaker {
-            destination = destination.breaker(None);
-        }
-        let stack = ClientStack::builder(&destination, charge_contract(timeout))
+        let stack = ClientStack::builder(destination, charge_contract(timeout))
             .min_hedge_delay(hedge_delay)
             .build()
             .map_err(|e| format!("client stack: {e}"))?;

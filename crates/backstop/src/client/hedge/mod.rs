@@ -42,7 +42,7 @@ use super::future::LayerFuture;
 use super::replay::{ReplayBody, try_clone_request};
 use super::retry::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
-use crate::retry::RetryBudget;
+use crate::retry::{RetryBudget, StormAlarm};
 use crate::status::RetryClass;
 
 /// The response future of [`Hedge`]: the inner call's own future unless the attempt may be
@@ -70,6 +70,7 @@ pub struct Hedged;
 #[derive(Debug, Clone)]
 pub struct HedgePolicy {
     budget: RetryBudget,
+    storm: Option<StormAlarm>,
     latencies: Arc<LatencyWindow>,
     quantile: f64,
     min_delay: Duration,
@@ -92,12 +93,20 @@ impl HedgePolicy {
     ) -> Self {
         Self {
             budget,
+            storm: None,
             latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
             quantile: 0.95,
             min_delay: Duration::ZERO,
             service: service.into(),
             method: method.into(),
         }
+    }
+
+    /// Sends no hedge while `alarm` (the destination's storm alarm) is tripped; a hedge that
+    /// would be sent counts as a retry asked for.
+    pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
+        self.storm = alarm;
+        self
     }
 
     /// Never hedge sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
@@ -229,7 +238,8 @@ where
         () = tokio::time::sleep(delay) => {}
     }
     let allowed = allowance.as_ref().is_none_or(HedgeAllowance::take);
-    if !allowed || !policy.budget.try_withdraw() {
+    let storming = || policy.storm.as_ref().is_some_and(|s| !s.retry_wanted());
+    if !allowed || storming() || !policy.budget.try_withdraw() {
         let result = primary.await;
         record(&policy, &result, started);
         return result;

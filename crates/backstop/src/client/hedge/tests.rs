@@ -160,3 +160,50 @@ async fn no_hedge_before_the_window_has_samples() {
     send.send_response(Response::new("late"));
     assert_eq!(*call.await.unwrap().unwrap().body(), "late");
 }
+
+/// Issue 15, item 5: while the destination's storm alarm is tripped a slow attempt is not
+/// hedged (and no token is spent); once it clears, hedging resumes.
+#[tokio::test(start_paused = true)]
+async fn no_hedge_while_the_storm_alarm_is_tripped() {
+    use crate::retry::{StormConfig, StormLevel};
+
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let alarm = StormAlarm::new("psp", StormConfig::default());
+    for _ in 0..10 {
+        alarm.record_request();
+        let _ = alarm.retry_wanted();
+    }
+    assert_eq!(alarm.level(), StormLevel::Tripped);
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let svc = {
+        let sent = sent.clone();
+        tower::service_fn(move |_r: Request<Body>| {
+            sent.fetch_add(1, Ordering::SeqCst);
+            async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, BoxError>(Response::new("slow"))
+            }
+        })
+    };
+    let svc = Hedge::new(svc, warmed(&budget).storm_alarm(Some(alarm.clone())));
+    let response = svc
+        .clone()
+        .oneshot(request(&HedgeAllowance::default()))
+        .await
+        .unwrap();
+    assert_eq!(*response.body(), "slow");
+    assert_eq!(sent.load(Ordering::SeqCst), 1, "not hedged");
+    assert_eq!(budget.available(), 5.0);
+
+    // The storm leaves the window and calm traffic follows: hedged again.
+    advance(Duration::from_secs(11)).await;
+    for _ in 0..20 {
+        alarm.record_request();
+    }
+    assert_eq!(alarm.level(), StormLevel::Calm);
+    svc.oneshot(request(&HedgeAllowance::default()))
+        .await
+        .unwrap();
+    assert_eq!(sent.load(Ordering::SeqCst), 3, "hedged");
+    assert_eq!(budget.available(), 4.0);
+}

@@ -1,0 +1,455 @@
+//! The storm alarm: a destination's retry ratio watched over a sliding window, retries and
+//! hedges switched off while it is too high.
+//!
+//! A budget caps what retries add (`ratio x requests + burst`), but it keeps spending that
+//! allowance on a dependency that is down for everyone: every retry still fails, and the
+//! budget's 10 % is 10 % more load on a service that cannot answer the first 100 %. The alarm
+//! watches how many retries the destination's calls *ask for* per logical request. A few
+//! random failures ask for about as many retries as they fail (10 % failing: about 0.11 per
+//! request); a dependency that is down asks for one or more per request. Above
+//! [`StormConfig::warn`] (0.1) the alarm warns; above [`StormConfig::trip`] (0.2) it trips and
+//! every retry and hedge to the destination stops with [`StopReason::Storm`](super::StopReason)
+//! until the ratio is back to the warning level or below (the gap keeps it from flapping).
+//!
+//! Retries are counted when asked for, whether or not they are then sent: counting only the
+//! retries sent would make the alarm clear itself as soon as it stopped them, and send the
+//! next wave into the same outage. The retry executor counts a logical request when its first
+//! attempt ends, not when it starts, so that a burst of calls still waiting for their first
+//! answer does not dilute the ratio while the first answers already say the destination is
+//! down. Nothing is judged on fewer than
+//! [`StormConfig::min_requests`] logical requests in the window.
+//!
+//! On every change of level the gauge `rpc_client_storm_alarm{service,level}` (`level` one of
+//! `warning`, `tripped`; 1 while at or above that level, else 0) is set and one
+//! `rpc_storm_alarm` event is logged with the new level, the ratio and the counts.
+//!
+//! ```
+//! use backstop::retry::{StormAlarm, StormConfig, StormLevel};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let alarm = StormAlarm::new("psp", StormConfig::default());
+//! // Ten calls to a dependency that is down: each asks for a retry.
+//! for _ in 0..10 {
+//!     alarm.record_request();
+//!     let _ = alarm.retry_wanted();
+//! }
+//! assert_eq!(alarm.level(), StormLevel::Tripped);
+//! assert!(!alarm.retry_wanted(), "no retry while it storms");
+//! # }
+//! ```
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use metrics::SharedString;
+use tokio::time::Instant;
+
+use super::window::SlidingCounts;
+use crate::observe::label;
+
+/// The storm alarm's level per destination: `rpc_client_storm_alarm{service,level}`, 1 while
+/// at or above `level` (`warning`, `tripped`), else 0.
+pub const RPC_CLIENT_STORM_ALARM: &str = "rpc_client_storm_alarm";
+
+/// A storm alarm configuration that cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum StormConfigError {
+    /// The thresholds are not `0 <= warn <= trip`, finite.
+    #[error("storm alarm thresholds must satisfy 0 <= warn <= trip, got warn {warn}, trip {trip}")]
+    Thresholds {
+        /// The warning threshold given.
+        warn: f64,
+        /// The trip threshold given.
+        trip: f64,
+    },
+    /// The window is shorter than a millisecond.
+    #[error("storm alarm window must be at least 1 ms")]
+    Window,
+}
+
+/// When a [`StormAlarm`] warns, trips and clears.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StormConfig {
+    warn: f64,
+    trip: f64,
+    window: Duration,
+    min_requests: u64,
+}
+
+impl Default for StormConfig {
+    /// Warns above 0.1 retries per logical request, trips above 0.2, over 10 s, judged on at
+    /// least 10 logical requests.
+    fn default() -> Self {
+        Self {
+            warn: 0.1,
+            trip: 0.2,
+            window: Duration::from_secs(10),
+            min_requests: 10,
+        }
+    }
+}
+
+impl StormConfig {
+    /// Warns above `warn` retries per logical request, trips above `trip` and clears at `warn`
+    /// or below; the default window and minimum of requests.
+    pub fn new(warn: f64, trip: f64) -> Result<Self, StormConfigError> {
+        if !(warn.is_finite() && trip.is_finite() && 0.0 <= warn && warn <= trip) {
+            return Err(StormConfigError::Thresholds { warn, trip });
+        }
+        Ok(Self {
+            warn,
+            trip,
+            ..Self::default()
+        })
+    }
+
+    /// The window the ratio is measured over (default 10 s, in tenths).
+    pub fn window(mut self, window: Duration) -> Result<Self, StormConfigError> {
+        if window < Duration::from_millis(1) {
+            return Err(StormConfigError::Window);
+        }
+        self.window = window;
+        Ok(self)
+    }
+
+    /// The fewest logical requests in the window for the ratio to count (default 10): below
+    /// it the alarm is calm.
+    pub fn min_requests(mut self, min_requests: u64) -> Self {
+        self.min_requests = min_requests;
+        self
+    }
+
+    /// The ratio above which the alarm warns (and at or below which a tripped alarm clears).
+    pub fn warn(&self) -> f64 {
+        self.warn
+    }
+
+    /// The ratio above which the alarm trips.
+    pub fn trip(&self) -> f64 {
+        self.trip
+    }
+}
+
+/// How a destination's retry ratio stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StormLevel {
+    /// At or below the warning threshold (or too few requests to judge).
+    Calm,
+    /// Above the warning threshold: retries still go out.
+    Warning,
+    /// Tripped: retries and hedges stop until the ratio is back to the warning level.
+    Tripped,
+}
+
+impl StormLevel {
+    /// `calm`, `warning` or `tripped`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            StormLevel::Calm => "calm",
+            StormLevel::Warning => "warning",
+            StormLevel::Tripped => "tripped",
+        }
+    }
+}
+
+/// One destination's storm alarm (see the [module docs](self)). Cheap to clone; clones share
+/// the state.
+#[derive(Debug, Clone)]
+pub struct StormAlarm {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    service: SharedString,
+    config: StormConfig,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Logical requests (first) and retries asked for (second).
+    counts: SlidingCounts,
+    level: StormLevel,
+    /// Times it tripped so far.
+    trips: u64,
+}
+
+/// A change of level, reported outside the lock.
+struct Change {
+    level: StormLevel,
+    ratio: f64,
+    requests: u64,
+    retries: u64,
+}
+
+impl StormAlarm {
+    /// A calm alarm for the destination `service` (the metric label and log field).
+    pub fn new(service: impl Into<SharedString>, config: StormConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                service: service.into(),
+                config,
+                state: Mutex::new(State {
+                    counts: SlidingCounts::new(config.window),
+                    level: StormLevel::Calm,
+                    trips: 0,
+                }),
+            }),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StormConfig {
+        &self.inner.config
+    }
+
+    /// Records one logical request.
+    pub fn record_request(&self) {
+        self.record(1, 0);
+    }
+
+    /// Records a retry (or hedge) asked for; `true` when it may be sent, `false` while the
+    /// alarm is tripped.
+    pub fn retry_wanted(&self) -> bool {
+        self.record(0, 1) != StormLevel::Tripped
+    }
+
+    /// The level now (the window slides even without calls).
+    pub fn level(&self) -> StormLevel {
+        self.record(0, 0)
+    }
+
+    /// How many times the alarm has tripped since it was made.
+    pub fn trips(&self) -> u64 {
+        self.lock().trips
+    }
+
+    /// Retries asked for per logical request over the window now.
+    pub fn ratio(&self) -> f64 {
+        let state = self.lock();
+        let (requests, retries) = state.counts.totals(Instant::now());
+        ratio(requests, retries)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds to the counts, re-judges the level and reports a change; the level after.
+    fn record(&self, requests: u64, retries: u64) -> StormLevel {
+        let config = &self.inner.config;
+        let now = Instant::now();
+        let (level, change) = {
+            let mut state = self.lock();
+            if requests != 0 || retries != 0 {
+                state.counts.add(now, requests, retries);
+            }
+            let (requests, retries) = state.counts.totals(now);
+            let ratio = ratio(requests, retries);
+            let level = if requests < config.min_requests {
+                StormLevel::Calm
+            } else if ratio > config.trip
+                || (state.level == StormLevel::Tripped && ratio > config.warn)
+            {
+                StormLevel::Tripped
+            } else if ratio > config.warn {
+                StormLevel::Warning
+            } else {
+                StormLevel::Calm
+            };
+            let changed = std::mem::replace(&mut state.level, level) != level;
+            if changed && level == StormLevel::Tripped {
+                state.trips += 1;
+            }
+            (
+                level,
+                changed.then_some(Change {
+                    level,
+                    ratio,
+                    requests,
+                    retries,
+                }),
+            )
+        };
+        if let Some(change) = change {
+            self.report(change);
+        }
+        level
+    }
+
+    fn report(&self, change: Change) {
+        let service = &self.inner.service;
+        for (name, at) in [
+            (StormLevel::Warning.as_str(), StormLevel::Warning),
+            (StormLevel::Tripped.as_str(), StormLevel::Tripped),
+        ] {
+            metrics::gauge!(RPC_CLIENT_STORM_ALARM,
+                label::SERVICE => service.clone(), "level" => name)
+            .set(if change.level >= at { 1.0 } else { 0.0 });
+        }
+        let message = match change.level {
+            StormLevel::Tripped => "retry storm: retries and hedges stopped",
+            StormLevel::Warning => "retry ratio above the warning threshold",
+            StormLevel::Calm => "retry ratio back to normal",
+        };
+        if change.level == StormLevel::Calm {
+            tracing::info!(
+                name: "rpc_storm_alarm",
+                event = "rpc_storm_alarm",
+                service = &**service,
+                level = change.level.as_str(),
+                ratio = change.ratio,
+                requests = change.requests,
+                retries = change.retries,
+                "{message}"
+            );
+        } else {
+            tracing::warn!(
+                name: "rpc_storm_alarm",
+                event = "rpc_storm_alarm",
+                service = &**service,
+                level = change.level.as_str(),
+                ratio = change.ratio,
+                requests = change.requests,
+                retries = change.retries,
+                "{message}"
+            );
+        }
+    }
+}
+
+fn ratio(requests: u64, retries: u64) -> f64 {
+    if requests == 0 {
+        0.0
+    } else {
+        retries as f64 / requests as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::testing::Recorded;
+    use metrics_util::debugging::DebuggingRecorder;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    /// `requests` logical requests of which the last `retries` ask for one retry; how many of
+    /// those were refused.
+    fn traffic(alarm: &StormAlarm, requests: u32, retries: u32) -> u32 {
+        let mut refused = 0;
+        for i in 0..requests {
+            alarm.record_request();
+            if i >= requests - retries && !alarm.retry_wanted() {
+                refused += 1;
+            }
+        }
+        refused
+    }
+
+    #[test]
+    fn thresholds_must_be_ordered_and_finite() {
+        for (warn, trip) in [
+            (0.3, 0.2),
+            (-0.1, 0.2),
+            (0.1, f64::NAN),
+            (0.1, f64::INFINITY),
+        ] {
+            assert!(StormConfig::new(warn, trip).is_err(), "{warn} {trip}");
+        }
+        let c = StormConfig::new(0.05, 0.5).unwrap();
+        assert_eq!((c.warn(), c.trip()), (0.05, 0.5));
+        assert_eq!(
+            StormConfig::default().window(Duration::ZERO),
+            Err(StormConfigError::Window)
+        );
+    }
+
+    /// Issue 15, item 5: above 0.1 it warns, above 0.2 it trips and refuses retries, and it
+    /// clears only once the ratio is back to 0.1 or below, with a gauge and a log line at each
+    /// change.
+    #[tokio::test(start_paused = true)]
+    async fn the_alarm_trips_above_0_2_and_clears_back_at_0_1() {
+        let recorder = DebuggingRecorder::new();
+        let _guard = metrics::set_default_local_recorder(&recorder);
+        // Both gauges from one snapshot (a snapshot holds what changed since the last one).
+        let gauges = || {
+            let recorded = Recorded::of(&recorder);
+            let level = |level| {
+                recorded.gauge(
+                    RPC_CLIENT_STORM_ALARM,
+                    &[("service", "psp"), ("level", level)],
+                )
+            };
+            (level("warning"), level("tripped"))
+        };
+        let alarm = StormAlarm::new("psp", StormConfig::default());
+
+        // 100 requests, 10 retries: 0.1 is not above the warning level.
+        assert_eq!(traffic(&alarm, 100, 10), 0);
+        assert_eq!(alarm.level(), StormLevel::Calm);
+        // 15 more retries over 50 requests: 25 / 150 = 0.167, a warning only.
+        assert_eq!(traffic(&alarm, 50, 15), 0);
+        assert_eq!(alarm.level(), StormLevel::Warning);
+        assert_eq!(gauges(), (1.0, 0.0));
+        // 0.2 exactly (30 / 150) is still not a storm...
+        assert_eq!(traffic(&alarm, 0, 0), 0);
+        for _ in 0..5 {
+            assert!(alarm.retry_wanted());
+        }
+        assert!((alarm.ratio() - 0.2).abs() < 1e-9);
+        assert_eq!(alarm.level(), StormLevel::Warning);
+        // ...the next retry asked for is: refused.
+        assert!(!alarm.retry_wanted());
+        assert_eq!(alarm.level(), StormLevel::Tripped);
+        assert_eq!(gauges(), (1.0, 1.0));
+
+        // The ratio falls under 0.2 but stays above 0.1: still tripped (hysteresis).
+        tokio::time::advance(SECOND).await;
+        assert_eq!(traffic(&alarm, 50, 0), 0);
+        assert!(
+            alarm.ratio() > 0.1 && alarm.ratio() < 0.2,
+            "{}",
+            alarm.ratio()
+        );
+        assert_eq!(alarm.level(), StormLevel::Tripped);
+        assert!(!alarm.retry_wanted());
+        // The storm's seconds leave the window: calm, and retries go out again.
+        tokio::time::advance(9 * SECOND).await;
+        assert_eq!(traffic(&alarm, 20, 0), 0);
+        assert_eq!(alarm.level(), StormLevel::Calm);
+        assert!(alarm.retry_wanted());
+        assert_eq!(gauges(), (0.0, 0.0));
+        assert_eq!(alarm.trips(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn too_few_requests_are_not_a_storm() {
+        let alarm = StormAlarm::new("psp", StormConfig::default());
+        // Nine calls that each ask for two retries: no judgement yet.
+        for _ in 0..9 {
+            alarm.record_request();
+            assert!(alarm.retry_wanted());
+            assert!(alarm.retry_wanted());
+        }
+        assert_eq!(alarm.level(), StormLevel::Calm);
+        alarm.record_request();
+        assert!(!alarm.retry_wanted());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn clones_share_one_alarm() {
+        let a = StormAlarm::new("psp", StormConfig::default());
+        let b = a.clone();
+        assert_eq!(traffic(&a, 10, 0), 0);
+        for _ in 0..3 {
+            let _ = b.retry_wanted();
+        }
+        assert_eq!(a.level(), StormLevel::Tripped);
+    }
+}
