@@ -243,7 +243,9 @@ async fn unknown_psp_outcome_is_unavailable_and_the_same_key_charges_once() {
         "g-order-u",
         990,
         Some("g-key-u"),
-        Duration::from_secs(1),
+        // Well above the harness's margin: on a loaded machine the service's answer still
+        // beats the client's own timer.
+        Duration::from_secs(3),
     )
     .await
     .unwrap_err();
@@ -255,10 +257,10 @@ async fn unknown_psp_outcome_is_unavailable_and_the_same_key_charges_once() {
     );
     let charged = h.charges("g-order-u").await;
     assert_eq!(charged.len(), 1, "the PSP did charge");
-    // The PSP was given what was left of the caller's 1 s, minus the margin: never a new
+    // The PSP was given what was left of the caller's 3 s, minus the margin: never a new
     // budget, so it could not still be working once the caller had given up.
     let budget = charged[0].budget_ms.expect("the PSP saw a grpc-timeout");
-    assert!(budget > 0 && budget < 1000, "the PSP's budget: {budget} ms");
+    assert!(budget > 0 && budget < 3000, "the PSP's budget: {budget} ms");
     let retry = charge(&h, "g-order-u", 990, Some("g-key-u"), FIVE_S)
         .await
         .expect("the retry converges")
