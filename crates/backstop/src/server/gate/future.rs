@@ -149,8 +149,14 @@ where
                 }
                 StateProj::Running { fut, .. } => {
                     let result = std::task::ready!(fut.poll(cx));
-                    // Release the permit as soon as the answer is ready.
-                    state.set(State::Done);
+                    // Release the permit as soon as the answer is ready, as work that completed:
+                    // its latency teaches an adaptive limit. A future dropped while running
+                    // drops the permit instead, as abandoned work.
+                    if let StateOwned::Running { permit, .. } =
+                        state.as_mut().project_replace(State::Done)
+                    {
+                        permit.finish();
+                    }
                     return Poll::Ready(result);
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
