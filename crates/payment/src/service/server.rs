@@ -202,6 +202,7 @@ impl Server {
             open = config.is_open(),
             merchants = config.api_keys.len(),
             max_inflight = config.max_inflight,
+            limit = %config.limit,
             "payment service listening"
         );
         if let Some(redis) = &config.redis {
