@@ -316,3 +316,54 @@ async fn a_request_cancelled_early_teaches_the_limit_nothing() {
     assert_eq!(gate.limit(), 4);
     assert_eq!(gate.inflight(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn fast_failures_do_not_raise_a_lowered_limit() {
+    let gate = Gate::with_limit(
+        crate::admission::Gradient2::new(1, 8),
+        Duration::from_millis(5),
+    );
+    let latency_ms = Arc::new(AtomicUsize::new(100));
+    let served = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+    rounds(&served, 8, 20).await;
+    latency_ms.store(600, Ordering::Relaxed);
+    rounds(&served, 8, 3).await;
+    let lowered = gate.limit();
+    assert!(lowered < 8, "{lowered}");
+
+    // The service now fails at once (its dependency gave up): 503s in no time at all.
+    let failing = GateLayer::new(gate.clone()).layer(service_fn(|_req: Request<Bytes>| async {
+        let mut res = Response::new(Bytes::new());
+        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        Ok::<_, Infallible>(res)
+    }));
+    let grpc_failing =
+        GateLayer::new(gate.clone()).layer(service_fn(|_req: Request<Bytes>| async {
+            let mut res = Response::new(Bytes::new());
+            res.headers_mut()
+                .insert("grpc-status", http::HeaderValue::from_static("14"));
+            Ok::<_, Infallible>(res)
+        }));
+    for _ in 0..100 {
+        assert_eq!(
+            failing
+                .clone()
+                .oneshot(request(Duration::from_secs(1)))
+                .await
+                .unwrap()
+                .status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        grpc_failing
+            .clone()
+            .oneshot(request(Duration::from_secs(1)))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        gate.limit(),
+        lowered,
+        "failures are no evidence of fast service"
+    );
+    assert_eq!(gate.inflight(), 0);
+}
