@@ -44,6 +44,10 @@ pub const RPC_SERVER_REQUESTS_TOTAL: &str = "rpc_server_requests_total";
 pub const RPC_SERVER_DURATION_SECONDS: &str = "rpc_server_duration_seconds";
 /// Server: requests being served now.
 pub const RPC_SERVER_INFLIGHT: &str = "rpc_server_inflight";
+/// Server: the concurrency limit of the gate now (fixed or adaptive), labelled `service`.
+pub const RPC_SERVER_CONCURRENCY_LIMIT: &str = "rpc_server_concurrency_limit";
+/// Server: requests holding a slot under the concurrency limit now, labelled `service`.
+pub const RPC_SERVER_CONCURRENCY_INFLIGHT: &str = "rpc_server_concurrency_inflight";
 /// Server: requests refused by admission control, labelled `reason` (see [`reject_reason`]).
 pub const RPC_SERVER_REJECTED_TOTAL: &str = "rpc_server_rejected_total";
 /// Server: connections open now, per listener (`service`).
@@ -203,6 +207,16 @@ pub fn describe_metrics() {
         Unit::Count,
         "Requests being served now."
     );
+    describe_gauge!(
+        RPC_SERVER_CONCURRENCY_LIMIT,
+        Unit::Count,
+        "Requests the admission gate lets run at once now (fixed or adaptive limit)."
+    );
+    describe_gauge!(
+        RPC_SERVER_CONCURRENCY_INFLIGHT,
+        Unit::Count,
+        "Requests holding a slot under the concurrency limit now."
+    );
     describe_counter!(
         RPC_SERVER_REJECTED_TOTAL,
         Unit::Count,
@@ -295,6 +309,8 @@ mod tests {
             ),
             (RPC_SERVER_DURATION_SECONDS, "histogram", Unit::Seconds),
             (RPC_SERVER_INFLIGHT, "gauge", Unit::Count),
+            (RPC_SERVER_CONCURRENCY_LIMIT, "gauge", Unit::Count),
+            (RPC_SERVER_CONCURRENCY_INFLIGHT, "gauge", Unit::Count),
             (RPC_SERVER_REJECTED_TOTAL, "counter", Unit::Count),
             (RPC_SERVER_REQUESTS_TOTAL, "counter", Unit::Count),
         ]

@@ -6,7 +6,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
-use backstop_payment::config::{ApiKey, Config, PspTarget, StoreLocation};
+use backstop_payment::config::{ApiKey, Config, LimitMode, PspTarget, StoreLocation};
 use backstop_payment::service::{self, ServeError};
 use clap::Args;
 use clap::error::ErrorKind;
@@ -30,7 +30,8 @@ pub(crate) struct ServeArgs {
     /// database next to the store (`backstop.db` -> `backstop-psp.db`).
     #[arg(long, value_name = "URL")]
     psp: Option<String>,
-    /// Requests executing at once; beyond it 503 + Retry-After.
+    /// Requests executing at once; beyond it 503 + Retry-After. With `--limit adaptive`, the
+    /// upper bound of the limit (and where it starts).
     #[arg(long, value_name = "N", default_value_t = 256)]
     max_inflight: usize,
     /// Connections open at once on each port; at the cap an idle one is closed to make room,
@@ -41,6 +42,14 @@ pub(crate) struct ServeArgs {
     /// (both ports drain at once, within this one bound).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_drain)]
     drain_timeout: Duration,
+    /// `fixed`: --max-inflight requests at once. `adaptive`: a limit found from the latency of
+    /// served requests, between --min-inflight and --max-inflight, lowered when latency rises
+    /// above its baseline and raised when it falls.
+    #[arg(long, value_name = "MODE", default_value_t = LimitMode::Fixed)]
+    limit: LimitMode,
+    /// Lower bound of the adaptive limit.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    min_inflight: usize,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
     #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
@@ -97,6 +106,8 @@ impl ServeArgs {
         config.max_inflight = self.max_inflight;
         config.max_connections = self.max_connections;
         config.drain_timeout = self.drain_timeout;
+        config.limit = self.limit;
+        config.min_inflight = self.min_inflight;
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
         config.api_keys = self
@@ -237,6 +248,31 @@ mod tests {
         assert_eq!(c.api_keys.len(), 2);
         assert_eq!(c.psp, PspTarget::Url("http://127.0.0.1:8082".into()));
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn limit_flags() {
+        let c = parse(&[]).unwrap();
+        assert_eq!((c.limit, c.min_inflight), (LimitMode::Fixed, 8));
+        let c = parse(&[
+            "--limit",
+            "adaptive",
+            "--min-inflight",
+            "4",
+            "--max-inflight",
+            "64",
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.limit, c.min_inflight, c.max_inflight),
+            (LimitMode::Adaptive, 4, 64)
+        );
+        assert!(c.validate().is_ok());
+        let err = parse(&["--limit", "auto"]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ValueValidation);
+        assert!(err.to_string().contains("fixed or adaptive"), "{err}");
+        let c = parse(&["--limit", "adaptive", "--min-inflight", "300"]).unwrap();
+        assert!(c.validate().is_err(), "lower bound above the upper one");
     }
 
     #[cfg(unix)]

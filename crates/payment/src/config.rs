@@ -23,6 +23,45 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// Merchant of every request when the service runs without API keys.
 pub const DEFAULT_MERCHANT: &str = "default";
 
+/// How the admission gate's concurrency limit is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LimitMode {
+    /// `max_inflight` requests at once, always.
+    #[default]
+    Fixed,
+    /// Found from the latency of admitted requests (a gradient limit), between `min_inflight`
+    /// and `max_inflight`: lower when latency rises above its baseline, higher when it falls.
+    Adaptive,
+}
+
+impl LimitMode {
+    /// The flag value: `fixed` or `adaptive`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitMode::Fixed => "fixed",
+            LimitMode::Adaptive => "adaptive",
+        }
+    }
+}
+
+impl std::fmt::Display for LimitMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LimitMode {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fixed" => Ok(LimitMode::Fixed),
+            "adaptive" => Ok(LimitMode::Adaptive),
+            _ => Err(ConfigError::LimitMode),
+        }
+    }
+}
+
 /// Where the service keeps its tables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreLocation {
@@ -164,8 +203,13 @@ pub struct Config {
     pub store: StoreLocation,
     /// The PSP.
     pub psp: PspTarget,
-    /// Requests executing at once before the gate answers 503 + Retry-After.
+    /// Requests executing at once before the gate answers 503 + Retry-After: the limit when
+    /// `limit` is fixed, its upper bound (and starting point) when adaptive.
     pub max_inflight: usize,
+    /// Fixed or adaptive concurrency limit.
+    pub limit: LimitMode,
+    /// Lower bound of an adaptive limit.
+    pub min_inflight: usize,
     /// Sustained requests per second per merchant before 429 + Retry-After.
     pub tenant_rate: NonZeroU32,
     /// Burst per merchant.
@@ -209,6 +253,8 @@ impl Config {
             store,
             psp,
             max_inflight: 256,
+            limit: LimitMode::Fixed,
+            min_inflight: 8,
             tenant_rate: NonZeroU32::new(1000).expect("non-zero"),
             tenant_burst: NonZeroU32::new(2000).expect("non-zero"),
             api_keys: Vec::new(),
@@ -239,6 +285,11 @@ impl Config {
         }
         if self.max_connections == 0 {
             return Err(ConfigError::ZeroConnections);
+        }
+        if self.limit == LimitMode::Adaptive
+            && !(1..=self.max_inflight).contains(&self.min_inflight)
+        {
+            return Err(ConfigError::InflightBounds);
         }
         for (i, a) in self.api_keys.iter().enumerate() {
             if self.api_keys[..i].iter().any(|b| b.key == a.key) {
@@ -288,6 +339,12 @@ pub enum ConfigError {
     /// `--max-connections 0`.
     #[error("--max-connections must be at least 1")]
     ZeroConnections,
+    /// `--min-inflight` zero or above `--max-inflight` with an adaptive limit.
+    #[error("--min-inflight must be between 1 and --max-inflight")]
+    InflightBounds,
+    /// `--limit` other than `fixed` or `adaptive`.
+    #[error("--limit must be fixed or adaptive")]
+    LimitMode,
     /// Zero timeout or lease, or a key TTL shorter than the lease.
     #[error("timeouts and leases must be positive and the key TTL at least the lease")]
     Durations,
@@ -384,6 +441,25 @@ mod tests {
             "an open gRPC port charges unauthenticated calls"
         );
         c.api_keys.push(ApiKey::parse("a=k").unwrap());
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn adaptive_limit_bounds_are_checked() {
+        assert_eq!("adaptive".parse(), Ok(LimitMode::Adaptive));
+        assert_eq!("fixed".parse(), Ok(LimitMode::Fixed));
+        assert_eq!("auto".parse::<LimitMode>(), Err(ConfigError::LimitMode));
+        let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
+        c.min_inflight = 300;
+        assert!(
+            c.validate().is_ok(),
+            "a fixed limit ignores the lower bound"
+        );
+        c.limit = LimitMode::Adaptive;
+        assert_eq!(c.validate(), Err(ConfigError::InflightBounds));
+        c.min_inflight = 0;
+        assert_eq!(c.validate(), Err(ConfigError::InflightBounds));
+        c.min_inflight = 256;
         assert!(c.validate().is_ok());
     }
 

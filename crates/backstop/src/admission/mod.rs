@@ -5,7 +5,9 @@
 //! - **capacity** (backpressure, protects this server): [`Gate`] bounds how many requests run
 //!   at once, and how long a request may wait for a slot: never longer than its remaining
 //!   budget minus the least time serving it takes. A request that could not finish in time is
-//!   refused at once with [`Overloaded`], answered `503` / `UNAVAILABLE` + `Retry-After`.
+//!   refused at once with [`Overloaded`], answered `503` / `UNAVAILABLE` + `Retry-After`. The
+//!   bound is fixed or found: a [`Gradient2`] limit lowers itself when the latency of admitted
+//!   requests rises above its baseline, and grows back when it falls.
 //! - **quota** (rate limiting, protects everyone else from one tenant): [`TokenBucket`] and
 //!   [`KeyedTokenBucket`] allow bursts and bound the mean rate; over quota is `429` /
 //!   `RESOURCE_EXHAUSTED` + `Retry-After`. With the `redis` feature, the `redis` module shares the
@@ -43,6 +45,7 @@
 
 mod gate;
 mod keyed;
+mod limit;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod retry_after;
@@ -50,5 +53,6 @@ mod token_bucket;
 
 pub use gate::{Gate, GatePermit, Overloaded};
 pub use keyed::KeyedTokenBucket;
+pub use limit::{FixedLimit, Gradient2, Limit};
 pub use retry_after::{RetryAfter, RetryAfterError};
 pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};

@@ -218,6 +218,9 @@ impl<St: Store> ServerStack<St> {
 
     /// The finished layer.
     pub fn into_layer(self) -> ServerStackLayer<St> {
+        self.gate
+            .gate()
+            .publish_as(self.metrics.service().to_owned());
         ServerStackLayer { parts: self }
     }
 }

@@ -31,7 +31,7 @@
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
 //! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
-//! | 503 | `overloaded` + `Retry-After` | more than `--max-inflight` requests and no slot frees in time |
+//! | 503 | `overloaded` + `Retry-After` | the concurrency limit (`--max-inflight`, or the adaptive one) is reached and no slot frees in time |
 //! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
 //! | 503 | `psp_unavailable` + `Retry-After`, `intent_id` | the PSP charged nothing and the PSP client gave up (retry budget spent, PSP unreachable or pushing back): retry with the same key |
 //! | 504 | `payment_outcome_unknown` + `Retry-After`, `"status": "unknown"`, `intent_id` | a charge was sent and no answer came: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
@@ -76,14 +76,14 @@ use axum::Router;
 use axum::handler::Handler;
 use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
-use backstop::admission::{Gate, KeyedTokenBucket, Quota};
+use backstop::admission::{Gate, Gradient2, KeyedTokenBucket, Quota};
 use backstop::idempotency::Store;
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack};
 use http::Method;
 
 use crate::auth::Authenticator;
-use crate::config::{BODY_LIMIT, Config};
+use crate::config::{BODY_LIMIT, Config, LimitMode};
 use crate::grpc;
 use protocol::{OneProtocolLayer, Port};
 
@@ -133,6 +133,18 @@ pub fn build_app<St: Store>(
     build_routers(state, store, config, rate_limit).http
 }
 
+/// The admission gate `config` asks for: a fixed limit, or an adaptive one starting at its
+/// upper bound.
+fn gate(config: &Config) -> Gate {
+    match config.limit {
+        LimitMode::Fixed => Gate::new(config.max_inflight, MIN_SERVICE),
+        LimitMode::Adaptive => Gate::with_limit(
+            Gradient2::new(config.min_inflight, config.max_inflight),
+            MIN_SERVICE,
+        ),
+    }
+}
+
 /// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).
 pub fn build_routers<St: Store>(
     state: AppState,
@@ -146,7 +158,7 @@ pub fn build_routers<St: Store>(
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
         .rate_limit(rate_limit)
-        .gate(Gate::new(config.max_inflight, MIN_SERVICE))
+        .gate(gate(config))
         .idempotency(
             IdempotencyLayer::new(store)
                 .clock(state.clock.clone())

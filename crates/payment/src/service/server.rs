@@ -216,6 +216,7 @@ impl Server {
             merchants = config.api_keys.len(),
             max_inflight = config.max_inflight,
             max_connections = config.max_connections,
+            limit = %config.limit,
             "payment service listening"
         );
         if let Some(redis) = &config.redis {

@@ -149,12 +149,31 @@ where
                 }
                 StateProj::Running { fut, .. } => {
                     let result = std::task::ready!(fut.poll(cx));
-                    // Release the permit as soon as the answer is ready.
-                    state.set(State::Done);
+                    // Release the permit as soon as the answer is ready. Only a request that was
+                    // served teaches an adaptive limit how long serving takes; a failure (or a
+                    // future dropped while running) goes as abandoned work, which counts only
+                    // when slower than recent requests: a fast 503 says nothing about serving
+                    // time, and would otherwise pass for good news and raise the limit.
+                    if let StateOwned::Running { permit, .. } =
+                        state.as_mut().project_replace(State::Done)
+                        && matches!(&result, Ok(response) if served(response))
+                    {
+                        permit.finish();
+                    }
                     return Poll::Ready(result);
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
         }
     }
+}
+
+/// Whether `response` is a request served, not a failure: no 5xx status and no gRPC error
+/// status. Client mistakes count as served: they took the path every request takes.
+fn served<B>(response: &Response<B>) -> bool {
+    !response.status().is_server_error()
+        && response
+            .headers()
+            .get("grpc-status")
+            .is_none_or(|status| status == "0")
 }

@@ -222,3 +222,148 @@ async fn a_request_admitted_at_once_holds_a_permit_and_needs_no_service_clone() 
     assert_eq!(gate.inflight(), 0, "permit released with the answer");
     assert_eq!(clones.load(Ordering::Relaxed), 0);
 }
+
+/// A handler that answers after the latency in `latency_ms` (paused clock).
+fn slowed(
+    latency_ms: Arc<AtomicUsize>,
+) -> impl Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible, Future: Send>
++ Clone
++ Send {
+    service_fn(move |_req: Request<Bytes>| {
+        let ms = latency_ms.load(Ordering::Relaxed) as u64;
+        async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok::<_, Infallible>(Response::new(Bytes::from_static(b"done")))
+        }
+    })
+}
+
+/// Sends `n` rounds of `width` concurrent requests through `svc`; every one is answered 200.
+async fn rounds<S>(svc: &S, width: usize, n: usize)
+where
+    S: Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    for _ in 0..n {
+        let calls: Vec<_> = (0..width)
+            .map(|_| tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(30)))))
+            .collect();
+        for call in calls {
+            assert_eq!(call.await.unwrap().unwrap().status(), StatusCode::OK);
+        }
+    }
+}
+
+#[test]
+fn finished_requests_teach_an_adaptive_limit_and_the_gauges_follow() {
+    let (lowered, m) = with_metrics(|| async {
+        let gate = Gate::with_limit(
+            crate::admission::Gradient2::new(2, 8),
+            Duration::from_millis(5),
+        );
+        gate.publish_as("payments");
+        let latency_ms = Arc::new(AtomicUsize::new(100));
+        let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+        rounds(&svc, 8, 20).await;
+        assert_eq!(
+            gate.limit(),
+            8,
+            "steady latency keeps the limit at its bound"
+        );
+
+        latency_ms.store(600, Ordering::Relaxed);
+        rounds(&svc, 8, 5).await;
+        let lowered = gate.limit();
+        assert!(
+            lowered < 8,
+            "600 ms after 100 ms lowers the limit: {lowered}"
+        );
+        assert_eq!(gate.inflight(), 0);
+        lowered
+    });
+    let labels = [("service", "payments")];
+    assert_eq!(
+        m.gauge(crate::observe::RPC_SERVER_CONCURRENCY_LIMIT, &labels),
+        lowered as f64
+    );
+    assert_eq!(
+        m.gauge(crate::observe::RPC_SERVER_CONCURRENCY_INFLIGHT, &labels),
+        0.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_cancelled_early_teaches_the_limit_nothing() {
+    let gate = Gate::with_limit(
+        crate::admission::Gradient2::new(1, 4),
+        Duration::from_millis(5),
+    );
+    let latency_ms = Arc::new(AtomicUsize::new(100));
+    let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+    rounds(&svc, 4, 10).await;
+    latency_ms.store(10_000, Ordering::Relaxed);
+    for _ in 0..20 {
+        // Callers giving up after 1 ms: below the latency already known, so no sample.
+        let call = tokio::time::timeout(
+            Duration::from_millis(1),
+            svc.clone().oneshot(request(Duration::from_secs(30))),
+        );
+        assert!(call.await.is_err());
+    }
+    assert_eq!(gate.limit(), 4);
+    assert_eq!(gate.inflight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn fast_failures_do_not_raise_a_lowered_limit() {
+    let gate = Gate::with_limit(
+        crate::admission::Gradient2::new(1, 8),
+        Duration::from_millis(5),
+    );
+    let latency_ms = Arc::new(AtomicUsize::new(100));
+    let served = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+    rounds(&served, 8, 20).await;
+    latency_ms.store(600, Ordering::Relaxed);
+    rounds(&served, 8, 3).await;
+    let lowered = gate.limit();
+    assert!(lowered < 8, "{lowered}");
+
+    // The service now fails at once (its dependency gave up): 503s in no time at all.
+    let failing = GateLayer::new(gate.clone()).layer(service_fn(|_req: Request<Bytes>| async {
+        let mut res = Response::new(Bytes::new());
+        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        Ok::<_, Infallible>(res)
+    }));
+    let grpc_failing =
+        GateLayer::new(gate.clone()).layer(service_fn(|_req: Request<Bytes>| async {
+            let mut res = Response::new(Bytes::new());
+            res.headers_mut()
+                .insert("grpc-status", http::HeaderValue::from_static("14"));
+            Ok::<_, Infallible>(res)
+        }));
+    for _ in 0..100 {
+        assert_eq!(
+            failing
+                .clone()
+                .oneshot(request(Duration::from_secs(1)))
+                .await
+                .unwrap()
+                .status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        grpc_failing
+            .clone()
+            .oneshot(request(Duration::from_secs(1)))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        gate.limit(),
+        lowered,
+        "failures are no evidence of fast service"
+    );
+    assert_eq!(gate.inflight(), 0);
+}
