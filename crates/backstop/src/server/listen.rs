@@ -17,7 +17,9 @@
 //!   one connection runs at most [`ListenConfig::http2_max_concurrent_streams`] requests;
 //! - **connection cap**: at [`ListenConfig::max_connections`] open connections, a new one makes
 //!   room by closing the oldest connection with no request in flight (a slow or idle client); when
-//!   every connection is serving a request, the new one is closed at once. Both are counted in
+//!   every connection is serving a request, the new one is closed at once. While the closed
+//!   ones are still closing, new connections wait in the kernel's backlog rather than being
+//!   refused. Both are counted in
 //!   [`RPC_SERVER_CONNECTIONS_REJECTED_TOTAL`](crate::observe::RPC_SERVER_CONNECTIONS_REJECTED_TOTAL);
 //!   the open connections are the gauge
 //!   [`RPC_SERVER_CONNECTIONS`](crate::observe::RPC_SERVER_CONNECTIONS);
@@ -213,7 +215,10 @@ impl Listener {
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
-                accepted = tcp.accept() => match accepted {
+                accepted = async {
+                    shared.room_to_accept().await;
+                    tcp.accept().await
+                } => match accepted {
                     Ok((stream, peer)) => {
                         backoff = None;
                         if let Some(conn) = shared.admit() {
@@ -289,12 +294,38 @@ struct Shared {
 }
 
 impl Shared {
+    /// Connections picked to make room close on their own task: an eighth over the cap is
+    /// left for them, so a fast flood cannot outrun the closing and exhaust descriptors.
+    fn hard_cap(&self) -> usize {
+        let cap = self.config.max_connections;
+        cap.saturating_add((cap / 8).max(1))
+    }
+
+    /// Waits while the hard cap is reached and some connections are closing to make room.
+    ///
+    /// New connections wait in the kernel's backlog meanwhile: accepting one only to refuse
+    /// it would reset a well-behaved client that happened to arrive right behind a flood.
+    /// Closing connections end without waiting on anything, so the wait is short.
+    async fn room_to_accept(&self) {
+        loop {
+            let freed = self.open.freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let open = self.open.lock();
+                let closing = || open.values().any(|c| c.evicted.load(Ordering::Acquire));
+                if open.len() < self.hard_cap() || !closing() {
+                    return;
+                }
+            }
+            freed.await;
+        }
+    }
+
     /// Registers a new connection, making room at the cap; `None` when it must be refused.
     fn admit(&self) -> Option<Registered> {
         let cap = self.config.max_connections;
-        // Connections picked to make room close on their own task: an eighth over the cap is
-        // left for them, so a fast flood cannot outrun the closing and exhaust descriptors.
-        let hard_cap = cap.saturating_add((cap / 8).max(1));
+        let hard_cap = self.hard_cap();
         let mut open = self.open.lock();
         if open.len() >= cap
             && (open.len() >= hard_cap || !Registry::evict_in(&open, &self.metrics))
@@ -316,6 +347,8 @@ impl Shared {
 struct Registry {
     conns: Mutex<BTreeMap<u64, Arc<ConnState>>>,
     next_id: AtomicU64,
+    /// Notified whenever a connection leaves.
+    freed: Notify,
 }
 
 impl Registry {
@@ -668,6 +701,7 @@ struct Unregister<'a> {
 impl Drop for Unregister<'_> {
     fn drop(&mut self) {
         self.shared.open.lock().remove(&self.id);
+        self.shared.open.freed.notify_waiters();
         self.shared.metrics.open.decrement(1.0);
     }
 }

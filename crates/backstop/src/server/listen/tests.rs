@@ -188,6 +188,49 @@ async fn at_the_cap_an_idle_connection_makes_room_for_a_new_client() {
 }
 
 #[tokio::test]
+async fn a_client_queued_right_behind_a_flood_is_served_not_reset() {
+    let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    // Everything is in the kernel's backlog before the first accept, so the listener takes
+    // the flood in one run and the connections it closes to make room have not closed yet
+    // when the last client comes up.
+    let mut flood = Vec::new();
+    for _ in 0..40 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nx-slow: ").await.unwrap();
+        flood.push(s);
+    }
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    client
+        .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let config = ListenConfig {
+        max_connections: 8,
+        ..ListenConfig::default()
+    };
+    let service = tower::service_fn(|_: Request<Incoming>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(bytes::Bytes::from_static(
+            b"hello",
+        ))))
+    });
+    let (stop, stopped) = oneshot::channel::<()>();
+    let served = tokio::spawn(
+        Listener::new("test", tcp, config).serve(service, async move {
+            let _ = stopped.await;
+        }),
+    );
+    let mut answer = String::new();
+    client
+        .read_to_string(&mut answer)
+        .await
+        .expect("answered, not reset");
+    assert!(answer.ends_with("hello"), "{answer}");
+    let _ = stop.send(());
+    served.await.unwrap();
+}
+
+#[tokio::test]
 async fn at_the_cap_with_every_connection_busy_a_new_one_is_refused_at_once() {
     let config = ListenConfig {
         max_connections: 1,
