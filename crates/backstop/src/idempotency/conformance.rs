@@ -79,6 +79,7 @@ macro_rules! store_conformance {
                 sweep_respects_limit,
                 outcome_keeps_record_for_ttl_from_completion,
                 scopes_isolate_keys,
+                follows_the_protocol_on_random_histories,
             );
         }
     };
@@ -519,4 +520,150 @@ pub async fn scopes_isolate_keys<S: Store>(store: S) {
         store.claim(req("shared", fp(100), T0 + 3)).await.unwrap(),
         Claim::Replay(response(1))
     );
+}
+
+/// The record a store should hold after a history, by the protocol's rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Expected {
+    status: RecordStatus,
+    lease_until_ms: i64,
+    expires_at_ms: i64,
+    fingerprint: Fingerprint,
+    response: Option<StoredResponse>,
+}
+
+/// Random histories of one key (claims with either of two parameter sets at random times and
+/// lease lengths, completions, failures and releases with current and stale leases, sweeps),
+/// each step checked against the protocol's rules, the same functions the model check
+/// explores: what the store answers, and the record it keeps.
+#[doc(hidden)]
+pub async fn follows_the_protocol_on_random_histories<S: Store>(store: S) {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    use super::protocol::{self, ClaimRule, Existing};
+
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    for history in 0..24 {
+        let name = format!("history-{history}");
+        let mut expected: Option<Expected> = None;
+        let mut leases: Vec<Lease> = Vec::new();
+        // Far enough apart that one history's records never expire within another's.
+        let mut now = T0 + history * 10 * TTL_MS;
+        for step in 0..30 {
+            now += rng.random_range(0..4_000);
+            let context = format!("{name} step {step} at {now}");
+            match rng.random_range(0..10) {
+                0..=3 => {
+                    let fingerprint = fp(if rng.random_bool(0.15) { 2 } else { 1 });
+                    let lease = Duration::from_millis(rng.random_range(1_000..6_000));
+                    let ttl = Duration::from_millis(rng.random_range(8_000..30_000));
+                    let request = ClaimRequest {
+                        lease,
+                        ttl,
+                        ..req(&name, fingerprint, now)
+                    };
+                    let existing = expected.as_ref().map(|e| Existing {
+                        status: e.status,
+                        lease_until_ms: e.lease_until_ms,
+                        same_fingerprint: e.fingerprint == fingerprint,
+                    });
+                    let rule = protocol::claim(existing, now, request.lease_until_ms());
+                    let got = store.claim(request.clone()).await.expect("claim");
+                    match (rule, &got) {
+                        (ClaimRule::Insert { lease_until_ms }, Claim::Claimed(lease)) => {
+                            assert_eq!(lease.lease_until_ms, lease_until_ms, "{context}");
+                            expected = Some(Expected {
+                                status: RecordStatus::Running,
+                                lease_until_ms,
+                                expires_at_ms: request.expires_at_ms(),
+                                fingerprint,
+                                response: None,
+                            });
+                            leases.push(lease.clone());
+                        }
+                        (ClaimRule::TakeOver { lease_until_ms }, Claim::Claimed(lease)) => {
+                            assert_eq!(lease.lease_until_ms, lease_until_ms, "{context}");
+                            let e = expected.as_mut().expect("a takeover has a record");
+                            e.status = RecordStatus::Running;
+                            e.lease_until_ms = lease_until_ms;
+                            e.expires_at_ms = e.expires_at_ms.max(request.expires_at_ms());
+                            e.response = None;
+                            leases.push(lease.clone());
+                        }
+                        (ClaimRule::Replay, Claim::Replay(stored)) => {
+                            let e = expected.as_ref().expect("a replay has a record");
+                            assert_eq!(Some(stored), e.response.as_ref(), "{context}");
+                        }
+                        (ClaimRule::Conflict, Claim::Conflict { .. }) => {}
+                        (ClaimRule::InProgress { lease_until_ms }, Claim::InProgress { .. }) => {
+                            assert_eq!(got, Claim::in_progress(lease_until_ms, now), "{context}");
+                        }
+                        (rule, got) => {
+                            panic!("{context}: the rules say {rule:?}, the store {got:?}")
+                        }
+                    }
+                }
+                4..=7 if !leases.is_empty() => {
+                    // Mostly the newest lease; sometimes a stale one.
+                    let index = if rng.random_bool(0.7) {
+                        leases.len() - 1
+                    } else {
+                        rng.random_range(0..leases.len())
+                    };
+                    let lease = leases[index].clone();
+                    let held = expected.as_ref().is_some_and(|e| {
+                        protocol::holds(e.status, e.lease_until_ms, lease.lease_until_ms)
+                    });
+                    let ttl_ms = super::store::duration_ms(lease.ttl);
+                    let (result, next) = match rng.random_range(0..3) {
+                        0 => {
+                            let stored = response(step);
+                            let result = store.complete(&lease, stored.clone(), now).await;
+                            let next = expected.clone().map(|e| Expected {
+                                status: RecordStatus::Succeeded,
+                                expires_at_ms: e.expires_at_ms.max(now + ttl_ms),
+                                response: Some(stored),
+                                ..e
+                            });
+                            (result, next)
+                        }
+                        1 => {
+                            let result = store.fail(&lease, now).await;
+                            let next = expected.clone().map(|e| Expected {
+                                status: RecordStatus::Failed,
+                                expires_at_ms: e.expires_at_ms.max(now + ttl_ms),
+                                response: None,
+                                ..e
+                            });
+                            (result, next)
+                        }
+                        _ => (store.release(&lease).await, None),
+                    };
+                    if held {
+                        result.unwrap_or_else(|e| panic!("{context}: a held lease failed: {e}"));
+                        expected = next;
+                    } else {
+                        assert_lease_lost(result);
+                    }
+                }
+                _ => {
+                    store.sweep(now, 1_000).await.expect("sweep");
+                    if expected.as_ref().is_some_and(|e| {
+                        protocol::sweepable(e.status, e.lease_until_ms, e.expires_at_ms, now)
+                    }) {
+                        expected = None;
+                    }
+                }
+            }
+            let record = store.get(SCOPE, &key(&name)).await.expect("get");
+            let actual = record.map(|r| Expected {
+                status: r.status,
+                lease_until_ms: r.lease_until_ms,
+                expires_at_ms: r.expires_at_ms,
+                fingerprint: r.fingerprint,
+                response: r.response,
+            });
+            assert_eq!(actual, expected, "{context}");
+        }
+    }
 }

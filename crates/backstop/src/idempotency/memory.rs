@@ -5,6 +5,7 @@ use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use super::protocol::{self, ClaimRule};
 use super::store::duration_ms;
 use super::{
     Claim, ClaimRequest, IdempotencyKey, Lease, Record, RecordStatus, Store, StoreError,
@@ -112,32 +113,29 @@ impl MemoryStore {
             );
             return Claim::Claimed(req.lease_at(lease_until));
         };
-        if rec.fingerprint != req.fingerprint {
-            return Claim::Conflict {
+        let existing = protocol::Existing {
+            status: rec.status,
+            lease_until_ms: rec.lease_until_ms,
+            same_fingerprint: rec.fingerprint == req.fingerprint,
+        };
+        match protocol::claim(Some(existing), req.now_ms, req.lease_until_ms()) {
+            ClaimRule::Conflict => Claim::Conflict {
                 fingerprint_prefix: rec.fingerprint.prefix8(),
-            };
-        }
-        match rec.status {
-            RecordStatus::Succeeded => {
-                if let Some(response) = &rec.response {
-                    return Claim::Replay(response.clone());
-                }
-                // Unreachable through this API: a succeeded record always has its response.
-                Claim::in_progress(rec.lease_until_ms, req.now_ms)
+            },
+            // Unreachable through this API without a response: a succeeded record has one.
+            ClaimRule::Replay => match &rec.response {
+                Some(response) => Claim::Replay(response.clone()),
+                None => Claim::in_progress(rec.lease_until_ms, req.now_ms),
+            },
+            ClaimRule::InProgress { lease_until_ms } => {
+                Claim::in_progress(lease_until_ms, req.now_ms)
             }
-            RecordStatus::Running if rec.lease_until_ms > req.now_ms => {
-                Claim::in_progress(rec.lease_until_ms, req.now_ms)
-            }
-            // Failed, or running with an ended lease: take over, moving the fencing token on.
-            RecordStatus::Running | RecordStatus::Failed => {
-                let lease_until = req
-                    .lease_until_ms()
-                    .max(rec.lease_until_ms.saturating_add(1));
+            ClaimRule::TakeOver { lease_until_ms } | ClaimRule::Insert { lease_until_ms } => {
                 rec.status = RecordStatus::Running;
-                rec.lease_until_ms = lease_until;
+                rec.lease_until_ms = lease_until_ms;
                 rec.response = None;
                 rec.expires_at_ms = rec.expires_at_ms.max(req.expires_at_ms());
-                Claim::Claimed(req.lease_at(lease_until))
+                Claim::Claimed(req.lease_at(lease_until_ms))
             }
         }
     }
@@ -151,10 +149,7 @@ impl MemoryStore {
         let mut records = self.shard(&lease.scope, lease.key.as_str());
         let id = (lease.scope.clone(), lease.key.as_str().to_owned());
         match records.get(&id) {
-            Some(rec)
-                if rec.status == RecordStatus::Running
-                    && rec.lease_until_ms == lease.lease_until_ms =>
-            {
+            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
                 f(&mut records, id);
                 Ok(())
             }

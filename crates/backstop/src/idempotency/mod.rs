@@ -73,6 +73,8 @@
 //!   which the application shares for its own tables.
 //! - `postgres` (feature `postgres`) holds `PostgresStore` on a bounded pool, batching
 //!   concurrent calls into shared transactions, for several instances sharing one database.
+//! - `protocol` holds the rules every store decides by (claim, fence, sweep, lease length),
+//!   model-checked with crashes, lease expiry and clock skew.
 //! - [`sweeper`] holds [`Sweeper`], the TTL reaper task.
 //! - [`conformance`] holds the suite every backend runs (`backstop::store_conformance!`).
 
@@ -82,6 +84,7 @@ pub mod key;
 pub mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub(crate) mod protocol;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod store;

@@ -174,8 +174,7 @@ impl Record {
     /// Whether `sweep` at `now_ms` may delete this record: expired, and not a running record
     /// whose lease is still live.
     pub fn is_sweepable(&self, now_ms: i64) -> bool {
-        self.expires_at_ms <= now_ms
-            && !(self.status == RecordStatus::Running && self.lease_until_ms > now_ms)
+        super::protocol::sweepable(self.status, self.lease_until_ms, self.expires_at_ms, now_ms)
     }
 }
 

@@ -30,6 +30,8 @@ pub(super) struct Shared<St> {
     pub(super) stored_headers: Vec<HeaderName>,
     /// Wakes this instance's waiters for a key when its attempt settles.
     pub(super) settled: Settled,
+    /// Bound on any instance's wall-clock error; leases outlast work by twice this.
+    pub(super) max_clock_skew: Duration,
 }
 
 impl<St> Clone for IdempotencyLayer<St> {
@@ -65,6 +67,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 max_message: DEFAULT_MAX_MESSAGE,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
                 settled: Settled::default(),
+                max_clock_skew: super::DEFAULT_MAX_CLOCK_SKEW,
             }),
         }
     }
@@ -86,6 +89,13 @@ impl<St: Store> IdempotencyLayer<St> {
     /// The wall clock used for leases and TTLs (default: [`SystemClock`]).
     pub fn clock(self, clock: impl Clock) -> Self {
         self.edit(|s| s.clock = Arc::new(clock))
+    }
+
+    /// How far any instance's wall clock may be from true time (default 250 ms). Leases
+    /// outlast the work they cover by twice this, so an instance whose clock runs ahead can
+    /// never take a key over while its holder may still be working.
+    pub fn max_clock_skew(self, skew: Duration) -> Self {
+        self.edit(|s| s.max_clock_skew = skew)
     }
 
     /// The largest request body a keyed route buffers (default 1 MiB); larger is 413.
@@ -140,6 +150,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     max_message: old.max_message,
                     stored_headers: old.stored_headers.clone(),
                     settled: Settled::default(),
+                    max_clock_skew: old.max_clock_skew,
                 };
                 f(&mut shared);
                 self.shared = Arc::new(shared);

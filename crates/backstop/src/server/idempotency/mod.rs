@@ -65,8 +65,10 @@
 //! `store_unavailable`.
 //!
 //! The lease is the route's lease (5 s unless set) or the request's remaining deadline budget,
-//! whichever is longer: while the first attempt may still be running, a retry gets
-//! `request_in_progress` rather than a second concurrent execution.
+//! whichever is longer, plus twice the instances' clock skew bound
+//! ([`IdempotencyLayer::max_clock_skew`], 250 ms unless set): while the first attempt may still
+//! be running, a retry gets `request_in_progress` rather than a second concurrent execution,
+//! even from an instance whose clock runs ahead.
 //!
 //! Requests refused before they start (deadline, rate limit, overload) never reach this layer,
 //! so their keys stay unused. Claims are counted in `idempotency_claims_total{result}` with
@@ -105,6 +107,7 @@ use super::problem::{Problem, Protocol, grpc_status};
 use super::tenant::Tenant;
 use crate::clock::Clock;
 use crate::deadline::Deadline;
+use crate::idempotency::protocol;
 use crate::idempotency::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoreError, StoredResponse,
 };
@@ -127,6 +130,9 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
 /// Default claim lease.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
+
+/// Default bound on how far an instance's wall clock may be from true time.
+pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_millis(250);
 
 /// Prefix of a stored trailer's name in [`StoredResponse::headers`].
 pub const TRAILER_PREFIX: &str = "trailer:";
@@ -251,10 +257,11 @@ where
     {
         return Ok(deadline_exceeded(protocol));
     }
-    let lease_for = match head.extensions.get::<Deadline>() {
-        Some(deadline) => route.lease.max(deadline.remaining()),
-        None => route.lease,
-    };
+    let lease_for = protocol::lease_for(
+        route.lease,
+        head.extensions.get::<Deadline>().map(Deadline::remaining),
+        shared.max_clock_skew,
+    );
     let claim = ClaimRequest {
         scope: Tenant::from_extensions(&head.extensions).to_owned(),
         key: key.clone(),

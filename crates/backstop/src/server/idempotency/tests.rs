@@ -277,8 +277,8 @@ async fn concurrent_retry_is_409_in_progress_with_retry_after() {
     assert_eq!(problem_code(&bytes), "request_in_progress");
     assert_eq!(
         headers[header::RETRY_AFTER],
-        "5",
-        "the rest of the 5 s lease"
+        "6",
+        "the rest of the 5 s lease and its 0.5 s clock skew margin, rounded up"
     );
     release.add_permits(1);
     assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
@@ -304,7 +304,8 @@ async fn lease_covers_the_request_deadline() {
     tokio::task::yield_now().await;
     let (status, headers, _) = send(&svc, post(Some("k1"), PAY)).await;
     assert_eq!(status, StatusCode::CONFLICT);
-    assert_eq!(headers[header::RETRY_AFTER], "30");
+    // 30 s of budget and the 0.5 s clock skew margin, rounded up.
+    assert_eq!(headers[header::RETRY_AFTER], "31");
 }
 
 #[tokio::test]
