@@ -361,3 +361,61 @@ async fn bad_flags_are_refused_with_a_reason() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_series_adds_up_to_the_summary() {
+    let (url, hits) = dead_service().await;
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("series.csv");
+    let csv_arg = csv.to_str().unwrap();
+    let naive = load(
+        &url,
+        &[
+            "--rate",
+            "400",
+            "--duration",
+            "1s",
+            "--policy",
+            "naive",
+            "--series",
+            csv_arg,
+        ],
+    )
+    .await;
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("t_s,originals,retries,hedges,ok,rejected,timeout,failed,p50_ms,p99_ms")
+    );
+    let mut sums = [0u64; 7];
+    for line in lines {
+        let fields: Vec<&str> = line.split(',').collect();
+        assert_eq!(fields.len(), 10, "{line}");
+        for (sum, field) in sums.iter_mut().zip(&fields[1..8]) {
+            *sum += field.parse::<u64>().unwrap();
+        }
+    }
+    let [originals, retries, hedges, ok, rejected, timeout, failed] = sums;
+    assert_eq!(originals, 400, "{text}");
+    assert_eq!(retries, naive["retries"].as_u64().unwrap(), "{text}");
+    assert_eq!(hedges, 0);
+    assert_eq!(originals + retries, hits.load(Ordering::Relaxed));
+    assert_eq!(ok + rejected + timeout + failed, 400, "{text}");
+
+    // A path that cannot be written is refused before any request is sent.
+    let out = Command::new(BIN)
+        .args([
+            "load",
+            "--target",
+            &url,
+            "--series",
+            "/nonexistent/dir/s.csv",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot write --series"));
+    assert_eq!(originals + retries, hits.load(Ordering::Relaxed));
+}

@@ -9,6 +9,7 @@
 
 mod policy;
 mod report;
+mod series;
 mod stack;
 mod target;
 
@@ -26,6 +27,7 @@ use tokio::time::Instant;
 
 use self::policy::{Driver, Logical, PolicyKind};
 use self::report::Tally;
+use self::series::Series;
 use self::target::Target;
 
 /// Most logical requests one run may schedule: a typo in `--rate` or `--duration` must not
@@ -78,6 +80,11 @@ pub(crate) struct LoadArgs {
     /// Print the summary as one JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Also write per-interval counts (attempts sent by kind, answers by outcome, p50/p99 of
+    /// the requests that succeeded) to this CSV file: one row per second (wider for runs
+    /// longer than five minutes).
+    #[arg(long, value_name = "PATH")]
+    series: Option<std::path::PathBuf>,
 }
 
 /// Runs the load and prints the summary.
@@ -101,6 +108,14 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         destination.clone(),
         args.hedge_delay.unwrap_or_default(),
     )?;
+    // Opened before the run: a path that cannot be written fails now, not after the load.
+    let series_file = match &args.series {
+        Some(path) => Some(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot write --series {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
     let slots = Arc::new(Semaphore::new(args.concurrency as usize));
     let live = Arc::new(LiveCounts::default());
     let progress = progress_bar(total, live.clone());
@@ -109,6 +124,9 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
 
     let interval = Duration::from_secs_f64(1.0 / args.rate);
     let start = Instant::now();
+    let series = series_file
+        .is_some()
+        .then(|| Arc::new(std::sync::Mutex::new(Series::new(start, args.duration))));
     let mut tally = Tally::new();
     let mut tasks = JoinSet::new();
     for i in 0..total {
@@ -127,11 +145,22 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
             amount_cents: 100 + i % 10_000,
         };
         let (driver, progress, live) = (driver.clone(), progress.clone(), live.clone());
+        let series = series.clone();
         let timeout = args.timeout;
         tasks.spawn(async move {
             let mut tally = Tally::new();
+            let started = Instant::now();
             driver.run(&logical, timeout, &mut tally).await;
+            let ended = Instant::now();
             drop(slot);
+            if let Some(series) = series
+                && let (sent, Some(outcome)) = tally.last_request()
+            {
+                series
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .record(sent, outcome, started, ended);
+            }
             live.add(&tally);
             progress.inc(1);
             tally
@@ -143,6 +172,16 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
     let elapsed = start.elapsed();
     progress.finish_and_clear();
 
+    if let (Some(file), Some(series)) = (series_file, &series) {
+        let series = series
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut out = std::io::BufWriter::new(file);
+        series
+            .write_csv(&mut out)
+            .and_then(|()| std::io::Write::flush(&mut out))
+            .map_err(|e| format!("cannot write the series: {e}"))?;
+    }
     let mut summary = tally.summary(elapsed, args.policy.as_str(), args.target.name());
     if args.policy == PolicyKind::Backstop {
         summary.storm_alarm(destination.storm());

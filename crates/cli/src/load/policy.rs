@@ -131,6 +131,7 @@ async fn naive(client: &Client, logical: &Logical, timeout: Duration, tally: &mu
             outcome: outcome.into(),
             hedge: false,
             resend: false,
+            sent: started,
         });
         let stop = match &result {
             Ok(()) => None,

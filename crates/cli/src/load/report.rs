@@ -9,6 +9,7 @@ use backstop::retry::StormAlarm;
 use backstop::status::Outcome;
 use hdrhistogram::Histogram;
 use serde::Serialize;
+use tokio::time::Instant;
 
 /// Attempt numbers with their own latency histogram; later attempts share the last one.
 pub(crate) const TRACKED_ATTEMPTS: usize = 5;
@@ -28,6 +29,36 @@ pub(crate) struct AttemptRecord {
     pub(crate) hedge: bool,
     /// A transparent re-send of an attempt that never reached the server (same number).
     pub(crate) resend: bool,
+    /// When it was sent.
+    pub(crate) sent: Instant,
+}
+
+/// What an attempt was, for the per-interval series.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AttemptKind {
+    /// The first attempt of a logical request.
+    Original,
+    /// A retry after a failed attempt.
+    Retry,
+    /// A hedged copy sent while an attempt was still running.
+    Hedge,
+    /// A transparent re-send of an attempt that never reached the server.
+    Resend,
+}
+
+impl AttemptRecord {
+    /// What this attempt was.
+    pub(crate) fn kind(&self) -> AttemptKind {
+        if self.resend {
+            AttemptKind::Resend
+        } else if self.hedge {
+            AttemptKind::Hedge
+        } else if self.number > 1 {
+            AttemptKind::Retry
+        } else {
+            AttemptKind::Original
+        }
+    }
 }
 
 /// How one attempt ended.
@@ -82,6 +113,11 @@ pub(crate) struct Tally {
     stop_reasons: BTreeMap<&'static str, u64>,
     /// Attempt latency in µs, by attempt number (index 0 = attempt 1).
     latency: Vec<Histogram<u64>>,
+    /// When each attempt recorded here was sent, and what it was: read by the per-interval
+    /// series for one logical request's tally; not merged.
+    sent: Vec<(Instant, AttemptKind)>,
+    /// How the last logical request recorded here ended.
+    last_outcome: Option<Outcome>,
 }
 
 impl Tally {
@@ -105,19 +141,24 @@ impl Tally {
             attempt_outcomes: BTreeMap::new(),
             stop_reasons: BTreeMap::new(),
             latency,
+            sent: Vec::new(),
+            last_outcome: None,
         }
     }
 
     pub(crate) fn attempt(&mut self, a: AttemptRecord) {
         self.attempts += 1;
-        if a.resend {
-            self.transparent_retries += 1;
-        } else if a.hedge {
-            self.hedges += 1;
-            self.hedge_results.count(a.outcome);
-        } else if a.number > 1 {
-            self.retries += 1;
+        let kind = a.kind();
+        match kind {
+            AttemptKind::Resend => self.transparent_retries += 1,
+            AttemptKind::Hedge => {
+                self.hedges += 1;
+                self.hedge_results.count(a.outcome);
+            }
+            AttemptKind::Retry => self.retries += 1,
+            AttemptKind::Original => {}
         }
+        self.sent.push((a.sent, kind));
         *self.attempt_outcomes.entry(a.outcome.as_str()).or_default() += 1;
         let index = (a.number.max(1) as usize - 1).min(TRACKED_ATTEMPTS - 1);
         let us = u64::try_from(a.latency.as_micros()).unwrap_or(u64::MAX);
@@ -126,6 +167,7 @@ impl Tally {
 
     pub(crate) fn logical(&mut self, l: LogicalRecord) {
         self.logical += 1;
+        self.last_outcome = Some(l.outcome);
         *self.outcomes.entry(l.outcome.as_str()).or_default() += 1;
         if let Some(reason) = l.stop_reason {
             *self.stop_reasons.entry(reason).or_default() += 1;
@@ -163,6 +205,12 @@ impl Tally {
             // Same bounds on both sides, so adding cannot fail.
             let _ = mine.add(theirs);
         }
+    }
+
+    /// The attempts recorded here (when sent, what they were) and how the last logical request
+    /// ended: what the per-interval series needs of one logical request's tally.
+    pub(crate) fn last_request(&self) -> (&[(Instant, AttemptKind)], Option<Outcome>) {
+        (&self.sent, self.last_outcome)
     }
 
     pub(crate) fn logical_count(&self) -> u64 {
@@ -403,6 +451,7 @@ mod tests {
             outcome: outcome.into(),
             hedge: false,
             resend: false,
+            sent: Instant::now(),
         }
     }
 

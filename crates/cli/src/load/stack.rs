@@ -367,6 +367,7 @@ impl Drop for InFlight {
             outcome,
             hedge: self.hedge,
             resend: self.resend,
+            sent: self.started,
         };
         self.probe.lock().attempts.push(record);
     }
