@@ -12,6 +12,8 @@ use backstop_payment::intents::IntentStatus;
 use backstop_payment::psp::{self, Charge, PspConfig, PspHandle};
 use backstop_payment::reconcile::{ActionKind, Ledger};
 use backstop_payment::service::Server;
+#[path = "../../backstop/tests/support/postgres_schema.rs"]
+mod postgres_schema;
 use serde_json::{Value, json};
 use tokio::process::Command;
 
@@ -58,9 +60,10 @@ async fn charges(psp: &PspHandle, order: &str) -> Vec<Charge> {
 }
 
 /// Two orders paid through the service, then a charge for the second made at the PSP with
-/// another effect key, and an intent left running whose charge went through.
-async fn seed(dir: &Path, psp: &PspHandle) {
-    let mut config = Config::new(StoreLocation::Sqlite(dir.join("pay.db")));
+/// another effect key, and (on SQLite) an intent left running whose charge went through.
+async fn seed(store: StoreLocation, psp: &PspHandle) {
+    let sqlite = matches!(store, StoreLocation::Sqlite(_));
+    let mut config = Config::new(store);
     config.http = "127.0.0.1:0".parse().unwrap();
     config.grpc = "127.0.0.1:0".parse().unwrap();
     config.psp = PspTarget::Url(psp.url());
@@ -76,7 +79,12 @@ async fn seed(dir: &Path, psp: &PspHandle) {
             .unwrap();
         assert_eq!(response.status(), 201);
     }
-    for (key, order) in [("manual-1", "o-2"), ("stuck-intent", "o-3")] {
+    let direct: &[(&str, &str)] = if sqlite {
+        &[("manual-1", "o-2"), ("stuck-intent", "o-3")]
+    } else {
+        &[("manual-1", "o-2")]
+    };
+    for &(key, order) in direct {
         let response = client
             .post(format!("{}/v1/charges", psp.url()))
             .header("idempotency-key", key)
@@ -85,6 +93,10 @@ async fn seed(dir: &Path, psp: &PspHandle) {
             .await
             .unwrap();
         assert_eq!(response.status(), 201);
+    }
+    if !sqlite {
+        server.shutdown().await.unwrap();
+        return;
     }
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -116,7 +128,7 @@ async fn dry_run_then_apply_then_nothing_left() {
     })
     .await
     .unwrap();
-    seed(dir.path(), &psp).await;
+    seed(StoreLocation::Sqlite(dir.path().join("pay.db")), &psp).await;
     let store = dir.path().join("pay.db");
     let store = store.to_str().unwrap();
     let url = psp.url();
@@ -203,6 +215,32 @@ async fn dry_run_then_apply_then_nothing_left() {
     assert_eq!(run.code, Some(0), "{}{}", run.stdout, run.stderr);
     assert!(run.stdout.contains("nothing to fix"), "{}", run.stdout);
     assert_eq!(ledger.records().await.unwrap().len(), 2);
+    psp.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_apply_refunds_the_duplicate_and_a_second_apply_exits_0() {
+    let schema = postgres_schema::Schema::create("reconcile_cli").await;
+    let url = schema.store_url(None);
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    seed(StoreLocation::parse(&url).unwrap(), &psp).await;
+    let psp_url = psp.url();
+
+    let dry = reconcile(&["--store", &url, "--psp", &psp_url, "--json"]).await;
+    assert_eq!(dry.code, Some(3), "{}{}", dry.stdout, dry.stderr);
+    assert!(charges(&psp, "o-2").await.iter().all(Charge::is_live));
+
+    let run = reconcile(&["--store", &url, "--psp", &psp_url, "--apply", "--json"]).await;
+    assert_eq!(run.code, Some(3), "{}{}", run.stdout, run.stderr);
+    let report: Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(report["outcomes"][0]["result"], "applied", "{report:#}");
+    let o2 = charges(&psp, "o-2").await;
+    assert_eq!(o2.iter().filter(|c| c.is_live()).count(), 1);
+    assert_eq!(schema.count("reconciliation").await, 1);
+
+    let again = reconcile(&["--store", &url, "--psp", &psp_url, "--apply"]).await;
+    assert_eq!(again.code, Some(0), "{}{}", again.stdout, again.stderr);
+    assert_eq!(schema.count("reconciliation").await, 1);
     psp.shutdown().await;
 }
 
