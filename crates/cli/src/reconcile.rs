@@ -435,6 +435,57 @@ mod tests {
         );
     }
 
+    fn finding(kind: Kind, fix: Option<Fix>) -> Finding {
+        Finding {
+            kind,
+            merchant_id: "m".into(),
+            order_id: "o".into(),
+            intent_id: None,
+            charge_id: Some("ch_1".into()),
+            amount_cents: 100,
+            currency: "USD".into(),
+            detail: String::new(),
+            fix,
+        }
+    }
+
+    #[test]
+    fn exit_status_says_whether_a_person_is_needed() {
+        let scan = |findings| Scan {
+            charges: 1,
+            intents: 1,
+            orders: 1,
+            findings,
+        };
+        let refund = Some(Fix::Refund {
+            charge_id: "ch_1".into(),
+            amount_cents: 100,
+            idempotency_key: "k".into(),
+            release_intent: None,
+        });
+        assert_eq!(exit_code(&scan(vec![]), &[]), CLEAN);
+        let fixable = scan(vec![finding(Kind::DuplicateCharge, refund.clone())]);
+        assert_eq!(exit_code(&fixable, &[]), FIXABLE);
+        let failed = Outcome::Failed {
+            charge_id: "ch_1".into(),
+            error: "psp down".into(),
+        };
+        assert_eq!(exit_code(&fixable, &[failed]), NEEDS_A_PERSON);
+        let manual = scan(vec![
+            finding(Kind::DuplicateCharge, refund),
+            finding(Kind::OrphanCharge, None),
+        ]);
+        assert_eq!(exit_code(&manual, &[]), NEEDS_A_PERSON);
+        let plan = parse(&[]).unwrap();
+        let text = table(&plan, &manual, &[]);
+        assert!(text.contains("orphan_charge"), "{text}");
+        assert!(text.contains("left to a person"), "{text}");
+        assert!(
+            text.contains("1 fixable with --apply, 1 left to a person"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn money_has_two_decimals() {
         assert_eq!(money(1250, "USD"), "12.50 USD");

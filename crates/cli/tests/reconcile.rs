@@ -150,6 +150,8 @@ async fn dry_run_then_apply_then_nothing_left() {
         kinds.sort_unstable();
         assert_eq!(kinds, ["duplicate_charge", "orphan_intent"], "{report:#}");
         assert_eq!(report["outcomes"], json!([]));
+        // Not a terminal: no progress bar, and no log lines at the default level.
+        assert_eq!(run.stderr, "");
         assert!(charges(&psp, "o-2").await.iter().all(Charge::is_live));
     }
 

@@ -892,3 +892,41 @@ async fn paged_listing_walks_a_window_and_refuses_bad_parameters() {
     }
     psp.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_refunds_with_their_own_keys_never_exceed_the_charge() {
+    let psp = start().await;
+    let client = client();
+    let created: Charge = charge(&client, &psp, "pi_cr", &body("order-cr", 1000))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let (client, url, charge_id) = (client.clone(), psp.url(), created.charge_id.clone());
+            tokio::spawn(async move {
+                client
+                    .post(format!("{url}/v1/refunds"))
+                    .header("Idempotency-Key", format!("refund-{i}"))
+                    .json(&json!({ "charge_id": charge_id, "amount_cents": 100 }))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    let mut created_refunds = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            StatusCode::CREATED => created_refunds += 1,
+            StatusCode::CONFLICT => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(created_refunds, 10);
+    let listed = list(&client, &psp, Some("order-cr")).await;
+    assert_eq!(listed[0].amount_refunded_cents, 1000);
+    psp.shutdown().await;
+}
