@@ -5,6 +5,8 @@
 //! - `backstop psp`: the PSP simulator (a fake payment provider with fault injection).
 //! - `backstop load`: an open-loop load driver for the payment service, with a summary of
 //!   attempts, retries, outcomes, latency per attempt and stop reasons.
+//! - `backstop reconcile`: compares the PSP's charges with the payment store; with `--apply`,
+//!   refunds duplicate charges and settles orphaned intents, recording each action.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -16,6 +18,7 @@ mod error_chain;
 mod load;
 mod logging;
 mod psp;
+mod reconcile;
 mod serve;
 
 /// glibc's allocator serialises frees of memory allocated on another thread behind an arena
@@ -58,6 +61,13 @@ enum Command {
     /// Each logical request is a new order with its own key; the summary gives attempts,
     /// retries, outcomes and latency per attempt.
     Load(load::LoadArgs),
+    /// Compare the PSP's charges with the payment store; --apply refunds duplicates
+    ///
+    /// Finds duplicate charges, orphaned intents and charges, and amount or currency
+    /// mismatches for a time window or a list of orders. A dry run by default; --apply refunds
+    /// each duplicate (once, whatever the number of runs), marks orphaned intents succeeded,
+    /// and records every action in the store's `reconciliation` table.
+    Reconcile(reconcile::ReconcileArgs),
 }
 
 #[tokio::main]
@@ -65,7 +75,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The load driver would drown its own summary in per-attempt events: warnings only.
     let default_level = match cli.command {
-        Command::Load(_) => "warn",
+        Command::Load(_) | Command::Reconcile(_) => "warn",
         _ => "info",
     };
     if let Err(error) = logging::init(cli.log_format, default_level) {
@@ -91,6 +101,15 @@ async fn main() -> ExitCode {
                 .map_err(Into::into)
         }
         Command::Load(args) => load::run(args).await,
+        Command::Reconcile(args) => {
+            let plan = args
+                .plan(reconcile::now_ms(), reconcile::os_user())
+                .unwrap_or_else(|error| usage_error(error, "reconcile"));
+            match reconcile::run(plan).await {
+                Ok(code) => return code,
+                Err(error) => Err(error.into()),
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

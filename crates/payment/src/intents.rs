@@ -360,6 +360,26 @@ pub fn running_before(
     rows.collect()
 }
 
+/// Intents (all merchants) created in `[since, until)` (unix ms) after the position `after`
+/// (`(created_at, intent_id)` of the last row of the previous page), in that order, at most
+/// `limit`: a page of a time window, for reconciliation.
+pub fn created_between(
+    conn: &Connection,
+    since: i64,
+    until: i64,
+    after: Option<(i64, &str)>,
+    limit: u32,
+) -> rusqlite::Result<Vec<Intent>> {
+    let (after_at, after_id) = after.unwrap_or((i64::MIN, ""));
+    let sql = format!(
+        "SELECT {COLUMNS} FROM payment_intent WHERE created_at >= ?1 AND created_at < ?2 \
+         AND (created_at, intent_id) > (?3, ?4) ORDER BY created_at, intent_id LIMIT ?5"
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let rows = stmt.query_map(params![since, until, after_at, after_id, limit], from_row)?;
+    rows.collect()
+}
+
 /// Number of intents in the table (all merchants).
 pub fn count(conn: &Connection) -> rusqlite::Result<u64> {
     conn.query_row("SELECT COUNT(*) FROM payment_intent", [], |r| r.get(0))
@@ -498,6 +518,25 @@ impl Intents {
                 .read(move |c| running_before(c, created_before, limit))
                 .await?),
             Backend::Postgres(pg) => pg.running_before(created_before, limit).await,
+        }
+    }
+
+    /// [`created_between`] on a read connection (one statement on PostgreSQL).
+    pub async fn created_between(
+        &self,
+        since: i64,
+        until: i64,
+        after: Option<(i64, String)>,
+        limit: u32,
+    ) -> Result<Vec<Intent>, IntentsError> {
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db
+                .read(move |c| {
+                    let after = after.as_ref().map(|(at, id)| (*at, id.as_str()));
+                    created_between(c, since, until, after, limit)
+                })
+                .await?),
+            Backend::Postgres(pg) => pg.created_between(since, until, after, limit).await,
         }
     }
 
@@ -647,6 +686,29 @@ mod tests {
             insert(&c, &new("i2", "m", "o1", "k2", "f")).unwrap(),
             Created::OrderConflict(_)
         ));
+    }
+
+    #[test]
+    fn created_between_pages_a_window_in_time_order() {
+        let c = db();
+        for (id, at) in [("i3", 30), ("i1", 10), ("i2", 20), ("i2b", 20), ("i4", 40)] {
+            let mut n = new(id, "m", id, id, "f");
+            n.created_at = at;
+            insert(&c, &n).unwrap();
+        }
+        let ids = |v: Vec<Intent>| v.into_iter().map(|i| i.intent_id).collect::<Vec<_>>();
+        assert_eq!(
+            ids(created_between(&c, 10, 40, None, 10).unwrap()),
+            ["i1", "i2", "i2b", "i3"]
+        );
+        assert_eq!(
+            ids(created_between(&c, 10, 40, Some((20, "i2")), 10).unwrap()),
+            ["i2b", "i3"]
+        );
+        assert_eq!(
+            ids(created_between(&c, 0, 100, None, 2).unwrap()),
+            ["i1", "i2"]
+        );
     }
 
     #[test]

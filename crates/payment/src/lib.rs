@@ -10,6 +10,8 @@
 //! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).
 //! - [`config`]: what `backstop serve` flags configure, validated before start.
 //! - [`psp`]: the PSP simulator (a fake payment provider with its own store and dedup).
+//! - [`reconcile`]: compares the PSP's charges with the intents, refunds duplicates and
+//!   records what it did.
 //! - [`resolver`]: settles intents left `running` by abandoned work (charged, or voided at the
 //!   PSP and failed).
 #![deny(missing_docs)]
@@ -21,5 +23,6 @@ pub mod grpc;
 pub mod intents;
 pub mod psp;
 pub mod psp_client;
+pub mod reconcile;
 pub mod resolver;
 pub mod service;

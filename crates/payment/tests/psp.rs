@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use backstop_payment::psp::{self, Charge, ChargeStatus, Faults, PspConfig, PspHandle};
+use backstop_payment::psp::{
+    self, Charge, ChargePage, ChargeStatus, Faults, PspConfig, PspHandle, Refund,
+};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -132,8 +134,10 @@ async fn charge_json_has_the_documented_fields() {
         fields,
         [
             "amount_cents",
+            "amount_refunded_cents",
             "budget_ms",
             "charge_id",
+            "created_ms",
             "currency",
             "effect_key",
             "reference",
@@ -747,4 +751,182 @@ async fn void_settles_an_effect_key_for_good() {
     let missing = void(&client, &psp, None).await;
     assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
     assert_eq!(problem_code(missing).await, "missing_idempotency_key");
+}
+
+async fn refund(
+    client: &reqwest::Client,
+    psp: &PspHandle,
+    key: &str,
+    body: &Value,
+) -> reqwest::Response {
+    client
+        .post(format!("{}/v1/refunds", psp.url()))
+        .header("Idempotency-Key", key)
+        .json(body)
+        .send()
+        .await
+        .expect("refund request answered")
+}
+
+#[tokio::test]
+async fn refunds_replay_on_their_key_and_never_exceed_the_charge() {
+    let psp = start().await;
+    let client = client();
+    let created: Charge = charge(&client, &psp, "pi_r", &body("order-r", 1000))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let half = json!({ "charge_id": created.charge_id, "amount_cents": 600 });
+
+    let first = refund(&client, &psp, "refund-1", &half).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first: Refund = first.json().await.unwrap();
+    assert_eq!(first.charge_id, created.charge_id);
+    assert_eq!(first.amount_cents, 600);
+
+    let again = refund(&client, &psp, "refund-1", &half).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.json::<Refund>().await.unwrap(), first);
+
+    let other = json!({ "charge_id": created.charge_id, "amount_cents": 5 });
+    let reused = refund(&client, &psp, "refund-1", &other).await;
+    assert_eq!(reused.status(), StatusCode::CONFLICT);
+    assert_eq!(problem_code(reused).await, "idempotency_key_reused");
+
+    let too_much = json!({ "charge_id": created.charge_id, "amount_cents": 401 });
+    let exceeds = refund(&client, &psp, "refund-2", &too_much).await;
+    assert_eq!(exceeds.status(), StatusCode::CONFLICT);
+    assert_eq!(problem_code(exceeds).await, "refund_exceeds_charge");
+
+    let listed = list(&client, &psp, Some("order-r")).await;
+    assert_eq!(listed[0].amount_refunded_cents, 600);
+
+    let missing = json!({ "charge_id": "ch_missing", "amount_cents": 1 });
+    let missing = refund(&client, &psp, "refund-3", &missing).await;
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    assert_eq!(problem_code(missing).await, "charge_not_found");
+
+    for (name, key, body, code) in [
+        (
+            "zero",
+            Some("r-z"),
+            json!({ "charge_id": "ch_x", "amount_cents": 0 }),
+            "invalid_amount",
+        ),
+        (
+            "no charge",
+            Some("r-e"),
+            json!({ "charge_id": "", "amount_cents": 1 }),
+            "invalid_charge_id",
+        ),
+        (
+            "extra field",
+            Some("r-x"),
+            json!({ "charge_id": "ch_x", "amount_cents": 1, "why": 1 }),
+            "invalid_body",
+        ),
+        ("no key", None, half.clone(), "missing_idempotency_key"),
+    ] {
+        let mut request = client.post(format!("{}/v1/refunds", psp.url())).json(&body);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{name}");
+        assert_eq!(problem_code(response).await, code, "{name}");
+    }
+    psp.shutdown().await;
+}
+
+#[tokio::test]
+async fn paged_listing_walks_a_window_and_refuses_bad_parameters() {
+    let psp = start().await;
+    let client = client();
+    for i in 0..5 {
+        let response = charge(&client, &psp, &format!("pi_p{i}"), &body("order-p", 10)).await;
+        assert_eq!(response.status(), StatusCode::CREATED);
+    }
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut query = vec![("limit", "2".to_owned()), ("created_gte", "0".to_owned())];
+        if let Some(cursor) = &cursor {
+            query.push(("starting_after", cursor.clone()));
+        }
+        let response = client
+            .get(format!("{}/v1/charges", psp.url()))
+            .query(&query)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let page: ChargePage = response.json().await.unwrap();
+        assert!(page.data.len() <= 2);
+        seen.extend(page.data.iter().map(|c| c.effect_key.clone()));
+        if !page.has_more {
+            assert_eq!(page.next_starting_after, None);
+            break;
+        }
+        cursor = page.next_starting_after;
+    }
+    assert_eq!(seen, ["pi_p0", "pi_p1", "pi_p2", "pi_p3", "pi_p4"]);
+
+    for (query, code) in [
+        ("limit=0", "invalid_limit"),
+        ("limit=100000", "invalid_limit"),
+        ("created_gte=yesterday", "invalid_created"),
+        ("created_gte=10&created_lt=10", "invalid_window"),
+        ("starting_after=pi_1", "invalid_cursor"),
+        ("limit=1&limit=2", "invalid_query"),
+        ("limit=1&page=2", "invalid_query"),
+    ] {
+        let response = client
+            .get(format!("{}/v1/charges?{query}", psp.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{query}");
+        assert_eq!(problem_code(response).await, code, "{query}");
+    }
+    psp.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_refunds_with_their_own_keys_never_exceed_the_charge() {
+    let psp = start().await;
+    let client = client();
+    let created: Charge = charge(&client, &psp, "pi_cr", &body("order-cr", 1000))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let (client, url, charge_id) = (client.clone(), psp.url(), created.charge_id.clone());
+            tokio::spawn(async move {
+                client
+                    .post(format!("{url}/v1/refunds"))
+                    .header("Idempotency-Key", format!("refund-{i}"))
+                    .json(&json!({ "charge_id": charge_id, "amount_cents": 100 }))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    let mut created_refunds = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            StatusCode::CREATED => created_refunds += 1,
+            StatusCode::CONFLICT => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(created_refunds, 10);
+    let listed = list(&client, &psp, Some("order-cr")).await;
+    assert_eq!(listed[0].amount_refunded_cents, 1000);
+    psp.shutdown().await;
 }

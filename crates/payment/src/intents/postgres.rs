@@ -268,6 +268,35 @@ impl PgIntents {
         rows.iter().map(from_row).collect()
     }
 
+    /// Intents created in `[since, until)` after `(created_at, intent_id)`, at most `limit`.
+    pub(crate) async fn created_between(
+        &self,
+        since: i64,
+        until: i64,
+        after: Option<(i64, String)>,
+        limit: u32,
+    ) -> Result<Vec<Intent>, IntentsError> {
+        let limit = i64::from(limit);
+        let (after_at, after_id) = after.unwrap_or((i64::MIN, String::new()));
+        let rows = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c
+                        .prepare_cached(&format!(
+                            "SELECT {COLUMNS} FROM payment_intent WHERE created_at >= $1 \
+                             AND created_at < $2 AND (created_at, intent_id) > ($3, $4) \
+                             ORDER BY created_at, intent_id LIMIT $5"
+                        ))
+                        .await?;
+                    c.query(&stmt, &[&since, &until, &after_at, &after_id, &limit])
+                        .await
+                })
+            })
+            .await?;
+        rows.iter().map(from_row).collect()
+    }
+
     pub(crate) async fn count(&self) -> Result<u64, PgError> {
         let n: i64 = self
             .store

@@ -13,6 +13,8 @@
 //! | `POST /v1/voids` | settles the effect key in `Idempotency-Key`: `200` + [`Void`] `{"effect_key", "status": "voided"}` when it has no charge (from then on every charge with that key is refused with `410` `effect_key_voided`), or `{"effect_key", "status": "charged", "charge": {...}}` when it already charged |
 //! | `GET /v1/charges?reference=R` | `200` + JSON array of the charges for `R`, newest first (at most [`store::LIST_LIMIT`]) |
 //! | `GET /v1/charges` | `200` + the newest charges (at most [`store::LIST_LIMIT`]), newest first |
+//! | `GET /v1/charges?created_gte=MS&created_lt=MS&limit=N&starting_after=ID` | `200` + a [`ChargePage`]: the charges created in the window (unix ms; either bound optional), oldest first, after the charge `starting_after`, at most `limit` (1 to [`listing::MAX_PAGE`], default [`listing::DEFAULT_PAGE`]); any of these parameters asks for a page, `reference` filters it too. `400` `invalid_limit`, `invalid_created`, `invalid_window`, `invalid_cursor`, `invalid_reference`, `invalid_query` (an unknown or repeated parameter) |
+//! | `POST /v1/refunds` | a [`RefundRequest`] with its own `Idempotency-Key`: `201` + [`Refund`] (the charge's `amount_refunded_cents` grows by the amount); `200` + the same refund and `Idempotent-Replayed: true` for the same key, charge and amount; `409` `idempotency_key_reused` for the same key with another charge or amount; `404` `charge_not_found`; `409` `refund_exceeds_charge` when the amount is more than what is left to refund; `400` `invalid_amount`, `invalid_charge_id`, `invalid_body`, `missing_idempotency_key`, `invalid_idempotency_key`. Faults are not injected on refunds |
 //! | `GET /healthz` | `200` `{"status":"ok"}` |
 //! | `GET /admin/faults` | `200` + the fault settings and the scripted queue |
 //! | `PUT /admin/faults` | replaces the fault settings (below); `400` `invalid_faults` if invalid |
@@ -78,11 +80,15 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 pub mod faults;
+pub mod listing;
 mod server;
 pub mod store;
 
 pub use faults::{Fault, FaultControl, Faults, FaultsError};
-pub use store::{Charge, ChargeStatus, ChargeStore, StoreError, VoidOutcome};
+pub use listing::{PageQuery, PageQueryError};
+pub use store::{
+    Charge, ChargeStatus, ChargeStore, Refund, RefundOutcome, StoreError, VoidOutcome,
+};
 
 /// Header carrying the effect key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -101,6 +107,28 @@ pub struct ChargeRequest {
     pub amount_cents: i64,
     /// ISO 4217 code: three upper-case letters, e.g. `"USD"`.
     pub currency: String,
+}
+
+/// Body of `POST /v1/refunds`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RefundRequest {
+    /// The charge to give money back on.
+    pub charge_id: String,
+    /// Amount in minor units: positive, at most what is left to refund on the charge.
+    pub amount_cents: i64,
+}
+
+/// Body of a paged `GET /v1/charges` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChargePage {
+    /// The charges, oldest first.
+    pub data: Vec<Charge>,
+    /// Whether more charges follow in the window.
+    pub has_more: bool,
+    /// The `starting_after` of the next page (the last charge's id), when `has_more`.
+    #[serde(default)]
+    pub next_starting_after: Option<String>,
 }
 
 /// Body of a `POST /v1/voids` answer: how the effect key is settled.

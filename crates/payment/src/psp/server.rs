@@ -23,8 +23,14 @@ use backstop::deadline::{GRPC_TIMEOUT, decode_grpc_timeout};
 use backstop::server::listen::{ConnectionInfo, ListenConfig, Listener};
 
 use super::faults::{Fault, FaultControl, Faults};
-use super::store::{ChargeOutcome, ChargeStore, NewCharge, StoreError, VoidOutcome};
-use super::{ChargeRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, TRACEPARENT, Void, VoidStatus};
+use super::listing::{Listing, PageQuery};
+use super::store::{
+    ChargeOutcome, ChargeStore, NewCharge, NewRefund, RefundOutcome, StoreError, VoidOutcome,
+};
+use super::{
+    ChargePage, ChargeRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RefundRequest, TRACEPARENT,
+    Void, VoidStatus,
+};
 
 /// Largest request body read (charge requests and fault settings are tiny).
 const MAX_BODY: usize = 64 * 1024;
@@ -55,6 +61,7 @@ fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/charges", get(list_charges).post(create_charge))
         .route("/v1/voids", axum::routing::post(void_effect_key))
+        .route("/v1/refunds", axum::routing::post(create_refund))
         .route("/admin/faults", get(get_faults).put(put_faults))
         .route("/healthz", get(healthz))
         .fallback(not_found)
@@ -262,29 +269,114 @@ async fn void_effect_key(
     Ok(axum::Json(void).into_response())
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ListParams {
-    reference: Option<String>,
-}
-
 async fn list_charges(
     State(state): State<AppState>,
-    params: Result<Query<ListParams>, QueryRejection>,
+    params: Result<Query<Vec<(String, String)>>, QueryRejection>,
 ) -> Result<Response, Problem> {
-    let Query(params) = params.map_err(|rejection| {
+    let Query(pairs) = params.map_err(|rejection| {
         problem(
             StatusCode::BAD_REQUEST,
             "invalid_query",
             rejection.body_text(),
         )
     })?;
-    let charges = state
+    let listing = PageQuery::parse(&pairs)
+        .map_err(|error| problem(StatusCode::BAD_REQUEST, error.code(), error.to_string()))?;
+    match listing {
+        Listing::Plain { reference } => {
+            let charges = state.store.list(reference).await.map_err(store_failed)?;
+            Ok(axum::Json(charges).into_response())
+        }
+        Listing::Page(query) => {
+            let (data, has_more) = state.store.page(query).await.map_err(store_failed)?;
+            let next_starting_after = has_more
+                .then(|| data.last().map(|charge| charge.charge_id.clone()))
+                .flatten();
+            Ok(axum::Json(ChargePage {
+                data,
+                has_more,
+                next_starting_after,
+            })
+            .into_response())
+        }
+    }
+}
+
+/// `POST /v1/refunds`: gives money back on a charge, once per `Idempotency-Key`.
+async fn create_refund(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Problem> {
+    let idempotency_key = effect_key(&headers)?;
+    let request: RefundRequest = read_json(&headers, body).await?;
+    if request.amount_cents <= 0 {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_amount",
+            "amount_cents must be a positive integer",
+        ));
+    }
+    if request.charge_id.is_empty() || request.charge_id.len() > MAX_REFERENCE {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_charge_id",
+            format!("charge_id must be 1 to {MAX_REFERENCE} bytes"),
+        ));
+    }
+    let outcome = state
         .store
-        .list(params.reference)
+        .refund(NewRefund {
+            idempotency_key,
+            charge_id: request.charge_id,
+            amount_cents: request.amount_cents,
+        })
         .await
         .map_err(store_failed)?;
-    Ok(axum::Json(charges).into_response())
+    let (status, refund, replayed) = match outcome {
+        RefundOutcome::Created(refund, charge) => {
+            tracing::info!(
+                refund_id = %refund.refund_id,
+                charge_id = %charge.charge_id,
+                amount_cents = refund.amount_cents,
+                amount_refunded_cents = charge.amount_refunded_cents,
+                "psp refund"
+            );
+            (StatusCode::CREATED, refund, false)
+        }
+        RefundOutcome::Replayed(refund) => (StatusCode::OK, refund, true),
+        RefundOutcome::Conflict(_) => {
+            return Err(problem(
+                StatusCode::CONFLICT,
+                "idempotency_key_reused",
+                "this Idempotency-Key was used for a refund of another charge or amount",
+            ));
+        }
+        RefundOutcome::NoSuchCharge => {
+            return Err(problem(
+                StatusCode::NOT_FOUND,
+                "charge_not_found",
+                "no charge has this charge_id; nothing was refunded",
+            ));
+        }
+        RefundOutcome::ExceedsCharge { remaining_cents } => {
+            return Err(problem(
+                StatusCode::CONFLICT,
+                "refund_exceeds_charge",
+                format!(
+                    "the amount is more than the {remaining_cents} left to refund on this \
+                     charge; nothing was refunded"
+                ),
+            ));
+        }
+    };
+    let mut response = (status, axum::Json(refund)).into_response();
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    Ok(response)
 }
 
 fn store_failed(error: StoreError) -> Problem {
@@ -296,7 +388,7 @@ fn store_failed(error: StoreError) -> Problem {
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         "store_error",
-        "the PSP store failed; nothing was charged",
+        "the PSP store failed; nothing was charged or refunded",
     )
 }
 

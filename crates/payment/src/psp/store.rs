@@ -16,6 +16,8 @@ use std::sync::{Arc, Mutex};
 use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
 use serde::{Deserialize, Serialize};
 
+use super::listing::PageQuery;
+
 /// The most rows one listing returns (the newest ones).
 pub const LIST_LIMIT: usize = 1000;
 
@@ -30,6 +32,9 @@ CREATE TABLE IF NOT EXISTS charge (
     status       TEXT    NOT NULL CHECK (status IN ('succeeded')),
     budget_ms    INTEGER,
     traceparent  TEXT,
+    created_ms   INTEGER NOT NULL DEFAULT 0,
+    amount_refunded_cents INTEGER NOT NULL DEFAULT 0
+        CHECK (amount_refunded_cents BETWEEN 0 AND amount_cents),
     UNIQUE (effect_key)
 );
 CREATE INDEX IF NOT EXISTS charge_reference ON charge (reference, id);
@@ -38,8 +43,37 @@ CREATE TABLE IF NOT EXISTS voided_effect_key (
 );
 ";
 
-const COLUMNS: &str =
-    "charge_id, effect_key, reference, amount_cents, currency, status, budget_ms, traceparent";
+/// Second step, after [`COLUMN_UPGRADE`] brought an older file's `charge` up to date.
+const MIGRATION_REFUNDS: &str = "
+CREATE INDEX IF NOT EXISTS charge_created ON charge (created_ms, id);
+CREATE TABLE IF NOT EXISTS refund (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    refund_id       TEXT    NOT NULL UNIQUE,
+    idempotency_key TEXT    NOT NULL UNIQUE,
+    charge_id       TEXT    NOT NULL REFERENCES charge (charge_id),
+    amount_cents    INTEGER NOT NULL CHECK (amount_cents > 0),
+    created_ms      INTEGER NOT NULL
+);
+";
+
+/// Columns a database written before refunds lacks (its charges count as created at 0 and
+/// never refunded). SQLite cannot add a column with a `CHECK` naming another column's value
+/// after the fact, so on such a file the refund total is bounded by the transaction alone.
+const COLUMN_UPGRADE: [(&str, &str); 2] = [
+    (
+        "created_ms",
+        "ALTER TABLE charge ADD COLUMN created_ms INTEGER NOT NULL DEFAULT 0",
+    ),
+    (
+        "amount_refunded_cents",
+        "ALTER TABLE charge ADD COLUMN amount_refunded_cents INTEGER NOT NULL DEFAULT 0",
+    ),
+];
+
+const COLUMNS: &str = "charge_id, effect_key, reference, amount_cents, currency, status, \
+     budget_ms, traceparent, created_ms, amount_refunded_cents";
+
+const REFUND_COLUMNS: &str = "refund_id, idempotency_key, charge_id, amount_cents, created_ms";
 
 /// The state of a charge. The simulator only ever records successful charges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +112,64 @@ pub struct Charge {
     pub budget_ms: Option<i64>,
     /// The `traceparent` header of the creating request, if any.
     pub traceparent: Option<String>,
+    /// When the PSP recorded it, unix epoch milliseconds (0 for a charge recorded before the
+    /// PSP kept the time).
+    #[serde(default)]
+    pub created_ms: i64,
+    /// How much of it was given back by refunds, in minor units (0 to `amount_cents`).
+    #[serde(default)]
+    pub amount_refunded_cents: i64,
+}
+
+impl Charge {
+    /// Whether money is still held on it: not refunded in full.
+    pub fn is_live(&self) -> bool {
+        self.amount_refunded_cents < self.amount_cents
+    }
+}
+
+/// One refund, as stored and as `POST /v1/refunds` answers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refund {
+    /// `"re_"` + a UUIDv7 in simple form, assigned on creation.
+    pub refund_id: String,
+    /// The `Idempotency-Key` of the request that created it.
+    pub idempotency_key: String,
+    /// The charge it gives money back on.
+    pub charge_id: String,
+    /// Amount given back, in minor units, positive.
+    pub amount_cents: i64,
+    /// When the PSP recorded it, unix epoch milliseconds.
+    pub created_ms: i64,
+}
+
+/// What the caller asks to refund (validated by the server before it gets here).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRefund {
+    /// The dedup key of the refund (not the charge's effect key).
+    pub idempotency_key: String,
+    /// The charge to give money back on.
+    pub charge_id: String,
+    /// Amount in minor units, positive.
+    pub amount_cents: i64,
+}
+
+/// Result of [`ChargeStore::refund`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RefundOutcome {
+    /// A new refund; the charge as it stands afterwards.
+    Created(Refund, Charge),
+    /// The key was seen with the same charge and amount: that refund, nothing new written.
+    Replayed(Refund),
+    /// The key was seen with another charge or amount: nothing written.
+    Conflict(Refund),
+    /// No charge has this id.
+    NoSuchCharge,
+    /// The amount is more than what is left to refund on the charge (`remaining_cents`).
+    ExceedsCharge {
+        /// What can still be refunded.
+        remaining_cents: i64,
+    },
 }
 
 /// What the caller asks to charge (validated by the server before it gets here).
@@ -157,6 +249,8 @@ impl ChargeStore {
             None => Connection::open_in_memory()?,
         };
         conn.execute_batch(MIGRATION)?;
+        upgrade_columns(&conn)?;
+        conn.execute_batch(MIGRATION_REFUNDS)?;
         Ok(ChargeStore {
             conn: Arc::new(Mutex::new(conn)),
         })
@@ -165,6 +259,7 @@ impl ChargeStore {
     /// Creates the charge for `new.effect_key`, or returns the one that key already made.
     pub async fn charge(&self, new: NewCharge) -> Result<ChargeOutcome, StoreError> {
         let charge_id = format!("ch_{}", uuid::Uuid::now_v7().simple());
+        let created_ms = now_ms();
         self.with_conn(move |conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let voided = tx
@@ -181,8 +276,9 @@ impl ChargeStore {
                 .query_row(
                     &format!(
                         "INSERT INTO charge (charge_id, effect_key, reference, amount_cents,
-                                             currency, status, budget_ms, traceparent)
-                         VALUES (?1, ?2, ?3, ?4, ?5, 'succeeded', ?6, ?7)
+                                             currency, status, budget_ms, traceparent,
+                                             created_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?5, 'succeeded', ?6, ?7, ?8)
                          ON CONFLICT (effect_key) DO NOTHING
                          RETURNING {COLUMNS}"
                     ),
@@ -194,6 +290,7 @@ impl ChargeStore {
                         new.currency,
                         new.budget_ms,
                         new.traceparent,
+                        created_ms,
                     ],
                     read_charge,
                 )
@@ -278,6 +375,123 @@ impl ChargeStore {
         .await
     }
 
+    /// One page of charges in creation order (see [`PageQuery`]): at most `query.limit`, and
+    /// whether more follow.
+    pub async fn page(&self, query: PageQuery) -> Result<(Vec<Charge>, bool), StoreError> {
+        self.with_conn(move |conn| {
+            // The cursor is a charge id; its row id orders the page. An unknown cursor starts
+            // after nothing rather than from the beginning (the caller gets an empty page).
+            let after: i64 = match &query.starting_after {
+                Some(charge_id) => conn
+                    .query_row(
+                        "SELECT id FROM charge WHERE charge_id = ?1",
+                        [charge_id],
+                        |row| row.get(0),
+                    )
+                    .optional()?
+                    .unwrap_or(i64::MAX),
+                None => 0,
+            };
+            // One row more than asked tells whether another page follows.
+            let fetch = i64::from(query.limit) + 1;
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM charge
+                 WHERE id > ?1 AND created_ms >= ?2 AND created_ms < ?3
+                   AND (?4 IS NULL OR reference = ?4)
+                 ORDER BY id LIMIT ?5"
+            ))?;
+            let mut rows = stmt
+                .query_map(
+                    params![
+                        after,
+                        query.created_gte.unwrap_or(i64::MIN),
+                        query.created_lt.unwrap_or(i64::MAX),
+                        query.reference,
+                        fetch
+                    ],
+                    read_charge,
+                )?
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .collect::<Result<Vec<_>, _>>()?;
+            let more = rows.len() > query.limit as usize;
+            rows.truncate(query.limit as usize);
+            Ok((rows, more))
+        })
+        .await
+    }
+
+    /// Gives back `new.amount_cents` of a charge, once per idempotency key (see the module
+    /// documentation).
+    pub async fn refund(&self, new: NewRefund) -> Result<RefundOutcome, StoreError> {
+        let refund_id = format!("re_{}", uuid::Uuid::now_v7().simple());
+        let created_ms = now_ms();
+        self.with_conn(move |conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let seen = tx
+                .query_row(
+                    &format!("SELECT {REFUND_COLUMNS} FROM refund WHERE idempotency_key = ?1"),
+                    [&new.idempotency_key],
+                    read_refund,
+                )
+                .optional()?;
+            if let Some(seen) = seen {
+                return Ok(
+                    if seen.charge_id == new.charge_id && seen.amount_cents == new.amount_cents {
+                        RefundOutcome::Replayed(seen)
+                    } else {
+                        RefundOutcome::Conflict(seen)
+                    },
+                );
+            }
+            let charge = tx
+                .query_row(
+                    &format!("SELECT {COLUMNS} FROM charge WHERE charge_id = ?1"),
+                    [&new.charge_id],
+                    read_charge,
+                )
+                .optional()?;
+            let Some(charge) = charge else {
+                return Ok(RefundOutcome::NoSuchCharge);
+            };
+            let mut charge = charge?;
+            let remaining_cents = charge.amount_cents - charge.amount_refunded_cents;
+            if new.amount_cents > remaining_cents {
+                return Ok(RefundOutcome::ExceedsCharge { remaining_cents });
+            }
+            tx.execute(
+                "INSERT INTO refund (refund_id, idempotency_key, charge_id, amount_cents,
+                                     created_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    refund_id,
+                    new.idempotency_key,
+                    new.charge_id,
+                    new.amount_cents,
+                    created_ms
+                ],
+            )?;
+            tx.execute(
+                "UPDATE charge SET amount_refunded_cents = amount_refunded_cents + ?2
+                 WHERE charge_id = ?1",
+                params![new.charge_id, new.amount_cents],
+            )?;
+            tx.commit()?;
+            charge.amount_refunded_cents += new.amount_cents;
+            Ok(RefundOutcome::Created(
+                Refund {
+                    refund_id,
+                    idempotency_key: new.idempotency_key,
+                    charge_id: new.charge_id,
+                    amount_cents: new.amount_cents,
+                    created_ms,
+                },
+                charge,
+            ))
+        })
+        .await
+    }
+
     /// How many charges the store holds.
     pub async fn count(&self) -> Result<u64, StoreError> {
         self.with_conn(|conn| {
@@ -302,6 +516,39 @@ impl ChargeStore {
     }
 }
 
+/// Adds the [`COLUMN_UPGRADE`] columns a file written before them lacks.
+fn upgrade_columns(conn: &Connection) -> Result<(), StoreError> {
+    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info('charge')")?;
+    let present = stmt
+        .query_map([], |row| row.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    for (column, sql) in COLUMN_UPGRADE {
+        if !present.iter().any(|name| name == column) {
+            conn.execute_batch(sql)?;
+        }
+    }
+    Ok(())
+}
+
+/// The wall clock in unix milliseconds: what charges and refunds record as their time.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+fn read_refund(row: &Row<'_>) -> rusqlite::Result<Refund> {
+    Ok(Refund {
+        refund_id: row.get(0)?,
+        idempotency_key: row.get(1)?,
+        charge_id: row.get(2)?,
+        amount_cents: row.get(3)?,
+        created_ms: row.get(4)?,
+    })
+}
+
 /// Reads one row of [`COLUMNS`]; the outer result is SQLite's, the inner one ours.
 fn read_charge(row: &Row<'_>) -> rusqlite::Result<Result<Charge, StoreError>> {
     let status: String = row.get(5)?;
@@ -318,6 +565,8 @@ fn read_charge(row: &Row<'_>) -> rusqlite::Result<Result<Charge, StoreError>> {
         status,
         budget_ms: row.get(6)?,
         traceparent: row.get(7)?,
+        created_ms: row.get(8)?,
+        amount_refunded_cents: row.get(9)?,
     }))
 }
 
@@ -431,5 +680,144 @@ mod tests {
             store.charge(new_charge("k", "o", 700)).await.unwrap(),
             ChargeOutcome::Replayed(created)
         );
+    }
+
+    fn refund_of(key: &str, charge: &Charge, amount_cents: i64) -> NewRefund {
+        NewRefund {
+            idempotency_key: key.to_owned(),
+            charge_id: charge.charge_id.clone(),
+            amount_cents,
+        }
+    }
+
+    #[tokio::test]
+    async fn refunds_are_deduplicated_on_their_key_and_bounded_by_the_charge() {
+        let store = ChargeStore::open(None).unwrap();
+        let ChargeOutcome::Created(charge) = store.charge(new_charge("k", "o", 500)).await.unwrap()
+        else {
+            panic!("not charged");
+        };
+        assert!(charge.is_live());
+        let RefundOutcome::Created(first, after) =
+            store.refund(refund_of("r1", &charge, 200)).await.unwrap()
+        else {
+            panic!("not refunded");
+        };
+        assert!(first.refund_id.starts_with("re_"));
+        assert_eq!(after.amount_refunded_cents, 200);
+        assert_eq!(
+            store.refund(refund_of("r1", &charge, 200)).await.unwrap(),
+            RefundOutcome::Replayed(first.clone())
+        );
+        assert_eq!(
+            store.refund(refund_of("r1", &charge, 300)).await.unwrap(),
+            RefundOutcome::Conflict(first)
+        );
+        assert_eq!(
+            store.refund(refund_of("r2", &charge, 301)).await.unwrap(),
+            RefundOutcome::ExceedsCharge {
+                remaining_cents: 300
+            }
+        );
+        let RefundOutcome::Created(_, after) =
+            store.refund(refund_of("r3", &charge, 300)).await.unwrap()
+        else {
+            panic!("rest not refunded");
+        };
+        assert_eq!(after.amount_refunded_cents, 500);
+        assert!(!after.is_live());
+        let mut unknown = refund_of("r4", &charge, 1);
+        unknown.charge_id = "ch_nope".into();
+        assert_eq!(
+            store.refund(unknown).await.unwrap(),
+            RefundOutcome::NoSuchCharge
+        );
+        let listed = store.list(Some("o".into())).await.unwrap();
+        assert_eq!(listed[0].amount_refunded_cents, 500);
+    }
+
+    #[tokio::test]
+    async fn pages_walk_a_window_in_creation_order() {
+        let store = ChargeStore::open(None).unwrap();
+        for i in 0..7 {
+            store
+                .charge(new_charge(&format!("k{i}"), &format!("o{}", i % 2), 100))
+                .await
+                .unwrap();
+        }
+        let mut keys = Vec::new();
+        let mut query = PageQuery {
+            limit: 3,
+            ..PageQuery::default()
+        };
+        loop {
+            let (page, more) = store.page(query.clone()).await.unwrap();
+            assert!(page.len() <= 3);
+            keys.extend(page.iter().map(|c| c.effect_key.clone()));
+            if !more {
+                break;
+            }
+            query.starting_after = page.last().map(|c| c.charge_id.clone());
+        }
+        assert_eq!(keys, ["k0", "k1", "k2", "k3", "k4", "k5", "k6"]);
+
+        let only_o1 = PageQuery {
+            reference: Some("o1".into()),
+            ..PageQuery::default()
+        };
+        let (page, more) = store.page(only_o1).await.unwrap();
+        assert!(!more);
+        assert_eq!(page.len(), 3);
+
+        let all = store.list(None).await.unwrap();
+        let created = all.iter().map(|c| c.created_ms).max().unwrap();
+        let empty = PageQuery {
+            created_gte: Some(created + 1),
+            ..PageQuery::default()
+        };
+        assert_eq!(store.page(empty).await.unwrap(), (Vec::new(), false));
+        let before = PageQuery {
+            created_lt: Some(created + 1),
+            ..PageQuery::default()
+        };
+        assert_eq!(store.page(before).await.unwrap().0.len(), 7);
+        let unknown_cursor = PageQuery {
+            starting_after: Some("ch_unknown".into()),
+            ..PageQuery::default()
+        };
+        assert_eq!(
+            store.page(unknown_cursor).await.unwrap(),
+            (Vec::new(), false)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_file_from_before_refunds_is_upgraded_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(
+                "CREATE TABLE charge (
+                    id INTEGER PRIMARY KEY AUTOINCREMENT, charge_id TEXT NOT NULL UNIQUE,
+                    effect_key TEXT NOT NULL, reference TEXT NOT NULL,
+                    amount_cents INTEGER NOT NULL CHECK (amount_cents > 0),
+                    currency TEXT NOT NULL, status TEXT NOT NULL CHECK (status IN ('succeeded')),
+                    budget_ms INTEGER, traceparent TEXT, UNIQUE (effect_key));
+                 INSERT INTO charge (charge_id, effect_key, reference, amount_cents, currency,
+                    status) VALUES ('ch_old', 'k', 'o', 900, 'USD', 'succeeded');",
+            )
+            .unwrap();
+        }
+        let store = ChargeStore::open(Some(&path)).unwrap();
+        let old = store.list(None).await.unwrap().remove(0);
+        assert_eq!((old.created_ms, old.amount_refunded_cents), (0, 0));
+        assert!(matches!(
+            store.refund(refund_of("r", &old, 900)).await.unwrap(),
+            RefundOutcome::Created(_, charge) if !charge.is_live()
+        ));
+        // A second open finds the columns there.
+        drop(store);
+        ChargeStore::open(Some(&path)).unwrap();
     }
 }
