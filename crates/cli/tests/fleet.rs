@@ -434,8 +434,11 @@ async fn a_tenant_rate_holds_across_the_fleet_not_per_instance() {
         });
     }
     // The window the offered load spans: on a slow machine the schedule stretches, and the
-    // bucket admits for the time the load really lasted.
-    let window = first.expect("sent").elapsed().as_secs_f64();
+    // bucket admits for the time the load really lasted. Requests also reach the servers
+    // later than they were sent, by as much as the machine is loaded: the buckets may see them
+    // over a longer window, up to the last answer.
+    let first = first.expect("sent");
+    let window = first.elapsed().as_secs_f64();
     let (mut admitted, mut limited) = (0u32, 0u32);
     while let Some(answer) = sent.join_next().await {
         let (status, json) = answer.expect("sender task");
@@ -445,14 +448,26 @@ async fn a_tenant_rate_holds_across_the_fleet_not_per_instance() {
             other => panic!("neither admitted nor limited: {other} {json}"),
         }
     }
+    let answered_within = first.elapsed().as_secs_f64();
     assert_eq!(admitted + limited, total);
-    eprintln!("admitted {admitted}, limited {limited}, over {window:.2} s");
-    let expected = f64::from(RATE) * window + f64::from(BURST);
+    eprintln!(
+        "admitted {admitted}, limited {limited}, sent over {window:.2} s, answered within \
+         {answered_within:.2} s"
+    );
+    // Fleet-wide: at most the rate over the whole time requests could arrive, plus one burst.
+    // Per instance it would be three times that: the bound tells them apart on any machine.
+    let at_most = f64::from(RATE) * answered_within + f64::from(BURST);
+    let per_instance = 3.0 * f64::from(RATE) * window + 3.0 * f64::from(BURST);
     let admitted_f = f64::from(admitted);
     assert!(
-        (admitted_f - expected).abs() <= expected * 0.10,
-        "admitted {admitted} of {total} over {window:.2} s, expected {expected:.0} +- 10% \
-         (per-instance limits would admit about {:.0})",
-        3.0 * f64::from(RATE) * window + 3.0 * f64::from(BURST)
+        admitted_f <= at_most * 1.10,
+        "admitted {admitted} of {total} within {answered_within:.2} s, expected at most \
+         {at_most:.0} +10% (per-instance limits would admit about {per_instance:.0})"
+    );
+    // And the limit does admit: offered five times over, the buckets are rarely idle (a
+    // stalled machine loses the tokens of its stalls, hence the wide margin).
+    assert!(
+        admitted_f >= 0.5 * f64::from(RATE) * window,
+        "admitted {admitted} of {total} over {window:.2} s: the limit starves the tenant"
     );
 }
