@@ -9,7 +9,11 @@
 //! - `keyed_normal`: `keyed` with `synchronous=NORMAL` (no fsync on COMMIT; not durable):
 //!   what the rest costs without the sync;
 //! - `keyed_memory`: the same on the in-memory store (not durable; isolates the layer's cost);
-//! - `deadline`, `metrics`, `rate_limit`, `gate`: one layer alone, to attribute the cost.
+//! - `deadline`, `metrics`, `rate_limit`, `gate`: one layer alone, to attribute the cost;
+//! - `handrolled`, `handrolled_normal`: what a team would write by hand instead: axum and
+//!   rusqlite, one `Mutex<Connection>` (WAL; `synchronous=FULL`, or `NORMAL`), autocommit per
+//!   statement: look the key up, insert it `running`, run the handler, store the answer. The
+//!   same table shape and the same answers as `keyed`, none of its batching.
 //!
 //! Prints `listening on ADDR` once it accepts connections (port chosen by the OS), and in
 //! the SQLite `keyed` modes, on SIGTERM, how many write jobs the SQLite writer committed in how many
@@ -112,14 +116,130 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "metrics" => router.layer(MetricsLayer::new("bench")),
         "rate_limit" => router.layer(RateLimitLayer::new(buckets())),
         "gate" => router.layer(GateLayer::new(gate())),
-        other => return Err(format!(
-            "unknown mode {other:?}: bare | stack | keyed | keyed_memory | deadline | metrics | \
-             rate_limit | gate"
-        )
-        .into()),
+        "handrolled" | "handrolled_normal" => handrolled::router(&db, mode == "handrolled_normal")?,
+        other => {
+            return Err(format!(
+                "unknown mode {other:?}: bare | stack | keyed | keyed_normal | keyed_memory | \
+             deadline | metrics | rate_limit | gate | handrolled | handrolled_normal"
+            )
+            .into());
+        }
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     println!("listening on {}", listener.local_addr()?);
     axum::serve(listener, app).await?;
     Ok(())
+}
+
+/// The baseline a team would write by hand: see the module docs.
+mod handrolled {
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    use axum::Router;
+    use axum::body::Bytes;
+    use axum::extract::State;
+    use axum::http::{HeaderMap, StatusCode, header};
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use rusqlite::{Connection, OptionalExtension, params};
+    use sha2::{Digest, Sha256};
+
+    type Db = Arc<Mutex<Connection>>;
+
+    pub(crate) fn router(path: &str, normal: bool) -> Result<Router, rusqlite::Error> {
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", if normal { "NORMAL" } else { "FULL" })?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS idempotency (
+                 key TEXT PRIMARY KEY,
+                 fingerprint BLOB NOT NULL,
+                 status TEXT NOT NULL,
+                 response BLOB,
+                 created_at INTEGER NOT NULL
+             )",
+        )?;
+        let db: Db = Arc::new(Mutex::new(conn));
+        Ok(Router::new()
+            .route("/v1/payments", post(pay))
+            .with_state(db))
+    }
+
+    fn now_ms() -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64)
+    }
+
+    async fn pay(State(db): State<Db>, headers: HeaderMap, body: Bytes) -> Response {
+        let Some(key) = headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+        else {
+            return (StatusCode::BAD_REQUEST, "missing Idempotency-Key").into_response();
+        };
+        if serde_json::from_slice::<serde_json::Value>(&body).is_err() {
+            return (StatusCode::BAD_REQUEST, "invalid JSON").into_response();
+        }
+        let fingerprint = Sha256::digest(&body).to_vec();
+        let answer =
+            tokio::task::spawn_blocking(move || handle(&db, &key, &fingerprint, body)).await;
+        match answer {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => (StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
+            Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        }
+    }
+
+    /// One statement per lock, each its own transaction, as a first version would do it.
+    fn handle(
+        db: &Db,
+        key: &str,
+        fingerprint: &[u8],
+        body: Bytes,
+    ) -> Result<Response, rusqlite::Error> {
+        let lock = || db.lock().unwrap_or_else(PoisonError::into_inner);
+        let seen: Option<(Vec<u8>, String, Option<Vec<u8>>)> = lock()
+            .query_row(
+                "SELECT fingerprint, status, response FROM idempotency WHERE key = ?1",
+                params![key],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()?;
+        match seen {
+            Some((stored, _, _)) if stored != fingerprint => {
+                return Ok((StatusCode::CONFLICT, "idempotency key reused").into_response());
+            }
+            Some((_, status, Some(response))) if status == "succeeded" => {
+                return Ok(created(response));
+            }
+            Some(_) => return Ok((StatusCode::CONFLICT, "in progress").into_response()),
+            None => {}
+        }
+        let inserted = lock().execute(
+            "INSERT INTO idempotency (key, fingerprint, status, created_at)
+             VALUES (?1, ?2, 'running', ?3) ON CONFLICT (key) DO NOTHING",
+            params![key, fingerprint, now_ms()],
+        )?;
+        if inserted == 0 {
+            return Ok((StatusCode::CONFLICT, "in progress").into_response());
+        }
+        // The handler: the same echo as the other modes.
+        let response = body.to_vec();
+        lock().execute(
+            "UPDATE idempotency SET status = 'succeeded', response = ?1 WHERE key = ?2",
+            params![response, key],
+        )?;
+        Ok(created(response))
+    }
+
+    fn created(body: Vec<u8>) -> Response {
+        (
+            StatusCode::CREATED,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response()
+    }
 }
