@@ -16,6 +16,7 @@ mod error_chain;
 mod load;
 mod logging;
 mod psp;
+mod report;
 mod serve;
 
 /// glibc's allocator serialises frees of memory allocated on another thread behind an arena
@@ -58,6 +59,9 @@ enum Command {
     /// Each logical request is a new order with its own key; the summary gives attempts,
     /// retries, outcomes and latency per attempt.
     Load(load::LoadArgs),
+    /// Write a sample HTML report from synthetic data (development aid for the report writer)
+    #[command(hide = true)]
+    ReportSample(report::SampleArgs),
 }
 
 #[tokio::main]
@@ -91,6 +95,7 @@ async fn main() -> ExitCode {
                 .map_err(Into::into)
         }
         Command::Load(args) => load::run(args).await,
+        Command::ReportSample(args) => report::run_sample(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
