@@ -303,10 +303,44 @@ fn alerts_say_what_to_do_and_page_on_a_retry_storm() {
     }
 }
 
+/// `promtool check rules` and `promtool test rules` when promtool is installed (CI runs them
+/// in `.ci/run` too, where it is installed when missing).
+#[test]
+fn promtool_accepts_the_rules_and_their_unit_tests() {
+    let dir = deploy_dir().join("prometheus");
+    for args in [
+        ["check", "rules", "backstop-rules.yml"],
+        ["test", "rules", "backstop-rules.test.yml"],
+    ] {
+        let out = match std::process::Command::new("promtool")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+        {
+            Ok(out) => out,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                eprintln!("skipped: no promtool on PATH (Debian package `prometheus`)");
+                return;
+            }
+            Err(e) => panic!("promtool: {e}"),
+        };
+        assert!(
+            out.status.success(),
+            "promtool {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn the_dashboard_uses_a_prometheus_datasource_variable() {
     let d = dashboard();
-    assert!(d["schemaVersion"].as_u64().unwrap() >= 39);
+    assert!(
+        d["schemaVersion"].as_u64().unwrap() >= 41,
+        "a current Grafana schema"
+    );
     let vars = d["templating"]["list"].as_array().unwrap();
     assert!(
         vars.iter().any(|v| v["name"] == "datasource"
