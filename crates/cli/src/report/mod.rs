@@ -3,7 +3,7 @@
 //!
 //! The input is plain data ([`Report`]: a title, a scenario description and one or more named
 //! [`Run`]s, each a time series of [`Row`]s plus summary key/values), whoever produced it: the
-//! simulator or a live run. [`write`] creates the directory and writes three files:
+//! simulator or a live run. [`write()`] creates the directory and writes three files:
 //!
 //! - `index.html`: self-contained (inline SVG charts and CSS, no script, font or anything
 //!   fetched from elsewhere): offered load split into originals and retries with goodput and
