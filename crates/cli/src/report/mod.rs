@@ -649,6 +649,18 @@ mod tests {
     }
 
     #[test]
+    fn load_charts_share_one_scale_and_empty_charts_are_left_out() {
+        let mut r = validated(&report()).unwrap();
+        r.runs[1].rows[0].offered_retries_per_s = Some(400.0);
+        let (per_run, overlays) = charts(&r);
+        assert_eq!(per_run.len(), 2);
+        assert_eq!(per_run[0].y_max, per_run[1].y_max);
+        assert!(per_run[0].y_max.unwrap() >= 500.0, "{:?}", per_run[0].y_max);
+        let titles: Vec<&str> = overlays.iter().map(|c| c.title.as_str()).collect();
+        assert_eq!(titles, ["Retry ratio"], "only what some run measured");
+    }
+
+    #[test]
     fn empty_reports_are_refused_with_a_reason() {
         let dir = tempfile::tempdir().unwrap();
         let mut r = report();

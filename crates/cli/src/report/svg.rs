@@ -283,7 +283,7 @@ impl Chart {
                 .map(|(_, tops)| tops.clone());
             for run in segments(&series.points, &stacked[i]) {
                 let mut d = String::new();
-                for (k, &(j, x, top)) in run.iter().enumerate() {
+                for (k, &(_, x, top)) in run.iter().enumerate() {
                     let _ = write!(
                         d,
                         "{}{:.1},{:.1} ",
@@ -291,10 +291,10 @@ impl Chart {
                         sx(x),
                         sy(top)
                     );
-                    let _ = j;
                 }
                 for &(j, x, _) in run.iter().rev() {
-                    let base = below.as_ref().and_then(|b| b[j]).unwrap_or(0.0);
+                    let base = below.as_ref().and_then(|b| b.get(j).copied().flatten());
+                    let base = base.unwrap_or(0.0);
                     let _ = write!(d, "L{:.1},{:.1} ", sx(x), sy(base));
                 }
                 let _ = write!(
