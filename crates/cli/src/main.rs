@@ -19,6 +19,7 @@ mod load;
 mod logging;
 mod psp;
 mod reconcile;
+mod report;
 mod serve;
 
 /// glibc's allocator serialises frees of memory allocated on another thread behind an arena
@@ -68,6 +69,9 @@ enum Command {
     /// each duplicate (once, whatever the number of runs), marks orphaned intents succeeded,
     /// and records every action in the store's `reconciliation` table.
     Reconcile(reconcile::ReconcileArgs),
+    /// Write a sample HTML report from synthetic data (development aid for the report writer)
+    #[command(hide = true)]
+    ReportSample(report::SampleArgs),
 }
 
 #[tokio::main]
@@ -110,6 +114,7 @@ async fn main() -> ExitCode {
                 Err(error) => Err(error.into()),
             }
         }
+        Command::ReportSample(args) => report::run_sample(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

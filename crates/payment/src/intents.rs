@@ -380,6 +380,29 @@ pub fn created_between(
     rows.collect()
 }
 
+/// The intents left `running` (all merchants): how many, and when the oldest was created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RunningStats {
+    /// Intents in status `running`.
+    pub count: u64,
+    /// `created_at` (unix ms) of the oldest running intent; `None` when there is none.
+    pub oldest_created_at: Option<i64>,
+}
+
+/// [`RunningStats`] in one statement (the partial index on running intents answers it).
+pub fn running_stats(conn: &Connection) -> rusqlite::Result<RunningStats> {
+    conn.query_row(
+        "SELECT COUNT(*), MIN(created_at) FROM payment_intent WHERE status = 'running'",
+        [],
+        |r| {
+            Ok(RunningStats {
+                count: r.get(0)?,
+                oldest_created_at: r.get(1)?,
+            })
+        },
+    )
+}
+
 /// Number of intents in the table (all merchants).
 pub fn count(conn: &Connection) -> rusqlite::Result<u64> {
     conn.query_row("SELECT COUNT(*) FROM payment_intent", [], |r| r.get(0))
@@ -540,6 +563,14 @@ impl Intents {
         }
     }
 
+    /// [`running_stats`] on a read connection (one statement on PostgreSQL).
+    pub async fn running_stats(&self) -> Result<RunningStats, IntentsError> {
+        match &self.backend {
+            Backend::Sqlite(db) => Ok(db.read(running_stats).await?),
+            Backend::Postgres(pg) => Ok(pg.running_stats().await?),
+        }
+    }
+
     /// [`count`] on a read connection.
     pub async fn count(&self) -> Result<u64, IntentsError> {
         match &self.backend {
@@ -671,6 +702,33 @@ mod tests {
         let ids = |v: Vec<Intent>| v.into_iter().map(|i| i.intent_id).collect::<Vec<_>>();
         assert_eq!(ids(running_before(&c, 30, 10).unwrap()), ["i1", "i3"]);
         assert_eq!(ids(running_before(&c, 30, 1).unwrap()), ["i1"]);
+    }
+
+    #[test]
+    fn running_stats_count_running_intents_and_the_oldest() {
+        let c = db();
+        assert_eq!(running_stats(&c).unwrap(), RunningStats::default());
+        for (id, at) in [("i3", 30), ("i1", 10), ("i2", 20)] {
+            let mut n = new(id, "m", id, id, "f");
+            n.created_at = at;
+            insert(&c, &n).unwrap();
+        }
+        assert_eq!(
+            running_stats(&c).unwrap(),
+            RunningStats {
+                count: 3,
+                oldest_created_at: Some(10)
+            }
+        );
+        assert!(mark_succeeded(&c, "m", "i1", "ch").unwrap());
+        assert!(mark_failed(&c, "m", "i2").unwrap());
+        assert_eq!(
+            running_stats(&c).unwrap(),
+            RunningStats {
+                count: 1,
+                oldest_created_at: Some(30)
+            }
+        );
     }
 
     #[test]

@@ -16,6 +16,11 @@
 //!
 //! The resolver runs in `serve` ([`spawn`], every [`EVERY`], at most [`BATCH`] intents a
 //! round), and on `GET` of a running intent that is old enough.
+//!
+//! Each round (and once at start) it publishes what is left running as two gauges,
+//! [`PAYMENT_INTENTS_RUNNING`] and [`PAYMENT_INTENTS_RUNNING_OLDEST_AGE_SECONDS`]: intents that
+//! stay running well past [`SETTLE_AFTER`] mean the resolver cannot settle them (the PSP does
+//! not answer the void, or the store fails), which an operator must look at.
 
 use std::time::Duration;
 
@@ -23,7 +28,9 @@ use backstop::deadline::Deadline;
 use backstop::status::Status;
 use tokio::task::JoinHandle;
 
-use crate::intents::{Intent, IntentStatus, IntentsError};
+use metrics::{Unit, describe_gauge};
+
+use crate::intents::{Intent, IntentStatus, IntentsError, RunningStats};
 use crate::psp::VoidStatus;
 use crate::service::AppState;
 
@@ -36,6 +43,47 @@ pub const EVERY: Duration = Duration::from_secs(10);
 pub const BATCH: u32 = 100;
 /// Budget of one settlement in the background: one void at the PSP and one write.
 const SETTLE_BUDGET: Duration = Duration::from_secs(5);
+
+/// Gauge: payment intents in status `running` now (all merchants).
+pub const PAYMENT_INTENTS_RUNNING: &str = "payment_intents_running";
+/// Gauge: age in seconds of the oldest intent still `running` (0 when none is).
+pub const PAYMENT_INTENTS_RUNNING_OLDEST_AGE_SECONDS: &str =
+    "payment_intents_running_oldest_age_seconds";
+
+/// Registers the resolver's gauges (units and help) with the installed `metrics` recorder.
+pub fn describe_metrics() {
+    describe_gauge!(
+        PAYMENT_INTENTS_RUNNING,
+        Unit::Count,
+        "Payment intents in status running now (the resolver settles those older than 120 s)."
+    );
+    describe_gauge!(
+        PAYMENT_INTENTS_RUNNING_OLDEST_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest payment intent still running (0 when none is)."
+    );
+}
+
+/// Sets the two gauges from `stats` as seen at `now_ms` (unix ms).
+pub fn publish(stats: RunningStats, now_ms: i64) {
+    // Gauges are f64: counts and ages far below 2^53 are exact.
+    #[allow(clippy::cast_precision_loss)]
+    let (count, age_ms) = (
+        stats.count as f64,
+        stats
+            .oldest_created_at
+            .map_or(0, |at| now_ms.saturating_sub(at).max(0)) as f64,
+    );
+    metrics::gauge!(PAYMENT_INTENTS_RUNNING).set(count);
+    metrics::gauge!(PAYMENT_INTENTS_RUNNING_OLDEST_AGE_SECONDS).set(age_ms / 1000.0);
+}
+
+/// Reads what is left running from the store and [`publish`]es it.
+pub async fn observe_running(state: &AppState, now_ms: i64) -> Result<RunningStats, IntentsError> {
+    let stats = state.intents.running_stats().await?;
+    publish(stats, now_ms);
+    Ok(stats)
+}
 
 /// Why an intent could not be settled now (it stays `running`; a later round tries again).
 #[derive(Debug, thiserror::Error)]
@@ -136,10 +184,16 @@ pub async fn settle_abandoned(
 }
 
 /// Runs [`settle_abandoned`] every [`EVERY`] on a background task (aborted on shutdown; an
-/// interrupted settlement is idempotent and runs again on the next start).
+/// interrupted settlement is idempotent and runs again on the next start), and publishes the
+/// running intents at start and after each round ([`observe_running`]).
 pub fn spawn(state: AppState) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
+            // At start too: the gauges exist (at 0) before any intent runs, so an alert on
+            // them has a series to evaluate from the first scrape.
+            if let Err(error) = observe_running(&state, state.clock.now_ms()).await {
+                tracing::warn!(%error, "resolver could not count running intents");
+            }
             tokio::time::sleep(EVERY).await;
             let now_ms = state.clock.now_ms();
             if let Err(error) = settle_abandoned(&state, now_ms, SETTLE_AFTER).await {
@@ -147,4 +201,55 @@ pub fn spawn(state: AppState) -> JoinHandle<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    fn gauges(recorder: &DebuggingRecorder) -> Vec<(String, f64)> {
+        let mut got: Vec<_> = recorder
+            .snapshotter()
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(key, _, _, value)| match value {
+                DebugValue::Gauge(v) => Some((key.key().name().to_owned(), v.into_inner())),
+                _ => None,
+            })
+            .collect();
+        got.sort_by(|a, b| a.0.cmp(&b.0));
+        got
+    }
+
+    #[test]
+    fn publish_sets_the_count_and_the_oldest_age() {
+        let recorder = DebuggingRecorder::new();
+        metrics::with_local_recorder(&recorder, || {
+            publish(
+                RunningStats {
+                    count: 3,
+                    oldest_created_at: Some(10_000),
+                },
+                250_500,
+            );
+        });
+        assert_eq!(
+            gauges(&recorder),
+            [
+                (PAYMENT_INTENTS_RUNNING.to_owned(), 3.0),
+                (PAYMENT_INTENTS_RUNNING_OLDEST_AGE_SECONDS.to_owned(), 240.5),
+            ]
+        );
+        // Nothing running: both back to 0, never a stale age.
+        metrics::with_local_recorder(&recorder, || publish(RunningStats::default(), 250_500));
+        assert_eq!(
+            gauges(&recorder),
+            [
+                (PAYMENT_INTENTS_RUNNING.to_owned(), 0.0),
+                (PAYMENT_INTENTS_RUNNING_OLDEST_AGE_SECONDS.to_owned(), 0.0),
+            ]
+        );
+    }
 }

@@ -350,6 +350,13 @@ async fn resolver_settles_abandoned_intents_both_ways(h: &Harness) {
             .unwrap(),
         0
     );
+    // Both are counted as left running, the oldest first created.
+    let left = resolver::observe_running(&state, SystemClock.now_ms())
+        .await
+        .unwrap();
+    assert_eq!(left.count, 2);
+    let created = intents_created_at(h, &charged).await;
+    assert_eq!(left.oldest_created_at, Some(created));
 
     assert_eq!(resolve(h).await, 2);
     let intents = h.server.intents();
@@ -383,6 +390,16 @@ async fn resolver_settles_abandoned_intents_both_ways(h: &Harness) {
     assert_eq!(h.charges("o-lost").await.len(), 1);
     assert_eq!(h.charges("o-late").await.len(), 1);
     assert_eq!(resolve(h).await, 0, "nothing left running");
+    let left = resolver::observe_running(&state, SystemClock.now_ms())
+        .await
+        .unwrap();
+    assert_eq!(left.count, 0, "the gauge falls back to 0 once settled");
+    assert_eq!(left.oldest_created_at, None);
+}
+
+async fn intents_created_at(h: &Harness, intent_id: &str) -> i64 {
+    let intent = h.server.intents().get("default", intent_id).await.unwrap();
+    intent.expect("the intent exists").created_at
 }
 
 #[tokio::test]

@@ -19,9 +19,10 @@
 //! down. Nothing is judged on fewer than
 //! [`StormConfig::min_requests`] logical requests in the window.
 //!
-//! On every change of level the gauge `rpc_client_storm_alarm{service,level}` (`level` one of
-//! `warning`, `tripped`; 1 while at or above that level, else 0) is set and one
-//! `rpc_storm_alarm` event is logged with the new level, the ratio and the counts.
+//! The gauge `rpc_client_storm_alarm{service,level}` (`level` one of `warning`, `tripped`; 1
+//! while at or above that level, else 0) is set at 0 when the alarm is created, then on every
+//! change of level, when one `rpc_storm_alarm` event is also logged with the new level, the
+//! ratio and the counts.
 //!
 //! ```
 //! use backstop::retry::{StormAlarm, StormConfig, StormLevel};
@@ -185,9 +186,11 @@ struct Change {
 }
 
 impl StormAlarm {
-    /// A calm alarm for the destination `service` (the metric label and log field).
+    /// A calm alarm for the destination `service` (the metric label and log field). Its gauge
+    /// is set to calm (0 for both levels) at once, so that dashboards and alerts see the
+    /// series before the first change of level.
     pub fn new(service: impl Into<SharedString>, config: StormConfig) -> Self {
-        Self {
+        let alarm = Self {
             inner: Arc::new(Inner {
                 service: service.into(),
                 config,
@@ -197,7 +200,9 @@ impl StormAlarm {
                     trips: 0,
                 }),
             }),
-        }
+        };
+        alarm.set_gauges(StormLevel::Calm);
+        alarm
     }
 
     /// The configuration.
@@ -282,7 +287,7 @@ impl StormAlarm {
         level
     }
 
-    fn report(&self, change: Change) {
+    fn set_gauges(&self, level: StormLevel) {
         let service = &self.inner.service;
         for (name, at) in [
             (StormLevel::Warning.as_str(), StormLevel::Warning),
@@ -290,8 +295,13 @@ impl StormAlarm {
         ] {
             metrics::gauge!(RPC_CLIENT_STORM_ALARM,
                 label::SERVICE => service.clone(), "level" => name)
-            .set(if change.level >= at { 1.0 } else { 0.0 });
+            .set(if level >= at { 1.0 } else { 0.0 });
         }
+    }
+
+    fn report(&self, change: Change) {
+        self.set_gauges(change.level);
+        let service = &self.inner.service;
         let message = match change.level {
             StormLevel::Tripped => "retry storm: retries and hedges stopped",
             StormLevel::Warning => "retry ratio above the warning threshold",
@@ -389,6 +399,24 @@ mod tests {
             (level("warning"), level("tripped"))
         };
         let alarm = StormAlarm::new("psp", StormConfig::default());
+        // Calm from the start: both series exist, at 0, before the first change.
+        let at_start: Vec<_> = recorder
+            .snapshotter()
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == RPC_CLIENT_STORM_ALARM)
+            .map(|(key, _, _, value)| {
+                (key.key().labels().nth(1).unwrap().value().to_owned(), value)
+            })
+            .collect();
+        assert_eq!(at_start.len(), 2, "{at_start:?}");
+        assert!(
+            at_start
+                .iter()
+                .all(|(_, v)| *v == metrics_util::debugging::DebugValue::Gauge(0.0.into())),
+            "{at_start:?}"
+        );
 
         // 100 requests, 10 retries: 0.1 is not above the warning level.
         assert_eq!(traffic(&alarm, 100, 10), 0);

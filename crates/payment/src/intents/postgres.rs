@@ -10,6 +10,7 @@ use backstop::idempotency::postgres::{PgError, PostgresStore, migrate};
 
 use super::{
     Created, Intent, IntentStatus, IntentsError, MIGRATION_NAME, MIGRATION_V2_NAME, NewIntent,
+    RunningStats,
 };
 
 /// Schema of `payment_intent` on PostgreSQL.
@@ -295,6 +296,28 @@ impl PgIntents {
             })
             .await?;
         rows.iter().map(from_row).collect()
+    }
+
+    pub(crate) async fn running_stats(&self) -> Result<RunningStats, PgError> {
+        let (n, oldest): (i64, Option<i64>) = self
+            .store
+            .with_client(|c| {
+                Box::pin(async move {
+                    let row = c
+                        .query_one(
+                            "SELECT count(*), min(created_at) FROM payment_intent \
+                             WHERE status = 'running'",
+                            &[],
+                        )
+                        .await?;
+                    Ok((row.try_get(0)?, row.try_get(1)?))
+                })
+            })
+            .await?;
+        Ok(RunningStats {
+            count: u64::try_from(n).unwrap_or(0),
+            oldest_created_at: oldest,
+        })
     }
 
     pub(crate) async fn count(&self) -> Result<u64, PgError> {

@@ -97,6 +97,7 @@ pub fn prometheus_handle() -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics stays empty");
             } else {
                 backstop::observe::describe_metrics();
+                crate::resolver::describe_metrics();
             }
             handle
         })
@@ -172,13 +173,14 @@ impl Server {
                 (Some(handle), url)
             }
         };
+        // The recorder first: the PSP client registers its storm alarm's gauge when built.
+        let metrics = prometheus_handle();
         let budget = RetryBudget::new(PSP_RETRY_RATIO, PSP_RETRY_BURST)
             .expect("constant retry budget is valid");
         let client = PspClient::new(&psp_url, budget, config.psp_margin_floor)
             .map_err(ServeError::PspClient)?;
 
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let metrics = prometheus_handle();
         let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
         let rate_limit = rate_limit_layer(&config).map_err(ServeError::RateLimit)?;
         let leases = OpenLeases::new(store.clone());

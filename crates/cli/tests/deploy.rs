@@ -1,0 +1,626 @@
+//! `deploy/`: every metric the Prometheus rules and the Grafana dashboard use exists in the
+//! `/metrics` of a real `backstop serve` that has seen a little traffic (successes, a PSP
+//! failing until the client stops retrying, tenant rate-limit refusals, an unknown route), and
+//! both files are well formed (issue 16, section 3).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use backstop_payment::psp::{self, Fault, PspConfig};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
+}
+
+// ---- PromQL: the metric names an expression reads ----
+
+/// Keywords followed by a parenthesised label list (not an expression).
+const LABEL_LIST_KEYWORDS: &[&str] = &[
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+];
+/// Aggregation operators: they may be followed by `by (..)` instead of `(`.
+const AGGREGATIONS: &[&str] = &[
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+];
+/// Keywords and literals that are not metric names.
+const OTHER_KEYWORDS: &[&str] = &[
+    "bool", "and", "or", "unless", "offset", "atan2", "inf", "nan", "Inf", "NaN",
+];
+
+/// Index just past the bracket that closes the one opening at `start` (`open`/`close`),
+/// skipping quoted strings.
+fn skip_balanced(b: &[u8], start: usize, open: u8, close: u8) -> usize {
+    let mut depth = 0usize;
+    let mut i = start;
+    while i < b.len() {
+        match b[i] {
+            q @ (b'"' | b'\'' | b'`') => i = skip_string(b, i, q),
+            c if c == open => {
+                depth += 1;
+                i += 1;
+            }
+            c if c == close => {
+                depth -= 1;
+                i += 1;
+                if depth == 0 {
+                    return i;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    panic!(
+        "unbalanced {:?} in {:?}",
+        open as char,
+        String::from_utf8_lossy(b)
+    );
+}
+
+/// Index just past the string literal opening at `start` with quote `q`.
+fn skip_string(b: &[u8], start: usize, q: u8) -> usize {
+    let mut i = start + 1;
+    while i < b.len() {
+        if b[i] == b'\\' && q != b'`' {
+            i += 2;
+        } else if b[i] == q {
+            return i + 1;
+        } else {
+            i += 1;
+        }
+    }
+    panic!("unterminated string in {:?}", String::from_utf8_lossy(b));
+}
+
+fn is_ident_start(c: u8) -> bool {
+    c.is_ascii_alphabetic() || c == b'_' || c == b':'
+}
+
+fn is_ident(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_' || c == b':'
+}
+
+/// Metric names read by a PromQL expression: identifiers outside label matchers (`{..}`),
+/// ranges (`[..]`), strings and label lists (`by (..)`), that are neither keywords nor
+/// function or aggregation names (followed by `(`).
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let b = expr.as_bytes();
+    let mut names = BTreeSet::new();
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if matches!(c, b'"' | b'\'' | b'`') {
+            i = skip_string(b, i, c);
+        } else if c == b'{' {
+            i = skip_balanced(b, i, b'{', b'}');
+        } else if c == b'[' {
+            i = skip_balanced(b, i, b'[', b']');
+        } else if c == b'#' {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if c.is_ascii_digit() || c == b'.' {
+            // A number (0.99, 1e-9, 0x1f) or a duration (5m).
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'.') {
+                let exponent = matches!(b[i], b'e' | b'E');
+                i += 1;
+                if exponent && i < b.len() && matches!(b[i], b'+' | b'-') {
+                    i += 1;
+                }
+            }
+        } else if is_ident_start(c) {
+            let start = i;
+            while i < b.len() && is_ident(b[i]) {
+                i += 1;
+            }
+            let ident = &expr[start..i];
+            let mut next = i;
+            while next < b.len() && b[next].is_ascii_whitespace() {
+                next += 1;
+            }
+            let call = next < b.len() && b[next] == b'(';
+            if LABEL_LIST_KEYWORDS.contains(&ident) {
+                if call {
+                    i = skip_balanced(b, next, b'(', b')');
+                }
+            } else if !call && !OTHER_KEYWORDS.contains(&ident) && !AGGREGATIONS.contains(&ident) {
+                names.insert(ident.to_owned());
+            }
+        } else {
+            i += 1;
+        }
+    }
+    names
+}
+
+#[test]
+fn metric_names_skips_functions_labels_ranges_and_keywords() {
+    let names = |e| metric_names(e).into_iter().collect::<Vec<_>>();
+    assert_eq!(
+        names(
+            "histogram_quantile(0.99, sum by (service, le) \
+             (rate(a_seconds_bucket{outcome!=\"rejected\", x=~\"$instance\"}[$__rate_interval])))"
+        ),
+        ["a_seconds_bucket"]
+    );
+    assert_eq!(
+        names(
+            "sum by (reason) (rate(r_total[5m])) / on (service) group_left () \
+             (sum without (instance) (q_total offset 1h) > 0) and bool 1e-9 # c_total\n"
+        ),
+        ["q_total", "r_total"]
+    );
+    assert_eq!(
+        names("rec:ratio:rate5m > 0.1 unless g{l=\"a}b\"} == 1"),
+        ["g", "rec:ratio:rate5m"]
+    );
+}
+
+// ---- the rules and the dashboard ----
+
+#[derive(Debug, Deserialize)]
+struct RuleFile {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<Rule>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Rule {
+    record: Option<String>,
+    alert: Option<String>,
+    expr: String,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
+}
+
+fn rules() -> RuleFile {
+    let path = deploy_dir().join("prometheus/backstop-rules.yml");
+    let text = std::fs::read_to_string(&path).expect("the rules file exists");
+    serde_norway::from_str(&text).expect("the rules file is valid YAML of rule groups")
+}
+
+fn dashboard() -> Value {
+    let path = deploy_dir().join("grafana/backstop-dashboard.json");
+    let text = std::fs::read_to_string(&path).expect("the dashboard exists");
+    serde_json::from_str(&text).expect("the dashboard is valid JSON")
+}
+
+/// Every panel, rows' nested panels included.
+fn panels(dashboard: &Value) -> Vec<&Value> {
+    let mut out = Vec::new();
+    for p in dashboard["panels"].as_array().expect("panels") {
+        out.push(p);
+        if let Some(nested) = p["panels"].as_array() {
+            out.extend(nested);
+        }
+    }
+    out
+}
+
+/// The PromQL expressions of the dashboard: panel targets and query variables.
+fn dashboard_exprs(dashboard: &Value) -> Vec<String> {
+    let mut exprs = Vec::new();
+    for p in panels(dashboard) {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            exprs.push(t["expr"].as_str().expect("a PromQL target").to_owned());
+        }
+    }
+    for v in dashboard["templating"]["list"]
+        .as_array()
+        .expect("variables")
+    {
+        if v["type"] == "query" {
+            let q = v["definition"]
+                .as_str()
+                .expect("a query variable's definition");
+            // label_values(metric, label): the metric is an expression.
+            let q = q
+                .strip_prefix("label_values(")
+                .and_then(|rest| rest.rsplit_once(','))
+                .map_or(q, |(metric, _)| metric);
+            exprs.push(q.to_owned());
+        }
+    }
+    exprs
+}
+
+#[test]
+fn alerts_say_what_to_do_and_page_on_a_retry_storm() {
+    let file = rules();
+    let mut alerts = BTreeMap::new();
+    for group in &file.groups {
+        assert!(!group.rules.is_empty(), "group {} is empty", group.name);
+        for rule in &group.rules {
+            assert!(
+                rule.record.is_some() != rule.alert.is_some(),
+                "a rule is a recording or an alert: {rule:?}"
+            );
+            let Some(name) = &rule.alert else { continue };
+            let severity = rule.labels.get("severity").map(String::as_str);
+            assert!(
+                matches!(severity, Some("warning" | "page")),
+                "{name}: severity {severity:?}"
+            );
+            for key in ["summary", "description"] {
+                let text = rule.annotations.get(key).map_or("", |s| s.trim());
+                assert!(
+                    text.len() > 20,
+                    "{name}: {key} must tell the operator what to do"
+                );
+            }
+            alerts.insert(name.clone(), (rule.expr.clone(), severity.unwrap()));
+        }
+    }
+    // The retry ratio: over 0.1 warns, over 0.2 pages.
+    let ratio = |threshold: &str, severity: &str| {
+        alerts.values().any(|(expr, s)| {
+            *s == severity
+                && expr.contains("retry_ratio")
+                && expr.replace(' ', "").ends_with(&format!(">{threshold}"))
+        })
+    };
+    assert!(ratio("0.1", "warning"), "{alerts:?}");
+    assert!(ratio("0.2", "page"), "{alerts:?}");
+    for name in [
+        "BackstopStormAlarmTripped",
+        "BackstopAttemptLatencyHigh",
+        "BackstopRejecting",
+        "BackstopIntentsLeftRunning",
+    ] {
+        assert!(alerts.contains_key(name), "missing alert {name}");
+    }
+}
+
+/// `promtool check rules` and `promtool test rules` when promtool is installed (CI runs them
+/// in `.ci/run` too, where it is installed when missing).
+#[test]
+fn promtool_accepts_the_rules_and_their_unit_tests() {
+    let dir = deploy_dir().join("prometheus");
+    for args in [
+        ["check", "rules", "backstop-rules.yml"],
+        ["test", "rules", "backstop-rules.test.yml"],
+    ] {
+        let out = match std::process::Command::new("promtool")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+        {
+            Ok(out) => out,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                eprintln!("skipped: no promtool on PATH (Debian package `prometheus`)");
+                return;
+            }
+            Err(e) => panic!("promtool: {e}"),
+        };
+        assert!(
+            out.status.success(),
+            "promtool {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn the_dashboard_uses_a_prometheus_datasource_variable() {
+    let d = dashboard();
+    assert!(
+        d["schemaVersion"].as_u64().unwrap() >= 41,
+        "a current Grafana schema"
+    );
+    let vars = d["templating"]["list"].as_array().unwrap();
+    assert!(
+        vars.iter().any(|v| v["name"] == "datasource"
+            && v["type"] == "datasource"
+            && v["query"] == "prometheus"),
+        "{vars:?}"
+    );
+    let mut ids = BTreeSet::new();
+    let mut titles = Vec::new();
+    for p in panels(&d) {
+        assert!(ids.insert(p["id"].as_u64().unwrap()), "duplicate panel id");
+        titles.push(p["title"].as_str().unwrap().to_owned());
+        if p["type"] == "row" {
+            continue;
+        }
+        assert_eq!(p["datasource"]["uid"], "${datasource}", "{}", p["title"]);
+        for t in p["targets"].as_array().unwrap() {
+            assert_eq!(t["datasource"]["uid"], "${datasource}", "{}", p["title"]);
+        }
+    }
+    // The retry ratio panel draws the 0.1 and 0.2 thresholds.
+    let ratio = panels(&d)
+        .into_iter()
+        .find(|p| p["title"] == "Retry ratio")
+        .expect("a retry ratio panel");
+    let steps: Vec<f64> = ratio["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["value"].as_f64())
+        .collect();
+    assert_eq!(steps, [0.1, 0.2], "{titles:?}");
+}
+
+// ---- a live service ----
+
+/// A running `backstop serve` child.
+struct Serve {
+    _child: Child,
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Serve {
+    async fn start(store: &Path, psp_url: &str, extra: &[&str]) -> Serve {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .arg("--store")
+            .arg(store)
+            .args(["--psp", psp_url, "--log-format", "json"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("backstop binary starts");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the server logs its address before exiting");
+            let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            if v["fields"]["message"] == "payment service listening" {
+                break v["fields"]["http"].as_str().unwrap().to_owned();
+            }
+        };
+        // Keep draining the pipe for the life of the child.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let serve = Serve {
+            _child: child,
+            base: format!("http://{addr}"),
+            // A connection per request: the connection cap below evicts idle connections, and
+            // a pooled one must not be among them.
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .pool_max_idle_per_host(0)
+                .build()
+                .unwrap(),
+        };
+        for _ in 0..1000 {
+            match serve
+                .http
+                .get(format!("{}/healthz", serve.base))
+                .send()
+                .await
+            {
+                Ok(r) if r.status() == 200 => return serve,
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+        panic!("the server never became healthy");
+    }
+
+    async fn pay(&self, key: &str, order: &str) -> u16 {
+        self.http
+            .post(format!("{}/v1/payments", self.base))
+            .header("idempotency-key", key)
+            .json(&json!({"order_id": order, "amount_cents": 100}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    }
+
+    async fn metrics(&self) -> String {
+        let r = self
+            .http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.text().await.unwrap()
+    }
+}
+
+/// The exposition's sample names (`x_bucket`, `x_sum`, `x_count` as they appear) and the type
+/// declared for each metric family.
+fn exposition(text: &str) -> (BTreeSet<String>, BTreeMap<String, String>) {
+    let mut samples = BTreeSet::new();
+    let mut types = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            if let (Some(name), Some(kind)) = (parts.next(), parts.next()) {
+                types.insert(name.to_owned(), kind.to_owned());
+            }
+        } else if !line.starts_with('#') && !line.trim().is_empty() {
+            let end = line.find(['{', ' ']).unwrap_or(line.len());
+            samples.insert(line[..end].to_owned());
+        }
+    }
+    (samples, types)
+}
+
+/// The names among `used` that the live exposition lacks. A histogram's series are used by
+/// their exposed names (`_bucket`, `_sum`, `_count`), and the family must be declared a
+/// histogram: a counter that happens to end in `_count` is not stripped.
+fn missing(
+    used: &BTreeSet<String>,
+    samples: &BTreeSet<String>,
+    types: &BTreeMap<String, String>,
+) -> Vec<String> {
+    used.iter()
+        .filter(|name| {
+            if !samples.contains(*name) {
+                return true;
+            }
+            ["_bucket", "_sum", "_count"].iter().any(|suffix| {
+                name.strip_suffix(suffix).is_some_and(|family| {
+                    !types.contains_key(*name)
+                        && types.get(family).map(String::as_str) != Some("histogram")
+                })
+            })
+        })
+        .cloned()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
+    // What the two files read, recording rules resolved to the rules that define them.
+    let file = rules();
+    let recorded: BTreeSet<String> = file
+        .groups
+        .iter()
+        .flat_map(|g| g.rules.iter().filter_map(|r| r.record.clone()))
+        .collect();
+    let mut used = BTreeSet::new();
+    for rule in file.groups.iter().flat_map(|g| &g.rules) {
+        used.extend(metric_names(&rule.expr));
+    }
+    let dashboard = dashboard();
+    for expr in dashboard_exprs(&dashboard) {
+        used.extend(metric_names(&expr));
+    }
+    let (rule_names, exported): (BTreeSet<_>, BTreeSet<_>) =
+        used.into_iter().partition(|n| n.contains(':'));
+    let undefined: Vec<_> = rule_names.difference(&recorded).collect();
+    assert!(
+        undefined.is_empty(),
+        "recording rules used but not defined: {undefined:?}"
+    );
+    assert!(
+        exported.len() >= 15,
+        "too few names extracted: {exported:?}"
+    );
+
+    // A service whose PSP fails the first charge until the client stops retrying, then
+    // answers; a tenant rate that refuses once its burst is spent; a connection cap that
+    // evicts idle connections.
+    let dir = tempfile::tempdir().unwrap();
+    let psp = psp::spawn(PspConfig::default()).await.unwrap();
+    psp.faults()
+        .script([Fault::Error, Fault::Error, Fault::Error, Fault::Error])
+        .unwrap();
+    let serve = Serve::start(
+        &dir.path().join("b.db"),
+        &psp.url(),
+        &[
+            "--tenant-rate",
+            "1",
+            "--tenant-burst",
+            "5",
+            "--max-connections",
+            "4",
+        ],
+    )
+    .await;
+    let failed = serve.pay("k-fail", "o-fail").await;
+    assert!((500..600).contains(&failed), "the PSP failed: {failed}");
+    assert_eq!(serve.pay("k-ok", "o-ok").await, 201);
+    let unmatched = serve
+        .http
+        .get(format!("{}/no-such-route", serve.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unmatched.status(), 404);
+    // Until the burst is spent (1 token a second refills it; a slow machine only takes more
+    // requests to get there).
+    let mut refused = false;
+    for i in 0..1000 {
+        if serve.pay(&format!("k-{i}"), &format!("o-{i}")).await == 429 {
+            refused = true;
+            break;
+        }
+    }
+    assert!(refused, "the tenant rate never refused");
+
+    // Six connections that send nothing, at a cap of 4: the oldest are evicted.
+    let addr = serve.base.trim_start_matches("http://").to_owned();
+    let mut idle = Vec::new();
+    for _ in 0..6 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+
+    // The resolver publishes its gauges from a background task: scrape until every name is
+    // there or the (generous) deadline passes.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let missing = loop {
+        let (samples, types) = exposition(&serve.metrics().await);
+        let missing = missing(&exported, &samples, &types);
+        if missing.is_empty() || tokio::time::Instant::now() > deadline {
+            break missing;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        missing.is_empty(),
+        "used in deploy/ but not in the live /metrics: {missing:?}"
+    );
+    drop(idle);
+}
+
+#[test]
+fn exposition_names_keep_histogram_suffixes_only_for_histograms() {
+    let text = "# TYPE h_seconds histogram\nh_seconds_bucket{le=\"1\"} 1\nh_seconds_sum 1\n\
+                h_seconds_count 1\n# TYPE c_count counter\nc_count 3\n\
+                # TYPE g_total counter\ng_total{a=\"b\"} 2\n";
+    let (samples, types) = exposition(text);
+    let used = |names: &[&str]| names.iter().map(|s| (*s).to_owned()).collect();
+    assert!(
+        missing(
+            &used(&["h_seconds_bucket", "h_seconds_count"]),
+            &samples,
+            &types
+        )
+        .is_empty()
+    );
+    assert!(missing(&used(&["c_count", "g_total"]), &samples, &types).is_empty());
+    assert_eq!(
+        missing(&used(&["h_seconds", "nope"]), &samples, &types),
+        ["h_seconds", "nope"]
+    );
+}
