@@ -46,6 +46,7 @@
 mod gate;
 mod keyed;
 mod limit;
+mod queue;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod retry_after;
@@ -54,5 +55,9 @@ mod token_bucket;
 pub use gate::{Gate, GatePermit, Overloaded};
 pub use keyed::KeyedTokenBucket;
 pub use limit::{FixedLimit, Gradient2, Limit};
+pub use queue::{
+    AdmissionQueue, Admitted, Discipline, DropReason, Pushback, QueueConfig, Refused, Ticket,
+    UnknownDiscipline,
+};
 pub use retry_after::{RetryAfter, RetryAfterError};
 pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};
