@@ -13,7 +13,8 @@
 //!   expected service time is the larger of [`QueueConfig::min_service`] and a smoothed
 //!   average of recent service times ([`AdmissionQueue::on_service`]).
 //! - **sojourn** (CoDel for RPC): if even the shortest queueing delay seen over the last
-//!   [`QueueConfig::interval`] exceeded [`QueueConfig::target`], a standing queue exists and
+//!   [`QueueConfig::interval`] (at least two expected service times) exceeded
+//!   [`QueueConfig::target`], a standing queue exists and
 //!   the queue is *overloaded*: waiters older than the target are dropped
 //!   ([`DropReason::Sojourn`]). Otherwise a waiter may wait up to the interval.
 //! - **adaptive LIFO**: while overloaded the newest waiter is served first (it is the most
@@ -151,7 +152,7 @@ pub struct QueueConfig {
     /// Queueing delay a standing queue may not exceed (CoDel's target).
     pub target: Duration,
     /// Window over which the least queueing delay is measured, and the longest wait when the
-    /// queue is not overloaded.
+    /// queue is not overloaded; stretched to two expected service times when those are longer.
     pub interval: Duration,
     /// Least time serving a request takes; waiting may not eat into it.
     pub min_service: Duration,
@@ -380,7 +381,8 @@ impl<T> AdmissionQueue<T> {
     ) -> Result<Ticket, Refused<T>> {
         self.tick(now);
         let refuse = |reason, item| Err(Refused { reason, item });
-        if deadline.saturating_duration_since(now) < self.expected_service() {
+        // Exactly enough budget leaves none for waiting: refused too.
+        if deadline.saturating_duration_since(now) <= self.expected_service() {
             return refuse(DropReason::Deadline, item);
         }
         if cost > self.config.max_bytes {
@@ -511,14 +513,14 @@ impl<T> AdmissionQueue<T> {
             .checked_sub(self.expected_service())
             .unwrap_or(now);
         if self.config.discipline == Discipline::Fair {
-            at = at.min(entry.enqueued + self.config.interval);
+            at = at.min(entry.enqueued + self.interval());
             let target = entry.enqueued + self.config.target;
             if target > now {
                 at = at.min(target);
             } else if !self.is_overloaded() {
                 // Past the target: it matters again when the next interval decides overload.
                 if let Some(start) = self.interval_start {
-                    at = at.min((start + self.config.interval).max(now));
+                    at = at.min((start + self.interval()).max(now));
                 }
             }
         }
@@ -568,6 +570,14 @@ impl<T> AdmissionQueue<T> {
         }
     }
 
+    /// The interval in effect: the configured one, or two expected service times if longer. A
+    /// window shorter than that cannot tell a standing queue from requests still being served.
+    pub fn interval(&self) -> Duration {
+        self.config
+            .interval
+            .max(self.expected_service().saturating_mul(2))
+    }
+
     fn line_key<'a>(&self, tenant: &'a str) -> &'a str {
         match self.config.discipline {
             Discipline::Fair => tenant,
@@ -584,7 +594,7 @@ impl<T> AdmissionQueue<T> {
 
     /// Whether `entry` must leave now, and why.
     fn verdict(&self, entry: &Entry<T>, now: Instant) -> Option<DropReason> {
-        if entry.deadline.saturating_duration_since(now) < self.expected_service() {
+        if entry.deadline.saturating_duration_since(now) <= self.expected_service() {
             return Some(DropReason::Deadline);
         }
         if self.config.discipline == Discipline::Fifo {
@@ -594,7 +604,7 @@ impl<T> AdmissionQueue<T> {
         let limit = if self.is_overloaded() {
             self.config.target
         } else {
-            self.config.interval
+            self.interval()
         };
         (age >= limit).then_some(DropReason::Sojourn)
     }
@@ -641,7 +651,7 @@ impl<T> AdmissionQueue<T> {
             self.interval_start = Some(now);
             return;
         };
-        let end = start + self.config.interval;
+        let end = start + self.interval();
         if now < end {
             return;
         }
