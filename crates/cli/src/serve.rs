@@ -321,7 +321,11 @@ mod tests {
     #[test]
     fn queue_flags() {
         let c = parse(&[]).unwrap();
-        assert_eq!(c.queue, QueueConfig::default(), "fair, 1024 waiters, 5 ms / 100 ms");
+        assert_eq!(
+            c.queue,
+            QueueConfig::default(),
+            "fair, 1024 waiters, 5 ms / 100 ms"
+        );
         assert_eq!(c.queue.discipline, Discipline::Fair);
         let c = parse(&[
             "--queue",
