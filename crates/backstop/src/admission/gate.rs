@@ -195,6 +195,8 @@ impl Shared {
                 limiter.on_abandoned(elapsed, state.running);
             }
             state.limit = limiter.limit().max(1);
+            let slots = state.limit;
+            state.queue.set_slots(slots);
         }
         if permit.finished {
             state.queue.on_service(elapsed);
@@ -333,12 +335,15 @@ impl Gate {
             min_service,
             ..QueueConfig::default()
         };
+        let initial = initial.max(1);
+        let mut queue = AdmissionQueue::new(config);
+        queue.set_slots(initial);
         Self {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
-                    limit: initial.max(1),
+                    limit: initial,
                     running: 0,
-                    queue: AdmissionQueue::new(config),
+                    queue,
                     retry_after: None,
                 }),
                 limiter,
@@ -355,9 +360,11 @@ impl Gate {
             min_service: self.min_service,
             ..config
         };
+        let mut queue = AdmissionQueue::new(config);
         let old = {
             let mut state = self.shared.lock();
-            std::mem::replace(&mut state.queue, AdmissionQueue::new(config))
+            queue.set_slots(state.limit);
+            std::mem::replace(&mut state.queue, queue)
         };
         drop(old);
         self

@@ -14,9 +14,10 @@
 //!   average of recent service times ([`AdmissionQueue::on_service`]).
 //! - **sojourn** (CoDel for RPC): if even the shortest queueing delay seen over the last
 //!   [`QueueConfig::interval`] (at least two expected service times) exceeded
-//!   [`QueueConfig::target`], a standing queue exists and
-//!   the queue is *overloaded*: waiters older than the target are dropped
-//!   ([`DropReason::Sojourn`]). Otherwise a waiter may wait up to the interval.
+//!   [`QueueConfig::target`] (at least two expected gaps between finishing requests), a
+//!   standing queue exists and the queue is *overloaded*: waiters older than the target are
+//!   dropped ([`DropReason::Sojourn`]), until free slots find nobody waiting at least as often
+//!   as somebody. Otherwise a waiter may wait up to the interval.
 //! - **adaptive LIFO**: while overloaded the newest waiter is served first (it is the most
 //!   likely to still make its deadline); first come, first served otherwise.
 //! - **fairness**: each tenant has its own sub-queue and the sub-queues are served in turn
@@ -266,8 +267,12 @@ pub struct AdmissionQueue<T> {
     nonempty_since: Option<Instant>,
     /// Since when the queue has been overloaded without a break.
     overloaded_since: Option<Instant>,
-    /// Whether a free slot found nobody waiting in the current interval.
-    idle: bool,
+    /// Free slots that found nobody waiting, in the current interval.
+    idle: u32,
+    /// Free slots given to a waiter, in the current interval.
+    served: u32,
+    /// Requests served at once (the gate's limit), to scale the target.
+    slots: usize,
     dropped: Vec<(T, DropReason)>,
 }
 
@@ -304,7 +309,9 @@ impl<T> AdmissionQueue<T> {
             min_delay: None,
             nonempty_since: None,
             overloaded_since: None,
-            idle: false,
+            idle: 0,
+            served: 0,
+            slots: 1,
             dropped: Vec::new(),
         }
     }
@@ -364,7 +371,7 @@ impl<T> AdmissionQueue<T> {
     pub fn admitted_directly(&mut self, now: Instant) {
         self.tick(now);
         self.sample(Duration::ZERO);
-        self.idle = true;
+        self.idle += 1;
     }
 
     /// Enqueues a waiter of `tenant` whose budget ends at `deadline`, declaring `cost` bytes.
@@ -454,7 +461,7 @@ impl<T> AdmissionQueue<T> {
         if self.round.is_empty() {
             // A free slot and nobody waiting: capacity exceeds demand. (Finding only waiters
             // too old to serve is no such evidence.)
-            self.idle = true;
+            self.idle += 1;
             return None;
         }
         loop {
@@ -470,6 +477,7 @@ impl<T> AdmissionQueue<T> {
             }
             let sojourn = now.saturating_duration_since(entry.enqueued);
             self.sample(sojourn);
+            self.served += 1;
             return Some(Admitted {
                 item: entry.item,
                 sojourn,
@@ -514,7 +522,7 @@ impl<T> AdmissionQueue<T> {
             .unwrap_or(now);
         if self.config.discipline == Discipline::Fair {
             at = at.min(entry.enqueued + self.interval());
-            let target = entry.enqueued + self.config.target;
+            let target = entry.enqueued + self.target();
             if target > now {
                 at = at.min(target);
             } else if !self.is_overloaded() {
@@ -570,6 +578,25 @@ impl<T> AdmissionQueue<T> {
         }
     }
 
+    /// Tells the queue how many requests are served at once (the gate's limit), which scales
+    /// the target: a waiter in a healthy queue waits for the next of `slots` requests to
+    /// finish.
+    pub fn set_slots(&mut self, slots: usize) {
+        self.slots = slots.max(1);
+    }
+
+    /// The target in effect: the configured one, or two expected gaps between finishing
+    /// requests (expected service time / slots) if longer. A shorter one would drop waiters of
+    /// a queue that is merely waiting its turn, and empty it so often that a standing queue
+    /// could no longer be told from spare capacity.
+    pub fn target(&self) -> Duration {
+        let gap = self
+            .expected_service()
+            .checked_div(u32::try_from(self.slots).unwrap_or(u32::MAX))
+            .unwrap_or_default();
+        self.config.target.max(gap.saturating_mul(2))
+    }
+
     /// The interval in effect: the configured one, or two expected service times if longer. A
     /// window shorter than that cannot tell a standing queue from requests still being served.
     pub fn interval(&self) -> Duration {
@@ -602,7 +629,7 @@ impl<T> AdmissionQueue<T> {
         }
         let age = now.saturating_duration_since(entry.enqueued);
         let limit = if self.is_overloaded() {
-            self.config.target
+            self.target()
         } else {
             self.interval()
         };
@@ -640,9 +667,8 @@ impl<T> AdmissionQueue<T> {
 
     /// Closes the measuring interval once it has run out and decides whether the queue is
     /// overloaded: the least delay served in it exceeded the target, or, with nobody served,
-    /// the queue never emptied during it. Once overloaded, the queue stays so until a free slot
-    /// finds nobody waiting: served newest first, the least delay stays small however long the
-    /// standing queue behind it.
+    /// the queue never emptied during it. Once overloaded, the queue stays so until, over an
+    /// interval, free slots find nobody waiting at least as often as somebody.
     fn tick(&mut self, now: Instant) {
         if self.config.discipline == Discipline::Fifo {
             return;
@@ -657,12 +683,18 @@ impl<T> AdmissionQueue<T> {
         }
         let min_delay = self.min_delay.take();
         let idle = std::mem::take(&mut self.idle);
+        let served = std::mem::take(&mut self.served);
         let standing = if self.is_overloaded() {
-            // Quiet (nobody served, nobody waiting) is no standing queue either.
-            !idle && (min_delay.is_some() || self.nonempty_since.is_some())
+            // Served newest first with the old dropped, the delays seen stay short however
+            // much demand exceeds capacity; what ends the overload is free slots finding nobody
+            // waiting more often than somebody.
+            served > idle
+                || (served == 0
+                    && idle == 0
+                    && self.nonempty_since.is_some_and(|since| since <= start))
         } else {
             match min_delay {
-                Some(delay) => delay > self.config.target,
+                Some(delay) => delay > self.target(),
                 None => self.nonempty_since.is_some_and(|since| since <= start),
             }
         };

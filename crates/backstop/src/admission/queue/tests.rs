@@ -21,6 +21,13 @@ fn fifo() -> QueueConfig {
     }
 }
 
+/// A queue in front of 100 slots: gaps between finishing requests far below the 5 ms target.
+fn queue(config: QueueConfig) -> AdmissionQueue<u32> {
+    let mut q = AdmissionQueue::new(config);
+    q.set_slots(100);
+    q
+}
+
 /// Pops everything poppable at `now`, returning the items served.
 fn drain(q: &mut AdmissionQueue<u32>, now: Instant) -> Vec<u32> {
     std::iter::from_fn(|| q.pop(now).map(|w| w.item)).collect()
@@ -32,7 +39,7 @@ fn reasons(q: &mut AdmissionQueue<u32>) -> Vec<(u32, DropReason)> {
 
 #[test]
 fn work_that_cannot_finish_in_time_is_refused_at_enqueue() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     let refused = q.push(t0, "a", t0 + 10 * MS, 0, 1).unwrap_err();
     assert_eq!(
@@ -55,7 +62,7 @@ fn work_that_cannot_finish_in_time_is_refused_at_enqueue() {
 #[test]
 fn expired_work_never_runs() {
     for cfg in [config(), fifo()] {
-        let mut q = AdmissionQueue::new(cfg.clone());
+        let mut q = queue(cfg.clone());
         let t0 = Instant::now();
         q.push(t0, "a", t0 + 40 * MS, 0, 1).unwrap();
         q.push(t0, "a", t0 + LONG, 0, 2).unwrap();
@@ -69,7 +76,7 @@ fn expired_work_never_runs() {
 
 #[test]
 fn a_waiter_checks_itself_out_at_its_deadline() {
-    let mut q = AdmissionQueue::new(fifo());
+    let mut q = queue(fifo());
     let t0 = Instant::now();
     let ticket = q.push(t0, "a", t0 + 50 * MS, 0, 1).unwrap();
     let at = q.next_check(ticket, t0).unwrap();
@@ -82,7 +89,7 @@ fn a_waiter_checks_itself_out_at_its_deadline() {
 
 #[test]
 fn without_a_standing_queue_waiters_are_served_first_come_first_served_within_the_interval() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     let tickets: Vec<_> = (0..3)
         .map(|i| q.push(t0, "a", t0 + LONG, 0, i).unwrap())
@@ -101,7 +108,7 @@ fn without_a_standing_queue_waiters_are_served_first_come_first_served_within_th
 
 #[test]
 fn sojourn_drops_start_when_a_standing_queue_forms_and_stop_when_it_drains() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     // Waiters queue up and the ones served have waited 20 ms: beyond the 5 ms target.
     for i in 0..6 {
@@ -142,7 +149,7 @@ fn sojourn_drops_start_when_a_standing_queue_forms_and_stop_when_it_drains() {
 
 #[test]
 fn a_stalled_service_is_a_standing_queue_too() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     q.push(t0, "a", t0 + LONG, 0, 1).unwrap();
     let young = q.push(t0 + 95 * MS, "a", t0 + LONG, 0, 2).unwrap();
@@ -158,7 +165,7 @@ fn a_stalled_service_is_a_standing_queue_too() {
 
 #[test]
 fn newest_first_while_overloaded_oldest_first_otherwise() {
-    let mut q = AdmissionQueue::new(QueueConfig {
+    let mut q = queue(QueueConfig {
         target: Duration::from_secs(1),
         interval: Duration::from_secs(2),
         ..config()
@@ -186,7 +193,7 @@ fn newest_first_while_overloaded_oldest_first_otherwise() {
 
 #[test]
 fn fifo_never_drops_on_sojourn_nor_serves_newest_first() {
-    let mut q = AdmissionQueue::new(fifo());
+    let mut q = queue(fifo());
     let t0 = Instant::now();
     for i in 0..4 {
         q.push(t0 + i * MS, "a", t0 + LONG, 0, i).unwrap();
@@ -199,7 +206,7 @@ fn fifo_never_drops_on_sojourn_nor_serves_newest_first() {
 
 #[test]
 fn tenants_take_turns() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     for i in 0..3 {
         q.push(t0, "flood", t0 + LONG, 0, i).unwrap();
@@ -211,7 +218,7 @@ fn tenants_take_turns() {
 
 #[test]
 fn a_tenant_flood_does_not_starve_another_tenant() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     // One tenant alone may fill the queue.
     for i in 0..8 {
@@ -240,7 +247,7 @@ fn a_tenant_flood_does_not_starve_another_tenant() {
 #[test]
 fn bounded_by_count_and_by_memory() {
     // FIFO: one line, nobody to push out.
-    let mut q = AdmissionQueue::new(fifo());
+    let mut q = queue(fifo());
     let t0 = Instant::now();
     for i in 0..8 {
         q.push(t0, "a", t0 + LONG, 16, i).unwrap();
@@ -249,7 +256,7 @@ fn bounded_by_count_and_by_memory() {
     assert_eq!(refused.reason, DropReason::Full);
     assert_eq!(q.len(), 8);
 
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     q.push(t0, "a", t0 + LONG, 4 << 10, 1).unwrap();
     q.push(t0, "a", t0 + LONG, 3 << 10, 2).unwrap();
     assert_eq!(q.bytes(), 7 << 10);
@@ -269,7 +276,7 @@ fn bounded_by_count_and_by_memory() {
 
 #[test]
 fn a_removed_waiter_leaves_nothing() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     let a = q.push(t0, "a", t0 + LONG, 100, 1).unwrap();
     let b = q.push(t0, "b", t0 + LONG, 100, 2).unwrap();
@@ -285,7 +292,7 @@ fn a_removed_waiter_leaves_nothing() {
 
 #[test]
 fn pushback_grows_with_the_queue_and_is_jittered_within_bounds() {
-    let mut q = AdmissionQueue::new(QueueConfig {
+    let mut q = queue(QueueConfig {
         max_waiters: 1000,
         ..config()
     });
@@ -324,7 +331,7 @@ fn pushback_grows_with_the_queue_and_is_jittered_within_bounds() {
 
 #[test]
 fn shedding_hard_says_do_not_retry_and_recovery_says_retry() {
-    let mut q = AdmissionQueue::new(config());
+    let mut q = queue(config());
     let t0 = Instant::now();
     let mut now = t0;
     let mut advice = Vec::new();
@@ -345,13 +352,57 @@ fn shedding_hard_says_do_not_retry_and_recovery_says_retry() {
     let hard = advice.last().unwrap();
     assert!(!hard.retry);
     assert!(hard.wait >= HARD_SHED_PUSHBACK, "{hard:?}");
-    // The load stops: the queue drains, a free slot finds nobody, the next interval ends it.
+    // The load stops: the queue drains, and over an interval free slots find nobody.
     while q.pop(now).is_some() {}
-    q.pop(now);
-    now += 100 * MS;
-    q.admitted_directly(now);
+    for _ in 0..25 {
+        now += 10 * MS;
+        q.pop(now);
+    }
     assert!(!q.is_overloaded());
     assert!(q.pushback(now, 4, 0.5).retry);
+}
+
+#[test]
+fn the_target_is_at_least_two_gaps_between_finishing_requests() {
+    let mut q = AdmissionQueue::<u32>::new(config());
+    q.set_slots(100);
+    assert_eq!(q.target(), 5 * MS);
+    for _ in 0..100 {
+        q.on_service(200 * MS);
+    }
+    // 200 ms of service over 16 slots: a request finishes every 12.5 ms.
+    q.set_slots(16);
+    assert_eq!(q.target(), 25 * MS);
+    assert_eq!(q.interval(), 400 * MS, "two service times");
+    q.set_slots(0);
+    assert_eq!(q.target(), 400 * MS, "at least one slot");
+}
+
+#[test]
+fn overload_lasts_while_free_slots_mostly_find_somebody_waiting() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    // Three arrivals for two free slots every 10 ms: the third waits too long and goes.
+    let mut now = t0;
+    for step in 0..100 {
+        now = t0 + step * 10 * MS;
+        for i in 0..3 {
+            let _ = q.push(now, "a", now + LONG, 0, step * 3 + i);
+        }
+        q.pop(now + MS);
+        q.pop(now + 2 * MS);
+        if step > 20 {
+            assert!(q.is_overloaded(), "step {step}");
+        }
+    }
+    // One arrival for two free slots: one of them finds nobody, and the overload ends.
+    for step in 100..130 {
+        now = t0 + step * 10 * MS;
+        let _ = q.push(now, "a", now + LONG, 0, step);
+        q.pop(now + MS);
+        q.pop(now + 2 * MS);
+    }
+    assert!(!q.is_overloaded());
 }
 
 #[test]
