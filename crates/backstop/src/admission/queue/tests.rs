@@ -383,9 +383,8 @@ fn overload_lasts_while_free_slots_mostly_find_somebody_waiting() {
     let mut q = queue(config());
     let t0 = Instant::now();
     // Three arrivals for two free slots every 10 ms: the third waits too long and goes.
-    let mut now = t0;
     for step in 0..100 {
-        now = t0 + step * 10 * MS;
+        let now = t0 + step * 10 * MS;
         for i in 0..3 {
             let _ = q.push(now, "a", now + LONG, 0, step * 3 + i);
         }
@@ -397,7 +396,7 @@ fn overload_lasts_while_free_slots_mostly_find_somebody_waiting() {
     }
     // One arrival for two free slots: one of them finds nobody, and the overload ends.
     for step in 100..130 {
-        now = t0 + step * 10 * MS;
+        let now = t0 + step * 10 * MS;
         let _ = q.push(now, "a", now + LONG, 0, step);
         q.pop(now + MS);
         q.pop(now + 2 * MS);
