@@ -66,11 +66,12 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "BYTES", default_value_t = QueueConfig::DEFAULT_MAX_BYTES)]
     queue_memory: usize,
     /// Queueing delay a standing queue may not exceed (`fair`): once even the shortest wait
-    /// over --queue-interval is longer, requests that waited this long are dropped.
+    /// over --queue-interval is longer, requests that waited this long are dropped. Raised to
+    /// two gaps between finishing requests (service time / limit) when those are longer.
     #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = parse_queue_duration)]
     queue_target: Duration,
     /// Window over which the shortest wait is measured, and the longest wait while no
-    /// standing queue exists (`fair`; at least two service times).
+    /// standing queue exists (`fair`; at least twice the target in effect).
     #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_queue_duration)]
     queue_interval: Duration,
     /// Requests per second per merchant; beyond it 429 + Retry-After.

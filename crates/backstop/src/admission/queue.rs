@@ -13,7 +13,7 @@
 //!   expected service time is the larger of [`QueueConfig::min_service`] and a smoothed
 //!   average of recent service times ([`AdmissionQueue::on_service`]).
 //! - **sojourn** (CoDel for RPC): if even the shortest queueing delay seen over the last
-//!   [`QueueConfig::interval`] (at least two expected service times) exceeded
+//!   [`QueueConfig::interval`] (at least twice the target in effect) exceeded
 //!   [`QueueConfig::target`] (at least two expected gaps between finishing requests), a
 //!   standing queue exists and the queue is *overloaded*: waiters older than the target are
 //!   dropped ([`DropReason::Sojourn`]), until free slots find nobody waiting at least as often
@@ -153,7 +153,7 @@ pub struct QueueConfig {
     /// Queueing delay a standing queue may not exceed (CoDel's target).
     pub target: Duration,
     /// Window over which the least queueing delay is measured, and the longest wait when the
-    /// queue is not overloaded; stretched to two expected service times when those are longer.
+    /// queue is not overloaded; stretched to twice the target in effect when that is longer.
     pub interval: Duration,
     /// Least time serving a request takes; waiting may not eat into it.
     pub min_service: Duration,
@@ -597,12 +597,11 @@ impl<T> AdmissionQueue<T> {
         self.config.target.max(gap.saturating_mul(2))
     }
 
-    /// The interval in effect: the configured one, or two expected service times if longer. A
-    /// window shorter than that cannot tell a standing queue from requests still being served.
+    /// The interval in effect: the configured one, or twice the [target](Self::target) if
+    /// longer. With few slots and slow service, a window of a few gaps between finishing
+    /// requests is needed to tell a standing queue from requests waiting their turn.
     pub fn interval(&self) -> Duration {
-        self.config
-            .interval
-            .max(self.expected_service().saturating_mul(2))
+        self.config.interval.max(self.target().saturating_mul(2))
     }
 
     fn line_key<'a>(&self, tenant: &'a str) -> &'a str {

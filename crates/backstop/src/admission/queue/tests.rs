@@ -373,9 +373,10 @@ fn the_target_is_at_least_two_gaps_between_finishing_requests() {
     // 200 ms of service over 16 slots: a request finishes every 12.5 ms.
     q.set_slots(16);
     assert_eq!(q.target(), 25 * MS);
-    assert_eq!(q.interval(), 400 * MS, "two service times");
+    assert_eq!(q.interval(), 100 * MS);
     q.set_slots(0);
     assert_eq!(q.target(), 400 * MS, "at least one slot");
+    assert_eq!(q.interval(), 800 * MS, "twice the target");
 }
 
 #[test]
