@@ -1,61 +1,4 @@
-//! The admission queue: who waits for a slot of the [`Gate`](super::Gate), who is served next,
-//! and who is refused because waiting longer would only turn overload into late failures.
-//!
-//! [`AdmissionQueue`] is the algorithm alone: a synchronous data structure that reads no clock.
-//! Every operation takes `now`, so the gate drives it with tokio's clock and a simulator or a
-//! test drives the very same code in virtual time. It holds one item per waiter (the gate's is a
-//! channel to wake it) and decides:
-//!
-//! - **bounds**: at most [`QueueConfig::max_waiters`] waiters and
-//!   [`QueueConfig::max_bytes`] of declared cost; beyond, [`DropReason::Full`].
-//! - **deadlines**: a waiter whose remaining budget cannot cover the expected service time is
-//!   never handed out ([`DropReason::Deadline`]), neither at enqueue nor at the head. The
-//!   expected service time is the larger of [`QueueConfig::min_service`] and a smoothed
-//!   average of recent service times ([`AdmissionQueue::on_service`]).
-//! - **sojourn** (CoDel for RPC): if even the shortest queueing delay seen over the last
-//!   [`QueueConfig::interval`] (at least twice the target in effect) exceeded
-//!   [`QueueConfig::target`] (at least two expected gaps between finishing requests), a
-//!   standing queue exists and the queue is *overloaded*: waiters older than the target are
-//!   dropped ([`DropReason::Sojourn`]), until free slots find nobody waiting at least as often
-//!   as somebody. Otherwise a waiter may wait up to the interval.
-//! - **adaptive LIFO**: while overloaded the newest waiter is served first (it is the most
-//!   likely to still make its deadline); first come, first served otherwise.
-//! - **fairness**: each tenant has its own sub-queue and the sub-queues are served in turn
-//!   (deficit round robin where every request costs one slot). A tenant may hold at most an
-//!   equal share of the queue among the tenants waiting ([`DropReason::TenantShare`]); when the
-//!   queue is full, a tenant under its share pushes out the oldest waiter of the tenant most
-//!   over it, so a flood from one tenant cannot lock the others out.
-//!
-//! [`Discipline::Fifo`] turns the last three off: one first-come-first-served line whose wait is
-//! bounded only by each waiter's deadline.
-//!
-//! Waiters dropped by an operation on someone else's behalf (pushed out, found expired at the
-//! head) are collected; take them with [`AdmissionQueue::take_dropped`] and tell them.
-//!
-//! ```
-//! use std::time::Duration;
-//! use tokio::time::Instant;
-//! use backstop::admission::{AdmissionQueue, DropReason, QueueConfig};
-//!
-//! let mut queue = AdmissionQueue::new(QueueConfig::default());
-//! let t0 = Instant::now();
-//! let budget = t0 + Duration::from_secs(1);
-//! let a = queue.push(t0, "acme", budget, 512, "a").unwrap();
-//! queue.push(t0, "acme", budget, 512, "b").unwrap();
-//! queue.push(t0, "globex", budget, 512, "c").unwrap();
-//! assert_eq!(queue.len(), 3);
-//!
-//! // Tenants take turns: acme, then globex, then acme again.
-//! let now = t0 + Duration::from_millis(1);
-//! assert_eq!(queue.pop(now).map(|w| w.item), Some("a"));
-//! assert_eq!(queue.pop(now).map(|w| w.item), Some("c"));
-//! assert_eq!(queue.pop(now).map(|w| w.item), Some("b"));
-//! assert!(queue.remove(a).is_none(), "already served");
-//!
-//! // Budget too short for the expected service time: refused at once.
-//! let refused = queue.push(now, "acme", now + Duration::from_millis(1), 0, "d").unwrap_err();
-//! assert_eq!(refused.reason, DropReason::Deadline);
-//! ```
+//! The admission queue of the [`Gate`](super::Gate): see [`AdmissionQueue`].
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -249,7 +192,65 @@ struct Line {
     live: usize,
 }
 
-/// A bounded, fair queue that drops what cannot finish in time. See the [module](self).
+/// A bounded, fair queue that drops what cannot finish in time: who waits for a slot of the
+/// [`Gate`](super::Gate), who is served next, and who is refused because waiting longer would
+/// only turn overload into late failures.
+///
+/// This is the algorithm alone: a synchronous data structure that reads no clock.
+/// Every operation takes `now`, so the gate drives it with tokio's clock and a simulator or a
+/// test drives the very same code in virtual time. It holds one item per waiter (the gate's is a
+/// channel to wake it) and decides:
+///
+/// - **bounds**: at most [`QueueConfig::max_waiters`] waiters and
+///   [`QueueConfig::max_bytes`] of declared cost; beyond, [`DropReason::Full`].
+/// - **deadlines**: a waiter whose remaining budget cannot cover the expected service time is
+///   never handed out ([`DropReason::Deadline`]), neither at enqueue nor at the head. The
+///   expected service time is the larger of [`QueueConfig::min_service`] and a smoothed
+///   average of recent service times ([`Self::on_service`]).
+/// - **sojourn** (CoDel for RPC): if even the shortest queueing delay seen over the last
+///   [`QueueConfig::interval`] (at least twice the target in effect) exceeded
+///   [`QueueConfig::target`] (at least two expected gaps between finishing requests), a
+///   standing queue exists and the queue is *overloaded*: waiters older than the target are
+///   dropped ([`DropReason::Sojourn`]), until free slots find nobody waiting at least as often
+///   as somebody. Otherwise a waiter may wait up to the interval.
+/// - **adaptive LIFO**: while overloaded the newest waiter is served first (it is the most
+///   likely to still make its deadline); first come, first served otherwise.
+/// - **fairness**: each tenant has its own sub-queue and the sub-queues are served in turn
+///   (deficit round robin where every request costs one slot). A tenant may hold at most an
+///   equal share of the queue among the tenants waiting ([`DropReason::TenantShare`]); when the
+///   queue is full, a tenant under its share pushes out the oldest waiter of the tenant most
+///   over it, so a flood from one tenant cannot lock the others out.
+///
+/// [`Discipline::Fifo`] turns the last three off: one first-come-first-served line whose wait is
+/// bounded only by each waiter's deadline.
+///
+/// Waiters dropped by an operation on someone else's behalf (pushed out, found expired at the
+/// head) are collected; take them with [`Self::take_dropped`] and tell them.
+///
+/// ```
+/// use std::time::Duration;
+/// use tokio::time::Instant;
+/// use backstop::admission::{AdmissionQueue, DropReason, QueueConfig};
+///
+/// let mut queue = AdmissionQueue::new(QueueConfig::default());
+/// let t0 = Instant::now();
+/// let budget = t0 + Duration::from_secs(1);
+/// let a = queue.push(t0, "acme", budget, 512, "a").unwrap();
+/// queue.push(t0, "acme", budget, 512, "b").unwrap();
+/// queue.push(t0, "globex", budget, 512, "c").unwrap();
+/// assert_eq!(queue.len(), 3);
+///
+/// // Tenants take turns: acme, then globex, then acme again.
+/// let now = t0 + Duration::from_millis(1);
+/// assert_eq!(queue.pop(now).map(|w| w.item), Some("a"));
+/// assert_eq!(queue.pop(now).map(|w| w.item), Some("c"));
+/// assert_eq!(queue.pop(now).map(|w| w.item), Some("b"));
+/// assert!(queue.remove(a).is_none(), "already served");
+///
+/// // Budget too short for the expected service time: refused at once.
+/// let refused = queue.push(now, "acme", now + Duration::from_millis(1), 0, "d").unwrap_err();
+/// assert_eq!(refused.reason, DropReason::Deadline);
+/// ```
 pub struct AdmissionQueue<T> {
     config: QueueConfig,
     entries: HashMap<u64, Entry<T>>,
