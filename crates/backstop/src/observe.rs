@@ -48,6 +48,11 @@ pub const RPC_SERVER_INFLIGHT: &str = "rpc_server_inflight";
 pub const RPC_SERVER_CONCURRENCY_LIMIT: &str = "rpc_server_concurrency_limit";
 /// Server: requests holding a slot under the concurrency limit now, labelled `service`.
 pub const RPC_SERVER_CONCURRENCY_INFLIGHT: &str = "rpc_server_concurrency_inflight";
+/// Server: requests waiting for a slot in the gate's queue now, labelled `service`.
+pub const RPC_SERVER_QUEUE_LENGTH: &str = "rpc_server_queue_length";
+/// Server: time admitted requests waited in the gate's queue in seconds (zero for those
+/// admitted at once), labelled `service`.
+pub const RPC_SERVER_QUEUE_DELAY_SECONDS: &str = "rpc_server_queue_delay_seconds";
 /// Server: requests refused by admission control, labelled `reason` (see [`reject_reason`]).
 pub const RPC_SERVER_REJECTED_TOTAL: &str = "rpc_server_rejected_total";
 /// Server: connections open now, per listener (`service`).
@@ -91,8 +96,15 @@ pub mod reject_reason {
     pub const OVERLOADED: &str = "overloaded";
     /// The tenant's quota: 429.
     pub const RATE_LIMITED: &str = "rate_limited";
-    /// Too little budget left to serve the request in time.
+    /// Too little budget left to serve the request in time: refused at the gate, or dropped
+    /// from its queue before being served.
     pub const DEADLINE: &str = "deadline";
+    /// Waited in the gate's queue longer than it allows (a standing queue formed): 503.
+    pub const SOJOURN: &str = "sojourn";
+    /// The gate's queue is at its bound, by count or by memory: 503.
+    pub const FULL: &str = "full";
+    /// The tenant holds more than its share of the gate's queue: 503.
+    pub const TENANT_SHARE: &str = "tenant_share";
     /// The shared rate limiter (Redis) is unavailable and fails closed: 503.
     pub const RATE_LIMITER_UNAVAILABLE: &str = "rate_limiter_unavailable";
 }
@@ -217,6 +229,16 @@ pub fn describe_metrics() {
         Unit::Count,
         "Requests holding a slot under the concurrency limit now."
     );
+    describe_gauge!(
+        RPC_SERVER_QUEUE_LENGTH,
+        Unit::Count,
+        "Requests waiting in the admission gate's queue now."
+    );
+    describe_histogram!(
+        RPC_SERVER_QUEUE_DELAY_SECONDS,
+        Unit::Seconds,
+        "Time admitted requests waited in the admission gate's queue."
+    );
     describe_counter!(
         RPC_SERVER_REJECTED_TOTAL,
         Unit::Count,
@@ -311,6 +333,8 @@ mod tests {
             (RPC_SERVER_INFLIGHT, "gauge", Unit::Count),
             (RPC_SERVER_CONCURRENCY_LIMIT, "gauge", Unit::Count),
             (RPC_SERVER_CONCURRENCY_INFLIGHT, "gauge", Unit::Count),
+            (RPC_SERVER_QUEUE_LENGTH, "gauge", Unit::Count),
+            (RPC_SERVER_QUEUE_DELAY_SECONDS, "histogram", Unit::Seconds),
             (RPC_SERVER_REJECTED_TOTAL, "counter", Unit::Count),
             (RPC_SERVER_REQUESTS_TOTAL, "counter", Unit::Count),
         ]
@@ -339,6 +363,7 @@ mod tests {
         for name in [
             RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
             RPC_SERVER_DURATION_SECONDS,
+            RPC_SERVER_QUEUE_DELAY_SECONDS,
         ] {
             assert!(name.ends_with("_seconds"), "{name}");
         }

@@ -383,6 +383,7 @@ pub struct Status {
     problem: &'static str,
     http: Option<StatusCode>,
     rejected: bool,
+    no_retry: bool,
 }
 
 impl Status {
@@ -395,6 +396,7 @@ impl Status {
             problem: code.problem(),
             http: None,
             rejected: false,
+            no_retry: false,
         }
     }
 
@@ -447,6 +449,19 @@ impl Status {
     pub fn with_pushback(mut self, pushback: Duration) -> Self {
         self.pushback = Some(pushback);
         self
+    }
+
+    /// Asks the caller not to retry this request at all (a server shedding hard). gRPC answers
+    /// carry it as a negative `grpc-retry-pushback-ms`; HTTP ones as the pushback, which should
+    /// then be long.
+    pub fn with_no_retry(mut self) -> Self {
+        self.no_retry = true;
+        self
+    }
+
+    /// Whether the caller is asked not to retry at all (see [`Status::with_no_retry`]).
+    pub fn no_retry(&self) -> bool {
+        self.no_retry
     }
 
     /// Sets the stable problem code (see [`problem`]).

@@ -6,6 +6,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
+use backstop::admission::{Discipline, QueueConfig};
 use backstop_payment::config::{ApiKey, Config, LimitMode, PspTarget, StoreLocation};
 use backstop_payment::service::{self, ServeError};
 use clap::Args;
@@ -50,6 +51,29 @@ pub(crate) struct ServeArgs {
     /// Lower bound of the adaptive limit.
     #[arg(long, value_name = "N", default_value_t = 8)]
     min_inflight: usize,
+    /// How requests wait for a slot when all are busy. `fair`: per-merchant queues served in
+    /// turn, each merchant holding at most an equal share; a request is dropped (503 +
+    /// Retry-After) once its remaining budget cannot cover the expected service time, and,
+    /// when a standing queue forms, once it has waited longer than --queue-target (the newest
+    /// are then served first). `fifo`: one first-come-first-served line, each request waiting
+    /// as long as its budget allows.
+    #[arg(long, value_name = "MODE", default_value_t = Discipline::Fair)]
+    queue: Discipline,
+    /// Most requests waiting for a slot; beyond it 503 + Retry-After.
+    #[arg(long, value_name = "N", default_value_t = QueueConfig::DEFAULT_MAX_WAITERS)]
+    queue_size: usize,
+    /// Most memory the waiting requests may hold (their bodies plus overhead), in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = QueueConfig::DEFAULT_MAX_BYTES)]
+    queue_memory: usize,
+    /// Queueing delay a standing queue may not exceed (`fair`): once even the shortest wait
+    /// over --queue-interval is longer, requests that waited this long are dropped. Raised to
+    /// two gaps between finishing requests (service time / limit) when those are longer.
+    #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = parse_queue_duration)]
+    queue_target: Duration,
+    /// Window over which the shortest wait is measured, and the longest wait while no
+    /// standing queue exists (`fair`; at least twice the target in effect).
+    #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_queue_duration)]
+    queue_interval: Duration,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
     #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
@@ -108,6 +132,14 @@ impl ServeArgs {
         config.drain_timeout = self.drain_timeout;
         config.limit = self.limit;
         config.min_inflight = self.min_inflight;
+        config.queue = QueueConfig {
+            discipline: self.queue,
+            max_waiters: self.queue_size,
+            max_bytes: self.queue_memory,
+            target: self.queue_target,
+            interval: self.queue_interval,
+            ..QueueConfig::default()
+        };
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
         config.api_keys = self
@@ -140,6 +172,18 @@ impl ServeArgs {
 
 /// Longest accepted `--drain-timeout`.
 const MAX_DRAIN: Duration = Duration::from_secs(600);
+
+/// Longest accepted --queue-target / --queue-interval.
+const MAX_QUEUE_DURATION: Duration = Duration::from_secs(60);
+
+fn parse_queue_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 5ms or 100ms: {e}"))?;
+    if d.is_zero() || d > MAX_QUEUE_DURATION {
+        return Err(format!("{s} must be above zero and at most 60s"));
+    }
+    Ok(d)
+}
 
 fn parse_drain(s: &str) -> Result<Duration, String> {
     let drain = humantime::parse_duration(s)
@@ -273,6 +317,46 @@ mod tests {
         assert!(err.to_string().contains("fixed or adaptive"), "{err}");
         let c = parse(&["--limit", "adaptive", "--min-inflight", "300"]).unwrap();
         assert!(c.validate().is_err(), "lower bound above the upper one");
+    }
+
+    #[test]
+    fn queue_flags() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(
+            c.queue,
+            QueueConfig::default(),
+            "fair, 1024 waiters, 5 ms / 100 ms"
+        );
+        assert_eq!(c.queue.discipline, Discipline::Fair);
+        let c = parse(&[
+            "--queue",
+            "fifo",
+            "--queue-size",
+            "64",
+            "--queue-memory",
+            "1048576",
+            "--queue-target",
+            "10ms",
+            "--queue-interval",
+            "200ms",
+        ])
+        .unwrap();
+        assert_eq!(c.queue.discipline, Discipline::Fifo);
+        assert_eq!((c.queue.max_waiters, c.queue.max_bytes), (64, 1 << 20));
+        assert_eq!(c.queue.target, Duration::from_millis(10));
+        assert_eq!(c.queue.interval, Duration::from_millis(200));
+        assert!(c.validate().is_ok());
+
+        let err = parse(&["--queue", "lifo"]).unwrap_err();
+        assert!(err.to_string().contains("`fair` or `fifo`"), "{err}");
+        for bad in ["0ms", "2m", "soon"] {
+            assert!(parse(&["--queue-target", bad]).is_err(), "{bad}");
+        }
+        let c = parse(&["--queue-target", "50ms", "--queue-interval", "10ms"]).unwrap();
+        assert!(c.validate().is_err(), "interval shorter than the target");
+        let c = parse(&["--queue-size", "0"]).unwrap();
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("--queue-size"), "{err}");
     }
 
     #[cfg(unix)]

@@ -6,6 +6,7 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::num::NonZeroU32;
 
+use backstop::admission::QueueConfig;
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -210,6 +211,9 @@ pub struct Config {
     pub limit: LimitMode,
     /// Lower bound of an adaptive limit.
     pub min_inflight: usize,
+    /// The gate's queue: discipline, bounds, sojourn target and interval (its minimal service
+    /// time is the service's).
+    pub queue: QueueConfig,
     /// Sustained requests per second per merchant before 429 + Retry-After.
     pub tenant_rate: NonZeroU32,
     /// Burst per merchant.
@@ -255,6 +259,7 @@ impl Config {
             max_inflight: 256,
             limit: LimitMode::Fixed,
             min_inflight: 8,
+            queue: QueueConfig::default(),
             tenant_rate: NonZeroU32::new(1000).expect("non-zero"),
             tenant_burst: NonZeroU32::new(2000).expect("non-zero"),
             api_keys: Vec::new(),
@@ -290,6 +295,14 @@ impl Config {
             && !(1..=self.max_inflight).contains(&self.min_inflight)
         {
             return Err(ConfigError::InflightBounds);
+        }
+        let queue = &self.queue;
+        if queue.max_waiters == 0
+            || queue.max_bytes == 0
+            || queue.target.is_zero()
+            || queue.interval < queue.target
+        {
+            return Err(ConfigError::Queue);
         }
         for (i, a) in self.api_keys.iter().enumerate() {
             if self.api_keys[..i].iter().any(|b| b.key == a.key) {
@@ -345,6 +358,11 @@ pub enum ConfigError {
     /// `--limit` other than `fixed` or `adaptive`.
     #[error("--limit must be fixed or adaptive")]
     LimitMode,
+    /// A queue bound of zero, a zero sojourn target, or an interval shorter than the target.
+    #[error(
+        "--queue-size and --queue-memory must be at least 1, --queue-target above zero and --queue-interval at least --queue-target"
+    )]
+    Queue,
     /// Zero timeout or lease, or a key TTL shorter than the lease.
     #[error("timeouts and leases must be positive and the key TTL at least the lease")]
     Durations,

@@ -1,38 +1,43 @@
-//! A concurrency gate whose wait is bounded by the caller's deadline.
+//! A concurrency gate whose waiters wait in an [`AdmissionQueue`].
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
-use metrics::{Gauge, SharedString};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use metrics::{Gauge, Histogram, SharedString};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::limit::{FixedLimit, Limit};
+use super::queue::{AdmissionQueue, Admitted, DropReason, Pushback, QueueConfig, Ticket};
 use crate::deadline::Deadline;
-use crate::observe::{self, label};
+use crate::observe::{self, label, reject_reason};
 use crate::status::Status;
 
-/// Retry-After hint given with [`Overloaded`] unless configured otherwise.
-const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The tenant of a waiter entering with [`Gate::enter`].
+const DEFAULT_TENANT: &str = crate::server::tenant::Tenant::DEFAULT;
 
-/// Bounded concurrency with a bounded wait.
+/// Bounded concurrency with a bounded, fair wait.
 ///
-/// At most [`Gate::limit`] requests hold a [`GatePermit`] at once. A request that finds the gate
-/// full waits for a permit at most `deadline.remaining() - min_service`: beyond that it could
-/// not be served in time anyway, so it is refused with [`Overloaded`] instead of occupying a
-/// queue slot. When that wait is zero or negative it is refused at once. A free permit is always
-/// granted: the deadline itself is the deadline layer's business, the gate only bounds waiting.
-/// Waiters are served first come, first served. Cloning shares the gate.
+/// At most [`Gate::limit`] requests hold a [`GatePermit`] at once. A request that finds a slot
+/// free (and nobody waiting) is admitted at once, whatever its budget: the deadline itself is
+/// the deadline layer's business. Otherwise it waits in the gate's [`AdmissionQueue`], which
+/// decides who gets the next free slot and who is refused with [`Overloaded`] instead: no
+/// request waits beyond the point where its budget can no longer cover the expected service
+/// time (at least `min_service`), and with the default [`Discipline::Fair`](super::Discipline)
+/// tenants are served in turn, a standing queue is cut short (waiters older than the target
+/// are dropped, the newest served first) and the queue is bounded by count and by memory. The
+/// refusal says why ([`Overloaded::reason`]) and how long to wait before retrying, computed
+/// from the queue and the limit, with jitter. Cloning shares the gate.
 ///
 /// The limit is fixed ([`Gate::new`]) or adaptive ([`Gate::with_limit`], e.g. a
 /// [`Gradient2`](super::Gradient2)): then every permit handed back with [`GatePermit::finish`]
 /// feeds its latency to the limit, which resizes the gate. A lowered limit takes effect as
-/// running requests finish; none is interrupted.
+/// running requests finish; none is interrupted. A waiter whose future is dropped leaves the
+/// queue at once and holds nothing.
 ///
 /// ```
 /// use std::time::Duration;
-/// use backstop::admission::Gate;
+/// use backstop::admission::{DropReason, Gate};
 /// use backstop::deadline::Deadline;
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
@@ -43,9 +48,10 @@ const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// let permit = gate.enter(&deadline).await.unwrap();
 /// assert_eq!(gate.inflight(), 1);
 ///
-/// // Full: a second request waits at most 100 - 20 = 80 ms, then is refused.
+/// // Full: a second request waits at most until its budget only covers the service time.
 /// let refused = gate.enter(&deadline).await.unwrap_err();
-/// assert_eq!(refused.retry_after, Duration::from_secs(1));
+/// assert_eq!(refused.reason, Some(DropReason::Deadline));
+/// assert!(refused.retry && refused.retry_after >= Duration::from_millis(100));
 ///
 /// permit.finish();
 /// assert_eq!(gate.inflight(), 0);
@@ -55,126 +61,192 @@ const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 pub struct Gate {
     shared: Arc<Shared>,
     min_service: Duration,
-    retry_after: Duration,
 }
+
+/// What a waiter is told: its permit, or why not.
+type Reply = Result<GatePermit, Overloaded>;
+/// How a waiter is told.
+type Notify = oneshot::Sender<Reply>;
 
 #[derive(Debug)]
 struct Shared {
-    semaphore: Arc<Semaphore>,
-    /// The limit in effect; written only while `limiter` is locked.
-    limit: AtomicUsize,
-    /// Permits to forget instead of returning, owed since the limit was lowered below the
-    /// number of permits out.
-    debt: AtomicUsize,
-    inflight: AtomicUsize,
-    /// `None` for a fixed limit: nothing to learn, no lock on the way out.
+    state: Mutex<State>,
+    /// `None` for a fixed limit: nothing to learn.
     limiter: Option<Mutex<Box<dyn Limit>>>,
     gauges: OnceLock<Gauges>,
 }
 
-/// `rpc_server_concurrency_limit` and `rpc_server_concurrency_inflight` for one `service`.
+#[derive(Debug)]
+struct State {
+    limit: usize,
+    /// Permits out.
+    running: usize,
+    queue: AdmissionQueue<Notify>,
+    /// A fixed Retry-After instead of the queue's estimate.
+    retry_after: Option<Duration>,
+}
+
+/// The gate's metrics for one `service`.
 #[derive(Debug)]
 struct Gauges {
     service: SharedString,
     /// Handles registered with the first recorder that saw this gate.
-    handles: OnceLock<(usize, Gauge, Gauge)>,
+    handles: OnceLock<(usize, Handles)>,
+}
+
+#[derive(Debug)]
+struct Handles {
+    limit: Gauge,
+    inflight: Gauge,
+    queue: Gauge,
+    delay: Histogram,
 }
 
 impl Gauges {
-    fn with(&self, f: impl FnOnce(&Gauge, &Gauge)) {
+    fn with(&self, f: impl FnOnce(&Handles)) {
         let register = || {
-            (
-                metrics::gauge!(observe::RPC_SERVER_CONCURRENCY_LIMIT, label::SERVICE => self.service.clone()),
-                metrics::gauge!(observe::RPC_SERVER_CONCURRENCY_INFLIGHT, label::SERVICE => self.service.clone()),
-            )
+            let service = || (label::SERVICE, self.service.clone());
+            Handles {
+                limit: metrics::gauge!(observe::RPC_SERVER_CONCURRENCY_LIMIT, &[service()]),
+                inflight: metrics::gauge!(observe::RPC_SERVER_CONCURRENCY_INFLIGHT, &[service()]),
+                queue: metrics::gauge!(observe::RPC_SERVER_QUEUE_LENGTH, &[service()]),
+                delay: metrics::histogram!(observe::RPC_SERVER_QUEUE_DELAY_SECONDS, &[service()]),
+            }
         };
         let Some(recorder) = observe::recorder_id() else {
             return;
         };
-        let (owner, limit, inflight) = self.handles.get_or_init(|| {
-            let (limit, inflight) = register();
-            (recorder, limit, inflight)
-        });
+        let (owner, handles) = self.handles.get_or_init(|| (recorder, register()));
         if *owner == recorder {
-            f(limit, inflight);
+            f(handles);
         } else {
-            let (limit, inflight) = register();
-            f(&limit, &inflight);
+            f(&register());
         }
     }
 }
 
 impl Shared {
-    fn admitted(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> GatePermit {
-        self.inflight.fetch_add(1, Ordering::Relaxed);
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Hands out a slot; `sojourn` is how long the request waited for it.
+    fn admit(self: &Arc<Self>, state: &mut State, now: Instant, sojourn: Duration) -> GatePermit {
+        state.running += 1;
         if let Some(gauges) = self.gauges.get() {
-            let limit = self.limit.load(Ordering::Relaxed);
-            gauges.with(|l, i| {
-                l.set(limit as f64);
-                i.increment(1.0);
+            gauges.with(|h| {
+                h.limit.set(state.limit as f64);
+                h.inflight.set(state.running as f64);
+                h.queue.set(state.queue.len() as f64);
+                h.delay.record(sojourn.as_secs_f64());
             });
         }
         GatePermit {
-            permit: Some(permit),
             shared: Arc::clone(self),
-            admitted: Instant::now(),
+            admitted: now,
             finished: false,
         }
     }
 
-    /// Applies a new limit; called with `limiter` locked, so resizes never interleave.
-    fn resize(&self, new: usize) {
-        let old = self.limit.swap(new, Ordering::Relaxed);
-        if new > old {
-            let grow = new - old;
-            // Cancel owed permits first, then add the rest.
-            let owed = self
-                .debt
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
-                    Some(d.saturating_sub(grow))
-                })
-                .unwrap_or_else(|d| d);
-            self.semaphore.add_permits(grow - owed.min(grow));
-        } else if new < old {
-            let shrink = old - new;
-            // Idle permits go now; permits out are forgotten as they come back.
-            let forgotten = self.semaphore.forget_permits(shrink);
-            self.debt.fetch_add(shrink - forgotten, Ordering::AcqRel);
+    /// A refusal now, for `reason` (`None`: no free slot and no waiting).
+    fn refusal(state: &mut State, now: Instant, reason: Option<DropReason>) -> Overloaded {
+        let Pushback { wait, retry } = match state.retry_after {
+            Some(wait) => Pushback { wait, retry: true },
+            None => state.queue.pushback(now, state.limit, rand::random()),
+        };
+        Overloaded {
+            retry_after: wait,
+            reason,
+            retry,
         }
     }
 
-    fn release(&self, permit: &mut GatePermit) {
-        let elapsed = permit.admitted.elapsed();
-        let inflight = self.inflight.load(Ordering::Relaxed);
-        let mut limit = None;
+    /// Fills free slots from the queue and collects the waiters dropped on the way: the replies
+    /// to send once the state is unlocked (a permit that cannot be delivered is dropped, which
+    /// locks the state again).
+    fn dispatch(self: &Arc<Self>, state: &mut State, now: Instant) -> Vec<(Notify, Reply)> {
+        let mut replies = Vec::new();
+        while state.running < state.limit {
+            let Some(Admitted { item, sojourn }) = state.queue.pop(now) else {
+                break;
+            };
+            let permit = self.admit(state, now, sojourn);
+            replies.push((item, Ok(permit)));
+        }
+        for (notify, reason) in state.queue.take_dropped() {
+            let refused = Self::refusal(state, now, Some(reason));
+            replies.push((notify, Err(refused)));
+        }
+        if let Some(gauges) = self.gauges.get() {
+            gauges.with(|h| h.queue.set(state.queue.len() as f64));
+        }
+        replies
+    }
+
+    fn release(self: &Arc<Self>, permit: &GatePermit) {
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(permit.admitted);
+        let mut state = self.lock();
         if let Some(limiter) = &self.limiter {
             let mut limiter = limiter.lock().unwrap_or_else(PoisonError::into_inner);
             if permit.finished {
-                limiter.on_sample(elapsed, inflight);
+                limiter.on_sample(elapsed, state.running);
             } else {
-                limiter.on_abandoned(elapsed, inflight);
+                limiter.on_abandoned(elapsed, state.running);
             }
-            let new = limiter.limit().clamp(1, Semaphore::MAX_PERMITS);
-            self.resize(new);
-            limit = Some(new);
+            state.limit = limiter.limit().max(1);
+            let slots = state.limit;
+            state.queue.set_slots(slots);
         }
-        self.inflight.fetch_sub(1, Ordering::Relaxed);
+        if permit.finished {
+            state.queue.on_service(elapsed);
+        }
+        state.running -= 1;
+        let replies = self.dispatch(&mut state, now);
         if let Some(gauges) = self.gauges.get() {
-            gauges.with(|l, i| {
-                if let Some(limit) = limit {
-                    l.set(limit as f64);
-                }
-                i.decrement(1.0);
+            gauges.with(|h| {
+                h.limit.set(state.limit as f64);
+                h.inflight.set(state.running as f64);
             });
         }
-        if let Some(semaphore_permit) = permit.permit.take() {
-            let owed = self
-                .debt
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| d.checked_sub(1))
-                .is_ok();
-            if owed {
-                semaphore_permit.forget();
+        drop(state);
+        deliver(replies);
+    }
+}
+
+/// Tells waiters; each reply that finds its waiter gone is dropped here, outside the lock.
+fn deliver(replies: Vec<(Notify, Reply)>) {
+    for (notify, reply) in replies {
+        let _ = notify.send(reply);
+    }
+}
+
+/// The outcome of joining the gate without being refused.
+enum Joined {
+    Admitted(GatePermit),
+    Queued {
+        reply: oneshot::Receiver<Reply>,
+        ticket: Ticket,
+        check_at: Option<Instant>,
+    },
+}
+
+/// Takes a waiter out of the queue if its future is dropped before it was answered.
+struct Leave<'a> {
+    shared: &'a Shared,
+    ticket: Option<Ticket>,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            let mut state = self.shared.lock();
+            let notify = state.queue.remove(ticket);
+            if let Some(gauges) = self.shared.gauges.get() {
+                gauges.with(|h| h.queue.set(state.queue.len() as f64));
             }
+            drop(state);
+            drop(notify);
         }
     }
 }
@@ -183,12 +255,11 @@ impl Shared {
 /// dropped.
 ///
 /// Hand it back with [`GatePermit::finish`] when the work is done: its latency then teaches an
-/// adaptive limit. A permit merely dropped counts as abandoned work (a cancelled request), whose
-/// latency is only a lower bound.
+/// adaptive limit and the queue's expected service time. A permit merely dropped counts as
+/// abandoned work (a cancelled request), whose latency is only a lower bound.
 #[derive(Debug)]
 #[must_use = "the gate slot is released as soon as the permit is dropped"]
 pub struct GatePermit {
-    permit: Option<OwnedSemaphorePermit>,
     shared: Arc<Shared>,
     admitted: Instant,
     finished: bool,
@@ -208,23 +279,43 @@ impl Drop for GatePermit {
     }
 }
 
-/// The gate is full and no slot freed up within the budget the request could spend waiting.
+/// The gate refused a request: no slot freed in time for it, or its queue would not keep it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("over capacity; retry after {retry_after:?}")]
+#[non_exhaustive]
 pub struct Overloaded {
     /// How long the caller should wait before trying again.
     pub retry_after: Duration,
+    /// Why the queue refused or dropped the request; `None` when it never queued (the gate was
+    /// full and the caller would not wait).
+    pub reason: Option<DropReason>,
+    /// `false` while the server sheds hard: the caller should not retry this request at all.
+    pub retry: bool,
+}
+
+impl Overloaded {
+    /// The `reason` label of `rpc_server_rejected_total`: the queue's reason, else
+    /// `overloaded`.
+    pub fn reason_label(&self) -> &'static str {
+        self.reason
+            .map_or(reject_reason::OVERLOADED, DropReason::as_str)
+    }
 }
 
 impl From<Overloaded> for Status {
     fn from(o: Overloaded) -> Self {
-        Status::overloaded(o.retry_after)
+        let status = Status::overloaded(o.retry_after);
+        if o.retry {
+            status
+        } else {
+            status.with_no_retry()
+        }
     }
 }
 
 impl Gate {
-    /// A gate admitting `limit` requests at once (raised to 1 if zero, capped at tokio's
-    /// semaphore maximum), where serving a request takes at least `min_service`.
+    /// A gate admitting `limit` requests at once (raised to 1 if zero), where serving a
+    /// request takes at least `min_service`, with the default [`QueueConfig`].
     pub fn new(limit: usize, min_service: Duration) -> Self {
         Self::build(FixedLimit::new(limit).limit(), None, min_service)
     }
@@ -240,30 +331,57 @@ impl Gate {
         limiter: Option<Mutex<Box<dyn Limit>>>,
         min_service: Duration,
     ) -> Self {
-        let initial = initial.clamp(1, Semaphore::MAX_PERMITS);
+        let config = QueueConfig {
+            min_service,
+            ..QueueConfig::default()
+        };
+        let initial = initial.max(1);
+        let mut queue = AdmissionQueue::new(config);
+        queue.set_slots(initial);
         Self {
             shared: Arc::new(Shared {
-                semaphore: Arc::new(Semaphore::new(initial)),
-                limit: AtomicUsize::new(initial),
-                debt: AtomicUsize::new(0),
-                inflight: AtomicUsize::new(0),
+                state: Mutex::new(State {
+                    limit: initial,
+                    running: 0,
+                    queue,
+                    retry_after: None,
+                }),
                 limiter,
                 gauges: OnceLock::new(),
             }),
             min_service,
-            retry_after: DEFAULT_RETRY_AFTER,
         }
     }
 
-    /// Sets the Retry-After hint carried by [`Overloaded`] (default one second).
-    pub fn with_retry_after(mut self, retry_after: Duration) -> Self {
-        self.retry_after = retry_after;
+    /// Replaces the queue's settings (its `min_service` is the gate's). Waiters queued
+    /// already are refused.
+    pub fn with_queue(self, config: QueueConfig) -> Self {
+        let config = QueueConfig {
+            min_service: self.min_service,
+            ..config
+        };
+        let mut queue = AdmissionQueue::new(config);
+        let old = {
+            let mut state = self.shared.lock();
+            queue.set_slots(state.limit);
+            std::mem::replace(&mut state.queue, queue)
+        };
+        drop(old);
         self
     }
 
-    /// Publishes the limit and the requests holding a slot as
-    /// `rpc_server_concurrency_limit{service}` and `rpc_server_concurrency_inflight{service}`,
-    /// updated as requests enter and leave. The first name given sticks; clones share it.
+    /// Sets a fixed Retry-After hint carried by [`Overloaded`], instead of the estimate from
+    /// the queue and the limit.
+    pub fn with_retry_after(self, retry_after: Duration) -> Self {
+        self.shared.lock().retry_after = Some(retry_after);
+        self
+    }
+
+    /// Publishes the limit, the requests holding a slot, the requests waiting and the time
+    /// admitted requests waited as `rpc_server_concurrency_limit{service}`,
+    /// `rpc_server_concurrency_inflight{service}`, `rpc_server_queue_length{service}` and
+    /// `rpc_server_queue_delay_seconds{service}`, updated as requests enter and leave. The
+    /// first name given sticks; clones share it.
     pub fn publish_as(&self, service: impl Into<SharedString>) {
         // A second name is ignored: one gate is one set of gauges.
         let _ = self.shared.gauges.set(Gauges {
@@ -272,40 +390,133 @@ impl Gate {
         });
     }
 
-    /// Enters the gate, waiting at most `deadline.remaining() - min_service` for a slot.
+    /// Enters the gate as the default tenant, declaring no memory cost (see
+    /// [`Gate::enter_as`]).
     pub async fn enter(&self, deadline: &Deadline) -> Result<GatePermit, Overloaded> {
-        if let Ok(permit) = self.try_enter() {
-            return Ok(permit);
-        }
-        let max_wait = deadline
-            .remaining()
-            .checked_sub(self.min_service)
-            .filter(|w| !w.is_zero())
-            .ok_or_else(|| self.overloaded())?;
-        let acquire = Arc::clone(&self.shared.semaphore).acquire_owned();
-        match tokio::time::timeout(max_wait, acquire).await {
-            Ok(Ok(permit)) => Ok(self.shared.admitted(permit)),
-            // Timed out, or the semaphore was closed (never done here).
-            Ok(Err(_)) | Err(_) => Err(self.overloaded()),
+        self.enter_as(DEFAULT_TENANT, 0, deadline).await
+    }
+
+    /// Enters the gate as `tenant`, whose waiting request holds `cost` bytes: at once if a slot
+    /// is free and nobody waits, else through the queue, which hands it a slot or refuses it
+    /// (at the latest when its budget only covers the expected service time).
+    pub async fn enter_as(
+        &self,
+        tenant: &str,
+        cost: usize,
+        deadline: &Deadline,
+    ) -> Result<GatePermit, Overloaded> {
+        let (reply, ticket, mut check_at) = match self.join(tenant, cost, deadline)? {
+            Joined::Admitted(permit) => return Ok(permit),
+            Joined::Queued {
+                reply,
+                ticket,
+                check_at,
+            } => (reply, ticket, check_at),
+        };
+        let shared = &self.shared;
+        let mut leave = Leave {
+            shared,
+            ticket: Some(ticket),
+        };
+        tokio::pin!(reply);
+        loop {
+            // Not queued any more: a reply is on its way.
+            let (Some(at), Some(ticket)) = (check_at, leave.ticket) else {
+                leave.ticket = None;
+                return reply.await.unwrap_or_else(|_| Err(self.gone()));
+            };
+            tokio::select! {
+                biased;
+                answer = &mut reply => {
+                    leave.ticket = None;
+                    return answer.unwrap_or_else(|_| Err(self.gone()));
+                }
+                () = tokio::time::sleep_until(at) => {
+                    match self.check(ticket) {
+                        Ok(next) => check_at = next,
+                        Err(refused) => {
+                            leave.ticket = None;
+                            return Err(refused);
+                        }
+                    }
+                }
+            }
         }
     }
 
-    /// Enters the gate only if a slot is free now.
+    /// Admits at once, queues, or refuses: the synchronous half of [`Gate::enter_as`].
+    fn join(&self, tenant: &str, cost: usize, deadline: &Deadline) -> Result<Joined, Overloaded> {
+        let shared = &self.shared;
+        let now = Instant::now();
+        let mut state = shared.lock();
+        if state.running < state.limit && state.queue.is_empty() {
+            state.queue.admitted_directly(now);
+            return Ok(Joined::Admitted(shared.admit(
+                &mut state,
+                now,
+                Duration::ZERO,
+            )));
+        }
+        let (notify, reply) = oneshot::channel();
+        let pushed = state
+            .queue
+            .push(now, tenant, deadline.instant(), cost, notify);
+        let joined = match pushed {
+            Ok(ticket) => Ok(Joined::Queued {
+                reply,
+                ticket,
+                check_at: state.queue.next_check(ticket, now),
+            }),
+            Err(refused) => Err(Shared::refusal(&mut state, now, Some(refused.reason))),
+        };
+        // Pushing may have pushed others out; they are told at once.
+        let replies = shared.dispatch(&mut state, now);
+        drop(state);
+        deliver(replies);
+        joined
+    }
+
+    /// Asks the queue whether a waiter must leave now: refused, or when to ask again (`None`
+    /// when it is no longer queued).
+    fn check(&self, ticket: Ticket) -> Result<Option<Instant>, Overloaded> {
+        let shared = &self.shared;
+        let now = Instant::now();
+        let mut state = shared.lock();
+        if let Some((_notify, reason)) = state.queue.check(ticket, now) {
+            let refused = Shared::refusal(&mut state, now, Some(reason));
+            if let Some(gauges) = shared.gauges.get() {
+                gauges.with(|h| h.queue.set(state.queue.len() as f64));
+            }
+            return Err(refused);
+        }
+        Ok(state.queue.next_check(ticket, now))
+    }
+
+    /// Enters the gate only if a slot is free and nobody waits.
     pub fn try_enter(&self) -> Result<GatePermit, Overloaded> {
-        Arc::clone(&self.shared.semaphore)
-            .try_acquire_owned()
-            .map(|permit| self.shared.admitted(permit))
-            .map_err(|_| self.overloaded())
+        let now = Instant::now();
+        let mut state = self.shared.lock();
+        if state.running < state.limit && state.queue.is_empty() {
+            state.queue.admitted_directly(now);
+            Ok(self.shared.admit(&mut state, now, Duration::ZERO))
+        } else {
+            Err(Shared::refusal(&mut state, now, None))
+        }
     }
 
     /// Requests holding a permit now.
     pub fn inflight(&self) -> usize {
-        self.shared.inflight.load(Ordering::Relaxed)
+        self.shared.lock().running
+    }
+
+    /// Requests waiting in the queue now.
+    pub fn queued(&self) -> usize {
+        self.shared.lock().queue.len()
     }
 
     /// Most requests admitted at once, now.
     pub fn limit(&self) -> usize {
-        self.shared.limit.load(Ordering::Relaxed)
+        self.shared.lock().limit
     }
 
     /// Whether the limit learns from latency (see [`Gate::with_limit`]).
@@ -318,18 +529,24 @@ impl Gate {
         self.min_service
     }
 
-    fn overloaded(&self) -> Overloaded {
-        Overloaded {
-            retry_after: self.retry_after,
-        }
+    /// The queue's settings.
+    pub fn queue_config(&self) -> QueueConfig {
+        self.shared.lock().queue.config().clone()
+    }
+
+    /// A refusal for a waiter whose reply was lost (never expected: every queued waiter is
+    /// answered or removes itself).
+    fn gone(&self) -> Overloaded {
+        Shared::refusal(&mut self.shared.lock(), Instant::now(), None)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::Gradient2;
+    use crate::admission::{Discipline, Gradient2};
     use crate::status::{Code, Outcome};
+    use std::sync::Mutex;
     use tokio::time::Instant;
 
     const MS: Duration = Duration::from_millis(1);
@@ -344,7 +561,10 @@ mod tests {
         let start = Instant::now();
         let err = gate.enter(&d).await.unwrap_err();
         assert_eq!(start.elapsed(), 70 * MS);
-        assert_eq!(err.retry_after, Duration::from_secs(1));
+        assert_eq!(err.reason, Some(DropReason::Deadline));
+        assert_eq!(err.reason_label(), "deadline");
+        assert!(err.retry && err.retry_after >= 100 * MS, "{err:?}");
+        assert_eq!(gate.queued(), 0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -361,7 +581,9 @@ mod tests {
             assert_eq!(
                 err,
                 Overloaded {
-                    retry_after: 3 * MS
+                    retry_after: 3 * MS,
+                    reason: Some(DropReason::Deadline),
+                    retry: true,
                 }
             );
         }
@@ -401,9 +623,73 @@ mod tests {
         let held = gate.try_enter().unwrap();
         let waiting = tokio::time::timeout(5 * MS, gate.enter(&Deadline::after(MS * 100))).await;
         assert!(waiting.is_err());
+        assert_eq!(gate.queued(), 0, "the dropped waiter left the queue");
         drop(held);
         assert_eq!(gate.inflight(), 0);
         assert!(gate.try_enter().is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_permit_sent_to_a_waiter_that_went_away_is_returned() {
+        let gate = Gate::new(1, MS);
+        let held = gate.try_enter().unwrap();
+        let budget = Deadline::after(Duration::from_secs(1));
+        let mut waiting = Box::pin(gate.enter(&budget));
+        assert!(futures_util::poll!(waiting.as_mut()).is_pending());
+        // The slot is handed to the waiter, which is dropped before it looks.
+        drop(held);
+        assert_eq!(gate.inflight(), 1);
+        drop(waiting);
+        assert_eq!((gate.inflight(), gate.queued()), (0, 0));
+        assert!(gate.try_enter().is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn freed_slots_go_to_tenants_in_turn() {
+        let gate = Gate::new(1, MS);
+        let held = gate.try_enter().unwrap();
+        let budget = Deadline::after(Duration::from_secs(1));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for tenant in ["flood", "flood", "flood", "quiet"] {
+            let (gate, order) = (gate.clone(), Arc::clone(&order));
+            waiters.push(tokio::spawn(async move {
+                let permit = gate.enter_as(tenant, 0, &budget).await.unwrap();
+                order.lock().unwrap().push(tenant);
+                tokio::time::sleep(MS).await;
+                permit.finish();
+            }));
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gate.queued(), 4);
+        drop(held);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        assert_eq!(order, ["flood", "quiet", "flood", "flood"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fifo_waits_as_long_as_the_budget_allows() {
+        let gate = Gate::new(1, 10 * MS).with_queue(QueueConfig {
+            discipline: Discipline::Fifo,
+            ..QueueConfig::default()
+        });
+        assert_eq!(gate.queue_config().discipline, Discipline::Fifo);
+        assert_eq!(gate.queue_config().min_service, 10 * MS);
+        let _held = gate.try_enter().unwrap();
+        let start = Instant::now();
+        let err = gate
+            .enter(&Deadline::after(Duration::from_secs(2)))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(2) - 10 * MS,
+            "no sojourn drop"
+        );
+        assert_eq!(err.reason, Some(DropReason::Deadline));
     }
 
     /// `rounds` times: fills every free slot, lets `rtt` of paused time pass, finishes them all.
@@ -486,12 +772,22 @@ mod tests {
     fn limits_and_status() {
         assert_eq!(Gate::new(0, MS).limit(), 1);
         assert_eq!(Gate::new(7, MS).min_service(), MS);
-        let s: Status = Overloaded {
+        let refused = Overloaded {
             retry_after: 2 * MS,
-        }
-        .into();
+            reason: None,
+            retry: true,
+        };
+        assert_eq!(refused.reason_label(), "overloaded");
+        let s: Status = refused.into();
         assert_eq!(s.code(), Code::Unavailable);
         assert_eq!(s.outcome(), Outcome::Rejected);
         assert_eq!(s.pushback(), Some(2 * MS));
+        assert!(!s.no_retry());
+        let s: Status = Overloaded {
+            retry: false,
+            ..refused
+        }
+        .into();
+        assert!(s.no_retry());
     }
 }

@@ -3,11 +3,14 @@
 //! Two different questions, two different answers:
 //!
 //! - **capacity** (backpressure, protects this server): [`Gate`] bounds how many requests run
-//!   at once, and how long a request may wait for a slot: never longer than its remaining
-//!   budget minus the least time serving it takes. A request that could not finish in time is
-//!   refused at once with [`Overloaded`], answered `503` / `UNAVAILABLE` + `Retry-After`. The
-//!   bound is fixed or found: a [`Gradient2`] limit lowers itself when the latency of admitted
-//!   requests rises above its baseline, and grows back when it falls.
+//!   at once; those that find it full wait in its [`AdmissionQueue`], bounded by count and
+//!   memory, fair between tenants, which never hands out a request whose remaining budget
+//!   cannot cover the expected service time and, once a standing queue forms, drops waiters
+//!   past a short sojourn target and serves the newest first. A refused request gets
+//!   [`Overloaded`] with its reason, answered `503` / `UNAVAILABLE` + `Retry-After` estimated
+//!   from the queue (or "do not retry" while the server sheds hard). The bound is fixed or
+//!   found: a [`Gradient2`] limit lowers itself when the latency of admitted requests rises
+//!   above its baseline, and grows back when it falls.
 //! - **quota** (rate limiting, protects everyone else from one tenant): [`TokenBucket`] and
 //!   [`KeyedTokenBucket`] allow bursts and bound the mean rate; over quota is `429` /
 //!   `RESOURCE_EXHAUSTED` + `Retry-After`. With the `redis` feature, the `redis` module shares the
@@ -46,6 +49,7 @@
 mod gate;
 mod keyed;
 mod limit;
+mod queue;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod retry_after;
@@ -54,5 +58,9 @@ mod token_bucket;
 pub use gate::{Gate, GatePermit, Overloaded};
 pub use keyed::KeyedTokenBucket;
 pub use limit::{FixedLimit, Gradient2, Limit};
+pub use queue::{
+    AdmissionQueue, Admitted, Discipline, DropReason, Pushback, QueueConfig, Refused, Ticket,
+    UnknownDiscipline,
+};
 pub use retry_after::{RetryAfter, RetryAfterError};
 pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};

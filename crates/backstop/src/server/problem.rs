@@ -29,7 +29,8 @@
 //! speaks [`Protocol::Grpc`], and [`Problem::into_response_for`] answers it the way gRPC
 //! expects a refusal: HTTP 200 with no body ("trailers-only"), `grpc-status` the code,
 //! `grpc-message` the detail (percent-encoded), and `grpc-retry-pushback-ms` (whole
-//! milliseconds, at least 1) where HTTP would send `Retry-After`. Every server layer answers
+//! milliseconds, at least 1) where HTTP would send `Retry-After`; `-1` when the server asks
+//! the client not to retry at all ([`Status::with_no_retry`]). Every server layer answers
 //! through it, so each refusal speaks the caller's protocol.
 //!
 //! ```
@@ -137,6 +138,7 @@ pub struct Problem {
     title: Cow<'static, str>,
     detail: Option<String>,
     retry_after: Option<Duration>,
+    no_retry: bool,
     outcome: Option<Outcome>,
     grpc_code: Option<Code>,
     extra: Map<String, Value>,
@@ -167,6 +169,7 @@ impl Problem {
             title: Cow::Borrowed(status.canonical_reason().unwrap_or("Error")),
             detail: None,
             retry_after: None,
+            no_retry: false,
             outcome: None,
             grpc_code: None,
             extra: Map::new(),
@@ -181,6 +184,7 @@ impl Problem {
             problem.detail = Some(status.message().to_owned());
         }
         problem.retry_after = status.pushback();
+        problem.no_retry = status.no_retry();
         problem.outcome = Some(status.outcome());
         problem.grpc_code = Some(status.code());
         problem
@@ -240,6 +244,13 @@ impl Problem {
     /// same number in the `retry_after` member.
     pub fn retry_after(mut self, wait: Duration) -> Self {
         self.retry_after = Some(wait);
+        self
+    }
+
+    /// Asks the client not to retry at all: a gRPC answer carries `grpc-retry-pushback-ms: -1`
+    /// (gRPC's "do not retry"); an HTTP answer, which has no such word, its `Retry-After`.
+    pub fn no_retry(mut self) -> Self {
+        self.no_retry = true;
         self
     }
 
@@ -346,7 +357,9 @@ impl Problem {
         if let Ok(value) = HeaderValue::from_str(&encoded) {
             headers.insert(GRPC_MESSAGE, value);
         }
-        if let Some(wait) = self.retry_after {
+        if self.no_retry {
+            headers.insert(GRPC_PUSHBACK, HeaderValue::from_static("-1"));
+        } else if let Some(wait) = self.retry_after {
             headers.insert(GRPC_PUSHBACK, HeaderValue::from(pushback_ms(wait)));
         }
         response
@@ -439,6 +452,25 @@ mod tests {
         assert_eq!(doc["code"], "rate_limited");
         assert_eq!(doc["detail"], "tenant over quota");
         assert_eq!(doc["retry_after"], 1);
+    }
+
+    #[test]
+    fn no_retry_is_a_negative_grpc_pushback_and_a_long_retry_after() {
+        let status = Status::overloaded(Duration::from_secs(45)).with_no_retry();
+        assert!(status.no_retry());
+        let grpc: Response<Bytes> = Problem::from_status(&status).into_grpc_response();
+        assert_eq!(grpc.headers()[GRPC_PUSHBACK], "-1");
+        let http: Response<Bytes> = Problem::from_status(&status).into_response();
+        assert_eq!(http.headers()[header::RETRY_AFTER], "45");
+        // The client reads a negative pushback as "do not retry".
+        assert_eq!(
+            crate::client::classify::pushback(grpc.headers()),
+            Some(Duration::MAX)
+        );
+        let plain: Response<Bytes> =
+            Problem::from_status(&Status::overloaded(Duration::from_millis(250)))
+                .into_grpc_response();
+        assert_eq!(plain.headers()[GRPC_PUSHBACK], "250");
     }
 
     #[test]

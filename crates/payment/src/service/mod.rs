@@ -134,15 +134,16 @@ pub fn build_app<St: Store>(
 }
 
 /// The admission gate `config` asks for: a fixed limit, or an adaptive one starting at its
-/// upper bound.
+/// upper bound, waiting through the configured queue.
 fn gate(config: &Config) -> Gate {
-    match config.limit {
+    let gate = match config.limit {
         LimitMode::Fixed => Gate::new(config.max_inflight, MIN_SERVICE),
         LimitMode::Adaptive => Gate::with_limit(
             Gradient2::new(config.min_inflight, config.max_inflight),
             MIN_SERVICE,
         ),
-    }
+    };
+    gate.with_queue(config.queue.clone())
 }
 
 /// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).

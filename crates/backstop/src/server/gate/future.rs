@@ -15,6 +15,22 @@ use crate::admission::{Gate, GatePermit, Overloaded};
 use crate::deadline::Deadline;
 use crate::server::metrics::Route;
 use crate::server::problem::Protocol;
+use crate::server::tenant::Tenant;
+
+/// Memory a waiting request holds besides its body: head, extensions, futures (an estimate).
+const REQUEST_OVERHEAD: usize = 2 << 10;
+
+/// The memory a waiting request declares to the gate's queue: its announced body length
+/// (bodies of the routes behind the gate are read before it) plus the overhead.
+fn waiting_cost<B>(request: &Request<B>) -> usize {
+    let body = request
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    REQUEST_OVERHEAD.saturating_add(body)
+}
 
 type Enter = Pin<Box<dyn Future<Output = Result<GatePermit, Overloaded>> + Send>>;
 
@@ -108,6 +124,7 @@ where
                     gate,
                     deadline,
                     enter,
+                    request,
                     ..
                 } => {
                     let admitted = match enter {
@@ -116,8 +133,12 @@ where
                             Ok(permit) => Ok(permit),
                             Err(_) => {
                                 let (gate, deadline) = (gate.clone(), *deadline);
-                                let waiting: Enter =
-                                    Box::pin(async move { gate.enter(&deadline).await });
+                                let tenant =
+                                    Tenant::from_extensions(request.extensions()).to_owned();
+                                let cost = waiting_cost(request);
+                                let waiting: Enter = Box::pin(async move {
+                                    gate.enter_as(&tenant, cost, &deadline).await
+                                });
                                 *enter = Some(waiting);
                                 continue;
                             }
@@ -139,11 +160,7 @@ where
                         Err(refused) => {
                             let route = Route::from_extensions(request.extensions());
                             let protocol = Protocol::of(request.headers());
-                            return Poll::Ready(Ok(overloaded(
-                                &route,
-                                refused.retry_after,
-                                protocol,
-                            )));
+                            return Poll::Ready(Ok(overloaded(&route, refused, protocol)));
                         }
                     }
                 }

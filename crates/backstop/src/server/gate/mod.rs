@@ -1,20 +1,25 @@
-//! Concurrency gate: bounded in-flight work, bounded waiting, 503 + `Retry-After`.
+//! Concurrency gate: bounded in-flight work, a bounded fair queue, 503 + `Retry-After`.
 //!
 //! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
 //! permit is acquired when the request is called (at once when the gate has room) or *inside the
-//! response future* while it waits, never in `poll_ready`: a request that merely waits to be
-//! called holds nothing, and the wait is bounded by the request's own budget. The gate waits at
-//! most the [`Deadline`]'s remaining time minus a minimal service time, and rejects at once when
-//! that is negative: a request that cannot finish in time is not queued.
+//! response future* while it waits in the gate's queue, never in `poll_ready`: a request that
+//! merely waits to be called holds nothing. It waits as its [`Tenant`](super::tenant::Tenant)
+//! (the request extension, else the default tenant), declaring its body length plus a fixed
+//! overhead as its memory cost, and the queue decides: a request whose remaining budget cannot
+//! cover the expected service time is never served, one that waited too long while a standing
+//! queue exists is dropped, and a tenant holding more than its share is refused.
 //!
 //! A refusal is 503 problem+json `overloaded` (`UNAVAILABLE`) with `Retry-After` (never 500:
 //! overload is not a bug, and the client must back off), counted in
-//! `rpc_server_rejected_total{reason="overloaded"}`. The permit is held until the inner future
-//! completes or is dropped. A request served hands its permit back as finished work, so its
-//! latency teaches an adaptive limit ([`Gate::with_limit`]); a failure (5xx or a gRPC error
-//! status) or a dropped one (its caller went away) counts only when it took longer than recent
-//! requests. A request refused by
-//! the gate, or given up while waiting, never ran and teaches nothing.
+//! `rpc_server_rejected_total{reason}` with the queue's reason: `deadline`, `sojourn`, `full`,
+//! `tenant_share`, or `overloaded` when the request did not queue. The wait is estimated from
+//! the queue and the limit, with jitter; while the server sheds hard it is long, and a gRPC
+//! answer says "do not retry" (`grpc-retry-pushback-ms: -1`). The permit is held until the
+//! inner future completes or is dropped. A request served hands its permit back as finished
+//! work, so its latency teaches an adaptive limit ([`Gate::with_limit`]) and the queue's
+//! expected service time; a failure (5xx or a gRPC error status) or a dropped one (its caller
+//! went away) counts only when it took longer than recent requests. A request refused by the
+//! gate, or given up while waiting, never ran and teaches nothing.
 //!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
 //! the budget [`GateLayer::default_budget`].
@@ -35,11 +40,12 @@ use tower_service::Service;
 use self::future::ResponseFuture;
 use super::metrics::{Rejected, Route, count_rejected};
 use super::problem::{Problem, Protocol};
-use crate::admission::Gate;
+use crate::admission::{Gate, Overloaded};
 use crate::deadline::Deadline;
 use crate::status::Status;
 
-/// The `reason` label of an overload refusal.
+/// The `reason` label of a refusal by a full gate that did not queue the request; refusals by
+/// the queue carry its reason (`deadline`, `sojourn`, `full`, `tenant_share`).
 pub const REASON: &str = crate::observe::reject_reason::OVERLOADED;
 
 /// Budget of a request that reaches the gate without a [`Deadline`].
@@ -99,13 +105,13 @@ where
 
 fn overloaded<B: From<Bytes>>(
     route: &Route,
-    retry_after: Duration,
+    refused: Overloaded,
     protocol: Protocol,
 ) -> Response<B> {
-    count_rejected(route, REASON);
-    let mut response =
-        Problem::from_status(&Status::overloaded(retry_after)).into_response_for(protocol);
-    response.extensions_mut().insert(Rejected(REASON));
+    let reason = refused.reason_label();
+    count_rejected(route, reason);
+    let mut response = Problem::from_status(&Status::from(refused)).into_response_for(protocol);
+    response.extensions_mut().insert(Rejected(reason));
     response
 }
 

@@ -12,8 +12,10 @@ use tower::{Service, ServiceExt, service_fn};
 use tower_layer::Layer;
 
 use super::*;
+use crate::admission::{Discipline, QueueConfig};
 use crate::observe::{RPC_SERVER_REJECTED_TOTAL, RPC_SERVER_REQUESTS_TOTAL};
 use crate::server::metrics::MetricsLayer;
+use crate::server::tenant::Tenant;
 use crate::server::testing::{problem_code, with_metrics};
 
 /// A handler that finishes only when the test adds a permit to `release`.
@@ -76,9 +78,9 @@ async fn full_gate_waits_at_most_budget_minus_min_service_then_503() {
         .unwrap();
     assert_eq!(start.elapsed(), Duration::from_millis(80));
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(res.headers()[header::RETRY_AFTER], "1");
+    assert!(retry_after_secs(&res) >= 1);
     assert_eq!(problem_code(res.body()), "overloaded");
-    assert_eq!(res.extensions().get(), Some(&Rejected("overloaded")));
+    assert_eq!(res.extensions().get(), Some(&Rejected("deadline")));
 
     release.add_permits(1);
     let res = first.await.unwrap().unwrap();
@@ -168,9 +170,10 @@ fn overload_is_counted_as_rejected() {
     assert_eq!(
         m.counter(
             RPC_SERVER_REJECTED_TOTAL,
-            &[("reason", "overloaded"), ("method", "POST /v1/payments")]
+            &[("reason", "deadline"), ("method", "POST /v1/payments")]
         ),
-        1
+        1,
+        "5 ms of budget cannot cover 10 ms of service"
     );
     assert_eq!(
         m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("outcome", "rejected")]),
@@ -238,6 +241,15 @@ fn slowed(
     })
 }
 
+/// A queue whose waiters wait as long as their budget allows: tests of the limit need every
+/// request served, however long the queue.
+fn fifo() -> QueueConfig {
+    QueueConfig {
+        discipline: Discipline::Fifo,
+        ..QueueConfig::default()
+    }
+}
+
 /// Sends `n` rounds of `width` concurrent requests through `svc`; every one is answered 200.
 async fn rounds<S>(svc: &S, width: usize, n: usize)
 where
@@ -263,7 +275,8 @@ fn finished_requests_teach_an_adaptive_limit_and_the_gauges_follow() {
         let gate = Gate::with_limit(
             crate::admission::Gradient2::new(2, 8),
             Duration::from_millis(5),
-        );
+        )
+        .with_queue(fifo());
         gate.publish_as("payments");
         let latency_ms = Arc::new(AtomicUsize::new(100));
         let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
@@ -322,7 +335,8 @@ async fn fast_failures_do_not_raise_a_lowered_limit() {
     let gate = Gate::with_limit(
         crate::admission::Gradient2::new(1, 8),
         Duration::from_millis(5),
-    );
+    )
+    .with_queue(fifo());
     let latency_ms = Arc::new(AtomicUsize::new(100));
     let served = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
     rounds(&served, 8, 20).await;
@@ -366,4 +380,250 @@ async fn fast_failures_do_not_raise_a_lowered_limit() {
         "failures are no evidence of fast service"
     );
     assert_eq!(gate.inflight(), 0);
+}
+
+fn retry_after_secs(res: &Response<Bytes>) -> u64 {
+    res.headers()[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn as_tenant(mut req: Request<Bytes>, tenant: &str) -> Request<Bytes> {
+    req.extensions_mut().insert(Tenant::new(tenant));
+    req
+}
+
+fn grpc(mut req: Request<Bytes>) -> Request<Bytes> {
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    req
+}
+
+/// Sends `req` through `svc` in a task, and lets it reach the gate.
+async fn spawn<S>(svc: &S, req: Request<Bytes>) -> tokio::task::JoinHandle<Response<Bytes>>
+where
+    S: Service<Request<Bytes>, Response = Response<Bytes>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    let call = tokio::spawn({
+        let svc = svc.clone();
+        async move { svc.oneshot(req).await.unwrap() }
+    });
+    tokio::task::yield_now().await;
+    call
+}
+
+#[test]
+fn queue_refusals_carry_their_reason_in_the_metric_and_the_answer() {
+    let (responses, m) = with_metrics(|| async {
+        let gate = Gate::new(1, Duration::from_millis(10)).with_queue(QueueConfig {
+            max_waiters: 2,
+            ..QueueConfig::default()
+        });
+        let release = Arc::new(Semaphore::new(0));
+        let svc = MetricsLayer::new("payments")
+            .route(Method::POST, "/v1/payments")
+            .layer(GateLayer::new(gate.clone()).layer(held(release.clone())));
+        let _running = spawn(&svc, request(Duration::from_secs(5))).await;
+        // One tenant may hold the whole queue...
+        let a1 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
+        let a2 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
+        assert_eq!(gate.queued(), 2);
+        // ...but not a third place, nor against another tenant's share: a1, the oldest, goes.
+        let a3 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
+        let _b = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "b")).await;
+        let a3 = a3.await.unwrap();
+        // A request whose budget cannot cover the service time is refused at once.
+        let late = svc
+            .clone()
+            .oneshot(request(Duration::from_millis(10)))
+            .await
+            .unwrap();
+        // Nobody is served for an interval: a standing queue; waiters past the target go.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let a2 = a2.await.unwrap();
+        release.add_permits(10);
+        (a1.await.unwrap(), a3, late, a2)
+    });
+    let (a1, a3, late, a2) = responses;
+    let expected = [
+        (&a1, "tenant_share"),
+        (&a3, "tenant_share"),
+        (&late, "deadline"),
+        (&a2, "sojourn"),
+    ];
+    for (res, reason) in expected {
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{reason}");
+        assert_eq!(problem_code(res.body()), "overloaded");
+        assert_eq!(res.extensions().get(), Some(&Rejected(reason)));
+        assert!(retry_after_secs(res) >= 1, "{reason}");
+    }
+    for reason in ["tenant_share", "deadline", "sojourn"] {
+        assert!(
+            m.counter(RPC_SERVER_REJECTED_TOTAL, &[("reason", reason)]) >= 1,
+            "{reason}"
+        );
+    }
+    assert_eq!(
+        m.counter(RPC_SERVER_REJECTED_TOTAL, &[("reason", "tenant_share")]),
+        2,
+        "a3 refused, a1 pushed out"
+    );
+}
+
+#[test]
+fn a_full_queue_refuses_with_reason_full_and_the_queue_is_published() {
+    let (res, m) = with_metrics(|| async {
+        let gate = Gate::new(1, Duration::from_millis(10)).with_queue(QueueConfig {
+            max_waiters: 1,
+            ..fifo()
+        });
+        gate.publish_as("payments");
+        let release = Arc::new(Semaphore::new(0));
+        let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+        let running = spawn(&svc, request(Duration::from_secs(5))).await;
+        let waiting = spawn(&svc, request(Duration::from_secs(5))).await;
+        let res = svc
+            .clone()
+            .oneshot(request(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        release.add_permits(2);
+        assert_eq!(running.await.unwrap().status(), StatusCode::OK);
+        assert_eq!(waiting.await.unwrap().status(), StatusCode::OK);
+        res
+    });
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.extensions().get(), Some(&Rejected("full")));
+    let labels = [("service", "payments")];
+    assert_eq!(
+        m.gauge(crate::observe::RPC_SERVER_QUEUE_LENGTH, &labels),
+        0.0
+    );
+    assert_eq!(
+        m.samples(crate::observe::RPC_SERVER_QUEUE_DELAY_SECONDS, &labels),
+        2,
+        "one admitted at once, one after waiting"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_caller_goes_away_leaves_the_queue_at_once() {
+    let gate = Gate::new(1, Duration::from_millis(5));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let running = spawn(&svc, request(Duration::from_secs(5))).await;
+    let waiting = spawn(&svc, request(Duration::from_secs(5))).await;
+    assert_eq!((gate.inflight(), gate.queued()), (1, 1));
+    waiting.abort();
+    let _ = waiting.await;
+    assert_eq!(
+        (gate.inflight(), gate.queued()),
+        (1, 0),
+        "left, holding nothing"
+    );
+    release.add_permits(1);
+    running.await.unwrap();
+    assert_eq!((gate.inflight(), gate.queued()), (0, 0));
+    assert!(
+        gate.try_enter().is_ok(),
+        "the slot is free for the next one"
+    );
+}
+
+#[test]
+fn shedding_hard_tells_grpc_clients_not_to_retry_and_http_clients_to_wait_long() {
+    let ((grpc_res, http_res, early), _) = with_metrics(|| async {
+        let gate = Gate::new(1, Duration::from_millis(5)).with_queue(QueueConfig {
+            hard_shed_after: Duration::from_millis(500),
+            ..QueueConfig::default()
+        });
+        let latency_ms = Arc::new(AtomicUsize::new(20));
+        let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms));
+        // Ten arrivals per service time, for well over the half second.
+        let mut calls = Vec::new();
+        let mut early = None;
+        for i in 0..600 {
+            calls.push(tokio::spawn(
+                svc.clone().oneshot(grpc(request(Duration::from_secs(5)))),
+            ));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            if i == 100 {
+                let res = svc.clone().oneshot(grpc(request(Duration::from_millis(6))));
+                early = Some(res.await.unwrap());
+            }
+        }
+        let grpc_res = svc
+            .clone()
+            .oneshot(grpc(request(Duration::from_millis(6))))
+            .await
+            .unwrap();
+        let http_res = svc
+            .clone()
+            .oneshot(request(Duration::from_millis(6)))
+            .await
+            .unwrap();
+        for call in calls {
+            call.await.unwrap().unwrap();
+        }
+        (grpc_res, http_res, early.unwrap())
+    });
+    let pushback = |res: &Response<Bytes>| {
+        res.headers()["grpc-retry-pushback-ms"]
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(early.headers()["grpc-status"], "14");
+    assert!(
+        pushback(&early).parse::<u64>().is_ok(),
+        "early on, retry later: {}",
+        pushback(&early)
+    );
+    assert_eq!(grpc_res.headers()["grpc-status"], "14");
+    assert_eq!(pushback(&grpc_res), "-1", "do not retry");
+    assert_eq!(http_res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(retry_after_secs(&http_res) >= 30);
+}
+
+#[test]
+fn retry_after_follows_the_queue_and_is_jittered() {
+    let (waits, _) = with_metrics(|| async {
+        let gate = Gate::new(1, Duration::from_millis(50)).with_queue(QueueConfig {
+            max_waiters: 1000,
+            ..fifo()
+        });
+        let release = Arc::new(Semaphore::new(0));
+        let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+        let _running = spawn(&svc, request(Duration::from_secs(60))).await;
+        let mut waiting = Vec::new();
+        for _ in 0..400 {
+            waiting.push(spawn(&svc, request(Duration::from_secs(60))).await);
+        }
+        // 400 waiters x 50 ms for one slot: 20 s to drain, bounded to 10 s plus jitter.
+        let mut waits = Vec::new();
+        for _ in 0..20 {
+            let res = svc
+                .clone()
+                .oneshot(request(Duration::from_millis(40)))
+                .await
+                .unwrap();
+            waits.push(retry_after_secs(&res));
+        }
+        release.add_permits(1_000);
+        for w in waiting {
+            w.await.unwrap();
+        }
+        waits
+    });
+    assert!(waits.iter().all(|w| (10..=20).contains(w)), "{waits:?}");
+    assert!(waits.iter().any(|w| *w != waits[0]), "jittered: {waits:?}");
 }

@@ -1,0 +1,423 @@
+//! Every behaviour with explicit instants: no clock is read, nothing sleeps.
+
+use super::*;
+
+const MS: Duration = Duration::from_millis(1);
+const LONG: Duration = Duration::from_secs(10);
+
+fn config() -> QueueConfig {
+    QueueConfig {
+        max_waiters: 8,
+        max_bytes: 8 << 10,
+        min_service: 10 * MS,
+        ..QueueConfig::default()
+    }
+}
+
+fn fifo() -> QueueConfig {
+    QueueConfig {
+        discipline: Discipline::Fifo,
+        ..config()
+    }
+}
+
+/// A queue in front of 100 slots: gaps between finishing requests far below the 5 ms target.
+fn queue(config: QueueConfig) -> AdmissionQueue<u32> {
+    let mut q = AdmissionQueue::new(config);
+    q.set_slots(100);
+    q
+}
+
+/// Pops everything poppable at `now`, returning the items served.
+fn drain(q: &mut AdmissionQueue<u32>, now: Instant) -> Vec<u32> {
+    std::iter::from_fn(|| q.pop(now).map(|w| w.item)).collect()
+}
+
+fn reasons(q: &mut AdmissionQueue<u32>) -> Vec<(u32, DropReason)> {
+    q.take_dropped()
+}
+
+#[test]
+fn work_that_cannot_finish_in_time_is_refused_at_enqueue() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    let refused = q.push(t0, "a", t0 + 10 * MS, 0, 1).unwrap_err();
+    assert_eq!(
+        (refused.reason, refused.item),
+        (DropReason::Deadline, 1),
+        "exactly enough to be served leaves nothing to wait with"
+    );
+    assert!(q.push(t0, "a", t0 + 11 * MS, 0, 2).is_ok());
+
+    // Served requests now take 100 ms: a 50 ms budget no longer covers one.
+    for _ in 0..50 {
+        q.on_service(100 * MS);
+    }
+    assert!(q.expected_service() > 90 * MS, "{:?}", q.expected_service());
+    let refused = q.push(t0, "a", t0 + 50 * MS, 0, 3).unwrap_err();
+    assert_eq!(refused.reason, DropReason::Deadline);
+    assert_eq!(q.len(), 1);
+}
+
+#[test]
+fn expired_work_never_runs() {
+    for cfg in [config(), fifo()] {
+        let mut q = queue(cfg.clone());
+        let t0 = Instant::now();
+        q.push(t0, "a", t0 + 40 * MS, 0, 1).unwrap();
+        q.push(t0, "a", t0 + LONG, 0, 2).unwrap();
+        // 31 ms later the first has 9 ms left, less than the 10 ms serving takes.
+        let now = t0 + 31 * MS;
+        assert_eq!(drain(&mut q, now), vec![2], "{:?}", cfg.discipline);
+        assert_eq!(reasons(&mut q), vec![(1, DropReason::Deadline)]);
+        assert!(q.is_empty() && q.bytes() == 0);
+    }
+}
+
+#[test]
+fn a_waiter_checks_itself_out_at_its_deadline() {
+    let mut q = queue(fifo());
+    let t0 = Instant::now();
+    let ticket = q.push(t0, "a", t0 + 50 * MS, 0, 1).unwrap();
+    let at = q.next_check(ticket, t0).unwrap();
+    assert_eq!(at, t0 + 40 * MS, "deadline minus the expected service time");
+    assert!(q.check(ticket, at - MS).is_none(), "may still wait");
+    assert_eq!(q.check(ticket, at), Some((1, DropReason::Deadline)));
+    assert!(q.is_empty());
+    assert_eq!(q.next_check(ticket, at), None);
+}
+
+#[test]
+fn without_a_standing_queue_waiters_are_served_first_come_first_served_within_the_interval() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    let tickets: Vec<_> = (0..3)
+        .map(|i| q.push(t0, "a", t0 + LONG, 0, i).unwrap())
+        .collect();
+    // 50 ms is past the 5 ms target but within the 100 ms interval: nobody is dropped.
+    assert!(q.check(tickets[0], t0 + 50 * MS).is_none());
+    assert!(!q.is_overloaded());
+    assert_eq!(q.pop(t0 + 50 * MS).unwrap().item, 0);
+    assert_eq!(q.pop(t0 + 51 * MS).unwrap().item, 1);
+    // A waiter may wait no longer than the interval.
+    assert_eq!(
+        q.check(tickets[2], t0 + 100 * MS),
+        Some((2, DropReason::Sojourn))
+    );
+}
+
+#[test]
+fn sojourn_drops_start_when_a_standing_queue_forms_and_stop_when_it_drains() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    // Waiters queue up and the ones served have waited 20 ms: beyond the 5 ms target.
+    for i in 0..6 {
+        q.push(t0, "a", t0 + LONG, 0, i).unwrap();
+    }
+    assert_eq!(q.pop(t0 + 20 * MS).unwrap().sojourn, 20 * MS);
+    assert!(!q.is_overloaded(), "decided once the interval ends");
+    let late = q.push(t0 + 99 * MS, "a", t0 + LONG, 0, 10).unwrap();
+    // The interval ends: its least delay was 20 ms, above the target.
+    q.push(t0 + 101 * MS, "a", t0 + LONG, 0, 11).unwrap();
+    assert!(q.is_overloaded());
+    // Older than the target: dropped, whether checked or reached.
+    assert_eq!(q.check(late, t0 + 103 * MS), None, "4 ms old, not yet");
+    assert_eq!(
+        q.check(late, t0 + 104 * MS),
+        Some((10, DropReason::Sojourn))
+    );
+    // Served newest first: 11 is 4 ms old and goes; the others are old and are dropped.
+    let served = q.pop(t0 + 105 * MS).unwrap();
+    assert_eq!((served.item, served.sojourn), (11, 4 * MS));
+    assert_eq!(q.pop(t0 + 105 * MS).map(|w| w.item), None);
+    let dropped = reasons(&mut q);
+    assert_eq!(dropped.len(), 5);
+    assert!(dropped.iter().all(|(_, r)| *r == DropReason::Sojourn));
+    assert!(
+        q.is_overloaded(),
+        "dropping stale waiters is no sign of spare capacity"
+    );
+
+    // The queue drained and a free slot found nobody waiting: the next interval ends the
+    // overload, and a waiter may again wait up to the interval.
+    q.admitted_directly(t0 + 150 * MS);
+    q.admitted_directly(t0 + 210 * MS);
+    assert!(!q.is_overloaded());
+    let t = q.push(t0 + 210 * MS, "a", t0 + LONG, 0, 20).unwrap();
+    assert_eq!(q.check(t, t0 + 250 * MS), None);
+}
+
+#[test]
+fn a_stalled_service_is_a_standing_queue_too() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    q.push(t0, "a", t0 + LONG, 0, 1).unwrap();
+    let young = q.push(t0 + 95 * MS, "a", t0 + LONG, 0, 2).unwrap();
+    assert_eq!(q.next_check(young, t0 + 95 * MS), Some(t0 + 100 * MS));
+    // A whole interval with waiters throughout and nobody served: overloaded, so 6 ms is too
+    // long a wait.
+    assert_eq!(
+        q.check(young, t0 + 101 * MS),
+        Some((2, DropReason::Sojourn))
+    );
+    assert!(q.is_overloaded());
+}
+
+#[test]
+fn newest_first_while_overloaded_oldest_first_otherwise() {
+    let mut q = queue(QueueConfig {
+        target: Duration::from_secs(1),
+        interval: Duration::from_secs(2),
+        ..config()
+    });
+    let t0 = Instant::now();
+    for i in 0..4 {
+        q.push(t0, "a", t0 + LONG * 10, 0, i).unwrap();
+    }
+    assert_eq!(q.pop(t0 + 1500 * MS).unwrap().item, 0, "FIFO");
+    // The interval's least delay (1.5 s) exceeded the 1 s target: LIFO from now on.
+    q.push(t0 + 2000 * MS, "a", t0 + LONG * 10, 0, 9).unwrap();
+    assert!(q.is_overloaded());
+    assert_eq!(q.pop(t0 + 2000 * MS).unwrap().item, 9, "LIFO");
+    // The older ones have waited beyond the target: dropped on the way, newest first.
+    assert_eq!(q.pop(t0 + 2000 * MS).map(|w| w.item), None);
+    assert_eq!(
+        reasons(&mut q),
+        vec![
+            (3, DropReason::Sojourn),
+            (2, DropReason::Sojourn),
+            (1, DropReason::Sojourn)
+        ]
+    );
+}
+
+#[test]
+fn fifo_never_drops_on_sojourn_nor_serves_newest_first() {
+    let mut q = queue(fifo());
+    let t0 = Instant::now();
+    for i in 0..4 {
+        q.push(t0 + i * MS, "a", t0 + LONG, 0, i).unwrap();
+    }
+    let now = t0 + Duration::from_secs(5);
+    assert_eq!(drain(&mut q, now), vec![0, 1, 2, 3]);
+    assert!(!q.is_overloaded());
+    assert!(reasons(&mut q).is_empty());
+}
+
+#[test]
+fn tenants_take_turns() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    for i in 0..3 {
+        q.push(t0, "flood", t0 + LONG, 0, i).unwrap();
+    }
+    q.push(t0, "other", t0 + LONG, 0, 100).unwrap();
+    q.push(t0, "third", t0 + LONG, 0, 200).unwrap();
+    assert_eq!(drain(&mut q, t0 + MS), vec![0, 100, 200, 1, 2]);
+}
+
+#[test]
+fn a_tenant_flood_does_not_starve_another_tenant() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    // One tenant alone may fill the queue.
+    for i in 0..8 {
+        q.push(t0, "flood", t0 + LONG, 0, i).unwrap();
+    }
+    assert_eq!(q.tenant_len("flood"), 8);
+    let refused = q.push(t0, "flood", t0 + LONG, 0, 8).unwrap_err();
+    assert_eq!(refused.reason, DropReason::TenantShare);
+    // Another tenant pushes out the flood's oldest waiters, up to an equal share.
+    for i in 0..4 {
+        q.push(t0, "quiet", t0 + LONG, 0, 100 + i).unwrap();
+    }
+    assert_eq!(
+        reasons(&mut q),
+        (0..4)
+            .map(|i| (i, DropReason::TenantShare))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!((q.tenant_len("flood"), q.tenant_len("quiet")), (4, 4));
+    let refused = q.push(t0, "quiet", t0 + LONG, 0, 104).unwrap_err();
+    assert_eq!(refused.reason, DropReason::TenantShare);
+    // And is served every other turn.
+    assert_eq!(drain(&mut q, t0 + MS), vec![4, 100, 5, 101, 6, 102, 7, 103]);
+}
+
+#[test]
+fn bounded_by_count_and_by_memory() {
+    // FIFO: one line, nobody to push out.
+    let mut q = queue(fifo());
+    let t0 = Instant::now();
+    for i in 0..8 {
+        q.push(t0, "a", t0 + LONG, 16, i).unwrap();
+    }
+    let refused = q.push(t0, "b", t0 + LONG, 16, 8).unwrap_err();
+    assert_eq!(refused.reason, DropReason::Full);
+    assert_eq!(q.len(), 8);
+
+    let mut q = queue(config());
+    q.push(t0, "a", t0 + LONG, 4 << 10, 1).unwrap();
+    q.push(t0, "a", t0 + LONG, 3 << 10, 2).unwrap();
+    assert_eq!(q.bytes(), 7 << 10);
+    let refused = q.push(t0, "a", t0 + LONG, 2 << 10, 3).unwrap_err();
+    assert_eq!(refused.reason, DropReason::Full, "8 KiB of memory");
+    let refused = q.push(t0, "b", t0 + LONG, 9 << 10, 4).unwrap_err();
+    assert_eq!(
+        refused.reason,
+        DropReason::Full,
+        "larger than the whole bound"
+    );
+    assert!(q.push(t0, "a", t0 + LONG, 1 << 10, 5).is_ok());
+    assert_eq!(q.bytes(), 8 << 10);
+    assert_eq!(drain(&mut q, t0).len(), 3);
+    assert_eq!(q.bytes(), 0);
+}
+
+#[test]
+fn a_removed_waiter_leaves_nothing() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    let a = q.push(t0, "a", t0 + LONG, 100, 1).unwrap();
+    let b = q.push(t0, "b", t0 + LONG, 100, 2).unwrap();
+    q.push(t0, "a", t0 + LONG, 100, 3).unwrap();
+    assert_eq!(q.remove(a), Some(1));
+    assert_eq!(q.remove(a), None, "once");
+    assert_eq!(q.remove(b), Some(2));
+    assert_eq!((q.len(), q.bytes(), q.tenant_len("b")), (1, 100, 0));
+    assert_eq!(drain(&mut q, t0), vec![3]);
+    assert_eq!((q.len(), q.bytes(), q.tenant_len("a")), (0, 0, 0));
+    assert!(format!("{q:?}").contains("len: 0"));
+}
+
+#[test]
+fn pushback_grows_with_the_queue_and_is_jittered_within_bounds() {
+    let mut q = queue(QueueConfig {
+        max_waiters: 1000,
+        ..config()
+    });
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        q.on_service(100 * MS);
+    }
+    let empty = q.pushback(t0, 10, 0.0);
+    assert_eq!(
+        empty,
+        Pushback {
+            wait: MIN_PUSHBACK,
+            retry: true
+        }
+    );
+    for i in 0..500 {
+        q.push(t0, &format!("t{}", i % 7), t0 + LONG, 0, i).unwrap();
+    }
+    // 501 waiters x 100 ms / 10 slots: about 5 s to drain.
+    let full = q.pushback(t0, 10, 0.0);
+    assert!(full.wait > Duration::from_secs(4) && full.retry, "{full:?}");
+    assert!(
+        q.pushback(t0, 1_000, 0.0).wait < full.wait,
+        "a larger limit drains faster"
+    );
+    let waits: Vec<_> = (0..10)
+        .map(|i| q.pushback(t0, 10, f64::from(i) / 10.0).wait)
+        .collect();
+    assert!(waits.windows(2).all(|w| w[0] < w[1]), "{waits:?}");
+    assert!(waits.iter().all(|w| *w >= full.wait && *w < full.wait * 2));
+    // Nonsense randomness is no panic and no unbounded wait.
+    for unit in [f64::NAN, -1.0, 7.0, f64::INFINITY] {
+        assert!(q.pushback(t0, 0, unit).wait <= MAX_PUSHBACK * 2);
+    }
+}
+
+#[test]
+fn shedding_hard_says_do_not_retry_and_recovery_says_retry() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    let mut now = t0;
+    let mut advice = Vec::new();
+    // Two arrivals per 10 ms and one slot freeing: twice the capacity, for three seconds.
+    for step in 0..300 {
+        now = t0 + step * 10 * MS;
+        for i in 0..2 {
+            let _ = q.push(now, "a", now + LONG, 0, step * 2 + i);
+        }
+        q.pop(now);
+        advice.push(q.pushback(now, 4, 0.5));
+    }
+    assert!(q.is_overloaded());
+    assert!(
+        advice[..200].iter().all(|p| p.retry),
+        "not for the first two seconds"
+    );
+    let hard = advice.last().unwrap();
+    assert!(!hard.retry);
+    assert!(hard.wait >= HARD_SHED_PUSHBACK, "{hard:?}");
+    // The load stops: the queue drains, and over an interval free slots find nobody.
+    while q.pop(now).is_some() {}
+    for _ in 0..25 {
+        now += 10 * MS;
+        q.pop(now);
+    }
+    assert!(!q.is_overloaded());
+    assert!(q.pushback(now, 4, 0.5).retry);
+}
+
+#[test]
+fn the_target_is_at_least_two_gaps_between_finishing_requests() {
+    let mut q = AdmissionQueue::<u32>::new(config());
+    q.set_slots(100);
+    assert_eq!(q.target(), 5 * MS);
+    for _ in 0..100 {
+        q.on_service(200 * MS);
+    }
+    // 200 ms of service over 16 slots: a request finishes every 12.5 ms.
+    q.set_slots(16);
+    assert_eq!(q.target(), 25 * MS);
+    assert_eq!(q.interval(), 100 * MS);
+    q.set_slots(0);
+    assert_eq!(q.target(), 400 * MS, "at least one slot");
+    assert_eq!(q.interval(), 800 * MS, "twice the target");
+}
+
+#[test]
+fn overload_lasts_while_free_slots_mostly_find_somebody_waiting() {
+    let mut q = queue(config());
+    let t0 = Instant::now();
+    // Three arrivals for two free slots every 10 ms: the third waits too long and goes.
+    for step in 0..100 {
+        let now = t0 + step * 10 * MS;
+        for i in 0..3 {
+            let _ = q.push(now, "a", now + LONG, 0, step * 3 + i);
+        }
+        q.pop(now + MS);
+        q.pop(now + 2 * MS);
+        if step > 20 {
+            assert!(q.is_overloaded(), "step {step}");
+        }
+    }
+    // One arrival for two free slots: one of them finds nobody, and the overload ends.
+    for step in 100..130 {
+        let now = t0 + step * 10 * MS;
+        let _ = q.push(now, "a", now + LONG, 0, step);
+        q.pop(now + MS);
+        q.pop(now + 2 * MS);
+    }
+    assert!(!q.is_overloaded());
+}
+
+#[test]
+fn disciplines_parse_and_print() {
+    assert_eq!("fair".parse(), Ok(Discipline::Fair));
+    assert_eq!("fifo".parse(), Ok(Discipline::Fifo));
+    let err = "lifo".parse::<Discipline>().unwrap_err();
+    assert!(err.to_string().contains("`fair` or `fifo`"), "{err}");
+    assert_eq!(Discipline::default().to_string(), "fair");
+    assert_eq!(DropReason::TenantShare.to_string(), "tenant_share");
+    assert_eq!(DropReason::Sojourn.as_str(), "sojourn");
+    let q = AdmissionQueue::<()>::new(QueueConfig {
+        max_waiters: 0,
+        max_bytes: 0,
+        ..QueueConfig::default()
+    });
+    assert_eq!((q.config().max_waiters, q.config().max_bytes), (1, 1));
+}
