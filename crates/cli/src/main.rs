@@ -5,6 +5,8 @@
 //! - `backstop psp`: the PSP simulator (a fake payment provider with fault injection).
 //! - `backstop load`: an open-loop load driver for the payment service, with a summary of
 //!   attempts, retries, outcomes, latency per attempt and stop reasons.
+//! - `backstop storm sim`: a deterministic simulation of retry storms, overload and recovery,
+//!   with the library's own policies as clients and admission.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -17,6 +19,7 @@ mod load;
 mod logging;
 mod psp;
 mod serve;
+mod storm;
 
 /// glibc's allocator serialises frees of memory allocated on another thread behind an arena
 /// lock; under a multi-threaded tokio runtime, where a request's futures and buffers often
@@ -58,6 +61,11 @@ enum Command {
     /// Each logical request is a new order with its own key; the summary gives attempts,
     /// retries, outcomes and latency per attempt.
     Load(load::LoadArgs),
+    /// The storm lab: retry storms, overload and recovery, reproduced
+    ///
+    /// `storm sim` simulates a scenario deterministically (virtual time, seeded) with the
+    /// library's own retry, budget, storm alarm, hedging and admission policies.
+    Storm(storm::StormArgs),
 }
 
 #[tokio::main]
@@ -66,6 +74,8 @@ async fn main() -> ExitCode {
     // The load driver would drown its own summary in per-attempt events: warnings only.
     let default_level = match cli.command {
         Command::Load(_) => "warn",
+        // The simulated clients' policies log as real ones do; only errors belong here.
+        Command::Storm(_) => "error",
         _ => "info",
     };
     if let Err(error) = logging::init(cli.log_format, default_level) {
@@ -91,6 +101,7 @@ async fn main() -> ExitCode {
                 .map_err(Into::into)
         }
         Command::Load(args) => load::run(args).await,
+        Command::Storm(args) => storm::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -79,7 +79,7 @@ struct State {
 impl Default for AdaptiveThrottle {
     /// `K` = 2 over the last 2 minutes.
     fn default() -> Self {
-        Self::build(Self::DEFAULT_K, Self::DEFAULT_WINDOW)
+        Self::build(Self::DEFAULT_K, Self::DEFAULT_WINDOW, Instant::now())
     }
 }
 
@@ -97,15 +97,22 @@ impl AdaptiveThrottle {
         if window < Duration::from_millis(1) {
             return Err(ThrottleError::Window);
         }
-        Ok(Self::build(k, window))
+        Ok(Self::build(k, window, Instant::now()))
     }
 
-    fn build(k: f64, window: Duration) -> Self {
+    /// [`new`](Self::new) with the window's slots counted from `origin` instead of now: for a
+    /// caller on a virtual clock (a simulation), which then drives the throttle only through
+    /// the `..._at` methods.
+    pub fn new_at(k: f64, window: Duration, origin: Instant) -> Result<Self, ThrottleError> {
+        Self::new(k, window).map(|_| Self::build(k, window, origin))
+    }
+
+    fn build(k: f64, window: Duration, origin: Instant) -> Self {
         Self {
             inner: Arc::new(Inner {
                 k,
                 state: Mutex::new(State {
-                    counts: SlidingCounts::new(window),
+                    counts: SlidingCounts::new_at(window, origin),
                     rng: None,
                 }),
             }),
@@ -129,22 +136,26 @@ impl AdaptiveThrottle {
     /// Counts one attempt and decides whether it may be sent: `false` means reject it
     /// locally.
     pub fn admit(&self) -> bool {
+        self.admit_at(Instant::now())
+    }
+
+    /// [`admit`](Self::admit) at `now`.
+    pub fn admit_at(&self, now: Instant) -> bool {
         let mut state = self.lock();
         let draw = match &mut state.rng {
             Some(rng) => rng.random::<f64>(),
             None => rand::rng().random::<f64>(),
         };
-        Self::admit_locked(self.inner.k, &mut state, draw)
+        Self::admit_locked(self.inner.k, &mut state, now, draw)
     }
 
     /// [`admit`](Self::admit) with the random draw given (uniform in `[0, 1)`): rejected when
     /// it falls under the rejection probability.
     pub fn admit_with(&self, draw: f64) -> bool {
-        Self::admit_locked(self.inner.k, &mut self.lock(), draw)
+        Self::admit_locked(self.inner.k, &mut self.lock(), Instant::now(), draw)
     }
 
-    fn admit_locked(k: f64, state: &mut State, draw: f64) -> bool {
-        let now = Instant::now();
+    fn admit_locked(k: f64, state: &mut State, now: Instant, draw: f64) -> bool {
         state.counts.add(now, 1, 0);
         let (requests, accepts) = state.counts.totals(now);
         draw >= probability(k, requests, accepts)
@@ -157,12 +168,22 @@ impl AdaptiveThrottle {
 
     /// Counts one accepted attempt: an answer that is not an overload refusal.
     pub fn record_accept(&self) {
-        self.lock().counts.add(Instant::now(), 0, 1);
+        self.record_accept_at(Instant::now());
+    }
+
+    /// [`record_accept`](Self::record_accept) at `now`.
+    pub fn record_accept_at(&self, now: Instant) {
+        self.lock().counts.add(now, 0, 1);
     }
 
     /// The probability with which the next attempt would be rejected, now.
     pub fn reject_probability(&self) -> f64 {
-        let (requests, accepts) = self.lock().counts.totals(Instant::now());
+        self.reject_probability_at(Instant::now())
+    }
+
+    /// The probability with which an attempt at `now` would be rejected.
+    pub fn reject_probability_at(&self, now: Instant) -> f64 {
+        let (requests, accepts) = self.lock().counts.totals(now);
         probability(self.inner.k, requests, accepts)
     }
 
