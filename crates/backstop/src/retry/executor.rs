@@ -471,7 +471,16 @@ impl Attempts {
         let status = Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
             .with_problem(problem::DEADLINE_EXCEEDED);
         let now = Instant::now();
-        self.finish(policy, call, status, true, remaining, elapsed, now, &mut rand::rng())
+        self.finish(
+            policy,
+            call,
+            status,
+            true,
+            remaining,
+            elapsed,
+            now,
+            &mut rand::rng(),
+        )
     }
 
     /// The attempt was cut off at the deadline, at `now`: the request stops with
@@ -503,7 +512,16 @@ impl Attempts {
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
         let now = Instant::now();
-        self.finish(policy, call, status, true, remaining, elapsed, now, &mut rand::rng())
+        self.finish(
+            policy,
+            call,
+            status,
+            true,
+            remaining,
+            elapsed,
+            now,
+            &mut rand::rng(),
+        )
     }
 
     /// The attempt failed with `status`: the wait before the next one, or why there is none.
@@ -517,7 +535,15 @@ impl Attempts {
     ) -> Result<Duration, RetryError> {
         // The thread-local generator is used and dropped here, never held across an await.
         let now = Instant::now();
-        self.failed_at(policy, call, status, remaining, elapsed, now, &mut rand::rng())
+        self.failed_at(
+            policy,
+            call,
+            status,
+            remaining,
+            elapsed,
+            now,
+            &mut rand::rng(),
+        )
     }
 
     /// The attempt failed with `status`, answered at `now`: the wait before the next attempt

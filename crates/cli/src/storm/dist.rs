@@ -21,7 +21,9 @@ pub(crate) struct LogNormal {
 
 /// A mean and p99 no log-normal has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("no log-normal has mean {mean:?} and p99 {p99:?}: the p99 must lie above the mean and below about 15 times it")]
+#[error(
+    "no log-normal has mean {mean:?} and p99 {p99:?}: the p99 must lie above the mean and below about 15 times it"
+)]
 pub(crate) struct LogNormalError {
     mean: Duration,
     p99: Duration,

@@ -292,7 +292,10 @@ impl<T> Slab<T> {
                 let slot = &mut self.items[idx as usize];
                 slot.0 = (slot.0 + 1) & GEN_MASK;
                 slot.1 = Some(value);
-                Key { idx, generation: slot.0 }
+                Key {
+                    idx,
+                    generation: slot.0,
+                }
             }
             None => {
                 let idx = u32::try_from(self.items.len()).expect("fewer than 2^32 live entries");
@@ -466,7 +469,9 @@ impl<'a> Sim<'a> {
         // reaches a decision.
         let base = Instant::now();
         let budget = match client.budget {
-            Some((ratio, burst)) => RetryBudget::new(ratio, burst).expect("ratio checked by the scenario"),
+            Some((ratio, burst)) => {
+                RetryBudget::new(ratio, burst).expect("ratio checked by the scenario")
+            }
             // No budget: more tokens than any run can spend, and one more per request.
             None => RetryBudget::new(1.0, u32::MAX).expect("valid"),
         };
@@ -734,9 +739,14 @@ impl<'a> Sim<'a> {
                 &mut self.rng,
             )
         } else {
-            logical
-                .attempts
-                .cut_off_at(&self.policy, &self.call, remaining, elapsed, now, &mut self.rng)
+            logical.attempts.cut_off_at(
+                &self.policy,
+                &self.call,
+                remaining,
+                elapsed,
+                now,
+                &mut self.rng,
+            )
         };
         self.decided(lkey, decision);
     }
@@ -827,11 +837,7 @@ impl<'a> Sim<'a> {
             }
             Err(error) => {
                 self.rows[row].logical_failed += 1;
-                *self
-                    .totals
-                    .stops
-                    .entry(error.reason.as_str())
-                    .or_default() += 1;
+                *self.totals.stops.entry(error.reason.as_str()).or_default() += 1;
             }
         }
         // Attempts still out (a hedge's sibling) now answer nobody.

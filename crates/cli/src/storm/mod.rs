@@ -82,7 +82,10 @@ const MAX_DURATION: Duration = Duration::from_secs(3_600);
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| format!("{e} (e.g. 60s, 2m)"))?;
     if d.is_zero() || d > MAX_DURATION {
-        return Err(format!("must be above 0 and at most {}", humantime::format_duration(MAX_DURATION)));
+        return Err(format!(
+            "must be above 0 and at most {}",
+            humantime::format_duration(MAX_DURATION)
+        ));
     }
     Ok(d)
 }
@@ -201,4 +204,160 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, UnknownPolicy> {
         notes: scenario.notes,
         runs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small-scale run (debug builds run these in CI).
+    fn args(scenario: ScenarioKind, scale: f64, seconds: u64) -> SimArgs {
+        SimArgs {
+            scenario,
+            policy: "all".to_owned(),
+            seed: 7,
+            duration: Some(Duration::from_secs(seconds)),
+            interval: Duration::from_secs(1),
+            scale,
+            limit: ServerLimit::Fixed,
+            throttle: false,
+            json: false,
+            csv: false,
+        }
+    }
+
+    fn by_policy<'a>(report: &'a Report, policy: &str) -> &'a VariantRun {
+        report
+            .runs
+            .iter()
+            .find(|r| r.policy == policy)
+            .unwrap_or_else(|| panic!("no run {policy}"))
+    }
+
+    fn row_at(run: &VariantRun, t: f64) -> &Row {
+        run.rows.iter().find(|r| (r.t - t).abs() < 1e-9).unwrap()
+    }
+
+    /// Chapter 2.5.1: the downstream slows, capacity falls from 5000/s to 833/s under 2000/s.
+    /// Naive clients multiply their load (retry ratio climbing towards 2), goodput collapses
+    /// and the queue keeps growing after the downstream has recovered; the library's clients
+    /// add no more than the budget allows and the service is back as soon as the downstream
+    /// is.
+    #[test]
+    fn slowdown_naive_diverges_backstop_stays_bounded_and_recovers() {
+        let report = simulate(&args(ScenarioKind::Slowdown, 0.1, 50)).unwrap();
+        let naive = by_policy(&report, "naive");
+        let backstop = by_policy(&report, "backstop");
+
+        let (n, b) = (&naive.summary, &backstop.summary);
+        // Load amplification: retries grow to about 2 per original.
+        assert!(n.focus_amplification > 2.0, "{}", n.focus_amplification);
+        assert!(row_at(naive, 10.0).retry_ratio < row_at(naive, 15.0).retry_ratio);
+        assert!(row_at(naive, 15.0).retry_ratio > 1.5);
+        // Goodput far below the degraded capacity, and the backlog never drains: the storm
+        // outlives its cause.
+        assert!(
+            n.focus_goodput < 0.2 * n.focus_capacity,
+            "{}",
+            n.focus_goodput
+        );
+        assert!(row_at(naive, 49.0).queue > row_at(naive, 39.0).queue);
+        assert_eq!(n.recovery_s, None);
+        assert_eq!(n.stability.verdict, "overloaded");
+
+        // The library's clients: within 1 + ratio (plus the burst) of the original load.
+        let originals = b.attempts - b.retries;
+        assert!(
+            b.retries as f64 <= 0.1 * originals as f64 + 20.0,
+            "{} retries for {originals}",
+            b.retries
+        );
+        assert!(
+            b.focus_amplification <= 1.1 + 1e-9,
+            "{}",
+            b.focus_amplification
+        );
+        assert!(
+            b.peak_queue < n.peak_queue / 4,
+            "{} vs {}",
+            b.peak_queue,
+            n.peak_queue
+        );
+        let recovery = b.recovery_s.expect("backstop recovers within the run");
+        assert!(recovery <= 3.0, "{recovery}");
+        assert!(b.stability.gain < 1.0);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_output() {
+        let run = |seed| {
+            let mut a = args(ScenarioKind::OutageRecovery, 0.05, 25);
+            a.seed = seed;
+            serde_json::to_string(&simulate(&a).unwrap()).unwrap()
+        };
+        assert_eq!(run(3), run(3));
+        assert_ne!(run(3), run(4));
+    }
+
+    /// Chapter 2.6.1: 1000/s at 250 ms keeps about 250 requests in flight (L = lambda W), a
+    /// limit sized by lambda x W_p99 x 1.2 serves it; a limit too small refuses the excess,
+    /// and behind an unbounded queue it makes latency and memory grow without bound.
+    #[test]
+    fn littles_law_holds_and_a_small_limit_hurts() {
+        let report = simulate(&args(ScenarioKind::LittlesLaw, 0.2, 20)).unwrap();
+        let enough = &report.runs[0].summary;
+        let small = &report.runs[1].summary;
+        let queued = &report.runs[2].summary;
+        assert!(enough.little.relative_error < 0.05, "{:?}", enough.little);
+        // 200/s at 250 ms: about 50 in flight.
+        assert!((enough.little.l - 50.0).abs() < 5.0, "{:?}", enough.little);
+        assert!(enough.refused == 0 && enough.success > 0.97, "{enough:?}");
+        assert!(small.refused > 0 && small.success < 0.95, "{small:?}");
+        assert!(small.focus_p99_ms <= 1_000.0);
+        // The unbounded queue only grows; the gate's is bounded by the deadline.
+        let queue = |run: usize, t: f64| row_at(&report.runs[run], t).queue;
+        assert!(queue(2, 19.0) > queue(2, 10.0) && queue(2, 10.0) > queue(2, 5.0));
+        assert!(queued.peak_queue > 2 * small.peak_queue, "{queued:?}");
+        assert!(queued.little.w_ms > 4.0 * enough.little.w_ms);
+    }
+
+    /// Chapter 2.3.4: hedging at the p95 costs about 5 % more attempts, at the p50 about half
+    /// again; the retry budget caps the latter at its ratio.
+    #[test]
+    fn hedging_at_p95_is_cheap_and_at_p50_is_not() {
+        let report = simulate(&args(ScenarioKind::Hedging, 0.2, 20)).unwrap();
+        let share = |policy| {
+            let s = &by_policy(&report, policy).summary;
+            s.hedges as f64 / (s.attempts - s.hedges) as f64
+        };
+        let (p95, p50, budget) = (share("p95"), share("p50"), share("p50-budget"));
+        assert!((0.02..0.10).contains(&p95), "{p95}");
+        assert!(p50 > 0.35, "{p50}");
+        assert!(budget < 0.12, "{budget}");
+    }
+
+    #[test]
+    fn outage_recovery_is_faster_with_the_library_clients() {
+        let report = simulate(&args(ScenarioKind::OutageRecovery, 0.1, 50)).unwrap();
+        let naive = by_policy(&report, "naive").summary.recovery_s;
+        let backstop = by_policy(&report, "backstop")
+            .summary
+            .recovery_s
+            .expect("backstop recovers within the run");
+        assert!(
+            naive.is_none_or(|n| n > backstop),
+            "{naive:?} vs {backstop}"
+        );
+    }
+
+    #[test]
+    fn an_unknown_policy_is_a_clear_error() {
+        let mut a = args(ScenarioKind::Hedging, 0.1, 2);
+        a.policy = "p99".to_owned();
+        let err = simulate(&a).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "scenario hedging has no policy `p99`; choose all, p95, p50, p50-budget"
+        );
+    }
 }

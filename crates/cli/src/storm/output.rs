@@ -13,7 +13,7 @@ pub(crate) fn json(out: &mut impl Write, report: &Report) -> io::Result<()> {
 
 const CSV_ROW_HEADER: &str = "scenario,policy,t,offered_originals,offered_retries,hedges,goodput,wasted,refused,attempts_failed,queue,inflight,limit,p99_ms,retry_ratio,failure_probability,logical_ok,logical_failed,storm";
 
-const CSV_SUMMARY_HEADER: &str = "scenario,policy,logical,success,attempts,retries,hedges,amplification,focus_from,focus_to,focus_amplification,focus_goodput,focus_capacity,focus_wasted,focus_p99_ms,wasted,refused,peak_queue,peak_queue_mib,r,a0,a_star,p_slope,gain,verdict,recovery_s,little_l,little_lambda,little_w_ms,little_lambda_w,little_relative_error";
+const CSV_SUMMARY_HEADER: &str = "scenario,policy,logical,success,attempts,retries,hedges,amplification,focus_from,focus_to,focus_amplification,focus_goodput,focus_capacity,focus_wasted,focus_p99_ms,wasted,refused,peak_queue,peak_queue_mib,r,a0,a_star,p_star,p_slope,gain,verdict,recovery_s,little_l,little_lambda,little_w_ms,little_lambda_w,little_relative_error";
 
 /// The series as CSV (one line per policy and interval), a blank line, then one summary line
 /// per policy.
@@ -54,7 +54,7 @@ pub(crate) fn csv(out: &mut impl Write, report: &Report) -> io::Result<()> {
         let l = &s.little;
         writeln!(
             out,
-            "{},{},{},{:.4},{},{},{},{:.4},{},{},{:.4},{:.1},{:.1},{:.1},{},{},{},{},{:.1},{:.4},{:.1},{:.1},{:.8},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.4}",
+            "{},{},{},{:.4},{},{},{},{:.4},{},{},{:.4},{:.1},{:.1},{:.1},{},{},{},{},{:.1},{:.4},{:.1},{:.1},{:.4},{:.8},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.4}",
             report.scenario,
             s.policy,
             s.logical,
@@ -77,6 +77,7 @@ pub(crate) fn csv(out: &mut impl Write, report: &Report) -> io::Result<()> {
             st.r,
             st.a0,
             st.a_star,
+            st.p_star,
             st.p_slope,
             st.gain,
             st.verdict,
@@ -107,7 +108,18 @@ pub(crate) fn table(out: &mut impl Write, report: &Report) -> io::Result<()> {
         writeln!(
             out,
             "{:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>6} {:>6} {:>8}",
-            "t(s)", "orig/s", "retry/s", "good/s", "waste/s", "refuse/s", "queue", "limit", "p99 ms", "ratio", "fail", "storm"
+            "t(s)",
+            "orig/s",
+            "retry/s",
+            "good/s",
+            "waste/s",
+            "refuse/s",
+            "queue",
+            "limit",
+            "p99 ms",
+            "ratio",
+            "fail",
+            "storm"
         )?;
         let per_s = 1.0 / report.interval_s;
         for r in &run.rows {
@@ -153,34 +165,64 @@ fn summaries(out: &mut impl Write, report: &Report) -> io::Result<()> {
     line(out, "", &|s| s.policy.clone())?;
     line(out, "logical requests", &|s| s.logical.to_string())?;
     line(out, "succeeded", &|s| format!("{:.1} %", s.success * 100.0))?;
-    line(out, "attempts per request (run)", &|s| format!("{:.3}", s.amplification))?;
-    line(out, "attempts per request (window)", &|s| format!("{:.3}", s.focus_amplification))?;
-    line(out, "goodput/s (window)", &|s| format!("{:.0}", s.focus_goodput))?;
-    line(out, "capacity/s (window)", &|s| format!("{:.0}", s.focus_capacity))?;
+    line(out, "attempts per request (run)", &|s| {
+        format!("{:.3}", s.amplification)
+    })?;
+    line(out, "attempts per request (window)", &|s| {
+        format!("{:.3}", s.focus_amplification)
+    })?;
+    line(out, "goodput/s (window)", &|s| {
+        format!("{:.0}", s.focus_goodput)
+    })?;
+    line(out, "capacity/s (window)", &|s| {
+        format!("{:.0}", s.focus_capacity)
+    })?;
     line(out, "goodput / capacity (window)", &|s| {
         format!("{:.2}", ratio(s.focus_goodput, s.focus_capacity))
     })?;
-    line(out, "wasted work/s (window)", &|s| format!("{:.0}", s.focus_wasted))?;
-    line(out, "worst p99 ms (window)", &|s| format!("{:.0}", s.focus_p99_ms))?;
+    line(out, "wasted work/s (window)", &|s| {
+        format!("{:.0}", s.focus_wasted)
+    })?;
+    line(out, "worst p99 ms (window)", &|s| {
+        format!("{:.0}", s.focus_p99_ms)
+    })?;
     line(out, "refused", &|s| s.refused.to_string())?;
     line(out, "hedges per request", &|s| {
-        format!("{:.3}", ratio(s.hedges as f64, (s.attempts - s.retries - s.hedges) as f64))
+        format!(
+            "{:.3}",
+            ratio(s.hedges as f64, (s.attempts - s.retries - s.hedges) as f64)
+        )
     })?;
     line(out, "peak queue (memory)", &|s| {
         format!("{} ({:.0} MiB)", s.peak_queue, s.peak_queue_mib)
     })?;
-    line(out, "r (retries per failed request)", &|s| format!("{:.3}", s.stability.r))?;
-    line(out, "A0 (originals/s)", &|s| format!("{:.0}", s.stability.a0))?;
-    line(out, "A* (attempts/s)", &|s| format!("{:.0}", s.stability.a_star))?;
-    line(out, "p'(A*) (per attempt/s)", &|s| format!("{:.2e}", s.stability.p_slope))?;
+    line(out, "r (retries per failed request)", &|s| {
+        format!("{:.3}", s.stability.r)
+    })?;
+    line(out, "A0 (originals/s)", &|s| {
+        format!("{:.0}", s.stability.a0)
+    })?;
+    line(out, "A* (attempts/s)", &|s| {
+        format!("{:.0}", s.stability.a_star)
+    })?;
+    line(out, "p(A*) (attempt failure)", &|s| {
+        format!("{:.2}", s.stability.p_star)
+    })?;
+    line(out, "p'(A*) (per attempt/s)", &|s| {
+        format!("{:.2e}", s.stability.p_slope)
+    })?;
     line(out, "r x A0 x p'(A*)", &|s| {
         format!("{:.2} {}", s.stability.gain, s.stability.verdict)
     })?;
-    line(out, "recovery after the downstream", &|s| match s.recovery_s {
-        Some(v) => format!("{v:.0} s"),
-        None if s.focus_to.is_finite() => "not in the run".to_owned(),
-        None => "-".to_owned(),
-    })?;
+    line(
+        out,
+        "recovery after the downstream",
+        &|s| match s.recovery_s {
+            Some(v) => format!("{v:.0} s"),
+            None if s.recovery_timed => "not in the run".to_owned(),
+            None => "-".to_owned(),
+        },
+    )?;
     line(out, "Little: L / lambda x W", &|s| {
         format!("{:.1} / {:.1}", s.little.l, s.little.lambda_w)
     })?;

@@ -90,8 +90,13 @@ fn naive_client(timeout: Duration) -> ClientConfig {
     ClientConfig {
         max_attempts: 3,
         // The smallest backoff the library accepts: "retry immediately".
-        backoff: Backoff::new(Duration::from_nanos(1), Duration::from_nanos(1), Jitter::None, Duration::ZERO)
-            .expect("valid"),
+        backoff: Backoff::new(
+            Duration::from_nanos(1),
+            Duration::from_nanos(1),
+            Jitter::None,
+            Duration::ZERO,
+        )
+        .expect("valid"),
         budget: None,
         storm_alarm: false,
         throttle: false,
@@ -169,7 +174,13 @@ impl Scenario {
     }
 }
 
-fn model(knobs: &Knobs, default: Duration, rate: f64, local: Duration, phases: Vec<Phase>) -> Model {
+fn model(
+    knobs: &Knobs,
+    default: Duration,
+    rate: f64,
+    local: Duration,
+    phases: Vec<Phase>,
+) -> Model {
     Model {
         duration: knobs.duration.unwrap_or(default),
         interval: knobs.interval,
@@ -189,9 +200,18 @@ fn slowdown(knobs: Knobs) -> Scenario {
     let slow = lognormal(560, 1_460);
     let (from, to) = (10.0, 40.0);
     let phases = vec![
-        Phase { from: Duration::ZERO, downstream: Downstream::Latency(fast) },
-        Phase { from: Duration::from_secs_f64(from), downstream: Downstream::Latency(slow) },
-        Phase { from: Duration::from_secs_f64(to), downstream: Downstream::Latency(fast) },
+        Phase {
+            from: Duration::ZERO,
+            downstream: Downstream::Latency(fast),
+        },
+        Phase {
+            from: Duration::from_secs_f64(from),
+            downstream: Downstream::Latency(slow),
+        },
+        Phase {
+            from: Duration::from_secs_f64(to),
+            downstream: Downstream::Latency(fast),
+        },
     ];
     let timeout = SECOND;
     let focus_capacity = capacity(workers, local, slow.mean());
@@ -223,7 +243,10 @@ fn littles_law(knobs: Knobs) -> Scenario {
     // Enough workers that only the admission limit binds.
     let workers_cap = scaled(5_000.0, knobs.scale);
     let latency = lognormal(250, 300);
-    let phases = vec![Phase { from: Duration::ZERO, downstream: Downstream::Latency(latency) }];
+    let phases = vec![Phase {
+        from: Duration::ZERO,
+        downstream: Downstream::Latency(latency),
+    }];
     let rate = 1_000.0 * knobs.scale;
     // C = lambda x W_p99 x 1.2
     let needed = scaled(1_000.0 * 0.300 * 1.2, knobs.scale);
@@ -237,13 +260,30 @@ fn littles_law(knobs: Knobs) -> Scenario {
         limit: LimitKind::Fixed(limit),
         ..naive_server(workers_cap)
     };
-    let client = ClientConfig { max_attempts: 1, ..backstop_client(timeout, false) };
+    let client = ClientConfig {
+        max_attempts: 1,
+        ..backstop_client(timeout, false)
+    };
     Scenario {
         kind: ScenarioKind::LittlesLaw,
-        model: model(&knobs, Duration::from_secs(30), 1_000.0, Duration::ZERO, phases),
+        model: model(
+            &knobs,
+            Duration::from_secs(30),
+            1_000.0,
+            Duration::ZERO,
+            phases,
+        ),
         variants: vec![
-            Variant { name: format!("limit-{needed}"), client: client.clone(), server: gate(needed) },
-            Variant { name: format!("limit-{small}"), client: client.clone(), server: gate(small) },
+            Variant {
+                name: format!("limit-{needed}"),
+                client: client.clone(),
+                server: gate(needed),
+            },
+            Variant {
+                name: format!("limit-{small}"),
+                client: client.clone(),
+                server: gate(small),
+            },
             Variant {
                 name: format!("limit-{small}-unbounded-queue"),
                 client,
@@ -277,10 +317,22 @@ fn outage_recovery(knobs: Knobs) -> Scenario {
     let cold = lognormal(400, 1_200);
     let (down, up, warmed) = (10.0, 20.0, 35.0);
     let phases = vec![
-        Phase { from: Duration::ZERO, downstream: Downstream::Latency(warm) },
-        Phase { from: Duration::from_secs_f64(down), downstream: Downstream::Failing(5 * MS) },
-        Phase { from: Duration::from_secs_f64(up), downstream: Downstream::Latency(cold) },
-        Phase { from: Duration::from_secs_f64(warmed), downstream: Downstream::Latency(warm) },
+        Phase {
+            from: Duration::ZERO,
+            downstream: Downstream::Latency(warm),
+        },
+        Phase {
+            from: Duration::from_secs_f64(down),
+            downstream: Downstream::Failing(5 * MS),
+        },
+        Phase {
+            from: Duration::from_secs_f64(up),
+            downstream: Downstream::Latency(cold),
+        },
+        Phase {
+            from: Duration::from_secs_f64(warmed),
+            downstream: Downstream::Latency(warm),
+        },
     ];
     let timeout = SECOND;
     let mut no_alarm = backstop_client(timeout, knobs.throttle);
@@ -321,7 +373,10 @@ fn outage_recovery(knobs: Knobs) -> Scenario {
 fn hedging(knobs: Knobs) -> Scenario {
     let workers = scaled(2_000.0, knobs.scale);
     let latency = lognormal(50, 250);
-    let phases = vec![Phase { from: Duration::ZERO, downstream: Downstream::Latency(latency) }];
+    let phases = vec![Phase {
+        from: Duration::ZERO,
+        downstream: Downstream::Latency(latency),
+    }];
     let timeout = SECOND;
     // A budget that never binds, so the hedging rule alone sets the cost.
     let hedged = |q: f64| ClientConfig {
@@ -340,9 +395,21 @@ fn hedging(knobs: Knobs) -> Scenario {
         kind: ScenarioKind::Hedging,
         model: model(&knobs, Duration::from_secs(30), 1_000.0, 10 * MS, phases),
         variants: vec![
-            Variant { name: "p95".into(), client: hedged(0.95), server },
-            Variant { name: "p50".into(), client: hedged(0.50), server },
-            Variant { name: "p50-budget".into(), client: budgeted, server },
+            Variant {
+                name: "p95".into(),
+                client: hedged(0.95),
+                server,
+            },
+            Variant {
+                name: "p50".into(),
+                client: hedged(0.50),
+                server,
+            },
+            Variant {
+                name: "p50-budget".into(),
+                client: budgeted,
+                server,
+            },
         ],
         focus: Focus {
             from: 0.0,
@@ -350,11 +417,9 @@ fn hedging(knobs: Knobs) -> Scenario {
             capacity: capacity(workers, 10 * MS, latency.mean()),
             recover_at: None,
         },
-        notes: vec![
-            format!(
-                "{:.0}/s, 60 ms mean (p99 260 ms), one hedge per request after the given quantile of recent latencies (the library's hedging policy); p95 and p50 with a budget that never binds, p50-budget with the default 0.1 budget",
-                1_000.0 * knobs.scale
-            ),
-        ],
+        notes: vec![format!(
+            "{:.0}/s, 60 ms mean (p99 260 ms), one hedge per request after the given quantile of recent latencies (the library's hedging policy); p95 and p50 with a budget that never binds, p50-budget with the default 0.1 budget",
+            1_000.0 * knobs.scale
+        )],
     }
 }

@@ -94,14 +94,21 @@ pub(crate) struct Stability {
     pub(crate) a0: f64,
     /// Offered load at the operating point: attempts per second over the window.
     pub(crate) a_star: f64,
+    /// Failure probability of an attempt at the operating point.
+    pub(crate) p_star: f64,
     /// Slope of the failure probability against offered load (per attempt/s), least squares
     /// over the window's intervals.
     pub(crate) p_slope: f64,
     /// `r x A0 x p'(A*)`.
     pub(crate) gain: f64,
-    /// `stable` (gain < 1) or `storm`.
+    /// `stable` (gain < 1), `storm` (gain >= 1), or `overloaded` when nearly every attempt
+    /// fails at the operating point (at least [`SATURATED`]): the failure curve is flat there
+    /// and the gain says nothing.
     pub(crate) verdict: &'static str,
 }
+
+/// Failure probability from which the operating point counts as past the knee.
+pub(crate) const SATURATED: f64 = 0.9;
 
 /// Little's law checked on the server: `L` (time-averaged attempts in the system) against
 /// `lambda x W` (departures per second times mean time in the system).
@@ -150,6 +157,9 @@ pub(crate) struct Summary {
     /// Seconds from the recovery of the downstream until goodput is back (three intervals in
     /// a row at 90 % of the original load or more); `None` if not within the run.
     pub(crate) recovery_s: Option<f64>,
+    /// Whether the scenario has a recovery to time.
+    #[serde(skip)]
+    pub(crate) recovery_timed: bool,
     pub(crate) little: Little,
 }
 
@@ -184,7 +194,13 @@ pub(crate) fn summarise(
     let sum = |f: fn(&Row) -> u64| window.iter().map(|r| f(r)).sum::<u64>();
     let originals = sum(|r| r.offered_originals);
     let offered = sum(Row::offered);
-    let per_second = |n: u64| if seconds > 0.0 { n as f64 / seconds } else { 0.0 };
+    let per_second = |n: u64| {
+        if seconds > 0.0 {
+            n as f64 / seconds
+        } else {
+            0.0
+        }
+    };
 
     // The operating point's neighbourhood: the window and the interval before it, so the
     // slope sees the load and failure rate the system left.
@@ -202,19 +218,30 @@ pub(crate) fn summarise(
     let r = ratio(totals.retries, totals.first_failed);
     let a0 = per_second(originals);
     let gain = r * a0 * p_slope;
+    let p_star = ratio(sum(|r| r.attempts_failed), offered);
     let stability = Stability {
         r,
         a0,
         a_star: per_second(offered),
+        p_star,
         p_slope,
         gain,
-        verdict: if gain < 1.0 { "stable" } else { "storm" },
+        // Past the knee almost every attempt fails whatever the load: the failure curve is
+        // flat there, the linearisation says nothing, and the system is simply overloaded.
+        verdict: if p_star >= SATURATED {
+            "overloaded"
+        } else if gain < 1.0 {
+            "stable"
+        } else {
+            "storm"
+        },
     };
 
     let recovery_s = focus.recover_at.and_then(|at| {
         let after: Vec<&Row> = rows.iter().filter(|r| r.t >= at - 1e-9).collect();
-        let healthy =
-            |r: &Row| r.offered_originals > 0 && r.goodput as f64 >= 0.9 * r.offered_originals as f64;
+        let healthy = |r: &Row| {
+            r.offered_originals > 0 && r.goodput as f64 >= 0.9 * r.offered_originals as f64
+        };
         (0..after.len())
             .find(|&i| after.len() - i >= 3 && after[i..i + 3].iter().all(|r| healthy(r)))
             .map(|i| after[i].t - at)
@@ -239,7 +266,10 @@ pub(crate) fn summarise(
         attempts: totals.attempts,
         retries: totals.retries,
         hedges: totals.hedges,
-        amplification: ratio(totals.attempts, totals.attempts - totals.retries - totals.hedges),
+        amplification: ratio(
+            totals.attempts,
+            totals.attempts - totals.retries - totals.hedges,
+        ),
         focus_from: focus.from,
         focus_to: focus.to.min(rows.last().map_or(0.0, |r| r.t + interval)),
         focus_amplification: ratio(offered, originals),
@@ -254,6 +284,7 @@ pub(crate) fn summarise(
         stops: totals.stops.clone(),
         stability,
         recovery_s,
+        recovery_timed: focus.recover_at.is_some(),
         little,
     }
 }
@@ -268,11 +299,7 @@ fn slope(points: &[(f64, f64)]) -> f64 {
     let my = points.iter().map(|p| p.1).sum::<f64>() / n;
     let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
     let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    if sxx <= f64::EPSILON {
-        0.0
-    } else {
-        sxy / sxx
-    }
+    if sxx <= f64::EPSILON { 0.0 } else { sxy / sxx }
 }
 
 fn ratio(a: u64, b: u64) -> f64 {

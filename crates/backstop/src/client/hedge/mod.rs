@@ -147,10 +147,7 @@ impl HedgePolicy {
     /// Whether a hedge may be sent at `now`: not while the storm alarm is tripped (the hedge
     /// counts as a retry asked for), and only with a token from the budget (taken when `true`).
     pub fn try_hedge_at(&self, now: Instant) -> bool {
-        let storming = self
-            .storm
-            .as_ref()
-            .is_some_and(|s| !s.retry_wanted_at(now));
+        let storming = self.storm.as_ref().is_some_and(|s| !s.retry_wanted_at(now));
         !storming && self.budget.try_withdraw()
     }
 }
