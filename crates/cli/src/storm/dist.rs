@@ -16,7 +16,6 @@ pub(crate) struct LogNormal {
     /// Standard deviation of the underlying normal.
     sigma: f64,
     mean: Duration,
-    p99: Duration,
 }
 
 /// A mean and p99 no log-normal has.
@@ -47,22 +46,12 @@ impl LogNormal {
         }
         let sigma = Z99 - disc.sqrt();
         let mu = mean.as_secs_f64().ln() - sigma * sigma / 2.0;
-        Ok(Self {
-            mu,
-            sigma,
-            mean,
-            p99,
-        })
+        Ok(Self { mu, sigma, mean })
     }
 
     /// The configured mean.
     pub(crate) fn mean(&self) -> Duration {
         self.mean
-    }
-
-    /// The configured p99.
-    pub(crate) fn p99(&self) -> Duration {
-        self.p99
     }
 
     /// One draw, in nanoseconds.

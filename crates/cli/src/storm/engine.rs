@@ -5,7 +5,7 @@
 //! same run.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,16 +61,6 @@ pub(crate) enum Downstream {
     Failing(Duration),
 }
 
-impl Downstream {
-    /// Mean time one call holds a worker.
-    pub(crate) fn mean(&self) -> Duration {
-        match self {
-            Downstream::Latency(d) => d.mean(),
-            Downstream::Failing(after) => *after,
-        }
-    }
-}
-
 /// How clients call: the retry policy's knobs, the timeout, hedging.
 #[derive(Debug, Clone)]
 pub(crate) struct ClientConfig {
@@ -101,7 +91,9 @@ pub(crate) struct ServerConfig {
     /// The concurrency limit (workers, or the gate in front of them).
     pub(crate) limit: LimitKind,
     /// Bound every wait by `deadline - min_service` and refuse beyond it (the library's
-    /// gate); otherwise an unbounded first-come first-served queue.
+    /// gate), and stop serving a request when its deadline passes (the library's deadline
+    /// layer drops the handler then, freeing its slot); otherwise an unbounded first-come
+    /// first-served queue whose requests run to the end whoever still waits for them.
     pub(crate) deadline_aware: bool,
     /// The least time serving a request takes.
     pub(crate) min_service: Duration,
@@ -166,8 +158,9 @@ pub(crate) trait Admission: std::fmt::Debug {
     fn arrive(&mut self, now: u64, key: u64, deadline: Option<u64>) -> Arrive;
     /// A waiting attempt's bound passed at `now` and it is refused: forget it.
     fn expire(&mut self, now: u64, key: u64);
-    /// A running attempt finished after `rtt`.
-    fn finished(&mut self, rtt: Duration);
+    /// A running attempt finished after `rtt` (`completed`), or was abandoned after `rtt` (its
+    /// deadline passed).
+    fn finished(&mut self, rtt: Duration, completed: bool);
     /// The next waiting attempt to start at `now`, while a slot is free.
     fn next(&mut self, now: u64) -> Option<u64>;
     /// Attempts waiting.
@@ -231,8 +224,12 @@ impl Admission for FifoGate {
         self.waiting -= 1;
     }
 
-    fn finished(&mut self, rtt: Duration) {
-        self.limit.on_sample(rtt, self.inflight);
+    fn finished(&mut self, rtt: Duration, completed: bool) {
+        if completed {
+            self.limit.on_sample(rtt, self.inflight);
+        } else {
+            self.limit.on_abandoned(rtt, self.inflight);
+        }
         self.inflight -= 1;
     }
 
@@ -416,8 +413,17 @@ struct Att {
     server: ServerState,
     /// When it reached a worker.
     started: u64,
-    /// The downstream failed it.
-    failed: bool,
+    /// How the server's work on it ends.
+    outcome: WorkOutcome,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WorkOutcome {
+    Served,
+    /// The downstream failed.
+    Failed,
+    /// The server gave up at the deadline.
+    CutOff,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -670,7 +676,7 @@ impl<'a> Sim<'a> {
             client_open: true,
             server: ServerState::Waiting,
             started: 0,
-            failed: false,
+            outcome: WorkOutcome::Served,
         });
         if let Some(logical) = self.logicals.get(lkey) {
             let slot = logical.open.iter_mut().find(|s| s.is_none());
@@ -892,18 +898,25 @@ impl<'a> Sim<'a> {
     fn start_work(&mut self, akey: Key) {
         let now = self.now;
         let phase = self.phase(now);
-        let (work, failed) = match phase.downstream {
-            Downstream::Latency(d) => (d.sample_nanos(&mut self.rng), false),
-            Downstream::Failing(after) => (nanos(after), true),
+        let (work, mut outcome) = match phase.downstream {
+            Downstream::Latency(d) => (d.sample_nanos(&mut self.rng), WorkOutcome::Served),
+            Downstream::Failing(after) => (nanos(after), WorkOutcome::Failed),
         };
+        let deadline_aware = self.server.deadline_aware;
         let Some(att) = self.atts.get(akey) else {
             return;
         };
         att.server = ServerState::Running;
         att.started = now;
-        att.failed = failed;
-        let duration = nanos(self.model.local) + work;
-        self.schedule(now + duration.max(1), Kind::Done, akey.pack());
+        let mut end = now + (nanos(self.model.local) + work).max(1);
+        if let Some(deadline) = att.deadline.filter(|_| deadline_aware) {
+            if end > deadline {
+                end = deadline.max(now + 1);
+                outcome = WorkOutcome::CutOff;
+            }
+        }
+        att.outcome = outcome;
+        self.schedule(end, Kind::Done, akey.pack());
     }
 
     fn done(&mut self, akey: Key) {
@@ -911,15 +924,21 @@ impl<'a> Sim<'a> {
         let Some(att) = self.atts.get(akey) else {
             return;
         };
-        let (started, failed, sent_at) = (att.started, att.failed, att.sent_at);
-        self.admission.finished(Duration::from_nanos(now - started));
+        let (started, outcome, sent_at) = (att.started, att.outcome, att.sent_at);
+        self.admission.finished(
+            Duration::from_nanos(now - started),
+            outcome != WorkOutcome::CutOff,
+        );
         self.set_in_system(-1);
         self.totals.sojourn += (now - sent_at) as f64 / NANOS as f64;
         self.totals.served += 1;
-        let result = if failed {
-            Err(Status::new(Code::Unavailable, "downstream unavailable"))
-        } else {
-            Ok(())
+        let result = match outcome {
+            WorkOutcome::Served => Ok(()),
+            WorkOutcome::Failed => Err(Status::new(Code::Unavailable, "downstream unavailable")),
+            WorkOutcome::CutOff => Err(Status::new(
+                Code::DeadlineExceeded,
+                "the server gave up at the deadline",
+            )),
         };
         self.answered(akey, result, true);
         while let Some(next) = self.admission.next(now) {
@@ -968,6 +987,3 @@ fn p99(values: &mut [u32]) -> f64 {
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
-
-/// Sorted stop reasons, for stable output.
-pub(crate) type Stops = BTreeMap<&'static str, u64>;
