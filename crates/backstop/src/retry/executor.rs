@@ -1371,4 +1371,60 @@ mod tests {
         }
         assert_eq!(sent.load(Ordering::Relaxed), 10);
     }
+
+    /// The bookkeeping steps run on a virtual clock with a seeded generator: no clock is read
+    /// and the same seed gives the same waits.
+    #[test]
+    fn attempts_run_on_a_virtual_clock_and_a_seeded_generator() {
+        use rand::SeedableRng;
+        use rand::rngs::StdRng;
+
+        let policy = policy().backoff(Backoff::default()).build().unwrap();
+        let call = CallInfo::new();
+        let run = |seed| {
+            let origin = Instant::now() + Duration::from_secs(3_600);
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut attempts = policy.attempts(Deadline::at(origin + Duration::from_secs(10)));
+            let mut now = origin;
+            let mut waits = Vec::new();
+            loop {
+                let (_, remaining) = match attempts.start(&policy, &call, now) {
+                    Ok(started) => started,
+                    Err(error) => return (waits, error.reason),
+                };
+                let status = unavailable();
+                match attempts.failed_at(&policy, &call, status, remaining, MS, now, &mut rng) {
+                    Ok(wait) => {
+                        waits.push(wait);
+                        now += wait;
+                    }
+                    Err(error) => return (waits, error.reason),
+                }
+            }
+        };
+        let (waits, reason) = run(1);
+        assert_eq!(reason, StopReason::MaxAttempts);
+        assert_eq!(waits.len(), 2);
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+
+        // Cut off at the deadline: no retry, whatever the budget.
+        let origin = Instant::now() + Duration::from_secs(3_600);
+        let deadline = origin + Duration::from_secs(1);
+        let mut attempts = policy.attempts(Deadline::at(deadline));
+        let (_, remaining) = attempts.start(&policy, &call, origin).unwrap();
+        let mut rng = StdRng::seed_from_u64(1);
+        let err = attempts
+            .cut_off_at(
+                &policy,
+                &call,
+                remaining,
+                Duration::from_secs(1),
+                deadline,
+                &mut rng,
+            )
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::Deadline));
+        assert_eq!(attempts.sent(), 1);
+    }
 }

@@ -478,4 +478,23 @@ mod tests {
         }
         assert_eq!(a.level(), StormLevel::Tripped);
     }
+
+    /// The `..._at` entry points read no clock: driven by a virtual clock an hour away from the
+    /// real one, the alarm trips and clears on that clock alone.
+    #[test]
+    fn a_virtual_clock_drives_the_alarm() {
+        let origin = Instant::now() + Duration::from_secs(3_600);
+        let alarm = StormAlarm::new_at("psp", StormConfig::default(), origin);
+        for i in 0..10 {
+            let at = origin + Duration::from_millis(i);
+            alarm.record_request_at(at);
+            let _ = alarm.retry_wanted_at(at);
+        }
+        let later = origin + Duration::from_millis(10);
+        assert_eq!(alarm.level_at(later), StormLevel::Tripped);
+        assert!(!alarm.retry_wanted_at(later));
+        assert!(alarm.ratio_at(later) > 1.0);
+        // A window later on the virtual clock the storm has left it.
+        assert_eq!(alarm.level_at(origin + 11 * SECOND), StormLevel::Calm);
+    }
 }

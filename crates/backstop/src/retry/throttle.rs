@@ -290,4 +290,30 @@ mod tests {
         }
         assert_eq!(sent, 1_000, "a server that accepts is never throttled");
     }
+
+    /// Driven through the `..._at` entry points by a virtual clock and a seed, the throttle
+    /// reads no clock and decides the same way every time.
+    #[test]
+    fn a_virtual_clock_and_a_seed_give_the_same_decisions() {
+        let run = || {
+            let origin = Instant::now() + Duration::from_secs(3_600);
+            let throttle = AdaptiveThrottle::new_at(2.0, Duration::from_secs(10), origin)
+                .unwrap()
+                .seeded(3);
+            let sent: Vec<bool> = (0..200u64)
+                .map(|i| throttle.admit_at(origin + Duration::from_millis(i)))
+                .collect();
+            let at = origin + Duration::from_millis(200);
+            assert!(throttle.reject_probability_at(at) > 0.9);
+            // The refusals leave the window on the virtual clock.
+            let later = origin + Duration::from_secs(11);
+            assert_eq!(throttle.reject_probability_at(later), 0.0);
+            throttle.record_accept_at(later);
+            sent
+        };
+        let first = run();
+        assert!(first.iter().filter(|s| **s).count() < 30);
+        assert_eq!(first, run());
+        assert!(AdaptiveThrottle::new_at(0.5, Duration::from_secs(1), Instant::now()).is_err());
+    }
 }

@@ -288,7 +288,12 @@ mod tests {
         assert!(b.stability.gain < 1.0);
         // Behind today's first-come first-served gate the admitted requests wait until little
         // of their deadline is left, so goodput stays low, but above naive's.
-        assert!(b.focus_goodput > n.focus_goodput, "{} vs {}", b.focus_goodput, n.focus_goodput);
+        assert!(
+            b.focus_goodput > n.focus_goodput,
+            "{} vs {}",
+            b.focus_goodput,
+            n.focus_goodput
+        );
     }
 
     /// With the library's adaptive throttle the clients send about twice what the server
@@ -307,8 +312,17 @@ mod tests {
         })
         .unwrap();
         let (p, t) = (&plain.runs[0].summary, &throttled.runs[0].summary);
-        assert!(t.focus_goodput > 1.5 * p.focus_goodput, "{} vs {}", t.focus_goodput, p.focus_goodput);
-        assert!(t.focus_goodput > 0.15 * t.focus_capacity, "{}", t.focus_goodput);
+        assert!(
+            t.focus_goodput > 1.5 * p.focus_goodput,
+            "{} vs {}",
+            t.focus_goodput,
+            p.focus_goodput
+        );
+        assert!(
+            t.focus_goodput > 0.15 * t.focus_capacity,
+            "{}",
+            t.focus_goodput
+        );
     }
 
     #[test]
@@ -337,7 +351,10 @@ mod tests {
         assert!(enough.refused == 0 && enough.success > 0.97, "{enough:?}");
         // 40 places for 50 needed: the excess waits until its deadline is nearly gone.
         assert!(small.success < 0.5, "{small:?}");
-        assert!(small.focus_goodput < 0.5 * enough.focus_goodput, "{small:?}");
+        assert!(
+            small.focus_goodput < 0.5 * enough.focus_goodput,
+            "{small:?}"
+        );
         assert!(small.focus_p99_ms <= 1_000.0);
         // The unbounded queue only grows; the gate's is bounded by the deadline.
         let queue = |run: usize, t: f64| row_at(&report.runs[run], t).queue;
