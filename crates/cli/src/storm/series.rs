@@ -204,11 +204,7 @@ pub(crate) fn summarise(
 
     // The operating point's neighbourhood: the window and the interval before it, so the
     // slope sees the load and failure rate the system left.
-    let before = rows
-        .iter()
-        .filter(|r| r.t < focus.from - 1e-9)
-        .next_back()
-        .into_iter();
+    let before = rows.iter().rfind(|r| r.t < focus.from - 1e-9).into_iter();
     let points: Vec<(f64, f64)> = before
         .chain(window.iter().copied())
         .filter(|r| r.offered() > 0)
