@@ -37,7 +37,12 @@ pub(crate) fn csv(out: &mut impl Write, report: &Report) -> io::Result<()> {
                 r.queue,
                 r.inflight,
                 r.limit,
-                r.p99_ms,
+                // No logical request ended in the interval: no latency to show.
+                if r.logical_ok + r.logical_failed == 0 {
+                    "-".to_owned()
+                } else {
+                    format!("{:.0}", r.p99_ms)
+                },
                 r.retry_ratio,
                 r.failure_probability,
                 r.logical_ok,
@@ -125,7 +130,7 @@ pub(crate) fn table(out: &mut impl Write, report: &Report) -> io::Result<()> {
         for r in &run.rows {
             writeln!(
                 out,
-                "{:>6.1} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8} {:>6} {:>7.0} {:>6.2} {:>6.2} {:>8}",
+                "{:>6.1} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8} {:>6} {:>7} {:>6.2} {:>6.2} {:>8}",
                 r.t,
                 r.offered_originals as f64 * per_s,
                 r.offered_retries as f64 * per_s,
@@ -134,7 +139,12 @@ pub(crate) fn table(out: &mut impl Write, report: &Report) -> io::Result<()> {
                 r.refused as f64 * per_s,
                 r.queue,
                 r.limit,
-                r.p99_ms,
+                // No logical request ended in the interval: no latency to show.
+                if r.logical_ok + r.logical_failed == 0 {
+                    "-".to_owned()
+                } else {
+                    format!("{:.0}", r.p99_ms)
+                },
                 r.retry_ratio,
                 r.failure_probability,
                 r.storm
