@@ -445,6 +445,9 @@ struct Sim<'a> {
     interval: u64,
     seq: u64,
     heap: BinaryHeap<Reverse<(u64, u64, u64)>>,
+    /// Events scheduled in time order (most timeouts: send time plus a constant), kept out
+    /// of the heap: most of a run's events, popped from the front in O(1).
+    fifo: VecDeque<(u64, u64, u64)>,
     rng: StdRng,
     policy: RetryPolicy,
     storm: Option<StormAlarm>,
@@ -531,6 +534,7 @@ impl<'a> Sim<'a> {
             interval,
             seq: 0,
             heap: BinaryHeap::new(),
+            fifo: VecDeque::new(),
             rng: StdRng::seed_from_u64(model.seed),
             policy,
             storm,
@@ -557,8 +561,24 @@ impl<'a> Sim<'a> {
             return;
         }
         self.seq += 1;
-        self.heap
-            .push(Reverse((t, self.seq, (kind as u64) << 56 | payload)));
+        let event = (t, self.seq, (kind as u64) << 56 | payload);
+        // Timeouts mostly come in time order; those that do not (a retry's shared deadline)
+        // go to the heap. Either way events pop in (time, sequence) order.
+        if kind == Kind::Timeout && self.fifo.back().is_none_or(|last| last.0 <= t) {
+            self.fifo.push_back(event);
+        } else {
+            self.heap.push(Reverse(event));
+        }
+    }
+
+    /// The next event in (time, sequence) order.
+    fn pop(&mut self) -> Option<(u64, u64, u64)> {
+        match (self.heap.peek(), self.fifo.front()) {
+            (Some(Reverse(h)), Some(f)) if h < f => self.heap.pop().map(|Reverse(e)| e),
+            (_, Some(_)) => self.fifo.pop_front(),
+            (Some(_), None) => self.heap.pop().map(|Reverse(e)| e),
+            (None, None) => None,
+        }
     }
 
     fn row(&self) -> usize {
@@ -573,7 +593,7 @@ impl<'a> Sim<'a> {
         for i in 1..=self.rows.len() as u64 {
             self.schedule((i * self.interval).min(self.end), Kind::Tick, i - 1);
         }
-        while let Some(Reverse((t, _, payload))) = self.heap.pop() {
+        while let Some((t, _, payload)) = self.pop() {
             self.now = t;
             let kind = Kind::from_u8((payload >> 56) as u8);
             let key = Key::unpack(payload & ((1 << 56) - 1));
