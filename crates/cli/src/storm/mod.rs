@@ -57,6 +57,10 @@ pub(crate) struct SimArgs {
     /// Length of one row of the series, e.g. `1s`, `500ms`.
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_interval)]
     interval: Duration,
+    /// Logical requests per second offered, before --scale (default: the scenario's: 2000 for
+    /// slowdown and outage-recovery, 1000 for littles-law and hedging).
+    #[arg(long, value_name = "PER_SEC", value_parser = parse_rate)]
+    rate: Option<f64>,
     /// Multiplies the offered load and the server's workers (e.g. 50 for 100,000/s in the
     /// slowdown scenario); ratios and the story stay the same.
     #[arg(long, default_value_t = 1.0, value_parser = parse_scale)]
@@ -96,6 +100,14 @@ fn parse_interval(s: &str) -> Result<Duration, String> {
         return Err("must be between 10ms and 10m".to_owned());
     }
     Ok(d)
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !(v.is_finite() && v > 0.0 && v <= 1_000_000.0) {
+        return Err("must be above 0 and at most 1000000".to_owned());
+    }
+    Ok(v)
 }
 
 fn parse_scale(s: &str) -> Result<f64, String> {
@@ -158,6 +170,7 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, UnknownPolicy> {
     let knobs = Knobs {
         scale: args.scale,
         duration: args.duration,
+        rate: args.rate,
         interval: args.interval,
         seed: args.seed,
         limit: args.limit,
@@ -217,6 +230,7 @@ mod tests {
             policy: "all".to_owned(),
             seed: 7,
             duration: Some(Duration::from_secs(seconds)),
+            rate: None,
             interval: Duration::from_secs(1),
             scale,
             limit: ServerLimit::Fixed,
@@ -293,6 +307,38 @@ mod tests {
             "{} vs {}",
             b.focus_goodput,
             n.focus_goodput
+        );
+    }
+
+    /// Chapter 2.5.2 near the knee: 800/s against the degraded 833/s. Naive retries tip the
+    /// loop over (r x A0 x p'(A*) >= 1: a storm, goodput collapses); the library's clients
+    /// stay stable and keep goodput near the degraded capacity.
+    #[test]
+    fn near_the_knee_naive_storms_and_backstop_keeps_goodput() {
+        let report = simulate(&SimArgs {
+            rate: Some(800.0),
+            ..args(ScenarioKind::Slowdown, 0.2, 40)
+        })
+        .unwrap();
+        let n = &by_policy(&report, "naive").summary;
+        let b = &by_policy(&report, "backstop").summary;
+        assert_eq!(n.stability.verdict, "storm", "{:?}", n.stability);
+        assert!(n.focus_amplification > 1.5, "{}", n.focus_amplification);
+        assert!(
+            n.focus_goodput < 0.5 * n.focus_capacity,
+            "{}",
+            n.focus_goodput
+        );
+        assert_eq!(b.stability.verdict, "stable", "{:?}", b.stability);
+        assert!(
+            b.focus_amplification <= 1.1 + 1e-9,
+            "{}",
+            b.focus_amplification
+        );
+        assert!(
+            b.focus_goodput > 0.75 * b.focus_capacity,
+            "{}",
+            b.focus_goodput
         );
     }
 

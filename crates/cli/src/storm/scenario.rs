@@ -52,6 +52,8 @@ pub(crate) struct Knobs {
     pub(crate) scale: f64,
     /// Overrides the scenario's duration.
     pub(crate) duration: Option<Duration>,
+    /// Overrides the scenario's offered load (logical requests per second, before `scale`).
+    pub(crate) rate: Option<f64>,
     pub(crate) interval: Duration,
     pub(crate) seed: u64,
     pub(crate) limit: ServerLimit,
@@ -215,9 +217,10 @@ fn slowdown(knobs: Knobs) -> Scenario {
     ];
     let timeout = SECOND;
     let focus_capacity = capacity(workers, local, slow.mean());
+    let rate = knobs.rate.unwrap_or(2_000.0);
     Scenario {
         kind: ScenarioKind::Slowdown,
-        model: model(&knobs, Duration::from_secs(60), 2_000.0, local, phases),
+        model: model(&knobs, Duration::from_secs(60), rate, local, phases),
         variants: vec![
             Variant { name: "naive".into(), client: naive_client(timeout), server: naive_server(workers) },
             Variant {
@@ -230,7 +233,7 @@ fn slowdown(knobs: Knobs) -> Scenario {
         notes: vec![
             format!(
                 "{workers} workers, 100 ms per request (60 ms downstream), {:.0}/s offered; from {from:.0} s to {to:.0} s the downstream takes 600 ms mean (p99 1.5 s): capacity {:.0}/s -> {:.0}/s",
-                2_000.0 * knobs.scale,
+                rate * knobs.scale,
                 capacity(workers, local, fast.mean()),
                 focus_capacity
             ),
@@ -247,10 +250,11 @@ fn littles_law(knobs: Knobs) -> Scenario {
         from: Duration::ZERO,
         downstream: Downstream::Latency(latency),
     }];
-    let rate = 1_000.0 * knobs.scale;
+    let offered = knobs.rate.unwrap_or(1_000.0);
+    let rate = offered * knobs.scale;
     // C = lambda x W_p99 x 1.2
-    let needed = scaled(1_000.0 * 0.300 * 1.2, knobs.scale);
-    let small = scaled(200.0, knobs.scale);
+    let needed = scaled(offered * 0.300 * 1.2, knobs.scale);
+    let small = scaled(offered * 0.2, knobs.scale);
     let timeout = SECOND;
     let gate = |limit: usize| ServerConfig {
         limit: LimitKind::Fixed(limit),
@@ -269,7 +273,7 @@ fn littles_law(knobs: Knobs) -> Scenario {
         model: model(
             &knobs,
             Duration::from_secs(30),
-            1_000.0,
+            offered,
             Duration::ZERO,
             phases,
         ),
@@ -293,7 +297,7 @@ fn littles_law(knobs: Knobs) -> Scenario {
         focus: Focus {
             from: 0.0,
             to: f64::INFINITY,
-            capacity: rate.min(needed as f64 / latency.mean().as_secs_f64()),
+            capacity: needed as f64 / latency.mean().as_secs_f64(),
             recover_at: None,
         },
         notes: vec![
@@ -335,11 +339,12 @@ fn outage_recovery(knobs: Knobs) -> Scenario {
         },
     ];
     let timeout = SECOND;
+    let rate = knobs.rate.unwrap_or(2_000.0);
     let mut no_alarm = backstop_client(timeout, knobs.throttle);
     no_alarm.storm_alarm = false;
     Scenario {
         kind: ScenarioKind::OutageRecovery,
-        model: model(&knobs, Duration::from_secs(60), 2_000.0, local, phases),
+        model: model(&knobs, Duration::from_secs(60), rate, local, phases),
         variants: vec![
             Variant { name: "naive".into(), client: naive_client(timeout), server: naive_server(workers) },
             Variant {
@@ -362,7 +367,7 @@ fn outage_recovery(knobs: Knobs) -> Scenario {
         notes: vec![
             format!(
                 "{workers} workers, {:.0}/s offered, 100 ms per request; the downstream fails (5 ms errors) from {down:.0} s to {up:.0} s, then answers cold (400 ms mean, p99 1.2 s: capacity {:.0}/s) until {warmed:.0} s",
-                2_000.0 * knobs.scale,
+                rate * knobs.scale,
                 capacity(workers, local, cold.mean())
             ),
             "recovery: seconds from the downstream's return until goodput holds 90 % of the original load for 3 intervals".to_owned(),
@@ -378,6 +383,7 @@ fn hedging(knobs: Knobs) -> Scenario {
         downstream: Downstream::Latency(latency),
     }];
     let timeout = SECOND;
+    let rate = knobs.rate.unwrap_or(1_000.0);
     // A budget that never binds, so the hedging rule alone sets the cost.
     let hedged = |q: f64| ClientConfig {
         max_attempts: 1,
@@ -393,7 +399,7 @@ fn hedging(knobs: Knobs) -> Scenario {
     let server = backstop_server(workers, ServerLimit::Fixed);
     Scenario {
         kind: ScenarioKind::Hedging,
-        model: model(&knobs, Duration::from_secs(30), 1_000.0, 10 * MS, phases),
+        model: model(&knobs, Duration::from_secs(30), rate, 10 * MS, phases),
         variants: vec![
             Variant {
                 name: "p95".into(),

@@ -101,14 +101,11 @@ pub(crate) struct Stability {
     pub(crate) p_slope: f64,
     /// `r x A0 x p'(A*)`.
     pub(crate) gain: f64,
-    /// `stable` (gain < 1), `storm` (gain >= 1), or `overloaded` when nearly every attempt
-    /// fails at the operating point (at least [`SATURATED`]): the failure curve is flat there
-    /// and the gain says nothing.
+    /// `stable` (gain < 1), `storm` (gain >= 1), or `overloaded` when the original load
+    /// alone is at or above the window's capacity: there is no healthy operating point and
+    /// the gain says nothing.
     pub(crate) verdict: &'static str,
 }
-
-/// Failure probability from which the operating point counts as past the knee.
-pub(crate) const SATURATED: f64 = 0.9;
 
 /// Little's law checked on the server: `L` (time-averaged attempts in the system) against
 /// `lambda x W` (departures per second times mean time in the system).
@@ -210,7 +207,19 @@ pub(crate) fn summarise(
         .filter(|r| r.offered() > 0)
         .map(|r| (r.offered() as f64 / interval, r.failure_probability))
         .collect();
-    let p_slope = slope(&points).max(0.0);
+    // Where almost nothing or almost everything fails the curve is flat by saturation, not
+    // by stability: the slope is read on the responsive part when there is one.
+    let responsive: Vec<(f64, f64)> = points
+        .iter()
+        .copied()
+        .filter(|&(_, p)| p > 0.01 && p < 0.99)
+        .collect();
+    let p_slope = if responsive.len() >= 3 {
+        slope(&responsive)
+    } else {
+        slope(&points)
+    }
+    .max(0.0);
     let r = ratio(totals.retries, totals.first_failed);
     let a0 = per_second(originals);
     let gain = r * a0 * p_slope;
@@ -222,9 +231,9 @@ pub(crate) fn summarise(
         p_star,
         p_slope,
         gain,
-        // Past the knee almost every attempt fails whatever the load: the failure curve is
-        // flat there, the linearisation says nothing, and the system is simply overloaded.
-        verdict: if p_star >= SATURATED {
+        // When the originals alone exceed the capacity there is no healthy operating point
+        // to linearise about: the system is simply overloaded, retries or not.
+        verdict: if focus.capacity > 0.0 && a0 >= focus.capacity {
             "overloaded"
         } else if gain < 1.0 {
             "stable"
