@@ -109,6 +109,13 @@ fn bad_input_is_a_clear_error() {
         stderr.trim(),
         "error: scenario slowdown has no policy `careful`; choose all, naive, backstop"
     );
+    let out = sim(&["--scale", "1000", "--duration", "1h"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("more than one run may simulate"),
+        "{stderr}"
+    );
     for args in [
         &["--scale", "0"][..],
         &["--scale", "many"],

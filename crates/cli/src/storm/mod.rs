@@ -156,17 +156,33 @@ pub(crate) fn run(args: StormArgs) -> Result<(), Box<dyn Error>> {
     }
 }
 
-/// A `--policy` the scenario does not have.
+/// Most logical requests one run may simulate: beyond it a run would take hours and, with a
+/// naive fleet's unbounded queue, more memory than the machine has.
+const MAX_LOGICAL: f64 = 500_000_000.0;
+
+/// A simulation that cannot be run as asked.
 #[derive(Debug, thiserror::Error)]
-#[error("scenario {scenario} has no policy `{policy}`; choose all, {choices}")]
-pub(crate) struct UnknownPolicy {
-    scenario: &'static str,
-    policy: String,
-    choices: String,
+pub(crate) enum SimError {
+    /// A `--policy` the scenario does not have.
+    #[error("scenario {scenario} has no policy `{policy}`; choose all, {choices}")]
+    UnknownPolicy {
+        scenario: &'static str,
+        policy: String,
+        choices: String,
+    },
+    /// Offered load times duration is beyond [`MAX_LOGICAL`].
+    #[error(
+        "{requests:.0} logical requests ({rate:.0}/s for {seconds:.0} s) is more than one run may simulate ({MAX_LOGICAL:.0}); lower --scale, --rate or --duration"
+    )]
+    TooLarge {
+        requests: f64,
+        rate: f64,
+        seconds: f64,
+    },
 }
 
 /// Runs the variants `args` selects.
-pub(crate) fn simulate(args: &SimArgs) -> Result<Report, UnknownPolicy> {
+pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
     let knobs = Knobs {
         scale: args.scale,
         duration: args.duration,
@@ -177,13 +193,22 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, UnknownPolicy> {
         throttle: args.throttle,
     };
     let scenario = Scenario::build(args.scenario, knobs);
+    let seconds = scenario.model.duration.as_secs_f64();
+    let requests = scenario.model.rate * seconds;
+    if requests > MAX_LOGICAL {
+        return Err(SimError::TooLarge {
+            requests,
+            rate: scenario.model.rate,
+            seconds,
+        });
+    }
     let selected: Vec<_> = scenario
         .variants
         .iter()
         .filter(|v| args.policy == "all" || v.name == args.policy)
         .collect();
     if selected.is_empty() {
-        return Err(UnknownPolicy {
+        return Err(SimError::UnknownPolicy {
             scenario: scenario.kind.as_str(),
             policy: args.policy.clone(),
             choices: scenario.names().join(", "),

@@ -32,7 +32,7 @@ pub(crate) struct Row {
     /// The server's concurrency limit at the interval's end.
     pub(crate) limit: u64,
     /// p99 latency, in ms, of the logical requests that ended in this interval (success or
-    /// not).
+    /// not); 0 when none did.
     pub(crate) p99_ms: f64,
     /// Retries and hedges sent per first attempt sent.
     pub(crate) retry_ratio: f64,
