@@ -53,7 +53,9 @@
 //! - `backoff`: [`Backoff`] and [`Jitter`].
 //! - [`budget`]: [`RetryBudget`], with the reasoning behind budgets.
 //! - `policy`: [`RetryPolicy`] and its builder.
-//! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`].
+//! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`], and [`Attempts`], the
+//!   bookkeeping of one request for a caller that runs its attempts itself (on a virtual clock
+//!   too: its `..._at` steps read no clock).
 //! - `error`: [`RetryError`] and [`StopReason`].
 //! - [`storm`]: [`StormAlarm`], retries and hedges stopped while a destination's retry ratio
 //!   says it is down for everyone.
