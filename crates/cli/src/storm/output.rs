@@ -151,8 +151,49 @@ pub(crate) fn table(out: &mut impl Write, report: &Report) -> io::Result<()> {
             )?;
         }
     }
+    if report.runs.len() > 1 {
+        writeln!(out)?;
+        side_by_side(out, report)?;
+    }
     writeln!(out)?;
     summaries(out, report)
+}
+
+/// The policies' load, goodput and queue next to each other, interval by interval.
+fn side_by_side(out: &mut impl Write, report: &Report) -> io::Result<()> {
+    writeln!(out, "side by side: attempts sent/s, goodput/s, queue")?;
+    write!(out, "{:>6}", "t(s)")?;
+    for run in &report.runs {
+        write!(out, " | {:^26}", truncate(&run.policy, 26))?;
+    }
+    writeln!(out)?;
+    let per_s = 1.0 / report.interval_s;
+    let rows = report.runs.iter().map(|r| r.rows.len()).max().unwrap_or(0);
+    for i in 0..rows {
+        let t = report.runs[0].rows.get(i).map_or(0.0, |r| r.t);
+        write!(out, "{t:>6.1}")?;
+        for run in &report.runs {
+            match run.rows.get(i) {
+                Some(r) => write!(
+                    out,
+                    " | {:>8.0} {:>8.0} {:>8}",
+                    r.offered() as f64 * per_s,
+                    r.goodput as f64 * per_s,
+                    r.queue
+                )?,
+                None => write!(out, " | {:>26}", "")?,
+            }
+        }
+        writeln!(out)?;
+    }
+    Ok(())
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((at, _)) => &s[..at],
+        None => s,
+    }
 }
 
 fn summaries(out: &mut impl Write, report: &Report) -> io::Result<()> {
