@@ -93,6 +93,7 @@ fn the_table_names_every_policy_and_the_stability_quantity() {
         "policy p95",
         "policy p50",
         "policy p50-budget",
+        "side by side",
         "r x A0 x p'(A*)",
         "hedges per request",
     ] {
