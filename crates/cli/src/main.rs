@@ -7,6 +7,8 @@
 //!   attempts, retries, outcomes, latency per attempt and stop reasons.
 //! - `backstop reconcile`: compares the PSP's charges with the payment store; with `--apply`,
 //!   refunds duplicate charges and settles orphaned intents, recording each action.
+//! - `backstop storm sim`: a deterministic simulation of retry storms, overload and recovery,
+//!   with the library's own policies as clients and admission.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -21,6 +23,7 @@ mod psp;
 mod reconcile;
 mod report;
 mod serve;
+mod storm;
 
 /// glibc's allocator serialises frees of memory allocated on another thread behind an arena
 /// lock; under a multi-threaded tokio runtime, where a request's futures and buffers often
@@ -72,6 +75,11 @@ enum Command {
     /// Write a sample HTML report from synthetic data (development aid for the report writer)
     #[command(hide = true)]
     ReportSample(report::SampleArgs),
+    /// The storm lab: retry storms, overload and recovery, reproduced
+    ///
+    /// `storm sim` simulates a scenario deterministically (virtual time, seeded) with the
+    /// library's own retry, budget, storm alarm, hedging and admission policies.
+    Storm(storm::StormArgs),
 }
 
 #[tokio::main]
@@ -80,6 +88,8 @@ async fn main() -> ExitCode {
     // The load driver would drown its own summary in per-attempt events: warnings only.
     let default_level = match cli.command {
         Command::Load(_) | Command::Reconcile(_) => "warn",
+        // The simulated clients' policies log as real ones do; only errors belong here.
+        Command::Storm(_) => "error",
         _ => "info",
     };
     if let Err(error) = logging::init(cli.log_format, default_level) {
@@ -115,6 +125,7 @@ async fn main() -> ExitCode {
             }
         }
         Command::ReportSample(args) => report::run_sample(&args),
+        Command::Storm(args) => storm::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

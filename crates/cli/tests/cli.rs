@@ -91,7 +91,7 @@ fn logs_are_json_off_a_terminal_and_text_on_request() {
 }
 
 /// Every subcommand of `backstop`, as `backstop --help` should list it.
-const SUBCOMMANDS: [&str; 4] = ["serve", "psp", "load", "reconcile"];
+const SUBCOMMANDS: [&str; 5] = ["serve", "psp", "load", "reconcile", "storm"];
 
 fn help(args: &[&str]) -> String {
     let out = run(args, &[]);
@@ -182,6 +182,7 @@ fn no_help_text_cites_a_document_section() {
         pages.push(help(&[name, "--help"]));
         pages.push(help(&[name, "-h"]));
     }
+    pages.push(help(&["storm", "sim", "--help"]));
     for page in pages {
         let found = section_references(&page);
         assert!(found.is_empty(), "{found:?} in:\n{page}");

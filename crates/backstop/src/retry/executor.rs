@@ -190,8 +190,12 @@ impl RetryPolicy {
     /// or `cut_off`, and sleep the wait they return.
     ///
     /// The bookkeeping holds no reference to the policy or the call's details: each step is
-    /// given them, so that a hand-written future can own the bookkeeping beside them.
-    pub(crate) fn attempts(&self, deadline: Deadline) -> Attempts {
+    /// given them, so that a hand-written future can own the bookkeeping beside them. The
+    /// `..._at` steps read no clock and draw from the generator they are given, so a caller on a
+    /// virtual clock (a discrete-event simulation) runs the same decisions deterministically.
+    ///
+    /// Creating it counts one logical request: it deposits into the budget.
+    pub fn attempts(&self, deadline: Deadline) -> Attempts {
         self.budget.deposit();
         self.metrics.request(&self.service, &self.method);
         Attempts {
@@ -204,13 +208,16 @@ impl RetryPolicy {
 
     /// The wait before the next attempt, or why there is none. Takes the budget token last,
     /// so a retry that will not be sent does not spend one.
-    fn next_delay(
+    #[allow(clippy::too_many_arguments)]
+    fn next_delay<R: Rng + ?Sized>(
         &self,
         status: &Status,
         cut_off: bool,
         attempts: u32,
         prev_delay: Duration,
         deadline: &Deadline,
+        now: Instant,
+        rng: &mut R,
     ) -> Result<Wait, StopReason> {
         if cut_off {
             return Err(StopReason::Deadline);
@@ -237,23 +244,21 @@ impl RetryPolicy {
         if self
             .storm
             .as_ref()
-            .is_some_and(|storm| !storm.retry_wanted())
+            .is_some_and(|storm| !storm.retry_wanted_at(now))
         {
             return Err(StopReason::Storm);
         }
-        let remaining = deadline.remaining();
-        // The thread-local generator is used and dropped here, never held across an await.
-        let mut rng = rand::rng();
+        let remaining = deadline.remaining_at(now);
         let wait = match status.pushback() {
             Some(pushback) => {
-                let delay = jitter_pushback(pushback, &mut rng).max(self.backoff.floor());
+                let delay = jitter_pushback(pushback, rng).max(self.backoff.floor());
                 if !fits(remaining, delay, self.min_attempt) {
                     return Err(StopReason::Pushback);
                 }
                 Wait::Pushback(delay)
             }
             None => {
-                let delay = self.backoff.delay(attempts - 1, prev_delay, &mut rng);
+                let delay = self.backoff.delay(attempts - 1, prev_delay, rng);
                 if !fits(remaining, delay, self.min_attempt) {
                     return Err(StopReason::Deadline);
                 }
@@ -349,7 +354,7 @@ enum Wait {
 
 /// The attempts of one logical request so far: see [`RetryPolicy::attempts`].
 #[derive(Debug)]
-pub(crate) struct Attempts {
+pub struct Attempts {
     deadline: Deadline,
     number: u32,
     prev_delay: Duration,
@@ -360,7 +365,7 @@ pub(crate) struct Attempts {
 impl Attempts {
     /// The next attempt, starting `now`, and the budget left as it starts, or the stop when
     /// nothing is left. (`now` from the caller, who times the attempt from the same reading.)
-    pub(crate) fn start(
+    pub fn start(
         &mut self,
         policy: &RetryPolicy,
         call: &CallInfo<'_>,
@@ -379,7 +384,7 @@ impl Attempts {
             });
             return Err(policy.stop(call, last, self.number, StopReason::Deadline));
         }
-        if policy.throttle.as_ref().is_some_and(|t| !t.admit()) {
+        if policy.throttle.as_ref().is_some_and(|t| !t.admit_at(now)) {
             // Rejected locally: never sent, so not counted as an attempt made.
             let status = Status::new(
                 Code::Unavailable,
@@ -411,10 +416,10 @@ impl Attempts {
     /// Counts the logical request for the storm alarm when its first attempt ends: counted
     /// as it starts, a burst of calls still waiting for their first answer would dilute the
     /// retries the earliest answers ask for, and let a storm run on before the alarm trips.
-    fn first_answered(&self, policy: &RetryPolicy) {
+    fn first_answered(&self, policy: &RetryPolicy, now: Instant) {
         if self.number == 1 {
             if let Some(storm) = &policy.storm {
-                storm.record_request();
+                storm.record_request_at(now);
             }
         }
     }
@@ -427,10 +432,23 @@ impl Attempts {
         remaining: Duration,
         elapsed: Duration,
     ) {
+        self.succeeded_at(policy, call, remaining, elapsed, Instant::now());
+    }
+
+    /// The attempt succeeded, answered at `now`; `remaining` is the budget it was started
+    /// with, `elapsed` how long it took.
+    pub fn succeeded_at(
+        &self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
+        remaining: Duration,
+        elapsed: Duration,
+        now: Instant,
+    ) {
         if let Some(throttle) = &policy.throttle {
-            throttle.record_accept();
+            throttle.record_accept_at(now);
         }
-        self.first_answered(policy);
+        self.first_answered(policy, now);
         policy.record_attempt(
             call,
             self.number,
@@ -452,7 +470,35 @@ impl Attempts {
     ) -> Result<Duration, RetryError> {
         let status = Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
             .with_problem(problem::DEADLINE_EXCEEDED);
-        self.finish(policy, call, status, true, remaining, elapsed)
+        let now = Instant::now();
+        self.finish(
+            policy,
+            call,
+            status,
+            true,
+            remaining,
+            elapsed,
+            now,
+            &mut rand::rng(),
+        )
+    }
+
+    /// The attempt was cut off at the deadline, at `now`: the request stops with
+    /// [`StopReason::Deadline`] (the generator is there for symmetry with
+    /// [`failed_at`](Self::failed_at); nothing is drawn from it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn cut_off_at<R: Rng + ?Sized>(
+        &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
+        remaining: Duration,
+        elapsed: Duration,
+        now: Instant,
+        rng: &mut R,
+    ) -> Result<Duration, RetryError> {
+        let status = Status::new(Code::DeadlineExceeded, "deadline passed during the attempt")
+            .with_problem(problem::DEADLINE_EXCEEDED);
+        self.finish(policy, call, status, true, remaining, elapsed, now, rng)
     }
 
     /// The attempt could not run for lack of time (e.g. refused before it was sent because
@@ -465,7 +511,17 @@ impl Attempts {
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
-        self.finish(policy, call, status, true, remaining, elapsed)
+        let now = Instant::now();
+        self.finish(
+            policy,
+            call,
+            status,
+            true,
+            remaining,
+            elapsed,
+            now,
+            &mut rand::rng(),
+        )
     }
 
     /// The attempt failed with `status`: the wait before the next one, or why there is none.
@@ -477,10 +533,43 @@ impl Attempts {
         remaining: Duration,
         elapsed: Duration,
     ) -> Result<Duration, RetryError> {
-        self.finish(policy, call, status, false, remaining, elapsed)
+        // The thread-local generator is used and dropped here, never held across an await.
+        let now = Instant::now();
+        self.failed_at(
+            policy,
+            call,
+            status,
+            remaining,
+            elapsed,
+            now,
+            &mut rand::rng(),
+        )
     }
 
-    fn finish(
+    /// The attempt failed with `status`, answered at `now`: the wait before the next attempt
+    /// (its jitter drawn from `rng`), or why there is none. `remaining` is the budget the
+    /// attempt was started with, `elapsed` how long it took.
+    #[allow(clippy::too_many_arguments)]
+    pub fn failed_at<R: Rng + ?Sized>(
+        &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
+        status: Status,
+        remaining: Duration,
+        elapsed: Duration,
+        now: Instant,
+        rng: &mut R,
+    ) -> Result<Duration, RetryError> {
+        self.finish(policy, call, status, false, remaining, elapsed, now, rng)
+    }
+
+    /// The attempts sent so far (the first included).
+    pub fn sent(&self) -> u32 {
+        self.number
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish<R: Rng + ?Sized>(
         &mut self,
         policy: &RetryPolicy,
         call: &CallInfo<'_>,
@@ -488,11 +577,13 @@ impl Attempts {
         cut_off: bool,
         remaining: Duration,
         elapsed: Duration,
+        now: Instant,
+        rng: &mut R,
     ) -> Result<Duration, RetryError> {
-        self.first_answered(policy);
+        self.first_answered(policy, now);
         if !cut_off && !is_overload_refusal(&status) {
             if let Some(throttle) = &policy.throttle {
-                throttle.record_accept();
+                throttle.record_accept_at(now);
             }
         }
         let next = policy.next_delay(
@@ -501,6 +592,8 @@ impl Attempts {
             self.number,
             self.prev_delay,
             &self.deadline,
+            now,
+            rng,
         );
         policy.record_attempt(
             call,
@@ -1277,5 +1370,61 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(sent.load(Ordering::Relaxed), 10);
+    }
+
+    /// The bookkeeping steps run on a virtual clock with a seeded generator: no clock is read
+    /// and the same seed gives the same waits.
+    #[test]
+    fn attempts_run_on_a_virtual_clock_and_a_seeded_generator() {
+        use rand::SeedableRng;
+        use rand::rngs::StdRng;
+
+        let policy = policy().backoff(Backoff::default()).build().unwrap();
+        let call = CallInfo::new();
+        let run = |seed| {
+            let origin = Instant::now() + Duration::from_secs(3_600);
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut attempts = policy.attempts(Deadline::at(origin + Duration::from_secs(10)));
+            let mut now = origin;
+            let mut waits = Vec::new();
+            loop {
+                let (_, remaining) = match attempts.start(&policy, &call, now) {
+                    Ok(started) => started,
+                    Err(error) => return (waits, error.reason),
+                };
+                let status = unavailable();
+                match attempts.failed_at(&policy, &call, status, remaining, MS, now, &mut rng) {
+                    Ok(wait) => {
+                        waits.push(wait);
+                        now += wait;
+                    }
+                    Err(error) => return (waits, error.reason),
+                }
+            }
+        };
+        let (waits, reason) = run(1);
+        assert_eq!(reason, StopReason::MaxAttempts);
+        assert_eq!(waits.len(), 2);
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+
+        // Cut off at the deadline: no retry, whatever the budget.
+        let origin = Instant::now() + Duration::from_secs(3_600);
+        let deadline = origin + Duration::from_secs(1);
+        let mut attempts = policy.attempts(Deadline::at(deadline));
+        let (_, remaining) = attempts.start(&policy, &call, origin).unwrap();
+        let mut rng = StdRng::seed_from_u64(1);
+        let err = attempts
+            .cut_off_at(
+                &policy,
+                &call,
+                remaining,
+                Duration::from_secs(1),
+                deadline,
+                &mut rng,
+            )
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::Deadline));
+        assert_eq!(attempts.sent(), 1);
     }
 }

@@ -53,7 +53,9 @@
 //! - `backoff`: [`Backoff`] and [`Jitter`].
 //! - [`budget`]: [`RetryBudget`], with the reasoning behind budgets.
 //! - `policy`: [`RetryPolicy`] and its builder.
-//! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`].
+//! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`], and [`Attempts`], the
+//!   bookkeeping of one request for a caller that runs its attempts itself (on a virtual clock
+//!   too: its `..._at` steps read no clock).
 //! - `error`: [`RetryError`] and [`StopReason`].
 //! - [`storm`]: [`StormAlarm`], retries and hedges stopped while a destination's retry ratio
 //!   says it is down for everyone.
@@ -86,8 +88,7 @@ mod window;
 pub use backoff::{Backoff, BackoffError, Jitter};
 pub use budget::{BudgetError, RetryBudget};
 pub use error::{RetryError, StopReason};
-pub(crate) use executor::Attempts;
-pub use executor::{Attempt, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
+pub use executor::{Attempt, Attempts, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
 pub use policy::{PolicyError, RetryPolicy, RetryPolicyBuilder};
 pub use storm::{RPC_CLIENT_STORM_ALARM, StormAlarm, StormConfig, StormConfigError, StormLevel};
 pub use throttle::{AdaptiveThrottle, ThrottleError};

@@ -190,12 +190,19 @@ impl StormAlarm {
     /// is set to calm (0 for both levels) at once, so that dashboards and alerts see the
     /// series before the first change of level.
     pub fn new(service: impl Into<SharedString>, config: StormConfig) -> Self {
+        Self::new_at(service, config, Instant::now())
+    }
+
+    /// [`new`](Self::new) with the window's slots counted from `origin` instead of now: for a
+    /// caller on a virtual clock (a simulation), which then drives the alarm only through the
+    /// `..._at` methods.
+    pub fn new_at(service: impl Into<SharedString>, config: StormConfig, origin: Instant) -> Self {
         let alarm = Self {
             inner: Arc::new(Inner {
                 service: service.into(),
                 config,
                 state: Mutex::new(State {
-                    counts: SlidingCounts::new(config.window),
+                    counts: SlidingCounts::new_at(config.window, origin),
                     level: StormLevel::Calm,
                     trips: 0,
                 }),
@@ -212,18 +219,33 @@ impl StormAlarm {
 
     /// Records one logical request.
     pub fn record_request(&self) {
-        self.record(1, 0);
+        self.record_request_at(Instant::now());
+    }
+
+    /// [`record_request`](Self::record_request) at `now`.
+    pub fn record_request_at(&self, now: Instant) {
+        self.record(now, 1, 0);
     }
 
     /// Records a retry (or hedge) asked for; `true` when it may be sent, `false` while the
     /// alarm is tripped.
     pub fn retry_wanted(&self) -> bool {
-        self.record(0, 1) != StormLevel::Tripped
+        self.retry_wanted_at(Instant::now())
+    }
+
+    /// [`retry_wanted`](Self::retry_wanted) at `now`.
+    pub fn retry_wanted_at(&self, now: Instant) -> bool {
+        self.record(now, 0, 1) != StormLevel::Tripped
     }
 
     /// The level now (the window slides even without calls).
     pub fn level(&self) -> StormLevel {
-        self.record(0, 0)
+        self.level_at(Instant::now())
+    }
+
+    /// The level at `now`.
+    pub fn level_at(&self, now: Instant) -> StormLevel {
+        self.record(now, 0, 0)
     }
 
     /// How many times the alarm has tripped since it was made.
@@ -233,8 +255,13 @@ impl StormAlarm {
 
     /// Retries asked for per logical request over the window now.
     pub fn ratio(&self) -> f64 {
+        self.ratio_at(Instant::now())
+    }
+
+    /// Retries asked for per logical request over the window ending at `now`.
+    pub fn ratio_at(&self, now: Instant) -> f64 {
         let state = self.lock();
-        let (requests, retries) = state.counts.totals(Instant::now());
+        let (requests, retries) = state.counts.totals(now);
         ratio(requests, retries)
     }
 
@@ -246,9 +273,8 @@ impl StormAlarm {
     }
 
     /// Adds to the counts, re-judges the level and reports a change; the level after.
-    fn record(&self, requests: u64, retries: u64) -> StormLevel {
+    fn record(&self, now: Instant, requests: u64, retries: u64) -> StormLevel {
         let config = &self.inner.config;
-        let now = Instant::now();
         let (level, change) = {
             let mut state = self.lock();
             if requests != 0 || retries != 0 {
@@ -479,5 +505,24 @@ mod tests {
             let _ = b.retry_wanted();
         }
         assert_eq!(a.level(), StormLevel::Tripped);
+    }
+
+    /// The `..._at` entry points read no clock: driven by a virtual clock an hour away from the
+    /// real one, the alarm trips and clears on that clock alone.
+    #[test]
+    fn a_virtual_clock_drives_the_alarm() {
+        let origin = Instant::now() + Duration::from_secs(3_600);
+        let alarm = StormAlarm::new_at("psp", StormConfig::default(), origin);
+        for i in 0..10 {
+            let at = origin + Duration::from_millis(i);
+            alarm.record_request_at(at);
+            let _ = alarm.retry_wanted_at(at);
+        }
+        let later = origin + Duration::from_millis(10);
+        assert_eq!(alarm.level_at(later), StormLevel::Tripped);
+        assert!(!alarm.retry_wanted_at(later));
+        assert!(alarm.ratio_at(later) > 1.0);
+        // A window later on the virtual clock the storm has left it.
+        assert_eq!(alarm.level_at(origin + 11 * SECOND), StormLevel::Calm);
     }
 }

@@ -79,7 +79,7 @@ struct State {
 impl Default for AdaptiveThrottle {
     /// `K` = 2 over the last 2 minutes.
     fn default() -> Self {
-        Self::build(Self::DEFAULT_K, Self::DEFAULT_WINDOW)
+        Self::build(Self::DEFAULT_K, Self::DEFAULT_WINDOW, Instant::now())
     }
 }
 
@@ -97,15 +97,22 @@ impl AdaptiveThrottle {
         if window < Duration::from_millis(1) {
             return Err(ThrottleError::Window);
         }
-        Ok(Self::build(k, window))
+        Ok(Self::build(k, window, Instant::now()))
     }
 
-    fn build(k: f64, window: Duration) -> Self {
+    /// [`new`](Self::new) with the window's slots counted from `origin` instead of now: for a
+    /// caller on a virtual clock (a simulation), which then drives the throttle only through
+    /// the `..._at` methods.
+    pub fn new_at(k: f64, window: Duration, origin: Instant) -> Result<Self, ThrottleError> {
+        Self::new(k, window).map(|_| Self::build(k, window, origin))
+    }
+
+    fn build(k: f64, window: Duration, origin: Instant) -> Self {
         Self {
             inner: Arc::new(Inner {
                 k,
                 state: Mutex::new(State {
-                    counts: SlidingCounts::new(window),
+                    counts: SlidingCounts::new_at(window, origin),
                     rng: None,
                 }),
             }),
@@ -129,22 +136,26 @@ impl AdaptiveThrottle {
     /// Counts one attempt and decides whether it may be sent: `false` means reject it
     /// locally.
     pub fn admit(&self) -> bool {
+        self.admit_at(Instant::now())
+    }
+
+    /// [`admit`](Self::admit) at `now`.
+    pub fn admit_at(&self, now: Instant) -> bool {
         let mut state = self.lock();
         let draw = match &mut state.rng {
             Some(rng) => rng.random::<f64>(),
             None => rand::rng().random::<f64>(),
         };
-        Self::admit_locked(self.inner.k, &mut state, draw)
+        Self::admit_locked(self.inner.k, &mut state, now, draw)
     }
 
     /// [`admit`](Self::admit) with the random draw given (uniform in `[0, 1)`): rejected when
     /// it falls under the rejection probability.
     pub fn admit_with(&self, draw: f64) -> bool {
-        Self::admit_locked(self.inner.k, &mut self.lock(), draw)
+        Self::admit_locked(self.inner.k, &mut self.lock(), Instant::now(), draw)
     }
 
-    fn admit_locked(k: f64, state: &mut State, draw: f64) -> bool {
-        let now = Instant::now();
+    fn admit_locked(k: f64, state: &mut State, now: Instant, draw: f64) -> bool {
         state.counts.add(now, 1, 0);
         let (requests, accepts) = state.counts.totals(now);
         draw >= probability(k, requests, accepts)
@@ -157,12 +168,22 @@ impl AdaptiveThrottle {
 
     /// Counts one accepted attempt: an answer that is not an overload refusal.
     pub fn record_accept(&self) {
-        self.lock().counts.add(Instant::now(), 0, 1);
+        self.record_accept_at(Instant::now());
+    }
+
+    /// [`record_accept`](Self::record_accept) at `now`.
+    pub fn record_accept_at(&self, now: Instant) {
+        self.lock().counts.add(now, 0, 1);
     }
 
     /// The probability with which the next attempt would be rejected, now.
     pub fn reject_probability(&self) -> f64 {
-        let (requests, accepts) = self.lock().counts.totals(Instant::now());
+        self.reject_probability_at(Instant::now())
+    }
+
+    /// The probability with which an attempt at `now` would be rejected.
+    pub fn reject_probability_at(&self, now: Instant) -> f64 {
+        let (requests, accepts) = self.lock().counts.totals(now);
         probability(self.inner.k, requests, accepts)
     }
 
@@ -268,5 +289,31 @@ mod tests {
             tokio::time::advance(Duration::from_millis(5)).await;
         }
         assert_eq!(sent, 1_000, "a server that accepts is never throttled");
+    }
+
+    /// Driven through the `..._at` entry points by a virtual clock and a seed, the throttle
+    /// reads no clock and decides the same way every time.
+    #[test]
+    fn a_virtual_clock_and_a_seed_give_the_same_decisions() {
+        let run = || {
+            let origin = Instant::now() + Duration::from_secs(3_600);
+            let throttle = AdaptiveThrottle::new_at(2.0, Duration::from_secs(10), origin)
+                .unwrap()
+                .seeded(3);
+            let sent: Vec<bool> = (0..200u64)
+                .map(|i| throttle.admit_at(origin + Duration::from_millis(i)))
+                .collect();
+            let at = origin + Duration::from_millis(200);
+            assert!(throttle.reject_probability_at(at) > 0.9);
+            // The refusals leave the window on the virtual clock.
+            let later = origin + Duration::from_secs(11);
+            assert_eq!(throttle.reject_probability_at(later), 0.0);
+            throttle.record_accept_at(later);
+            sent
+        };
+        let first = run();
+        assert!(first.iter().filter(|s| **s).count() < 30);
+        assert_eq!(first, run());
+        assert!(AdaptiveThrottle::new_at(0.5, Duration::from_secs(1), Instant::now()).is_err());
     }
 }

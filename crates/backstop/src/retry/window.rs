@@ -27,12 +27,19 @@ pub(crate) struct SlidingCounts {
 
 impl SlidingCounts {
     /// Empty counts over `window` (at least one nanosecond per slot).
+    #[cfg(test)]
     pub(crate) fn new(window: Duration) -> Self {
+        Self::new_at(window, Instant::now())
+    }
+
+    /// Empty counts over `window` whose slots are counted from `origin`: a simulation on a
+    /// virtual clock passes its own start, so slot boundaries do not depend on the wall clock.
+    pub(crate) fn new_at(window: Duration, origin: Instant) -> Self {
         let slot_nanos = u64::try_from(window.as_nanos() / SLOTS as u128)
             .unwrap_or(u64::MAX)
             .max(1);
         Self {
-            origin: Instant::now(),
+            origin,
             slot_nanos,
             slots: [Slot::default(); SLOTS],
         }

@@ -132,6 +132,24 @@ impl HedgePolicy {
             .quantile(self.quantile)
             .map(|d| d.max(self.min_delay))
     }
+
+    /// Hedge at the `quantile` (in `(0, 1]`) of recent latencies instead of the p95.
+    pub fn quantile(mut self, quantile: f64) -> Self {
+        self.quantile = quantile;
+        self
+    }
+
+    /// Records the latency of a successful attempt in the window the delay is read from.
+    pub fn record_latency(&self, latency: Duration) {
+        self.latencies.record(latency);
+    }
+
+    /// Whether a hedge may be sent at `now`: not while the storm alarm is tripped (the hedge
+    /// counts as a retry asked for), and only with a token from the budget (taken when `true`).
+    pub fn try_hedge_at(&self, now: Instant) -> bool {
+        let storming = self.storm.as_ref().is_some_and(|s| !s.retry_wanted_at(now));
+        !storming && self.budget.try_withdraw()
+    }
 }
 
 /// Sends a second copy of a slow attempt (see the [module docs](self)).
@@ -238,8 +256,7 @@ where
         () = tokio::time::sleep(delay) => {}
     }
     let allowed = allowance.as_ref().is_none_or(HedgeAllowance::take);
-    let storming = || policy.storm.as_ref().is_some_and(|s| !s.retry_wanted());
-    if !allowed || storming() || !policy.budget.try_withdraw() {
+    if !allowed || !policy.try_hedge_at(Instant::now()) {
         let result = primary.await;
         record(&policy, &result, started);
         return result;

@@ -207,3 +207,17 @@ async fn no_hedge_while_the_storm_alarm_is_tripped() {
     assert_eq!(sent.load(Ordering::SeqCst), 3, "hedged");
     assert_eq!(budget.available(), 4.0);
 }
+
+#[test]
+fn try_hedge_at_pays_from_the_budget_and_records_latencies() {
+    let budget = RetryBudget::new(0.0, 1).unwrap();
+    let policy = HedgePolicy::new(budget, "psp", "GetCharge").quantile(0.5);
+    assert_eq!(policy.delay(), None);
+    for ms in 1..=HedgePolicy::MIN_SAMPLES as u32 {
+        policy.record_latency(ms * MS);
+    }
+    assert_eq!(policy.delay(), Some(10 * MS), "the p50 of 1..=20 ms");
+    let now = Instant::now();
+    assert!(policy.try_hedge_at(now));
+    assert!(!policy.try_hedge_at(now), "the one token is spent");
+}

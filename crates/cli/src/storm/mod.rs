@@ -1,0 +1,477 @@
+//! `backstop storm`: the storm lab.
+//!
+//! `backstop storm sim` reproduces retry storms, overload and recovery in a deterministic
+//! discrete-event simulation whose clients and server admission are the library's own policy
+//! types, so a policy is judged by the code that ships.
+
+mod dist;
+mod engine;
+mod output;
+mod scenario;
+mod series;
+
+use std::error::Error;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use serde::Serialize;
+
+use self::scenario::{Knobs, Scenario, ScenarioKind, ServerLimit};
+use self::series::{Row, Summary};
+
+/// Flags of `backstop storm`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct StormArgs {
+    #[command(subcommand)]
+    command: StormCommand,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+enum StormCommand {
+    /// Simulate a scenario (deterministic for a seed; virtual time, no network)
+    ///
+    /// Clients are open-loop (Poisson arrivals) and use the library's retry policy, budget,
+    /// backoff, storm alarm, adaptive throttle and hedging policy; the server has a number of
+    /// workers behind the library's concurrency limit, and a downstream whose latency changes
+    /// over time. A client that times out does not stop the server's work.
+    Sim(SimArgs),
+}
+
+/// Flags of `backstop storm sim`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct SimArgs {
+    /// The scenario.
+    #[arg(long, value_enum, default_value_t = ScenarioKind::Slowdown)]
+    scenario: ScenarioKind,
+    /// Which variant to run: `all`, or one of the scenario's (slowdown: `naive`, `backstop`;
+    /// outage-recovery: `naive`, `backstop`, `backstop-no-alarm`; hedging: `p95`, `p50`,
+    /// `p50-budget`; littles-law: `limit-N...`).
+    #[arg(long, default_value = "all")]
+    policy: String,
+    /// Seeds the simulation: the same seed gives the same output.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Simulated time, e.g. `60s` (default: the scenario's).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    duration: Option<Duration>,
+    /// Length of one row of the series, e.g. `1s`, `500ms`.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_interval)]
+    interval: Duration,
+    /// Logical requests per second offered, before --scale (default: the scenario's: 2000 for
+    /// slowdown and outage-recovery, 1000 for littles-law and hedging).
+    #[arg(long, value_name = "PER_SEC", value_parser = parse_rate)]
+    rate: Option<f64>,
+    /// Multiplies the offered load and the server's workers (e.g. 50 for 100,000/s in the
+    /// slowdown scenario); ratios and the story stay the same.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_scale)]
+    scale: f64,
+    /// The `backstop` server's concurrency limit: `fixed` at the workers, or `adaptive`
+    /// (Gradient2 from a tenth of the workers up to all of them).
+    #[arg(long, value_enum, default_value_t = ServerLimit::Fixed)]
+    limit: ServerLimit,
+    /// `backstop` clients also reject attempts locally with adaptive throttling.
+    #[arg(long)]
+    throttle: bool,
+    /// Print the series and summaries as one JSON object.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print the series as CSV, then a blank line and the summaries as CSV.
+    #[arg(long)]
+    csv: bool,
+}
+
+/// The most simulated time a run may ask for.
+const MAX_DURATION: Duration = Duration::from_secs(3_600);
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (e.g. 60s, 2m)"))?;
+    if d.is_zero() || d > MAX_DURATION {
+        return Err(format!(
+            "must be above 0 and at most {}",
+            humantime::format_duration(MAX_DURATION)
+        ));
+    }
+    Ok(d)
+}
+
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (e.g. 1s, 500ms)"))?;
+    if d < Duration::from_millis(10) || d > Duration::from_secs(600) {
+        return Err("must be between 10ms and 10m".to_owned());
+    }
+    Ok(d)
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !(v.is_finite() && v > 0.0 && v <= 1_000_000.0) {
+        return Err("must be above 0 and at most 1000000".to_owned());
+    }
+    Ok(v)
+}
+
+fn parse_scale(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !(v.is_finite() && v > 0.0 && v <= 1_000.0) {
+        return Err("must be above 0 and at most 1000".to_owned());
+    }
+    Ok(v)
+}
+
+/// A run of one variant: its series and summary.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct VariantRun {
+    pub(crate) policy: String,
+    pub(crate) rows: Vec<Row>,
+    pub(crate) summary: Summary,
+}
+
+/// Everything one `storm sim` computed.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Report {
+    pub(crate) scenario: &'static str,
+    pub(crate) seed: u64,
+    pub(crate) scale: f64,
+    pub(crate) duration_s: f64,
+    pub(crate) interval_s: f64,
+    pub(crate) notes: Vec<String>,
+    pub(crate) runs: Vec<VariantRun>,
+}
+
+/// `backstop storm ...`.
+pub(crate) fn run(args: StormArgs) -> Result<(), Box<dyn Error>> {
+    match args.command {
+        StormCommand::Sim(args) => {
+            let report = simulate(&args)?;
+            let mut out = std::io::stdout().lock();
+            if args.json {
+                output::json(&mut out, &report)?;
+            } else if args.csv {
+                output::csv(&mut out, &report)?;
+            } else {
+                output::table(&mut out, &report)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Most logical requests one run may simulate: beyond it a run would take hours and, with a
+/// naive fleet's unbounded queue, more memory than the machine has.
+const MAX_LOGICAL: f64 = 500_000_000.0;
+
+/// A simulation that cannot be run as asked.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SimError {
+    /// A `--policy` the scenario does not have.
+    #[error("scenario {scenario} has no policy `{policy}`; choose all, {choices}")]
+    UnknownPolicy {
+        scenario: &'static str,
+        policy: String,
+        choices: String,
+    },
+    /// Offered load times duration is beyond [`MAX_LOGICAL`].
+    #[error(
+        "{requests:.0} logical requests ({rate:.0}/s for {seconds:.0} s) is more than one run may simulate ({MAX_LOGICAL:.0}); lower --scale, --rate or --duration"
+    )]
+    TooLarge {
+        requests: f64,
+        rate: f64,
+        seconds: f64,
+    },
+}
+
+/// Runs the variants `args` selects.
+pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
+    let knobs = Knobs {
+        scale: args.scale,
+        duration: args.duration,
+        rate: args.rate,
+        interval: args.interval,
+        seed: args.seed,
+        limit: args.limit,
+        throttle: args.throttle,
+    };
+    let scenario = Scenario::build(args.scenario, knobs);
+    let seconds = scenario.model.duration.as_secs_f64();
+    let requests = scenario.model.rate * seconds;
+    if requests > MAX_LOGICAL {
+        return Err(SimError::TooLarge {
+            requests,
+            rate: scenario.model.rate,
+            seconds,
+        });
+    }
+    let selected: Vec<_> = scenario
+        .variants
+        .iter()
+        .filter(|v| args.policy == "all" || v.name == args.policy)
+        .collect();
+    if selected.is_empty() {
+        return Err(SimError::UnknownPolicy {
+            scenario: scenario.kind.as_str(),
+            policy: args.policy.clone(),
+            choices: scenario.names().join(", "),
+        });
+    }
+    let interval = scenario.model.interval.as_secs_f64();
+    let runs = selected
+        .into_iter()
+        .map(|variant| {
+            let mut run = engine::run(&scenario.model, &variant.client, &variant.server);
+            let summary = series::summarise(
+                &variant.name,
+                &mut run.rows,
+                &run.totals,
+                interval,
+                scenario.focus,
+            );
+            VariantRun {
+                policy: variant.name.clone(),
+                rows: run.rows,
+                summary,
+            }
+        })
+        .collect();
+    Ok(Report {
+        scenario: scenario.kind.as_str(),
+        seed: args.seed,
+        scale: args.scale,
+        duration_s: scenario.model.duration.as_secs_f64(),
+        interval_s: interval,
+        notes: scenario.notes,
+        runs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small-scale run (debug builds run these in CI).
+    fn args(scenario: ScenarioKind, scale: f64, seconds: u64) -> SimArgs {
+        SimArgs {
+            scenario,
+            policy: "all".to_owned(),
+            seed: 7,
+            duration: Some(Duration::from_secs(seconds)),
+            rate: None,
+            interval: Duration::from_secs(1),
+            scale,
+            limit: ServerLimit::Fixed,
+            throttle: false,
+            json: false,
+            csv: false,
+        }
+    }
+
+    fn by_policy<'a>(report: &'a Report, policy: &str) -> &'a VariantRun {
+        report
+            .runs
+            .iter()
+            .find(|r| r.policy == policy)
+            .unwrap_or_else(|| panic!("no run {policy}"))
+    }
+
+    fn row_at(run: &VariantRun, t: f64) -> &Row {
+        run.rows.iter().find(|r| (r.t - t).abs() < 1e-9).unwrap()
+    }
+
+    /// Chapter 2.5.1: the downstream slows, capacity falls from 5000/s to 833/s under 2000/s.
+    /// Naive clients multiply their load (retry ratio climbing towards 2), goodput collapses
+    /// and the queue keeps growing after the downstream has recovered; the library's clients
+    /// add no more than the budget allows and the service is back as soon as the downstream
+    /// is.
+    #[test]
+    fn slowdown_naive_diverges_backstop_stays_bounded_and_recovers() {
+        let report = simulate(&args(ScenarioKind::Slowdown, 0.1, 50)).unwrap();
+        let naive = by_policy(&report, "naive");
+        let backstop = by_policy(&report, "backstop");
+
+        let (n, b) = (&naive.summary, &backstop.summary);
+        // Load amplification: retries grow to about 2 per original.
+        assert!(n.focus_amplification > 2.0, "{}", n.focus_amplification);
+        assert!(row_at(naive, 10.0).retry_ratio < row_at(naive, 15.0).retry_ratio);
+        assert!(row_at(naive, 15.0).retry_ratio > 1.5);
+        // Goodput far below the degraded capacity, and the backlog never drains: the storm
+        // outlives its cause.
+        assert!(
+            n.focus_goodput < 0.2 * n.focus_capacity,
+            "{}",
+            n.focus_goodput
+        );
+        assert!(row_at(naive, 49.0).queue > row_at(naive, 39.0).queue);
+        assert_eq!(n.recovery_s, None);
+        assert_eq!(n.stability.verdict, "overloaded");
+
+        // The library's clients: within 1 + ratio (plus the burst) of the original load.
+        let originals = b.attempts - b.retries;
+        assert!(
+            b.retries as f64 <= 0.1 * originals as f64 + 20.0,
+            "{} retries for {originals}",
+            b.retries
+        );
+        assert!(
+            b.focus_amplification <= 1.1 + 1e-9,
+            "{}",
+            b.focus_amplification
+        );
+        assert!(
+            b.peak_queue < n.peak_queue / 4,
+            "{} vs {}",
+            b.peak_queue,
+            n.peak_queue
+        );
+        let recovery = b.recovery_s.expect("backstop recovers within the run");
+        assert!(recovery <= 3.0, "{recovery}");
+        assert!(b.stability.gain < 1.0);
+        // Behind today's first-come first-served gate the admitted requests wait until little
+        // of their deadline is left, so goodput stays low, but above naive's.
+        assert!(
+            b.focus_goodput > n.focus_goodput,
+            "{} vs {}",
+            b.focus_goodput,
+            n.focus_goodput
+        );
+    }
+
+    /// Chapter 2.5.2 near the knee: 800/s against the degraded 833/s. Naive retries tip the
+    /// loop over (r x A0 x p'(A*) >= 1: a storm, goodput collapses); the library's clients
+    /// stay stable and keep goodput near the degraded capacity.
+    #[test]
+    fn near_the_knee_naive_storms_and_backstop_keeps_goodput() {
+        let report = simulate(&SimArgs {
+            rate: Some(800.0),
+            ..args(ScenarioKind::Slowdown, 0.2, 40)
+        })
+        .unwrap();
+        let n = &by_policy(&report, "naive").summary;
+        let b = &by_policy(&report, "backstop").summary;
+        assert_eq!(n.stability.verdict, "storm", "{:?}", n.stability);
+        assert!(n.focus_amplification > 1.5, "{}", n.focus_amplification);
+        assert!(
+            n.focus_goodput < 0.5 * n.focus_capacity,
+            "{}",
+            n.focus_goodput
+        );
+        assert_eq!(b.stability.verdict, "stable", "{:?}", b.stability);
+        assert!(
+            b.focus_amplification <= 1.1 + 1e-9,
+            "{}",
+            b.focus_amplification
+        );
+        assert!(
+            b.focus_goodput > 0.75 * b.focus_capacity,
+            "{}",
+            b.focus_goodput
+        );
+    }
+
+    /// With the library's adaptive throttle the clients send about twice what the server
+    /// accepts: the gate's queue stops filling to its bound and goodput climbs.
+    #[test]
+    fn slowdown_adaptive_throttle_lifts_goodput() {
+        let plain = simulate(&SimArgs {
+            policy: "backstop".to_owned(),
+            ..args(ScenarioKind::Slowdown, 0.1, 40)
+        })
+        .unwrap();
+        let throttled = simulate(&SimArgs {
+            policy: "backstop".to_owned(),
+            throttle: true,
+            ..args(ScenarioKind::Slowdown, 0.1, 40)
+        })
+        .unwrap();
+        let (p, t) = (&plain.runs[0].summary, &throttled.runs[0].summary);
+        assert!(
+            t.focus_goodput > 1.5 * p.focus_goodput,
+            "{} vs {}",
+            t.focus_goodput,
+            p.focus_goodput
+        );
+        assert!(
+            t.focus_goodput > 0.15 * t.focus_capacity,
+            "{}",
+            t.focus_goodput
+        );
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_output() {
+        let run = |seed| {
+            let mut a = args(ScenarioKind::OutageRecovery, 0.05, 25);
+            a.seed = seed;
+            serde_json::to_string(&simulate(&a).unwrap()).unwrap()
+        };
+        assert_eq!(run(3), run(3));
+        assert_ne!(run(3), run(4));
+    }
+
+    /// Chapter 2.6.1: 1000/s at 250 ms keeps about 250 requests in flight (L = lambda W), a
+    /// limit sized by lambda x W_p99 x 1.2 serves it; a limit too small refuses the excess,
+    /// and behind an unbounded queue it makes latency and memory grow without bound.
+    #[test]
+    fn littles_law_holds_and_a_small_limit_hurts() {
+        let report = simulate(&args(ScenarioKind::LittlesLaw, 0.2, 20)).unwrap();
+        let enough = &report.runs[0].summary;
+        let small = &report.runs[1].summary;
+        let queued = &report.runs[2].summary;
+        assert!(enough.little.relative_error < 0.05, "{:?}", enough.little);
+        // 200/s at 250 ms: about 50 in flight.
+        assert!((enough.little.l - 50.0).abs() < 5.0, "{:?}", enough.little);
+        assert!(enough.refused == 0 && enough.success > 0.97, "{enough:?}");
+        // 40 places for 50 needed: the excess waits until its deadline is nearly gone.
+        assert!(small.success < 0.5, "{small:?}");
+        assert!(
+            small.focus_goodput < 0.5 * enough.focus_goodput,
+            "{small:?}"
+        );
+        assert!(small.focus_p99_ms <= 1_000.0);
+        // The unbounded queue only grows; the gate's is bounded by the deadline.
+        let queue = |run: usize, t: f64| row_at(&report.runs[run], t).queue;
+        assert!(queue(2, 19.0) > queue(2, 10.0) && queue(2, 10.0) > queue(2, 5.0));
+        assert!(queued.peak_queue > 2 * small.peak_queue, "{queued:?}");
+        assert!(queued.little.w_ms > 4.0 * enough.little.w_ms);
+    }
+
+    /// Chapter 2.3.4: hedging at the p95 costs a few per cent more attempts (a little over 5 %:
+    /// the hedged answers, faster, pull the measured p95 down), at the p50 more than half
+    /// again; the retry budget caps the latter at its ratio.
+    #[test]
+    fn hedging_at_p95_is_cheap_and_at_p50_is_not() {
+        let report = simulate(&args(ScenarioKind::Hedging, 0.2, 20)).unwrap();
+        let share = |policy| {
+            let s = &by_policy(&report, policy).summary;
+            s.hedges as f64 / (s.attempts - s.hedges) as f64
+        };
+        let (p95, p50, budget) = (share("p95"), share("p50"), share("p50-budget"));
+        assert!((0.02..0.10).contains(&p95), "{p95}");
+        assert!(p50 > 0.35, "{p50}");
+        assert!(budget < 0.12, "{budget}");
+    }
+
+    #[test]
+    fn outage_recovery_is_faster_with_the_library_clients() {
+        let report = simulate(&args(ScenarioKind::OutageRecovery, 0.1, 50)).unwrap();
+        let naive = by_policy(&report, "naive").summary.recovery_s;
+        let backstop = by_policy(&report, "backstop")
+            .summary
+            .recovery_s
+            .expect("backstop recovers within the run");
+        assert!(
+            naive.is_none_or(|n| n > backstop),
+            "{naive:?} vs {backstop}"
+        );
+    }
+
+    #[test]
+    fn an_unknown_policy_is_a_clear_error() {
+        let mut a = args(ScenarioKind::Hedging, 0.1, 2);
+        a.policy = "p99".to_owned();
+        let err = simulate(&a).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "scenario hedging has no policy `p99`; choose all, p95, p50, p50-budget"
+        );
+    }
+}

@@ -1,0 +1,135 @@
+//! `backstop storm sim` as a user runs it: deterministic output, three formats, clear errors.
+
+use std::process::{Command, Output, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+
+fn sim(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("storm")
+        .arg("sim")
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("the binary runs")
+}
+
+/// A small slowdown run: 200/s against 50 workers for 20 simulated seconds.
+const SMALL: [&str; 6] = ["--scale", "0.1", "--duration", "20s", "--seed", "11"];
+
+#[test]
+fn the_same_seed_prints_the_same_json_and_another_seed_does_not() {
+    let first = sim(&[&SMALL[..], &["--json"]].concat());
+    assert!(first.status.success(), "{first:?}");
+    let second = sim(&[&SMALL[..], &["--json"]].concat());
+    assert_eq!(first.stdout, second.stdout);
+    let other = sim(&[
+        "--scale",
+        "0.1",
+        "--duration",
+        "20s",
+        "--seed",
+        "12",
+        "--json",
+    ]);
+    assert_ne!(first.stdout, other.stdout);
+
+    let report: serde_json::Value = serde_json::from_slice(&first.stdout).unwrap();
+    assert_eq!(report["scenario"], "slowdown");
+    let runs = report["runs"].as_array().unwrap();
+    let policies: Vec<&str> = runs.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies, ["naive", "backstop"]);
+    for run in runs {
+        assert_eq!(run["rows"].as_array().unwrap().len(), 20);
+        let verdict = run["summary"]["stability"]["verdict"].as_str().unwrap();
+        assert!(
+            ["stable", "storm", "overloaded"].contains(&verdict),
+            "{verdict}"
+        );
+    }
+}
+
+#[test]
+fn csv_has_the_series_then_the_summaries() {
+    let out = sim(&[&SMALL[..], &["--csv", "--policy", "naive"]].concat());
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (series, summary) = text.split_once("\n\n").expect("two tables");
+    let mut lines = series.lines();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .starts_with("scenario,policy,t,offered_originals,")
+    );
+    assert_eq!(lines.count(), 20);
+    let mut lines = summary.lines();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .starts_with("scenario,policy,logical,")
+    );
+    assert!(lines.next().unwrap().starts_with("slowdown,naive,"));
+    assert_eq!(lines.next(), None);
+}
+
+#[test]
+fn the_table_names_every_policy_and_the_stability_quantity() {
+    let out = sim(&[
+        "--scenario",
+        "hedging",
+        "--scale",
+        "0.05",
+        "--duration",
+        "5s",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    for needle in [
+        "policy p95",
+        "policy p50",
+        "policy p50-budget",
+        "side by side",
+        "r x A0 x p'(A*)",
+        "hedges per request",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from\n{text}");
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let out = sim(&["--policy", "careful"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(
+        stderr.trim(),
+        "error: scenario slowdown has no policy `careful`; choose all, naive, backstop"
+    );
+    let out = sim(&["--scale", "1000", "--duration", "1h"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("more than one run may simulate"),
+        "{stderr}"
+    );
+    for args in [
+        &["--scale", "0"][..],
+        &["--scale", "many"],
+        &["--duration", "2h"],
+        &["--interval", "1ms"],
+        &["--scenario", "tsunami"],
+        &["--json", "--csv"],
+    ] {
+        let out = sim(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(
+            String::from_utf8(out.stderr).unwrap().starts_with("error:"),
+            "{args:?}"
+        );
+    }
+}
