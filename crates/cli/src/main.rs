@@ -8,7 +8,8 @@
 //! - `backstop reconcile`: compares the PSP's charges with the payment store; with `--apply`,
 //!   refunds duplicate charges and settles orphaned intents, recording each action.
 //! - `backstop storm sim`: a deterministic simulation of retry storms, overload and recovery,
-//!   with the library's own policies as clients and admission.
+//!   with the library's own policies as clients and admission; `backstop storm run`: the same
+//!   experiments against the real service, with HTML reports.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -78,7 +79,8 @@ enum Command {
     /// The storm lab: retry storms, overload and recovery, reproduced
     ///
     /// `storm sim` simulates a scenario deterministically (virtual time, seeded) with the
-    /// library's own retry, budget, storm alarm, hedging and admission policies.
+    /// library's own retry, budget, storm alarm, hedging and admission policies; `storm run`
+    /// runs one against the real service, PSP simulator and load driver on loopback.
     Storm(storm::StormArgs),
 }
 
@@ -125,7 +127,7 @@ async fn main() -> ExitCode {
             }
         }
         Command::ReportSample(args) => report::run_sample(&args),
-        Command::Storm(args) => storm::run(args),
+        Command::Storm(args) => storm::run(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

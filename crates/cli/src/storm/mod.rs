@@ -7,6 +7,7 @@
 mod dist;
 mod engine;
 mod output;
+mod run;
 mod scenario;
 mod series;
 
@@ -35,6 +36,12 @@ enum StormCommand {
     /// workers behind the library's concurrency limit, and a downstream whose latency changes
     /// over time. A client that times out does not stop the server's work.
     Sim(SimArgs),
+    /// Run a scenario against the real service (loopback, bounded in time)
+    ///
+    /// Starts the PSP simulator, a `backstop serve` per variant on a fresh SQLite store and a
+    /// `backstop load` with a per-second series; changes the PSP's latency or availability on
+    /// schedule, samples the server's gauges and memory, and compares the variants.
+    Run(run::RunArgs),
 }
 
 /// Flags of `backstop storm sim`.
@@ -139,8 +146,9 @@ pub(crate) struct Report {
 }
 
 /// `backstop storm ...`.
-pub(crate) fn run(args: StormArgs) -> Result<(), Box<dyn Error>> {
+pub(crate) async fn run(args: StormArgs) -> Result<(), Box<dyn Error>> {
     match args.command {
+        StormCommand::Run(args) => run::run(args).await,
         StormCommand::Sim(args) => {
             let report = simulate(&args)?;
             let mut out = std::io::stdout().lock();
