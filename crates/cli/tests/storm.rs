@@ -133,3 +133,16 @@ fn bad_input_is_a_clear_error() {
         );
     }
 }
+
+#[test]
+fn report_writes_a_page_with_a_run_per_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = sim(&[&SMALL[..], &["--report", dir.path().to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{out:?}");
+    let page = std::fs::read_to_string(dir.path().join("index.html")).unwrap();
+    assert!(page.contains("<svg"), "charts are drawn");
+    assert!(page.contains("naive") && page.contains("backstop"), "a run per policy");
+    let csv = std::fs::read_to_string(dir.path().join("data.csv")).unwrap();
+    assert!(csv.lines().any(|l| l.starts_with("naive,")), "{csv}");
+    assert!(csv.lines().any(|l| l.starts_with("backstop,")), "{csv}");
+}
