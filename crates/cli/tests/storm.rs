@@ -141,7 +141,10 @@ fn report_writes_a_page_with_a_run_per_policy() {
     assert!(out.status.success(), "{out:?}");
     let page = std::fs::read_to_string(dir.path().join("index.html")).unwrap();
     assert!(page.contains("<svg"), "charts are drawn");
-    assert!(page.contains("naive") && page.contains("backstop"), "a run per policy");
+    assert!(
+        page.contains("naive") && page.contains("backstop"),
+        "a run per policy"
+    );
     let csv = std::fs::read_to_string(dir.path().join("data.csv")).unwrap();
     assert!(csv.lines().any(|l| l.starts_with("naive,")), "{csv}");
     assert!(csv.lines().any(|l| l.starts_with("backstop,")), "{csv}");

@@ -259,6 +259,76 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
     })
 }
 
+/// A simulation as an HTML report: one run per variant, one row per interval.
+fn to_report(sim: &Report) -> crate::report::Report {
+    let per_s = |n: u64| n as f64 / sim.interval_s;
+    let runs = sim
+        .runs
+        .iter()
+        .map(|run| {
+            let s = &run.summary;
+            crate::report::Run {
+                name: run.policy.clone(),
+                summary: vec![
+                    ("success".into(), format!("{:.1} %", 100.0 * s.success)),
+                    (
+                        "attempts per request".into(),
+                        format!("{:.2}", s.amplification),
+                    ),
+                    (
+                        "goodput in the window".into(),
+                        format!(
+                            "{:.0} /s of {:.0} /s capacity",
+                            s.focus_goodput, s.focus_capacity
+                        ),
+                    ),
+                    (
+                        "wasted work in the window".into(),
+                        format!("{:.0} /s", s.focus_wasted),
+                    ),
+                    ("peak queue".into(), s.peak_queue.to_string()),
+                    ("r x A0 x p'(A*)".into(), format!("{:.2}", s.stability.gain)),
+                    (
+                        "recovery".into(),
+                        s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
+                    ),
+                ],
+                rows: run
+                    .rows
+                    .iter()
+                    .map(|r| crate::report::Row {
+                        time_s: r.t + sim.interval_s,
+                        offered_originals_per_s: Some(per_s(r.offered_originals)),
+                        offered_retries_per_s: Some(per_s(r.offered_retries)),
+                        goodput_per_s: Some(per_s(r.goodput)),
+                        refused_per_s: Some(per_s(r.refused)),
+                        wasted_per_s: Some(per_s(r.wasted)),
+                        queue_depth: Some(r.queue as f64),
+                        p99_ms: (r.p99_ms > 0.0).then_some(r.p99_ms),
+                        admission_limit: Some(r.limit as f64),
+                        in_flight: Some(r.inflight as f64),
+                        retry_ratio: Some(r.retry_ratio),
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    crate::report::Report {
+        format: String::new(),
+        title: format!("storm sim: {}", sim.scenario),
+        description: format!(
+            "Simulated (virtual time, seed {}, scale {}): {} s in intervals of {} s. Clients and \
+             admission are the library's own policy types.\n\n{}",
+            sim.seed,
+            sim.scale,
+            sim.duration_s,
+            sim.interval_s,
+            sim.notes.join("\n\n")
+        ),
+        runs,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,75 +559,5 @@ mod tests {
             err,
             "scenario hedging has no policy `p99`; choose all, p95, p50, p50-budget"
         );
-    }
-}
-
-/// A simulation as an HTML report: one run per variant, one row per interval.
-fn to_report(sim: &Report) -> crate::report::Report {
-    let per_s = |n: u64| n as f64 / sim.interval_s;
-    let runs = sim
-        .runs
-        .iter()
-        .map(|run| {
-            let s = &run.summary;
-            crate::report::Run {
-                name: run.policy.clone(),
-                summary: vec![
-                    ("success".into(), format!("{:.1} %", 100.0 * s.success)),
-                    (
-                        "attempts per request".into(),
-                        format!("{:.2}", s.amplification),
-                    ),
-                    (
-                        "goodput in the window".into(),
-                        format!(
-                            "{:.0} /s of {:.0} /s capacity",
-                            s.focus_goodput, s.focus_capacity
-                        ),
-                    ),
-                    (
-                        "wasted work in the window".into(),
-                        format!("{:.0} /s", s.focus_wasted),
-                    ),
-                    ("peak queue".into(), s.peak_queue.to_string()),
-                    ("r x A0 x p'(A*)".into(), format!("{:.2}", s.stability.gain)),
-                    (
-                        "recovery".into(),
-                        s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
-                    ),
-                ],
-                rows: run
-                    .rows
-                    .iter()
-                    .map(|r| crate::report::Row {
-                        time_s: r.t + sim.interval_s,
-                        offered_originals_per_s: Some(per_s(r.offered_originals)),
-                        offered_retries_per_s: Some(per_s(r.offered_retries)),
-                        goodput_per_s: Some(per_s(r.goodput)),
-                        refused_per_s: Some(per_s(r.refused)),
-                        wasted_per_s: Some(per_s(r.wasted)),
-                        queue_depth: Some(r.queue as f64),
-                        p99_ms: (r.p99_ms > 0.0).then_some(r.p99_ms),
-                        admission_limit: Some(r.limit as f64),
-                        in_flight: Some(r.inflight as f64),
-                        retry_ratio: Some(r.retry_ratio),
-                    })
-                    .collect(),
-            }
-        })
-        .collect();
-    crate::report::Report {
-        format: String::new(),
-        title: format!("storm sim: {}", sim.scenario),
-        description: format!(
-            "Simulated (virtual time, seed {}, scale {}): {} s in intervals of {} s. Clients and \
-             admission are the library's own policy types.\n\n{}",
-            sim.seed,
-            sim.scale,
-            sim.duration_s,
-            sim.interval_s,
-            sim.notes.join("\n\n")
-        ),
-        runs,
     }
 }
