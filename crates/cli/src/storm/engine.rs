@@ -5,11 +5,11 @@
 //! same run.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backstop::admission::{FixedLimit, Gradient2, Limit};
+use backstop::admission::{AdmissionQueue, FixedLimit, Gradient2, Limit, QueueConfig, Ticket};
 use backstop::client::hedge::{HedgePolicy, LatencyWindow};
 use backstop::deadline::Deadline;
 use backstop::retry::{
@@ -99,6 +99,9 @@ pub(crate) struct ServerConfig {
     pub(crate) min_service: Duration,
     /// The pushback sent with a refusal.
     pub(crate) retry_after: Duration,
+    /// Waiters go through the library's fair queue (sojourn drops, adaptive LIFO) instead of
+    /// one first-come first-served line; only with `deadline_aware`.
+    pub(crate) fair_queue: bool,
 }
 
 /// Which library limit sizes the server.
@@ -156,8 +159,14 @@ pub(crate) enum Arrive {
 pub(crate) trait Admission: std::fmt::Debug {
     /// An attempt arrives at `now` with its propagated `deadline`, if any.
     fn arrive(&mut self, now: u64, key: u64, deadline: Option<u64>) -> Arrive;
-    /// A waiting attempt's bound passed at `now` and it is refused: forget it.
-    fn expire(&mut self, now: u64, key: u64);
+    /// A waiting attempt's bound passed at `now`: `None` when it is refused now (forgotten),
+    /// `Some(at)` when it may keep waiting and should be looked at again at `at`.
+    fn expire(&mut self, now: u64, key: u64) -> Option<u64>;
+    /// Waiting attempts refused on someone else's behalf (pushed out, or found unable to
+    /// finish in time when a slot freed), to be answered as refused.
+    fn take_refused(&mut self) -> Vec<u64> {
+        Vec::new()
+    }
     /// A running attempt finished after `rtt` (`completed`), or was abandoned after `rtt` (its
     /// deadline passed).
     fn finished(&mut self, rtt: Duration, completed: bool);
@@ -220,8 +229,9 @@ impl Admission for FifoGate {
         Arrive::Queue { expire }
     }
 
-    fn expire(&mut self, _now: u64, _key: u64) {
+    fn expire(&mut self, _now: u64, _key: u64) -> Option<u64> {
         self.waiting -= 1;
+        None
     }
 
     fn finished(&mut self, rtt: Duration, completed: bool) {
@@ -251,6 +261,132 @@ impl Admission for FifoGate {
 
     fn queue_len(&self) -> usize {
         self.waiting
+    }
+
+    fn inflight(&self) -> usize {
+        self.inflight
+    }
+
+    fn limit(&self) -> usize {
+        self.limit.limit()
+    }
+}
+
+/// The library's [`AdmissionQueue`] behind a library [`Limit`]: what the `Gate` does, on the
+/// simulation's clock (virtual nanoseconds mapped onto instants from a fixed origin).
+#[derive(Debug)]
+pub(crate) struct QueueGate {
+    limit: Box<dyn Limit>,
+    queue: AdmissionQueue<u64>,
+    tickets: HashMap<u64, Ticket>,
+    refused: Vec<u64>,
+    inflight: usize,
+    origin: Instant,
+}
+
+impl QueueGate {
+    pub(crate) fn new(config: &ServerConfig) -> Self {
+        let limit = config.limit.build();
+        let mut queue = AdmissionQueue::new(QueueConfig {
+            min_service: config.min_service,
+            ..QueueConfig::default()
+        });
+        queue.set_slots(limit.limit());
+        Self {
+            limit,
+            queue,
+            tickets: HashMap::new(),
+            refused: Vec::new(),
+            inflight: 0,
+            origin: Instant::now(),
+        }
+    }
+
+    fn at(&self, t: u64) -> Instant {
+        self.origin + Duration::from_nanos(t)
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn collect_dropped(&mut self) {
+        for (key, _reason) in self.queue.take_dropped() {
+            self.tickets.remove(&key);
+            self.refused.push(key);
+        }
+    }
+}
+
+impl Admission for QueueGate {
+    fn arrive(&mut self, now: u64, key: u64, deadline: Option<u64>) -> Arrive {
+        let at = self.at(now);
+        if self.queue.is_empty() && self.inflight < self.limit.limit() {
+            self.queue.admitted_directly(at);
+            self.inflight += 1;
+            return Arrive::Run;
+        }
+        // No deadline known: the request may wait as long as the queue lets anyone wait.
+        let deadline = deadline.map_or(at + Duration::from_secs(3_600), |d| self.at(d));
+        let pushed = self.queue.push(at, "default", deadline, 1, key);
+        self.collect_dropped();
+        match pushed {
+            Ok(ticket) => {
+                self.tickets.insert(key, ticket);
+                let check = self.queue.next_check(ticket, at);
+                Arrive::Queue {
+                    expire: check.map(|c| self.nanos(c).max(now + 1)),
+                }
+            }
+            Err(_) => Arrive::Refuse,
+        }
+    }
+
+    fn expire(&mut self, now: u64, key: u64) -> Option<u64> {
+        let at = self.at(now);
+        let ticket = *self.tickets.get(&key)?;
+        if self.queue.check(ticket, at).is_some() {
+            self.tickets.remove(&key);
+            return None;
+        }
+        match self.queue.next_check(ticket, at) {
+            Some(check) => Some(self.nanos(check).max(now + 1)),
+            None => {
+                self.tickets.remove(&key);
+                None
+            }
+        }
+    }
+
+    fn take_refused(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.refused)
+    }
+
+    fn finished(&mut self, rtt: Duration, completed: bool) {
+        if completed {
+            self.limit.on_sample(rtt, self.inflight);
+            self.queue.on_service(rtt);
+        } else {
+            self.limit.on_abandoned(rtt, self.inflight);
+        }
+        self.queue.set_slots(self.limit.limit());
+        self.inflight -= 1;
+    }
+
+    fn next(&mut self, now: u64) -> Option<u64> {
+        if self.inflight >= self.limit.limit() {
+            return None;
+        }
+        let popped = self.queue.pop(self.at(now));
+        self.collect_dropped();
+        let admitted = popped?;
+        self.tickets.remove(&admitted.item);
+        self.inflight += 1;
+        Some(admitted.item)
+    }
+
+    fn queue_len(&self) -> usize {
+        self.queue.len()
     }
 
     fn inflight(&self) -> usize {
@@ -431,7 +567,11 @@ enum WorkOutcome {
 
 /// Runs `model` with clients configured by `client` against a server configured by `server`.
 pub(crate) fn run(model: &Model, client: &ClientConfig, server: &ServerConfig) -> Run {
-    let admission = Box::new(FifoGate::new(server));
+    let admission: Box<dyn Admission> = if server.deadline_aware && server.fair_queue {
+        Box::new(QueueGate::new(server))
+    } else {
+        Box::new(FifoGate::new(server))
+    };
     Sim::new(model, client, server, admission).run()
 }
 
@@ -891,6 +1031,23 @@ impl<'a> Sim<'a> {
             }
             Arrive::Refuse => self.refuse(akey),
         }
+        self.refuse_dropped();
+    }
+
+    /// Answers the waiters admission dropped on someone else's behalf.
+    fn refuse_dropped(&mut self) {
+        for key in self.admission.take_refused() {
+            let akey = Key::unpack(key);
+            let Some(att) = self.atts.get(akey) else {
+                continue;
+            };
+            if att.server != ServerState::Waiting {
+                continue;
+            }
+            let sent_at = att.sent_at;
+            self.totals.sojourn += (self.now - sent_at) as f64 / NANOS as f64;
+            self.refuse(akey);
+        }
     }
 
     fn refuse(&mut self, akey: Key) {
@@ -910,9 +1067,13 @@ impl<'a> Sim<'a> {
             return;
         }
         let sent_at = att.sent_at;
-        self.admission.expire(self.now, akey.pack());
+        if let Some(again) = self.admission.expire(self.now, akey.pack()) {
+            self.schedule(again, Kind::Expire, akey.pack());
+            return;
+        }
         self.totals.sojourn += (self.now - sent_at) as f64 / NANOS as f64;
         self.refuse(akey);
+        self.refuse_dropped();
     }
 
     fn start_work(&mut self, akey: Key) {
@@ -964,6 +1125,7 @@ impl<'a> Sim<'a> {
         while let Some(next) = self.admission.next(now) {
             self.start_work(Key::unpack(next));
         }
+        self.refuse_dropped();
     }
 
     fn phase(&self, t: u64) -> &Phase {

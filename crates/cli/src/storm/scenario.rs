@@ -130,11 +130,13 @@ fn naive_server(workers: usize) -> ServerConfig {
         deadline_aware: false,
         min_service: Duration::ZERO,
         retry_after: SECOND,
+        fair_queue: false,
     }
 }
 
-/// The library's gate: a limit (fixed at the workers, or Gradient2) and every wait bounded
-/// by the caller's deadline less 20 ms, refusals with a 1 s Retry-After.
+/// The library's gate: a limit (fixed at the workers, or Gradient2) and its fair queue (every
+/// wait bounded by the caller's deadline less the expected service, sojourn drops, adaptive
+/// LIFO), refusals with a 1 s Retry-After.
 fn backstop_server(workers: usize, limit: ServerLimit) -> ServerConfig {
     ServerConfig {
         limit: match limit {
@@ -147,6 +149,7 @@ fn backstop_server(workers: usize, limit: ServerLimit) -> ServerConfig {
         deadline_aware: true,
         min_service: 20 * MS,
         retry_after: SECOND,
+        fair_queue: true,
     }
 }
 
@@ -237,7 +240,7 @@ fn slowdown(knobs: Knobs) -> Scenario {
                 capacity(workers, local, fast.mean()),
                 focus_capacity
             ),
-            "clients: 1 s timeout, 3 attempts. naive: no budget, no jitter, a fresh 1 s per attempt, retry at once, FIFO server without deadlines. backstop: library defaults (budget 0.1, full jitter, storm alarm, one deadline), the library's deadline-bounded gate".to_owned(),
+            "clients: 1 s timeout, 3 attempts. naive: no budget, no jitter, a fresh 1 s per attempt, retry at once, FIFO server without deadlines. backstop: library defaults (budget 0.1, full jitter, storm alarm, one deadline), the library's gate and its fair queue (deadline-bounded waits, sojourn drops, adaptive LIFO)".to_owned(),
         ],
     }
 }
