@@ -227,11 +227,17 @@ mod tests {
     #[test]
     fn steady_until_half_the_recent_requests_fail_then_the_floor() {
         let mut limit = SlowStart::new(FixedLimit::new(256), 4);
-        assert_eq!((limit.state(), limit.limit()), (SlowStartState::Steady, 256));
+        assert_eq!(
+            (limit.state(), limit.limit()),
+            (SlowStartState::Steady, 256)
+        );
         succeed(&mut limit, 100);
         // 24 failures among the last 50: under half.
         fail(&mut limit, 24);
-        assert_eq!((limit.state(), limit.limit()), (SlowStartState::Steady, 256));
+        assert_eq!(
+            (limit.state(), limit.limit()),
+            (SlowStartState::Steady, 256)
+        );
         fail(&mut limit, 1);
         assert_eq!((limit.state(), limit.limit()), (SlowStartState::Outage, 4));
     }
@@ -248,7 +254,11 @@ mod tests {
     #[test]
     fn the_ramp_doubles_per_round_of_successes_and_ends_at_the_inner_limit() {
         let mut limit = in_outage(256, 4);
-        assert_eq!(round(&mut limit), 4, "the round at the floor ends the outage");
+        assert_eq!(
+            round(&mut limit),
+            4,
+            "the round at the floor ends the outage"
+        );
         assert_eq!(limit.state(), SlowStartState::Ramping);
         let mut seen = vec![limit.limit()];
         while limit.state() == SlowStartState::Ramping {
@@ -396,7 +406,11 @@ mod tests {
             let answer = call(&svc).await.unwrap().unwrap();
             assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
         }
-        assert_eq!(gate.limit(), 2, "the burst of 503s dropped the gate to its floor");
+        assert_eq!(
+            gate.limit(),
+            2,
+            "the burst of 503s dropped the gate to its floor"
+        );
 
         down.store(false, Ordering::Relaxed);
         let calls: Vec<_> = (0..64).map(|_| call(&svc)).collect();
