@@ -194,3 +194,73 @@ async fn in_the_stack_an_aborted_attempt_leaves_its_key_unused() {
     // With this seed the first attempts are aborted, so the key was retried after a fault.
     assert!(aborted > 0, "seed 3 aborts the first attempt");
 }
+
+/// 1,000 `GetCharge` calls, 10 ms apart, through the client stack with its defaults (budget
+/// and storm alarm; the breaker off so every first attempt is sent) to a handler behind a
+/// fault layer seeded to abort `percent` % of the attempts. Returns the attempts that reached
+/// the fault layer and the calls that succeeded.
+async fn default_client_against(percent: f64) -> (usize, usize, crate::client::Destination) {
+    use crate::client::{ClientStack, Destination};
+    use crate::contract::{Idempotency, MethodContract};
+
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let handler = service_fn(|_req: Request<_>| async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"{}"))))
+    });
+    let faulty = FaultLayer::none()
+        .abort_percent(percent)
+        .unwrap()
+        .seeded(15)
+        .layer(handler);
+    let transport = {
+        let attempts = attempts.clone();
+        tower::service_fn(move |request: Request<_>| {
+            attempts.fetch_add(1, Ordering::Relaxed);
+            faulty.clone().oneshot(request)
+        })
+    };
+    let destination = Destination::new("psp").breaker(None);
+    let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+        .default_timeout(Duration::from_secs(2))
+        .build();
+    let client = ClientStack::builder(&destination, contract)
+        .build()
+        .unwrap()
+        .layer(transport);
+    let mut ok = 0;
+    for _ in 0..1_000 {
+        let request = Request::get("http://psp/v1/charges/c-1")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        if let Ok(response) = client.clone().oneshot(request).await
+            && response.status() == StatusCode::OK
+        {
+            ok += 1;
+        }
+        tokio::time::advance(Duration::from_millis(10)).await;
+    }
+    (attempts.load(Ordering::Relaxed), ok, destination)
+}
+
+/// Issue 15, section 5, with the faults injected by this layer: the default client policy
+/// keeps retrying when 10 % of attempts fail at random (>= 99 % of the calls succeed, the
+/// storm alarm stays calm), and stops against a dependency that fails every attempt (at most
+/// 1.02 attempts per call).
+#[tokio::test(start_paused = true)]
+async fn the_default_client_retries_through_ten_percent_and_stops_against_all() {
+    use crate::retry::StormLevel;
+
+    let (attempts, ok, destination) = default_client_against(10.0).await;
+    assert!(
+        ok >= 990,
+        "{ok} of 1,000 succeeded with {attempts} attempts"
+    );
+    assert!(attempts > 1_050, "failed attempts were retried: {attempts}");
+    assert_ne!(destination.storm().unwrap().level(), StormLevel::Tripped);
+
+    let (attempts, ok, destination) = default_client_against(100.0).await;
+    assert_eq!(ok, 0);
+    assert!(attempts <= 1_020, "{attempts} attempts for 1,000 calls");
+    assert_eq!(destination.storm().unwrap().level(), StormLevel::Tripped);
+}
