@@ -11,9 +11,11 @@
 //! overload is not a bug, and the client must back off), counted in
 //! `rpc_server_rejected_total{reason="overloaded"}`. The permit is held until the inner future
 //! completes or is dropped. A request served hands its permit back as finished work, so its
-//! latency teaches an adaptive limit ([`Gate::with_limit`]); a failure (5xx or a gRPC error
-//! status) or a dropped one (its caller went away) counts only when it took longer than recent
-//! requests. A request refused by
+//! latency teaches an adaptive limit ([`Gate::with_limit`]); a failure (500, 502, 503, gRPC
+//! `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DATA_LOSS`) is handed back as failed, which a
+//! [`SlowStart`](crate::admission::SlowStart) counts toward an outage and a latency limit
+//! treats like a dropped request (its caller went away, or a timeout): counted only when it
+//! took longer than recent requests. A request refused by
 //! the gate, or given up while waiting, never ran and teaches nothing.
 //!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
