@@ -238,7 +238,15 @@ where
         () = tokio::time::sleep(delay) => {}
     }
     let allowed = allowance.as_ref().is_none_or(HedgeAllowance::take);
-    let storming = || policy.storm.as_ref().is_some_and(|s| !s.retry_wanted());
+    // A hedge answers a slow attempt, not a failed one: it is not counted in the storm
+    // alarm's retry ratio (hedging at the p95 would otherwise take half of its margin in
+    // calm weather), but none is sent while the alarm is tripped.
+    let storming = || {
+        policy
+            .storm
+            .as_ref()
+            .is_some_and(|s| s.level() == crate::retry::StormLevel::Tripped)
+    };
     if !allowed || storming() || !policy.budget.try_withdraw() {
         let result = primary.await;
         record(&policy, &result, started);
