@@ -7,6 +7,10 @@
 //!
 //! Hedges are paid from the destination's [`RetryBudget`], the same one retries use, so
 //! hedging cannot double the load on a destination that is slow because it is overloaded.
+//! A hedge only spends from a budget holding at least half its burst: the rest is kept for
+//! retries, which a call needs to succeed when attempts fail, where a hedge only shortens a
+//! slow one (hedging at the p95 would otherwise drain the budget that 10 % of failing attempts
+//! need).
 //! A hedge is only ever built for `Safe` and `Keyed` methods (the stack refuses to hedge an
 //! `Unsafe` one at build time): the copy carries the same idempotency key, so the server runs
 //! the effect once.
@@ -247,7 +251,7 @@ where
             .as_ref()
             .is_some_and(|s| s.level() == crate::retry::StormLevel::Tripped)
     };
-    if !allowed || storming() || !policy.budget.try_withdraw() {
+    if !allowed || storming() || !hedge_token(&policy.budget) {
         let result = primary.await;
         record(&policy, &result, started);
         return result;
@@ -290,6 +294,11 @@ where
             result
         }
     }
+}
+
+/// Takes a token for a hedge, only while the budget holds at least half its burst.
+fn hedge_token(budget: &crate::retry::RetryBudget) -> bool {
+    budget.available() >= f64::from(budget.burst()) / 2.0 && budget.try_withdraw()
 }
 
 #[cfg(test)]
