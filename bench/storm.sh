@@ -33,7 +33,7 @@ for scenario in $scenarios; do
   "$bin" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "sqlite://$work/$scenario.db" \
     "${flags[@]}" --log-format json >"$log" 2>&1 &
   pids+=($!)
-  for _ in $(seq 100); do grep -q '"grpc":' "$log" && break; sleep 0.2; done
+  for _ in $(seq 100); do grep -qs '"grpc":' "$log" && break; sleep 0.2; done
   http=$(grep -o '"http":"[^"]*"' "$log" | head -1 | cut -d'"' -f4)
   grpc=$(grep -o '"grpc":"[^"]*"' "$log" | head -1 | cut -d'"' -f4)
   echo "== $scenario: serve ${flags[*]}"
