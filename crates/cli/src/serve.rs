@@ -56,7 +56,8 @@ pub(crate) struct ServeArgs {
     /// backlog at once onto a dependency that is just back.
     #[arg(long)]
     no_slow_start: bool,
-    /// Requests admitted at once during an outage, where slow start ramps up from.
+    /// Requests admitted at once during an outage, where slow start ramps up from (capped by
+    /// the limit).
     #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
     slow_start_floor: usize,
     /// For experiments: abort this percentage (0 to 100) of the payment requests at random with

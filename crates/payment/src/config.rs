@@ -302,10 +302,8 @@ impl Config {
         {
             return Err(ConfigError::InflightBounds);
         }
-        if self
-            .slow_start
-            .is_some_and(|floor| !(1..=self.max_inflight).contains(&floor))
-        {
+        // A floor above the limit is capped by it (a small --max-inflight keeps the default).
+        if self.slow_start == Some(0) {
             return Err(ConfigError::SlowStartFloor);
         }
         if !(0.0..=100.0).contains(&self.fault_abort_percent) {
@@ -362,8 +360,8 @@ pub enum ConfigError {
     /// `--min-inflight` zero or above `--max-inflight` with an adaptive limit.
     #[error("--min-inflight must be between 1 and --max-inflight")]
     InflightBounds,
-    /// `--slow-start-floor` zero or above `--max-inflight`.
-    #[error("--slow-start-floor must be between 1 and --max-inflight")]
+    /// `--slow-start-floor` zero.
+    #[error("--slow-start-floor must be at least 1")]
     SlowStartFloor,
     /// `--fault-abort-percent` outside 0 to 100.
     #[error("--fault-abort-percent must be between 0 and 100")]
@@ -493,12 +491,16 @@ mod tests {
     fn slow_start_floor_is_checked() {
         let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
         assert_eq!(c.slow_start, Some(DEFAULT_SLOW_START_FLOOR));
-        for floor in [0, 257] {
-            c.slow_start = Some(floor);
-            assert_eq!(c.validate(), Err(ConfigError::SlowStartFloor), "{floor}");
-        }
-        c.slow_start = Some(256);
-        assert!(c.validate().is_ok());
+        c.slow_start = Some(0);
+        assert_eq!(c.validate(), Err(ConfigError::SlowStartFloor));
+        c.slow_start = Some(1000);
+        assert!(c.validate().is_ok(), "capped by the limit");
+        c.max_inflight = 1;
+        c.slow_start = Some(DEFAULT_SLOW_START_FLOOR);
+        assert!(
+            c.validate().is_ok(),
+            "the default floor with a limit of one"
+        );
         c.slow_start = None;
         assert!(c.validate().is_ok());
         for bad in [-1.0, 100.1, f64::NAN] {
