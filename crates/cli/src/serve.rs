@@ -74,6 +74,21 @@ pub(crate) struct ServeArgs {
     /// standing queue exists (`fair`; at least twice the target in effect).
     #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_queue_duration)]
     queue_interval: Duration,
+    /// Turn slow start off. With it (the default), when half of the recent requests fail (the
+    /// PSP or the store is down) the limit drops to --slow-start-floor, and once requests
+    /// succeed again it ramps back up, doubling per round trip, instead of releasing the whole
+    /// backlog at once onto a dependency that is just back.
+    #[arg(long)]
+    no_slow_start: bool,
+    /// Requests admitted at once during an outage, where slow start ramps up from (capped by
+    /// the limit).
+    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
+    slow_start_floor: usize,
+    /// For experiments: abort this percentage (0 to 100) of the payment requests at random with
+    /// 503 problem+json `fault_injected` / gRPC UNAVAILABLE, before any work (no quota spent,
+    /// the idempotency key left unused). Off (0) by default.
+    #[arg(long, value_name = "PERCENT", default_value_t = 0.0, value_parser = parse_percent, allow_negative_numbers = true)]
+    fault_abort_percent: f64,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
     #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
@@ -140,6 +155,8 @@ impl ServeArgs {
             interval: self.queue_interval,
             ..QueueConfig::default()
         };
+        config.slow_start = (!self.no_slow_start).then_some(self.slow_start_floor);
+        config.fault_abort_percent = self.fault_abort_percent;
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
         config.api_keys = self
@@ -192,6 +209,17 @@ fn parse_drain(s: &str) -> Result<Duration, String> {
         return Err(format!("{s} is longer than 10 minutes"));
     }
     Ok(drain)
+}
+
+fn parse_percent(s: &str) -> Result<f64, String> {
+    let percent: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; expected a percentage from 0 to 100"))?;
+    if (0.0..=100.0).contains(&percent) {
+        Ok(percent)
+    } else {
+        Err(format!("{s} is outside 0 to 100"))
+    }
 }
 
 /// Runs the service until `shutdown` resolves (ctrl-c / SIGTERM), draining in-flight requests.
@@ -357,6 +385,35 @@ mod tests {
         let c = parse(&["--queue-size", "0"]).unwrap();
         let err = c.validate().unwrap_err();
         assert!(err.to_string().contains("--queue-size"), "{err}");
+    }
+
+    #[test]
+    fn slow_start_flags() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(
+            c.slow_start,
+            Some(backstop_payment::config::DEFAULT_SLOW_START_FLOOR)
+        );
+        assert_eq!(parse(&["--no-slow-start"]).unwrap().slow_start, None);
+        let c = parse(&["--slow-start-floor", "16", "--limit", "adaptive"]).unwrap();
+        assert_eq!(c.slow_start, Some(16));
+        assert!(c.validate().is_ok());
+        let c = parse(&["--slow-start-floor", "0"]).unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("--slow-start-floor"), "{err}");
+        assert!(parse(&["--slow-start-floor", "-1"]).is_err());
+    }
+
+    #[test]
+    fn fault_flag() {
+        assert_eq!(parse(&[]).unwrap().fault_abort_percent, 0.0);
+        let c = parse(&["--fault-abort-percent", "10"]).unwrap();
+        assert_eq!(c.fault_abort_percent, 10.0);
+        assert!(c.validate().is_ok());
+        for bad in ["101", "-5", "ten", "NaN"] {
+            let err = parse(&["--fault-abort-percent", bad]).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::ValueValidation, "{bad}");
+        }
     }
 
     #[cfg(unix)]

@@ -21,6 +21,8 @@ pub const DEFAULT_STORE: &str = "backstop.db";
 pub const BODY_LIMIT: usize = 1024 * 1024;
 /// Default cap on open connections per listener.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Requests admitted at once during an outage, where slow start ramps up from.
+pub const DEFAULT_SLOW_START_FLOOR: usize = 4;
 /// Merchant of every request when the service runs without API keys.
 pub const DEFAULT_MERCHANT: &str = "default";
 
@@ -214,6 +216,13 @@ pub struct Config {
     /// The gate's queue: discipline, bounds, sojourn target and interval (its minimal service
     /// time is the service's).
     pub queue: QueueConfig,
+    /// Slow start around the limit (fixed or adaptive): while most requests fail (the PSP or
+    /// the store is down) the limit drops to this floor, and once they succeed again it ramps
+    /// back up, doubling per round trip. `None` turns it off.
+    pub slow_start: Option<usize>,
+    /// Percentage of payment requests aborted at random with 503 / `UNAVAILABLE` before any
+    /// work (fault injection, for experiments); 0 injects nothing.
+    pub fault_abort_percent: f64,
     /// Sustained requests per second per merchant before 429 + Retry-After.
     pub tenant_rate: NonZeroU32,
     /// Burst per merchant.
@@ -260,6 +269,8 @@ impl Config {
             limit: LimitMode::Fixed,
             min_inflight: 8,
             queue: QueueConfig::default(),
+            slow_start: Some(DEFAULT_SLOW_START_FLOOR),
+            fault_abort_percent: 0.0,
             tenant_rate: NonZeroU32::new(1000).expect("non-zero"),
             tenant_burst: NonZeroU32::new(2000).expect("non-zero"),
             api_keys: Vec::new(),
@@ -303,6 +314,13 @@ impl Config {
             || queue.interval < queue.target
         {
             return Err(ConfigError::Queue);
+        }
+        // A floor above the limit is capped by it (a small --max-inflight keeps the default).
+        if self.slow_start == Some(0) {
+            return Err(ConfigError::SlowStartFloor);
+        }
+        if !(0.0..=100.0).contains(&self.fault_abort_percent) {
+            return Err(ConfigError::FaultPercent);
         }
         for (i, a) in self.api_keys.iter().enumerate() {
             if self.api_keys[..i].iter().any(|b| b.key == a.key) {
@@ -355,6 +373,12 @@ pub enum ConfigError {
     /// `--min-inflight` zero or above `--max-inflight` with an adaptive limit.
     #[error("--min-inflight must be between 1 and --max-inflight")]
     InflightBounds,
+    /// `--slow-start-floor` zero.
+    #[error("--slow-start-floor must be at least 1")]
+    SlowStartFloor,
+    /// `--fault-abort-percent` outside 0 to 100.
+    #[error("--fault-abort-percent must be between 0 and 100")]
+    FaultPercent,
     /// `--limit` other than `fixed` or `adaptive`.
     #[error("--limit must be fixed or adaptive")]
     LimitMode,
@@ -479,6 +503,28 @@ mod tests {
         assert_eq!(c.validate(), Err(ConfigError::InflightBounds));
         c.min_inflight = 256;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn slow_start_floor_is_checked() {
+        let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
+        assert_eq!(c.slow_start, Some(DEFAULT_SLOW_START_FLOOR));
+        c.slow_start = Some(0);
+        assert_eq!(c.validate(), Err(ConfigError::SlowStartFloor));
+        c.slow_start = Some(1000);
+        assert!(c.validate().is_ok(), "capped by the limit");
+        c.max_inflight = 1;
+        c.slow_start = Some(DEFAULT_SLOW_START_FLOOR);
+        assert!(
+            c.validate().is_ok(),
+            "the default floor with a limit of one"
+        );
+        c.slow_start = None;
+        assert!(c.validate().is_ok());
+        for bad in [-1.0, 100.1, f64::NAN] {
+            c.fault_abort_percent = bad;
+            assert_eq!(c.validate(), Err(ConfigError::FaultPercent), "{bad}");
+        }
     }
 
     #[test]

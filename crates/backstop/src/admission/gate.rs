@@ -145,6 +145,7 @@ impl Shared {
             shared: Arc::clone(self),
             admitted: now,
             finished: false,
+            failed: false,
         }
     }
 
@@ -191,6 +192,8 @@ impl Shared {
             let mut limiter = limiter.lock().unwrap_or_else(PoisonError::into_inner);
             if permit.finished {
                 limiter.on_sample(elapsed, state.running);
+            } else if permit.failed {
+                limiter.on_failure(elapsed, state.running);
             } else {
                 limiter.on_abandoned(elapsed, state.running);
             }
@@ -255,20 +258,29 @@ impl Drop for Leave<'_> {
 /// dropped.
 ///
 /// Hand it back with [`GatePermit::finish`] when the work is done: its latency then teaches an
-/// adaptive limit and the queue's expected service time. A permit merely dropped counts as
-/// abandoned work (a cancelled request), whose latency is only a lower bound.
+/// adaptive limit and the queue's expected service time. Work that failed goes back with
+/// [`GatePermit::fail`], which tells the limit the dependency or the server broke (see
+/// [`Limit::on_failure`]). A permit merely dropped counts as abandoned work (a cancelled
+/// request), whose latency is only a lower bound.
 #[derive(Debug)]
 #[must_use = "the gate slot is released as soon as the permit is dropped"]
 pub struct GatePermit {
     shared: Arc<Shared>,
     admitted: Instant,
     finished: bool,
+    failed: bool,
 }
 
 impl GatePermit {
     /// Releases the slot of work that completed, feeding its latency to the gate's limit.
     pub fn finish(mut self) {
         self.finished = true;
+    }
+
+    /// Releases the slot of work that failed (the server or a dependency broke), telling the
+    /// gate's limit so: a slow start drops to its floor when most recent work fails.
+    pub fn fail(mut self) {
+        self.failed = true;
     }
 }
 

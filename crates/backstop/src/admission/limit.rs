@@ -4,7 +4,10 @@
 //! how many requests may run at once ([`Limit::limit`]). [`FixedLimit`] ignores the samples;
 //! [`Gradient2`] lowers itself when latency rises above its long-run baseline and grows back when
 //! it falls, the way Netflix's concurrency-limits `Gradient2Limit` and Envoy's adaptive
-//! concurrency filter do. Samples are passed in, so a limit reads no clock and is deterministic.
+//! concurrency filter do. [`SlowStart`] wraps either: it drops the limit to a small floor when
+//! most recent requests fail (a dependency is down) and, once they succeed again, ramps it back
+//! up by doubling per round trip instead of releasing the whole backlog at once. Samples are
+//! passed in, so a limit reads no clock and is deterministic.
 
 use std::fmt;
 use std::time::Duration;
@@ -22,6 +25,13 @@ pub trait Limit: fmt::Debug + Send + 'static {
     /// only known to be at least that. Ignored unless the limit says otherwise.
     fn on_abandoned(&mut self, elapsed: Duration, inflight: usize) {
         let _ = (elapsed, inflight);
+    }
+
+    /// A request admitted through the gate failed (a 5xx or a gRPC error) after `elapsed`.
+    /// Its latency says little about serving time (a fast failure is no evidence of fast
+    /// service), so by default it is treated as abandoned work.
+    fn on_failure(&mut self, elapsed: Duration, inflight: usize) {
+        self.on_abandoned(elapsed, inflight);
     }
 }
 

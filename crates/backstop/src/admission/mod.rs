@@ -11,6 +11,9 @@
 //!   from the queue (or "do not retry" while the server sheds hard). The bound is fixed or
 //!   found: a [`Gradient2`] limit lowers itself when the latency of admitted requests rises
 //!   above its baseline, and grows back when it falls.
+//!   Around either, a [`SlowStart`] drops the bound to a small floor while most requests fail
+//!   (a dependency is down) and ramps it back up, doubling per round trip, once they succeed
+//!   again.
 //! - **quota** (rate limiting, protects everyone else from one tenant): [`TokenBucket`] and
 //!   [`KeyedTokenBucket`] allow bursts and bound the mean rate; over quota is `429` /
 //!   `RESOURCE_EXHAUSTED` + `Retry-After`. With the `redis` feature, the `redis` module shares the
@@ -53,6 +56,7 @@ mod queue;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod retry_after;
+mod slow_start;
 mod token_bucket;
 
 pub use gate::{Gate, GatePermit, Overloaded};
@@ -63,4 +67,5 @@ pub use queue::{
     UnknownDiscipline,
 };
 pub use retry_after::{RetryAfter, RetryAfterError};
+pub use slow_start::{SlowStart, SlowStartState};
 pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};

@@ -25,14 +25,16 @@
 //!    layers below.
 //! 3. [`tenant`]: who is calling (authentication), needed by the rate limit and the
 //!    idempotency scope.
-//! 4. [`rate_limit`]: a tenant over quota gets 429. Cheap rejections come first: a token
+//! 4. [`fault`]: injected faults for experiments (off by default): an aborted attempt spends
+//!    no quota, holds no gate slot and leaves its idempotency key unused.
+//! 5. [`rate_limit`]: a tenant over quota gets 429. Cheap rejections come first: a token
 //!    bucket check costs nanoseconds and protects the gate from a single noisy tenant.
-//! 5. [`idempotency::intake`]: reads a keyed request's key and body (bounded by the body cap
+//! 6. [`idempotency::intake`]: reads a keyed request's key and body (bounded by the body cap
 //!    and the deadline) before the gate, so a client sending its body slowly, or never
 //!    finishing it, holds no permit another tenant needs; and waits, holding no permit, for a
 //!    running attempt with the same key to finish, then has its answer replayed.
-//! 6. [`gate`]: our own capacity; 503 when the request could not start within its budget.
-//! 7. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
+//! 7. [`gate`]: our own capacity; 503 when the request could not start within its budget.
+//! 8. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
 //!    and only admitted requests pay for a store round trip.
 //!
@@ -54,6 +56,7 @@
 //! ```
 
 pub mod deadline;
+pub mod fault;
 pub mod gate;
 pub mod grpc;
 pub mod idempotency;
@@ -69,6 +72,7 @@ mod route;
 pub(crate) mod testing;
 
 pub use self::deadline::DeadlineLayer;
+pub use self::fault::FaultLayer;
 pub use self::gate::GateLayer;
 pub use self::idempotency::{IdempotencyLayer, KeyedRoute};
 pub use self::metrics::MetricsLayer;
@@ -105,13 +109,15 @@ pub const DEFAULT_MAX_TENANTS: NonZeroUsize = NonZeroUsize::new(10_000).unwrap()
 /// Builder of the full server stack; see the [module docs](self) for the order.
 ///
 /// Each part has a default and can be replaced wholesale ([`ServerStack::deadline`],
-/// [`ServerStack::metrics`], [`ServerStack::tenant`], [`ServerStack::rate_limit`],
+/// [`ServerStack::metrics`], [`ServerStack::tenant`], [`ServerStack::fault`],
+/// [`ServerStack::rate_limit`],
 /// [`ServerStack::gate`], [`ServerStack::idempotency`]); [`ServerStack::into_layer`] finishes.
 #[derive(Debug, Clone)]
 pub struct ServerStack<St> {
     deadline: DeadlineLayer,
     metrics: MetricsLayer,
     tenant: TenantLayer,
+    fault: FaultLayer,
     rate_limit: RateLimitLayer,
     gate: GateLayer,
     idempotency: IdempotencyLayer<St>,
@@ -127,6 +133,7 @@ impl<St: Store> ServerStack<St> {
             deadline: DeadlineLayer::default(),
             metrics: MetricsLayer::new(service),
             tenant: TenantLayer::none(),
+            fault: FaultLayer::none(),
             rate_limit: RateLimitLayer::new(default_buckets()),
             gate: GateLayer::new(Gate::new(DEFAULT_MAX_INFLIGHT, DEFAULT_MIN_SERVICE)),
             idempotency: IdempotencyLayer::new(store),
@@ -169,6 +176,12 @@ impl<St: Store> ServerStack<St> {
         F: Fn(&http::request::Parts) -> Result<Tenant, Status> + Send + Sync + 'static,
     {
         self.tenant(TenantLayer::from_fn(resolve))
+    }
+
+    /// Injects faults (for experiments; none by default).
+    pub fn fault(mut self, layer: FaultLayer) -> Self {
+        self.fault = layer;
+        self
     }
 
     /// Replaces the rate limit layer.
@@ -236,15 +249,20 @@ fn default_buckets() -> KeyedTokenBucket {
 pub type ServerStackService<S, St> = deadline::DeadlineService<
     metrics::Metrics<
         tenant::SetTenant<
-            rate_limit::RateLimit<
-                idempotency::intake::Intake<gate::GateService<idempotency::Idempotency<S, St>>, St>,
+            fault::Fault<
+                rate_limit::RateLimit<
+                    idempotency::intake::Intake<
+                        gate::GateService<idempotency::Idempotency<S, St>>,
+                        St,
+                    >,
+                >,
             >,
         >,
     >,
 >;
 
 /// The composed layer made by [`ServerStack::into_layer`]: deadline → metrics → tenant →
-/// rate limit → idempotency intake → gate → idempotency → your service.
+/// fault → rate limit → idempotency intake → gate → idempotency → your service.
 #[derive(Debug, Clone)]
 pub struct ServerStackLayer<St> {
     parts: ServerStack<St>,
@@ -269,6 +287,7 @@ impl<S, St: Store> Layer<S> for ServerStackLayer<St> {
             .layer(p.deadline)
             .layer(p.metrics.clone())
             .layer(p.tenant.clone())
+            .layer(p.fault.clone())
             .layer(p.rate_limit.clone())
             .layer(p.idempotency.intake())
             .layer(p.gate.clone())

@@ -31,7 +31,7 @@
 //! | 429 | `rate_limited` + `Retry-After` | the merchant is over `--tenant-rate` / `--tenant-burst` |
 //! | 503 | `rate_limiter_unavailable` + `Retry-After` | `--redis` does not answer and `--redis-failure closed` |
 //! | 502 | `psp_conflict` | the PSP holds the effect key with other parameters (never expected) |
-//! | 503 | `overloaded` + `Retry-After` | the concurrency limit (`--max-inflight`, or the adaptive one) is reached and no slot frees in time |
+//! | 503 | `overloaded` + `Retry-After` | the concurrency limit (`--max-inflight`, the adaptive one, or the slow start's ramp after an outage) is reached and no slot frees in time |
 //! | 503 | `store_unavailable` + `Retry-After` | the store failed; retry with the same key |
 //! | 503 | `psp_unavailable` + `Retry-After`, `intent_id` | the PSP charged nothing and the PSP client gave up (retry budget spent, PSP unreachable or pushing back): retry with the same key |
 //! | 504 | `payment_outcome_unknown` + `Retry-After`, `"status": "unknown"`, `intent_id` | a charge was sent and no answer came: retry with the same key (the same effect key is re-sent; the PSP charges once) or `GET` the payment |
@@ -45,7 +45,8 @@
 //! One stack serves both routers ([`build_routers`]): HTTP and gRPC ([`crate::grpc`]) share the
 //! gate, the merchants' buckets and the idempotency store. Outermost first: deadline (reads
 //! `grpc-timeout` on arrival) -> metrics and request log ->
-//! authentication ([`crate::auth`], sets the `Tenant`) -> per-merchant rate limit -> gate ->
+//! authentication ([`crate::auth`], sets the `Tenant`) -> fault injection (`--fault-abort-percent`,
+//! off by default) -> per-merchant rate limit -> gate ->
 //! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
 //! routes bypass the stack.
 //!
@@ -76,10 +77,12 @@ use axum::Router;
 use axum::handler::Handler;
 use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
-use backstop::admission::{Gate, Gradient2, KeyedTokenBucket, Quota};
+use backstop::admission::{FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, SlowStart};
 use backstop::idempotency::Store;
 use backstop::server::listen::ConnectionInfo;
-use backstop::server::{DeadlineLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack};
+use backstop::server::{
+    DeadlineLayer, FaultLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack,
+};
 use http::Method;
 
 use crate::auth::Authenticator;
@@ -134,14 +137,20 @@ pub fn build_app<St: Store>(
 }
 
 /// The admission gate `config` asks for: a fixed limit, or an adaptive one starting at its
-/// upper bound, waiting through the configured queue.
+/// upper bound; either behind a slow start unless it is turned off, and waiting through the
+/// configured queue.
 fn gate(config: &Config) -> Gate {
-    let gate = match config.limit {
-        LimitMode::Fixed => Gate::new(config.max_inflight, MIN_SERVICE),
-        LimitMode::Adaptive => Gate::with_limit(
-            Gradient2::new(config.min_inflight, config.max_inflight),
-            MIN_SERVICE,
-        ),
+    let fixed = FixedLimit::new(config.max_inflight);
+    let adaptive = || Gradient2::new(config.min_inflight, config.max_inflight);
+    let gate = match (config.limit, config.slow_start) {
+        (LimitMode::Fixed, None) => Gate::new(config.max_inflight, MIN_SERVICE),
+        (LimitMode::Fixed, Some(floor)) => {
+            Gate::with_limit(SlowStart::new(fixed, floor), MIN_SERVICE)
+        }
+        (LimitMode::Adaptive, None) => Gate::with_limit(adaptive(), MIN_SERVICE),
+        (LimitMode::Adaptive, Some(floor)) => {
+            Gate::with_limit(SlowStart::new(adaptive(), floor), MIN_SERVICE)
+        }
     };
     gate.with_queue(config.queue.clone())
 }
@@ -158,6 +167,12 @@ pub fn build_routers<St: Store>(
     let stack = ServerStack::new(SERVICE_NAME, store.clone())
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
+        // Validated by `Config::validate`; an invalid share injects nothing.
+        .fault(
+            FaultLayer::none()
+                .abort_percent(config.fault_abort_percent)
+                .unwrap_or_default(),
+        )
         .rate_limit(rate_limit)
         .gate(gate(config))
         .idempotency(

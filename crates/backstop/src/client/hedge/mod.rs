@@ -7,6 +7,10 @@
 //!
 //! Hedges are paid from the destination's [`RetryBudget`], the same one retries use, so
 //! hedging cannot double the load on a destination that is slow because it is overloaded.
+//! A hedge only spends from a budget holding at least half its burst: the rest is kept for
+//! retries, which a call needs to succeed when attempts fail, where a hedge only shortens a
+//! slow one (hedging at the p95 would otherwise drain the budget that 10 % of failing attempts
+//! need).
 //! A hedge is only ever built for `Safe` and `Keyed` methods (the stack refuses to hedge an
 //! `Unsafe` one at build time): the copy carries the same idempotency key, so the server runs
 //! the effect once.
@@ -144,11 +148,17 @@ impl HedgePolicy {
         self.latencies.record(latency);
     }
 
-    /// Whether a hedge may be sent at `now`: not while the storm alarm is tripped (the hedge
-    /// counts as a retry asked for), and only with a token from the budget (taken when `true`).
+    /// Whether a hedge may be sent at `now`. A hedge answers a slow attempt, not a failed one:
+    /// it is not counted in the storm alarm's retry ratio (hedging at the p95 would otherwise
+    /// take half of its margin in calm weather), but none is sent while the alarm is tripped;
+    /// and it takes a token from the retry budget only while the budget holds at least half
+    /// its burst, leaving the rest to retries (taken when `true`).
     pub fn try_hedge_at(&self, now: Instant) -> bool {
-        let storming = self.storm.as_ref().is_some_and(|s| !s.retry_wanted_at(now));
-        !storming && self.budget.try_withdraw()
+        let storming = self
+            .storm
+            .as_ref()
+            .is_some_and(|s| s.level_at(now) == crate::retry::StormLevel::Tripped);
+        !storming && hedge_token(&self.budget)
     }
 }
 
@@ -299,6 +309,11 @@ where
             result
         }
     }
+}
+
+/// Takes a token for a hedge, only while the budget holds at least half its burst.
+fn hedge_token(budget: &crate::retry::RetryBudget) -> bool {
+    budget.available() >= f64::from(budget.burst()) / 2.0 && budget.try_withdraw()
 }
 
 #[cfg(test)]

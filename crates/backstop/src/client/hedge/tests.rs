@@ -221,3 +221,32 @@ fn try_hedge_at_pays_from_the_budget_and_records_latencies() {
     assert!(policy.try_hedge_at(now));
     assert!(!policy.try_hedge_at(now), "the one token is spent");
 }
+
+/// A hedge leaves the lower half of the budget's burst to retries: with 5 tokens, hedges stop
+/// once fewer than 2.5 are left.
+#[tokio::test(start_paused = true)]
+async fn hedges_leave_half_the_burst_to_retries() {
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let policy = warmed(&budget);
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let svc = {
+        let sent = sent.clone();
+        tower::service_fn(move |_r: Request<Body>| {
+            sent.fetch_add(1, Ordering::SeqCst);
+            async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, BoxError>(Response::new("slow"))
+            }
+        })
+    };
+    let svc = Hedge::new(svc, policy);
+    for _ in 0..5 {
+        svc.clone()
+            .oneshot(request(&HedgeAllowance::default()))
+            .await
+            .unwrap();
+    }
+    // 5 calls: 3 hedged (5 -> 4 -> 3 -> 2 tokens), then none below 2.5.
+    assert_eq!(sent.load(Ordering::SeqCst), 5 + 3);
+    assert!(budget.available() >= 2.0, "{}", budget.available());
+}

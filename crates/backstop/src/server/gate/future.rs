@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
@@ -15,6 +15,7 @@ use crate::admission::{Gate, GatePermit, Overloaded};
 use crate::deadline::Deadline;
 use crate::server::metrics::Route;
 use crate::server::problem::Protocol;
+use crate::status::Code;
 use crate::server::tenant::Tenant;
 
 /// Memory a waiting request holds besides its body: head, extensions, futures (an estimate).
@@ -167,15 +168,18 @@ where
                 StateProj::Running { fut, .. } => {
                     let result = std::task::ready!(fut.poll(cx));
                     // Release the permit as soon as the answer is ready. Only a request that was
-                    // served teaches an adaptive limit how long serving takes; a failure (or a
-                    // future dropped while running) goes as abandoned work, which counts only
-                    // when slower than recent requests: a fast 503 says nothing about serving
-                    // time, and would otherwise pass for good news and raise the limit.
+                    // served teaches an adaptive limit how long serving takes; a failure is
+                    // reported as one (a fast 503 says nothing about serving time, and would
+                    // otherwise pass for good news and raise the limit); a timeout, or a future
+                    // dropped while running, goes as abandoned work.
                     if let StateOwned::Running { permit, .. } =
                         state.as_mut().project_replace(State::Done)
-                        && matches!(&result, Ok(response) if served(response))
                     {
-                        permit.finish();
+                        match result.as_ref().map(verdict) {
+                            Ok(Verdict::Served) => permit.finish(),
+                            Ok(Verdict::Failed) | Err(_) => permit.fail(),
+                            Ok(Verdict::Abandoned) => drop(permit),
+                        }
                     }
                     return Poll::Ready(result);
                 }
@@ -185,12 +189,37 @@ where
     }
 }
 
-/// Whether `response` is a request served, not a failure: no 5xx status and no gRPC error
-/// status. Client mistakes count as served: they took the path every request takes.
-fn served<B>(response: &Response<B>) -> bool {
-    !response.status().is_server_error()
-        && response
-            .headers()
-            .get("grpc-status")
-            .is_none_or(|status| status == "0")
+/// What an answer tells the gate's limit.
+enum Verdict {
+    /// Served: no 5xx status and no gRPC error status. Client mistakes count as served: they
+    /// took the path every request takes.
+    Served,
+    /// The server or a dependency broke: 500, 502, 503 (and other 5xx but 501 and 504), or
+    /// gRPC `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DATA_LOSS`.
+    Failed,
+    /// Neither: a timeout (504, `DEADLINE_EXCEEDED`) says the request was slow, not that
+    /// anything broke (a request that waited too long under overload is no outage), and other
+    /// gRPC errors say nothing about serving.
+    Abandoned,
+}
+
+fn verdict<B>(response: &Response<B>) -> Verdict {
+    if let Some(grpc) = response.headers().get("grpc-status") {
+        let code = grpc.to_str().ok().and_then(|c| c.parse::<i32>().ok());
+        return match code.map(Code::from_i32) {
+            Some(Code::Ok) => Verdict::Served,
+            Some(Code::Unavailable | Code::Internal | Code::Unknown | Code::DataLoss) | None => {
+                Verdict::Failed
+            }
+            Some(_) => Verdict::Abandoned,
+        };
+    }
+    let status = response.status();
+    if !status.is_server_error() {
+        Verdict::Served
+    } else if status == StatusCode::GATEWAY_TIMEOUT || status == StatusCode::NOT_IMPLEMENTED {
+        Verdict::Abandoned
+    } else {
+        Verdict::Failed
+    }
 }

@@ -17,9 +17,11 @@
 //! answer says "do not retry" (`grpc-retry-pushback-ms: -1`). The permit is held until the
 //! inner future completes or is dropped. A request served hands its permit back as finished
 //! work, so its latency teaches an adaptive limit ([`Gate::with_limit`]) and the queue's
-//! expected service time; a failure (5xx or a gRPC error status) or a dropped one (its caller
-//! went away) counts only when it took longer than recent requests. A request refused by the
-//! gate, or given up while waiting, never ran and teaches nothing.
+//! expected service time; a failure (500, 502, 503, gRPC `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`,
+//! `DATA_LOSS`) is handed back as failed, which a [`SlowStart`](crate::admission::SlowStart)
+//! counts toward an outage and a latency limit treats like a dropped request (its caller went
+//! away, or a timeout): counted only when it took longer than recent requests. A request
+//! refused by the gate, or given up while waiting, never ran and teaches nothing.
 //!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
 //! the budget [`GateLayer::default_budget`].
