@@ -374,7 +374,14 @@ mod tests {
         use crate::deadline::Deadline;
         use crate::server::GateLayer;
 
-        let gate = Gate::with_limit(SlowStart::new(FixedLimit::new(16), 2), 5 * MS);
+        // One FIFO line bounded by the (long) deadline: every request waits for its turn, so
+        // the test watches the limit alone, not the fair queue's sojourn drops.
+        let gate = Gate::with_limit(SlowStart::new(FixedLimit::new(16), 2), 5 * MS).with_queue(
+            crate::admission::QueueConfig {
+                discipline: crate::admission::Discipline::Fifo,
+                ..crate::admission::QueueConfig::default()
+            },
+        );
         let down = Arc::new(AtomicBool::new(true));
         let svc = GateLayer::new(gate.clone()).layer(service_fn({
             let down = down.clone();

@@ -15,8 +15,8 @@ use crate::admission::{Gate, GatePermit, Overloaded};
 use crate::deadline::Deadline;
 use crate::server::metrics::Route;
 use crate::server::problem::Protocol;
-use crate::status::Code;
 use crate::server::tenant::Tenant;
+use crate::status::Code;
 
 /// Memory a waiting request holds besides its body: head, extensions, futures (an estimate).
 const REQUEST_OVERHEAD: usize = 2 << 10;
