@@ -5,6 +5,8 @@
 //! - `backstop psp`: the PSP simulator (a fake payment provider with fault injection).
 //! - `backstop load`: an open-loop load driver for the payment service, with a summary of
 //!   attempts, retries, outcomes, latency per attempt and stop reasons.
+//! - `backstop chaos`: an exactly-once checker: payments retried through SIGKILLs and PSP
+//!   faults, then the history checked.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -12,6 +14,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 mod api_keys;
+mod chaos;
 mod error_chain;
 mod load;
 mod logging;
@@ -58,6 +61,14 @@ enum Command {
     /// Each logical request is a new order with its own key; the summary gives attempts,
     /// retries, outcomes and latency per attempt.
     Load(load::LoadArgs),
+    /// Check exactly-once under SIGKILLs and PSP faults, and print the first violation
+    ///
+    /// Starts `serve` instances on a store of their own and a PSP that charges and then loses
+    /// the answer; clients retry each payment with its key until a final answer while
+    /// instances are killed and restarted; then every order must be charged at most once,
+    /// every acknowledged payment stored, succeeded and charged once, nothing left running and
+    /// every same-key answer byte-identical. Exits non-zero on a violation.
+    Chaos(chaos::ChaosArgs),
 }
 
 #[tokio::main]
@@ -65,7 +76,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The load driver would drown its own summary in per-attempt events: warnings only.
     let default_level = match cli.command {
-        Command::Load(_) => "warn",
+        Command::Load(_) | Command::Chaos(_) => "warn",
         _ => "info",
     };
     if let Err(error) = logging::init(cli.log_format, default_level) {
@@ -91,6 +102,7 @@ async fn main() -> ExitCode {
                 .map_err(Into::into)
         }
         Command::Load(args) => load::run(args).await,
+        Command::Chaos(args) => chaos::run(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
