@@ -102,7 +102,12 @@ async fn main() -> ExitCode {
                 .map_err(Into::into)
         }
         Command::Load(args) => load::run(args).await,
-        Command::Chaos(args) => chaos::run(args).await,
+        Command::Chaos(args) => {
+            if let Err(error) = args.validate() {
+                usage_error(error, "chaos");
+            }
+            chaos::run(args).await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

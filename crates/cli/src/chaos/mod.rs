@@ -16,13 +16,14 @@ mod workload;
 use std::error::Error;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore, tokio_postgres};
 use backstop::idempotency::sqlite::{Db, SqliteOptions};
 use backstop_payment::config::DEFAULT_MERCHANT;
 use backstop_payment::intents::Intents;
+use backstop_payment::psp::faults::FaultCounts;
 use backstop_payment::psp::{self, Faults, PspConfig, PspHandle};
 use backstop_payment::psp_client::psp_reference;
 use clap::Args;
@@ -61,6 +62,10 @@ pub(crate) struct ChaosArgs {
     /// Mean time between two kills (each drawn in [0.5, 1.5] times this); 0 for no kills.
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
     kill_every: Duration,
+    /// Exactly this many kills instead, spread evenly over the payments (the k-th once k in
+    /// K + 1 of them have their final answer), whatever the speed of the machine.
+    #[arg(long, value_name = "K", conflicts_with = "kill_every")]
+    kills: Option<usize>,
     /// Seed of the kill schedule and the clients' choices (random when absent; printed).
     #[arg(long, value_name = "N")]
     seed: Option<u64>,
@@ -88,6 +93,17 @@ pub(crate) struct ChaosArgs {
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// When instances are killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Schedule {
+    /// After jittered pauses of this mean.
+    Every(Duration),
+    /// This many times, spread over the payments.
+    Spread(usize),
+    /// Never.
+    Never,
 }
 
 /// Where the instances keep their state.
@@ -118,6 +134,22 @@ impl ChaosArgs {
         let faults = self.faults();
         faults.validate().map_err(|e| e.to_string())?;
         Ok(kind)
+    }
+
+    fn schedule(&self) -> Schedule {
+        match self.kills {
+            Some(0) => Schedule::Never,
+            Some(kills) => Schedule::Spread(kills),
+            None if self.kill_every.is_zero() => Schedule::Never,
+            None => Schedule::Every(self.kill_every),
+        }
+    }
+
+    /// Checks what clap cannot: the store, the instances it allows, the fault rates together.
+    pub(crate) fn validate(&self) -> Result<(), clap::Error> {
+        self.store_kind().map(drop).map_err(|e| {
+            clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{e}\n"))
+        })
     }
 
     fn faults(&self) -> Faults {
@@ -161,6 +193,8 @@ struct Summary {
     unanswered: usize,
     kills: usize,
     psp_charges: u64,
+    /// Faults the PSP injected, by kind.
+    psp_faults: FaultCounts,
     final_answer_p50_ms: u64,
     final_answer_p99_ms: u64,
     final_answer_max_ms: u64,
@@ -274,12 +308,24 @@ async fn run_in(
     ));
     let mut rng = StdRng::seed_from_u64(seed);
     let mut kills = Vec::new();
-    let killing = !args.kill_every.is_zero();
+    let schedule = args.schedule();
     let payments = loop {
-        let pause = args.kill_every.mul_f64(rng.random_range(0.5..1.5));
+        // When the next kill is due: after a jittered pause, or once enough payments have
+        // their final answer (polled: the clients only count).
+        let due = match schedule {
+            Schedule::Every(mean) => Some(mean.mul_f64(rng.random_range(0.5..1.5))),
+            Schedule::Spread(total) if kills.len() < total => Some(Duration::from_millis(20)),
+            Schedule::Spread(_) | Schedule::Never => None,
+        };
         tokio::select! {
             payments = &mut clients => break payments?,
-            () = tokio::time::sleep(pause), if killing => {
+            () = tokio::time::sleep(due.unwrap_or_default()), if due.is_some() => {
+                if let Schedule::Spread(total) = schedule {
+                    let threshold = (kills.len() + 1) * args.payments.get() / (total + 1);
+                    if progress.load(Ordering::Relaxed) < threshold {
+                        continue;
+                    }
+                }
                 let instance = rng.random_range(0..fleet.len());
                 let at_ms = millis(started.elapsed());
                 let restarted = async {
@@ -309,6 +355,7 @@ async fn run_in(
     fleet.stop().await;
     history.running = running_intents(kind, &sqlite_path, &store).await?;
     let psp_charges = psp.store().count().await?;
+    let psp_faults = psp.faults().drawn();
     psp.shutdown().await;
 
     let violations = check::check(&history);
@@ -320,7 +367,7 @@ async fn run_in(
         &history,
         &violations,
         kills,
-        psp_charges,
+        (psp_charges, psp_faults),
         workload_time,
         started.elapsed(),
     ))
@@ -466,7 +513,7 @@ fn summarize(
     history: &History,
     violations: &[Violation],
     kills: Vec<Kill>,
-    psp_charges: u64,
+    (psp_charges, psp_faults): (u64, FaultCounts),
     workload_time: Duration,
     elapsed: Duration,
 ) -> Summary {
@@ -518,6 +565,7 @@ fn summarize(
             .count(),
         kills: kills.len(),
         psp_charges,
+        psp_faults,
         final_answer_p50_ms: histogram.value_at_quantile(0.50),
         final_answer_p99_ms: histogram.value_at_quantile(0.99),
         final_answer_max_ms: histogram.max(),
@@ -553,7 +601,10 @@ fn print(summary: &Summary, json: bool) -> Result<(), Box<dyn Error>> {
         s.attempts, s.attempts_per_payment, s.retried, s.unanswered
     );
     println!("kills         {} (SIGKILL, restarted at once)", s.kills);
-    println!("psp charges   {}", s.psp_charges);
+    println!(
+        "psp           {} charges; faults injected: {} commit-then-timeout, {} commit-then-drop",
+        s.psp_charges, s.psp_faults.commit_then_timeout, s.psp_faults.commit_then_drop
+    );
     println!(
         "final answer  p50 {} ms, p99 {} ms, max {} ms",
         s.final_answer_p50_ms, s.final_answer_p99_ms, s.final_answer_max_ms
@@ -677,7 +728,20 @@ mod tests {
     fn defaults_are_sqlite_with_faults_and_kills() {
         let args = parse(&[]).unwrap();
         assert_eq!(args.store_kind().unwrap(), StoreKind::Sqlite);
-        assert_eq!(args.kill_every, Duration::from_secs(1));
+        assert_eq!(args.schedule(), Schedule::Every(Duration::from_secs(1)));
+        assert_eq!(
+            parse(&["--kills", "7"]).unwrap().schedule(),
+            Schedule::Spread(7)
+        );
+        assert_eq!(
+            parse(&["--kills", "0"]).unwrap().schedule(),
+            Schedule::Never
+        );
+        assert_eq!(
+            parse(&["--kill-every", "0s"]).unwrap().schedule(),
+            Schedule::Never
+        );
+        assert!(parse(&["--kills", "3", "--kill-every", "1s"]).is_err());
         assert_eq!(args.faults().commit_then_drop_rate, 0.05);
         assert_eq!(args.faults().commit_then_timeout_rate, 0.05);
     }
