@@ -404,7 +404,7 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
             let lookup = match &intent {
                 Some(id) => {
                     let path = format!("/v1/payments/{id}");
-                    send(&http, &addresses, deadline, |base| {
+                    send(&addresses, deadline, |base| {
                         http.get(format!("{base}{path}"))
                     })
                     .await
@@ -414,7 +414,7 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
             let replay = match ack {
                 Some(_) => {
                     let body = workload::body(&order_id);
-                    send(&http, &addresses, deadline, |base| {
+                    send(&addresses, deadline, |base| {
                         http.post(format!("{base}/v1/payments"))
                             .header("content-type", "application/json")
                             .header("idempotency-key", &key)
@@ -451,7 +451,6 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
 /// Sends the request `build` makes for a live instance until it gets an answer that is not a
 /// 5xx, 409 or 429 (or the deadline passes: the last answer, if any).
 async fn send(
-    _http: &reqwest::Client,
     addresses: &Addresses,
     deadline: Instant,
     build: impl Fn(&str) -> reqwest::RequestBuilder,

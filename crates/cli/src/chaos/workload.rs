@@ -152,14 +152,13 @@ async fn pay(
         let instances = addresses.len().max(1);
         let instance = rng.random_range(0..instances);
         // The instance drawn is down (killed, restarting): another one, or wait for it.
-        let Some(base) = (0..instances)
+        let Some((instance, base)) = (0..instances)
             .map(|i| (instance + i) % instances)
             .find_map(|i| addresses.get(i).map(|base| (i, base)))
         else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
-        let (instance, base) = base;
         let sent = Instant::now();
         let answer = http
             .post(format!("{base}/v1/payments"))
