@@ -232,21 +232,19 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<(), Box<dyn Error>> {
         StoreKind::Postgres(url) => Some(Schema::create(url, &run_id.replace('-', "_")).await?),
     };
     let outcome = run_in(&args, &kind, seed, psp_seed, &run_id, &dir, schema.as_ref()).await;
-    let kept = if args.keep {
-        let path = dir.keep();
-        if let Some(schema) = &schema {
+    // A run that could not be made keeps its logs: they say why.
+    let kept = (args.keep || outcome.is_err()).then(|| dir.keep().display().to_string());
+    if let Some(schema) = &schema {
+        if args.keep {
             eprintln!("kept schema {}", schema.name);
+        } else if let Err(error) = schema.drop().await {
+            eprintln!("warning: cannot drop schema {}: {error}", schema.name);
         }
-        Some(path.display().to_string())
-    } else {
-        if let Some(schema) = &schema {
-            if let Err(error) = schema.drop().await {
-                eprintln!("warning: cannot drop schema {}: {error}", schema.name);
-            }
-        }
-        None
-    };
-    let mut summary = outcome?;
+    }
+    let mut summary = outcome.map_err(|error| match &kept {
+        Some(path) => format!("{error} (logs kept in {path})").into(),
+        None => error,
+    })?;
     summary.kept = kept;
     print(&summary, args.json)?;
     match summary.violations {
