@@ -14,6 +14,7 @@ mod fleet;
 mod workload;
 
 use std::error::Error;
+use std::io::IsTerminal;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -40,6 +41,8 @@ use workload::{Workload, millis};
 
 /// Most running intents listed after a run (more means something is badly wrong anyway).
 const RUNNING_LIMIT: u32 = 1000;
+/// How often a run on a terminal says how far it got.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 /// Upper bound of the time-to-final-answer histogram.
 const HOUR_MS: u64 = 3_600_000;
 
@@ -307,6 +310,9 @@ async fn run_in(
     let mut rng = StdRng::seed_from_u64(seed);
     let mut kills = Vec::new();
     let schedule = args.schedule();
+    // A line on a terminal now and then: a long run is not a hung one.
+    let mut report = tokio::time::interval_at(started + PROGRESS_EVERY, PROGRESS_EVERY);
+    let on_terminal = std::io::stderr().is_terminal();
     let payments = loop {
         // When the next kill is due: after a jittered pause, or once enough payments have
         // their final answer (polled: the clients only count).
@@ -317,6 +323,15 @@ async fn run_in(
         };
         tokio::select! {
             payments = &mut clients => break payments?,
+            _ = report.tick(), if on_terminal => {
+                eprintln!(
+                    "chaos: {} of {} payments final, {} kills, {:.0} s",
+                    progress.load(Ordering::Relaxed),
+                    args.payments,
+                    kills.len(),
+                    started.elapsed().as_secs_f64()
+                );
+            }
             () = tokio::time::sleep(due.unwrap_or_default()), if due.is_some() => {
                 if let Schedule::Spread(total) = schedule {
                     let threshold = (kills.len() + 1) * args.payments.get() / (total + 1);
