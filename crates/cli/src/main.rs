@@ -33,7 +33,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "backstop",
     version,
-    about = "backstop's reference payment system: the payment service, a PSP simulator and a load driver"
+    about = "backstop's reference payment system: the payment service, a PSP simulator, a load driver and an exactly-once checker"
 )]
 struct Cli {
     /// Log lines on stderr: `text` (readable) or `json` (one object a line). Default: text on
