@@ -94,6 +94,8 @@ pub(crate) struct History {
     pub(crate) payments: Vec<Payment>,
     /// Intents left `running`.
     pub(crate) running: Vec<RunningIntent>,
+    /// Every charge the PSP holds, the run's orders' and any other.
+    pub(crate) psp_charges: u64,
 }
 
 /// A broken promise.
@@ -141,6 +143,13 @@ pub(crate) enum Violation {
         /// The order.
         order_id: String,
     },
+    /// The PSP holds charges that belong to none of the run's orders.
+    UnattributedCharges {
+        /// Charges at the PSP.
+        total: u64,
+        /// Charges found under the run's orders.
+        attributed: u64,
+    },
     /// An intent is still `running` after the run settled.
     LeftRunning {
         /// The order.
@@ -151,9 +160,10 @@ pub(crate) enum Violation {
 }
 
 impl Violation {
-    /// The order the violation is about.
+    /// The order the violation is about (none for charges of no order).
     pub(crate) fn order_id(&self) -> &str {
         match self {
+            Violation::UnattributedCharges { .. } => "",
             Violation::DoubleCharge { order_id, .. }
             | Violation::AcknowledgedNotCharged { order_id }
             | Violation::AcknowledgedNotStored { order_id, .. }
@@ -198,6 +208,10 @@ impl std::fmt::Display for Violation {
             Violation::NoFinalAnswer { order_id } => {
                 write!(f, "{order_id}: no final answer within the run's bounds")
             }
+            Violation::UnattributedCharges { total, attributed } => write!(
+                f,
+                "the PSP holds {total} charges, only {attributed} of them under the run's orders"
+            ),
             Violation::LeftRunning {
                 order_id,
                 intent_id,
@@ -211,6 +225,17 @@ pub(crate) fn check(history: &History) -> Vec<Violation> {
     let mut violations = Vec::new();
     for payment in &history.payments {
         check_payment(payment, &mut violations);
+    }
+    let attributed: u64 = history
+        .payments
+        .iter()
+        .map(|p| p.charges.len() as u64)
+        .sum();
+    if history.psp_charges > attributed {
+        violations.push(Violation::UnattributedCharges {
+            total: history.psp_charges,
+            attributed,
+        });
     }
     for intent in &history.running {
         violations.push(Violation::LeftRunning {
@@ -342,9 +367,11 @@ mod tests {
     }
 
     fn one(payment: Payment) -> Vec<Violation> {
+        let psp_charges = payment.charges.len() as u64;
         check(&History {
             payments: vec![payment],
             running: Vec::new(),
+            psp_charges,
         })
     }
 
@@ -478,6 +505,7 @@ mod tests {
                 intent_id: "i-o-1".into(),
                 order_id: "o-1".into(),
             }],
+            psp_charges: 0,
         };
         assert_eq!(
             check(&history),
@@ -490,6 +518,22 @@ mod tests {
                     intent_id: "i-o-1".into()
                 }
             ]
+        );
+    }
+
+    #[test]
+    fn charges_under_no_order_of_the_run_are_reported() {
+        let history = History {
+            payments: vec![good("o-1"), good("o-2")],
+            running: Vec::new(),
+            psp_charges: 3,
+        };
+        assert_eq!(
+            check(&history),
+            [Violation::UnattributedCharges {
+                total: 3,
+                attributed: 2
+            }]
         );
     }
 

@@ -363,11 +363,13 @@ async fn run_in(
     let mut history = History {
         payments,
         running: Vec::new(),
+        psp_charges: 0,
     };
     verify(&mut history, &fleet.addresses(), &psp, args).await;
     fleet.stop().await;
     history.running = running_intents(kind, &sqlite_path, &store).await?;
     let psp_charges = psp.store().count().await?;
+    history.psp_charges = psp_charges;
     let psp_faults = psp.faults().drawn();
     psp.shutdown().await;
 
