@@ -90,7 +90,8 @@ pub(crate) struct ChaosArgs {
     /// Bound on the checks after the workload (lookups, replays).
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     settle: Duration,
-    /// Keep the temporary directory (store, logs) or the PostgreSQL schema.
+    /// Keep the PostgreSQL schema, and the temporary directory (SQLite store, logs) which a
+    /// failed run keeps anyway.
     #[arg(long)]
     keep: bool,
     /// Print the summary as one JSON object.
@@ -235,8 +236,11 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<(), Box<dyn Error>> {
         StoreKind::Postgres(url) => Some(Schema::create(url, &run_id.replace('-', "_")).await?),
     };
     let outcome = run_in(&args, &kind, seed, psp_seed, &run_id, &dir, schema.as_ref()).await;
-    // A run that could not be made keeps its logs: they say why.
-    let kept = (args.keep || outcome.is_err()).then(|| dir.keep().display().to_string());
+    // A run that could not be made, or found a violation, keeps its logs and store.
+    let failed = outcome
+        .as_ref()
+        .map_or(true, |summary| summary.violations > 0);
+    let kept = (args.keep || failed).then(|| dir.keep().display().to_string());
     if let Some(schema) = &schema {
         if args.keep {
             eprintln!("kept schema {}", schema.name);
