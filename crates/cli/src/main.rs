@@ -10,6 +10,8 @@
 //! - `backstop storm sim`: a deterministic simulation of retry storms, overload and recovery,
 //!   with the library's own policies as clients and admission; `backstop storm run`: the same
 //!   experiments against the real service, with HTML reports.
+//! - `backstop chaos`: an exactly-once checker: payments retried through SIGKILLs and PSP
+//!   faults, then the history checked.
 
 use std::error::Error;
 use std::process::ExitCode;
@@ -17,6 +19,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 mod api_keys;
+mod chaos;
 mod error_chain;
 mod load;
 mod logging;
@@ -38,7 +41,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "backstop",
     version,
-    about = "backstop's reference payment system: the payment service, a PSP simulator and a load driver"
+    about = "backstop's reference payment system: the payment service, a PSP simulator, a load driver and an exactly-once checker"
 )]
 struct Cli {
     /// Log lines on stderr: `text` (readable) or `json` (one object a line). Default: text on
@@ -82,6 +85,14 @@ enum Command {
     /// library's own retry, budget, storm alarm, hedging and admission policies; `storm run`
     /// runs one against the real service, PSP simulator and load driver on loopback.
     Storm(storm::StormArgs),
+    /// Check exactly-once under SIGKILLs and PSP faults, and print the first violation
+    ///
+    /// Starts `serve` instances on a store of their own and a PSP that charges and then loses
+    /// the answer; clients retry each payment with its key until a final answer while
+    /// instances are killed and restarted; then every order must be charged at most once,
+    /// every acknowledged payment stored, succeeded and charged once, nothing left running and
+    /// every same-key answer byte-identical. Exits non-zero on a violation.
+    Chaos(chaos::ChaosArgs),
 }
 
 #[tokio::main]
@@ -89,7 +100,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     // The load driver would drown its own summary in per-attempt events: warnings only.
     let default_level = match cli.command {
-        Command::Load(_) | Command::Reconcile(_) => "warn",
+        Command::Load(_) | Command::Reconcile(_) | Command::Chaos(_) => "warn",
         // The simulated clients' policies log as real ones do; only errors belong here.
         Command::Storm(_) => "error",
         _ => "info",
@@ -128,6 +139,12 @@ async fn main() -> ExitCode {
         }
         Command::ReportSample(args) => report::run_sample(&args),
         Command::Storm(args) => storm::run(args).await,
+        Command::Chaos(args) => {
+            if let Err(error) = args.validate() {
+                usage_error(error, "chaos");
+            }
+            chaos::run(args).await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

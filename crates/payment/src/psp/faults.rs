@@ -129,6 +129,34 @@ struct FaultState {
     faults: Faults,
     rng: StdRng,
     next: VecDeque<Fault>,
+    drawn: FaultCounts,
+}
+
+/// How many faults [`FaultControl::draw`] has handed out since the start, by kind (scripted
+/// ones included), so that a run can show its faults really happened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct FaultCounts {
+    /// [`Fault::Error`] draws.
+    pub error: u64,
+    /// [`Fault::Unavailable`] draws.
+    pub unavailable: u64,
+    /// [`Fault::CommitThenTimeout`] draws.
+    pub commit_then_timeout: u64,
+    /// [`Fault::CommitThenDrop`] draws.
+    pub commit_then_drop: u64,
+}
+
+impl FaultCounts {
+    fn count(&mut self, fault: Fault) {
+        let counter = match fault {
+            Fault::None => return,
+            Fault::Error => &mut self.error,
+            Fault::Unavailable => &mut self.unavailable,
+            Fault::CommitThenTimeout => &mut self.commit_then_timeout,
+            Fault::CommitThenDrop => &mut self.commit_then_drop,
+        };
+        *counter = counter.saturating_add(1);
+    }
 }
 
 impl FaultControl {
@@ -144,6 +172,7 @@ impl FaultControl {
                 faults,
                 rng,
                 next: VecDeque::new(),
+                drawn: FaultCounts::default(),
             })),
         })
     }
@@ -195,14 +224,35 @@ impl FaultControl {
         Ok(())
     }
 
+    /// The faults drawn so far, by kind.
+    pub fn drawn(&self) -> FaultCounts {
+        self.lock().drawn
+    }
+
     /// The fault for the next charge request: the head of the script, else one draw.
     pub fn draw(&self) -> Fault {
         let mut state = self.lock();
-        if let Some(fault) = state.next.pop_front() {
+        let fault = state.pick();
+        state.drawn.count(fault);
+        fault
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FaultState> {
+        // The state stays consistent whatever panicked while holding the lock.
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl FaultState {
+    /// The head of the script, else one draw against the rates.
+    fn pick(&mut self) -> Fault {
+        if let Some(fault) = self.next.pop_front() {
             return fault;
         }
-        let f = state.faults;
-        let roll: f64 = state.rng.random();
+        let f = self.faults;
+        let roll: f64 = self.rng.random();
         let mut acc = 0.0;
         for (rate, fault) in [
             (f.error_rate, Fault::Error),
@@ -216,13 +266,6 @@ impl FaultControl {
             }
         }
         Fault::None
-    }
-
-    fn lock(&self) -> MutexGuard<'_, FaultState> {
-        // The state stays consistent whatever panicked while holding the lock.
-        self.inner
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -279,6 +322,20 @@ mod tests {
         ));
         assert_eq!(rates(0.7, 0.2, 0.1, 0.0).validate(), Ok(()));
         assert_eq!(Faults::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn draws_are_counted_by_kind() {
+        let control = FaultControl::new(rates(0.0, 0.0, 0.5, 0.5), Some(3)).unwrap();
+        control.script([Fault::Error, Fault::None]).unwrap();
+        let draws: Vec<Fault> = (0..100).map(|_| control.draw()).collect();
+        let of = |kind| draws.iter().filter(|f| **f == kind).count() as u64;
+        let drawn = control.drawn();
+        assert_eq!(drawn.error, 1);
+        assert_eq!(drawn.unavailable, 0);
+        assert_eq!(drawn.commit_then_timeout, of(Fault::CommitThenTimeout));
+        assert_eq!(drawn.commit_then_drop, of(Fault::CommitThenDrop));
+        assert_eq!(drawn.commit_then_timeout + drawn.commit_then_drop, 98);
     }
 
     #[test]
