@@ -6,6 +6,9 @@
 # fresh service and store. Per run: goodput, answers, the server-side p99 of served and refused
 # requests (upper bound of the histogram bucket), intents left `running` 5 s after the load,
 # and the service's peak RSS.
+# LIMITS (default "fixed adaptive") and QUEUES (default "fifo fair") choose the gates compared;
+# each runs at 1x, 3x and 5x the capacity. After each 3x and 5x run the load drops to 1x for
+# 10 s: "recovery" is the end of the first second that served 90 % of it (per-second series).
 # Usage: bench/overload.sh [DURATION] [debug|release]     (default: 30s debug)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,23 +34,26 @@ pids+=($!)
 for _ in $(seq 50); do grep -q '"addr":' "$work/psp.log" && break; sleep 0.2; done
 psp=$(grep -o '"addr":"[^"]*"' "$work/psp.log" | head -1 | cut -d'"' -f4)
 
-# Starts a service with queue $1 (store $work/$2.db); sets $serve and $http.
+# Starts a service with queue $1 (store $work/$2.db) and limit ${3:-fixed}; sets $serve and
+# $http.
 start() {
   "$bin" serve --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "sqlite://$work/$2.db" \
-    --psp "http://$psp" --max-inflight 16 --queue "$1" --log-format json >"$work/$2.log" 2>&1 &
+    --psp "http://$psp" --max-inflight 16 --min-inflight 4 --limit "${3:-fixed}" --queue "$1" \
+    --log-format json >"$work/$2.log" 2>&1 &
   serve=$!
   pids+=("$serve")
   for _ in $(seq 50); do grep -q '"http":' "$work/$2.log" && break; sleep 0.2; done
   http=$(grep -o '"http":"[^"]*"' "$work/$2.log" | head -1 | cut -d'"' -f4)
 }
 
-# Prints one row from the load summary ($1), /metrics and the store ($2).
+# Prints one row from the load summary ($1), /metrics and the store ($2); intents are counted
+# and the peak RSS read after the recovery run too.
 row() {
   sleep 5
   local running rss
   running=$(sqlite3 "$work/$2.db" "SELECT COUNT(*) FROM payment_intent WHERE status = 'running'")
   rss=$(awk '/VmHWM/ {print $2}' "/proc/$serve/status")
-  curl -s "http://$http/metrics" >"$work/$2.metrics"
+  [ -s "$work/$2.metrics" ] || curl -s "http://$http/metrics" >"$work/$2.metrics"
   python3 - "$1" "$work/$2.metrics" "$running" "$rss" <<'EOF'
 import json, re, sys
 d = json.load(open(sys.argv[1]))
@@ -73,22 +79,42 @@ EOF
 }
 
 start fair capacity
-"$bin" load --target "http://$http" --rate 2000 --concurrency 16 --duration "$duration" --json \
+"$bin" load --target "http://$http" --rate 2000 --concurrency 16 --duration 20s --json \
   >"$work/capacity.json" 2>/dev/null
 capacity=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["goodput_per_s"])' "$work/capacity.json")
 echo "capacity (16 in flight): $capacity/s"
 kill "$serve"
-echo "| queue | load | goodput/s | sent | ok | not ok | refusals by reason | p99 ok (server) | p99 refused (server) | intents running | peak RSS |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|"
-for queue in fifo fair; do
-  for x in 3 5; do
-    name="$queue-$x"
-    start "$queue" "$name"
-    rate=$(python3 -c "print(round($capacity * $x))")
-    "$bin" load --target "http://$http" --rate "$rate" --concurrency 100000 --duration "$duration" --json \
-      >"$work/$name.json" 2>/dev/null
-    printf '| %s | %sx (%s/s) ' "$queue" "$x" "$rate"
-    row "$work/$name.json" "$name"
-    kill "$serve"
+one=$(python3 -c "print(round($capacity))")
+echo "| limit | queue | load | goodput/s | sent | ok | not ok | refusals by reason | p99 ok (server) | p99 refused (server) | intents running | peak RSS | recovery |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+for limit in ${LIMITS:-fixed adaptive}; do
+  for queue in ${QUEUES:-fifo fair}; do
+    for x in 1 3 5; do
+      name="$limit-$queue-$x"
+      start "$queue" "$name" "$limit"
+      rate=$(python3 -c "print(round($capacity * $x))")
+      "$bin" load --target "http://$http" --rate "$rate" --concurrency 100000 --duration "$duration" --json \
+        >"$work/$name.json" 2>/dev/null
+      # The server's view of the overload alone, before the recovery run adds to it.
+      curl -s "http://$http/metrics" >"$work/$name.metrics"
+      recovery="-"
+      if [ "$x" != 1 ]; then
+        "$bin" load --target "http://$http" --rate "$one" --concurrency 100000 --duration 10s \
+          --series "$work/$name-after.csv" --json >/dev/null 2>&1
+        recovery=$(python3 -c '
+import csv, sys
+rate = float(sys.argv[2])
+for row in csv.DictReader(open(sys.argv[1])):
+    if int(row["ok"]) >= 0.9 * rate:
+        print("%g s" % (float(row["t_s"]) + 1))
+        break
+else:
+    print("> 10 s")
+' "$work/$name-after.csv" "$one")
+      fi
+      printf '| %s | %s | %sx (%s/s) ' "$limit" "$queue" "$x" "$rate"
+      row "$work/$name.json" "$name" | sed "s/\$/ $recovery |/"
+      kill "$serve"
+    done
   done
 done
