@@ -761,17 +761,18 @@ fn render(result: &RunResult) -> String {
     }
     out.push_str(&format!(
         "{:<16} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}\n",
-        "variant", "rate/s", "goodput/s", "attempts", "refused", "recovery", "peak RSS", "running"
+        "variant", "rate/s", "goodput/s", "attempts", "not ok", "recovery", "peak RSS", "running"
     ));
     for v in &result.variants {
-        let refused = v.load["outcomes"]["rejected"].as_u64().unwrap_or(0);
+        let logical = v.load["logical_requests"].as_u64().unwrap_or(0);
+        let not_ok = logical.saturating_sub(v.load["outcomes"]["ok"].as_u64().unwrap_or(0));
         out.push_str(&format!(
             "{:<16} {:>8.0} {:>10.1} {:>9.3} {:>9} {:>9} {:>10} {:>9}\n",
             v.name,
             v.rate,
             v.goodput_per_s,
             v.attempts_per_logical,
-            refused,
+            not_ok,
             v.recovery_s.map_or("-".to_owned(), |s| format!("{s:.0} s")),
             v.peak_rss_mib
                 .map_or("-".to_owned(), |m| format!("{m:.0} MiB")),
