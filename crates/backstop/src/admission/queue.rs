@@ -272,6 +272,9 @@ pub struct AdmissionQueue<T> {
     idle: u32,
     /// Free slots given to a waiter, in the current interval.
     served: u32,
+    /// Newcomers refused at the door of a standing queue, in the current interval: demand a
+    /// free slot would have found waiting.
+    turned_away: u32,
     /// Requests served at once (the gate's limit), to scale the target.
     slots: usize,
     dropped: Vec<(T, DropReason)>,
@@ -312,6 +315,7 @@ impl<T> AdmissionQueue<T> {
             overloaded_since: None,
             idle: 0,
             served: 0,
+            turned_away: 0,
             slots: 1,
             dropped: Vec::new(),
         }
@@ -403,21 +407,37 @@ impl<T> AdmissionQueue<T> {
         if fair && mine >= share {
             return refuse(DropReason::TenantShare, item);
         }
-        while self.entries.len() >= self.config.max_waiters
-            || self.bytes + cost > self.config.max_bytes
-        {
+        // Once a standing queue is known, a newcomer beyond what the slots can serve within
+        // the target would only wait to be dropped on sojourn: it is refused at the door, at
+        // once, instead of after waiting the target. The queue is then as long as the target
+        // allows, and no longer.
+        let cap = if fair && self.is_overloaded() {
+            self.served_within_target().min(self.config.max_waiters)
+        } else {
+            self.config.max_waiters
+        };
+        let cap_share = (cap / self.tenants_with(key)).max(1);
+        while self.entries.len() >= cap || self.bytes + cost > self.config.max_bytes {
             // Room is made only at the expense of a tenant over its share.
             let victim = fair
                 .then(|| {
                     self.lines
                         .iter()
-                        .filter(|(t, l)| &***t != key && l.live > share)
+                        .filter(|(t, l)| &***t != key && l.live > cap_share)
                         .max_by_key(|(_, l)| l.live)
                         .map(|(t, _)| Arc::clone(t))
                 })
                 .flatten();
             let Some(victim) = victim else {
-                return refuse(DropReason::Full, item);
+                let full = self.entries.len() >= self.config.max_waiters
+                    || self.bytes + cost > self.config.max_bytes;
+                let reason = if full {
+                    DropReason::Full
+                } else {
+                    self.turned_away = self.turned_away.saturating_add(1);
+                    DropReason::Sojourn
+                };
+                return refuse(reason, item);
             };
             if let Some(entry) = self.take_from(&victim, false) {
                 self.dropped.push((entry.item, DropReason::TenantShare));
@@ -615,8 +635,26 @@ impl<T> AdmissionQueue<T> {
     /// The most waiters one tenant may hold: an equal part of the queue among the tenants
     /// waiting, `key`'s included.
     fn share(&self, key: &str) -> usize {
-        let tenants = self.round.len() + usize::from(!self.lines.contains_key(key));
-        (self.config.max_waiters / tenants.max(1)).max(1)
+        (self.config.max_waiters / self.tenants_with(key)).max(1)
+    }
+
+    /// The tenants waiting, `key`'s included (at least 1).
+    fn tenants_with(&self, key: &str) -> usize {
+        (self.round.len() + usize::from(!self.lines.contains_key(key))).max(1)
+    }
+
+    /// How many waiters the slots can serve within the [target](Self::target): the target
+    /// over the expected gap between finishing requests, rounded up (at least 1).
+    fn served_within_target(&self) -> usize {
+        let gap = self
+            .expected_service()
+            .checked_div(u32::try_from(self.slots).unwrap_or(u32::MAX))
+            .unwrap_or_default();
+        if gap.is_zero() {
+            return self.config.max_waiters;
+        }
+        let n = self.target().as_nanos().div_ceil(gap.as_nanos());
+        usize::try_from(n).unwrap_or(usize::MAX).max(1)
     }
 
     /// Whether `entry` must leave now, and why.
@@ -684,11 +722,13 @@ impl<T> AdmissionQueue<T> {
         let min_delay = self.min_delay.take();
         let idle = std::mem::take(&mut self.idle);
         let served = std::mem::take(&mut self.served);
+        let turned_away = std::mem::take(&mut self.turned_away);
         let standing = if self.is_overloaded() {
             // Served newest first with the old dropped, the delays seen stay short however
             // much demand exceeds capacity; what ends the overload is free slots finding nobody
-            // waiting more often than somebody.
-            served > idle
+            // waiting more often than somebody. Those turned away at the door count as
+            // somebody: the queue was kept short, not found empty.
+            served.saturating_add(turned_away) > idle
                 || (served == 0
                     && idle == 0
                     && self.nonempty_since.is_some_and(|since| since <= start))

@@ -421,3 +421,34 @@ fn disciplines_parse_and_print() {
     });
     assert_eq!((q.config().max_waiters, q.config().max_bytes), (1, 1));
 }
+
+#[test]
+fn a_standing_queue_refuses_at_the_door_what_it_could_not_serve_within_the_target() {
+    // One slot, 10 ms per request: the target is two gaps, 20 ms, which two waiters fill.
+    let mut q = AdmissionQueue::new(config());
+    q.set_slots(1);
+    assert_eq!(q.target(), 20 * MS);
+    let t0 = Instant::now();
+    q.push(t0, "a", t0 + LONG, 0, 1).unwrap();
+    q.push(t0 + 95 * MS, "a", t0 + LONG, 0, 2).unwrap();
+    // A whole interval with waiters and nobody served: a standing queue.
+    let now = t0 + 101 * MS;
+    let refused = q.push(now, "a", t0 + LONG, 0, 3).unwrap_err();
+    assert!(q.is_overloaded());
+    assert_eq!(
+        (refused.reason, refused.item),
+        (DropReason::Sojourn, 3),
+        "refused at once, not after waiting the target"
+    );
+    // Another tenant still gets in, at the expense of the one holding the whole queue.
+    q.push(now, "b", t0 + LONG, 0, 4).unwrap();
+    assert_eq!(reasons(&mut q), vec![(1, DropReason::TenantShare)]);
+    assert_eq!(q.len(), 2);
+    // Without a standing queue the door is open up to the bound.
+    let mut calm = AdmissionQueue::new(config());
+    calm.set_slots(1);
+    for i in 0..8 {
+        calm.push(t0, "a", t0 + LONG, 0, i).unwrap();
+    }
+    assert!(!calm.is_overloaded());
+}
