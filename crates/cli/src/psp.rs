@@ -80,7 +80,8 @@ pub(crate) async fn run(
     psp::serve(config, shutdown).await
 }
 
-fn parse_rate(value: &str) -> Result<f64, String> {
+/// A probability flag: a number in `[0, 1]`.
+pub(crate) fn parse_rate(value: &str) -> Result<f64, String> {
     let rate: f64 = value
         .parse()
         .map_err(|_| format!("`{value}` is not a number; expected a rate in [0, 1]"))?;

@@ -73,10 +73,10 @@ pub(crate) struct ChaosArgs {
     #[arg(long, value_name = "N")]
     seed: Option<u64>,
     /// Probability in [0, 1] that the PSP charges, then answers after the caller's deadline.
-    #[arg(long, value_name = "F", default_value_t = 0.05, value_parser = parse_rate)]
+    #[arg(long, value_name = "F", default_value_t = 0.05, value_parser = crate::psp::parse_rate)]
     commit_then_timeout_rate: f64,
     /// Probability in [0, 1] that the PSP charges, then closes the connection unanswered.
-    #[arg(long, value_name = "F", default_value_t = 0.05, value_parser = parse_rate)]
+    #[arg(long, value_name = "F", default_value_t = 0.05, value_parser = crate::psp::parse_rate)]
     commit_then_drop_rate: f64,
     /// Seed of the PSP's faults (the run's seed when absent).
     #[arg(long, value_name = "N")]
@@ -713,17 +713,6 @@ impl Schema {
 fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s)
         .map_err(|e| format!("{s:?} is not a duration like 300ms or 2s: {e}"))
-}
-
-fn parse_rate(value: &str) -> Result<f64, String> {
-    let rate: f64 = value
-        .parse()
-        .map_err(|_| format!("`{value}` is not a number; expected a rate in [0, 1]"))?;
-    if (0.0..=1.0).contains(&rate) {
-        Ok(rate)
-    } else {
-        Err(format!("`{value}` is outside [0, 1]"))
-    }
 }
 
 #[cfg(test)]
