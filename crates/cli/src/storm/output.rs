@@ -97,7 +97,7 @@ pub(crate) fn csv(out: &mut impl Write, report: &Report) -> io::Result<()> {
     Ok(())
 }
 
-/// Per-policy tables like the chapter's timeline, then the summaries side by side.
+/// Per-policy tables, one row per interval, then the summaries side by side.
 pub(crate) fn table(out: &mut impl Write, report: &Report) -> io::Result<()> {
     writeln!(
         out,
