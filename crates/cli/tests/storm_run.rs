@@ -69,5 +69,12 @@ async fn a_slowdown_run_shows_naive_retries_multiplying_and_backstop_holding() {
     assert!(dir.path().join("summary.json").exists());
     let page = std::fs::read_to_string(report.path().join("index.html")).unwrap();
     assert!(page.contains("<svg") && page.contains("naive") && page.contains("backstop"));
+    // The simulator's mirror of the scenario is on the same page.
+    assert!(page.contains("sim: naive") && page.contains("sim: backstop"));
+    let csv = std::fs::read_to_string(report.path().join("data.csv")).unwrap();
+    assert!(
+        csv.lines().any(|l| l.starts_with("sim: backstop,")),
+        "{csv}"
+    );
     assert!(report.path().join("data.csv").exists());
 }

@@ -229,9 +229,23 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
             choices: scenario.names().join(", "),
         });
     }
+    let runs = run_variants(&scenario, &selected);
+    Ok(Report {
+        scenario: scenario.kind.as_str(),
+        seed: args.seed,
+        scale: args.scale,
+        duration_s: scenario.model.duration.as_secs_f64(),
+        interval_s: scenario.model.interval.as_secs_f64(),
+        notes: scenario.notes,
+        runs,
+    })
+}
+
+/// Simulates each of `variants` of `scenario`.
+fn run_variants(scenario: &Scenario, variants: &[&scenario::Variant]) -> Vec<VariantRun> {
     let interval = scenario.model.interval.as_secs_f64();
-    let runs = selected
-        .into_iter()
+    variants
+        .iter()
         .map(|variant| {
             let mut run = engine::run(&scenario.model, &variant.client, &variant.server);
             let summary = series::summarise(
@@ -247,71 +261,22 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
                 summary,
             }
         })
-        .collect();
-    Ok(Report {
-        scenario: scenario.kind.as_str(),
-        seed: args.seed,
-        scale: args.scale,
-        duration_s: scenario.model.duration.as_secs_f64(),
-        interval_s: interval,
-        notes: scenario.notes,
-        runs,
-    })
+        .collect()
+}
+
+/// The simulator's runs of `storm run --scenario slowdown`, durations multiplied by `scale`.
+pub(crate) fn simulate_live_slowdown(seed: u64, scale: f64) -> Vec<VariantRun> {
+    let scenario = scenario::live_slowdown(seed, scale);
+    let variants: Vec<_> = scenario.variants.iter().collect();
+    run_variants(&scenario, &variants)
 }
 
 /// A simulation as an HTML report: one run per variant, one row per interval.
 fn to_report(sim: &Report) -> crate::report::Report {
-    let per_s = |n: u64| n as f64 / sim.interval_s;
     let runs = sim
         .runs
         .iter()
-        .map(|run| {
-            let s = &run.summary;
-            crate::report::Run {
-                name: run.policy.clone(),
-                summary: vec![
-                    ("success".into(), format!("{:.1} %", 100.0 * s.success)),
-                    (
-                        "attempts per request".into(),
-                        format!("{:.2}", s.amplification),
-                    ),
-                    (
-                        "goodput in the window".into(),
-                        format!(
-                            "{:.0} /s of {:.0} /s capacity",
-                            s.focus_goodput, s.focus_capacity
-                        ),
-                    ),
-                    (
-                        "wasted work in the window".into(),
-                        format!("{:.0} /s", s.focus_wasted),
-                    ),
-                    ("peak queue".into(), s.peak_queue.to_string()),
-                    ("r x A0 x p'(A*)".into(), format!("{:.2}", s.stability.gain)),
-                    (
-                        "recovery".into(),
-                        s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
-                    ),
-                ],
-                rows: run
-                    .rows
-                    .iter()
-                    .map(|r| crate::report::Row {
-                        time_s: r.t + sim.interval_s,
-                        offered_originals_per_s: Some(per_s(r.offered_originals)),
-                        offered_retries_per_s: Some(per_s(r.offered_retries)),
-                        goodput_per_s: Some(per_s(r.goodput)),
-                        refused_per_s: Some(per_s(r.refused)),
-                        wasted_per_s: Some(per_s(r.wasted)),
-                        queue_depth: Some(r.queue as f64),
-                        p99_ms: (r.p99_ms > 0.0).then_some(r.p99_ms),
-                        admission_limit: Some(r.limit as f64),
-                        in_flight: Some(r.inflight as f64),
-                        retry_ratio: Some(r.retry_ratio),
-                    })
-                    .collect(),
-            }
-        })
+        .map(|run| report_run(run, run.policy.clone(), sim.interval_s))
         .collect();
     crate::report::Report {
         format: String::new(),
@@ -326,6 +291,59 @@ fn to_report(sim: &Report) -> crate::report::Report {
             sim.notes.join("\n\n")
         ),
         runs,
+    }
+}
+
+/// One simulated run as a run of a report, named `name`.
+pub(crate) fn report_run(run: &VariantRun, name: String, interval_s: f64) -> crate::report::Run {
+    let per_s = |n: u64| n as f64 / interval_s;
+    let s = &run.summary;
+    crate::report::Run {
+        name,
+        summary: vec![
+            ("success".into(), format!("{:.1} %", 100.0 * s.success)),
+            (
+                "attempts per request".into(),
+                format!("{:.2}", s.amplification),
+            ),
+            (
+                "goodput in the window".into(),
+                format!(
+                    "{:.0} /s of {:.0} /s capacity",
+                    s.focus_goodput, s.focus_capacity
+                ),
+            ),
+            (
+                "wasted work in the window".into(),
+                format!("{:.0} /s", s.focus_wasted),
+            ),
+            ("peak queue".into(), s.peak_queue.to_string()),
+            (
+                "r x A0 x p'(A*)".into(),
+                format!("{:.2} ({})", s.stability.gain, s.stability.verdict),
+            ),
+            (
+                "recovery".into(),
+                s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
+            ),
+        ],
+        rows: run
+            .rows
+            .iter()
+            .map(|r| crate::report::Row {
+                time_s: r.t + interval_s,
+                offered_originals_per_s: Some(per_s(r.offered_originals)),
+                offered_retries_per_s: Some(per_s(r.offered_retries)),
+                goodput_per_s: Some(per_s(r.goodput)),
+                refused_per_s: Some(per_s(r.refused)),
+                wasted_per_s: Some(per_s(r.wasted)),
+                queue_depth: Some(r.queue as f64),
+                p99_ms: (r.p99_ms > 0.0).then_some(r.p99_ms),
+                admission_limit: Some(r.limit as f64),
+                in_flight: Some(r.inflight as f64),
+                retry_ratio: Some(r.retry_ratio),
+            })
+            .collect(),
     }
 }
 
@@ -477,6 +495,18 @@ mod tests {
             p.focus_goodput
         );
         assert!(t.attempts < p.attempts, "{} vs {}", t.attempts, p.attempts);
+    }
+
+    /// The mirror of `storm run --scenario slowdown`: naive clients against the gate send
+    /// more attempts than backstop's, and the same seed gives the same runs.
+    #[test]
+    fn the_live_slowdown_mirror_shows_naive_amplifying() {
+        let runs = simulate_live_slowdown(1, 0.25);
+        let by = |name: &str| &runs.iter().find(|r| r.policy == name).unwrap().summary;
+        assert!(by("naive").amplification > by("backstop").amplification + 0.2);
+        assert!(by("backstop").amplification < 1.15);
+        let again = simulate_live_slowdown(1, 0.25);
+        assert_eq!(runs[0].summary.attempts, again[0].summary.attempts);
     }
 
     #[test]

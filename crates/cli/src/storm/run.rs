@@ -263,6 +263,8 @@ pub(crate) struct RunResult {
     pub(crate) scenario: LiveScenario,
     /// Measured capacity (logical requests per second), for scenarios that offer a multiple.
     pub(crate) capacity_per_s: Option<f64>,
+    /// What every duration of the scenario was multiplied by.
+    pub(crate) time_scale: f64,
     /// Each variant, in order.
     pub(crate) variants: Vec<VariantResult>,
 }
@@ -313,6 +315,7 @@ pub(crate) async fn execute(
     Ok(RunResult {
         scenario,
         capacity_per_s: capacity,
+        time_scale: scale,
         variants,
     })
 }
@@ -667,7 +670,7 @@ fn write_out(dir: &Path, result: &RunResult) -> Result<(), Box<dyn std::error::E
 
 /// The run as a report: one chart series per variant.
 fn to_report(result: &RunResult) -> report::Report {
-    let runs = result
+    let mut runs: Vec<report::Run> = result
         .variants
         .iter()
         .map(|v| report::Run {
@@ -712,6 +715,13 @@ fn to_report(result: &RunResult) -> report::Report {
                 .collect(),
         })
         .collect();
+    if result.scenario == LiveScenario::Slowdown {
+        // The simulator's mirror of the same scenario, beside the measured runs.
+        for sim in super::simulate_live_slowdown(1, result.time_scale) {
+            let name = format!("sim: {}", sim.policy);
+            runs.push(super::report_run(&sim, name, 1.0));
+        }
+    }
     report::Report {
         format: String::new(),
         title: format!("storm run: {}", scenario_name(result.scenario)),
@@ -750,6 +760,15 @@ fn describe(result: &RunResult) -> String {
     );
     if let Some(capacity) = result.capacity_per_s {
         text.push_str(&format!("\n\nMeasured capacity: {capacity:.1} payments/s."));
+    }
+    if result.scenario == LiveScenario::Slowdown {
+        text.push_str(
+            "\n\nThe runs named `sim:` are `backstop storm sim`'s mirror of this scenario (same \
+             offered rate, places, PSP latencies and deadlines, both clients against the gate; \
+             seed 1). Where they differ from the measured runs, the difference is what the \
+             simulator leaves out: the service's own CPU and storage time, the per-attempt cost \
+             of HTTP on loopback, and the timing of a real, shared machine.",
+        );
     }
     text
 }

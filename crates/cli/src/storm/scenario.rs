@@ -153,6 +153,68 @@ fn backstop_server(workers: usize, limit: ServerLimit) -> ServerConfig {
     }
 }
 
+/// `storm run --scenario slowdown` as the simulator sees it: 200/s offered to a service of 64
+/// places whose work is a PSP call of 100 ms, 600 ms from 10 s to 30 s, over 40 s; 2 s
+/// deadlines. Both client kinds face the service's gate, as they do in the real run.
+pub(crate) fn live_slowdown(seed: u64, scale: f64) -> Scenario {
+    let knobs = Knobs {
+        scale: 1.0,
+        duration: Some(Duration::from_secs_f64(40.0 * scale)),
+        rate: None,
+        interval: SECOND,
+        seed,
+        limit: ServerLimit::Fixed,
+        throttle: false,
+    };
+    let workers = 64;
+    let local = MS;
+    let fast = lognormal(100, 110);
+    let slow = lognormal(600, 660);
+    let (from, to) = (10.0 * scale, 30.0 * scale);
+    let phases = vec![
+        Phase {
+            from: Duration::ZERO,
+            downstream: Downstream::Latency(fast),
+        },
+        Phase {
+            from: Duration::from_secs_f64(from),
+            downstream: Downstream::Latency(slow),
+        },
+        Phase {
+            from: Duration::from_secs_f64(to),
+            downstream: Downstream::Latency(fast),
+        },
+    ];
+    let timeout = 2 * SECOND;
+    let focus_capacity = capacity(workers, local, slow.mean());
+    Scenario {
+        kind: ScenarioKind::Slowdown,
+        model: model(&knobs, Duration::from_secs(40), 200.0, local, phases),
+        variants: vec![
+            Variant {
+                name: "naive".into(),
+                client: naive_client(timeout),
+                server: backstop_server(workers, ServerLimit::Fixed),
+            },
+            Variant {
+                name: "backstop".into(),
+                client: backstop_client(timeout, false),
+                server: backstop_server(workers, ServerLimit::Fixed),
+            },
+        ],
+        focus: Focus {
+            from,
+            to,
+            capacity: focus_capacity,
+            recover_at: Some(to),
+        },
+        notes: vec![format!(
+            "simulated mirror of the live run: {workers} places, 200/s, PSP 100 ms -> 600 ms \
+             from {from:.0} s to {to:.0} s, 2 s deadlines; both clients against the gate"
+        )],
+    }
+}
+
 fn scaled(n: f64, scale: f64) -> usize {
     ((n * scale).round() as usize).max(1)
 }
