@@ -179,6 +179,9 @@ const SERVICE_ALPHA: f64 = 0.1;
 struct Entry<T> {
     tenant: Arc<str>,
     enqueued: Instant,
+    /// The overload episode (its start) during which the door let this waiter in: its turn was
+    /// then expected within the target, so it is not dropped at the target.
+    vetted: Option<Instant>,
     deadline: Instant,
     cost: usize,
     item: T,
@@ -213,8 +216,13 @@ struct Line {
 ///   standing queue exists and the queue is *overloaded*: waiters older than the target are
 ///   dropped ([`DropReason::Sojourn`]), until free slots find nobody waiting at least as often
 ///   as somebody. Otherwise a waiter may wait up to the interval.
-/// - **adaptive LIFO**: while overloaded the newest waiter is served first (it is the most
-///   likely to still make its deadline); first come, first served otherwise.
+/// - **the door**: while overloaded, a newcomer beyond what the slots serve within the target
+///   is refused at once ([`DropReason::Sojourn`] too) instead of after waiting the target, so
+///   overload costs fast refusals; a newcomer let in is expected to be served within the
+///   target and may wait up to the interval.
+/// - **adaptive LIFO**: while overloaded and the queue still holds more than the target
+///   allows (the backlog from before the overload was seen), the newest waiter is served first
+///   (it is the most likely to still make its deadline); first come, first served otherwise.
 /// - **fairness**: each tenant has its own sub-queue and the sub-queues are served in turn
 ///   (deficit round robin where every request costs one slot). A tenant may hold at most an
 ///   equal share of the queue among the tenants waiting ([`DropReason::TenantShare`]); when the
@@ -444,6 +452,7 @@ impl<T> AdmissionQueue<T> {
             }
         }
 
+        let vetted = if fair { self.overloaded_since } else { None };
         let tenant: Arc<str> = match self.lines.get_key_value(key) {
             Some((t, _)) => Arc::clone(t),
             None => Arc::from(key),
@@ -465,6 +474,7 @@ impl<T> AdmissionQueue<T> {
             Entry {
                 tenant,
                 enqueued: now,
+                vetted,
                 deadline,
                 cost,
                 item,
@@ -473,12 +483,18 @@ impl<T> AdmissionQueue<T> {
         Ok(Ticket(ticket))
     }
 
-    /// Chooses the next waiter to serve: tenants in turn, newest first while overloaded.
-    /// Waiters found unable to make their deadline, or past their sojourn, are dropped on the
-    /// way and collected for [`take_dropped`](Self::take_dropped).
+    /// Chooses the next waiter to serve: tenants in turn, newest first while a standing queue
+    /// holds more than the target allows. Waiters found unable to make their deadline, or past
+    /// their sojourn, are dropped on the way and collected for
+    /// [`take_dropped`](Self::take_dropped).
     pub fn pop(&mut self, now: Instant) -> Option<Admitted<T>> {
         self.tick(now);
-        let lifo = self.is_overloaded() && self.config.discipline == Discipline::Fair;
+        // Once the door keeps the queue within the target, first come is first served again:
+        // newest first would starve the oldest of so short a line until the target drops it,
+        // turning a refusal at the door into a late one.
+        let lifo = self.is_overloaded()
+            && self.config.discipline == Discipline::Fair
+            && self.entries.len() > self.served_within_target();
         if self.round.is_empty() {
             // A free slot and nobody waiting: capacity exceeds demand. (Finding only waiters
             // too old to serve is no such evidence.)
@@ -544,7 +560,13 @@ impl<T> AdmissionQueue<T> {
         if self.config.discipline == Discipline::Fair {
             at = at.min(entry.enqueued + self.interval());
             let target = entry.enqueued + self.target();
-            if target > now {
+            if self.is_vetted(entry) {
+                // Waits up to the interval unless the overload ends first (the interval's
+                // end decides that).
+                if let Some(start) = self.interval_start {
+                    at = at.min((start + self.interval()).max(now));
+                }
+            } else if target > now {
                 at = at.min(target);
             } else if !self.is_overloaded() {
                 // Past the target: it matters again when the next interval decides overload.
@@ -666,12 +688,18 @@ impl<T> AdmissionQueue<T> {
             return None;
         }
         let age = now.saturating_duration_since(entry.enqueued);
-        let limit = if self.is_overloaded() {
+        let limit = if self.is_overloaded() && !self.is_vetted(entry) {
             self.target()
         } else {
             self.interval()
         };
         (age >= limit).then_some(DropReason::Sojourn)
+    }
+
+    /// Whether the door let `entry` in during the current overload: its turn was expected
+    /// within the target, so it may wait up to the interval like any waiter of a healthy queue.
+    fn is_vetted(&self, entry: &Entry<T>) -> bool {
+        entry.vetted.is_some() && entry.vetted == self.overloaded_since
     }
 
     /// Takes the oldest (or newest) waiter of `tenant` out of the queue.

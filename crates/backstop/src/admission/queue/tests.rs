@@ -164,31 +164,40 @@ fn a_stalled_service_is_a_standing_queue_too() {
 }
 
 #[test]
-fn newest_first_while_overloaded_oldest_first_otherwise() {
-    let mut q = queue(QueueConfig {
-        target: Duration::from_secs(1),
-        interval: Duration::from_secs(2),
-        ..config()
-    });
+fn newest_first_while_a_standing_queue_exceeds_the_target_oldest_first_once_the_door_holds() {
+    // One slot, 10 ms per request: the target is two gaps (20 ms), which two waiters fill.
+    let mut q = AdmissionQueue::new(config());
+    q.set_slots(1);
     let t0 = Instant::now();
-    for i in 0..4 {
-        q.push(t0, "a", t0 + LONG * 10, 0, i).unwrap();
+    for (i, at) in [0, 10, 20, 90].into_iter().enumerate() {
+        q.push(t0 + at * MS, "a", t0 + LONG, 0, i as u32).unwrap();
     }
-    assert_eq!(q.pop(t0 + 1500 * MS).unwrap().item, 0, "FIFO");
-    // The interval's least delay (1.5 s) exceeded the 1 s target: LIFO from now on.
-    q.push(t0 + 2000 * MS, "a", t0 + LONG * 10, 0, 9).unwrap();
+    assert_eq!(q.pop(t0 + 30 * MS).unwrap().item, 0, "FIFO");
+    // The interval's least delay (30 ms) exceeded the 20 ms target: a standing queue of three,
+    // more than the target allows: newest first.
+    let served = q.pop(t0 + 101 * MS).unwrap();
     assert!(q.is_overloaded());
-    assert_eq!(q.pop(t0 + 2000 * MS).unwrap().item, 9, "LIFO");
-    // The older ones have waited beyond the target: dropped on the way, newest first.
-    assert_eq!(q.pop(t0 + 2000 * MS).map(|w| w.item), None);
+    assert_eq!((served.item, served.sojourn), (3, 11 * MS), "LIFO");
+    // The rest waited beyond the target: dropped on the way.
+    assert_eq!(q.pop(t0 + 101 * MS).map(|w| w.item), None);
     assert_eq!(
         reasons(&mut q),
-        vec![
-            (3, DropReason::Sojourn),
-            (2, DropReason::Sojourn),
-            (1, DropReason::Sojourn)
-        ]
+        vec![(1, DropReason::Sojourn), (2, DropReason::Sojourn)]
     );
+
+    // From now on the door keeps the line within the target: two get in, the third is
+    // refused at once.
+    let first = q.push(t0 + 102 * MS, "a", t0 + LONG, 0, 4).unwrap();
+    let second = q.push(t0 + 103 * MS, "a", t0 + LONG, 0, 5).unwrap();
+    let refused = q.push(t0 + 104 * MS, "a", t0 + LONG, 0, 6).unwrap_err();
+    assert_eq!((refused.item, refused.reason), (6, DropReason::Sojourn));
+    // A line that short is served first come, first served, and those let in are not dropped
+    // at the target: a late turn is no reason for a late refusal.
+    assert_eq!(q.check(first, t0 + 125 * MS), None);
+    assert!(q.next_check(second, t0 + 125 * MS).unwrap() > t0 + 125 * MS);
+    assert_eq!(q.pop(t0 + 125 * MS).unwrap().item, 4);
+    assert_eq!(q.pop(t0 + 130 * MS).unwrap().item, 5);
+    assert!(reasons(&mut q).is_empty());
 }
 
 #[test]
