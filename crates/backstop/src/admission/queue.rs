@@ -216,10 +216,10 @@ struct Line {
 ///   standing queue exists and the queue is *overloaded*: waiters older than the target are
 ///   dropped ([`DropReason::Sojourn`]), until free slots find nobody waiting at least as often
 ///   as somebody. Otherwise a waiter may wait up to the interval.
-/// - **the door**: while overloaded, a newcomer beyond what the slots serve within the target
-///   is refused at once ([`DropReason::Sojourn`] too) instead of after waiting the target, so
-///   overload costs fast refusals; a newcomer let in is expected to be served within the
-///   target and may wait up to the interval.
+/// - **the door**: a newcomer beyond what the slots serve within the wait allowed (the
+///   interval; the target while overloaded) is refused at once ([`DropReason::Sojourn`] too)
+///   instead of after waiting, so overload costs fast refusals; a newcomer let in during an
+///   overload is expected to be served within the target and may wait up to the interval.
 /// - **adaptive LIFO**: while overloaded and the queue still holds more than the target
 ///   allows (the backlog from before the overload was seen), the newest waiter is served first
 ///   (it is the most likely to still make its deadline); first come, first served otherwise.
@@ -415,12 +415,16 @@ impl<T> AdmissionQueue<T> {
         if fair && mine >= share {
             return refuse(DropReason::TenantShare, item);
         }
-        // Once a standing queue is known, a newcomer beyond what the slots can serve within
-        // the target would only wait to be dropped on sojourn: it is refused at the door, at
-        // once, instead of after waiting the target. The queue is then as long as the target
-        // allows, and no longer.
-        let cap = if fair && self.is_overloaded() {
-            self.served_within_target().min(self.config.max_waiters)
+        // A newcomer beyond what the slots can serve within the wait the queue allows (the
+        // interval, or the target once a standing queue is known) would only wait to be dropped
+        // on sojourn: it is refused at the door, at once, instead of after waiting.
+        let cap = if fair {
+            let allowed = if self.is_overloaded() {
+                self.target()
+            } else {
+                self.interval()
+            };
+            self.served_within(allowed).min(self.config.max_waiters)
         } else {
             self.config.max_waiters
         };
@@ -665,9 +669,14 @@ impl<T> AdmissionQueue<T> {
         (self.round.len() + usize::from(!self.lines.contains_key(key))).max(1)
     }
 
-    /// How many waiters the slots can serve within the [target](Self::target): the target
-    /// over the expected gap between finishing requests, rounded up (at least 1).
+    /// How many waiters the slots can serve within the [target](Self::target).
     fn served_within_target(&self) -> usize {
+        self.served_within(self.target())
+    }
+
+    /// How many waiters the slots can serve within `wait`: `wait` over the expected gap between
+    /// finishing requests, rounded up (at least 1).
+    fn served_within(&self, wait: Duration) -> usize {
         let gap = self
             .expected_service()
             .checked_div(u32::try_from(self.slots).unwrap_or(u32::MAX))
@@ -675,7 +684,7 @@ impl<T> AdmissionQueue<T> {
         if gap.is_zero() {
             return self.config.max_waiters;
         }
-        let n = self.target().as_nanos().div_ceil(gap.as_nanos());
+        let n = wait.as_nanos().div_ceil(gap.as_nanos());
         usize::try_from(n).unwrap_or(usize::MAX).max(1)
     }
 

@@ -301,8 +301,10 @@ fn a_removed_waiter_leaves_nothing() {
 
 #[test]
 fn pushback_grows_with_the_queue_and_is_jittered_within_bounds() {
+    // An interval long enough for the slots to serve every waiter within it.
     let mut q = queue(QueueConfig {
         max_waiters: 1000,
+        interval: Duration::from_secs(10),
         ..config()
     });
     let t0 = Instant::now();
@@ -460,4 +462,144 @@ fn a_standing_queue_refuses_at_the_door_what_it_could_not_serve_within_the_targe
         calm.push(t0, "a", t0 + LONG, 0, i).unwrap();
     }
     assert!(!calm.is_overloaded());
+}
+
+/// Drives the queue the way the gate does, in virtual time: 16 slots whose requests take
+/// 100 ms (+-10 %), random arrivals at `multiple` times their capacity (160/s) for 20 s, each
+/// with a 2 s budget; a waiter is looked at when [`AdmissionQueue::next_check`] says. Returns
+/// the requests served per second, the refusals, and the refusals that came after a wait of
+/// more than 5 ms.
+fn overload(multiple: f64) -> (f64, usize, usize) {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Event {
+        Done,
+        Arrive(u32),
+        Check(u32),
+    }
+    const SLOTS: usize = 16;
+    const RUN: Duration = Duration::from_secs(20);
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut unit = move || {
+        // xorshift64*: deterministic, good enough for arrival gaps.
+        seed ^= seed >> 12;
+        seed ^= seed << 25;
+        seed ^= seed >> 27;
+        (seed.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let t0 = Instant::now();
+    let rate = multiple * SLOTS as f64 / 0.1;
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    q.set_slots(SLOTS);
+    let mut events = BinaryHeap::new();
+    let mut at = Duration::ZERO;
+    let mut id = 0;
+    while at < RUN {
+        events.push(Reverse((at, Event::Arrive(id))));
+        at += Duration::from_secs_f64(-(1.0 - unit()).ln() / rate);
+        id += 1;
+    }
+    let mut arrived = vec![Duration::ZERO; id as usize];
+    let mut tickets = HashMap::new();
+    let (mut inflight, mut served, mut refused, mut late) = (0, 0, 0, 0);
+    let mut refuse = |waited: Duration| {
+        refused += 1;
+        late += usize::from(waited > 5 * MS);
+    };
+    while let Some(Reverse((at, event))) = events.pop() {
+        let now = t0 + at;
+        let mut start = |events: &mut BinaryHeap<_>| {
+            let took = Duration::from_secs_f64(0.1 * (0.9 + 0.2 * unit()));
+            events.push(Reverse((at + took, Event::Done)));
+        };
+        match event {
+            Event::Arrive(i) => {
+                arrived[i as usize] = at;
+                if q.is_empty() && inflight < SLOTS {
+                    q.admitted_directly(now);
+                    inflight += 1;
+                    start(&mut events);
+                } else {
+                    match q.push(now, "t", now + Duration::from_secs(2), 0, i) {
+                        Ok(ticket) => {
+                            tickets.insert(i, ticket);
+                            let check = q.next_check(ticket, now).unwrap();
+                            events.push(Reverse((check - t0, Event::Check(i))));
+                        }
+                        Err(_) => refuse(Duration::ZERO),
+                    }
+                }
+            }
+            Event::Done => {
+                inflight -= 1;
+                served += 1;
+                q.on_service(100 * MS);
+                while inflight < SLOTS {
+                    let Some(next) = q.pop(now) else { break };
+                    tickets.remove(&next.item);
+                    inflight += 1;
+                    start(&mut events);
+                }
+            }
+            Event::Check(i) => {
+                if let Some(&ticket) = tickets.get(&i) {
+                    if q.check(ticket, now).is_some() {
+                        tickets.remove(&i);
+                        refuse(at - arrived[i as usize])
+                    } else if let Some(check) = q.next_check(ticket, now) {
+                        events.push(Reverse(((check - t0).max(at), Event::Check(i))));
+                    }
+                }
+            }
+        }
+        for (i, _) in q.take_dropped() {
+            tickets.remove(&i);
+            refuse(at - arrived[i as usize])
+        }
+    }
+    (served as f64 / RUN.as_secs_f64(), refused, late)
+}
+
+#[test]
+fn overload_is_refused_at_once_and_capacity_stays_in_use() {
+    for multiple in [3.0, 5.0] {
+        let (goodput, refused, late) = overload(multiple);
+        assert!(goodput >= 0.9 * 160.0, "{multiple}x: {goodput}/s served");
+        assert!(
+            refused as f64 >= 0.5 * (multiple - 1.0) / multiple * 160.0 * multiple * 20.0,
+            "{multiple}x: only {refused} refused"
+        );
+        // At most 1 % of the refusals come after a wait: the door turns away what the slots
+        // could not serve in time, from the first interval on.
+        assert!(
+            late * 100 <= refused,
+            "{multiple}x: {late} of {refused} refusals waited more than 5 ms"
+        );
+    }
+}
+
+#[test]
+fn a_healthy_queue_refuses_at_the_door_what_it_could_not_serve_within_the_interval() {
+    // Ten slots, 100 ms per request: a waiter every 10 ms, so ten serve within the 100 ms
+    // interval; an eleventh would wait past it only to be dropped.
+    let mut q = AdmissionQueue::new(QueueConfig {
+        max_waiters: 64,
+        ..config()
+    });
+    q.set_slots(10);
+    q.on_service(100 * MS);
+    let t0 = Instant::now();
+    for i in 0..10 {
+        q.push(t0, &format!("t{i}"), t0 + LONG, 0, i).unwrap();
+    }
+    let refused = q.push(t0, "t10", t0 + LONG, 0, 10).unwrap_err();
+    assert_eq!((refused.reason, refused.item), (DropReason::Sojourn, 10));
+    assert!(!q.is_overloaded());
+    // Faster service makes room at the door.
+    for _ in 0..50 {
+        q.on_service(10 * MS);
+    }
+    q.push(t0, "t10", t0 + LONG, 0, 10).unwrap();
 }
