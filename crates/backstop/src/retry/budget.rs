@@ -170,11 +170,12 @@ impl RetryBudget {
 ///   budget example deposits on success only; that stays within the bound too, but earns no
 ///   tokens while a destination fails every request, so only the burst is ever retried.)
 /// - [`Budget::withdraw`] is [`RetryBudget::try_withdraw`]: one whole token per retry (or
-///   hedge), the token [`RetryPolicy`] takes just before it sends a retry and the hedge layer
-///   before a hedge. `false` takes nothing, and the retry must not be sent.
+///   hedge), the token [`RetryPolicy`] takes once it has decided to retry, before the
+///   backoff wait, and the hedge layer before it sends a hedge. `false` takes nothing, and
+///   the retry must not be sent.
 ///
-/// So, over any mix of tower sessions and backstop requests sharing one budget, retries stay
-/// below `ratio x requests + burst`.
+/// So over any mix of tower sessions and backstop requests sharing one budget, retries and
+/// hedges stay within `ratio x requests + burst`.
 ///
 /// [`Budget::deposit`]: tower::retry::budget::Budget::deposit
 /// [`Budget::withdraw`]: tower::retry::budget::Budget::withdraw
