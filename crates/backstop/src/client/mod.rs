@@ -79,6 +79,7 @@
 //! ```
 
 pub mod breaker;
+mod circuit_open;
 pub mod classify;
 pub mod config;
 pub mod connect;
