@@ -87,6 +87,7 @@ pub mod deadline;
 pub mod future;
 pub mod hedge;
 pub mod logical;
+mod previous_attempts;
 pub mod replay;
 pub mod retry;
 mod stack;
