@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, Response, StatusCode};
 
-use super::breaker::CircuitOpen;
+use super::circuit_open::CircuitOpen;
 use crate::admission::RetryAfter;
 use crate::deadline::DeadlineExceeded;
 use crate::status::{Code, GRPC_RETRY_PUSHBACK_MS, Status, problem};

@@ -79,6 +79,7 @@
 //! ```
 
 pub mod breaker;
+mod circuit_open;
 pub mod classify;
 pub mod config;
 pub mod connect;
@@ -86,6 +87,7 @@ pub mod deadline;
 pub mod future;
 pub mod hedge;
 pub mod logical;
+mod previous_attempts;
 pub mod replay;
 pub mod retry;
 mod stack;

@@ -217,6 +217,122 @@ impl Backoff {
     }
 }
 
+/// A [`Backoff`] makes tower backoff sessions, so a [`tower::retry::Policy`] can wait with
+/// backstop's delays: one [`BackoffSession`] per logical request, whose `n`-th
+/// `next_backoff` waits what [`RetryPolicy`](super::RetryPolicy) waits before its `n`-th
+/// retry. Server pushback, which `RetryPolicy` waits instead when a failure carries one, is
+/// left to the tower policy: a tower backoff never sees the response.
+///
+/// ```
+/// use std::time::Duration;
+/// use backstop::retry::{Backoff, Jitter};
+/// use tokio::time::Instant;
+/// use tower::retry::backoff::{Backoff as _, MakeBackoff};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), backstop::retry::BackoffError> {
+/// let ms = Duration::from_millis(1);
+/// let mut backoff = Backoff::new(50 * ms, 2_000 * ms, Jitter::Equal, 10 * ms)?;
+/// let mut session = backoff.make_backoff();
+/// for retry in 0..8 {
+///     let ceiling = backoff.ceiling(retry); // 50, 100, 200 ... 2000 ms
+///     let wait = session.next_backoff();
+///     let delay = wait.deadline() - Instant::now();
+///     // Equal jitter: at least half the ceiling, at most the ceiling.
+///     assert!(delay >= ceiling / 2 && delay <= ceiling, "retry {retry}: {delay:?}");
+///     wait.await;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+impl tower::retry::backoff::MakeBackoff for Backoff {
+    type Backoff = BackoffSession;
+
+    fn make_backoff(&mut self) -> BackoffSession {
+        BackoffSession {
+            backoff: *self,
+            retries: 0,
+            prev: Duration::ZERO,
+        }
+    }
+}
+
+/// One logical request's backoff delays as a tower [`Backoff`](tower::retry::backoff::Backoff),
+/// made by [`MakeBackoff`](tower::retry::backoff::MakeBackoff) on a [`Backoff`].
+///
+/// The `n`-th [`next_backoff`](tower::retry::backoff::Backoff::next_backoff) sleeps
+/// [`Backoff::delay`] for retry `n - 1`, given the session's previous delay (read by
+/// [`Jitter::Decorrelated`]) and drawn from the thread's generator, as
+/// [`RetryPolicy`](super::RetryPolicy) draws its own.
+///
+/// Cloning starts over at the first retry, as tower's `Backoff` contract asks: a clone is the
+/// next request's session, not a copy of this one's progress (a copy would make the next
+/// request's first retry wait as long as this request's last).
+#[derive(Debug)]
+pub struct BackoffSession {
+    backoff: Backoff,
+    /// Delays drawn so far: the retry the next one is for.
+    retries: u32,
+    /// The last delay drawn (`ZERO` before the first), read by [`Jitter::Decorrelated`].
+    prev: Duration,
+}
+
+impl BackoffSession {
+    /// The limits the delays are drawn within.
+    pub fn backoff(&self) -> &Backoff {
+        &self.backoff
+    }
+
+    /// Delays drawn so far in this session.
+    pub fn retries(&self) -> u32 {
+        self.retries
+    }
+}
+
+impl Clone for BackoffSession {
+    fn clone(&self) -> Self {
+        BackoffSession {
+            backoff: self.backoff,
+            retries: 0,
+            prev: Duration::ZERO,
+        }
+    }
+}
+
+/// ```
+/// use std::time::Duration;
+/// use backstop::retry::{Backoff, Jitter};
+/// use tokio::time::Instant;
+/// use tower::retry::backoff::{Backoff as _, MakeBackoff};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), backstop::retry::BackoffError> {
+/// let ms = Duration::from_millis(1);
+/// let mut session = Backoff::new(50 * ms, 2_000 * ms, Jitter::None, ms)?.make_backoff();
+/// let start = Instant::now();
+/// for _ in 0..3 {
+///     session.next_backoff().await; // 50, 100, 200 ms without jitter
+/// }
+/// assert_eq!(start.elapsed(), 350 * ms);
+/// // A clone starts over, for the next request.
+/// let mut next = session.clone();
+/// assert_eq!(next.next_backoff().deadline() - Instant::now(), 50 * ms);
+/// # Ok(())
+/// # }
+/// ```
+impl tower::retry::backoff::Backoff for BackoffSession {
+    type Future = tokio::time::Sleep;
+
+    fn next_backoff(&mut self) -> tokio::time::Sleep {
+        let delay = self
+            .backoff
+            .delay(self.retries, self.prev, &mut rand::rng());
+        self.retries = self.retries.saturating_add(1);
+        self.prev = delay;
+        tokio::time::sleep(delay)
+    }
+}
+
 /// Nanoseconds in `d`, saturating at `u64::MAX` (about 584 years).
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
@@ -374,6 +490,184 @@ mod tests {
         };
         assert_eq!(run(9), run(9));
         assert_ne!(run(9), run(10));
+    }
+
+    /// Where [`Jitter`]'s documentation puts retry `retry`'s delay, `prev` being the delay
+    /// before it (`ZERO` before the first retry).
+    fn jitter_bounds(b: &Backoff, retry: u32, prev: Duration) -> (Duration, Duration) {
+        let (floor, cap, ceiling) = (b.floor(), b.cap(), b.ceiling(retry));
+        match b.jitter() {
+            Jitter::None => (ceiling.max(floor), ceiling.max(floor)),
+            Jitter::Full => (floor, ceiling.max(floor)),
+            Jitter::Equal => ((ceiling / 2).max(floor), ceiling.max(floor)),
+            Jitter::Decorrelated => {
+                let prev = if prev.is_zero() { b.base() } else { prev };
+                let low = b.base().max(floor);
+                (low, (prev * 3).min(cap).max(low))
+            }
+        }
+    }
+
+    /// Every limit shape the tower tests run: floor below the base, floor above the first
+    /// ceilings, a cap reached after a few retries.
+    fn tower_limits() -> Vec<Backoff> {
+        let modes = [
+            Jitter::None,
+            Jitter::Full,
+            Jitter::Equal,
+            Jitter::Decorrelated,
+        ];
+        let shapes = [
+            (50 * MS, 2_000 * MS, 10 * MS),
+            (MS, 40 * MS, 15 * MS),
+            (7 * MS, 100 * MS, Duration::ZERO),
+        ];
+        modes
+            .into_iter()
+            .flat_map(|jitter| {
+                shapes.map(|(base, cap, floor)| Backoff::new(base, cap, jitter, floor).unwrap())
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tower_sessions_sleep_within_the_jitter_bounds() {
+        use tokio::time::Instant;
+        use tower::retry::backoff::{Backoff as _, MakeBackoff};
+
+        for mut backoff in tower_limits() {
+            let mut longest = Duration::ZERO;
+            // Several sessions, so the jittered modes draw many delays per retry.
+            for _ in 0..20 {
+                let mut session = backoff.make_backoff();
+                let mut prev = Duration::ZERO;
+                for retry in 0..12 {
+                    let (low, high) = jitter_bounds(&backoff, retry, prev);
+                    let sleep = session.next_backoff();
+                    let delay = sleep.deadline() - Instant::now();
+                    assert!(
+                        low <= delay && delay <= high,
+                        "{backoff:?} retry {retry}: {delay:?} outside [{low:?}, {high:?}]"
+                    );
+                    let slept_from = Instant::now();
+                    sleep.await;
+                    assert!(slept_from.elapsed() >= delay);
+                    prev = delay;
+                    longest = longest.max(delay);
+                }
+                assert_eq!(session.retries(), 12);
+            }
+            if backoff.jitter() == Jitter::Decorrelated {
+                // Decorrelated delays grow from the previous one, beyond the first retry's
+                // range (a session that forgot them would stay there).
+                let (_, first_high) = jitter_bounds(&backoff, 0, Duration::ZERO);
+                assert!(longest > first_high, "{backoff:?}: longest {longest:?}");
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tower_session_clones_start_over() {
+        use tokio::time::Instant;
+        use tower::retry::backoff::{Backoff as _, MakeBackoff};
+
+        let mut backoff = Backoff::default().with_jitter(Jitter::None);
+        let mut session = backoff.make_backoff();
+        let delays: Vec<Duration> = (0..5)
+            .map(|_| session.next_backoff().deadline() - Instant::now())
+            .collect();
+        assert_eq!(delays, [50 * MS, 100 * MS, 200 * MS, 400 * MS, 800 * MS]);
+        let mut next = session.clone();
+        assert_eq!(next.retries(), 0);
+        assert_eq!(next.next_backoff().deadline() - Instant::now(), 50 * MS);
+        assert_eq!(
+            session.next_backoff().deadline() - Instant::now(),
+            1_600 * MS
+        );
+    }
+
+    /// Our backoff as the waits of tower's own `Retry`: each wait within its retry's jitter
+    /// bounds, and the request takes as long as its waits (on the paused clock, up to the
+    /// timer's millisecond rounding of each).
+    #[tokio::test(start_paused = true)]
+    async fn tower_retry_waits_our_delays() {
+        use std::future::ready;
+        use std::sync::{Arc, Mutex};
+        use tokio::time::{Instant, Sleep};
+        use tower::retry::backoff::MakeBackoff;
+        use tower::retry::{Policy, Retry};
+        use tower::{ServiceExt, service_fn};
+
+        const FAILURES: u32 = 6;
+
+        /// Retries every failure after the session's next wait, recording the waits.
+        #[derive(Clone)]
+        struct Waiting<B> {
+            session: B,
+            waits: Arc<Mutex<Vec<Duration>>>,
+        }
+
+        impl<B, Req, Res, E> Policy<Req, Res, E> for Waiting<B>
+        where
+            B: tower::retry::backoff::Backoff<Future = Sleep>,
+            Req: Clone,
+        {
+            type Future = Sleep;
+
+            fn retry(&mut self, _: &mut Req, result: &mut Result<Res, E>) -> Option<Sleep> {
+                result.is_err().then(|| {
+                    let sleep = self.session.next_backoff();
+                    let wait = sleep.deadline() - Instant::now();
+                    self.waits.lock().unwrap().push(wait);
+                    sleep
+                })
+            }
+
+            fn clone_request(&mut self, request: &Req) -> Option<Req> {
+                Some(request.clone())
+            }
+        }
+
+        for mut backoff in tower_limits() {
+            let waits = Arc::new(Mutex::new(Vec::new()));
+            let policy = Waiting {
+                session: backoff.make_backoff(),
+                waits: Arc::clone(&waits),
+            };
+            let calls = Arc::new(Mutex::new(0u32));
+            let flaky = {
+                let calls = Arc::clone(&calls);
+                service_fn(move |()| {
+                    let mut calls = calls.lock().unwrap();
+                    *calls += 1;
+                    ready(if *calls > FAILURES {
+                        Ok(())
+                    } else {
+                        Err("unavailable")
+                    })
+                })
+            };
+            let start = Instant::now();
+            Retry::new(policy, flaky).oneshot(()).await.unwrap();
+            let elapsed = start.elapsed();
+
+            let waits = waits.lock().unwrap();
+            assert_eq!(waits.len(), FAILURES as usize, "{backoff:?}");
+            let mut prev = Duration::ZERO;
+            for (retry, wait) in (0..).zip(waits.iter()) {
+                let (low, high) = jitter_bounds(&backoff, retry, prev);
+                assert!(
+                    low <= *wait && *wait <= high,
+                    "{backoff:?} retry {retry}: {wait:?} outside [{low:?}, {high:?}]"
+                );
+                prev = *wait;
+            }
+            let waited: Duration = waits.iter().sum();
+            assert!(
+                waited <= elapsed && elapsed < waited + FAILURES * MS,
+                "{backoff:?}: {elapsed:?} elapsed for {waited:?} of waits"
+            );
+        }
     }
 
     proptest! {

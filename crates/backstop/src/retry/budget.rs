@@ -157,6 +157,101 @@ impl RetryBudget {
     }
 }
 
+/// A [`RetryBudget`] is a tower retry budget, so a [`tower::retry::Policy`] can share a
+/// destination's budget with backstop's own retries and hedges.
+///
+/// Tower's two calls are ours, with the same accounting:
+///
+/// - [`Budget::deposit`] is [`RetryBudget::deposit`]: `ratio` tokens for one logical request.
+///   Call it once per request session, whatever the outcome, as [`RetryPolicy`] does when a
+///   request starts, before its first attempt. A tower policy sees a session first when the
+///   first attempt's result reaches [`Policy::retry`], so it deposits there, before any
+///   withdrawal. Never deposit per retry: retries would pay for more retries. (Tower's own
+///   budget example deposits on success only; that stays within the bound too, but earns no
+///   tokens while a destination fails every request, so only the burst is ever retried.)
+/// - [`Budget::withdraw`] is [`RetryBudget::try_withdraw`]: one whole token per retry (or
+///   hedge), the token [`RetryPolicy`] takes once it has decided to retry, before the
+///   backoff wait, and the hedge layer before it sends a hedge. `false` takes nothing, and
+///   the retry must not be sent.
+///
+/// So over any mix of tower sessions and backstop requests sharing one budget, retries and
+/// hedges stay within `ratio x requests + burst`.
+///
+/// [`Budget::deposit`]: tower::retry::budget::Budget::deposit
+/// [`Budget::withdraw`]: tower::retry::budget::Budget::withdraw
+/// [`RetryPolicy`]: super::RetryPolicy
+/// [`Policy::retry`]: tower::retry::Policy::retry
+///
+/// ```
+/// use std::future::{Ready, ready};
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use backstop::retry::RetryBudget;
+/// use tower::retry::{Policy, Retry, budget::Budget};
+/// use tower::{ServiceExt, service_fn};
+///
+/// /// Retries every error while the budget allows, up to three attempts per request.
+/// #[derive(Clone)]
+/// struct Budgeted<B> {
+///     budget: B,
+///     // Per session: tower clones the policy for every request.
+///     attempts: u32,
+/// }
+///
+/// impl<B: Budget, Req: Clone, Res, E> Policy<Req, Res, E> for Budgeted<B> {
+///     type Future = Ready<()>;
+///
+///     fn retry(&mut self, _: &mut Req, result: &mut Result<Res, E>) -> Option<Ready<()>> {
+///         self.attempts += 1;
+///         if self.attempts == 1 {
+///             self.budget.deposit(); // one logical request
+///         }
+///         if result.is_ok() || self.attempts == 3 || !self.budget.withdraw() {
+///             return None;
+///         }
+///         Some(ready(()))
+///     }
+///
+///     fn clone_request(&mut self, request: &Req) -> Option<Req> {
+///         Some(request.clone())
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // The destination is down: every attempt fails.
+/// let sent = Arc::new(AtomicU32::new(0));
+/// let down = {
+///     let sent = Arc::clone(&sent);
+///     service_fn(move |_: &'static str| {
+///         sent.fetch_add(1, Ordering::Relaxed);
+///         async { Err::<(), _>("unavailable") }
+///     })
+/// };
+/// // 1 retry per 10 requests, plus 2 tokens of burst; clones share the balance.
+/// let budget = RetryBudget::new(0.1, 2)?;
+/// let client = Retry::new(Budgeted { budget: budget.clone(), attempts: 0 }, down);
+/// for _ in 0..100 {
+///     assert!(client.clone().oneshot("charge").await.is_err());
+/// }
+/// // 100 requests and the retries the budget paid for: the 2 burst tokens, then one per
+/// // 10 deposits (the first request's deposit found the budget full, so 99 count).
+/// let retries = sent.load(Ordering::Relaxed) - 100;
+/// assert_eq!(retries, 2 + 9);
+/// assert!(budget.available() < 1.0);
+/// # Ok(())
+/// # }
+/// ```
+impl tower::retry::budget::Budget for RetryBudget {
+    fn deposit(&self) {
+        RetryBudget::deposit(self);
+    }
+
+    fn withdraw(&self) -> bool {
+        self.try_withdraw()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,6 +374,109 @@ mod tests {
             assert!(
                 retries >= u64::from(burst),
                 "ratio {ratio} burst {burst}: {retries}"
+            );
+        }
+    }
+
+    /// The same failing workload through tower's `Retry` with the budget behind tower's
+    /// `Budget` trait, and through [`RetryPolicy::execute`](crate::retry::RetryPolicy::execute)
+    /// with a budget of the same limits: the same attempts are sent and the same balance is
+    /// left, so tower's `deposit` and `withdraw` account exactly as our retry path does.
+    #[tokio::test(start_paused = true)]
+    async fn tower_policy_spends_the_budget_as_our_retries_do() {
+        use std::future::{Ready, ready};
+        use std::sync::atomic::AtomicU32;
+        use std::time::Duration;
+
+        use tower::retry::budget::Budget;
+        use tower::retry::{Policy, Retry};
+        use tower::{ServiceExt, service_fn};
+
+        use crate::deadline::Deadline;
+        use crate::retry::{Backoff, Jitter, RetryPolicy};
+        use crate::status::{Code, Status};
+
+        const REQUESTS: u32 = 200;
+        const MAX_ATTEMPTS: u32 = 3;
+
+        /// Retries every failure while tower's `Budget` allows, up to `MAX_ATTEMPTS`.
+        #[derive(Clone)]
+        struct Budgeted<B> {
+            budget: B,
+            attempts: u32,
+        }
+
+        impl<B: Budget, Req: Clone, Res, E> Policy<Req, Res, E> for Budgeted<B> {
+            type Future = Ready<()>;
+
+            fn retry(&mut self, _: &mut Req, result: &mut Result<Res, E>) -> Option<Ready<()>> {
+                self.attempts += 1;
+                if self.attempts == 1 {
+                    self.budget.deposit();
+                }
+                if result.is_ok() || self.attempts == MAX_ATTEMPTS || !self.budget.withdraw() {
+                    return None;
+                }
+                Some(ready(()))
+            }
+
+            fn clone_request(&mut self, request: &Req) -> Option<Req> {
+                Some(request.clone())
+            }
+        }
+
+        fn down() -> Status {
+            Status::new(Code::Unavailable, "destination down")
+        }
+
+        for (ratio, burst) in [(0.1, 2), (0.37, 1), (0.005, 3), (1.0, 0)] {
+            let through_tower = RetryBudget::new(ratio, burst).unwrap();
+            let sent = Arc::new(AtomicU32::new(0));
+            let transport = {
+                let sent = Arc::clone(&sent);
+                service_fn(move |()| {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    ready(Err::<(), _>(down()))
+                })
+            };
+            let budgeted = Budgeted {
+                budget: through_tower.clone(),
+                attempts: 0,
+            };
+            let client = Retry::new(budgeted, transport);
+            for _ in 0..REQUESTS {
+                client.clone().oneshot(()).await.unwrap_err();
+            }
+            let tower_sent = sent.load(Ordering::Relaxed);
+
+            let ours = RetryBudget::new(ratio, burst).unwrap();
+            let tick = Duration::from_millis(1);
+            let policy = RetryPolicy::builder("psp", "Charge")
+                .max_attempts(MAX_ATTEMPTS)
+                .backoff(Backoff::new(tick, tick, Jitter::None, Duration::ZERO).unwrap())
+                .budget(ours.clone())
+                .build()
+                .unwrap();
+            let mut our_sent = 0;
+            for _ in 0..REQUESTS {
+                policy
+                    .execute(Deadline::after(Duration::from_secs(10)), |_| {
+                        our_sent += 1;
+                        ready(Err::<(), _>(down()))
+                    })
+                    .await
+                    .unwrap_err();
+            }
+
+            assert!(
+                tower_sent > REQUESTS,
+                "ratio {ratio} burst {burst}: no retry"
+            );
+            assert_eq!(tower_sent, our_sent, "ratio {ratio} burst {burst}");
+            assert_eq!(
+                through_tower.available(),
+                ours.available(),
+                "ratio {ratio} burst {burst}"
             );
         }
     }

@@ -19,6 +19,11 @@
 //!   leaves room for the wait and a minimal attempt, honouring the server's pushback, and
 //!   reporting why it stopped ([`StopReason`]) in the error, the metrics and the logs.
 //!
+//! The budget and the backoff also serve a plain [`tower::retry::Policy`]: [`RetryBudget`] is a
+//! tower [`Budget`](tower::retry::budget::Budget) (one deposit per logical request, one
+//! withdrawal per retry, as here) and [`Backoff`] a tower
+//! [`MakeBackoff`](tower::retry::backoff::MakeBackoff) of [`BackoffSession`]s.
+//!
 //! Which statuses are retried follows [`Status::retry_class`](crate::status::Status::retry_class):
 //! `UNAVAILABLE` with backoff, `RESOURCE_EXHAUSTED` and `ABORTED` after
 //! their pushback, `DEADLINE_EXCEEDED` only when the call carries an idempotency key
@@ -50,7 +55,8 @@
 //!
 //! # Layout
 //!
-//! - `backoff`: [`Backoff`] and [`Jitter`].
+//! - `backoff`: [`Backoff`] and [`Jitter`]; [`BackoffSession`], one request's delays as a
+//!   tower backoff.
 //! - [`budget`]: [`RetryBudget`], with the reasoning behind budgets.
 //! - `policy`: [`RetryPolicy`] and its builder.
 //! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`], and [`Attempts`], the
@@ -85,7 +91,7 @@ pub mod storm;
 pub mod throttle;
 mod window;
 
-pub use backoff::{Backoff, BackoffError, Jitter};
+pub use backoff::{Backoff, BackoffError, BackoffSession, Jitter};
 pub use budget::{BudgetError, RetryBudget};
 pub use error::{RetryError, StopReason};
 pub use executor::{Attempt, Attempts, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};

@@ -18,9 +18,8 @@ mod layer;
 mod state;
 
 pub use self::layer::BreakerLayer;
-pub use self::state::{
-    BreakerConfig, BreakerError, BreakerState, CircuitBreaker, CircuitOpen, Permit,
-};
+pub use self::state::{BreakerConfig, BreakerError, BreakerState, CircuitBreaker, Permit};
+pub use super::circuit_open::CircuitOpen;
 
 use std::task::{Context, Poll};
 

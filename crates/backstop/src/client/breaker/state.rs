@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::CircuitOpen;
+
 /// Buckets the window is divided into: old outcomes leave the window one bucket at a time.
 const BUCKETS: u32 = 10;
 
@@ -21,14 +23,6 @@ pub enum BreakerError {
     /// No probe would ever be let through in half-open.
     #[error("breaker needs at least one half-open probe")]
     NoProbe,
-}
-
-/// An attempt was not sent: the circuit is open for the destination.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("circuit open for the destination; next probe in {retry_in:?}")]
-pub struct CircuitOpen {
-    /// Time until the breaker lets a probe through.
-    pub retry_in: Duration,
 }
 
 /// Where the breaker stands.

@@ -43,8 +43,8 @@ use tower_service::Service;
 
 use super::classify::response_status;
 use super::future::LayerFuture;
+use super::previous_attempts::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use super::replay::{ReplayBody, try_clone_request};
-use super::retry::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
 use crate::retry::{RetryBudget, StormAlarm};
 use crate::status::RetryClass;

@@ -44,6 +44,7 @@ mod layer;
 
 pub use self::attempt_limit::AttemptLimit;
 pub use self::layer::RetryLayer;
+pub use super::previous_attempts::GRPC_PREVIOUS_RPC_ATTEMPTS;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -65,10 +66,6 @@ use super::replay::{Buffering, ReplayBody};
 use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
 use crate::deadline::{Deadline, Margin};
 use crate::retry::{RetryPolicy, StopReason};
-
-/// Header carrying, on a retry or a hedge, how many attempts of the call came before it.
-pub static GRPC_PREVIOUS_RPC_ATTEMPTS: HeaderName =
-    HeaderName::from_static("grpc-previous-rpc-attempts");
 
 /// The W3C trace context header, read for the `trace_id` log field.
 static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");

@@ -36,9 +36,7 @@
 //! # }
 //! ```
 
-mod group_commit;
-
-pub use group_commit::{Db, DbError, DbStats, SqliteOptions, Synchronous};
+pub use super::group_commit::{Db, DbError, DbStats, SqliteOptions, Synchronous};
 
 use std::path::Path;
 
