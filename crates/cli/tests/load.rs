@@ -15,7 +15,7 @@ use axum::routing::post;
 use backstop_payment::config::{Config, StoreLocation};
 use backstop_payment::grpc::proto::payment_server::{Payment, PaymentServer};
 use backstop_payment::grpc::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
-use backstop_payment::service::Server;
+use backstop_payment::server::Server;
 use serde_json::Value;
 use tokio::process::Command;
 

@@ -656,7 +656,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish() {
 #[tokio::test]
 async fn embedded_psp_runs_next_to_the_store() {
     use backstop_payment::config::{Config, StoreLocation};
-    use backstop_payment::service::Server;
+    use backstop_payment::server::Server;
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
     config.http = "127.0.0.1:0".parse().unwrap();
