@@ -547,7 +547,7 @@ mod tests {
         }
     }
 
-    /// DESIGN section 3, row by row: code, HTTP status, retry class.
+    /// This module's one table, row by row: code, HTTP status, retry class.
     #[test]
     fn classification_table() {
         use RetryClass::*;

@@ -321,8 +321,8 @@ async fn hedging_cuts_p99_with_one_slow_replica_of_three() {
     );
     assert!(p99_hedged < SLOW);
 
-    // At most ~6% extra attempts, plus the budget's burst (DESIGN section 7: hedges spend the
-    // destination's retry budget).
+    // At most ~6% extra attempts, plus the budget's burst (hedges spend the destination's retry
+    // budget).
     let burst = RetryBudget::default().available() as usize;
     assert!(
         hedged.extra_sends <= CALLS * 6 / 100 + burst,

@@ -232,8 +232,8 @@ async fn quoted_structured_field_key_is_the_same_key() {
     assert_eq!(again.body, first.body);
 }
 
-/// DESIGN section 8, accident 4: the same key with other parameters must not be answered with
-/// the first request's result as if it were the second's.
+/// The same key with other parameters must not be answered with the first request's result as
+/// if it were the second's.
 #[tokio::test]
 async fn same_key_with_other_parameters_silently_accepted() {
     let s = server().await;
@@ -416,8 +416,8 @@ async fn tenant_over_quota_gets_429_with_retry_after_and_key_unused() {
     assert_eq!(other.status, StatusCode::CREATED);
 }
 
-/// DESIGN section 8, accident 5: overload must be answered with 503 (own capacity) or 429
-/// (tenant quota) plus Retry-After, never with 500.
+/// Overload must be answered with 503 (own capacity) or 429 (tenant quota) plus Retry-After,
+/// never with 500.
 #[tokio::test]
 async fn overload_answered_with_500() {
     let store = MemoryStore::new();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
 use backstop::admission::{Discipline, QueueConfig};
 use backstop_payment::config::{ApiKey, Config, LimitMode, PspTarget, StoreLocation};
-use backstop_payment::service::{self, ServeError};
+use backstop_payment::server::{self, ServeError};
 use clap::Args;
 use clap::error::ErrorKind;
 
@@ -227,7 +227,7 @@ pub(crate) async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    service::serve(config, shutdown).await
+    server::serve(config, shutdown).await
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! `deploy/`: every metric the Prometheus rules and the Grafana dashboard use exists in the
 //! `/metrics` of a real `backstop serve` that has seen a little traffic (successes, a PSP
 //! failing until the client stops retrying, tenant rate-limit refusals, an unknown route), and
-//! both files are well formed (issue 16, section 3).
+//! both files are well formed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

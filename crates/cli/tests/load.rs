@@ -1,8 +1,8 @@
 //! `backstop load` as a real process against real servers on loopback: every logical request
-//! charged once against a healthy service, and the retry ratio against a dead one (seed 2.10.2:
-//! the naive preset triples the load, the budget keeps it near its ratio). The `backstop`
-//! policy runs the library's client stack, so its hedges, transparent retries and breaker
-//! show up in the report too.
+//! charged once against a healthy service, and the retry ratio against a dead one (the naive
+//! preset triples the load, the budget keeps it near its ratio). The `backstop` policy runs the
+//! library's client stack, so its hedges, transparent retries and breaker show up in the report
+//! too.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,7 +15,7 @@ use axum::routing::post;
 use backstop_payment::config::{Config, StoreLocation};
 use backstop_payment::grpc::proto::payment_server::{Payment, PaymentServer};
 use backstop_payment::grpc::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
-use backstop_payment::service::Server;
+use backstop_payment::server::Server;
 use serde_json::Value;
 use tokio::process::Command;
 

@@ -11,7 +11,7 @@ use backstop_payment::config::{Config, PspTarget, StoreLocation};
 use backstop_payment::intents::IntentStatus;
 use backstop_payment::psp::{self, Charge, PspConfig, PspHandle};
 use backstop_payment::reconcile::{ActionKind, Ledger};
-use backstop_payment::service::Server;
+use backstop_payment::server::Server;
 #[path = "../../backstop/tests/support/postgres_schema.rs"]
 mod postgres_schema;
 use serde_json::{Value, json};

@@ -1,6 +1,6 @@
 //! The HTML report in a real browser: `backstop report-sample` writes a report from synthetic
 //! data, headless Chromium renders it without console errors, with its charts in the DOM, and
-//! the screenshot is a picture, not a blank page (issue 16, section 3).
+//! the screenshot is a picture, not a blank page.
 //!
 //! Without Chromium the browser checks are skipped with a printed reason, unless
 //! `BACKSTOP_REQUIRE_CHROMIUM=1` (CI), where its absence fails the test.

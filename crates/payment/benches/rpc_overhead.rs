@@ -345,7 +345,7 @@ fn main() {
     // As `backstop serve` does: the stacks record their metrics into a real recorder, which
     // is what they cost in production. `--no-metrics` leaves the no-op recorder.
     let metrics = (!std::env::args().any(|a| a == "--no-metrics")).then(|| {
-        let handle = backstop_payment::service::prometheus_handle();
+        let handle = backstop_payment::server::prometheus_handle();
         // As the server does every 5 s: drains the histograms' sample buffers, which otherwise
         // grow with every recorded value until a scrape.
         let upkeep = handle.clone();

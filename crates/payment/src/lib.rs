@@ -1,9 +1,12 @@
 //! The reference payment service and the PSP simulator it charges through.
 //!
 //! # Layout
-//! - [`service`]: the HTTP payment service (`POST /v1/payments`, `GET /v1/payments/{id}`,
-//!   `/metrics`, `/healthz`, `/readyz`), its start-up and graceful shutdown.
-//! - [`grpc`]: the gRPC payment service (`payment.v1.Payment`) behind the same server stack.
+//! - [`server`]: start-up and graceful shutdown; both APIs behind one server stack.
+//! - [`service`]: the payment logic and the HTTP API (`POST /v1/payments`,
+//!   `GET /v1/payments/{id}`, `/metrics`, `/healthz`, `/readyz`).
+//! - [`grpc`]: the gRPC API (`payment.v1.Payment`) over the same payment logic.
+//! - [`state`]: [`AppState`](state::AppState), what both APIs and the resolver share.
+//! - [`trace`]: W3C `traceparent`, read from callers and propagated to the PSP.
 //! - [`intents`]: the `payment_intent` table on the shared group-commit SQLite
 //!   database or on PostgreSQL.
 //! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, the client stack.
@@ -14,6 +17,9 @@
 //!   records what it did.
 //! - [`resolver`]: settles intents left `running` by abandoned work (charged, or voided at the
 //!   PSP and failed).
+//!
+//! Dependencies run one way: [`server`] builds on [`grpc`] and [`service`], [`grpc`] on
+//! [`service`], and both on [`state`].
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
@@ -25,4 +31,7 @@ pub mod psp;
 pub mod psp_client;
 pub mod reconcile;
 pub mod resolver;
+pub mod server;
 pub mod service;
+pub mod state;
+pub mod trace;

@@ -60,7 +60,7 @@ use tokio::time::Instant;
 use tower::{BoxError, Service, ServiceExt};
 
 use crate::psp::{Charge, ChargeRequest, Void};
-use crate::service::trace::{TRACEPARENT, TraceParent};
+use crate::trace::{TRACEPARENT, TraceParent};
 
 /// Largest PSP answer body read (a charge is a few hundred bytes; a list is bounded by the
 /// PSP's list limit).

@@ -32,7 +32,7 @@ use metrics::{Unit, describe_gauge};
 
 use crate::intents::{Intent, IntentStatus, IntentsError, RunningStats};
 use crate::psp::VoidStatus;
-use crate::service::AppState;
+use crate::state::AppState;
 
 /// Age (from `created_at`) at which a running intent counts as abandoned: above the longest
 /// budget a request may have (60 s), with room for the way back.

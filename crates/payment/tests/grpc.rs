@@ -383,7 +383,7 @@ async fn unknown_bearer_key_is_unauthenticated() {
     assert_eq!(ok.into_inner().status, "succeeded");
 }
 
-// ---- the frame bomb (seed 2.1.5): a raw HTTP/2 client sends a 5-byte prefix claiming 4 GiB ----
+// ---- the frame bomb: a raw HTTP/2 client sends a 5-byte prefix claiming 4 GiB ----
 
 mod raw {
     use std::convert::Infallible;

@@ -1,6 +1,6 @@
 //! Five times the service's capacity against a real service and a real PSP slowed to 100 ms:
 //! goodput does not collapse, refusals are 503 (`overloaded` from the gate) + `Retry-After`,
-//! and no intent is left `running` once the load stops (issue 15, sections 1 and 2).
+//! and no intent is left `running` once the load stops.
 //!
 //! Qualitative claims only: the capacity is measured first, in the same test, on the same
 //! machine, and the overloaded goodput is compared with it, with a wide margin. With a

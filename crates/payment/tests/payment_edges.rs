@@ -16,7 +16,8 @@ use backstop_payment::intents::IntentStatus;
 use backstop_payment::psp::Fault;
 use backstop_payment::psp_client::PspClient;
 use backstop_payment::resolver::{self, SETTLE_AFTER};
-use backstop_payment::service::{AppState, prometheus_handle};
+use backstop_payment::server::prometheus_handle;
+use backstop_payment::service::AppState;
 use reqwest::StatusCode;
 use support::{Answer, Harness, body};
 

@@ -1,6 +1,7 @@
 //! The payment service end to end: real servers on 127.0.0.1:0, a real PSP simulator, a real
-//! SQLite store. Seed 2.10.4's three regression scenarios, the accidents of DESIGN section 8,
-//! concurrency, bad input and tenant isolation.
+//! SQLite store. The three regression scenarios of a payment retried (the same key, the same
+//! order under a new key, a PSP that commits and then times out), the accidents retrying
+//! clients and servers commonly cause, concurrency, bad input and tenant isolation.
 
 mod support;
 
@@ -13,7 +14,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use support::{Harness, body};
 
-// ---- seed 2.10.4: the three regression scenarios ----
+// ---- the three regression scenarios ----
 
 #[tokio::test]
 async fn same_request_key_retried_returns_original_result() {
@@ -105,7 +106,7 @@ async fn psp_commit_then_timeout_then_retry_charges_once() {
     assert_eq!(h.intent_count().await, 1);
 }
 
-// ---- DESIGN section 8: the accidents ----
+// ---- the accidents: what retrying clients and servers commonly get wrong ----
 
 /// A client that makes a new key per attempt gets its second attempt refused by the business
 /// key, and the PSP sees one charge; the same key converges.
@@ -656,7 +657,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish() {
 #[tokio::test]
 async fn embedded_psp_runs_next_to_the_store() {
     use backstop_payment::config::{Config, StoreLocation};
-    use backstop_payment::service::Server;
+    use backstop_payment::server::Server;
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
     config.http = "127.0.0.1:0".parse().unwrap();

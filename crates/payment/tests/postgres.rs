@@ -11,7 +11,7 @@ mod tcp_proxy;
 mod postgres_schema;
 
 use backstop_payment::config::{Config, PspTarget, StoreLocation};
-use backstop_payment::service::Server;
+use backstop_payment::server::Server;
 use postgres_schema::Schema;
 use reqwest::StatusCode;
 use support::{Harness, body};

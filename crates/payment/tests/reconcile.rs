@@ -1,7 +1,7 @@
 //! Reconciliation against a real PSP simulator and a real payment service, on SQLite and on
 //! PostgreSQL (a schema of its own per test): history with duplicates written around the
 //! service is found, refunded once, recorded, and then a unique index on the live order can
-//! be built (chapter 2.10.4).
+//! be built.
 
 #[path = "../../backstop/tests/support/postgres_schema.rs"]
 mod postgres_schema;

@@ -664,8 +664,8 @@ mod tests {
         Status::new(Code::Unavailable, "down")
     }
 
-    /// seed 2.2: the first attempt takes 800 ms of a 1 s budget; the retry gets what is left,
-    /// not a fresh second, and is cut off exactly at the deadline.
+    /// The first attempt takes 800 ms of a 1 s budget; the retry gets what is left, not a fresh
+    /// second, and is cut off exactly at the deadline.
     #[tokio::test(start_paused = true)]
     async fn retries_share_one_deadline_and_never_pass_it() {
         let start = Instant::now();
@@ -1011,10 +1011,9 @@ mod tests {
         assert_eq!(starts, [0, 100, 300, 700].map(|ms| ms * MS));
     }
 
-    /// DESIGN section 8, "retries without a budget": a dependency that fails every request
-    /// must not see `max_attempts` times its load. With the budget, over N logical requests,
-    /// retries / N stays within ratio + burst / N; without it every request retries to the
-    /// maximum.
+    /// Retries without a budget: a dependency that fails every request must not see
+    /// `max_attempts` times its load. With the budget, over N logical requests, retries / N
+    /// stays within ratio + burst / N; without it every request retries to the maximum.
     #[tokio::test(start_paused = true)]
     async fn retries_without_a_budget() {
         const N: u32 = 1_000;

@@ -149,7 +149,7 @@ impl Fleet {
             // The run measures exactly-once, not the merchant's rate limit.
             .args(["--tenant-rate", "1000000", "--tenant-burst", "1000000"])
             // The address line, and warnings.
-            .env("RUST_LOG", "warn,backstop_payment::service::server=info")
+            .env("RUST_LOG", "warn,backstop_payment::server=info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -7,6 +7,7 @@
 //! new order with its own idempotency key, driven by the chosen [`PolicyKind`]: `backstop`
 //! sends it through the library's client stack ([`stack`]), `naive` through a plain loop.
 
+mod logical;
 mod policy;
 mod report;
 mod series;
@@ -25,7 +26,8 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use self::policy::{Driver, Logical, PolicyKind};
+use self::logical::Logical;
+use self::policy::{Driver, PolicyKind};
 use self::report::Tally;
 use self::series::Series;
 use self::target::Target;

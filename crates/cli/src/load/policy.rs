@@ -11,6 +11,7 @@ use backstop::status::{Outcome, RetryClass, Status};
 use clap::ValueEnum;
 use tokio::time::Instant;
 
+use super::logical::Logical;
 use super::report::{AttemptRecord, LogicalRecord, Tally};
 use super::stack::StackClient;
 use super::target::{Client, Send, Target};
@@ -38,13 +39,6 @@ impl PolicyKind {
             PolicyKind::Naive => "naive",
         }
     }
-}
-
-/// One logical request's business data.
-#[derive(Debug)]
-pub(crate) struct Logical {
-    pub(crate) order_id: String,
-    pub(crate) amount_cents: u64,
 }
 
 /// Runs a logical request and tallies it.

@@ -264,7 +264,7 @@ impl Tally {
             hedges: self.hedges,
             hedge_results: self.hedge_results,
             transparent_retries: self.transparent_retries,
-            // Retries per logical request, never per attempt (DESIGN section 6).
+            // Retries per logical request, never per attempt: what a retry budget bounds.
             retry_ratio: if self.logical == 0 {
                 0.0
             } else {

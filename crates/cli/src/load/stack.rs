@@ -49,7 +49,7 @@ use tonic::transport::Channel;
 use tower::util::MapRequest;
 use tower::{BoxError, Layer, Service, ServiceExt};
 
-use super::policy::Logical;
+use super::logical::Logical;
 use super::report::{AttemptOutcome, AttemptRecord, LogicalRecord};
 use super::target::{Target, from_tonic};
 

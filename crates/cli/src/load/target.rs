@@ -363,7 +363,7 @@ mod tests {
         let ours = from_tonic(&s);
         assert_eq!(ours.code(), Code::Unavailable);
         assert_eq!(ours.pushback(), Some(Duration::from_millis(250)));
-        // DESIGN: a negative pushback means "do not retry" (a wait no deadline covers).
+        // A negative pushback means "do not retry" (a wait no deadline covers).
         let mut s = tonic::Status::aborted("in progress");
         s.metadata_mut()
             .insert("grpc-retry-pushback-ms", MetadataValue::from_static("-5"));

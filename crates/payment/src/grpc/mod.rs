@@ -37,7 +37,7 @@ use std::time::Duration;
 use axum::Router;
 use backstop::server::grpc::{DEFAULT_MAX_MESSAGE, UnaryLimitLayer};
 
-use crate::service::AppState;
+use crate::state::AppState;
 
 /// Path of `Charge`.
 pub const CHARGE: &str = "/payment.v1.Payment/Charge";
@@ -48,8 +48,8 @@ pub const GET_CHARGE: &str = "/payment.v1.Payment/GetCharge";
 /// Pushback sent with `UNAVAILABLE` when the store does not answer.
 const STORE_PUSHBACK: Duration = Duration::from_secs(1);
 
-/// The gRPC routes, without layers: the caller adds the server stack (see
-/// [`crate::service::build_routers`]). Unknown methods are `UNIMPLEMENTED`.
+/// The gRPC routes, without layers: the caller adds the server stack in front of them.
+/// Unknown methods are `UNIMPLEMENTED`.
 pub fn router(state: AppState) -> Router {
     let payments = proto::payment_server::PaymentServer::new(PaymentService::new(state))
         .max_decoding_message_size(DEFAULT_MAX_MESSAGE);

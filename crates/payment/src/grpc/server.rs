@@ -9,8 +9,6 @@ use backstop::server::listen::{ListenConfig, Listener};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::service::ServeError;
-
 /// `service` label of the gRPC listener's connection metrics.
 const LISTENER: &str = "payment-grpc";
 
@@ -23,10 +21,9 @@ pub(crate) struct Bound {
 
 impl Bound {
     /// Binds `addr`.
-    pub(crate) async fn bind(addr: SocketAddr) -> Result<Bound, ServeError> {
-        let bind_error = |source| ServeError::Bind { addr, source };
-        let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
-        let addr = listener.local_addr().map_err(bind_error)?;
+    pub(crate) async fn bind(addr: SocketAddr) -> std::io::Result<Bound> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
         Ok(Bound { listener, addr })
     }
 

@@ -12,10 +12,10 @@ use super::STORE_PUSHBACK;
 use super::proto::payment_server::Payment;
 use super::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
 use crate::intents::Intent;
-use crate::service::AppState;
 use crate::service::payments::{self, ChargeOutcome, Lookup};
 use crate::service::request;
-use crate::service::trace::TraceParent;
+use crate::state::AppState;
+use crate::trace::TraceParent;
 
 /// The `payment.v1.Payment` service. Runs below the server stack, which has set the request's
 /// [`Deadline`], [`Tenant`] and (on `Charge`) claimed its [`IdempotencyKey`].

@@ -2,14 +2,11 @@
 //! [`Deadline`], its [`Tenant`] and (on `POST /v1/payments`) a claimed [`IdempotencyKey`];
 //! replays, key reuse and in-progress answers never get here.
 
-use std::sync::Arc;
-
 use axum::Extension;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use backstop::clock::Clock;
 use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
 use backstop::server::problem::Problem;
@@ -20,9 +17,9 @@ use tracing::Instrument;
 
 use super::payments::{self, ChargeOutcome, Lookup};
 use super::request::{self, PaymentRequest};
-use super::trace::{TRACEPARENT, TraceParent};
-use crate::intents::{Intent, IntentStatus, Intents};
-use crate::psp_client::PspClient;
+use crate::intents::{Intent, IntentStatus};
+use crate::state::AppState;
+use crate::trace::{TRACEPARENT, TraceParent};
 
 /// Problem code of a 504 whose payment outcome is unknown.
 pub const PAYMENT_OUTCOME_UNKNOWN: &str = "payment_outcome_unknown";
@@ -41,43 +38,6 @@ pub const PSP_CONFLICT: &str = "psp_conflict";
 pub const NOT_FOUND: &str = "not_found";
 /// Problem code of a 405.
 pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
-
-/// Everything the handlers share. Cheap to clone.
-#[derive(Debug, Clone)]
-pub struct AppState {
-    pub(crate) intents: Intents,
-    pub(crate) psp: PspClient,
-    pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
-}
-
-impl AppState {
-    /// State over the intent table, the PSP client, a wall clock (for `created_at`) and the
-    /// Prometheus handle that `/metrics` renders.
-    pub fn new(
-        intents: Intents,
-        psp: PspClient,
-        clock: Arc<dyn Clock>,
-        metrics: metrics_exporter_prometheus::PrometheusHandle,
-    ) -> Self {
-        AppState {
-            intents,
-            psp,
-            clock,
-            metrics,
-        }
-    }
-
-    /// The intent table.
-    pub fn intents(&self) -> &Intents {
-        &self.intents
-    }
-
-    /// The PSP client.
-    pub fn psp(&self) -> &PspClient {
-        &self.psp
-    }
-}
 
 /// Wire form of a payment (201 on create, 200 on `GET`).
 #[derive(Debug, Serialize)]

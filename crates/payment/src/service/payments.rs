@@ -1,21 +1,19 @@
 //! The payment logic both protocols share: create-or-resume an intent and charge it once, and
-//! look a payment up (converging a running one with the PSP). The HTTP handlers
-//! ([`super::handlers`]) and the gRPC service ([`crate::grpc`]) only translate requests in and
-//! outcomes out.
+//! look a payment up (converging a running one with the PSP). The HTTP handlers and the gRPC
+//! service build on it and only translate requests in and outcomes out.
+
+use std::time::Duration;
 
 use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
-
-use super::handlers::AppState;
-use super::request::{self, PaymentRequest};
-use super::trace::TraceParent;
-use std::time::Duration;
-
 use backstop::retry::StopReason;
 
+use super::request::{self, PaymentRequest};
 use crate::intents::{Created, Intent, IntentStatus, NewIntent};
 use crate::psp_client::{ChargeCall, ChargeError};
 use crate::resolver;
+use crate::state::AppState;
+use crate::trace::TraceParent;
 
 /// How a charge ended.
 #[derive(Debug)]

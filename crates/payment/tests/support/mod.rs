@@ -7,7 +7,7 @@ use std::time::Duration;
 use backstop_payment::config::{Config, DEFAULT_MERCHANT, PspTarget, StoreLocation};
 use backstop_payment::psp::{self, Charge, Fault, Faults, PspConfig, PspHandle};
 use backstop_payment::psp_client::psp_reference;
-use backstop_payment::service::{RunningServer, Server};
+use backstop_payment::server::{RunningServer, Server};
 use reqwest::header::HeaderMap;
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};

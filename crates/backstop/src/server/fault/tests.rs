@@ -243,10 +243,9 @@ async fn default_client_against(percent: f64) -> (usize, usize, crate::client::D
     (attempts.load(Ordering::Relaxed), ok, destination)
 }
 
-/// Issue 15, section 5, with the faults injected by this layer: the default client policy
-/// keeps retrying when 10 % of attempts fail at random (>= 99 % of the calls succeed, the
-/// storm alarm stays calm), and stops against a dependency that fails every attempt (at most
-/// 1.02 attempts per call).
+/// With the faults injected by this layer, the default client policy keeps retrying when 10 %
+/// of attempts fail at random (>= 99 % of the calls succeed, the storm alarm stays calm), and
+/// stops against a dependency that fails every attempt (at most 1.02 attempts per call).
 #[tokio::test(start_paused = true)]
 async fn the_default_client_retries_through_ten_percent_and_stops_against_all() {
     use crate::retry::StormLevel;

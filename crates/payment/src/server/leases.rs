@@ -9,10 +9,12 @@ use backstop::idempotency::{
 };
 use tokio::sync::Notify;
 
+use crate::service::PaymentStore;
+
 /// A [`Store`] that counts leases between a successful claim and their `complete`, `fail` or
 /// `release` (ended or dropped).
 #[derive(Debug, Clone)]
-pub(crate) struct OpenLeases<St = super::PaymentStore> {
+pub(crate) struct OpenLeases<St = PaymentStore> {
     inner: St,
     count: Arc<Count>,
 }

@@ -1,4 +1,21 @@
-//! Start-up, serving and graceful shutdown.
+//! The payment server: the HTTP routes ([`crate::service`]) and the gRPC ones
+//! ([`crate::grpc`]) behind one layer stack, their listeners, start-up and graceful shutdown.
+//!
+//! # Layers
+//!
+//! One stack serves both routers ([`build_routers`]): HTTP and gRPC share the
+//! gate, the merchants' buckets and the idempotency store. Outermost first: deadline (reads
+//! `grpc-timeout` on arrival) -> metrics and request log ->
+//! authentication ([`crate::auth`], sets the `Tenant`) -> fault injection (`--fault-abort-percent`,
+//! off by default) -> per-merchant rate limit -> gate ->
+//! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
+//! routes bypass the stack.
+//!
+//! # Layout
+//! - `routers`: [`build_routers`] and the layers it configures.
+//! - `leases`: the idempotency store counting the keys it handed out, so that shutdown can wait
+//!   for those of requests cut at the drain bound.
+//! - this module: [`Server`] (start-up, serving, draining) and [`serve`].
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,12 +34,18 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::leases::OpenLeases;
-use super::{AppState, PaymentStore, Routers, build_routers, rate_limit_layer};
+mod leases;
+mod routers;
+
+pub use self::routers::{Routers, SERVICE_NAME, build_app, build_routers, rate_limit_layer};
+
+use self::leases::OpenLeases;
 use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
 use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
 use crate::psp_client::{ClientError, PspClient};
+use crate::service::PaymentStore;
+use crate::state::AppState;
 
 /// Retry budget of the PSP client: 10 % of logical requests, burst 20.
 const PSP_RETRY_RATIO: f64 = 0.1;
@@ -137,7 +160,12 @@ impl Server {
         };
         let listener = TcpListener::bind(config.http).await.map_err(bind_error)?;
         let addr = listener.local_addr().map_err(bind_error)?;
-        let grpc = crate::grpc::server::Bound::bind(config.grpc).await?;
+        let grpc = crate::grpc::server::Bound::bind(config.grpc)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: config.grpc,
+                source,
+            })?;
 
         let (store, intents) = match &config.store {
             StoreLocation::Sqlite(path) => {

@@ -1,0 +1,151 @@
+//! [`build_routers`]: the HTTP and the gRPC routes behind one server stack, configured from
+//! [`Config`].
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::handler::Handler;
+use axum::routing::{get, post};
+use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
+use backstop::admission::{FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, SlowStart};
+use backstop::idempotency::Store;
+use backstop::server::listen::ConnectionInfo;
+use backstop::server::{
+    DeadlineLayer, FaultLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack,
+};
+use http::Method;
+
+use crate::auth::Authenticator;
+use crate::config::{BODY_LIMIT, Config, LimitMode};
+use crate::grpc;
+use crate::service::handlers;
+use crate::service::protocol::{OneProtocolLayer, Port};
+use crate::state::AppState;
+
+/// Service label of the server metrics.
+pub const SERVICE_NAME: &str = "payment";
+
+/// Most merchants whose rate-limit buckets are held at once.
+const MAX_TENANT_BUCKETS: std::num::NonZeroUsize = backstop::server::DEFAULT_MAX_TENANTS;
+
+/// Shortest service time the gate keeps in reserve: a request whose budget cannot wait for a
+/// slot and still get this much is refused at once.
+const MIN_SERVICE: Duration = Duration::from_millis(20);
+
+/// The per-merchant rate limit: buckets in Redis shared by all instances when `--redis` is set,
+/// else in this process. Call it inside the runtime (Redis connects lazily, on first use).
+pub fn rate_limit_layer(config: &Config) -> Result<RateLimitLayer, RedisLimitError> {
+    let quota = Quota::per_second(config.tenant_rate, config.tenant_burst);
+    Ok(match &config.redis {
+        Some(redis) => RateLimitLayer::shared(SharedLimiter::new(
+            RedisTokenBucket::new(redis, quota)?,
+            config.redis_failure,
+            config.instances,
+        )),
+        None => RateLimitLayer::new(KeyedTokenBucket::new(quota, MAX_TENANT_BUCKETS)),
+    })
+}
+
+/// The two routers of the service, behind one server stack (so HTTP and gRPC share the gate,
+/// the merchants' buckets and the idempotency store).
+#[derive(Debug, Clone)]
+pub struct Routers {
+    /// HTTP: payment routes under the stack, `/healthz`, `/readyz` and `/metrics` beside it.
+    pub http: Router,
+    /// gRPC: `payment.v1.Payment` under the stack.
+    pub grpc: Router,
+}
+
+/// Builds the router: payment routes under the full layer stack, `/healthz`, `/readyz` and
+/// `/metrics` beside it. `store` is the idempotency store (the same database as the intents);
+/// `rate_limit` is made by [`rate_limit_layer`].
+pub fn build_app<St: Store>(
+    state: AppState,
+    store: St,
+    config: &Config,
+    rate_limit: RateLimitLayer,
+) -> Router {
+    build_routers(state, store, config, rate_limit).http
+}
+
+/// The admission gate `config` asks for: a fixed limit, or an adaptive one starting at its
+/// upper bound; either behind a slow start unless it is turned off, and waiting through the
+/// configured queue.
+fn gate(config: &Config) -> Gate {
+    let fixed = FixedLimit::new(config.max_inflight);
+    let adaptive = || Gradient2::new(config.min_inflight, config.max_inflight);
+    let gate = match (config.limit, config.slow_start) {
+        (LimitMode::Fixed, None) => Gate::new(config.max_inflight, MIN_SERVICE),
+        (LimitMode::Fixed, Some(floor)) => {
+            Gate::with_limit(SlowStart::new(fixed, floor), MIN_SERVICE)
+        }
+        (LimitMode::Adaptive, None) => Gate::with_limit(adaptive(), MIN_SERVICE),
+        (LimitMode::Adaptive, Some(floor)) => {
+            Gate::with_limit(SlowStart::new(adaptive(), floor), MIN_SERVICE)
+        }
+    };
+    gate.with_queue(config.queue.clone())
+}
+
+/// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).
+pub fn build_routers<St: Store>(
+    state: AppState,
+    store: St,
+    config: &Config,
+    rate_limit: RateLimitLayer,
+) -> Routers {
+    let auth = Authenticator::new(&config.api_keys);
+    let keyed = KeyedRoute::new(config.key_ttl).lease(config.lease);
+    let stack = ServerStack::new(SERVICE_NAME, store.clone())
+        .deadline(DeadlineLayer::new(config.default_timeout))
+        .tenant(auth.layer())
+        // Validated by `Config::validate`; an invalid share injects nothing.
+        .fault(
+            FaultLayer::none()
+                .abort_percent(config.fault_abort_percent)
+                .unwrap_or_default(),
+        )
+        .rate_limit(rate_limit)
+        .gate(gate(config))
+        .idempotency(
+            IdempotencyLayer::new(store)
+                .clock(state.clock.clone())
+                .max_body(BODY_LIMIT),
+        )
+        .keyed(Method::POST, "/v1/payments", keyed)
+        .route(Method::GET, "/v1/payments/{intent_id}")
+        .keyed(Method::POST, grpc::CHARGE, keyed)
+        // Unary and small: its body is read before the gate, like Charge's.
+        .buffered(Method::POST, grpc::GET_CHARGE)
+        .peer_from(|ext| match ext.get::<ConnectionInfo>() {
+            Some(connection) => Some(connection.peer()),
+            None => ext
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|info| info.0),
+        })
+        .into_layer();
+
+    // Requests no route takes are counted and logged too, as `unmatched`.
+    let unmatched = stack.unmatched();
+    let grpc = grpc::router(state.clone())
+        .layer(stack.clone())
+        .layer(OneProtocolLayer(Port::Grpc));
+
+    let payments = Router::new()
+        .route("/v1/payments", post(handlers::create_payment))
+        .route("/v1/payments/{intent_id}", get(handlers::get_payment))
+        .method_not_allowed_fallback(handlers::method_not_allowed)
+        .layer(stack)
+        .with_state(state.clone());
+
+    let http = Router::new()
+        .route("/healthz", get(handlers::healthz))
+        .route("/readyz", get(handlers::readyz))
+        .route("/metrics", get(handlers::metrics))
+        .method_not_allowed_fallback(handlers::method_not_allowed.layer(unmatched.clone()))
+        .with_state(state)
+        .merge(payments)
+        .fallback(handlers::not_found.layer(unmatched))
+        .layer(OneProtocolLayer(Port::Http));
+    Routers { http, grpc }
+}
