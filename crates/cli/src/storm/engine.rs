@@ -9,16 +9,18 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backstop::admission::{AdmissionQueue, FixedLimit, Gradient2, Limit, QueueConfig, Ticket};
+use backstop::admission::{
+    AdmissionQueue, FixedLimit, Gradient2, Limit, Pushback, QueueConfig, SlowStart, Ticket,
+};
 use backstop::client::hedge::{HedgePolicy, LatencyWindow};
 use backstop::deadline::Deadline;
 use backstop::retry::{
     AdaptiveThrottle, Attempts, Backoff, CallInfo, RetryBudget, RetryError, RetryPolicy,
     StormAlarm, StormConfig,
 };
-use backstop::status::{Code, Status};
-use rand::SeedableRng;
+use backstop::status::{Code, Status, problem};
 use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
 use super::dist::{LogNormal, exponential_nanos};
@@ -57,8 +59,14 @@ pub(crate) struct Phase {
 pub(crate) enum Downstream {
     /// Successfully, after a log-normal latency.
     Latency(LogNormal),
-    /// With an error, after this long (a refused connection, a 503).
-    Failing(Duration),
+    /// With an error after `after` (a refused connection, a 503), which the server passes on
+    /// to its client with `pushback` as its Retry-After, if any.
+    Failing {
+        /// How long the failing call takes.
+        after: Duration,
+        /// The pushback the failure carries to the client.
+        pushback: Option<Duration>,
+    },
 }
 
 /// How clients call: the retry policy's knobs, the timeout, hedging.
@@ -76,12 +84,33 @@ pub(crate) struct ClientConfig {
     pub(crate) throttle: bool,
     /// The client's timeout.
     pub(crate) timeout: Duration,
-    /// `true`: every attempt gets `timeout` afresh (a fixed per-attempt timeout) and the server
-    /// is not told any deadline. `false`: one deadline of `timeout` for the logical request,
-    /// shared by its attempts and propagated to the server.
-    pub(crate) per_attempt_timeout: bool,
+    /// How `timeout` bounds the attempts, and what the server is told of it.
+    pub(crate) deadlines: Deadlines,
+    /// Whether a refusal's pushback (Retry-After) is waited out before the next attempt; a
+    /// client that ignores it retries on its own backoff.
+    pub(crate) honours_pushback: bool,
     /// Hedge once at this quantile of recent latencies (through the library's hedging policy).
     pub(crate) hedge_quantile: Option<f64>,
+}
+
+/// How a client's timeout bounds its attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deadlines {
+    /// One deadline of `timeout` for the logical request, shared by its attempts and
+    /// propagated to the server.
+    Shared,
+    /// Every attempt gets `timeout` afresh (a fixed per-attempt timeout); the server is not
+    /// told any deadline.
+    PerAttempt,
+    /// Every attempt gets `timeout` afresh and tells the server its own deadline (a fresh
+    /// `grpc-timeout` per attempt, as `backstop load --policy naive` sends).
+    PerAttemptPropagated,
+}
+
+impl Deadlines {
+    fn per_attempt(self) -> bool {
+        self != Deadlines::Shared
+    }
 }
 
 /// The server's admission: the concurrency limit and whether waiting is bounded by the
@@ -90,6 +119,10 @@ pub(crate) struct ClientConfig {
 pub(crate) struct ServerConfig {
     /// The concurrency limit (workers, or the gate in front of them).
     pub(crate) limit: LimitKind,
+    /// The library's [`SlowStart`] around the limit, with this floor: when half the recent
+    /// requests fail the limit drops to the floor, and it ramps back up, doubling per round
+    /// trip, once they succeed again. `None`: the limit alone.
+    pub(crate) slow_start: Option<usize>,
     /// Bound every wait by `deadline - min_service` and refuse beyond it (the library's
     /// gate), and stop serving a request when its deadline passes (the library's deadline
     /// layer drops the handler then, freeing its slot); otherwise an unbounded first-come
@@ -98,7 +131,7 @@ pub(crate) struct ServerConfig {
     /// The least time serving a request takes.
     pub(crate) min_service: Duration,
     /// The pushback sent with a refusal.
-    pub(crate) retry_after: Duration,
+    pub(crate) retry_after: RetryAfter,
     /// Waiters go through the library's fair queue (sojourn drops, adaptive LIFO) instead of
     /// one first-come first-served line; only with `deadline_aware`.
     pub(crate) fair_queue: bool,
@@ -119,12 +152,32 @@ pub(crate) enum LimitKind {
 }
 
 impl LimitKind {
-    fn build(self) -> Box<dyn Limit> {
-        match self {
-            LimitKind::Fixed(n) => Box::new(FixedLimit::new(n)),
-            LimitKind::Gradient2 { min, max } => Box::new(Gradient2::new(min, max)),
+    /// The limit, behind a [`SlowStart`] with floor `slow_start` if one is given.
+    fn build(self, slow_start: Option<usize>) -> Box<dyn Limit> {
+        match (self, slow_start) {
+            (LimitKind::Fixed(n), None) => Box::new(FixedLimit::new(n)),
+            (LimitKind::Fixed(n), Some(floor)) => {
+                Box::new(SlowStart::new(FixedLimit::new(n), floor))
+            }
+            (LimitKind::Gradient2 { min, max }, None) => Box::new(Gradient2::new(min, max)),
+            (LimitKind::Gradient2 { min, max }, Some(floor)) => {
+                Box::new(SlowStart::new(Gradient2::new(min, max), floor))
+            }
         }
     }
+}
+
+/// What a refusal tells the client about when to come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RetryAfter {
+    /// Nothing: the client's own backoff decides (a 503 without `Retry-After`).
+    None,
+    /// The same pushback on every refusal.
+    Fixed(Duration),
+    /// What the library's gate computes by default: [`AdmissionQueue::pushback`] from the
+    /// queue ahead and the limit, jittered, and "do not retry" while the queue sheds hard.
+    /// Needs the fair queue.
+    Computed,
 }
 
 /// What one run produced: the per-interval series and the run's totals.
@@ -167,9 +220,16 @@ pub(crate) trait Admission: std::fmt::Debug {
     fn take_refused(&mut self) -> Vec<u64> {
         Vec::new()
     }
-    /// A running attempt finished after `rtt` (`completed`), or was abandoned after `rtt` (its
-    /// deadline passed).
-    fn finished(&mut self, rtt: Duration, completed: bool);
+    /// A running attempt ended after `rtt`: served ([`Limit::on_sample`]), failed by the
+    /// downstream ([`Limit::on_failure`], what a slow start judges), or cut at its deadline
+    /// ([`Limit::on_abandoned`]).
+    fn finished(&mut self, rtt: Duration, outcome: WorkOutcome);
+    /// The pushback for a refusal at `now` computed from the waiting line, `unit` in `[0, 1)`
+    /// drawn for its jitter; `None` when this admission has no estimate to give.
+    fn pushback(&mut self, now: u64, unit: f64) -> Option<Pushback> {
+        let _ = (now, unit);
+        None
+    }
     /// The next waiting attempt to start at `now`, while a slot is free.
     fn next(&mut self, now: u64) -> Option<u64>;
     /// Attempts waiting.
@@ -197,7 +257,7 @@ pub(crate) struct FifoGate {
 impl FifoGate {
     pub(crate) fn new(config: &ServerConfig) -> Self {
         Self {
-            limit: config.limit.build(),
+            limit: config.limit.build(config.slow_start),
             deadline_aware: config.deadline_aware,
             min_service: nanos(config.min_service),
             queue: VecDeque::new(),
@@ -234,12 +294,8 @@ impl Admission for FifoGate {
         None
     }
 
-    fn finished(&mut self, rtt: Duration, completed: bool) {
-        if completed {
-            self.limit.on_sample(rtt, self.inflight);
-        } else {
-            self.limit.on_abandoned(rtt, self.inflight);
-        }
+    fn finished(&mut self, rtt: Duration, outcome: WorkOutcome) {
+        outcome.teach(self.limit.as_mut(), rtt, self.inflight);
         self.inflight -= 1;
     }
 
@@ -286,7 +342,7 @@ pub(crate) struct QueueGate {
 
 impl QueueGate {
     pub(crate) fn new(config: &ServerConfig) -> Self {
-        let limit = config.limit.build();
+        let limit = config.limit.build(config.slow_start);
         let mut queue = AdmissionQueue::new(QueueConfig {
             min_service: config.min_service,
             ..QueueConfig::default()
@@ -362,15 +418,19 @@ impl Admission for QueueGate {
         std::mem::take(&mut self.refused)
     }
 
-    fn finished(&mut self, rtt: Duration, completed: bool) {
-        if completed {
-            self.limit.on_sample(rtt, self.inflight);
+    fn finished(&mut self, rtt: Duration, outcome: WorkOutcome) {
+        outcome.teach(self.limit.as_mut(), rtt, self.inflight);
+        // Only served requests say how long serving takes, as in the gate.
+        if outcome == WorkOutcome::Served {
             self.queue.on_service(rtt);
-        } else {
-            self.limit.on_abandoned(rtt, self.inflight);
         }
         self.queue.set_slots(self.limit.limit());
         self.inflight -= 1;
+    }
+
+    fn pushback(&mut self, now: u64, unit: f64) -> Option<Pushback> {
+        let at = self.at(now);
+        Some(self.queue.pushback(at, self.limit.limit(), unit))
     }
 
     fn next(&mut self, now: u64) -> Option<u64> {
@@ -553,8 +613,10 @@ struct Att {
     outcome: WorkOutcome,
 }
 
+/// How the server's work on an attempt ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum WorkOutcome {
+pub(crate) enum WorkOutcome {
+    /// Served.
     Served,
     /// The downstream failed.
     Failed,
@@ -562,12 +624,29 @@ enum WorkOutcome {
     CutOff,
 }
 
+impl WorkOutcome {
+    /// Tells `limit` how the work ended, as the gate does when a permit is finished, failed
+    /// or dropped.
+    fn teach(self, limit: &mut dyn Limit, rtt: Duration, inflight: usize) {
+        match self {
+            WorkOutcome::Served => limit.on_sample(rtt, inflight),
+            WorkOutcome::Failed => limit.on_failure(rtt, inflight),
+            WorkOutcome::CutOff => limit.on_abandoned(rtt, inflight),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The simulation
 
 /// Runs `model` with clients configured by `client` against a server configured by `server`.
 pub(crate) fn run(model: &Model, client: &ClientConfig, server: &ServerConfig) -> Run {
-    let admission: Box<dyn Admission> = if server.deadline_aware && server.fair_queue {
+    let queued = server.deadline_aware && server.fair_queue;
+    assert!(
+        queued || server.retry_after != RetryAfter::Computed,
+        "a computed Retry-After needs the gate's fair queue"
+    );
+    let admission: Box<dyn Admission> = if queued {
         Box::new(QueueGate::new(server))
     } else {
         Box::new(FifoGate::new(server))
@@ -589,6 +668,8 @@ struct Sim<'a> {
     /// of the heap: most of a run's events, popped from the front in O(1).
     fifo: VecDeque<(u64, u64, u64)>,
     rng: StdRng,
+    /// Draws the jitter of computed pushback.
+    pushback_rng: StdRng,
     policy: RetryPolicy,
     storm: Option<StormAlarm>,
     hedge: Option<HedgePolicy>,
@@ -676,6 +757,9 @@ impl<'a> Sim<'a> {
             heap: BinaryHeap::new(),
             fifo: VecDeque::new(),
             rng: StdRng::seed_from_u64(model.seed),
+            // A stream of its own, so a variant that computes pushback sees the same arrivals
+            // and service times as one that does not.
+            pushback_rng: StdRng::seed_from_u64(model.seed ^ 0x9ac6_b4c6),
             policy,
             storm,
             hedge,
@@ -769,7 +853,7 @@ impl<'a> Sim<'a> {
         let timeout = nanos(self.client.timeout);
         // A fixed per-attempt timeout leaves the logical request as long as all its attempts
         // could take: the per-attempt timeouts are what ends each one.
-        let deadline = if self.client.per_attempt_timeout {
+        let deadline = if self.client.deadlines.per_attempt() {
             self.now + timeout * u64::from(self.client.max_attempts) + NANOS
         } else {
             self.now + timeout
@@ -823,10 +907,13 @@ impl<'a> Sim<'a> {
             r.offered_originals += 1;
         }
         self.totals.attempts += 1;
-        let (timeout_at, server_deadline) = if self.client.per_attempt_timeout {
-            (self.now + nanos(self.client.timeout), None)
-        } else {
-            (deadline, Some(deadline))
+        let (timeout_at, server_deadline) = match self.client.deadlines {
+            Deadlines::Shared => (deadline, Some(deadline)),
+            Deadlines::PerAttempt => (self.now + nanos(self.client.timeout), None),
+            Deadlines::PerAttemptPropagated => {
+                let at = self.now + nanos(self.client.timeout);
+                (at, Some(at))
+            }
         };
         let akey = self.atts.insert(Att {
             logical: lkey,
@@ -893,7 +980,7 @@ impl<'a> Sim<'a> {
             logical.first_failed = true;
             self.totals.first_failed += 1;
         }
-        let decision = if self.client.per_attempt_timeout {
+        let decision = if self.client.deadlines.per_attempt() {
             let status = Status::new(Code::DeadlineExceeded, "attempt timed out");
             logical.attempts.failed_at(
                 &self.policy,
@@ -1055,7 +1142,31 @@ impl<'a> Sim<'a> {
         let row = self.row();
         self.rows[row].refused += 1;
         self.totals.refused += 1;
-        let status = Status::overloaded(self.server.retry_after);
+        let status = match self.server.retry_after {
+            RetryAfter::None => None,
+            RetryAfter::Fixed(wait) => Some(Pushback { wait, retry: true }),
+            RetryAfter::Computed => {
+                let unit = self.pushback_rng.random::<f64>();
+                let pushback = self.admission.pushback(self.now, unit);
+                Some(pushback.expect("checked by `run`: the fair queue computes pushback"))
+            }
+        }
+        .filter(|_| self.client.honours_pushback)
+        .map_or_else(
+            || {
+                Status::new(Code::Unavailable, "server overloaded, retry later")
+                    .with_problem(problem::OVERLOADED)
+            },
+            // What the gate's refusal becomes (`impl From<Overloaded> for Status`).
+            |Pushback { wait, retry }| {
+                let status = Status::overloaded(wait);
+                if retry {
+                    status
+                } else {
+                    status.with_no_retry()
+                }
+            },
+        );
         self.answered(akey, Err(status), false);
     }
 
@@ -1081,7 +1192,7 @@ impl<'a> Sim<'a> {
         let phase = self.phase(now);
         let (work, mut outcome) = match phase.downstream {
             Downstream::Latency(d) => (d.sample_nanos(&mut self.rng), WorkOutcome::Served),
-            Downstream::Failing(after) => (nanos(after), WorkOutcome::Failed),
+            Downstream::Failing { after, .. } => (nanos(after), WorkOutcome::Failed),
         };
         let deadline_aware = self.server.deadline_aware;
         let Some(att) = self.atts.get(akey) else {
@@ -1106,16 +1217,24 @@ impl<'a> Sim<'a> {
             return;
         };
         let (started, outcome, sent_at) = (att.started, att.outcome, att.sent_at);
-        self.admission.finished(
-            Duration::from_nanos(now - started),
-            outcome != WorkOutcome::CutOff,
-        );
+        self.admission
+            .finished(Duration::from_nanos(now - started), outcome);
         self.set_in_system(-1);
         self.totals.sojourn += (now - sent_at) as f64 / NANOS as f64;
         self.totals.served += 1;
         let result = match outcome {
             WorkOutcome::Served => Ok(()),
-            WorkOutcome::Failed => Err(Status::new(Code::Unavailable, "downstream unavailable")),
+            WorkOutcome::Failed => {
+                let status = Status::new(Code::Unavailable, "downstream unavailable");
+                // The pushback of the phase the call started in.
+                match self.phase(started).downstream {
+                    Downstream::Failing {
+                        pushback: Some(wait),
+                        ..
+                    } if self.client.honours_pushback => Err(status.with_pushback(wait)),
+                    _ => Err(status),
+                }
+            }
             WorkOutcome::CutOff => Err(Status::new(
                 Code::DeadlineExceeded,
                 "the server gave up at the deadline",

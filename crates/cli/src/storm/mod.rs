@@ -51,8 +51,9 @@ pub(crate) struct SimArgs {
     #[arg(long, value_enum, default_value_t = ScenarioKind::Slowdown)]
     scenario: ScenarioKind,
     /// Which variant to run: `all`, or one of the scenario's (slowdown: `naive`, `backstop`;
-    /// outage-recovery: `naive`, `backstop`, `backstop-no-alarm`; hedging: `p95`, `p50`,
-    /// `p50-budget`; littles-law: `limit-N...`).
+    /// outage-recovery: `naive`, `backstop`, `backstop-no-slow-start`,
+    /// `backstop-no-retry-after`, `backstop-no-alarm`, `backstop-no-alarm-no-retry-after`;
+    /// hedging: `p95`, `p50`, `p50-budget`; littles-law: `limit-N...`).
     #[arg(long, default_value = "all")]
     policy: String,
     /// Seeds the simulation: the same seed gives the same output.
@@ -224,14 +225,14 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
         .collect();
     if selected.is_empty() {
         return Err(SimError::UnknownPolicy {
-            scenario: scenario.kind.as_str(),
+            scenario: scenario.name,
             policy: args.policy.clone(),
             choices: scenario.names().join(", "),
         });
     }
     let runs = run_variants(&scenario, &selected);
     Ok(Report {
-        scenario: scenario.kind.as_str(),
+        scenario: scenario.name,
         seed: args.seed,
         scale: args.scale,
         duration_s: scenario.model.duration.as_secs_f64(),
@@ -264,11 +265,10 @@ fn run_variants(scenario: &Scenario, variants: &[&scenario::Variant]) -> Vec<Var
         .collect()
 }
 
-/// The simulator's runs of `storm run --scenario slowdown`, durations multiplied by `scale`.
-pub(crate) fn simulate_live_slowdown(seed: u64, scale: f64) -> Vec<VariantRun> {
-    let scenario = scenario::live_slowdown(seed, scale);
+/// Simulates every variant of `scenario` (a mirror of a `storm run` scenario).
+pub(crate) fn simulate_all(scenario: &Scenario) -> Vec<VariantRun> {
     let variants: Vec<_> = scenario.variants.iter().collect();
-    run_variants(&scenario, &variants)
+    run_variants(scenario, &variants)
 }
 
 /// A simulation as an HTML report: one run per variant, one row per interval.
@@ -325,6 +325,14 @@ pub(crate) fn report_run(run: &VariantRun, name: String, interval_s: f64) -> cra
             (
                 "recovery".into(),
                 s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
+            ),
+            (
+                "back to capacity".into(),
+                s.to_capacity_s.map_or("-".into(), |r| format!("{r:.0} s")),
+            ),
+            (
+                "in flight an interval after the return".into(),
+                s.return_inflight.map_or("-".into(), |n| n.to_string()),
             ),
         ],
         rows: run
@@ -473,7 +481,9 @@ mod tests {
 
     /// With the library's adaptive throttle the clients send about twice what the server
     /// accepts: the gate's queue already keeps goodput near capacity, and the throttle keeps it
-    /// there while sending fewer attempts.
+    /// there while sending fewer attempts per request (it rejects some locally, first
+    /// attempts included). Counted per request: once the throttle rejects an attempt the two
+    /// runs' random draws, and with them the requests arriving, differ.
     #[test]
     fn slowdown_adaptive_throttle_sends_less_for_the_same_goodput() {
         let plain = simulate(&SimArgs {
@@ -494,18 +504,25 @@ mod tests {
             t.focus_goodput,
             p.focus_goodput
         );
-        assert!(t.attempts < p.attempts, "{} vs {}", t.attempts, p.attempts);
+        let per_request = |s: &Summary| s.attempts as f64 / s.logical as f64;
+        assert!(
+            per_request(t) < per_request(p),
+            "{} vs {} attempts per request",
+            per_request(t),
+            per_request(p)
+        );
+        assert!(t.stops["throttled"] > 0);
     }
 
     /// The mirror of `storm run --scenario slowdown`: naive clients against the gate send
     /// more attempts than backstop's, and the same seed gives the same runs.
     #[test]
     fn the_live_slowdown_mirror_shows_naive_amplifying() {
-        let runs = simulate_live_slowdown(1, 0.25);
+        let runs = simulate_all(&scenario::live_slowdown(1, 0.25));
         let by = |name: &str| &runs.iter().find(|r| r.policy == name).unwrap().summary;
         assert!(by("naive").amplification > by("backstop").amplification + 0.2);
         assert!(by("backstop").amplification < 1.15);
-        let again = simulate_live_slowdown(1, 0.25);
+        let again = simulate_all(&scenario::live_slowdown(1, 0.25));
         assert_eq!(runs[0].summary.attempts, again[0].summary.attempts);
     }
 
@@ -564,18 +581,125 @@ mod tests {
         assert!(budget < 0.12, "{budget}");
     }
 
+    /// After the outage every variant of the library's clients is back once the downstream is
+    /// warm (cold, it serves less than the load), naive ones not within the run. The slow start
+    /// holds the limit at its floor through the outage, hands the returning downstream a few
+    /// calls instead of every worker's, and ramps back to the workers within seconds; the
+    /// simulated downstream is not hurt by a burst, so the ramp shows as a cost: back to
+    /// capacity later, less goodput while cold.
     #[test]
-    fn outage_recovery_is_faster_with_the_library_clients() {
-        let report = simulate(&args(ScenarioKind::OutageRecovery, 0.1, 50)).unwrap();
-        let naive = by_policy(&report, "naive").summary.recovery_s;
-        let backstop = by_policy(&report, "backstop")
-            .summary
-            .recovery_s
-            .expect("backstop recovers within the run");
-        assert!(
-            naive.is_none_or(|n| n > backstop),
-            "{naive:?} vs {backstop}"
+    fn outage_recovery_with_and_without_slow_start() {
+        let report = simulate(&args(ScenarioKind::OutageRecovery, 0.1, 45)).unwrap();
+        let workers: u64 = 50;
+        let summary = |policy| &by_policy(&report, policy).summary;
+        for policy in [
+            "backstop",
+            "backstop-no-slow-start",
+            "backstop-no-retry-after",
+            "backstop-no-alarm",
+            "backstop-no-alarm-no-retry-after",
+        ] {
+            let recovery = summary(policy).recovery_s.expect(policy);
+            // The downstream is warm 15 s after its return.
+            assert!((15.0..=17.0).contains(&recovery), "{policy}: {recovery}");
+            assert!(summary(policy).focus_amplification < 1.11, "{policy}");
+        }
+        assert_eq!(summary("naive").recovery_s, None);
+        assert!(summary("naive").focus_amplification > 2.5);
+
+        let (slow, plain) = (
+            by_policy(&report, "backstop"),
+            by_policy(&report, "backstop-no-slow-start"),
         );
+        assert_eq!(row_at(slow, 15.0).limit, 4, "the floor during the outage");
+        assert_eq!(row_at(plain, 15.0).limit, workers);
+        // A second after the return: a few calls at the downstream, against every worker's.
+        let first = row_at(slow, 20.0);
+        assert!(first.limit < workers / 2, "{first:?}");
+        let at_return = slow.summary.return_inflight.unwrap();
+        assert!(at_return <= first.limit, "{at_return}");
+        assert_eq!(plain.summary.return_inflight, Some(workers));
+        // Doubling per round trip: back at the workers within 3 s.
+        assert_eq!(row_at(slow, 22.0).limit, workers);
+        let (s, p) = (&slow.summary, &plain.summary);
+        assert!(
+            s.to_capacity_s.unwrap() > p.to_capacity_s.unwrap(),
+            "{:?} vs {:?}",
+            s.to_capacity_s,
+            p.to_capacity_s
+        );
+        assert!(s.focus_goodput < p.focus_goodput);
+    }
+
+    /// Retry-After against the storm alarm, at full scale through the outage: with the alarm
+    /// on, the alarm stops retries and the computed pushback changes nothing that matters; with
+    /// it off, the pushback ("do not retry" once the queue has been overloaded a while) stops
+    /// retries the budget would have let through.
+    #[test]
+    fn the_computed_retry_after_stops_retries_the_alarm_would() {
+        let run = |policy: &str| {
+            let report = simulate(&SimArgs {
+                policy: policy.to_owned(),
+                seed: 1,
+                ..args(ScenarioKind::OutageRecovery, 1.0, 22)
+            })
+            .unwrap();
+            report.runs[0].summary.clone()
+        };
+        let (with, without) = (run("backstop"), run("backstop-no-retry-after"));
+        assert!(with.amplification < 1.01 && without.amplification < 1.01);
+        assert!(with.stops["pushback"] > 0);
+        assert!(!without.stops.contains_key("pushback"));
+
+        let (with, without) = (
+            run("backstop-no-alarm"),
+            run("backstop-no-alarm-no-retry-after"),
+        );
+        assert!(with.stops["pushback"] > with.stops["budget_exhausted"]);
+        assert!(
+            with.retries * 3 < without.retries * 2,
+            "{} vs {} retries",
+            with.retries,
+            without.retries
+        );
+    }
+
+    /// The mirror of `storm run --scenario outage`: the live plan's variants; slow start hands
+    /// the returning PSP a few calls where the gate without it hands all 64 places'; naive
+    /// clients multiply their attempts, backstop's do not.
+    #[test]
+    fn the_live_outage_mirror_compares_slow_start_and_clients() {
+        let runs = simulate_all(&scenario::live_outage(1, 0.25));
+        let names: Vec<&str> = runs.iter().map(|r| r.policy.as_str()).collect();
+        assert_eq!(names, scenario::LIVE_OUTAGE_VARIANTS);
+        let by = |name: &str| &runs.iter().find(|r| r.policy == name).unwrap().summary;
+        assert_eq!(by("no-slow-start").return_inflight, Some(64));
+        assert!(by("backstop").return_inflight.unwrap() <= 16);
+        assert!(by("naive").amplification > by("backstop").amplification + 0.5);
+        assert!(by("backstop").amplification < 1.1);
+        assert!(by("no-storm-alarm").amplification > by("backstop").amplification);
+        let again = simulate_all(&scenario::live_outage(1, 0.25));
+        for (a, b) in runs.iter().zip(&again) {
+            assert_eq!(a.summary, b.summary);
+        }
+    }
+
+    /// The mirror of `storm run --scenario overload` offers three times the capacity it is
+    /// given (or 16 places at 100 ms) and serves about what 16 places can.
+    #[test]
+    fn the_live_overload_mirror_offers_three_times_the_capacity() {
+        assert_eq!(
+            scenario::live_overload(1, 0.25, Some(140.0)).model.rate,
+            420.0
+        );
+        let scenario = scenario::live_overload(1, 0.25, None);
+        assert_eq!(scenario.model.rate, 480.0);
+        assert_eq!(scenario.names(), ["backstop"]);
+        let runs = simulate_all(&scenario);
+        let s = &runs[0].summary;
+        assert!(s.focus_goodput > 0.9 * s.focus_capacity, "{s:?}");
+        assert!(s.focus_goodput <= s.focus_capacity * 1.05, "{s:?}");
+        assert!(s.amplification < 1.05, "{s:?}");
     }
 
     #[test]

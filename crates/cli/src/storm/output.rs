@@ -13,7 +13,7 @@ pub(crate) fn json(out: &mut impl Write, report: &Report) -> io::Result<()> {
 
 const CSV_ROW_HEADER: &str = "scenario,policy,t,offered_originals,offered_retries,hedges,goodput,wasted,refused,attempts_failed,queue,inflight,limit,p99_ms,retry_ratio,failure_probability,logical_ok,logical_failed,storm";
 
-const CSV_SUMMARY_HEADER: &str = "scenario,policy,logical,success,attempts,retries,hedges,amplification,focus_from,focus_to,focus_amplification,focus_goodput,focus_capacity,focus_wasted,focus_p99_ms,wasted,refused,peak_queue,peak_queue_mib,r,a0,a_star,p_star,p_slope,gain,verdict,recovery_s,little_l,little_lambda,little_w_ms,little_lambda_w,little_relative_error";
+const CSV_SUMMARY_HEADER: &str = "scenario,policy,logical,success,attempts,retries,hedges,amplification,focus_from,focus_to,focus_amplification,focus_goodput,focus_capacity,focus_wasted,focus_p99_ms,wasted,refused,peak_queue,peak_queue_mib,r,a0,a_star,p_star,p_slope,gain,verdict,recovery_s,to_capacity_s,return_inflight,little_l,little_lambda,little_w_ms,little_lambda_w,little_relative_error";
 
 /// The series as CSV (one line per policy and interval), a blank line, then one summary line
 /// per policy.
@@ -59,7 +59,7 @@ pub(crate) fn csv(out: &mut impl Write, report: &Report) -> io::Result<()> {
         let l = &s.little;
         writeln!(
             out,
-            "{},{},{},{:.4},{},{},{},{:.4},{},{},{:.4},{:.1},{:.1},{:.1},{},{},{},{},{:.1},{:.4},{:.1},{:.1},{:.4},{:.8},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.4}",
+            "{},{},{},{:.4},{},{},{},{:.4},{},{},{:.4},{:.1},{:.1},{:.1},{},{},{},{},{:.1},{:.4},{:.1},{:.1},{:.4},{:.8},{:.4},{},{},{},{},{:.2},{:.2},{:.2},{:.2},{:.4}",
             report.scenario,
             s.policy,
             s.logical,
@@ -87,6 +87,8 @@ pub(crate) fn csv(out: &mut impl Write, report: &Report) -> io::Result<()> {
             st.gain,
             st.verdict,
             s.recovery_s.map(|v| v.to_string()).unwrap_or_default(),
+            s.to_capacity_s.map(|v| v.to_string()).unwrap_or_default(),
+            s.return_inflight.map(|v| v.to_string()).unwrap_or_default(),
             l.l,
             l.lambda,
             l.w_ms,
@@ -274,6 +276,18 @@ fn summaries(out: &mut impl Write, report: &Report) -> io::Result<()> {
             None => "-".to_owned(),
         },
     )?;
+    line(
+        out,
+        "back to capacity after it",
+        &|s| match s.to_capacity_s {
+            Some(v) => format!("{v:.0} s"),
+            None if s.recovery_timed => "not in the run".to_owned(),
+            None => "-".to_owned(),
+        },
+    )?;
+    line(out, "in flight 1 interval after it", &|s| {
+        s.return_inflight.map_or("-".to_owned(), |n| n.to_string())
+    })?;
     line(out, "Little: L / lambda x W", &|s| {
         format!("{:.1} / {:.1}", s.little.l, s.little.lambda_w)
     })?;

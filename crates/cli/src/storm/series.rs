@@ -154,6 +154,15 @@ pub(crate) struct Summary {
     /// Seconds from the recovery of the downstream until goodput is back (three intervals in
     /// a row at 90 % of the original load or more); `None` if not within the run.
     pub(crate) recovery_s: Option<f64>,
+    /// Seconds from the recovery of the downstream until goodput is back to what the window's
+    /// capacity allows (three intervals in a row at 90 % of the lesser of the original load and
+    /// the capacity, or more); `None` if not within the run. Shorter than `recovery_s` when the
+    /// downstream comes back with less capacity than the load asks for.
+    pub(crate) to_capacity_s: Option<f64>,
+    /// Attempts running at the server, that is calls at the downstream, at the end of the
+    /// first interval after the downstream's return: how much of the backlog it received at
+    /// once.
+    pub(crate) return_inflight: Option<u64>,
     /// Whether the scenario has a recovery to time.
     #[serde(skip)]
     pub(crate) recovery_timed: bool,
@@ -243,14 +252,21 @@ pub(crate) fn summarise(
     };
 
     let recovery_s = focus.recover_at.and_then(|at| {
-        let after: Vec<&Row> = rows.iter().filter(|r| r.t >= at - 1e-9).collect();
-        let healthy = |r: &Row| {
+        back_after(rows, at, |r| {
             r.offered_originals > 0 && r.goodput as f64 >= 0.9 * r.offered_originals as f64
-        };
-        (0..after.len())
-            .find(|&i| after.len() - i >= 3 && after[i..i + 3].iter().all(|r| healthy(r)))
-            .map(|i| after[i].t - at)
+        })
     });
+    let to_capacity_s = focus.recover_at.and_then(|at| {
+        let per_interval = focus.capacity * interval;
+        back_after(rows, at, |r| {
+            let allowed = (r.offered_originals as f64).min(per_interval);
+            r.offered_originals > 0 && r.goodput as f64 >= 0.9 * allowed
+        })
+    });
+    let return_inflight = focus
+        .recover_at
+        .and_then(|at| rows.iter().find(|r| r.t >= at - 1e-9))
+        .map(|r| r.inflight);
 
     let departures = totals.served + totals.refused;
     let l = ratio_f(totals.time_in_system, totals.seconds);
@@ -289,9 +305,20 @@ pub(crate) fn summarise(
         stops: totals.stops.clone(),
         stability,
         recovery_s,
+        to_capacity_s,
+        return_inflight,
         recovery_timed: focus.recover_at.is_some(),
         little,
     }
+}
+
+/// Seconds from `at` until the first of three intervals in a row that are all `healthy`.
+fn back_after(rows: &[Row], at: f64, healthy: impl Fn(&Row) -> bool) -> Option<f64> {
+    let after: Vec<&Row> = rows.iter().filter(|r| r.t >= at - 1e-9).collect();
+    after
+        .windows(3)
+        .find(|w| w.iter().all(|r| healthy(r)))
+        .map(|w| w[0].t - at)
 }
 
 /// Least-squares slope of `y` on `x`; 0 without spread in `x`.
