@@ -121,7 +121,10 @@ fn another_server_on_the_port_is_not_postgres() {
 
 #[test]
 fn a_redis_answer_to_ping_is_redis() {
-    for reply in [&b"+PONG\r\n"[..], &b"-NOAUTH Authentication required.\r\n"[..]] {
+    for reply in [
+        &b"+PONG\r\n"[..],
+        &b"-NOAUTH Authentication required.\r\n"[..],
+    ] {
         let (port, server) = fake_server(b"PING\r\n", reply);
         assert_eq!(REDIS.answers(&format!("redis://127.0.0.1:{port}")), Ok(()));
         server.join().unwrap();
