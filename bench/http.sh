@@ -16,8 +16,9 @@ secs=${1:-10}
 conns=${2:-64}
 rounds=${3:-3}
 modes=${MODES:-bare stack keyed}
-cargo build --release -q -p backstop --example http_bench_server
-bin=${CARGO_TARGET_DIR:-target}/release/examples/http_bench_server
+# The profiling profile: release code with line tables, for perf or callgrind on this binary.
+cargo build --profile profiling -q -p backstop --example http_bench_server
+bin=${CARGO_TARGET_DIR:-target}/profiling/examples/http_bench_server
 work=$(mktemp -d)
 
 # Pinned: the server alone on core 0 with one tokio worker, wrk on core 1.

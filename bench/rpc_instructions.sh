@@ -10,7 +10,9 @@ cd "$(dirname "$0")/.."
 small=${1:-2000}
 large=${2:-8000}
 conns=${3:-32}
-bin=$(cargo bench -p backstop-payment --bench rpc_overhead --no-run --message-format=json 2>/dev/null |
+# The profiling profile: release code with line tables, for callgrind_annotate.
+bin=$(cargo bench --profile profiling -p backstop-payment --bench rpc_overhead --no-run \
+  --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*rpc_overhead[^"]*\)".*/\1/p' | tail -1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

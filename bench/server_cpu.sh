@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 mode=$1
 secs=${2:-4}
 conns=${3:-64}
-cargo build --release -q -p backstop --example http_bench_server
-bin=${CARGO_TARGET_DIR:-target}/release/examples/http_bench_server
+# The profiling profile: release code with line tables, for perf or callgrind on this binary.
+cargo build --profile profiling -q -p backstop --example http_bench_server
+bin=${CARGO_TARGET_DIR:-target}/profiling/examples/http_bench_server
 work=$(mktemp -d)
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$bin" "$mode" "$work/db" >"$work/server.out" 2>&1 &
 pid=$!

@@ -3,8 +3,9 @@
 # as the difference of a $small and a $large run (which removes start-up and warm-up costs).
 # Expects `small` and `large` to be set. Needs valgrind (apt-get install valgrind).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo build --release -q -p backstop --example stack_calls
-bin=${CARGO_TARGET_DIR:-target}/release/examples/stack_calls
+# The profiling profile: release code with line tables, for perf or callgrind on this binary.
+cargo build --profile profiling -q -p backstop --example stack_calls
+bin=${CARGO_TARGET_DIR:-target}/profiling/examples/stack_calls
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 

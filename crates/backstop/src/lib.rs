@@ -115,6 +115,8 @@
 //! `examples/axum_stack.rs` serves the same thing on a real port.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
+// docs.rs builds with `--cfg docsrs` on nightly: there, items behind a feature say which one.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use deadline::Deadline;
 pub use status::Status;
@@ -130,3 +132,14 @@ pub mod retry;
 mod sample_window;
 pub mod server;
 pub mod status;
+
+// The crate README's example runs as a doctest, so that what crates.io shows stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
+// Whether the PostgreSQL and Redis some unit tests need are answering: the file the integration
+// tests include, so that the check and its skip message exist once.
+#[cfg(test)]
+#[path = "../tests/support/services.rs"]
+mod test_services;

@@ -413,6 +413,7 @@ mod sqlite {
 #[cfg(feature = "postgres")]
 mod support {
     pub(crate) mod postgres_schema;
+    pub(crate) mod services;
 }
 
 /// Against the PostgreSQL on 127.0.0.1:5432, each test in a schema of its own.
@@ -422,6 +423,7 @@ mod postgres {
     use backstop::idempotency::{IdempotencyKey, Store};
 
     use super::support::postgres_schema::Schema;
+    use super::support::services;
     use super::*;
 
     async fn store(schema: &Schema) -> PostgresStore {
@@ -439,12 +441,18 @@ mod postgres {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_tiny_budgets_leave_the_key_free() {
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("claim_edges").await;
         tiny_budgets_leave_the_key_free(store(&schema).await).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_disconnects_leave_the_key_free() {
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("claim_edges").await;
         disconnects_leave_the_key_free(store(&schema).await).await;
     }
@@ -453,6 +461,9 @@ mod postgres {
     /// `store_unavailable`, and the key is left unused.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_deadline_during_the_claim_is_504_not_store_unavailable() {
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("claim_edges").await;
         let store = store(&schema).await;
         let server = start(store.clone(), 64).await;
@@ -476,6 +487,9 @@ mod postgres {
     /// for the first's answer and replays it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn same_key_on_two_instances_waits_and_is_replayed() {
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("claim_edges").await;
         let one = start(store(&schema).await, 64).await;
         let two = start(store(&schema).await, 64).await;

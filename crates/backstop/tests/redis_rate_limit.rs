@@ -1,10 +1,15 @@
-//! The Redis token bucket and the shared rate limit against the real Redis on 127.0.0.1:6379.
+//! The Redis token bucket and the shared rate limit against the real Redis on 127.0.0.1:6379
+//! (or `BACKSTOP_TEST_REDIS`; the tests that need it skip, saying so, when it does not answer).
 //!
 //! Every test uses its own key prefix. Quotas are slow (a token an hour) so that no decision
 //! depends on how fast the machine runs the test; the failure tests bound only what must be
 //! bounded (an answer at all, long before a generous limit).
 
 #![cfg(feature = "redis")]
+
+mod support {
+    pub(crate) mod services;
+}
 
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
@@ -27,7 +32,8 @@ use tokio::net::TcpListener;
 use tower::{ServiceExt, service_fn};
 use tower_layer::Layer;
 
-const REDIS: &str = "redis://127.0.0.1:6379";
+use support::services::{self, redis_url};
+
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn prefix(test: &str) -> String {
@@ -40,12 +46,12 @@ fn hourly(burst: u32) -> Quota {
 }
 
 fn bucket(prefix: &str, quota: Quota) -> RedisTokenBucket {
-    let config = RedisConfig::new(REDIS).unwrap().prefix(prefix);
+    let config = RedisConfig::new(&redis_url()).unwrap().prefix(prefix);
     RedisTokenBucket::new(&config, quota).unwrap()
 }
 
 async fn raw() -> redis::aio::MultiplexedConnection {
-    redis::Client::open(REDIS)
+    redis::Client::open(redis_url())
         .unwrap()
         .get_multiplexed_async_connection()
         .await
@@ -88,6 +94,9 @@ async fn decide(limiter: &SharedLimiter, tenant: &str, deadline: Option<Deadline
 
 #[tokio::test]
 async fn allows_the_burst_then_denies_with_the_wait() {
+    if !services::redis() {
+        return;
+    }
     let b = bucket(&prefix("allow_deny"), hourly(3));
     for _ in 0..3 {
         assert_eq!(b.check("acme").await.unwrap(), Ok(()));
@@ -105,6 +114,9 @@ async fn allows_the_burst_then_denies_with_the_wait() {
 
 #[tokio::test]
 async fn two_instances_share_one_bucket() {
+    if !services::redis() {
+        return;
+    }
     // Two limiters with their own connections, as two service instances would have: together
     // they admit one burst, not two.
     let prefix = prefix("two_instances");
@@ -128,6 +140,9 @@ async fn two_instances_share_one_bucket() {
 
 #[tokio::test]
 async fn reloads_the_script_after_noscript() {
+    if !services::redis() {
+        return;
+    }
     let b = bucket(&prefix("noscript"), hourly(2));
     assert_eq!(b.check("acme").await.unwrap(), Ok(()));
     let mut redis = raw().await;
@@ -150,6 +165,9 @@ async fn reloads_the_script_after_noscript() {
 
 #[tokio::test]
 async fn keys_expire_when_the_bucket_would_be_full_again() {
+    if !services::redis() {
+        return;
+    }
     let b = bucket(&prefix("expiry"), hourly(5));
     let key = b.key("acme");
     let mut redis = raw().await;
@@ -310,8 +328,11 @@ fn problem_code(response: &Response<Bytes>) -> String {
 
 #[test]
 fn layer_admits_then_answers_429_from_the_shared_bucket() {
+    if !services::redis() {
+        return;
+    }
     let ((responses, calls), counters) = with_recorder(async {
-        let l = limiter(REDIS, hourly(2), FailurePolicy::Closed, 1);
+        let l = limiter(&redis_url(), hourly(2), FailurePolicy::Closed, 1);
         serve(RateLimitLayer::shared(l), 3).await
     });
     assert_eq!(responses[0].status(), StatusCode::OK);
@@ -401,8 +422,11 @@ fn layer_fails_open_to_the_local_share() {
 
 #[test]
 fn connections_can_be_spread_over_a_pool() {
+    if !services::redis() {
+        return;
+    }
     let (admitted, _) = with_recorder(async {
-        let config = RedisConfig::new(REDIS)
+        let config = RedisConfig::new(&redis_url())
             .unwrap()
             .prefix(prefix("pool"))
             .connections(NonZeroUsize::new(3).unwrap());

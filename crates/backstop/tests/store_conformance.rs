@@ -32,6 +32,7 @@ mod sqlite {
 #[cfg(feature = "postgres")]
 mod support {
     pub(crate) mod postgres_schema;
+    pub(crate) mod services;
     pub(crate) mod tcp_proxy;
 }
 
@@ -50,6 +51,7 @@ mod postgres {
     };
 
     use super::support::postgres_schema::Schema;
+    use super::support::services;
     use super::support::tcp_proxy::{Mode, TcpProxy};
 
     async fn open(options: PostgresOptions) -> WithGuard<PostgresStore, Schema> {
@@ -63,6 +65,7 @@ mod postgres {
     // Small pools: the server is shared, and fewer writers than racing callers make batches.
     backstop::store_conformance!(
         batched,
+        run_if = services::postgres(),
         open(PostgresOptions {
             max_connections: 4,
             writers: 2,
@@ -72,6 +75,7 @@ mod postgres {
 
     backstop::store_conformance!(
         autocommit,
+        run_if = services::postgres(),
         open(PostgresOptions {
             group_commit: false,
             max_connections: 4,
@@ -96,6 +100,10 @@ mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_takeovers_across_pools_have_one_winner() {
         const INSTANCES: usize = 8;
+
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("conformance").await;
         let options = PostgresOptions {
             max_connections: 2,
@@ -151,6 +159,9 @@ mod postgres {
     /// once in total, a running record with a live lease never.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_sweepers_across_pools_delete_each_record_once() {
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("conformance").await;
         let options = PostgresOptions {
             max_connections: 2,
@@ -216,6 +227,9 @@ mod postgres {
     /// Concurrent claims share transactions: fewer round trips than statements.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_claims_share_batches() {
+        if !services::postgres() {
+            return;
+        }
         let fixture = open(PostgresOptions {
             writers: 1,
             ..PostgresOptions::default()
@@ -244,6 +258,9 @@ mod postgres {
     /// fingerprint, failed, ended lease) each get their own answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn batched_claims_answer_each_caller() {
+        if !services::postgres() {
+            return;
+        }
         let fixture = open(PostgresOptions {
             writers: 1,
             ..PostgresOptions::default()
@@ -326,6 +343,9 @@ mod postgres {
     /// own answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn batched_outcomes_answer_each_caller() {
+        if !services::postgres() {
+            return;
+        }
         let fixture = open(PostgresOptions {
             writers: 1,
             ..PostgresOptions::default()
@@ -399,6 +419,9 @@ mod postgres {
     /// hangs and never half-writes; calls succeed again once it is back, with no restart.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn database_down_or_silent_fails_fast_and_recovers() {
+        if !services::postgres() {
+            return;
+        }
         let schema = Schema::create("conformance").await;
         let upstream = tokio::net::lookup_host(("127.0.0.1", schema.config().get_ports()[0]))
             .await

@@ -2,9 +2,12 @@
 //! nothing, abandoned intents, and merchants sharing order ids at the PSP.
 
 mod support;
-// The per-test PostgreSQL schema, shared with the library's and the CLI's tests.
+// The per-test PostgreSQL schema and the check that the server answers, shared with the
+// library's and the CLI's tests.
 #[path = "../../backstop/tests/support/postgres_schema.rs"]
 mod postgres_schema;
+#[path = "../../backstop/tests/support/services.rs"]
+mod services;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -411,6 +414,9 @@ async fn resolver_settles_abandoned_intents_both_ways_on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resolver_settles_abandoned_intents_both_ways_on_postgres() {
+    if !services::postgres() {
+        return;
+    }
     let schema = postgres_schema::Schema::create("payment_edges").await;
     let store = StoreLocation::parse(&schema.store_url(None)).expect("store URL");
     let h = Harness::start_with(move |c| c.store = store).await;

@@ -1,14 +1,18 @@
 //! The payment service on PostgreSQL (127.0.0.1:5432, database `test`, or
 //! `BACKSTOP_TEST_POSTGRES`), each test in a schema of its own: the same contract as on SQLite,
-//! several instances sharing the tables, and PostgreSQL going away and coming back.
+//! several instances sharing the tables, and PostgreSQL going away and coming back. Skipped,
+//! saying so, when PostgreSQL does not answer.
 
 mod support;
 // One TCP proxy for every crate's outage tests: the library's test copy.
 #[path = "../../backstop/tests/support/tcp_proxy.rs"]
 mod tcp_proxy;
-// The per-test PostgreSQL schema, shared with the library's and the CLI's tests.
+// The per-test PostgreSQL schema and the check that the server answers, shared with the
+// library's and the CLI's tests.
 #[path = "../../backstop/tests/support/postgres_schema.rs"]
 mod postgres_schema;
+#[path = "../../backstop/tests/support/services.rs"]
+mod services;
 
 use backstop_payment::config::{Config, PspTarget, StoreLocation};
 use backstop_payment::server::Server;
@@ -24,6 +28,9 @@ fn location(schema: &Schema, port: Option<u16>) -> StoreLocation {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn payments_on_postgres_charge_once_and_replay() {
+    if !services::postgres() {
+        return;
+    }
     let schema = Schema::create("payment").await;
     let store = location(&schema, None);
     let h = Harness::start_with(move |c| c.store = store).await;
@@ -76,6 +83,9 @@ async fn payments_on_postgres_charge_once_and_replay() {
 /// payment made through one is replayed by the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn instances_share_the_tables() {
+    if !services::postgres() {
+        return;
+    }
     let schema = Schema::create("payment").await;
     let h = Harness::start_with({
         let store = location(&schema, None);
@@ -128,6 +138,9 @@ async fn instances_share_the_tables() {
 /// written; once it is back the service answers again by itself and the same key goes through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_down_is_503_and_not_ready_then_recovers() {
+    if !services::postgres() {
+        return;
+    }
     let schema = Schema::create("payment").await;
     let upstream = tokio::net::lookup_host(("127.0.0.1", schema.config().get_ports()[0]))
         .await

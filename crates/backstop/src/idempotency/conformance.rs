@@ -7,7 +7,9 @@
 //!
 //! The expression is evaluated once per test and may yield the store itself or a
 //! [`WithGuard`]`(store, guard)` whose guard (e.g. a temporary directory) lives as long as the
-//! test. The generated tests run on a multi-threaded tokio runtime (the caller needs `tokio` with
+//! test. A backend on a server that may be absent names a check to run first:
+//! `store_conformance!(name, run_if = server_answers(), make)` skips every case when it is
+//! false. The generated tests run on a multi-threaded tokio runtime (the caller needs `tokio` with
 //! the `macros` and `rt-multi-thread` features). Cases pass `now_ms` explicitly: no sleeping, no
 //! wall clock, nothing timed.
 
@@ -51,15 +53,20 @@ impl<S: Store, G: Send + 'static> Fixture for WithGuard<S, G> {
 
 /// Generates the store conformance tests in a module `$name`, each on a fresh fixture from the
 /// async expression `$make` (see [`idempotency::conformance`](crate::idempotency::conformance)).
+///
+/// `store_conformance!(name, run_if = READY, MAKE)` evaluates the `bool` expression `READY` at
+/// the start of every test, which returns at once (and passes) when it is false: for a backend
+/// whose server may be absent, `READY` checks that it answers and says so when it does not.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! store_conformance {
-    ($name:ident, $make:expr $(,)?) => {
+    ($name:ident, run_if = $ready:expr, $make:expr $(,)?) => {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
 
             $crate::__store_conformance_cases!(
+                $ready;
                 $make;
                 first_claim_is_claimed_and_recorded_running,
                 unknown_key_has_no_record,
@@ -83,15 +90,21 @@ macro_rules! store_conformance {
             );
         }
     };
+    ($name:ident, $make:expr $(,)?) => {
+        $crate::store_conformance!($name, run_if = true, $make);
+    };
 }
 
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __store_conformance_cases {
-    ($make:expr; $($case:ident),* $(,)?) => {
+    ($ready:expr; $make:expr; $($case:ident),* $(,)?) => {
         $(
             #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $case() {
+                if !$ready {
+                    return;
+                }
                 let fixture = $make.await;
                 let store = $crate::idempotency::conformance::Fixture::store(&fixture);
                 $crate::idempotency::conformance::$case(store).await;

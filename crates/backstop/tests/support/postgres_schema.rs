@@ -1,7 +1,8 @@
 //! A PostgreSQL schema of its own for each test, on the shared test database (127.0.0.1:5432,
 //! user `postgres`, database `test`, or `BACKSTOP_TEST_POSTGRES`). Tests of several crates
 //! include this file with `#[path]`, so it uses only what each of them has: tokio-postgres
-//! through the library's re-export, and `rand`.
+//! through the library's re-export, and `rand`; and `services.rs`, which they include beside it
+//! (a test checks `services::postgres()` before it makes a schema).
 // Each including test uses part of it.
 #![allow(dead_code)]
 
@@ -11,15 +12,14 @@ use backstop::idempotency::postgres::tokio_postgres;
 
 /// The test database's URL.
 pub(crate) fn url() -> String {
-    std::env::var("BACKSTOP_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    super::services::postgres_url()
 }
 
 /// A connection to the test database, outside any test schema.
 pub(crate) async fn admin() -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(&url(), tokio_postgres::NoTls)
         .await
-        .expect("PostgreSQL on 127.0.0.1:5432");
+        .expect("connect to the test database");
     tokio::spawn(connection);
     client
 }

@@ -815,11 +815,13 @@ mod tests {
     /// no hash or merge join.
     #[tokio::test]
     async fn batch_statements_look_rows_up_by_primary_key_on_a_new_table() {
-        let url = std::env::var("BACKSTOP_TEST_POSTGRES")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        if !crate::test_services::postgres() {
+            return;
+        }
+        let url = crate::test_services::postgres_url();
         let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
-            .expect("PostgreSQL on 127.0.0.1:5432");
+            .expect("connect to the test database");
         tokio::spawn(connection);
         let schema = format!(
             "batch_plans_{}_{}",
