@@ -19,13 +19,7 @@ use backstop_payment::config::{Config, PspTarget, StoreLocation};
 use backstop_payment::intents::IntentStatus;
 use backstop_payment::psp::{self, Charge, PspConfig, PspHandle};
 use backstop_payment::reconcile::{ActionKind, Ledger};
-<<<<<<< HEAD
 use backstop_payment::server::Server;
-#[path = "../../backstop/tests/support/postgres_schema.rs"]
-mod postgres_schema;
-=======
-use backstop_payment::service::Server;
->>>>>>> wip-publish
 use serde_json::{Value, json};
 use tokio::process::Command;
 
