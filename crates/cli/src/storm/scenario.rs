@@ -631,7 +631,7 @@ fn outage_recovery(knobs: Knobs) -> Scenario {
                 "naive: as in slowdown. backstop: the library's clients and `serve`'s default gate (slow start with floor {SLOW_START_FLOOR}, a Retry-After computed from the queue); each -no-... variant turns one control off: the server's slow start, its Retry-After (refusals carry no pushback: clients back off on their own), the clients' storm alarm, or the alarm and the Retry-After"
             ),
             "slow start: during the outage the limit falls to the floor and the gate refuses most of what the downstream would fail; at the return the downstream gets a few calls at once (the `in flight` figure) and the limit doubles per round trip back to the workers. The simulated downstream is no slower for being given every worker's call at once, so here the ramp only costs (back to capacity later, less goodput in the window); a real dependency just back (cold caches, connection pools) is what it protects".to_owned(),
-            "Retry-After: with the storm alarm on, the alarm stops retries before the pushback matters. With it off, the computed pushback (30 to 60 s and \"do not retry\" once the queue has been overloaded for 2 s) stops retries the budget would allow: compare the two -no-alarm variants".to_owned(),
+            "Retry-After: with the storm alarm on, the alarm stops retries before the pushback matters. With it off, while the gate sheds (the floor during the outage, then the cold downstream's shortfall), the computed pushback (30 to 60 s and \"do not retry\" once the queue has been overloaded for 2 s) stops retries the budget would allow: compare the two -no-alarm variants".to_owned(),
         ],
     }
 }
