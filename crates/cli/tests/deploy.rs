@@ -3,18 +3,17 @@
 //! failing until the client stops retrying, tenant rate-limit refusals, an unknown route), and
 //! both files are well formed.
 
+#[path = "support/serve_process.rs"]
+mod serve_process;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use backstop_payment::psp::{self, Fault, PspConfig};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-
-const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+use serve_process::{ServeProcess, serve_command};
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
@@ -379,65 +378,32 @@ fn the_dashboard_uses_a_prometheus_datasource_variable() {
 
 /// A running `backstop serve` child.
 struct Serve {
-    _child: Child,
+    _process: ServeProcess,
     base: String,
     http: reqwest::Client,
 }
 
 impl Serve {
     async fn start(store: &Path, psp_url: &str, extra: &[&str]) -> Serve {
-        let mut child = Command::new(BIN)
-            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        let mut command = serve_command();
+        command
             .arg("--store")
             .arg(store)
             .args(["--psp", psp_url, "--log-format", "json"])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("backstop binary starts");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next_line()
-                .await
-                .unwrap()
-                .expect("the server logs its address before exiting");
-            let Ok(v) = serde_json::from_str::<Value>(&line) else {
-                continue;
-            };
-            if v["fields"]["message"] == "payment service listening" {
-                break v["fields"]["http"].as_str().unwrap().to_owned();
-            }
-        };
-        // Keep draining the pipe for the life of the child.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        let serve = Serve {
-            _child: child,
-            base: format!("http://{addr}"),
-            // A connection per request: the connection cap below evicts idle connections, and
-            // a pooled one must not be among them.
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .pool_max_idle_per_host(0)
-                .build()
-                .unwrap(),
-        };
-        for _ in 0..1000 {
-            match serve
-                .http
-                .get(format!("{}/healthz", serve.base))
-                .send()
-                .await
-            {
-                Ok(r) if r.status() == 200 => return serve,
-                _ => tokio::time::sleep(Duration::from_millis(10)).await,
-            }
+            .args(extra);
+        // A connection per request: the connection cap below evicts idle connections, and a
+        // pooled one must not be among them.
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        let process = serve_process::spawn(command, &http).await;
+        Serve {
+            base: process.base.clone(),
+            _process: process,
+            http,
         }
-        panic!("the server never became healthy");
     }
 
     async fn pay(&self, key: &str, order: &str) -> u16 {

@@ -1,25 +1,24 @@
 //! `backstop serve` as a real process: kill -9 in the middle of a charge, restart on the same
 //! store, retry with the same key; and the start-up refusals.
 
+#[path = "support/serve_process.rs"]
+mod serve_process;
+
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
 use backstop_payment::psp::{self, Fault, PspConfig, PspHandle};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-use tokio::sync::mpsc;
-
-const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+use serve_process::{BIN, ServeProcess, serve_command};
+use tokio::process::Command;
 
 /// A running `backstop serve` child and its log lines.
 struct Serve {
-    child: Child,
+    process: ServeProcess,
     base: String,
     grpc: String,
     http: reqwest::Client,
-    _logs: mpsc::UnboundedReceiver<String>,
 }
 
 impl Serve {
@@ -37,74 +36,25 @@ impl Serve {
                     "-c",
                     &format!("ulimit -n {limit} && exec \"$0\" \"$@\""),
                     BIN,
-                ]);
+                ])
+                .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"]);
                 sh
             }
-            None => Command::new(BIN),
+            None => serve_command(),
         };
-        let mut child = command
-            .args([
-                "serve",
-                "--http",
-                "127.0.0.1:0",
-                "--grpc",
-                "127.0.0.1:0",
-                "--store",
-            ])
+        command
+            .arg("--store")
             .arg(store)
             .args(["--psp", psp_url])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("backstop binary starts");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        // Keep draining the pipe for the life of the child.
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let (addr, grpc) = loop {
-            let line = rx
-                .recv()
-                .await
-                .expect("the server logs its address before exiting");
-            let Ok(v) = serde_json::from_str::<Value>(&line) else {
-                continue;
-            };
-            if v["fields"]["message"] == "payment service listening" {
-                break (
-                    v["fields"]["http"].as_str().unwrap().to_owned(),
-                    v["fields"]["grpc"].as_str().unwrap().to_owned(),
-                );
-            }
-        };
-        let base = format!("http://{addr}");
+            .args(extra);
         let http = reqwest::Client::builder().no_proxy().build().unwrap();
-        // Readiness: poll /healthz (no fixed sleeps).
-        for _ in 0..1000 {
-            if let Ok(r) = http.get(format!("{base}/healthz")).send().await {
-                if r.status() == 200 {
-                    return Serve {
-                        child,
-                        base,
-                        grpc,
-                        http,
-                        _logs: rx,
-                    };
-                }
-            }
-            tokio::task::yield_now().await;
+        let process = serve_process::spawn(command, &http).await;
+        Serve {
+            base: process.base.clone(),
+            grpc: process.grpc.clone(),
+            process,
+            http,
         }
-        panic!("the server never became healthy");
     }
 
     async fn post(
@@ -132,17 +82,17 @@ impl Serve {
     }
 
     async fn kill9(mut self) {
-        self.child.kill().await.expect("SIGKILL");
+        self.process.child.kill().await.expect("SIGKILL");
     }
 
     async fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().expect("running").to_string();
+        let pid = self.process.child.id().expect("running").to_string();
         let sent = std::process::Command::new("kill")
             .args(["-TERM", &pid])
             .status()
             .expect("kill -TERM");
         assert!(sent.success());
-        self.child.wait().await.expect("exits")
+        self.process.child.wait().await.expect("exits")
     }
 }
 

@@ -3,59 +3,37 @@
 //! ramps back to its maximum and every payment completes. Qualitative only: no timing
 //! assertion, generous bounds on retries.
 
-use std::process::Stdio;
+#[path = "support/serve_process.rs"]
+mod serve_process;
+
 use std::time::Duration;
 
 use backstop_payment::psp::{self, Faults, PspConfig};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-
-const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+use serve_process::{ServeProcess, serve_command};
 const MAX_INFLIGHT: f64 = 8.0;
 const FLOOR: f64 = 2.0;
 
 struct Serve {
-    _child: Child,
+    _process: ServeProcess,
     base: String,
     http: reqwest::Client,
 }
 
 impl Serve {
     async fn start(store: &std::path::Path, psp_url: &str) -> Serve {
-        let mut child = Command::new(BIN)
-            .args(["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+        let mut command = serve_command();
+        command
             .arg("--store")
             .arg(store)
             .args(["--psp", psp_url, "--max-inflight", "8"])
-            .args(["--slow-start-floor", "2"])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("backstop binary starts");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next_line()
-                .await
-                .unwrap()
-                .expect("the server logs its address before exiting");
-            let Ok(v) = serde_json::from_str::<Value>(&line) else {
-                continue;
-            };
-            if v["fields"]["message"] == "payment service listening" {
-                break v["fields"]["http"].as_str().unwrap().to_owned();
-            }
-        };
-        // Keep draining the log pipe for the life of the child.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            .args(["--slow-start-floor", "2"]);
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let process = serve_process::spawn(command, &http).await;
         Serve {
-            _child: child,
-            base: format!("http://{addr}"),
-            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            base: process.base.clone(),
+            _process: process,
+            http,
         }
     }
 
