@@ -389,7 +389,7 @@ mod tests {
         run.rows.iter().find(|r| (r.t - t).abs() < 1e-9).unwrap()
     }
 
-    /// Chapter 2.5.1: the downstream slows, capacity falls from 5000/s to 833/s under 2000/s.
+    /// The slowdown case: the downstream slows, capacity falls from 5000/s to 833/s under 2000/s.
     /// Naive clients multiply their load (retry ratio climbing towards 2), goodput collapses
     /// and the queue keeps growing after the downstream has recovered; the library's clients
     /// add no more than the budget allows and the service is back as soon as the downstream
@@ -447,9 +447,9 @@ mod tests {
         );
     }
 
-    /// Chapter 2.5.2 near the knee: 800/s against the degraded 833/s. Naive retries tip the
-    /// loop over (r x A0 x p'(A*) >= 1: a storm, goodput collapses); the library's clients
-    /// stay stable and keep goodput near the degraded capacity.
+    /// Near the knee of the stability condition: 800/s against the degraded 833/s. Naive
+    /// retries tip the loop over (r x A0 x p'(A*) >= 1: a storm, goodput collapses); the
+    /// library's clients stay stable and keep goodput near the degraded capacity.
     #[test]
     fn near_the_knee_naive_storms_and_backstop_keeps_goodput() {
         let report = simulate(&SimArgs {
@@ -537,7 +537,7 @@ mod tests {
         assert_ne!(run(3), run(4));
     }
 
-    /// Chapter 2.6.1: 1000/s at 250 ms keeps about 250 requests in flight (L = lambda W), a
+    /// Little's law: 1000/s at 250 ms keeps about 250 requests in flight (L = lambda W), a
     /// limit sized by lambda x W_p99 x 1.2 serves it; a limit too small refuses the excess,
     /// and behind an unbounded queue it makes latency and memory grow without bound.
     #[test]
@@ -565,7 +565,7 @@ mod tests {
         assert!(queued.little.w_ms > 4.0 * enough.little.w_ms);
     }
 
-    /// Chapter 2.3.4: hedging at the p95 costs a few per cent more attempts (a little over 5 %:
+    /// Hedging at the p95 costs a few per cent more attempts (a little over 5 %:
     /// the hedged answers, faster, pull the measured p95 down), at the p50 more than half
     /// again; the retry budget caps the latter at its ratio.
     #[test]
