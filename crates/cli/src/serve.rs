@@ -112,6 +112,10 @@ pub(crate) struct ServeArgs {
     /// (rate / --instances), `closed` answers 503 + Retry-After.
     #[arg(long, value_name = "POLICY", default_value = "open")]
     redis_failure: FailurePolicy,
+    /// How long one rate-limit decision waits for Redis (and each Redis command may take)
+    /// before --redis-failure decides, e.g. 100ms; at most 10s.
+    #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_redis_timeout)]
+    redis_timeout: Duration,
     /// Prefix of the rate-limit keys in Redis (instances sharing limits use the same one).
     #[arg(long, value_name = "PREFIX", default_value = backstop::admission::redis::DEFAULT_PREFIX)]
     redis_prefix: String,
@@ -178,10 +182,14 @@ impl ServeArgs {
         if let Some(url) = &self.redis {
             let redis = RedisConfig::new(url)
                 .map_err(|_| invalid(&"--redis must be a redis:// URL"))?
-                .prefix(self.redis_prefix.clone());
+                .prefix(self.redis_prefix.clone())
+                // A command may finish after its decision gave up (it then refills nothing);
+                // its own bound stays at least the connection's default.
+                .response_timeout(self.redis_timeout.max(REDIS_COMMAND_TIMEOUT));
             config.redis = Some(redis);
         }
         config.redis_failure = self.redis_failure;
+        config.redis_timeout = self.redis_timeout;
         config.instances = self.instances;
         Ok(config)
     }
@@ -189,6 +197,21 @@ impl ServeArgs {
 
 /// Longest accepted `--drain-timeout`.
 const MAX_DRAIN: Duration = Duration::from_secs(600);
+
+/// The shortest bound on one Redis command (the connection's default).
+const REDIS_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Longest accepted `--redis-timeout`: a decision waits no longer for a limiter that is gone.
+const MAX_REDIS_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn parse_redis_timeout(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 100ms or 1s: {e}"))?;
+    if d.is_zero() || d > MAX_REDIS_TIMEOUT {
+        return Err(format!("{s} must be above zero and at most 10s"));
+    }
+    Ok(d)
+}
 
 /// Longest accepted --queue-target / --queue-interval.
 const MAX_QUEUE_DURATION: Duration = Duration::from_secs(60);
@@ -285,6 +308,15 @@ mod tests {
         assert_eq!(c.instances.get(), 3);
         let default = parse(&["--redis", "redis://127.0.0.1"]).unwrap();
         assert_eq!(default.redis_failure, FailurePolicy::Open);
+        assert_eq!(
+            default.redis_timeout,
+            backstop::admission::redis::DEFAULT_TIMEOUT
+        );
+        let slow = parse(&["--redis", "redis://127.0.0.1", "--redis-timeout", "5s"]).unwrap();
+        assert_eq!(slow.redis_timeout, Duration::from_secs(5));
+        for bad in ["0s", "11s", "soon"] {
+            assert!(parse(&["--redis-timeout", bad]).is_err(), "{bad}");
+        }
         assert!(parse(&["--redis", "http://127.0.0.1"]).is_err());
         assert!(parse(&["--redis-failure", "maybe"]).is_err());
         assert!(parse(&["--instances", "0"]).is_err());

@@ -249,6 +249,8 @@ pub struct Config {
     pub redis: Option<RedisConfig>,
     /// What the rate limit does when Redis does not answer.
     pub redis_failure: FailurePolicy,
+    /// How long one rate-limit decision waits for Redis before `redis_failure` decides.
+    pub redis_timeout: Duration,
     /// How many instances share the Redis quota: with `FailurePolicy::Open` each falls back to
     /// rate / instances.
     pub instances: NonZeroU32,
@@ -282,6 +284,7 @@ impl Config {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             redis: None,
             redis_failure: FailurePolicy::Open,
+            redis_timeout: backstop::admission::redis::DEFAULT_TIMEOUT,
             instances: NonZeroU32::MIN,
         }
     }

@@ -37,11 +37,14 @@ const MIN_SERVICE: Duration = Duration::from_millis(20);
 pub fn rate_limit_layer(config: &Config) -> Result<RateLimitLayer, RedisLimitError> {
     let quota = Quota::per_second(config.tenant_rate, config.tenant_burst);
     Ok(match &config.redis {
-        Some(redis) => RateLimitLayer::shared(SharedLimiter::new(
-            RedisTokenBucket::new(redis, quota)?,
-            config.redis_failure,
-            config.instances,
-        )),
+        Some(redis) => RateLimitLayer::shared(
+            SharedLimiter::new(
+                RedisTokenBucket::new(redis, quota)?,
+                config.redis_failure,
+                config.instances,
+            )
+            .timeout(config.redis_timeout),
+        ),
         None => RateLimitLayer::new(KeyedTokenBucket::new(quota, MAX_TENANT_BUCKETS)),
     })
 }
