@@ -38,6 +38,14 @@ pub const RPC_CLIENT_RETRIES_TOTAL: &str = "rpc_client_retries_total";
 pub const RPC_CLIENT_HEDGES_TOTAL: &str = "rpc_client_hedges_total";
 /// Client: duration of each attempt in seconds, labelled `attempt`.
 pub const RPC_CLIENT_ATTEMPT_DURATION_SECONDS: &str = "rpc_client_attempt_duration_seconds";
+/// Gauge: retry-budget tokens a destination has left now (retries and hedges it may still
+/// send), label `service`.
+pub const RPC_CLIENT_RETRY_BUDGET_TOKENS: &str = "rpc_client_retry_budget_tokens";
+/// Gauge: a destination's circuit breaker as of its last change: 0 closed, 1 half-open,
+/// 2 open; label `service`.
+pub const RPC_CLIENT_BREAKER_STATE: &str = "rpc_client_breaker_state";
+/// Gauge, always 1: which backstop library a process runs, label `version`.
+pub const BACKSTOP_BUILD_INFO: &str = "backstop_build_info";
 /// Server: requests, labelled `outcome`.
 pub const RPC_SERVER_REQUESTS_TOTAL: &str = "rpc_server_requests_total";
 /// Server: request duration in seconds.
@@ -88,6 +96,8 @@ pub mod label {
     pub const REASON: &str = "reason";
     /// The result of an idempotency claim, see [`claim_result`](super::claim_result).
     pub const RESULT: &str = "result";
+    /// The library's version, on [`BACKSTOP_BUILD_INFO`](super::BACKSTOP_BUILD_INFO).
+    pub const VERSION: &str = "version";
 }
 
 /// Values of the `reason` label on [`RPC_SERVER_REJECTED_TOTAL`].
@@ -177,6 +187,12 @@ pub(crate) fn recorder_id() -> Option<usize> {
     })
 }
 
+/// Sets [`BACKSTOP_BUILD_INFO`] to 1 with this library's version, so a dashboard can tell
+/// which processes run which release. Call it once, after installing a recorder.
+pub fn publish_build_info() {
+    metrics::gauge!(BACKSTOP_BUILD_INFO, label::VERSION => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
 /// Registers units and help texts of every metric above with the installed `metrics` recorder.
 pub fn describe_metrics() {
     describe_counter!(
@@ -203,6 +219,19 @@ pub fn describe_metrics() {
         RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
         Unit::Seconds,
         "Duration of each client attempt by attempt number."
+    );
+    describe_gauge!(
+        RPC_CLIENT_RETRY_BUDGET_TOKENS,
+        Unit::Count,
+        "Retry-budget tokens a destination has left (retries and hedges it may still send)."
+    );
+    describe_gauge!(
+        RPC_CLIENT_BREAKER_STATE,
+        "A destination's circuit breaker as of its last change: 0 closed, 1 half-open, 2 open."
+    );
+    describe_gauge!(
+        BACKSTOP_BUILD_INFO,
+        "Always 1; the backstop library's version as the `version` label."
     );
     describe_counter!(
         RPC_SERVER_REQUESTS_TOTAL,
@@ -341,6 +370,14 @@ mod tests {
         .into_iter()
         .map(|(n, k, u)| (n.to_owned(), k, Some(u)))
         .collect::<Vec<_>>();
+        want.push((
+            RPC_CLIENT_RETRY_BUDGET_TOKENS.to_owned(),
+            "gauge",
+            Some(Unit::Count),
+        ));
+        // A state and an identity: no unit.
+        want.push((RPC_CLIENT_BREAKER_STATE.to_owned(), "gauge", None));
+        want.push((BACKSTOP_BUILD_INFO.to_owned(), "gauge", None));
         want.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(got, want);
     }

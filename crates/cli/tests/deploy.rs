@@ -566,6 +566,16 @@ async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
         missing.is_empty(),
         "used in deploy/ but not in the live /metrics: {missing:?}"
     );
+    // Which release a process runs, for dashboards to tell instances apart.
+    let build_info = format!(
+        "backstop_build_info{{version=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
+    let metrics = serve.metrics().await;
+    assert!(
+        metrics.lines().any(|l| l == build_info),
+        "{build_info} missing from\n{metrics}"
+    );
     drop(idle);
 }
 

@@ -357,6 +357,11 @@ impl ClientStackBuilder {
         let d = &self.destination;
         let service = d.name.to_string();
         let method = contract.name().to_owned();
+        // The destination's shared state as gauges (the first stack built for it names them).
+        d.budget.publish_as(service.clone());
+        if let Some(breaker) = &d.breaker {
+            breaker.publish_as(service.clone());
+        }
         let retryable = self
             .retryable
             .unwrap_or_else(|| contract.retryable().to_vec());

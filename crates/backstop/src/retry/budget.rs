@@ -38,8 +38,12 @@
 //! # Ok::<(), backstop::retry::BudgetError>(())
 //! ```
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use metrics::SharedString;
+
+use crate::observe::{self, label};
 
 /// Fixed-point scale: one token is `SCALE` units, so a ratio resolves to 1e-9.
 const SCALE: u64 = 1_000_000_000;
@@ -76,6 +80,8 @@ struct Inner {
     max: u64,
     ratio: f64,
     burst: u32,
+    /// The tokens gauge, once [published](RetryBudget::publish_as).
+    gauge: OnceLock<metrics::Gauge>,
 }
 
 impl Default for RetryBudget {
@@ -110,7 +116,28 @@ impl RetryBudget {
                 max,
                 ratio,
                 burst,
+                gauge: OnceLock::new(),
             }),
+        }
+    }
+
+    /// Publishes the balance as the gauge [`RPC_CLIENT_RETRY_BUDGET_TOKENS`] labelled
+    /// `service` (the destination), updated whenever it changes. The first call names it;
+    /// later calls change nothing. Call it after installing a `metrics` recorder.
+    ///
+    /// [`RPC_CLIENT_RETRY_BUDGET_TOKENS`]: crate::observe::RPC_CLIENT_RETRY_BUDGET_TOKENS
+    pub fn publish_as(&self, service: impl Into<SharedString>) {
+        let service = service.into();
+        let gauge = self.inner.gauge.get_or_init(
+            || metrics::gauge!(observe::RPC_CLIENT_RETRY_BUDGET_TOKENS, label::SERVICE => service),
+        );
+        gauge.set(self.available());
+    }
+
+    /// Updates the gauge, if published, to `units`.
+    fn report(&self, units: u64) {
+        if let Some(gauge) = self.inner.gauge.get() {
+            gauge.set(units as f64 / SCALE as f64);
         }
     }
 
@@ -123,22 +150,30 @@ impl RetryBudget {
         // Relaxed is enough: the balance is a single atomic and every update is a
         // read-modify-write, which always acts on the latest value; no other memory is
         // published through it.
-        let _ = inner
+        let deposited = inner
             .tokens
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
                 (t < inner.max).then(|| t.saturating_add(inner.per_request).min(inner.max))
             });
+        // A full budget (the usual case) changes nothing and reports nothing.
+        if let Ok(before) = deposited {
+            self.report(before.saturating_add(inner.per_request).min(inner.max));
+        }
     }
 
     /// Takes one token for a retry or a hedge; `false` (and nothing taken) when less than one
     /// token is left, in which case the retry must not be sent.
     pub fn try_withdraw(&self) -> bool {
-        self.inner
+        let withdrawn = self
+            .inner
             .tokens
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
                 t.checked_sub(SCALE)
-            })
-            .is_ok()
+            });
+        if let Ok(before) = withdrawn {
+            self.report(before - SCALE);
+        }
+        withdrawn.is_ok()
     }
 
     /// The tokens currently available, fractional (for metrics and tests).
@@ -255,7 +290,43 @@ impl tower::retry::budget::Budget for RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::testing::Recorded;
+    use metrics_util::debugging::DebuggingRecorder;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_published_gauge_follows_the_balance() {
+        let recorder = DebuggingRecorder::new();
+        let tokens = || {
+            Recorded::of(&recorder).gauge(
+                observe::RPC_CLIENT_RETRY_BUDGET_TOKENS,
+                &[(label::SERVICE, "psp")],
+            )
+        };
+        let budget = RetryBudget::new(0.5, 2).unwrap();
+        metrics::with_local_recorder(&recorder, || budget.publish_as("psp"));
+        assert_eq!(tokens(), 2.0, "full at first");
+        assert!(budget.try_withdraw());
+        assert_eq!(tokens(), 1.0);
+        budget.deposit();
+        assert_eq!(tokens(), 1.5);
+        assert!(budget.try_withdraw());
+        assert!(!budget.try_withdraw(), "half a token is not a retry");
+        assert_eq!(tokens(), 0.5);
+        for _ in 0..4 {
+            budget.deposit();
+        }
+        assert_eq!(tokens(), 2.0, "capped at the burst");
+        // A second name changes nothing: the first call named the gauge.
+        metrics::with_local_recorder(&recorder, || budget.publish_as("other"));
+        assert_eq!(
+            Recorded::of(&recorder).gauge(
+                observe::RPC_CLIENT_RETRY_BUDGET_TOKENS,
+                &[(label::SERVICE, "other")]
+            ),
+            0.0
+        );
+    }
 
     /// The bound every budget promises: `retries <= ratio x requests + burst`.
     fn within_bound(retries: u64, requests: u64, ratio: f64, burst: u32) -> bool {

@@ -120,6 +120,7 @@ pub fn prometheus_handle() -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics stays empty");
             } else {
                 backstop::observe::describe_metrics();
+                backstop::observe::publish_build_info();
                 crate::resolver::describe_metrics();
             }
             handle

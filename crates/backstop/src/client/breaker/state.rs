@@ -1,12 +1,14 @@
 //! The breaker's state machine: closed, open, half-open, over a sliding window of outcomes.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use metrics::SharedString;
 use tokio::time::Instant;
 
 use super::CircuitOpen;
+use crate::observe::{self, label};
 
 /// Buckets the window is divided into: old outcomes leave the window one bucket at a time.
 const BUCKETS: u32 = 10;
@@ -34,6 +36,17 @@ pub enum BreakerState {
     Open,
     /// A few probes go through; one success closes, one failure opens again.
     HalfOpen,
+}
+
+impl BreakerState {
+    /// The value of the state gauge: 0 closed, 1 half-open, 2 open.
+    pub fn gauge_value(self) -> f64 {
+        match self {
+            BreakerState::Closed => 0.0,
+            BreakerState::HalfOpen => 1.0,
+            BreakerState::Open => 2.0,
+        }
+    }
 }
 
 /// The breaker's thresholds.
@@ -104,6 +117,8 @@ struct Shared {
     /// The same for failures.
     failed: [AtomicU64; BUCKETS as usize],
     state: Mutex<State>,
+    /// The state gauge, once [published](CircuitBreaker::publish_as).
+    gauge: OnceLock<metrics::Gauge>,
 }
 
 #[derive(Debug)]
@@ -175,8 +190,29 @@ impl CircuitBreaker {
                 state: Mutex::new(State {
                     phase: Phase::Closed,
                 }),
+                gauge: OnceLock::new(),
             }),
         })
+    }
+
+    /// Publishes the state as the gauge [`RPC_CLIENT_BREAKER_STATE`] labelled `service` (the
+    /// destination), updated at every change. The first call names it; later calls change
+    /// nothing. Call it after installing a `metrics` recorder.
+    ///
+    /// [`RPC_CLIENT_BREAKER_STATE`]: crate::observe::RPC_CLIENT_BREAKER_STATE
+    pub fn publish_as(&self, service: impl Into<SharedString>) {
+        let service = service.into();
+        let gauge = self.shared.gauge.get_or_init(
+            || metrics::gauge!(observe::RPC_CLIENT_BREAKER_STATE, label::SERVICE => service),
+        );
+        gauge.set(self.state().gauge_value());
+    }
+
+    /// Updates the gauge, if published (under the lock, so changes report in order).
+    fn report(&self, state: BreakerState) {
+        if let Some(gauge) = self.shared.gauge.get() {
+            gauge.set(state.gauge_value());
+        }
     }
 
     /// The thresholds.
@@ -213,6 +249,7 @@ impl CircuitBreaker {
             }
             Phase::Open { .. } => {
                 state.phase = Phase::HalfOpen { in_flight: 1 };
+                self.report(BreakerState::HalfOpen);
                 true
             }
             Phase::HalfOpen { in_flight } if in_flight < self.config.probes => {
@@ -253,6 +290,7 @@ impl CircuitBreaker {
         };
         self.shared.closed.store(false, Ordering::Release);
         self.reset_counts();
+        self.report(BreakerState::Open);
     }
 
     fn bucket_len(&self) -> Duration {
@@ -277,6 +315,7 @@ impl CircuitBreaker {
                     state.phase = Phase::Closed;
                     self.reset_counts();
                     self.shared.closed.store(true, Ordering::Release);
+                    self.report(BreakerState::Closed);
                 }
                 Some(false) => self.open(&mut state, now),
                 None => {
@@ -367,6 +406,30 @@ mod tests {
         for _ in 0..failed {
             b.try_acquire().unwrap().record(false);
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_published_gauge_follows_every_change() {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let state = || {
+            crate::server::testing::Recorded::of(&recorder).gauge(
+                observe::RPC_CLIENT_BREAKER_STATE,
+                &[(label::SERVICE, "psp")],
+            )
+        };
+        let b = breaker(4);
+        metrics::with_local_recorder(&recorder, || b.publish_as("psp"));
+        assert_eq!(state(), 0.0, "closed");
+        outcomes(&b, 0, 4);
+        assert_eq!(state(), 2.0, "open");
+        advance(b.config().open_for).await;
+        let probe = b.try_acquire().unwrap();
+        assert_eq!(state(), 1.0, "half-open");
+        probe.record(false);
+        assert_eq!(state(), 2.0, "open again");
+        advance(b.config().open_for).await;
+        b.try_acquire().unwrap().record(true);
+        assert_eq!(state(), 0.0, "closed again");
     }
 
     #[test]
