@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, MethodContract};
+use backstop::policy::{Idempotency, MethodContract};
 use backstop::idempotency::MemoryStore;
 use backstop::server::ServerStack;
 use bytes::Bytes;

@@ -22,7 +22,7 @@ use backstop::client::replay::{DEFAULT_REPLAY_CAP, ReplayBody};
 use backstop::client::retry::Retry;
 use backstop::client::transparent::TransparentRetry;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, MethodContract};
+use backstop::policy::{Idempotency, MethodContract};
 use backstop::deadline::Deadline;
 use backstop::idempotency::MemoryStore;
 use backstop::server::{

@@ -30,7 +30,7 @@
 //!   [`Margin`](deadline::Margin) (2 x RTT p99 + 5 ms).
 //! - [`status`]: [`Status`], one error type carrying gRPC code, HTTP status, retry class and
 //!   pushback (one classification table for both protocols).
-//! - [`contract`]: per-method behaviour contracts (`Safe`, `Keyed`, `Unsafe`; timeouts,
+//! - [`policy`]: per-method behaviour contracts (`Safe`, `Keyed`, `Unsafe`; timeouts,
 //!   attempts, hedging), validated at start-up.
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
 //!   [`RetryBudget`](retry::RetryBudget), and the executor
@@ -124,10 +124,10 @@ pub use status::Status;
 pub mod admission;
 pub mod client;
 pub mod clock;
-pub mod contract;
 pub mod deadline;
 pub mod idempotency;
 pub mod observe;
+pub mod policy;
 pub mod retry;
 mod sample_window;
 pub mod server;

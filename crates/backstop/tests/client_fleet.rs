@@ -23,7 +23,7 @@ use backstop::client::connect;
 use backstop::client::replay::ReplayBody;
 use backstop::client::transparent::never_sent;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::idempotency::MemoryStore;
 use backstop::retry::RetryBudget;
 use backstop::server::{KeyedRoute, ServerStack};

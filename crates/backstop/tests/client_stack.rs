@@ -17,7 +17,7 @@ use backstop::client::connect::{self, Endpoint, HttpClient};
 use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::decode_grpc_timeout;
 use backstop::idempotency::MemoryStore;
 use backstop::server::{KeyedRoute, ServerStack};

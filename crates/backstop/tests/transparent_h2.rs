@@ -29,7 +29,7 @@ use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
 use backstop::client::transparent::never_sent;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use bytes::Bytes;
 use http::{Request, StatusCode, Uri};
 use http_body_util::Full;

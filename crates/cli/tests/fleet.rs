@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use backstop::client::connect::{self, HttpClient};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::retry::RetryBudget;
 use backstop_payment::psp::{self, PspConfig, PspHandle};
 use bytes::Bytes;

@@ -31,7 +31,7 @@ use axum::serve::ListenerExt;
 use backstop::admission::{KeyedTokenBucket, Quota};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination, connect};
-use backstop::contract::{Idempotency, MethodContract};
+use backstop::policy::{Idempotency, MethodContract};
 use backstop::idempotency::MemoryStore;
 use backstop::server::ServerStack;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;

@@ -49,7 +49,7 @@ use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
 use backstop::client::transparent::never_sent;
 use backstop::client::{ClientService, ClientStack, Destination, StackError};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
 use backstop::retry::{RetryBudget, RetryError, StopReason};
 use backstop::status::{Code, Status};

@@ -41,7 +41,7 @@
 //! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
 //! use backstop::client::{ClientStack, Destination};
-//! use backstop::contract::{Idempotency, MethodContract, KEY_TTL_PAYMENTS};
+//! use backstop::policy::{Idempotency, MethodContract, KEY_TTL_PAYMENTS};
 //! use bytes::Bytes;
 //! use http::{Request, Response, StatusCode};
 //! use http_body_util::Full;

@@ -16,7 +16,7 @@ use super::logical::IntentJournal;
 use super::replay::DEFAULT_REPLAY_CAP;
 use super::retry::{AttemptLimit, Retry};
 use super::transparent::TransparentRetry;
-use crate::contract::{ContractError, Idempotency, MethodContract};
+use crate::policy::{ContractError, Idempotency, MethodContract};
 use crate::deadline::Margin;
 use crate::retry::{
     AdaptiveThrottle, Backoff, PolicyError, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
@@ -392,7 +392,7 @@ impl ClientStackBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::contract::KEY_TTL_PAYMENTS;
+    use crate::policy::KEY_TTL_PAYMENTS;
     use crate::retry::{RetryError, StopReason, StormLevel};
 
     /// One `GET` with an empty body through the stack of `contract` to `dest` over `transport`.

@@ -33,7 +33,7 @@ use backstop::client::hedge::Hedged;
 use backstop::client::replay::ReplayBody;
 use backstop::client::retry::{GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
 use backstop::client::{ClientService, ClientStack, Destination, connect};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::Deadline;
 use backstop::retry::RetryError;
 use backstop::status::{Code, Outcome};

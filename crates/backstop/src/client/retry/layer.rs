@@ -5,7 +5,7 @@ use tower_layer::Layer;
 use super::{AttemptLimit, Retry};
 use crate::client::classify::{Classifier, classify_head};
 use crate::client::replay::DEFAULT_REPLAY_CAP;
-use crate::contract::Idempotency;
+use crate::policy::Idempotency;
 use crate::deadline::Margin;
 use crate::retry::RetryPolicy;
 

@@ -63,7 +63,7 @@ use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
 use super::replay::{Buffering, ReplayBody};
-use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
+use crate::policy::{DEFAULT_TIMEOUT, Idempotency};
 use crate::deadline::{Deadline, Margin};
 use crate::retry::{RetryPolicy, StopReason};
 

@@ -201,7 +201,7 @@ async fn in_the_stack_an_aborted_attempt_leaves_its_key_unused() {
 /// the fault layer and the calls that succeeded.
 async fn default_client_against(percent: f64) -> (usize, usize, crate::client::Destination) {
     use crate::client::{ClientStack, Destination};
-    use crate::contract::{Idempotency, MethodContract};
+    use crate::policy::{Idempotency, MethodContract};
 
     let attempts = Arc::new(AtomicUsize::new(0));
     let handler = service_fn(|_req: Request<_>| async {

@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use backstop::contract::{Contracts, Idempotency, MethodContract, KEY_TTL_PAYMENTS};
+//! use backstop::policy::{Contracts, Idempotency, MethodContract, KEY_TTL_PAYMENTS};
 //! use backstop::status::Code;
 //!
 //! let contracts = Contracts::validated([
