@@ -1,58 +1,68 @@
-//! Per-method behaviour contracts, checked at start-up.
+//! One policy per method: what a failure allows, written down once.
 //!
 //! An IDL describes the success path; it says nothing about what a failure allows. Whether a
 //! method may be retried, hedged, or must carry an idempotency key is a property of the method,
 //! and when it is left implicit each caller guesses, and some guess wrong: a hedged `Unsafe`
-//! call charges a card twice. A [`MethodContract`] writes the answers down in one place:
-//! idempotency class, default timeout, retryable codes, attempts, hedging, key TTL and rate
-//! class. A service declares its [`Contracts`] once and [`Contracts::validate`] refuses an
-//! unsafe combination before the first request, instead of in production.
+//! call charges a card twice. A [`MethodPolicy`] writes the answers down in one place:
+//! idempotency class, timeout, retryable codes, attempts, backoff, hedging, key TTL and rate
+//! class. Everything that acts on a call reads it from there: the client stack's retry, hedge
+//! and deadline layers, the retry executor, and the server's idempotency and rate-limit
+//! configuration; a gRPC service config is read into the same type
+//! ([`ServiceConfig::policies`](crate::client::config::ServiceConfig::policies)).
+//!
+//! A service declares its policies once, in a [`MethodPolicies`] table keyed the way gRPC
+//! service configs are: by full method path (`/payment.v1.Payment/Charge`), by service
+//! (`payment.v1.Payment`), with a fallback for everything else; HTTP routes
+//! (`POST /v1/payments/{id}`) take their place beside the gRPC paths. One
+//! [`ClientStack`](crate::client::ClientStack) serves a whole channel with it, each call run by
+//! its method's policy. [`MethodPolicies::validate`] refuses an unsafe combination before the
+//! first request, instead of in production.
+//!
+//! Every value nobody configured comes from [`defaults`], where each default is defined once.
 //!
 //! ```
 //! use std::time::Duration;
-//! use backstop::policy::{Contracts, Idempotency, MethodContract, KEY_TTL_PAYMENTS};
+//! use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, KEY_TTL_PAYMENTS};
 //! use backstop::status::Code;
 //!
-//! let contracts = Contracts::validated([
-//!     MethodContract::builder("Charge", Idempotency::Keyed)
-//!         .default_timeout(Duration::from_secs(2))
-//!         .retryable([Code::Unavailable, Code::DeadlineExceeded])
-//!         .hedging(true)
-//!         .key_ttl(KEY_TTL_PAYMENTS)
-//!         .rate_class("payments")
-//!         .build(),
-//!     MethodContract::builder("GetCharge", Idempotency::Safe).build(),
-//! ])
-//! .unwrap();
-//! assert!(contracts.get("Charge").unwrap().requires_key());
-//! println!("{contracts}");
+//! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+//!     .method(
+//!         "/payment.v1.Payment/Charge",
+//!         MethodPolicy::builder("Charge", Idempotency::Keyed)
+//!             .timeout(Duration::from_secs(2))
+//!             .retryable([Code::Unavailable, Code::DeadlineExceeded])
+//!             .hedging(true)
+//!             .key_ttl(KEY_TTL_PAYMENTS)
+//!             .rate_class("payments")
+//!             .build(),
+//!     )
+//!     .service("payment.v1.Payment", MethodPolicy::builder("Payment", Idempotency::Safe).build())
+//!     .validated()
+//!     .unwrap();
+//! assert!(policies.for_path("/payment.v1.Payment/Charge").requires_key());
+//! assert_eq!(policies.for_path("/payment.v1.Payment/GetCharge").name(), "Payment");
+//! assert_eq!(policies.for_path("/other.Service/Call").max_attempts(), 1);
+//! println!("{policies}");
 //!
 //! // Hedging a method without idempotency is refused at start-up.
-//! let bad = Contracts::validated([
-//!     MethodContract::builder("Refund", Idempotency::Unsafe).hedging(true).build(),
-//! ]);
-//! assert!(bad.is_err());
+//! let bad = MethodPolicy::builder("Refund", Idempotency::Unsafe).hedging(true).build();
+//! assert!(bad.validate().is_err());
 //! ```
+
+pub mod defaults;
+mod table;
+
+pub use self::defaults::{
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_RATE_CLASS, DEFAULT_TIMEOUT, KEY_TTL_ASYNC, KEY_TTL_PAYMENTS,
+    KEY_TTL_SYNC, MAX_ATTEMPTS_CAP,
+};
+pub use self::table::MethodPolicies;
 
 use std::fmt;
 use std::time::Duration;
 
+use crate::retry::Backoff;
 use crate::status::{Code, RetryClass};
-
-/// Hard cap on attempts per logical request, retries and hedges included.
-pub const MAX_ATTEMPTS_CAP: u32 = 5;
-/// Attempts per logical request unless a contract says otherwise.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-/// Timeout used when a request carries no deadline, unless a contract says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
-/// Idempotency key TTL for synchronous APIs.
-pub const KEY_TTL_SYNC: Duration = Duration::from_secs(24 * 3_600);
-/// Idempotency key TTL for payments.
-pub const KEY_TTL_PAYMENTS: Duration = Duration::from_secs(7 * 24 * 3_600);
-/// Idempotency key TTL for asynchronous jobs.
-pub const KEY_TTL_ASYNC: Duration = Duration::from_secs(30 * 24 * 3_600);
-/// Rate class used when a contract names none.
-pub const DEFAULT_RATE_CLASS: &str = "default";
 
 /// What repeating a call does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -82,37 +92,39 @@ impl fmt::Display for Idempotency {
     }
 }
 
-/// The failure behaviour of one method. Build with [`MethodContract::builder`].
+/// The failure behaviour of one method. Build with [`MethodPolicy::builder`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MethodContract {
+pub struct MethodPolicy {
     name: String,
     idempotency: Idempotency,
-    default_timeout: Duration,
+    timeout: Duration,
     retryable: Vec<Code>,
     max_attempts: u32,
+    backoff: Backoff,
     hedging: bool,
+    min_hedge_delay: Duration,
     key_ttl: Option<Duration>,
     rate_class: String,
 }
 
-/// Builder for [`MethodContract`]; check the result with [`Contracts::validate`].
+/// Builder for [`MethodPolicy`]; check the result with [`MethodPolicy::validate`].
 #[derive(Debug, Clone)]
-#[must_use = "call build() to get the contract"]
-pub struct MethodContractBuilder {
-    contract: MethodContract,
+#[must_use = "call build() to get the policy"]
+pub struct MethodPolicyBuilder {
+    policy: MethodPolicy,
 }
 
-/// A contract set that must not go live.
+/// A policy (or a table of them) that must not go live.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ContractError {
+pub enum InvalidPolicy {
     /// A method has an empty name.
     #[error("a method has an empty name")]
     EmptyName,
-    /// Two contracts share a method name.
-    #[error("method {method}: declared twice")]
+    /// Two policies for the same path, service or route.
+    #[error("{key}: declared twice")]
     Duplicate {
-        /// The method.
-        method: String,
+        /// The path, service or route.
+        key: String,
     },
     /// Hedging sends a second copy while the first may still apply its effect.
     #[error("method {method}: hedging an unsafe method would apply its effect twice")]
@@ -134,8 +146,8 @@ pub enum ContractError {
         /// The method.
         method: String,
     },
-    /// A zero default timeout would fail every request.
-    #[error("method {method}: default timeout is zero")]
+    /// A zero timeout would fail every request.
+    #[error("method {method}: timeout is zero")]
     ZeroTimeout {
         /// The method.
         method: String,
@@ -160,27 +172,39 @@ pub enum ContractError {
     },
 }
 
-impl MethodContract {
-    /// Starts a contract for `name` with defaults: timeout [`DEFAULT_TIMEOUT`], retryable
-    /// `UNAVAILABLE` (none for `Unsafe`), [`DEFAULT_MAX_ATTEMPTS`] attempts (one for `Unsafe`),
-    /// no hedging, no key TTL, rate class [`DEFAULT_RATE_CLASS`].
-    pub fn builder(name: impl Into<String>, idempotency: Idempotency) -> MethodContractBuilder {
+impl MethodPolicy {
+    /// Starts a policy for the method `name` (its `method` metric label: keep it to a small
+    /// fixed set) with the [`defaults`]: timeout [`DEFAULT_TIMEOUT`]; for `Safe` and `Keyed`
+    /// methods [`DEFAULT_MAX_ATTEMPTS`] attempts retrying
+    /// [`DEFAULT_RETRYABLE`](defaults::DEFAULT_RETRYABLE), for `Unsafe` ones a single attempt
+    /// retrying nothing; the default [`Backoff`]; no hedging; no key TTL; rate class
+    /// [`DEFAULT_RATE_CLASS`].
+    pub fn builder(name: impl Into<String>, idempotency: Idempotency) -> MethodPolicyBuilder {
         let is_unsafe = idempotency == Idempotency::Unsafe;
-        MethodContractBuilder {
-            contract: MethodContract {
+        MethodPolicyBuilder {
+            policy: MethodPolicy {
                 name: name.into(),
                 idempotency,
-                default_timeout: DEFAULT_TIMEOUT,
+                timeout: DEFAULT_TIMEOUT,
                 retryable: if is_unsafe {
                     Vec::new()
                 } else {
-                    vec![Code::Unavailable]
+                    defaults::DEFAULT_RETRYABLE.to_vec()
                 },
                 max_attempts: if is_unsafe { 1 } else { DEFAULT_MAX_ATTEMPTS },
+                backoff: Backoff::default(),
                 hedging: false,
+                min_hedge_delay: Duration::ZERO,
                 key_ttl: None,
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
             },
+        }
+    }
+
+    /// This policy as a builder, to change some of it.
+    pub fn to_builder(&self) -> MethodPolicyBuilder {
+        MethodPolicyBuilder {
+            policy: self.clone(),
         }
     }
 
@@ -199,9 +223,10 @@ impl MethodContract {
         self.idempotency == Idempotency::Keyed
     }
 
-    /// Budget for a request that arrives without a deadline.
-    pub fn default_timeout(&self) -> Duration {
-        self.default_timeout
+    /// Budget of a call whose caller set no deadline (on a server: of a request that arrives
+    /// without one).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Codes after which another attempt may be made.
@@ -214,14 +239,24 @@ impl MethodContract {
         self.retryable.contains(&code)
     }
 
-    /// Most attempts per logical request, retries and hedges included.
+    /// Most attempts per logical request, first included.
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
     }
 
-    /// Whether hedged attempts are allowed.
+    /// Delays between attempts when the server gave no pushback.
+    pub fn backoff(&self) -> &Backoff {
+        &self.backoff
+    }
+
+    /// Whether a slow attempt may be hedged (at most one extra copy per call).
     pub fn hedging(&self) -> bool {
         self.hedging
+    }
+
+    /// The earliest a hedge is sent, whatever the destination's p95 says.
+    pub fn min_hedge_delay(&self) -> Duration {
+        self.min_hedge_delay
     }
 
     /// How long idempotency keys are kept.
@@ -234,31 +269,31 @@ impl MethodContract {
         &self.rate_class
     }
 
-    /// Checks this contract alone (see [`ContractError`]).
-    pub fn validate(&self) -> Result<(), ContractError> {
+    /// Checks the policy (see [`InvalidPolicy`]).
+    pub fn validate(&self) -> Result<(), InvalidPolicy> {
         let method = || self.name.clone();
         if self.name.is_empty() {
-            return Err(ContractError::EmptyName);
+            return Err(InvalidPolicy::EmptyName);
         }
         if !(1..=MAX_ATTEMPTS_CAP).contains(&self.max_attempts) {
-            return Err(ContractError::MaxAttempts {
+            return Err(InvalidPolicy::MaxAttempts {
                 method: method(),
                 max_attempts: self.max_attempts,
             });
         }
-        if self.default_timeout.is_zero() {
-            return Err(ContractError::ZeroTimeout { method: method() });
+        if self.timeout.is_zero() {
+            return Err(InvalidPolicy::ZeroTimeout { method: method() });
         }
         if self.hedging && self.idempotency == Idempotency::Unsafe {
-            return Err(ContractError::HedgingUnsafe { method: method() });
+            return Err(InvalidPolicy::HedgingUnsafe { method: method() });
         }
         if self.idempotency == Idempotency::Keyed && self.key_ttl.is_none_or(|t| t.is_zero()) {
-            return Err(ContractError::KeyedWithoutTtl { method: method() });
+            return Err(InvalidPolicy::KeyedWithoutTtl { method: method() });
         }
         for &code in &self.retryable {
             match code.retry_class() {
                 RetryClass::Fatal => {
-                    return Err(ContractError::FatalCodeRetryable {
+                    return Err(InvalidPolicy::FatalCodeRetryable {
                         method: method(),
                         code,
                     });
@@ -266,7 +301,7 @@ impl MethodContract {
                 RetryClass::Retryable | RetryClass::Timeout
                     if self.idempotency == Idempotency::Unsafe =>
                 {
-                    return Err(ContractError::UnsafeRetry {
+                    return Err(InvalidPolicy::UnsafeRetry {
                         method: method(),
                         code,
                     });
@@ -278,125 +313,60 @@ impl MethodContract {
     }
 }
 
-impl MethodContractBuilder {
-    /// Budget for requests that arrive without a deadline.
-    pub fn default_timeout(mut self, timeout: Duration) -> Self {
-        self.contract.default_timeout = timeout;
+impl MethodPolicyBuilder {
+    /// Budget of a call whose caller set no deadline.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.policy.timeout = timeout;
         self
     }
 
     /// Codes after which another attempt may be made (replaces the default).
     pub fn retryable(mut self, codes: impl IntoIterator<Item = Code>) -> Self {
-        self.contract.retryable = codes.into_iter().collect();
-        self.contract.retryable.sort();
-        self.contract.retryable.dedup();
+        self.policy.retryable = codes.into_iter().collect();
+        self.policy.retryable.sort();
+        self.policy.retryable.dedup();
         self
     }
 
     /// Most attempts per logical request (1 to [`MAX_ATTEMPTS_CAP`]).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.contract.max_attempts = attempts;
+        self.policy.max_attempts = attempts;
+        self
+    }
+
+    /// The backoff between attempts.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.policy.backoff = backoff;
         self
     }
 
     /// Allows hedged attempts (`Safe` and `Keyed` methods only).
     pub fn hedging(mut self, allowed: bool) -> Self {
-        self.contract.hedging = allowed;
+        self.policy.hedging = allowed;
+        self
+    }
+
+    /// Never hedges sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
+    pub fn min_hedge_delay(mut self, delay: Duration) -> Self {
+        self.policy.min_hedge_delay = delay;
         self
     }
 
     /// How long idempotency keys are kept (required for `Keyed`).
     pub fn key_ttl(mut self, ttl: Duration) -> Self {
-        self.contract.key_ttl = Some(ttl);
+        self.policy.key_ttl = Some(ttl);
         self
     }
 
     /// The rate-limit class.
     pub fn rate_class(mut self, class: impl Into<String>) -> Self {
-        self.contract.rate_class = class.into();
+        self.policy.rate_class = class.into();
         self
     }
 
-    /// The contract (not yet validated).
-    pub fn build(self) -> MethodContract {
-        self.contract
-    }
-}
-
-/// The contracts of a service; `Display` prints them as a table.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Contracts {
-    methods: Vec<MethodContract>,
-}
-
-impl Contracts {
-    /// An empty set.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A set of `contracts`, validated.
-    pub fn validated(
-        contracts: impl IntoIterator<Item = MethodContract>,
-    ) -> Result<Self, ContractError> {
-        let set: Contracts = contracts.into_iter().collect();
-        set.validate()?;
-        Ok(set)
-    }
-
-    /// Adds a contract (checked by [`validate`](Self::validate)).
-    pub fn insert(&mut self, contract: MethodContract) {
-        self.methods.push(contract);
-    }
-
-    /// The contract for `method`.
-    pub fn get(&self, method: &str) -> Option<&MethodContract> {
-        self.methods.iter().find(|c| c.name == method)
-    }
-
-    /// All contracts, in insertion order.
-    pub fn iter(&self) -> std::slice::Iter<'_, MethodContract> {
-        self.methods.iter()
-    }
-
-    /// Number of contracts.
-    pub fn len(&self) -> usize {
-        self.methods.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.methods.is_empty()
-    }
-
-    /// Checks every contract and that no method is declared twice; the first error wins.
-    pub fn validate(&self) -> Result<(), ContractError> {
-        for (i, contract) in self.methods.iter().enumerate() {
-            contract.validate()?;
-            if self.methods[..i].iter().any(|c| c.name == contract.name) {
-                return Err(ContractError::Duplicate {
-                    method: contract.name.clone(),
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
-impl FromIterator<MethodContract> for Contracts {
-    fn from_iter<I: IntoIterator<Item = MethodContract>>(iter: I) -> Self {
-        Self {
-            methods: iter.into_iter().collect(),
-        }
-    }
-}
-
-impl<'a> IntoIterator for &'a Contracts {
-    type Item = &'a MethodContract;
-    type IntoIter = std::slice::Iter<'a, MethodContract>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.methods.iter()
+    /// The policy (not yet validated).
+    pub fn build(self) -> MethodPolicy {
+        self.policy
     }
 }
 
@@ -418,89 +388,31 @@ fn human(d: Duration) -> String {
     }
 }
 
-impl fmt::Display for Contracts {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const HEADER: [&str; 8] = [
-            "method",
-            "idempotency",
-            "timeout",
-            "retryable",
-            "attempts",
-            "hedging",
-            "key_ttl",
-            "rate_class",
-        ];
-        let rows: Vec<[String; 8]> = self
-            .methods
-            .iter()
-            .map(|c| {
-                let retryable = if c.retryable.is_empty() {
-                    "-".to_owned()
-                } else {
-                    c.retryable
-                        .iter()
-                        .map(|code| code.as_str())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                };
-                [
-                    c.name.clone(),
-                    c.idempotency.to_string(),
-                    human(c.default_timeout),
-                    retryable,
-                    c.max_attempts.to_string(),
-                    if c.hedging { "yes" } else { "no" }.to_owned(),
-                    c.key_ttl.map_or_else(|| "-".to_owned(), human),
-                    c.rate_class.clone(),
-                ]
-            })
-            .collect();
-        let mut widths = HEADER.map(str::len);
-        for row in &rows {
-            for (w, cell) in widths.iter_mut().zip(row) {
-                *w = (*w).max(cell.chars().count());
-            }
-        }
-        let header = HEADER.map(str::to_owned);
-        for row in std::iter::once(&header).chain(&rows) {
-            let last = row.len() - 1;
-            for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
-                if i == last {
-                    writeln!(f, "{cell}")?;
-                } else {
-                    write!(f, "{cell:<w$}  ")?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn keyed(name: &str) -> MethodContractBuilder {
-        MethodContract::builder(name, Idempotency::Keyed).key_ttl(KEY_TTL_SYNC)
+    fn keyed(name: &str) -> MethodPolicyBuilder {
+        MethodPolicy::builder(name, Idempotency::Keyed).key_ttl(KEY_TTL_SYNC)
     }
 
-    fn err(contract: MethodContract) -> ContractError {
-        Contracts::validated([contract]).unwrap_err()
+    fn err(policy: MethodPolicy) -> InvalidPolicy {
+        policy.validate().unwrap_err()
     }
 
     #[test]
     fn defaults_are_valid() {
         for idem in [Idempotency::Safe, Idempotency::Unsafe] {
-            let c = MethodContract::builder("M", idem).build();
+            let c = MethodPolicy::builder("M", idem).build();
             assert_eq!(c.validate(), Ok(()));
-            assert_eq!(c.default_timeout(), DEFAULT_TIMEOUT);
+            assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
             assert_eq!(c.rate_class(), "default");
             assert!(!c.hedging());
         }
-        let safe = MethodContract::builder("Get", Idempotency::Safe).build();
+        let safe = MethodPolicy::builder("Get", Idempotency::Safe).build();
         assert_eq!(safe.max_attempts(), DEFAULT_MAX_ATTEMPTS);
         assert!(safe.is_retryable(Code::Unavailable));
-        let unsafe_ = MethodContract::builder("Post", Idempotency::Unsafe).build();
+        let unsafe_ = MethodPolicy::builder("Post", Idempotency::Unsafe).build();
         assert_eq!(unsafe_.max_attempts(), 1);
         assert!(unsafe_.retryable().is_empty());
         assert_eq!(keyed("Charge").build().validate(), Ok(()));
@@ -508,18 +420,18 @@ mod tests {
 
     #[test]
     fn hedging_an_unsafe_method_is_an_error() {
-        let c = MethodContract::builder("Refund", Idempotency::Unsafe)
+        let c = MethodPolicy::builder("Refund", Idempotency::Unsafe)
             .hedging(true)
             .build();
         assert_eq!(
             err(c),
-            ContractError::HedgingUnsafe {
+            InvalidPolicy::HedgingUnsafe {
                 method: "Refund".into()
             }
         );
         // Safe and keyed methods may hedge.
         assert!(
-            MethodContract::builder("Get", Idempotency::Safe)
+            MethodPolicy::builder("Get", Idempotency::Safe)
                 .hedging(true)
                 .build()
                 .validate()
@@ -531,19 +443,19 @@ mod tests {
     #[test]
     fn max_attempts_must_be_one_to_five() {
         for n in [0, 6, u32::MAX] {
-            let c = MethodContract::builder("Get", Idempotency::Safe)
+            let c = MethodPolicy::builder("Get", Idempotency::Safe)
                 .max_attempts(n)
                 .build();
             assert_eq!(
                 err(c),
-                ContractError::MaxAttempts {
+                InvalidPolicy::MaxAttempts {
                     method: "Get".into(),
                     max_attempts: n
                 }
             );
         }
         for n in 1..=5 {
-            let c = MethodContract::builder("Get", Idempotency::Safe)
+            let c = MethodPolicy::builder("Get", Idempotency::Safe)
                 .max_attempts(n)
                 .build();
             assert_eq!(c.validate(), Ok(()));
@@ -552,44 +464,29 @@ mod tests {
 
     #[test]
     fn keyed_without_ttl_is_an_error() {
-        let c = MethodContract::builder("Charge", Idempotency::Keyed).build();
+        let c = MethodPolicy::builder("Charge", Idempotency::Keyed).build();
         assert_eq!(
             err(c),
-            ContractError::KeyedWithoutTtl {
+            InvalidPolicy::KeyedWithoutTtl {
                 method: "Charge".into()
             }
         );
         let zero = keyed("Charge").key_ttl(Duration::ZERO).build();
-        assert!(matches!(err(zero), ContractError::KeyedWithoutTtl { .. }));
-    }
-
-    #[test]
-    fn duplicate_names_are_an_error() {
-        let result = Contracts::validated([
-            MethodContract::builder("Get", Idempotency::Safe).build(),
-            keyed("Charge").build(),
-            MethodContract::builder("Get", Idempotency::Safe).build(),
-        ]);
-        assert_eq!(
-            result,
-            Err(ContractError::Duplicate {
-                method: "Get".into()
-            })
-        );
+        assert!(matches!(err(zero), InvalidPolicy::KeyedWithoutTtl { .. }));
     }
 
     #[test]
     fn empty_name_and_zero_timeout_are_errors() {
         assert_eq!(
-            err(MethodContract::builder("", Idempotency::Safe).build()),
-            ContractError::EmptyName
+            err(MethodPolicy::builder("", Idempotency::Safe).build()),
+            InvalidPolicy::EmptyName
         );
-        let c = MethodContract::builder("Get", Idempotency::Safe)
-            .default_timeout(Duration::ZERO)
+        let c = MethodPolicy::builder("Get", Idempotency::Safe)
+            .timeout(Duration::ZERO)
             .build();
         assert_eq!(
             err(c),
-            ContractError::ZeroTimeout {
+            InvalidPolicy::ZeroTimeout {
                 method: "Get".into()
             }
         );
@@ -597,12 +494,12 @@ mod tests {
 
     #[test]
     fn fatal_codes_cannot_be_retryable() {
-        let c = MethodContract::builder("Get", Idempotency::Safe)
+        let c = MethodPolicy::builder("Get", Idempotency::Safe)
             .retryable([Code::Unavailable, Code::InvalidArgument])
             .build();
         assert_eq!(
             err(c),
-            ContractError::FatalCodeRetryable {
+            InvalidPolicy::FatalCodeRetryable {
                 method: "Get".into(),
                 code: Code::InvalidArgument
             }
@@ -612,20 +509,20 @@ mod tests {
     #[test]
     fn unsafe_methods_cannot_retry_after_a_possible_effect() {
         for code in [Code::Unavailable, Code::DeadlineExceeded] {
-            let c = MethodContract::builder("Post", Idempotency::Unsafe)
+            let c = MethodPolicy::builder("Post", Idempotency::Unsafe)
                 .retryable([code])
                 .max_attempts(2)
                 .build();
             assert_eq!(
                 err(c),
-                ContractError::UnsafeRetry {
+                InvalidPolicy::UnsafeRetry {
                     method: "Post".into(),
                     code
                 }
             );
         }
         // Pushback codes mean "not now": the request was refused, not run.
-        let c = MethodContract::builder("Post", Idempotency::Unsafe)
+        let c = MethodPolicy::builder("Post", Idempotency::Unsafe)
             .retryable([Code::ResourceExhausted])
             .max_attempts(2)
             .build();
@@ -633,47 +530,11 @@ mod tests {
     }
 
     #[test]
-    fn lookup_and_iteration() {
-        let mut set = Contracts::new();
-        assert!(set.is_empty());
-        set.insert(keyed("Charge").build());
-        set.insert(MethodContract::builder("GetCharge", Idempotency::Safe).build());
-        assert_eq!(set.len(), 2);
-        assert!(set.get("Charge").unwrap().requires_key());
-        assert!(!set.get("GetCharge").unwrap().requires_key());
-        assert!(set.get("Refund").is_none());
-        let names: Vec<_> = set.iter().map(MethodContract::name).collect();
-        assert_eq!(names, ["Charge", "GetCharge"]);
-        assert_eq!((&set).into_iter().count(), 2);
-    }
-
-    #[test]
     fn retryable_codes_are_sorted_and_deduplicated() {
-        let c = MethodContract::builder("Get", Idempotency::Safe)
+        let c = MethodPolicy::builder("Get", Idempotency::Safe)
             .retryable([Code::Unavailable, Code::Aborted, Code::Unavailable])
             .build();
         assert_eq!(c.retryable(), [Code::Aborted, Code::Unavailable]);
-    }
-
-    #[test]
-    fn display_prints_a_table() {
-        let set = Contracts::validated([
-            keyed("Charge")
-                .default_timeout(Duration::from_millis(2_500))
-                .retryable([Code::Unavailable, Code::DeadlineExceeded])
-                .hedging(true)
-                .key_ttl(KEY_TTL_PAYMENTS)
-                .rate_class("payments")
-                .build(),
-            MethodContract::builder("GetCharge", Idempotency::Safe).build(),
-        ])
-        .unwrap();
-        let want = "\
-method     idempotency  timeout  retryable                      attempts  hedging  key_ttl  rate_class
-Charge     keyed        2500ms   DEADLINE_EXCEEDED,UNAVAILABLE  3         yes      7d       payments
-GetCharge  safe         1s       UNAVAILABLE                    3         no       -        default
-";
-        assert_eq!(set.to_string(), want);
     }
 
     #[test]
