@@ -43,7 +43,15 @@ pub(crate) struct MethodTable {
     pub(crate) resolved: Vec<Arc<Resolved>>,
 }
 
-/// Chooses each call's method policy by its path (see the [module docs](self)).
+/// Chooses each call's method policy by its path, once per call: the outermost layer of a
+/// [`ClientStack`](super::ClientStack).
+///
+/// A tonic `Channel` carries every method of a service, and an HTTP client every route; their
+/// policies differ (a read is retried three times, a refund never). This layer looks the call
+/// up in the stack's [`MethodPolicies`] by its path (and, for HTTP routes, its method) and
+/// hands the chosen method's settings to the key, deadline, retry and hedge layers below, in
+/// the request's extensions. A stack with one policy skips the lookup: its layers were built
+/// with that policy.
 #[derive(Debug, Clone)]
 pub struct SelectMethod<S> {
     inner: S,

@@ -13,8 +13,7 @@
 //! - **One deadline.** Every attempt shares the call's [`Deadline`] (set above by
 //!   [`SetDeadline`](super::deadline::SetDeadline)); the executor never waits past it. A call
 //!   that arrives without one (no deadline layer above) gets the method's timeout from now:
-//!   [`Retry::timeout`], by default
-//!   [`DEFAULT_TIMEOUT`](crate::policy::DEFAULT_TIMEOUT), the one every method policy starts
+//!   [`Retry::timeout`], by default [`DEFAULT_TIMEOUT`], the one every method policy starts
 //!   from. Nothing here makes up a budget of its own.
 //! - **Classification.** Each response is read by a [`Classifier`], by default
 //!   [`classify_head`](super::classify::classify_head): HTTP status or
