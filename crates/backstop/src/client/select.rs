@@ -1,12 +1,5 @@
-//! [`SelectMethod`]: which method's policy a call runs by, decided once per call.
-//!
-//! A tonic `Channel` carries every method of a service, and an HTTP client every route; their
-//! policies differ (a read is retried three times, a refund never). The outermost layer of a
-//! [`ClientStack`](super::ClientStack) looks the call up in the stack's
-//! [`MethodPolicies`] by its path (and, for HTTP routes, its method) and puts the chosen
-//! method's runtime settings in the request's extensions; the key, deadline, retry and hedge
-//! layers below read them from there. A stack with one policy skips the lookup: its layers
-//! were built with that policy.
+//! [`SelectMethod`]: which method's policy a call runs by, decided once per call by its path;
+//! the layers below read the choice from the request's extensions.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
