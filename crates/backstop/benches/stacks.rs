@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, MethodContract};
 use backstop::idempotency::MemoryStore;
+use backstop::policy::{Idempotency, MethodPolicy};
 use backstop::server::ServerStack;
 use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -119,8 +119,8 @@ fn client(c: &mut Criterion) {
     });
     for (name, hedging) in [("stack", false), ("stack_hedging", true)] {
         let destination = Destination::new("bench");
-        let contract = MethodContract::builder("Echo", Idempotency::Safe)
-            .default_timeout(Duration::from_secs(10))
+        let contract = MethodPolicy::builder("Echo", Idempotency::Safe)
+            .timeout(Duration::from_secs(10))
             .hedging(hedging)
             .build();
         let stack = ClientStack::builder(&destination, contract)
@@ -250,8 +250,8 @@ fn client_concurrent(c: &mut Criterion) {
             }),
             1024,
         );
-        let contract = MethodContract::builder("Echo", Idempotency::Safe)
-            .default_timeout(Duration::from_secs(10))
+        let contract = MethodPolicy::builder("Echo", Idempotency::Safe)
+            .timeout(Duration::from_secs(10))
             .build();
         let stack = ClientStack::builder(&Destination::new("bench"), contract)
             .build()

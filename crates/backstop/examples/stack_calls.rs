@@ -22,9 +22,9 @@ use backstop::client::replay::{DEFAULT_REPLAY_CAP, ReplayBody};
 use backstop::client::retry::Retry;
 use backstop::client::transparent::TransparentRetry;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, MethodContract};
 use backstop::deadline::Deadline;
 use backstop::idempotency::MemoryStore;
+use backstop::policy::{Idempotency, MethodPolicy};
 use backstop::server::{
     DeadlineLayer, GateLayer, IdempotencyLayer, KeyedRoute, MetricsLayer, RateLimitLayer,
     ServerStack, TenantLayer,
@@ -109,12 +109,12 @@ where
 async fn client_layers(layers: usize, calls: u64) -> Result<(), BoxError> {
     let transport = transport();
     let destination = Destination::new("bench");
-    let contract = MethodContract::builder("Echo", Idempotency::Safe)
-        .default_timeout(Duration::from_secs(10))
+    let contract = MethodPolicy::builder("Echo", Idempotency::Safe)
+        .timeout(Duration::from_secs(10))
         .build();
     let policy = ClientStack::builder(&destination, contract)
         .build()?
-        .policy()
+        .retry_policy("/v1/echo")
         .clone();
     let timeout = Duration::from_secs(10);
     let once = ReplayBody::once;
@@ -217,8 +217,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             "client_stack" => {
-                let contract = MethodContract::builder("Echo", Idempotency::Safe)
-                    .default_timeout(Duration::from_secs(10))
+                let contract = MethodPolicy::builder("Echo", Idempotency::Safe)
+                    .timeout(Duration::from_secs(10))
                     .build();
                 let stack = ClientStack::builder(&Destination::new("bench"), contract)
                     .build()?

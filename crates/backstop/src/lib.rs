@@ -30,8 +30,11 @@
 //!   [`Margin`](deadline::Margin) (2 x RTT p99 + 5 ms).
 //! - [`status`]: [`Status`], one error type carrying gRPC code, HTTP status, retry class and
 //!   pushback (one classification table for both protocols).
-//! - [`contract`]: per-method behaviour contracts (`Safe`, `Keyed`, `Unsafe`; timeouts,
-//!   attempts, hedging), validated at start-up.
+//! - [`policy`]: one [`MethodPolicy`](policy::MethodPolicy) per method (`Safe`, `Keyed`,
+//!   `Unsafe`; timeout, retryable codes, attempts, backoff, hedging, key TTL, rate class),
+//!   the [`MethodPolicies`](policy::MethodPolicies) table that finds a call's policy by its
+//!   gRPC path or HTTP route, validated at start-up; every default in
+//!   [`policy::defaults`], each defined once.
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
 //!   [`RetryBudget`](retry::RetryBudget), and the executor
 //!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
@@ -46,8 +49,9 @@
 //! - [`clock`]: the wall clock behind a trait; stores take `now` explicitly.
 //! - [`server`]: the tower layers, composed by [`ServerStack`](server::ServerStack).
 //! - [`client`]: the client layers (idempotency key, deadline, retry with replay, hedging,
-//!   circuit breaker, transparent retry, connection management, gRPC service config),
-//!   composed by [`ClientStack`](client::ClientStack), for tonic channels and HTTP clients alike.
+//!   circuit breaker, transparent retry, connection management, gRPC service config read
+//!   into method policies), composed by [`ClientStack`](client::ClientStack), which runs each
+//!   call by its method's policy, for tonic channels and HTTP clients alike.
 //!
 //! # Feature flags
 //!
@@ -124,10 +128,10 @@ pub use status::Status;
 pub mod admission;
 pub mod client;
 pub mod clock;
-pub mod contract;
 pub mod deadline;
 pub mod idempotency;
 pub mod observe;
+pub mod policy;
 pub mod retry;
 mod sample_window;
 pub mod server;

@@ -23,8 +23,8 @@ use backstop::client::connect;
 use backstop::client::replay::ReplayBody;
 use backstop::client::transparent::never_sent;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::idempotency::MemoryStore;
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::retry::RetryBudget;
 use backstop::server::{KeyedRoute, ServerStack};
 use bytes::Bytes;
@@ -237,8 +237,8 @@ async fn hedging_run(hedging: bool, calls: usize, concurrency: usize) -> Run {
     let (addrs, delayed) = replicas(&armed).await;
     let sends = Sends::default();
     let transport = balanced_fleet(false, &addrs, &sends);
-    let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
-        .default_timeout(Duration::from_secs(10))
+    let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+        .timeout(Duration::from_secs(10))
         .hedging(hedging)
         .build();
     // Hedging alone is compared with no hedging: the attempt limit, which would also abandon
@@ -423,9 +423,10 @@ async fn rolling_restart(hedging: bool) {
 
     let sends = Sends::default();
     let transport = balanced_fleet(true, &addrs, &sends);
-    let contract = MethodContract::builder("Charge", Idempotency::Keyed)
-        .default_timeout(Duration::from_secs(10))
+    let contract = MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .timeout(Duration::from_secs(10))
         .key_ttl(KEY_TTL_PAYMENTS)
+        .hedging(hedging)
         .build();
     // Each restart fails at once every send queued on that replica (up to CONCURRENCY, each
     // sent again once), and a send racing the replica's close can be in doubt and retried: the
@@ -445,7 +446,6 @@ async fn rolling_restart(hedging: bool) {
     // abandons it after half the 10 s deadline and retries it with the same key in the other
     // half. Either way the call succeeds.
     let svc = ClientStack::builder(&payments, contract)
-        .hedging(hedging)
         .build()
         .unwrap()
         .layer(transport);

@@ -17,9 +17,9 @@ use backstop::client::connect::{self, Endpoint, HttpClient};
 use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::decode_grpc_timeout;
 use backstop::idempotency::MemoryStore;
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::server::{KeyedRoute, ServerStack};
 use bytes::Bytes;
 use http::{Method, Request, Uri};
@@ -40,9 +40,9 @@ fn client() -> HttpClient<Body> {
     connect::pooled(false)
 }
 
-fn charge_contract() -> MethodContract {
-    MethodContract::builder("Charge", Idempotency::Keyed)
-        .default_timeout(Duration::from_secs(5))
+fn charge_contract() -> MethodPolicy {
+    MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .timeout(Duration::from_secs(5))
         .key_ttl(KEY_TTL_PAYMENTS)
         .build()
 }
@@ -219,7 +219,7 @@ async fn a_refused_connection_is_sent_again_transparently() {
         })
     };
     // One attempt allowed: only the transparent retry can make this succeed.
-    let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+    let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
         .max_attempts(1)
         .build();
     let psp = Destination::new("psp");
@@ -269,8 +269,8 @@ async fn a_slow_replica_is_hedged_to_another_endpoint() {
     .unwrap();
     let transport = connect::balanced(endpoints, 64);
 
-    let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
-        .default_timeout(Duration::from_secs(20))
+    let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+        .timeout(Duration::from_secs(20))
         .hedging(true)
         .build();
     let psp = Destination::new("psp").budget(backstop::retry::RetryBudget::new(0.5, 50).unwrap());
@@ -330,7 +330,7 @@ async fn a_refused_http2_stream_is_sent_again_transparently() {
     )
     .unwrap();
     // One attempt allowed: only the transparent retry can make this succeed.
-    let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+    let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
         .max_attempts(1)
         .build();
     let psp = Destination::new("psp");

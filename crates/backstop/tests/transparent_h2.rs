@@ -29,7 +29,7 @@ use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
 use backstop::client::transparent::never_sent;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use bytes::Bytes;
 use http::{Request, StatusCode, Uri};
 use http_body_util::Full;
@@ -340,9 +340,9 @@ fn transport(
 }
 
 /// `Charge`, keyed, with one attempt: only a transparent re-send can get past a failure.
-fn charge_once() -> MethodContract {
-    MethodContract::builder("Charge", Idempotency::Keyed)
-        .default_timeout(Duration::from_secs(10))
+fn charge_once() -> MethodPolicy {
+    MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .timeout(Duration::from_secs(10))
         .key_ttl(KEY_TTL_PAYMENTS)
         .max_attempts(1)
         .build()
@@ -482,7 +482,7 @@ async fn a_refused_stream_is_sent_again_on_the_same_connection() {
 /// A server that names the request's stream as processed in its `GOAWAY` and closes without
 /// answering; returns the call's result, the going server, the other one and the sends.
 async fn goaway_at_the_stream(
-    contract: MethodContract,
+    contract: MethodPolicy,
     destination: &Destination,
 ) -> (
     Result<http::Response<Incoming>, BoxError>,
@@ -505,8 +505,8 @@ async fn goaway_at_the_stream(
 async fn goaway_at_the_stream_then_close_is_not_sent_again_for_an_unsafe_method() {
     // An unsafe call's body is streamed once, so nothing could re-send it; the failure must
     // still not be taken for one that never reached the server.
-    let refund = MethodContract::builder("Refund", Idempotency::Unsafe)
-        .default_timeout(Duration::from_secs(10))
+    let refund = MethodPolicy::builder("Refund", Idempotency::Unsafe)
+        .timeout(Duration::from_secs(10))
         .build();
     let payments = Destination::new("payments");
     let (result, going, other, sends) = goaway_at_the_stream(refund, &payments).await;

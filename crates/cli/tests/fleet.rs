@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use backstop::client::connect::{self, HttpClient};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::retry::RetryBudget;
 use backstop_payment::psp::{self, PspConfig, PspHandle};
 use bytes::Bytes;
@@ -230,8 +230,8 @@ fn payments_client(fleet: &[Serve], destination: &Destination) -> Payments {
         .iter()
         .map(|s| s.base.parse::<Uri>().expect("base URI"));
     let transport = connect::balanced(connect::endpoints(client, uris).expect("endpoints"), 1024);
-    let contract = MethodContract::builder("CreatePayment", Idempotency::Keyed)
-        .default_timeout(Duration::from_secs(5))
+    let contract = MethodPolicy::builder("CreatePayment", Idempotency::Keyed)
+        .timeout(Duration::from_secs(5))
         .key_ttl(KEY_TTL_PAYMENTS)
         .build();
     let stack = ClientStack::builder(destination, contract)

@@ -31,8 +31,8 @@ use axum::serve::ListenerExt;
 use backstop::admission::{KeyedTokenBucket, Quota};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination, connect};
-use backstop::contract::{Idempotency, MethodContract};
 use backstop::idempotency::MemoryStore;
+use backstop::policy::{Idempotency, MethodPolicy};
 use backstop::server::ServerStack;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;
 use backstop_payment::grpc::proto::payment_server::{Payment, PaymentServer};
@@ -94,9 +94,9 @@ fn server_stack() -> ServerStack<MemoryStore> {
         .route(Method::POST, "/v1/echo")
 }
 
-fn contract(name: &str) -> MethodContract {
-    MethodContract::builder(name, Idempotency::Safe)
-        .default_timeout(Duration::from_secs(10))
+fn contract(name: &str) -> MethodPolicy {
+    MethodPolicy::builder(name, Idempotency::Safe)
+        .timeout(Duration::from_secs(10))
         .build()
 }
 

@@ -49,8 +49,8 @@ use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
 use backstop::client::transparent::never_sent;
 use backstop::client::{ClientService, ClientStack, Destination, StackError};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::retry::{RetryBudget, RetryError, StopReason};
 use backstop::status::{Code, Status};
 use bytes::Bytes;
@@ -311,7 +311,7 @@ impl PspClient {
             .budget(budget)
             .margin_floor(margin_floor)
             .breaker(None);
-        let contract = MethodContract::builder(METHOD_LABEL, Idempotency::Keyed)
+        let contract = MethodPolicy::builder(METHOD_LABEL, Idempotency::Keyed)
             .key_ttl(KEY_TTL_PAYMENTS)
             .retryable([
                 Code::Unavailable,

@@ -1,22 +1,31 @@
 //! gRPC service config: bring `retryPolicy`, `hedgingPolicy` and `retryThrottling` as they are.
 //!
 //! Teams that already run gRPC keep their retry settings in a service config (gRPC proposal
-//! A6). [`ServiceConfig::from_json`] reads one and turns it into backstop's own types, so the
-//! same JSON drives the same mechanisms:
+//! A6). [`ServiceConfig::from_json`] reads one and [`ServiceConfig::policies`] turns it into a
+//! [`MethodPolicies`] table, the one per-method policy type every client layer runs by, keyed
+//! the way the config names its methods (method, service, or every call). So the same JSON
+//! drives the same mechanisms:
 //!
 //! | service config | backstop |
 //! |---|---|
-//! | `retryPolicy.maxAttempts` (values above 5 are read as 5, as gRPC does) | [`RetryPolicy::max_attempts`] |
-//! | `initialBackoff`, `maxBackoff` | [`Backoff`] base and cap, full jitter (gRPC's own) |
-//! | `backoffMultiplier` | validated; backstop's backoff doubles, the usual value |
-//! | `retryableStatusCodes` (names or numbers) | [`RetryPolicyBuilder::retryable_codes`](crate::retry::RetryPolicyBuilder::retryable_codes) |
-//! | `hedgingPolicy.maxAttempts`, `hedgingDelay` | one hedge (backstop never sends more), no sooner than the delay |
+//! | `name` (service and method, service, or empty) | a [`MethodPolicies`] entry for the method path, the service, or the fallback |
+//! | `retryPolicy.maxAttempts` (values above 5 are read as 5, as gRPC does) | [`MethodPolicy::max_attempts`] |
+//! | `initialBackoff`, `maxBackoff`, `backoffMultiplier` | [`Backoff`] base, cap and multiplier, full jitter (gRPC's own) |
+//! | `retryableStatusCodes` (names or numbers) | [`MethodPolicy::retryable`] |
+//! | `hedgingPolicy.hedgingDelay` | [`MethodPolicy::hedging`], no sooner than the delay |
+//! | `hedgingPolicy.maxAttempts` | read, but backstop sends one hedge at most (see [`HedgeSpec`]) |
 //! | `retryThrottling {maxTokens, tokenRatio}` | [`RetryBudget`]: ratio `tokenRatio`, burst `maxTokens / 2` (gRPC stops retrying below half the tokens) |
-//! | `timeout` | the call's default deadline |
+//! | `timeout` | [`MethodPolicy::timeout`], the call's deadline when the caller sets none ([`DEFAULT_TIMEOUT`](crate::policy::DEFAULT_TIMEOUT) when absent) |
+//!
+//! A method a config names is taken to be safe to repeat ([`Idempotency::Safe`]), as gRPC
+//! assumes of every method it retries or hedges; one without a `retryPolicy` is sent once.
+//! A method the config does not name at all falls back to a policy that sends it once. To keep
+//! a method's own idempotency class (a `Keyed` charge, an `Unsafe` refund) and take only the
+//! config's numbers, apply its entry to the method's policy with [`MethodConfig::apply`].
 //!
 //! Invalid configs are refused with an error naming the field (a missing `maxAttempts`, a
-//! `"1.5"` without its `s`, `retryPolicy` and `hedgingPolicy` on the same method, ...), never
-//! silently half-applied.
+//! `"1.5"` without its `s`, `retryPolicy` and `hedgingPolicy` on the same method, a fatal code
+//! listed as retryable, ...), never silently half-applied.
 //!
 //! ```
 //! use std::time::Duration;
@@ -24,20 +33,23 @@
 //!
 //! let config = ServiceConfig::from_json(r#"{
 //!   "methodConfig": [{
-//!     "name": [{"service": "payment.v1.Payment", "method": "Charge"}],
+//!     "name": [{"service": "payment.v1.Payment", "method": "GetCharge"}],
 //!     "timeout": "2s",
 //!     "retryPolicy": {
 //!       "maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "1s",
-//!       "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]
+//!       "backoffMultiplier": 1.5, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]
 //!     }
 //!   }],
 //!   "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}
 //! }"#).unwrap();
-//! let charge = config.method("payment.v1.Payment", "Charge").unwrap();
-//! assert_eq!(charge.timeout, Some(Duration::from_secs(2)));
-//! let budget = config.budget().unwrap();
-//! let policy = charge.retry_policy("payment", "Charge", budget).unwrap().unwrap();
-//! assert_eq!(policy.max_attempts(), 4);
+//! let policies = config.policies().unwrap();
+//! let get = policies.for_path("/payment.v1.Payment/GetCharge");
+//! assert_eq!(get.timeout(), Duration::from_secs(2));
+//! assert_eq!(get.max_attempts(), 4);
+//! assert_eq!(get.backoff().multiplier(), 1.5);
+//! // Not named: sent once.
+//! assert_eq!(policies.for_path("/payment.v1.Payment/Charge").max_attempts(), 1);
+//! assert_eq!(config.budget().unwrap().burst(), 5);
 //! ```
 
 use std::time::Duration;
@@ -45,11 +57,12 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::retry::{Backoff, BackoffError, Jitter, RetryBudget, RetryPolicy};
+use crate::policy::{
+    Idempotency, MAX_ATTEMPTS_CAP, MethodPolicies, MethodPolicy, MethodPolicyBuilder,
+};
+use crate::retry::{Backoff, BackoffError, Jitter, RetryBudget};
 use crate::status::Code;
 
-/// Most attempts gRPC honours (and backstop allows).
-const MAX_ATTEMPTS: u32 = RetryPolicy::MAX_ATTEMPTS_LIMIT;
 /// Largest `maxTokens` gRPC accepts.
 const MAX_TOKENS: u32 = 1000;
 /// Longest service config read, in bytes.
@@ -112,9 +125,16 @@ pub struct RetrySpec {
 }
 
 /// A validated `hedgingPolicy`.
+///
+/// backstop sends at most one hedge per call, so a `maxAttempts` above 2 is read as 2. The
+/// hedge layer races two attempts, paid from the destination's retry budget, and the
+/// worst-case load a call can put on a slow destination (`1 + ratio`, the budget's bound) is
+/// stated for one hedge; a slow destination is usually slow because it is loaded, and more
+/// copies would add to that load what they save in latency.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HedgeSpec {
-    /// Attempts the config allows (2 to 5); backstop sends at most one hedge whatever it says.
+    /// Attempts the config asks for (2 to 5, as gRPC caps them); one hedge is sent at most
+    /// whatever it says.
     pub max_attempts: u32,
     /// The earliest a hedge is sent.
     pub delay: Duration,
@@ -226,6 +246,32 @@ impl ServiceConfig {
             .or_else(|| find(&|n| n.service.is_none() && n.method.is_none()))
     }
 
+    /// The policies of the config's methods as a table: an entry per method name (`/service/
+    /// method`), per service, and the config's default entry (an empty name) as the
+    /// fallback; without one, a call the config does not name is sent once
+    /// (`Unsafe`, labelled `other`). Each policy is labelled with its method's name, its
+    /// service's for a service entry. Refused when a policy is invalid (e.g. a fatal code
+    /// listed as retryable) or a name appears twice.
+    pub fn policies(&self) -> Result<MethodPolicies, ConfigError> {
+        let mut table =
+            MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build());
+        for (i, config) in self.methods.iter().enumerate() {
+            for name in &config.names {
+                table = match (&name.service, &name.method) {
+                    (Some(service), Some(method)) => {
+                        table.method(format!("/{service}/{method}"), config.policy(method))
+                    }
+                    (Some(service), None) => table.service(service, config.policy(service)),
+                    _ => table.fallback(config.policy("other")),
+                };
+            }
+            if let Err(e) = table.validate() {
+                return Err(invalid(format!("methodConfig[{i}]"), e.to_string()));
+            }
+        }
+        Ok(table)
+    }
+
     /// The retry budget `retryThrottling` describes, or the default budget (ratio 0.1, burst
     /// 20) when it is absent.
     pub fn budget(&self) -> Result<RetryBudget, ConfigError> {
@@ -238,25 +284,33 @@ impl ServiceConfig {
 }
 
 impl MethodConfig {
-    /// The retry policy for this method, labelled `service`/`method`, spending `budget`; `None`
-    /// when the method config has no `retryPolicy`.
-    pub fn retry_policy(
-        &self,
-        service: &'static str,
-        method: &'static str,
-        budget: RetryBudget,
-    ) -> Result<Option<RetryPolicy>, ConfigError> {
-        let Some(spec) = &self.retry else {
-            return Ok(None);
-        };
-        RetryPolicy::builder(service, method)
-            .max_attempts(spec.max_attempts)
-            .backoff(spec.backoff)
-            .budget(budget)
-            .retryable_codes(spec.retryable.iter().copied())
-            .build()
-            .map(Some)
-            .map_err(|e| invalid("retryPolicy.maxAttempts", e.to_string()))
+    /// `policy` with what this entry sets: its `timeout`; its `retryPolicy`'s attempts,
+    /// backoff and retryable codes; hedging no sooner than its `hedgingDelay`. The idempotency
+    /// class stays the policy's, so [`MethodPolicy::validate`] still refuses hedging or
+    /// retrying an `Unsafe` method.
+    pub fn apply(&self, mut policy: MethodPolicyBuilder) -> MethodPolicyBuilder {
+        if let Some(timeout) = self.timeout {
+            policy = policy.timeout(timeout);
+        }
+        if let Some(retry) = &self.retry {
+            policy = policy
+                .max_attempts(retry.max_attempts)
+                .backoff(retry.backoff)
+                .retryable(retry.retryable.iter().copied());
+        }
+        if let Some(hedge) = &self.hedging {
+            policy = policy.hedging(true).min_hedge_delay(hedge.delay);
+        }
+        policy
+    }
+
+    /// The policy of the calls this entry names, labelled `name`: `Safe`, as gRPC assumes of
+    /// the methods it retries, with a single attempt unless a `retryPolicy` says more.
+    fn policy(&self, name: &str) -> MethodPolicy {
+        let base = MethodPolicy::builder(name, Idempotency::Safe)
+            .max_attempts(1)
+            .retryable([]);
+        self.apply(base).build()
     }
 }
 
@@ -333,7 +387,9 @@ fn retry(at: &str, raw: RawRetry) -> Result<RetrySpec, ConfigError> {
     }
     let retryable = status_codes(&field("retryableStatusCodes"), &codes)?;
     let backoff = Backoff::new(initial, max.max(initial), Jitter::Full, Duration::ZERO)
-        .map_err(|e: BackoffError| invalid(field("initialBackoff"), e.to_string()))?;
+        .map_err(|e: BackoffError| invalid(field("initialBackoff"), e.to_string()))?
+        .with_multiplier(multiplier)
+        .map_err(|e| invalid(field("backoffMultiplier"), e.to_string()))?;
     Ok(RetrySpec {
         max_attempts,
         backoff,
@@ -395,7 +451,7 @@ fn attempts(field: &str, value: Option<&Value>) -> Result<u32, ConfigError> {
     if n < 2 {
         return Err(invalid(field, "must be greater than 1"));
     }
-    Ok(u32::try_from(n).unwrap_or(u32::MAX).min(MAX_ATTEMPTS))
+    Ok(u32::try_from(n).unwrap_or(u32::MAX).min(MAX_ATTEMPTS_CAP))
 }
 
 fn positive(field: &str, value: &str) -> Result<Duration, ConfigError> {
@@ -504,11 +560,183 @@ mod tests {
 
         let budget = config.budget().unwrap();
         assert_eq!((budget.ratio(), budget.burst()), (0.2, 5));
-        let policy = charge
-            .retry_policy("payment", "Charge", budget)
-            .unwrap()
-            .unwrap();
-        assert_eq!(policy.retryable_codes(), Some(&[Code::Unavailable][..]));
+        let policies = config.policies().unwrap();
+        let policy = policies.for_path("/p.Payment/Charge");
+        assert_eq!(policy.retryable(), [Code::Unavailable]);
+        assert_eq!(policy.backoff(), &retry.backoff);
+    }
+
+    /// Per-method, per-service and default entries, looked up by full method path as gRPC
+    /// does: the method's own entry, else its service's, else the default.
+    #[test]
+    fn each_path_gets_its_method_then_its_service_then_the_default() {
+        let config = ServiceConfig::from_json(&format!(
+            r#"{{"methodConfig": [
+                {{"name": [{{"service": "p.Payment", "method": "Charge"}},
+                           {{"service": "p.Refunds", "method": "Refund"}}],
+                  "timeout": "1.5s", "retryPolicy": {{ {RETRY} }} }},
+                {{"name": [{{"service": "p.Payment"}}], "timeout": "3s",
+                  "hedgingPolicy": {{"maxAttempts": 2, "hedgingDelay": "0.05s"}} }},
+                {{"name": [{{}}], "timeout": "10s"}}
+              ]}}"#
+        ))
+        .unwrap();
+        let policies = config.policies().unwrap();
+        assert_eq!(policies.len(), 4);
+        for path in ["/p.Payment/Charge", "/p.Refunds/Refund"] {
+            let p = policies.for_path(path);
+            assert_eq!(p.timeout(), Duration::from_millis(1500), "{path}");
+            assert_eq!(p.max_attempts(), 3, "{path}");
+            assert_eq!(p.idempotency(), Idempotency::Safe);
+            assert!(!p.hedging());
+        }
+        assert_eq!(policies.for_path("/p.Payment/Charge").name(), "Charge");
+
+        let get = policies.for_path("/p.Payment/GetCharge");
+        assert_eq!(get.name(), "p.Payment");
+        assert_eq!(get.timeout(), Duration::from_secs(3));
+        assert!(get.hedging());
+        assert_eq!(get.min_hedge_delay(), Duration::from_millis(50));
+        assert_eq!(
+            get.max_attempts(),
+            1,
+            "no retryPolicy: one attempt, plus the hedge"
+        );
+
+        for path in ["/p.Refunds/Other", "/p.Other/Charge", "/v1/payments"] {
+            let other = policies.for_path(path);
+            assert_eq!(other.name(), "other", "{path}");
+            assert_eq!(other.timeout(), Duration::from_secs(10));
+            assert_eq!(other.max_attempts(), 1);
+        }
+
+        // Without a default entry, an unnamed call is sent once, with the default timeout.
+        let config = ServiceConfig::from_json(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "p.Payment"}}],
+                "retryPolicy": {{ {RETRY} }} }}]}}"#
+        ))
+        .unwrap();
+        let policies = config.policies().unwrap();
+        assert_eq!(policies.for_path("/p.Payment/Charge").max_attempts(), 3);
+        let other = policies.for_path("/q.Other/Call");
+        assert_eq!(other.idempotency(), Idempotency::Unsafe);
+        assert_eq!(other.max_attempts(), 1);
+        assert_eq!(other.timeout(), crate::policy::DEFAULT_TIMEOUT);
+    }
+
+    /// `backoffMultiplier` is not only checked: the delays between attempts grow by it. Two
+    /// configs that differ only in the multiplier, run without jitter on the paused clock
+    /// against a method that always answers `UNAVAILABLE`: 100, 200, 400 ms apart with 2;
+    /// 100, 300, 900 ms with 3.
+    #[tokio::test(start_paused = true)]
+    async fn the_backoff_multiplier_sets_the_delays_between_attempts() {
+        use crate::deadline::Deadline;
+        use crate::retry::RetryPolicy;
+        use crate::status::Status;
+        use std::sync::{Arc, Mutex};
+        use tokio::time::Instant;
+
+        async fn gaps(multiplier: &str) -> Vec<Duration> {
+            let json = format!(
+                r#"{{"methodConfig": [{{"name": [{{"service": "p.S", "method": "M"}}],
+                    "retryPolicy": {{"maxAttempts": 4, "initialBackoff": "0.1s",
+                      "maxBackoff": "10s", "backoffMultiplier": {multiplier},
+                      "retryableStatusCodes": ["UNAVAILABLE"]}} }}]}}"#
+            );
+            let config = ServiceConfig::from_json(&json).unwrap();
+            let policies = config.policies().unwrap();
+            let method = policies.for_path("/p.S/M");
+            // Jitter off, so that the delays are the ceilings themselves.
+            let retry = RetryPolicy::builder("s", "M")
+                .method_policy(method)
+                .backoff(method.backoff().with_jitter(Jitter::None))
+                .budget(RetryBudget::new(0.1, 100).unwrap())
+                .build()
+                .unwrap();
+            let sent = Arc::new(Mutex::new(Vec::new()));
+            let deadline = Deadline::after(Duration::from_secs(60));
+            let result = retry
+                .execute(deadline, |_| {
+                    sent.lock().unwrap().push(Instant::now());
+                    async { Err::<(), _>(Status::new(Code::Unavailable, "down")) }
+                })
+                .await;
+            assert!(result.is_err());
+            let sent = sent.lock().unwrap();
+            sent.windows(2).map(|w| w[1] - w[0]).collect()
+        }
+
+        let ms = Duration::from_millis;
+        assert_eq!(gaps("2").await, [ms(100), ms(200), ms(400)]);
+        assert_eq!(gaps("3").await, [ms(100), ms(300), ms(900)]);
+        assert_eq!(gaps("1.5").await, [ms(100), ms(150), ms(225)]);
+    }
+
+    /// A `hedgingPolicy.maxAttempts` above 2 is read as one hedge (see [`HedgeSpec`]): the
+    /// config keeps the number it asked for, the policy hedges once.
+    #[test]
+    fn more_than_one_hedge_is_read_as_one() {
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "p.S"}],
+                "hedgingPolicy": {"maxAttempts": 4, "hedgingDelay": "0.1s"}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(config.methods[0].hedging.as_ref().unwrap().max_attempts, 4);
+        let policies = config.policies().unwrap();
+        let hedged = policies.for_path("/p.S/M");
+        assert!(hedged.hedging());
+        assert_eq!(hedged.min_hedge_delay(), Duration::from_millis(100));
+        // The policy carries no hedge count: the client stack sends one hedge per call.
+        assert_eq!(hedged.max_attempts(), 1);
+    }
+
+    #[test]
+    fn a_policy_the_config_makes_invalid_is_refused_with_its_entry() {
+        // gRPC would accept it; backstop never retries a fatal code, so it says so.
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{}, {"name": [{"service": "p.S"}],
+                "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "INTERNAL"]}}]}"#,
+        )
+        .unwrap();
+        match config.policies().unwrap_err() {
+            ConfigError::Invalid { field, reason } => {
+                assert_eq!(field, "methodConfig[1]");
+                assert!(reason.contains("INTERNAL"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let twice = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "p.S"}]}, {"name": [{"service": "p.S"}]}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(twice.policies(), Err(ConfigError::Invalid { .. })));
+    }
+
+    /// An entry applied to a method's own policy keeps its idempotency class.
+    #[test]
+    fn an_entry_applied_to_a_policy_keeps_its_class() {
+        let config = ServiceConfig::from_json(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "p.S"}}], "timeout": "3s",
+                "retryPolicy": {{ {RETRY} }} }}]}}"#
+        ))
+        .unwrap();
+        let entry = config.method("p.S", "Charge").unwrap();
+        let charge = entry
+            .apply(
+                MethodPolicy::builder("Charge", Idempotency::Keyed)
+                    .key_ttl(crate::policy::KEY_TTL_PAYMENTS),
+            )
+            .build();
+        assert_eq!(charge.validate(), Ok(()));
+        assert_eq!(charge.idempotency(), Idempotency::Keyed);
+        assert_eq!(charge.timeout(), Duration::from_secs(3));
+        assert_eq!(charge.max_attempts(), 3);
+        // An unsafe method may not take the config's retries.
+        let refund = entry
+            .apply(MethodPolicy::builder("Refund", Idempotency::Unsafe))
+            .build();
+        assert!(refund.validate().is_err());
     }
 
     #[test]

@@ -2,15 +2,21 @@
 //!
 //! Every mechanism is a tower layer over `http::Request<B> -> http::Response<B>`, so the same
 //! stack wraps a tonic `Channel` (gRPC), a hyper-util client or any HTTP client exposed as a
-//! tower service. [`ClientStack`] composes them, outermost first:
+//! tower service. [`ClientStack`] composes them, and runs each call by its method's
+//! [`MethodPolicy`](crate::policy::MethodPolicy), found by the call's path (the full gRPC
+//! method path, or an HTTP route) in the stack's
+//! [`MethodPolicies`](crate::policy::MethodPolicies): one stack serves every method of a
+//! channel. Outermost first:
 //!
+//! 0. [`SelectMethod`]: the call's method policy, looked up once; the layers below read the
+//!    one it chose.
 //! 1. [`logical`]: one idempotency key per logical call (`Keyed` methods), made once and, with
 //!    an [`IntentJournal`](logical::IntentJournal), stored before the first send so a restarted
 //!    client resumes with the same key. Outermost, so nothing below can make a second key.
 //! 2. [`deadline`] ([`SetDeadline`](deadline::SetDeadline)): one deadline for the whole call.
 //!    Above retry, so retries share it and can never extend it.
 //! 3. [`retry`]: the [`RetryPolicy`](crate::retry::RetryPolicy) executor: eligibility from the
-//!    method's contract, [`replay`] of the body, the destination's budget and
+//!    method's policy, [`replay`] of the body, the destination's budget and
 //!    [storm alarm](crate::retry::StormAlarm) (no retry or hedge while its retry ratio says
 //!    it is down for everyone), its [adaptive throttle](crate::retry::AdaptiveThrottle) if
 //!    set (attempts rejected locally while the server refuses load), full jitter,
@@ -41,7 +47,7 @@
 //! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
 //! use backstop::client::{ClientStack, Destination};
-//! use backstop::contract::{Idempotency, MethodContract, KEY_TTL_PAYMENTS};
+//! use backstop::policy::{Idempotency, MethodPolicy, KEY_TTL_PAYMENTS};
 //! use bytes::Bytes;
 //! use http::{Request, Response, StatusCode};
 //! use http_body_util::Full;
@@ -62,8 +68,8 @@
 //! };
 //!
 //! let psp = Destination::new("psp");
-//! let charge = MethodContract::builder("Charge", Idempotency::Keyed)
-//!     .default_timeout(Duration::from_secs(2))
+//! let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
+//!     .timeout(Duration::from_secs(2))
 //!     .key_ttl(KEY_TTL_PAYMENTS)
 //!     .build();
 //! let client = ClientStack::builder(&psp, charge).build()?.layer(transport);
@@ -90,7 +96,9 @@ pub mod logical;
 mod previous_attempts;
 pub mod replay;
 pub mod retry;
+mod select;
 mod stack;
 pub mod transparent;
 
+pub use self::select::SelectMethod;
 pub use self::stack::{ClientService, ClientStack, ClientStackBuilder, Destination, StackError};

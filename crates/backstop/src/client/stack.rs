@@ -7,21 +7,20 @@ use tower_layer::Layer;
 
 use super::breaker::{Breaker, BreakerConfig, CircuitBreaker};
 use super::classify::{Classifier, classify_head};
-use super::config::MethodConfig;
 use super::deadline::{AttemptTimeout, SetDeadline};
 use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
 use super::logical::IdempotencyKeyService;
 #[cfg(feature = "sqlite")]
 use super::logical::IntentJournal;
 use super::replay::DEFAULT_REPLAY_CAP;
-use super::retry::{AttemptLimit, Retry};
+use super::retry::{AttemptLimit, Config as RetryConfig, Retry};
+use super::select::{MethodTable, Resolved, SelectMethod};
 use super::transparent::TransparentRetry;
-use crate::contract::{ContractError, Idempotency, MethodContract};
 use crate::deadline::Margin;
+use crate::policy::{Idempotency, InvalidPolicy, MethodPolicies, MethodPolicy};
 use crate::retry::{
-    AdaptiveThrottle, Backoff, PolicyError, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
+    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
 };
-use crate::status::Code;
 
 /// What every method calling one destination shares: its name, its retry budget (retries,
 /// hedges and transparent retries all spend it), its storm alarm (retries and hedges stop
@@ -149,21 +148,26 @@ impl Destination {
 /// A client stack that must not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StackError {
-    /// The method contract is invalid, or asks for something its class forbids (hedging an
+    /// A method policy is invalid, or asks for something its class forbids (hedging an
     /// `Unsafe` method).
-    #[error("invalid method contract")]
-    Contract(#[from] ContractError),
-    /// The retry policy is invalid.
+    #[error("invalid method policy")]
+    Policy(#[from] InvalidPolicy),
+    /// The retry executor refused a policy.
     #[error("invalid retry policy")]
-    Policy(#[from] PolicyError),
+    Retry(#[from] PolicyError),
 }
 
-/// The client stack for one method of one destination, as a tower [`Layer`].
+/// The client stack for the calls to one destination, as a tower [`Layer`]: each call runs by
+/// its method's [`MethodPolicy`], looked up in the stack's [`MethodPolicies`] by the call's
+/// path (`/payment.v1.Payment/Charge`, or an HTTP route), so one stack serves a whole tonic
+/// `Channel` or HTTP client. A stack built from one policy applies it to every call.
 ///
 /// Outermost first, each layer being one mechanism (see [`crate::client`] for why this order):
 ///
+/// 0. [select](super::SelectMethod): the call's method policy, by path (skipped with one);
 /// 1. [logical request](super::logical): the idempotency key (`Keyed` methods), once;
-/// 2. [deadline](super::deadline::SetDeadline): one deadline for the call;
+/// 2. [deadline](super::deadline::SetDeadline): one deadline for the call, the method's
+///    timeout unless the caller set one;
 /// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons, an
 ///    attempt left unanswered past the destination's [`AttemptLimit`] abandoned for the next;
 /// 4. [hedge](super::hedge): one extra attempt after the p95 (`Safe`/`Keyed`, if enabled);
@@ -175,47 +179,51 @@ pub enum StackError {
 #[derive(Debug, Clone)]
 pub struct ClientStack {
     destination: Destination,
-    idempotency: Idempotency,
-    timeout: Duration,
-    policy: RetryPolicy,
-    hedge: Option<HedgePolicy>,
-    replay_cap: usize,
-    classifier: Classifier,
+    table: Arc<MethodTable>,
     #[cfg(feature = "sqlite")]
     journal: Option<IntentJournal>,
 }
 
 /// The service a [`ClientStack`] makes of a transport `S`.
-pub type ClientService<S> =
-    IdempotencyKeyService<SetDeadline<Retry<Hedge<AttemptTimeout<Breaker<TransparentRetry<S>>>>>>>;
+pub type ClientService<S> = SelectMethod<
+    IdempotencyKeyService<SetDeadline<Retry<Hedge<AttemptTimeout<Breaker<TransparentRetry<S>>>>>>>,
+>;
 
 impl ClientStack {
-    /// A builder for calls of `contract`'s method to `destination`.
-    pub fn builder(destination: &Destination, contract: MethodContract) -> ClientStackBuilder {
+    /// A builder for calls to `destination`, each by its method's policy in `policies` (a
+    /// [`MethodPolicies`] table, or one [`MethodPolicy`] for every call).
+    pub fn builder(
+        destination: &Destination,
+        policies: impl Into<MethodPolicies>,
+    ) -> ClientStackBuilder {
         ClientStackBuilder {
             destination: destination.clone(),
-            hedging: contract.hedging(),
-            contract,
-            backoff: Backoff::default(),
+            policies: policies.into(),
             replay_cap: DEFAULT_REPLAY_CAP,
-            min_hedge_delay: Duration::ZERO,
-            max_attempts: None,
-            retryable: None,
-            timeout: None,
             classifier: classify_head,
             #[cfg(feature = "sqlite")]
             journal: None,
         }
     }
 
-    /// The retry policy the stack runs.
-    pub fn policy(&self) -> &RetryPolicy {
-        &self.policy
+    /// The method policies the stack runs by.
+    pub fn policies(&self) -> &MethodPolicies {
+        &self.table.policies
     }
 
-    /// Whether attempts may be hedged.
-    pub fn hedges(&self) -> bool {
-        self.hedge.is_some()
+    /// The retry policy a gRPC call to `path` (`/payment.v1.Payment/Charge`) runs by.
+    pub fn retry_policy(&self, path: &str) -> &RetryPolicy {
+        self.resolved(path).retry.policy()
+    }
+
+    /// Whether a gRPC call to `path` may be hedged.
+    pub fn hedges(&self, path: &str) -> bool {
+        self.resolved(path).hedge.is_some()
+    }
+
+    fn resolved(&self, path: &str) -> &Resolved {
+        let index = self.table.policies.select(&http::Method::POST, path);
+        &self.table.resolved[index]
     }
 }
 
@@ -224,43 +232,31 @@ impl<S: Clone> Layer<S> for ClientStack {
 
     fn layer(&self, transport: S) -> Self::Service {
         let d = &self.destination;
+        // The layers' own settings are the fallback's; a call for another method carries its
+        // own, chosen by `SelectMethod`.
+        let fallback = &self.table.resolved[0];
         let transparent = TransparentRetry::new(transport, Some(d.budget.clone()));
         let breaker = match &d.breaker {
             Some(b) => Breaker::new(transparent, b.clone()),
             None => Breaker::disabled(transparent),
         };
         let attempt = AttemptTimeout::new(breaker, d.margin.clone());
-        let hedge = match &self.hedge {
+        let hedge = match &fallback.hedge {
             Some(policy) => Hedge::new(attempt, policy.clone()),
             None => Hedge::disabled(attempt),
         };
-        let mut retry = Retry::new(
-            hedge,
-            self.policy.clone(),
-            self.idempotency,
-            self.replay_cap,
-            self.classifier,
-            Some(d.name.clone()),
-        )
-        .hedged(self.hedge.is_some());
-        if let Some(limit) = d.attempt_limit {
-            // A stranded attempt of a hedged call is first overtaken by its hedge.
-            let limit = match &self.hedge {
-                Some(hedge) => limit.at_least(hedge.min_hedge_delay().saturating_mul(2)),
-                None => limit,
-            };
-            retry = retry.attempt_limit(limit, d.margin.clone());
-        }
+        let retry = Retry::with_config(hedge, Arc::clone(&fallback.retry));
         // The retry layer cuts each attempt at the deadline and never waits past it.
-        let deadline = SetDeadline::untimed(retry, self.timeout);
-        if self.idempotency != Idempotency::Keyed {
-            return IdempotencyKeyService::disabled(deadline);
-        }
+        let deadline = SetDeadline::untimed(retry, fallback.timeout);
+        let keyed = fallback.idempotency == Idempotency::Keyed;
         #[cfg(feature = "sqlite")]
-        if let Some(journal) = &self.journal {
-            return IdempotencyKeyService::journaled(deadline, journal.clone());
-        }
-        IdempotencyKeyService::new(deadline)
+        let keys = match &self.journal {
+            Some(journal) => IdempotencyKeyService::journaled(deadline, journal.clone()),
+            None => IdempotencyKeyService::new(deadline),
+        };
+        #[cfg(not(feature = "sqlite"))]
+        let keys = IdempotencyKeyService::new(deadline);
+        SelectMethod::new(keys.enabled(keyed), Arc::clone(&self.table))
     }
 }
 
@@ -269,57 +265,17 @@ impl<S: Clone> Layer<S> for ClientStack {
 #[must_use = "call build() to get the stack"]
 pub struct ClientStackBuilder {
     destination: Destination,
-    contract: MethodContract,
-    hedging: bool,
-    backoff: Backoff,
+    policies: MethodPolicies,
     replay_cap: usize,
-    min_hedge_delay: Duration,
-    max_attempts: Option<u32>,
-    retryable: Option<Vec<Code>>,
-    timeout: Option<Duration>,
     classifier: Classifier,
     #[cfg(feature = "sqlite")]
     journal: Option<IntentJournal>,
 }
 
 impl ClientStackBuilder {
-    /// Applies a gRPC service config's entry for this method (see [`super::config`]): its
-    /// `timeout` becomes the default deadline, its `retryPolicy` the attempts, backoff and
-    /// retryable codes, its `hedgingPolicy` turns hedging on no sooner than `hedgingDelay`.
-    /// The contract still rules: [`build`](Self::build) refuses hedging an `Unsafe` method,
-    /// and an `Unsafe` call is never sent twice whatever the config says.
-    pub fn method_config(mut self, config: &MethodConfig) -> Self {
-        if let Some(timeout) = config.timeout {
-            self.timeout = Some(timeout);
-        }
-        if let Some(retry) = &config.retry {
-            self.max_attempts = Some(retry.max_attempts);
-            self.backoff = retry.backoff;
-            self.retryable = Some(retry.retryable.clone());
-        }
-        if let Some(hedge) = &config.hedging {
-            self.hedging = true;
-            self.min_hedge_delay = hedge.delay;
-        }
-        self
-    }
-
-    /// The backoff between retries (default: 50 ms base, 2 s cap, full jitter).
-    pub fn backoff(mut self, backoff: Backoff) -> Self {
-        self.backoff = backoff;
-        self
-    }
-
     /// The largest request body kept for replay (default 64 KiB); larger ones are sent once.
     pub fn replay_cap(mut self, bytes: usize) -> Self {
         self.replay_cap = bytes;
-        self
-    }
-
-    /// Hedges attempts (default: what the contract says). [`build`](Self::build) refuses it
-    /// for an `Unsafe` method.
-    pub fn hedging(mut self, hedging: bool) -> Self {
-        self.hedging = hedging;
         self
     }
 
@@ -330,12 +286,6 @@ impl ClientStackBuilder {
         self
     }
 
-    /// Never hedges sooner than `delay`.
-    pub fn min_hedge_delay(mut self, delay: Duration) -> Self {
-        self.min_hedge_delay = delay;
-        self
-    }
-
     /// Journals the keys of calls that name an [`Operation`](super::logical::Operation).
     #[cfg(feature = "sqlite")]
     pub fn journal(mut self, journal: IntentJournal) -> Self {
@@ -343,53 +293,71 @@ impl ClientStackBuilder {
         self
     }
 
-    /// The stack, or why it must not run: an invalid contract, or hedging an `Unsafe` method.
+    /// The stack, or why it must not run: an invalid policy, or hedging an `Unsafe` method.
     pub fn build(self) -> Result<ClientStack, StackError> {
-        let contract = self.contract;
-        contract.validate()?;
-        let idempotency = contract.idempotency();
-        if self.hedging && idempotency == Idempotency::Unsafe {
-            return Err(ContractError::HedgingUnsafe {
-                method: contract.name().to_owned(),
-            }
-            .into());
+        self.policies.validate()?;
+        // The destination's shared state as gauges (the first stack built for it names them).
+        let d = &self.destination;
+        d.budget.publish_as(d.name.to_string());
+        if let Some(breaker) = &d.breaker {
+            breaker.publish_as(d.name.to_string());
         }
+        let resolved = self
+            .policies
+            .iter()
+            .map(|policy| self.resolve(policy).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ClientStack {
+            destination: self.destination,
+            table: Arc::new(MethodTable {
+                policies: self.policies,
+                resolved,
+            }),
+            #[cfg(feature = "sqlite")]
+            journal: self.journal,
+        })
+    }
+
+    /// How the layers run the calls of `policy` (a valid one) to the destination.
+    fn resolve(&self, policy: &MethodPolicy) -> Result<Resolved, StackError> {
         let d = &self.destination;
         let service = d.name.to_string();
-        let method = contract.name().to_owned();
-        // The destination's shared state as gauges (the first stack built for it names them).
-        d.budget.publish_as(service.clone());
-        if let Some(breaker) = &d.breaker {
-            breaker.publish_as(service.clone());
-        }
-        let retryable = self
-            .retryable
-            .unwrap_or_else(|| contract.retryable().to_vec());
-        let policy = RetryPolicy::builder(service.clone(), method.clone())
-            .max_attempts(self.max_attempts.unwrap_or(contract.max_attempts()))
-            .backoff(self.backoff)
+        let method = policy.name().to_owned();
+        let retry = RetryPolicy::builder(service.clone(), method.clone())
+            .method_policy(policy)
             .budget(d.budget.clone())
             .storm_alarm(d.storm.clone())
             .throttle(d.throttle.clone())
-            .keyed(idempotency != Idempotency::Unsafe)
-            .retryable_codes(retryable)
             .build()?;
-        let hedge = self.hedging.then(|| {
+        let hedge = policy.hedging().then(|| {
             HedgePolicy::new(d.budget.clone(), service, method)
                 .latencies(d.latencies.clone())
                 .storm_alarm(d.storm.clone())
-                .min_delay(self.min_hedge_delay)
+                .min_delay(policy.min_hedge_delay())
         });
-        Ok(ClientStack {
-            destination: self.destination,
-            idempotency,
-            timeout: self.timeout.unwrap_or(contract.default_timeout()),
-            policy,
+        // A stranded attempt of a hedged call is first overtaken by its hedge.
+        let limit = d.attempt_limit.map(|limit| {
+            let limit = match &hedge {
+                Some(hedge) => limit.at_least(hedge.min_hedge_delay().saturating_mul(2)),
+                None => limit,
+            };
+            (limit, d.margin.clone())
+        });
+        let retry = RetryConfig::new(
+            retry,
+            policy.idempotency(),
+            self.replay_cap,
+            self.classifier,
+            Some(d.name.clone()),
+            hedge.is_some(),
+            limit,
+            policy.timeout(),
+        );
+        Ok(Resolved {
+            idempotency: policy.idempotency(),
+            timeout: policy.timeout(),
+            retry: Arc::new(retry),
             hedge,
-            replay_cap: self.replay_cap,
-            classifier: self.classifier,
-            #[cfg(feature = "sqlite")]
-            journal: self.journal,
         })
     }
 }
@@ -397,13 +365,14 @@ impl ClientStackBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::contract::KEY_TTL_PAYMENTS;
+    use crate::policy::KEY_TTL_PAYMENTS;
     use crate::retry::{RetryError, StopReason, StormLevel};
+    use crate::status::Code;
 
-    /// One `GET` with an empty body through the stack of `contract` to `dest` over `transport`.
+    /// One `GET` with an empty body through the stack of `policy` to `dest` over `transport`.
     async fn get_through_stack<T>(
         dest: &Destination,
-        contract: MethodContract,
+        policy: MethodPolicy,
         transport: T,
     ) -> http::Response<()>
     where
@@ -419,7 +388,7 @@ mod tests {
         T::Future: Send,
     {
         use tower::ServiceExt;
-        let svc = ClientStack::builder(dest, contract)
+        let svc = ClientStack::builder(dest, policy)
             .build()
             .unwrap()
             .layer(transport);
@@ -432,79 +401,217 @@ mod tests {
     #[test]
     fn hedging_an_unsafe_method_is_a_build_error() {
         let dest = Destination::new("psp");
-        let refund = MethodContract::builder("Refund", Idempotency::Unsafe).build();
-        let err = ClientStack::builder(&dest, refund.clone())
-            .hedging(true)
+        let refund = MethodPolicy::builder("Refund", Idempotency::Unsafe).build();
+        let err = ClientStack::builder(&dest, refund.to_builder().hedging(true).build())
             .build()
             .unwrap_err();
         assert_eq!(
             err,
-            StackError::Contract(ContractError::HedgingUnsafe {
+            StackError::Policy(InvalidPolicy::HedgingUnsafe {
                 method: "Refund".into()
             })
         );
         let stack = ClientStack::builder(&dest, refund).build().unwrap();
-        assert!(!stack.hedges());
-        assert_eq!(stack.policy().max_attempts(), 1);
+        assert!(!stack.hedges("/p.Payment/Refund"));
+        assert_eq!(stack.retry_policy("/p.Payment/Refund").max_attempts(), 1);
 
-        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
+        let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
             .key_ttl(KEY_TTL_PAYMENTS)
             .hedging(true)
             .build();
         let stack = ClientStack::builder(&dest, charge).build().unwrap();
-        assert!(stack.hedges());
-        assert!(stack.policy().keyed());
-        assert_eq!(stack.policy().service(), "psp");
-        assert_eq!(stack.policy().method(), "Charge");
+        assert!(stack.hedges("/p.Payment/Charge"));
+        let policy = stack.retry_policy("/p.Payment/Charge");
+        assert!(policy.keyed());
+        assert_eq!(policy.service(), "psp");
+        assert_eq!(policy.method(), "Charge");
     }
 
+    /// One stack, a table of policies: each path runs by its own method's retry policy,
+    /// hedging, timeout and key; a path the table does not name by the fallback.
     #[test]
     fn a_grpc_service_config_drives_the_stack() {
         use crate::client::config::ServiceConfig;
         let config = ServiceConfig::from_json(
             r#"{"methodConfig": [
-                {"name": [{"service": "p.Payment", "method": "Charge"}], "timeout": "3s",
+                {"name": [{"service": "p.Payment", "method": "GetCharge"}], "timeout": "3s",
                  "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s",
-                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}},
-                {"name": [{"service": "p.Payment", "method": "Refund"}],
+                                 "backoffMultiplier": 3, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}},
+                {"name": [{"service": "p.Payment", "method": "ListCharges"}],
                  "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.1s"}}
             ]}"#,
         )
         .unwrap();
         let dest = Destination::new("payment").budget(config.budget().unwrap());
-        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
-            .key_ttl(KEY_TTL_PAYMENTS)
-            .build();
-        let stack = ClientStack::builder(&dest, charge)
-            .method_config(config.method("p.Payment", "Charge").unwrap())
+        let stack = ClientStack::builder(&dest, config.policies().unwrap())
             .build()
             .unwrap();
-        assert_eq!(stack.policy().max_attempts(), 5);
-        assert_eq!(stack.policy().backoff().base(), Duration::from_millis(200));
+        let get = stack.retry_policy("/p.Payment/GetCharge");
+        assert_eq!(get.max_attempts(), 5);
+        assert_eq!(get.backoff().base(), Duration::from_millis(200));
+        assert_eq!(get.backoff().multiplier(), 3.0);
         assert_eq!(
-            stack.policy().retryable_codes(),
-            Some(&[Code::Unavailable, Code::Aborted][..])
+            get.retryable_codes(),
+            Some(&[Code::Aborted, Code::Unavailable][..])
         );
-        assert_eq!(stack.timeout, Duration::from_secs(3));
+        assert_eq!(get.method(), "GetCharge");
+        assert!(stack.hedges("/p.Payment/ListCharges"));
+        assert!(!stack.hedges("/p.Payment/GetCharge"));
+        assert_eq!(stack.retry_policy("/p.Payment/Charge").max_attempts(), 1);
+        assert_eq!(stack.retry_policy("/p.Payment/Charge").method(), "other");
+        assert_eq!(
+            stack.policies().for_path("/p.Payment/GetCharge").timeout(),
+            Duration::from_secs(3)
+        );
 
         // The config asks to hedge an unsafe method: refused at build time.
-        let refund = MethodContract::builder("Refund", Idempotency::Unsafe).build();
+        let refund = config
+            .method("p.Payment", "ListCharges")
+            .unwrap()
+            .apply(MethodPolicy::builder("Refund", Idempotency::Unsafe))
+            .build();
         assert!(matches!(
-            ClientStack::builder(&dest, refund)
-                .method_config(config.method("p.Payment", "Refund").unwrap())
-                .build(),
-            Err(StackError::Contract(ContractError::HedgingUnsafe { .. }))
+            ClientStack::builder(&dest, refund).build(),
+            Err(StackError::Policy(InvalidPolicy::HedgingUnsafe { .. }))
         ));
     }
 
     #[test]
-    fn an_invalid_contract_is_a_build_error() {
+    fn an_invalid_policy_is_a_build_error() {
         let dest = Destination::new("psp");
-        let keyed_without_ttl = MethodContract::builder("Charge", Idempotency::Keyed).build();
+        let keyed_without_ttl = MethodPolicy::builder("Charge", Idempotency::Keyed).build();
         assert!(matches!(
             ClientStack::builder(&dest, keyed_without_ttl).build(),
-            Err(StackError::Contract(ContractError::KeyedWithoutTtl { .. }))
+            Err(StackError::Policy(InvalidPolicy::KeyedWithoutTtl { .. }))
         ));
+    }
+
+    /// One stack over one transport, a table of policies: each call runs by its own method's,
+    /// chosen by path. `GetCharge` is retried three times on 503, `Refund` is sent once,
+    /// `Charge` gets a key and the others none, and each gets its method's deadline.
+    #[tokio::test(start_paused = true)]
+    async fn each_path_runs_by_its_own_policy() {
+        use crate::deadline::{GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
+        use http::{Request, Response};
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        use tower::{ServiceExt, service_fn};
+
+        type Seen = Vec<(bool, Duration)>;
+        let seen: Arc<Mutex<HashMap<String, Seen>>> = Arc::default();
+        let transport = {
+            let seen = seen.clone();
+            service_fn(move |r: Request<_>| {
+                let budget =
+                    decode_grpc_timeout(r.headers()[&GRPC_TIMEOUT_HEADER].to_str().unwrap())
+                        .unwrap();
+                let keyed = r.headers().contains_key("idempotency-key");
+                seen.lock()
+                    .unwrap()
+                    .entry(r.uri().path().to_owned())
+                    .or_default()
+                    .push((keyed, budget));
+                async move { Ok::<_, std::io::Error>(Response::builder().status(503).body(()).unwrap()) }
+            })
+        };
+        let policies = MethodPolicies::new(
+            MethodPolicy::builder("other", Idempotency::Unsafe)
+                .timeout(Duration::from_secs(1))
+                .build(),
+        )
+        .method(
+            "/p.Payment/GetCharge",
+            MethodPolicy::builder("GetCharge", Idempotency::Safe)
+                .timeout(Duration::from_secs(5))
+                .build(),
+        )
+        .method(
+            "/p.Payment/Charge",
+            MethodPolicy::builder("Charge", Idempotency::Keyed)
+                .timeout(Duration::from_secs(7))
+                .key_ttl(KEY_TTL_PAYMENTS)
+                .max_attempts(2)
+                .build(),
+        )
+        .service(
+            "p.Payment",
+            MethodPolicy::builder("Payment", Idempotency::Unsafe)
+                .timeout(Duration::from_secs(3))
+                .build(),
+        );
+        // Neither the breaker nor the storm alarm: every retry the policies allow is sent.
+        let dest = Destination::new("psp")
+            .margin_floor(Duration::from_millis(100))
+            .breaker(None)
+            .storm_alarm(None);
+        let stack = ClientStack::builder(&dest, policies).build().unwrap();
+        let svc = stack.layer(transport);
+        for path in [
+            "/p.Payment/GetCharge",
+            "/p.Payment/Refund",
+            "/p.Payment/Charge",
+            "/q.Other/Call",
+        ] {
+            let request = Request::post(format!("http://psp{path}"))
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+                .unwrap();
+            let response = svc.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), 503, "{path}");
+        }
+        let seen = seen.lock().unwrap();
+        let attempts = |path: &str| seen[path].len();
+        assert_eq!(attempts("/p.Payment/GetCharge"), 3);
+        assert_eq!(attempts("/p.Payment/Refund"), 1);
+        assert_eq!(attempts("/p.Payment/Charge"), 2);
+        assert_eq!(attempts("/q.Other/Call"), 1);
+        let first = |path: &str| seen[path][0];
+        let ms = Duration::from_millis;
+        // The first attempt's budget: the method's timeout minus the 100 ms margin.
+        assert_eq!(first("/p.Payment/GetCharge"), (false, ms(4_900)));
+        assert_eq!(first("/p.Payment/Refund"), (false, ms(2_900)));
+        assert_eq!(first("/p.Payment/Charge"), (true, ms(6_900)));
+        assert_eq!(first("/q.Other/Call"), (false, ms(900)));
+        assert!(seen["/p.Payment/Charge"].iter().all(|(keyed, _)| *keyed));
+    }
+
+    /// A gRPC config asking for four hedged attempts gets one hedge per call: a call whose
+    /// attempts all hang is sent twice, not four times.
+    #[tokio::test(start_paused = true)]
+    async fn a_config_asking_for_more_hedges_gets_one() {
+        use crate::client::config::ServiceConfig;
+        use http::{Request, Response};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tower::{ServiceExt, service_fn};
+
+        let sent = Arc::new(AtomicUsize::new(0));
+        let transport = {
+            let sent = sent.clone();
+            service_fn(move |_r: Request<_>| {
+                sent.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    std::future::pending::<()>().await;
+                    Ok::<_, std::io::Error>(Response::builder().status(200).body(()).unwrap())
+                }
+            })
+        };
+        let config = ServiceConfig::from_json(
+            r#"{"methodConfig": [{"name": [{"service": "p.S"}], "timeout": "2s",
+                "hedgingPolicy": {"maxAttempts": 4, "hedgingDelay": "0.1s"}}]}"#,
+        )
+        .unwrap();
+        let dest = Destination::new("s").attempt_limit(None);
+        for _ in 0..HedgePolicy::MIN_SAMPLES {
+            dest.latencies.record(Duration::from_millis(10));
+        }
+        let svc = ClientStack::builder(&dest, config.policies().unwrap())
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = Request::post("http://s/p.S/M")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        assert!(svc.oneshot(request).await.is_err());
+        assert_eq!(sent.load(Ordering::SeqCst), 2);
     }
 
     /// Each attempt leaves with one `grpc-timeout`, its own remaining budget minus the margin,
@@ -537,8 +644,8 @@ mod tests {
             })
         };
         let dest = Destination::new("psp").margin_floor(Duration::from_millis(50));
-        let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
-            .default_timeout(Duration::from_secs(2))
+        let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+            .timeout(Duration::from_secs(2))
             .build();
         let response = get_through_stack(&dest, contract, transport).await;
         assert_eq!(response.status(), 200);
@@ -581,8 +688,8 @@ mod tests {
                 }
             })
         };
-        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
-            .default_timeout(Duration::from_secs(10))
+        let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
+            .timeout(Duration::from_secs(10))
             .key_ttl(KEY_TTL_PAYMENTS)
             .build();
         let call = |dest: &Destination| {
@@ -654,13 +761,13 @@ mod tests {
             dest.latencies.record(Duration::from_millis(10));
             dest.margin().observe(Duration::from_millis(10));
         }
-        let charge = MethodContract::builder("Charge", Idempotency::Keyed)
-            .default_timeout(Duration::from_secs(4))
+        let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
+            .timeout(Duration::from_secs(4))
             .key_ttl(KEY_TTL_PAYMENTS)
             .hedging(true)
+            .min_hedge_delay(Duration::from_secs(3))
             .build();
         let svc = ClientStack::builder(&dest, charge)
-            .min_hedge_delay(Duration::from_secs(3))
             .build()
             .unwrap()
             .layer(transport);
@@ -710,7 +817,7 @@ mod tests {
         for _ in 0..HedgePolicy::MIN_SAMPLES {
             dest.latencies.record(Duration::from_millis(10));
         }
-        let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
+        let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
             .hedging(true)
             .build();
         let response = get_through_stack(&dest, contract, transport).await;
@@ -785,8 +892,8 @@ mod tests {
                 }
             })
         };
-        let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
-            .default_timeout(Duration::from_secs(2))
+        let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+            .timeout(Duration::from_secs(2))
             .build();
         let client = ClientStack::builder(dest, contract)
             .build()
@@ -883,8 +990,8 @@ mod tests {
                     }
                 })
             };
-            let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
-                .default_timeout(Duration::from_millis(500))
+            let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+                .timeout(Duration::from_millis(500))
                 .build();
             let client = ClientStack::builder(&dest, contract)
                 .build()

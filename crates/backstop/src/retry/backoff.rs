@@ -2,8 +2,8 @@
 //!
 //! Without jitter every client that failed at the same moment retries at the same moment, and
 //! the retries arrive as a synchronized pulse. The ceiling for retry `i` (0 for the first retry)
-//! is `min(cap, base x 2^i)`; the [`Jitter`] mode decides where below that ceiling the delay
-//! lands.
+//! is `min(cap, base x multiplier^i)`, the multiplier being 2 unless set (gRPC's
+//! `backoffMultiplier`); the [`Jitter`] mode decides where below that ceiling the delay lands.
 //!
 //! Two details matter once the ceiling reaches the cap:
 //!
@@ -47,14 +47,19 @@ use std::time::Duration;
 
 use rand::Rng;
 
-/// How a delay is drawn below the exponential ceiling `min(cap, base x 2^i)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+use crate::policy::defaults::{
+    DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP, DEFAULT_BACKOFF_FLOOR, DEFAULT_BACKOFF_MULTIPLIER,
+    DEFAULT_JITTER,
+};
+
+/// How a delay is drawn below the exponential ceiling `min(cap, base x multiplier^i)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Jitter {
     /// No randomness: the delay is the ceiling itself. Deterministic and monotone; only for
     /// tests and single clients, since a fleet using it retries in lockstep.
     None,
-    /// Uniform in `[floor, ceiling]`. Spreads retries the most; the default.
-    #[default]
+    /// Uniform in `[floor, ceiling]`. Spreads retries the most; the default
+    /// ([`DEFAULT_JITTER`](crate::policy::defaults::DEFAULT_JITTER)).
     Full,
     /// Uniform in `[ceiling / 2, ceiling]` (raised to the floor): always waits at least half the
     /// ceiling, at the price of less spread.
@@ -62,6 +67,12 @@ pub enum Jitter {
     /// Uniform in `[base, min(cap, 3 x previous delay)]`: each delay depends on the previous
     /// one rather than on the retry number, so clients drift apart over time.
     Decorrelated,
+}
+
+impl Default for Jitter {
+    fn default() -> Self {
+        DEFAULT_JITTER
+    }
 }
 
 impl Jitter {
@@ -98,33 +109,51 @@ pub enum BackoffError {
         /// The configured cap.
         cap: Duration,
     },
+    /// The multiplier is not a finite number above zero.
+    #[error("backoff multiplier must be a finite number above 0, got {0}")]
+    Multiplier(String),
 }
 
-/// Exponential backoff: `base x 2^i`, bounded by `cap`, jittered, never below `floor`.
+/// Exponential backoff: `base x multiplier^i`, bounded by `cap`, jittered, never below `floor`.
 ///
-/// Every delay lies in `[floor, cap]`. The defaults are base
-/// 50 ms, cap 2 s, [`Jitter::Full`], floor 10 ms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Every delay lies in `[floor, cap]`. The defaults, from
+/// [`policy::defaults`](crate::policy::defaults), are base 50 ms, cap 2 s, multiplier 2,
+/// [`Jitter::Full`], floor 10 ms.
+#[derive(Debug, Clone, Copy)]
 pub struct Backoff {
     base: Duration,
     cap: Duration,
     jitter: Jitter,
     floor: Duration,
+    /// Finite and above zero (checked by `with_multiplier`), so comparing bits is equality.
+    multiplier: f64,
 }
+
+impl PartialEq for Backoff {
+    fn eq(&self, other: &Self) -> bool {
+        (self.base, self.cap, self.jitter, self.floor)
+            == (other.base, other.cap, other.jitter, other.floor)
+            && self.multiplier.to_bits() == other.multiplier.to_bits()
+    }
+}
+
+impl Eq for Backoff {}
 
 impl Default for Backoff {
     fn default() -> Self {
         Backoff {
-            base: Duration::from_millis(50),
-            cap: Duration::from_secs(2),
-            jitter: Jitter::Full,
-            floor: Duration::from_millis(10),
+            base: DEFAULT_BACKOFF_BASE,
+            cap: DEFAULT_BACKOFF_CAP,
+            jitter: DEFAULT_JITTER,
+            floor: DEFAULT_BACKOFF_FLOOR,
+            multiplier: DEFAULT_BACKOFF_MULTIPLIER,
         }
     }
 }
 
 impl Backoff {
-    /// A backoff with the given limits.
+    /// A backoff with the given limits, each ceiling twice the one before
+    /// ([`with_multiplier`](Self::with_multiplier) changes that).
     ///
     /// Fails when `base` is zero, `cap < base`, or `floor > cap`.
     pub fn new(
@@ -147,7 +176,18 @@ impl Backoff {
             cap,
             jitter,
             floor,
+            multiplier: DEFAULT_BACKOFF_MULTIPLIER,
         })
+    }
+
+    /// The same limits with each ceiling `multiplier` times the one before (gRPC's
+    /// `backoffMultiplier`). Fails unless `multiplier` is finite and above zero; below 1 the
+    /// ceilings shrink, as gRPC allows, and the floor still holds.
+    pub fn with_multiplier(self, multiplier: f64) -> Result<Backoff, BackoffError> {
+        if !(multiplier.is_finite() && multiplier > 0.0) {
+            return Err(BackoffError::Multiplier(multiplier.to_string()));
+        }
+        Ok(Backoff { multiplier, ..self })
     }
 
     /// The same limits with another jitter mode.
@@ -155,9 +195,14 @@ impl Backoff {
         Backoff { jitter, ..self }
     }
 
-    /// The delay before the first retry's ceiling doubles: `base x 2^0`.
+    /// The first retry's ceiling: `base x multiplier^0`.
     pub fn base(&self) -> Duration {
         self.base
+    }
+
+    /// How much each ceiling grows over the one before.
+    pub fn multiplier(&self) -> f64 {
+        self.multiplier
     }
 
     /// The largest delay ever returned.
@@ -175,15 +220,23 @@ impl Backoff {
         self.floor
     }
 
-    /// The ceiling for retry `retry` (0 for the first retry): `min(cap, base x 2^retry)`,
-    /// saturating instead of overflowing.
+    /// The ceiling for retry `retry` (0 for the first retry):
+    /// `min(cap, base x multiplier^retry)`, saturating instead of overflowing.
     pub fn ceiling(&self, retry: u32) -> Duration {
         let base = nanos(self.base);
         let cap = nanos(self.cap);
-        let raw = if retry >= u64::BITS {
-            cap
+        let raw = if self.multiplier == 2.0 {
+            // Exact, in integers, for the usual doubling.
+            if retry >= u64::BITS {
+                cap
+            } else {
+                base.saturating_mul(1u64 << retry)
+            }
         } else {
-            base.saturating_mul(1u64 << retry)
+            let exponent = i32::try_from(retry).unwrap_or(i32::MAX);
+            let raw = base as f64 * self.multiplier.powi(exponent);
+            // `as` saturates (and maps NaN to 0, which cannot occur here).
+            if raw >= cap as f64 { cap } else { raw as u64 }
         };
         Duration::from_nanos(raw.min(cap))
     }
@@ -398,6 +451,36 @@ mod tests {
         assert_eq!(ceilings, [50, 100, 200, 400, 800, 1600, 2000, 2000]);
         assert_eq!(b.ceiling(u32::MAX), b.cap());
         assert_eq!(b.ceiling(63), b.cap());
+    }
+
+    #[test]
+    fn the_multiplier_sets_how_fast_ceilings_grow() {
+        let b = Backoff::default().with_multiplier(3.0).unwrap();
+        let ceilings: Vec<u64> = (0..6).map(|i| b.ceiling(i).as_millis() as u64).collect();
+        assert_eq!(ceilings, [50, 150, 450, 1350, 2000, 2000]);
+        assert_eq!(b.ceiling(u32::MAX), b.cap());
+        let slow = Backoff::default().with_multiplier(1.5).unwrap();
+        let ceilings: Vec<u64> = (0..4).map(|i| slow.ceiling(i).as_millis() as u64).collect();
+        assert_eq!(ceilings, [50, 75, 112, 168]);
+        // Below 1 the ceilings shrink, and the floor still holds.
+        let shrinking = Backoff::default()
+            .with_multiplier(0.5)
+            .unwrap()
+            .with_jitter(Jitter::None);
+        let mut rng = StdRng::seed_from_u64(6);
+        assert_eq!(shrinking.delay(1, Duration::ZERO, &mut rng), 25 * MS);
+        assert_eq!(shrinking.delay(40, Duration::ZERO, &mut rng), 10 * MS);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(
+                Backoff::default().with_multiplier(bad),
+                Err(BackoffError::Multiplier(_))
+            ));
+        }
+        assert_ne!(b, Backoff::default());
+        assert_eq!(
+            Backoff::default().with_multiplier(2.0).unwrap(),
+            Backoff::default()
+        );
     }
 
     #[test]

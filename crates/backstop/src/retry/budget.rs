@@ -468,9 +468,9 @@ mod tests {
         use crate::status::{Code, Status};
 
         const REQUESTS: u32 = 200;
-        const MAX_ATTEMPTS: u32 = 3;
+        const ATTEMPTS: u32 = 3;
 
-        /// Retries every failure while tower's `Budget` allows, up to `MAX_ATTEMPTS`.
+        /// Retries every failure while tower's `Budget` allows, up to `ATTEMPTS`.
         #[derive(Clone)]
         struct Budgeted<B> {
             budget: B,
@@ -485,7 +485,7 @@ mod tests {
                 if self.attempts == 1 {
                     self.budget.deposit();
                 }
-                if result.is_ok() || self.attempts == MAX_ATTEMPTS || !self.budget.withdraw() {
+                if result.is_ok() || self.attempts == ATTEMPTS || !self.budget.withdraw() {
                     return None;
                 }
                 Some(ready(()))
@@ -523,7 +523,7 @@ mod tests {
             let ours = RetryBudget::new(ratio, burst).unwrap();
             let tick = Duration::from_millis(1);
             let policy = RetryPolicy::builder("psp", "Charge")
-                .max_attempts(MAX_ATTEMPTS)
+                .max_attempts(ATTEMPTS)
                 .backoff(Backoff::new(tick, tick, Jitter::None, Duration::ZERO).unwrap())
                 .budget(ours.clone())
                 .build()

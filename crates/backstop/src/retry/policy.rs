@@ -9,13 +9,15 @@ use metrics::SharedString;
 
 use super::metrics::PolicyMetrics;
 use super::{AdaptiveThrottle, Backoff, RetryBudget, StormAlarm};
+use crate::policy::defaults::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MIN_ATTEMPT, MAX_ATTEMPTS_CAP};
+use crate::policy::{Idempotency, MethodPolicy};
 use crate::status::Code;
 
 /// A policy that cannot be built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
-    /// `max_attempts` is 0 or above [`RetryPolicy::MAX_ATTEMPTS_LIMIT`].
-    #[error("max attempts must be within 1..={limit}, got {got}", limit = RetryPolicy::MAX_ATTEMPTS_LIMIT)]
+    /// `max_attempts` is 0 or above [`MAX_ATTEMPTS_CAP`].
+    #[error("max attempts must be within 1..={MAX_ATTEMPTS_CAP}, got {got}")]
     MaxAttempts {
         /// The rejected value.
         got: u32,
@@ -44,16 +46,9 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// Attempts per logical request unless configured.
-    pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-    /// The most attempts a policy may allow: more would only pile load on a
-    /// dependency that failed four times already.
-    pub const MAX_ATTEMPTS_LIMIT: u32 = 5;
-    /// The shortest time worth starting an attempt with, unless configured.
-    pub const DEFAULT_MIN_ATTEMPT: Duration = Duration::from_millis(20);
-
-    /// A builder with the defaults: 3 attempts, [`Backoff::default`], a fresh
-    /// [`RetryBudget::default`], 20 ms minimal attempt, not keyed.
+    /// A builder with the [defaults](crate::policy::defaults): [`DEFAULT_MAX_ATTEMPTS`]
+    /// attempts, [`Backoff::default`], a fresh [`RetryBudget::default`],
+    /// [`DEFAULT_MIN_ATTEMPT`] minimal attempt, not keyed, every retryable code.
     ///
     /// `service` and `method` label the metrics and logs (`service` names the destination,
     /// `method` the RPC, e.g. `"psp"` and `"Charge"`). They must come from a small fixed set:
@@ -63,12 +58,12 @@ impl RetryPolicy {
         method: impl Into<Cow<'static, str>>,
     ) -> RetryPolicyBuilder {
         RetryPolicyBuilder {
-            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
             backoff: Backoff::default(),
             budget: None,
             storm: None,
             throttle: None,
-            min_attempt: Self::DEFAULT_MIN_ATTEMPT,
+            min_attempt: DEFAULT_MIN_ATTEMPT,
             keyed: false,
             retryable: None,
             service: label(service.into()),
@@ -157,7 +152,7 @@ pub struct RetryPolicyBuilder {
 
 impl RetryPolicyBuilder {
     /// Attempts per logical request, first included: 1 (no retry) to
-    /// [`RetryPolicy::MAX_ATTEMPTS_LIMIT`]; [`build`](Self::build) rejects anything else.
+    /// [`MAX_ATTEMPTS_CAP`]; [`build`](Self::build) rejects anything else.
     pub fn max_attempts(mut self, max_attempts: u32) -> Self {
         self.max_attempts = max_attempts;
         self
@@ -205,6 +200,15 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// Takes the attempts, backoff and retryable codes of `method`'s policy, and whether its
+    /// calls may time out and be sent again (`Safe` and `Keyed` methods).
+    pub fn method_policy(self, method: &MethodPolicy) -> Self {
+        self.max_attempts(method.max_attempts())
+            .backoff(*method.backoff())
+            .keyed(method.idempotency() != Idempotency::Unsafe)
+            .retryable_codes(method.retryable().iter().copied())
+    }
+
     /// Restricts retries to these codes (a method contract's or a gRPC `retryPolicy`'s
     /// `retryableStatusCodes`). A code outside the list stops with `non_retryable`; a listed
     /// code is still retried only as its retry class allows (a fatal code never is).
@@ -215,7 +219,7 @@ impl RetryPolicyBuilder {
 
     /// The policy, or an error when `max_attempts` is out of range.
     pub fn build(self) -> Result<RetryPolicy, PolicyError> {
-        if !(1..=RetryPolicy::MAX_ATTEMPTS_LIMIT).contains(&self.max_attempts) {
+        if !(1..=MAX_ATTEMPTS_CAP).contains(&self.max_attempts) {
             return Err(PolicyError::MaxAttempts {
                 got: self.max_attempts,
             });

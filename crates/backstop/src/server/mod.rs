@@ -67,7 +67,7 @@ pub mod rate_limit;
 pub mod tenant;
 
 mod reject;
-mod route;
+pub(crate) mod route;
 #[cfg(test)]
 pub(crate) mod testing;
 

@@ -33,8 +33,8 @@ use backstop::client::hedge::Hedged;
 use backstop::client::replay::ReplayBody;
 use backstop::client::retry::{GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
 use backstop::client::{ClientService, ClientStack, Destination, connect};
-use backstop::contract::{Idempotency, KEY_TTL_PAYMENTS, MethodContract};
 use backstop::deadline::Deadline;
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::retry::RetryError;
 use backstop::status::{Code, Outcome};
 use backstop_payment::grpc::proto::ChargeRequest;
@@ -56,16 +56,18 @@ use super::target::{Target, from_tonic};
 /// Most bytes of an answer read (and dropped) so its connection can be reused.
 const MAX_BODY: usize = 64 * 1024;
 
-/// The contract of `Charge` (`POST /v1/payments`, `payment.v1.Payment/Charge`) as the payment
+/// The policy of `Charge` (`POST /v1/payments`, `payment.v1.Payment/Charge`) as the payment
 /// service states it: `Keyed` (the same key on every attempt and hedge makes a repeat safe, so
 /// hedging is allowed), keys kept for the payments TTL, and another attempt after each answer
 /// its error tables call retryable: `UNAVAILABLE` (overloaded, store unavailable, PSP outcome
 /// unknown over gRPC), `ABORTED` (the same key still running: 409 `request_in_progress`),
 /// `RESOURCE_EXHAUSTED` (over the merchant's quota, with pushback) and `DEADLINE_EXCEEDED`
-/// (504 `payment_outcome_unknown` over HTTP: "retry with the same key").
-fn charge_contract(timeout: Duration) -> MethodContract {
-    MethodContract::builder("Charge", Idempotency::Keyed)
-        .default_timeout(timeout)
+/// (504 `payment_outcome_unknown` over HTTP: "retry with the same key"); no hedge sooner
+/// than `hedge_delay`.
+fn charge_policy(timeout: Duration, hedge_delay: Duration) -> MethodPolicy {
+    MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .timeout(timeout)
+        .min_hedge_delay(hedge_delay)
         .key_ttl(KEY_TTL_PAYMENTS)
         .retryable([
             Code::Unavailable,
@@ -128,8 +130,7 @@ impl StackClient {
         destination: &Destination,
         hedge_delay: Duration,
     ) -> Result<Self, String> {
-        let stack = ClientStack::builder(destination, charge_contract(timeout))
-            .min_hedge_delay(hedge_delay)
+        let stack = ClientStack::builder(destination, charge_policy(timeout, hedge_delay))
             .build()
             .map_err(|e| format!("client stack: {e}"))?;
         let bearer = api_key.map(|k| format!("Bearer {k}"));

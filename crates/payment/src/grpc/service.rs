@@ -2,7 +2,7 @@
 
 use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
-use backstop::server::deadline::DEFAULT_TIMEOUT;
+use backstop::policy::DEFAULT_TIMEOUT;
 use backstop::server::tenant::Tenant;
 use backstop::status::GRPC_RETRY_PUSHBACK_MS;
 use tonic::metadata::{MetadataMap, MetadataValue};

@@ -30,6 +30,7 @@ use tower::BoxError;
 use tower_service::Service;
 
 use self::future::{AttemptFuture, ResponseFuture};
+use super::select::Selected;
 use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value};
 
 /// Gives a logical call its deadline and cuts the call off when it passes.
@@ -75,9 +76,14 @@ where
     }
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        // Under a client stack serving several methods, the call's own method's timeout.
+        let default = match request.extensions().get::<Selected>() {
+            Some(selected) => selected.0.timeout,
+            None => self.default,
+        };
         let deadline = *request
             .extensions_mut()
-            .get_or_insert_with(|| Deadline::after(self.default));
+            .get_or_insert_with(|| Deadline::after(default));
         let future = self.inner.call(request);
         if self.timed {
             ResponseFuture::timed(future, deadline)

@@ -45,6 +45,7 @@ use super::classify::response_status;
 use super::future::LayerFuture;
 use super::previous_attempts::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use super::replay::{ReplayBody, try_clone_request};
+use super::select::Selected;
 use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
 use crate::retry::{RetryBudget, StormAlarm};
 use crate::status::RetryClass;
@@ -204,10 +205,14 @@ where
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        let Some(policy) = &self.policy else {
+        // Under a client stack serving several methods, the call's own method's.
+        let policy = match request.extensions().get::<Selected>() {
+            Some(selected) => selected.0.hedge.as_ref(),
+            None => self.policy.as_ref(),
+        };
+        let Some(policy) = policy.cloned() else {
             return LayerFuture::direct(self.inner.call(request));
         };
-        let policy = policy.clone();
         let started = Instant::now();
         // Only an attempt that can be copied, once the window knows the p95, may be hedged;
         // only then is a second handle on the service needed.

@@ -34,7 +34,9 @@ use tower_service::Service;
 
 use crate::client::classify::response_status;
 use crate::client::future::LayerFuture;
+use crate::client::select::Selected;
 use crate::idempotency::IdempotencyKey;
+use crate::policy::Idempotency;
 use crate::status::RetryClass;
 
 /// The key's header (HTTP) and metadata key (gRPC): `idempotency-key`.
@@ -89,6 +91,13 @@ impl<S> IdempotencyKeyService<S> {
         }
     }
 
+    /// Whether calls get a key (the client stack turns it off for a method that needs none,
+    /// keeping the journal for the methods of its table that do).
+    pub(crate) fn enabled(mut self, enabled: bool) -> Self {
+        self.enabled = enabled;
+        self
+    }
+
     /// Wraps `inner`, taking the keys of requests that name an [`Operation`] from `journal`.
     #[cfg(feature = "sqlite")]
     pub fn journaled(inner: S, journal: IntentJournal) -> Self {
@@ -117,7 +126,12 @@ where
     }
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
-        if !self.enabled {
+        // Under a client stack serving several methods, whether the call's own method is keyed.
+        let enabled = match request.extensions().get::<Selected>() {
+            Some(selected) => selected.0.idempotency == Idempotency::Keyed,
+            None => self.enabled,
+        };
+        if !enabled {
             return LayerFuture::direct(self.inner.call(request));
         }
         if let Some(given) = request.headers().get(&IDEMPOTENCY_KEY) {

@@ -1,12 +1,13 @@
 use std::sync::Arc;
+use std::time::Duration;
 
 use tower_layer::Layer;
 
 use super::{AttemptLimit, Retry};
 use crate::client::classify::{Classifier, classify_head};
 use crate::client::replay::DEFAULT_REPLAY_CAP;
-use crate::contract::Idempotency;
 use crate::deadline::Margin;
+use crate::policy::{DEFAULT_TIMEOUT, Idempotency};
 use crate::retry::RetryPolicy;
 
 /// Applies [`Retry`] with one method's policy.
@@ -18,11 +19,13 @@ pub struct RetryLayer {
     classifier: Classifier,
     peer: Option<Arc<str>>,
     attempt_limit: Option<(AttemptLimit, Arc<Margin>)>,
+    timeout: Duration,
 }
 
 impl RetryLayer {
     /// Retries calls of a method of class `idempotency` by `policy` (whose budget is the
-    /// destination's), buffering bodies up to [`DEFAULT_REPLAY_CAP`].
+    /// destination's), buffering bodies up to [`DEFAULT_REPLAY_CAP`]; a call that arrives
+    /// without a deadline gets [`DEFAULT_TIMEOUT`] (see [`timeout`](Self::timeout)).
     pub fn new(policy: RetryPolicy, idempotency: Idempotency) -> Self {
         Self {
             policy,
@@ -31,7 +34,15 @@ impl RetryLayer {
             classifier: classify_head,
             peer: None,
             attempt_limit: None,
+            timeout: DEFAULT_TIMEOUT,
         }
+    }
+
+    /// The deadline, from now, of a call that arrives without one: the method's timeout
+    /// (see [`Retry::timeout`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// The largest body kept for replay; larger bodies are sent once.
@@ -71,7 +82,8 @@ impl<S: Clone> Layer<S> for RetryLayer {
             self.replay_cap,
             self.classifier,
             self.peer.clone(),
-        );
+        )
+        .timeout(self.timeout);
         match &self.attempt_limit {
             Some((limit, margin)) => retry.attempt_limit(*limit, margin.clone()),
             None => retry,

@@ -11,7 +11,10 @@
 //!   (up to the byte cap) and every attempt, hedge and transparent re-send gets a copy; a body
 //!   over the cap is sent once.
 //! - **One deadline.** Every attempt shares the call's [`Deadline`] (set above by
-//!   [`SetDeadline`](super::deadline::SetDeadline)); the executor never waits past it.
+//!   [`SetDeadline`](super::deadline::SetDeadline)); the executor never waits past it. A call
+//!   that arrives without one (no deadline layer above) gets the method's timeout from now:
+//!   [`Retry::timeout`], by default [`DEFAULT_TIMEOUT`], the one every method policy starts
+//!   from. Nothing here makes up a budget of its own.
 //! - **Classification.** Each response is read by a [`Classifier`], by default
 //!   [`classify_head`](super::classify::classify_head): HTTP status or
 //!   `grpc-status` (trailers-only answers), pushback from `grpc-retry-pushback-ms` /
@@ -50,6 +53,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, Request, Response};
@@ -63,8 +67,9 @@ use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
 use super::replay::{Buffering, ReplayBody};
-use crate::contract::{DEFAULT_TIMEOUT, Idempotency};
+use super::select::Selected;
 use crate::deadline::{Deadline, Margin};
+use crate::policy::{DEFAULT_TIMEOUT, Idempotency};
 use crate::retry::{RetryPolicy, StopReason};
 
 /// The W3C trace context header, read for the `trace_id` log field.
@@ -83,8 +88,10 @@ pub struct RetryStopped {
     pub attempts: u32,
 }
 
+/// How one method's calls are retried; shared by the calls (and, under a
+/// [`ClientStack`](super::ClientStack), chosen per call by its method).
 #[derive(Debug)]
-struct Config {
+pub(crate) struct Config {
     policy: RetryPolicy,
     single: RetryPolicy,
     idempotency: Idempotency,
@@ -93,6 +100,43 @@ struct Config {
     classifier: Classifier,
     hedged: bool,
     limiter: Option<Limiter>,
+    /// The deadline of a call that arrives without one.
+    timeout: Duration,
+}
+
+impl Config {
+    /// A method's retry configuration: attempts by `policy`, eligibility by `idempotency`,
+    /// bodies kept for replay up to `replay_cap`, answers read by `classifier`, `peer` in
+    /// the logs, a [`HedgeAllowance`] per call when `hedged`, abandoned attempts by `limit`,
+    /// and `timeout` for a call without a deadline.
+    #[allow(clippy::too_many_arguments)] // One constructor for the stack and the layer.
+    pub(crate) fn new(
+        policy: RetryPolicy,
+        idempotency: Idempotency,
+        replay_cap: usize,
+        classifier: Classifier,
+        peer: Option<Arc<str>>,
+        hedged: bool,
+        limit: Option<(AttemptLimit, Arc<Margin>)>,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            single: policy.single_attempt(),
+            policy,
+            idempotency,
+            replay_cap,
+            peer,
+            classifier,
+            hedged,
+            limiter: limit.map(|(limit, margin)| Limiter { limit, margin }),
+            timeout,
+        }
+    }
+
+    /// The retry policy the calls run by.
+    pub(crate) fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).
@@ -135,22 +179,40 @@ impl<S> Retry<S> {
     where
         S: Clone,
     {
-        let single = policy.single_attempt();
+        let config = Config::new(
+            policy,
+            idempotency,
+            replay_cap,
+            classifier,
+            peer,
+            true,
+            None,
+            DEFAULT_TIMEOUT,
+        );
+        Self::with_config(inner, Arc::new(config))
+    }
+
+    /// Wraps `inner` with a configuration built beforehand (the client stack's).
+    pub(crate) fn with_config(inner: S, config: Arc<Config>) -> Self
+    where
+        S: Clone,
+    {
         Self {
             spare: Arc::new(Mutex::new(inner.clone())),
             ready: false,
             inner,
-            config: Arc::new(Config {
-                policy,
-                single,
-                idempotency,
-                replay_cap,
-                peer,
-                classifier,
-                hedged: true,
-                limiter: None,
-            }),
+            config,
         }
+    }
+
+    /// The deadline, from now, of a call that reaches this layer without a [`Deadline`] (no
+    /// [`SetDeadline`](super::deadline::SetDeadline) above): the method's timeout. Without it,
+    /// [`DEFAULT_TIMEOUT`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        if let Some(config) = Arc::get_mut(&mut self.config) {
+            config.timeout = timeout;
+        }
+        self
     }
 
     /// Whether a [hedge layer](super::hedge::Hedge) below may hedge this call's attempts
@@ -197,11 +259,15 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let config = Arc::clone(&self.config);
         let (mut parts, body) = request.into_parts();
+        // Under a client stack serving several methods, the call's own method's.
+        let config = match parts.extensions.get::<Selected>() {
+            Some(selected) => Arc::clone(&selected.0.retry),
+            None => Arc::clone(&self.config),
+        };
         let deadline = *parts
             .extensions
-            .get_or_insert_with(|| Deadline::after(DEFAULT_TIMEOUT));
+            .get_or_insert_with(|| Deadline::after(config.timeout));
         if config.hedged {
             parts.extensions.insert(HedgeAllowance::default());
         }

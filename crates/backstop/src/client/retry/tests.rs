@@ -587,3 +587,37 @@ async fn a_re_sent_attempt_is_limited_by_what_is_left_as_it_starts() {
     send.send_response(status(201));
     assert_eq!(call.await.unwrap().unwrap().status(), 201);
 }
+
+/// With no deadline layer above it, the retry layer gives a call the method's timeout, by
+/// default the one [`DEFAULT_TIMEOUT`](crate::policy::DEFAULT_TIMEOUT) every policy starts
+/// from, not a budget of its own: the call's attempt is cut off exactly then, and a layer with
+/// the method's timeout set cuts it off at that instead.
+#[tokio::test(start_paused = true)]
+async fn without_a_deadline_above_a_call_gets_the_documented_default() {
+    for (timeout, layer) in [
+        (
+            crate::policy::DEFAULT_TIMEOUT,
+            RetryLayer::new(policy(RetryBudget::default()), Idempotency::Safe),
+        ),
+        (
+            2_000 * MS,
+            RetryLayer::new(policy(RetryBudget::default()), Idempotency::Safe).timeout(2_000 * MS),
+        ),
+    ] {
+        let (svc, mut handle) = mock::pair::<Request<Body>, Response<()>>();
+        handle.allow(1);
+        let svc = layer.layer(svc);
+        // No `Deadline` extension.
+        let request = Request::get("http://psp/v1/charges/c-1")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let started = Instant::now();
+        let call = tokio::spawn(svc.oneshot(request));
+        let (sent, _never_answered) = handle.next_request().await.unwrap();
+        let deadline = sent.extensions().get::<Deadline>().copied().unwrap();
+        assert_eq!(deadline.remaining_at(started), timeout);
+        let err = call.await.unwrap().unwrap_err();
+        assert_eq!(started.elapsed(), timeout, "{err}");
+        assert!(err.downcast_ref::<RetryError>().is_some(), "{err}");
+    }
+}

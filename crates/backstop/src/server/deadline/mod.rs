@@ -44,8 +44,9 @@ use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
 /// The `grpc-timeout` header, named once.
 use crate::status::{Code, Status, problem};
 
-/// Default budget of a request that carries no `grpc-timeout`.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default budget of a request that carries no `grpc-timeout`: the one default timeout of
+/// every method policy.
+pub use crate::policy::DEFAULT_TIMEOUT;
 
 /// Default upper bound on the budget a caller may ask for.
 pub const DEFAULT_MAX_TIMEOUT: Duration = Duration::from_secs(60);

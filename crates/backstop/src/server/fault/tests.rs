@@ -201,7 +201,7 @@ async fn in_the_stack_an_aborted_attempt_leaves_its_key_unused() {
 /// the fault layer and the calls that succeeded.
 async fn default_client_against(percent: f64) -> (usize, usize, crate::client::Destination) {
     use crate::client::{ClientStack, Destination};
-    use crate::contract::{Idempotency, MethodContract};
+    use crate::policy::{Idempotency, MethodPolicy};
 
     let attempts = Arc::new(AtomicUsize::new(0));
     let handler = service_fn(|_req: Request<_>| async {
@@ -221,8 +221,8 @@ async fn default_client_against(percent: f64) -> (usize, usize, crate::client::D
         })
     };
     let destination = Destination::new("psp").breaker(None);
-    let contract = MethodContract::builder("GetCharge", Idempotency::Safe)
-        .default_timeout(Duration::from_secs(2))
+    let contract = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+        .timeout(Duration::from_secs(2))
         .build();
     let client = ClientStack::builder(&destination, contract)
         .build()

@@ -1,0 +1,146 @@
+//! Every default of a method policy, each defined here and nowhere else.
+//!
+//! The client stack, the retry executor, the backoff, the gRPC service-config reader and the
+//! server's deadline layer all read these constants; none keeps a value of its own. A layer
+//! that needs a value nobody configured takes it from here, so the value a call runs with can
+//! always be looked up.
+
+use std::time::Duration;
+
+use crate::retry::Jitter;
+use crate::status::Code;
+
+/// Budget of a logical request when neither its caller (an incoming deadline, a `Deadline`
+/// extension, `grpc-timeout`) nor its method policy says how long it may take: the client
+/// stack's deadline for such a call, the retry layer's when no deadline layer sits above it,
+/// and the server's budget for a request that arrives without `grpc-timeout`.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Attempts per logical request, first included, unless a policy says otherwise (`Safe` and
+/// `Keyed` methods; an `Unsafe` method gets one).
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+
+/// The most attempts a policy may allow, retries included: more would only pile load on a
+/// dependency that failed four times already. A gRPC service config asking for more is read
+/// as this, as gRPC itself does.
+pub const MAX_ATTEMPTS_CAP: u32 = 5;
+
+/// Codes retried unless a policy lists its own (`Safe` and `Keyed` methods; an `Unsafe`
+/// method retries none): the server said "not now", nothing ran.
+pub const DEFAULT_RETRYABLE: &[Code] = &[Code::Unavailable];
+
+/// The first retry's backoff ceiling.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(50);
+
+/// The largest backoff delay.
+pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(2);
+
+/// The smallest backoff delay: full jitter never degenerates into "retry at once".
+pub const DEFAULT_BACKOFF_FLOOR: Duration = Duration::from_millis(10);
+
+/// How much each retry's backoff ceiling grows over the one before (gRPC's
+/// `backoffMultiplier`).
+pub const DEFAULT_BACKOFF_MULTIPLIER: f64 = 2.0;
+
+/// Where below the ceiling a backoff delay is drawn: anywhere from the floor, which spreads a
+/// fleet's retries the most.
+pub const DEFAULT_JITTER: Jitter = Jitter::Full;
+
+/// The shortest time worth starting an attempt with: a retry is sent only if the deadline
+/// leaves at least its backoff plus this.
+pub const DEFAULT_MIN_ATTEMPT: Duration = Duration::from_millis(20);
+
+/// Idempotency key TTL for synchronous APIs.
+pub const KEY_TTL_SYNC: Duration = Duration::from_secs(24 * 3_600);
+
+/// Idempotency key TTL for payments.
+pub const KEY_TTL_PAYMENTS: Duration = Duration::from_secs(7 * 24 * 3_600);
+
+/// Idempotency key TTL for asynchronous jobs.
+pub const KEY_TTL_ASYNC: Duration = Duration::from_secs(30 * 24 * 3_600);
+
+/// Rate class of a method whose policy names none.
+pub const DEFAULT_RATE_CLASS: &str = "default";
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    /// The names a default goes by. A second definition of any of them, with the same value or
+    /// another, is what this module exists to prevent.
+    const NAMES: [&str; 16] = [
+        "DEFAULT_TIMEOUT",
+        "DEFAULT_MAX_ATTEMPTS",
+        "MAX_ATTEMPTS",
+        "MAX_ATTEMPTS_CAP",
+        "MAX_ATTEMPTS_LIMIT",
+        "DEFAULT_RETRYABLE",
+        "DEFAULT_BACKOFF_BASE",
+        "DEFAULT_BACKOFF_CAP",
+        "DEFAULT_BACKOFF_FLOOR",
+        "DEFAULT_BACKOFF_MULTIPLIER",
+        "DEFAULT_JITTER",
+        "DEFAULT_MIN_ATTEMPT",
+        "KEY_TTL_SYNC",
+        "KEY_TTL_PAYMENTS",
+        "KEY_TTL_ASYNC",
+        "DEFAULT_RATE_CLASS",
+    ];
+
+    fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    /// Each default is a `const` in this file and in no other source file of the crate
+    /// (`admission/` excepted: its `DEFAULT_TIMEOUT` is how long a Redis round trip may take,
+    /// not a request's budget).
+    #[test]
+    fn each_default_is_defined_once_here() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        sources(&src, &mut files);
+        let here = src.join("policy").join("defaults.rs");
+        let admission = src.join("admission");
+        let mut found = Vec::new();
+        for file in &files {
+            if file.starts_with(&admission) {
+                continue;
+            }
+            let text = std::fs::read_to_string(file).unwrap();
+            for line in text.lines() {
+                let line = line.trim_start();
+                for name in NAMES {
+                    let defines = ["const ", "static "].iter().any(|kw| {
+                        line.split(kw)
+                            .nth(1)
+                            .is_some_and(|rest| rest.starts_with(&format!("{name}:")))
+                    });
+                    if defines && !line.starts_with("//") {
+                        found.push((file.clone(), name));
+                    }
+                }
+            }
+        }
+        for name in NAMES {
+            let places: Vec<_> = found.iter().filter(|(_, n)| *n == name).collect();
+            let elsewhere: Vec<_> = places.iter().filter(|(f, _)| *f != here).collect();
+            assert!(
+                elsewhere.is_empty(),
+                "{name} is also defined in {elsewhere:?}"
+            );
+        }
+        // The scan sees this file's definitions (it would pass vacuously otherwise).
+        assert!(
+            found
+                .iter()
+                .any(|(f, n)| *f == here && *n == "DEFAULT_TIMEOUT")
+        );
+    }
+}
