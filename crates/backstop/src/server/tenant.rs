@@ -214,8 +214,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
     use crate::server::testing::flat;
+    use bytes::Bytes;
     use std::convert::Infallible;
     use tower::{ServiceExt, service_fn};
 
