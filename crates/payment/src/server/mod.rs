@@ -37,7 +37,9 @@ use tokio::task::JoinHandle;
 mod leases;
 mod routers;
 
-pub use self::routers::{Routers, SERVICE_NAME, build_app, build_routers, rate_limit_layer};
+pub use self::routers::{
+    GrpcService, Routers, SERVICE_NAME, build_app, build_routers, rate_limit_layer,
+};
 
 use self::leases::OpenLeases;
 use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
@@ -138,7 +140,7 @@ pub struct Server {
     addr: SocketAddr,
     app: axum::Router,
     grpc: crate::grpc::server::Bound,
-    grpc_router: axum::Router,
+    grpc_router: GrpcService,
     limits: ListenConfig,
     leases: OpenLeases,
     state: AppState,
