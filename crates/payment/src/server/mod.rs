@@ -9,7 +9,8 @@
 //! authentication ([`crate::auth`], sets the `Tenant`) -> fault injection (`--fault-abort-percent`,
 //! off by default) -> per-merchant rate limit -> gate ->
 //! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
-//! routes bypass the stack.
+//! routes bypass the stack. The HTTP side is an axum router; the gRPC side is tonic's own router
+//! ([`GrpcService`]), wrapped by the same stack directly.
 //!
 //! # Layout
 //! - `routers`: [`build_routers`] and the layers it configures.
