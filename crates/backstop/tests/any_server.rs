@@ -23,8 +23,8 @@ use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::MemoryStore;
 use backstop::server::body::RequestBody;
 use backstop::server::{
-    DeadlineLayer, GateLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack, Tenant,
-    TenantLayer,
+    DeadlineLayer, FaultLayer, GateLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer,
+    ServerStack, Tenant, TenantLayer,
 };
 use backstop::status::{Code, Status};
 use bytes::Bytes;
@@ -344,6 +344,11 @@ fn tenant_layer() -> TenantLayer {
     })
 }
 
+/// Every request aborted before it reaches the service.
+fn fault_layer() -> FaultLayer {
+    FaultLayer::none().abort_percent(100.0).unwrap()
+}
+
 fn idempotency_layer() -> IdempotencyLayer<MemoryStore> {
     IdempotencyLayer::new(MemoryStore::new())
         .keyed(Method::POST, "/pay", KeyedRoute::sync())
@@ -563,6 +568,61 @@ async fn tenant_on_axum_resolves_or_refuses_401() {
     assert!(seen_by_handler(answered).await.contains("tenant=acme"));
     let refused = post(addr, "hi", &[]).await;
     assert_eq!(refused.status(), 401);
+    assert_eq!(app.calls(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fault injection: an aborted request never reaches the service.
+
+#[tokio::test]
+async fn fault_on_tonic_aborts_with_unavailable() {
+    let app = App::default();
+    let addr = serve_tonic!(fault_layer(), app);
+    let aborted = say(addr, "hi", &[]).await.unwrap_err();
+    assert_eq!(aborted.code(), tonic::Code::Unavailable, "{aborted:?}");
+    assert_eq!(app.calls(), 0);
+}
+
+#[tokio::test]
+async fn fault_on_hyper_aborts_with_503() {
+    let app = App::default();
+    let addr = serve_hyper(fault_layer().layer(handler::<Incoming>(&app))).await;
+    let aborted = post(addr, "hi", &[]).await;
+    assert_eq!(aborted.status(), 503);
+    assert_eq!(problem_code(aborted).await, "fault_injected");
+    assert_eq!(app.calls(), 0);
+}
+
+#[tokio::test]
+async fn fault_on_axum_aborts_with_503() {
+    let app = App::default();
+    let addr = serve_axum!(fault_layer(), app);
+    let aborted = post(addr, "hi", &[]).await;
+    assert_eq!(aborted.status(), 503);
+    assert_eq!(problem_code(aborted).await, "fault_injected");
+    assert_eq!(app.calls(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The unary message cap: decided from the length prefix, the message read once and handed on.
+
+#[tokio::test]
+async fn unary_limit_on_tonic_caps_the_message_and_hands_it_on() {
+    let app = App::default();
+    let addr = serve_tonic!(backstop::server::grpc::UnaryLimitLayer::new(16), app);
+    let answered = say(addr, "short", &[]).await.unwrap();
+    assert!(
+        answered.get_ref().text.starts_with("short "),
+        "{answered:?}"
+    );
+    let refused = say(addr, "a message well over sixteen bytes", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
     assert_eq!(app.calls(), 1);
 }
 
