@@ -25,9 +25,10 @@ use backstop::client::{ClientStack, Destination};
 use backstop::deadline::Deadline;
 use backstop::idempotency::MemoryStore;
 use backstop::policy::{Idempotency, MethodPolicy};
+use backstop::server::body::RequestBody;
 use backstop::server::{
     DeadlineLayer, GateLayer, IdempotencyLayer, KeyedRoute, MetricsLayer, RateLimitLayer,
-    ServerStack, TenantLayer,
+    ServerStack, ServerStackBody, TenantLayer,
 };
 use bytes::Bytes;
 use http::{Method, Request, Response};
@@ -60,13 +61,13 @@ fn transport() -> impl Service<
 }
 
 /// The server modes' trivial handler.
-fn handler() -> impl Service<
-    Request<axum::body::Body>,
+fn handler<B>() -> impl Service<
+    Request<B>,
     Response = Response<axum::body::Body>,
     Error = Infallible,
     Future = impl Send,
 > + Copy {
-    service_fn(|_r: Request<axum::body::Body>| async {
+    service_fn(|_r: Request<B>| async {
         Ok::<_, Infallible>(Response::new(axum::body::Body::from("{}")))
     })
 }
@@ -171,18 +172,20 @@ where
     Ok(())
 }
 
+/// The request body the handler gets behind the idempotency layer alone.
+type Inner = RequestBody<axum::body::Body>;
+
 /// The server stack's innermost `layers` layers (0 to 6) around the `server_stack` handler,
 /// each as `ServerStack` configures it for that mode: 1 idempotency (the route is not keyed),
 /// 2 gate, 3 tenant rate limit, 4 tenant, 5 metrics, 6 deadline (all 6 is `server_stack`).
 async fn server_layers(layers: usize, calls: u64) -> Result<(), Box<dyn std::error::Error>> {
-    let handler = handler();
     let buckets = unlimited_buckets();
-    let idempotency = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
+    let idempotency = IdempotencyLayer::new(MemoryStore::new()).layer(handler::<Inner>());
     let gate = GateLayer::new(wide_gate());
     let metrics = MetricsLayer::new("bench").route(Method::POST, "/v1/echo");
     let limited = || RateLimitLayer::new(buckets.clone()).layer(gate.layer(idempotency.clone()));
     match layers {
-        0 => serve(handler, calls).await,
+        0 => serve(handler::<axum::body::Body>(), calls).await,
         1 => serve(idempotency, calls).await,
         2 => serve(gate.layer(idempotency), calls).await,
         3 => serve(limited(), calls).await,
@@ -240,7 +243,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .gate(wide_gate())
                     .keyed(Method::POST, "/v1/echo", KeyedRoute::payments())
                     .into_layer()
-                    .layer(handler());
+                    .layer(handler::<ServerStackBody<axum::body::Body>>());
                 for i in 0..calls {
                     let mut request = request().map(axum::body::Body::new);
                     let key = http::HeaderValue::try_from(format!("key-{i}"))?;
@@ -249,14 +252,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     assert!(response.status().is_success());
                 }
             }
-            "server_bare" => serve(handler(), calls).await?,
+            "server_bare" => serve(handler::<axum::body::Body>(), calls).await?,
             "server_stack" => {
                 let stack = ServerStack::new("bench", MemoryStore::new())
                     .tenant_buckets(unlimited_buckets())
                     .gate(wide_gate())
                     .route(Method::POST, "/v1/echo")
                     .into_layer()
-                    .layer(handler());
+                    .layer(handler::<ServerStackBody<axum::body::Body>>());
                 serve(stack, calls).await?;
             }
             "server_layers" => {

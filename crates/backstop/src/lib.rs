@@ -116,7 +116,10 @@
 //! # }
 //! ```
 //!
-//! `examples/axum_stack.rs` serves the same thing on a real port.
+//! `examples/axum_stack.rs` serves the same thing on a real port. The same layer goes on
+//! tonic's server (`tonic::transport::Server::builder().layer(stack.into_layer())`) or in
+//! front of a bare hyper service: the layers ask nothing of the bodies beyond
+//! `http_body::Body<Data = Bytes>` (see [`server::body`]).
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 // docs.rs builds with `--cfg docsrs` on nightly: there, items behind a feature say which one.

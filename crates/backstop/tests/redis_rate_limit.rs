@@ -316,7 +316,11 @@ async fn serve(layer: RateLimitLayer, requests: usize) -> (Vec<Response<Bytes>>,
         .layer(layer.layer(handler));
     let mut out = Vec::new();
     for _ in 0..requests {
-        out.push(svc.clone().oneshot(request("acme")).await.unwrap());
+        let response = svc.clone().oneshot(request("acme")).await.unwrap();
+        // The handler answers with no body; a refusal's body is the one the layer wrote.
+        out.push(
+            response.map(|body| Bytes::copy_from_slice(body.buffered_data().unwrap_or_default())),
+        );
     }
     (out, calls.load(Ordering::SeqCst))
 }

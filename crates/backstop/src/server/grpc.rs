@@ -26,6 +26,7 @@ use http_body_util::BodyExt;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use super::body::{RequestBody, ResponseBody};
 use super::problem::{Problem, Protocol};
 use crate::status::{Code, Status, problem};
 
@@ -159,7 +160,9 @@ impl<S> Layer<S> for UnaryLimitLayer {
 }
 
 /// The service made by [`UnaryLimitLayer`]: a gRPC request's message is read under the cap,
-/// then handed on in memory; other requests pass through.
+/// then handed on in memory ([`RequestBody::buffered`]); other requests pass through with
+/// their body unread ([`RequestBody::inner`]). A refusal is a trailers-only answer
+/// ([`ResponseBody`]).
 #[derive(Debug, Clone)]
 pub struct UnaryLimit<S> {
     inner: S,
@@ -170,15 +173,18 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for UnaryLimit<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
-    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: From<Bytes> + Send + 'static,
+    ResBody: Send + 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
-    type Future = BoxFuture<Result<Response<ResBody>, S::Error>>;
+    type Future = BoxFuture<Result<Response<ResponseBody<ResBody>>, S::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -186,7 +192,8 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         if !Protocol::of(request.headers()).is_grpc() {
-            return Box::pin(self.inner.call(request));
+            let fut = self.inner.call(request.map(RequestBody::inner));
+            return Box::pin(async move { Ok(fut.await?.map(ResponseBody::inner)) });
         }
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -195,8 +202,9 @@ where
             let (head, body) = request.into_parts();
             match read_unary(body, max).await {
                 Ok(message) => {
-                    let body = ReqBody::from(message.framed().clone());
-                    inner.call(Request::from_parts(head, body)).await
+                    let body = RequestBody::buffered(message.framed().clone());
+                    let response = inner.call(Request::from_parts(head, body)).await?;
+                    Ok(response.map(ResponseBody::inner))
                 }
                 Err(status) => Ok(Problem::from_status(&status).into_grpc_response()),
             }

@@ -3,9 +3,14 @@
 //! HTTP/2).
 //!
 //! Every layer answers its refusals itself as `application/problem+json` ([`problem`]) with a
-//! stable `code`, never as an error: the services keep the inner service's error type, so they
-//! drop into an axum `Router` unchanged. Every layer is `Clone` through shared state, so no
-//! `Buffer` is needed.
+//! stable `code`, never as an error: the services keep the inner service's error type. A
+//! refusal needs a body the inner service did not make, so each layer answers with
+//! [`body::ResponseBody`], the inner body untouched or a small body in memory; the layers
+//! that read a request's body first (idempotency, [`grpc::UnaryLimit`]) hand the inner
+//! service a [`body::RequestBody`]. Nothing is asked of the inner service's bodies beyond
+//! [`http_body::Body<Data = Bytes>`](http_body::Body), so the layers wrap an axum `Router`,
+//! tonic's server (`tonic::transport::Server::builder().layer(..)`) and a bare hyper service
+//! alike. Every layer is `Clone` through shared state, so no `Buffer` is needed.
 //!
 //! The same stack serves gRPC: a request with `Content-Type: application/grpc` is refused in
 //! gRPC's own form, a trailers-only response with `grpc-status`, `grpc-message` and
@@ -38,6 +43,31 @@
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
 //!    and only admitted requests pay for a store round trip.
 //!
+//! # On tonic, hyper and axum
+//!
+//! The stack, and each layer alone, goes wherever a tower layer goes: on tonic's own server
+//! in front of generated services, around an axum `Router`, or in front of a hyper
+//! `service_fn` served through `hyper_util::service::TowerToHyperService`. The service
+//! behind it gets requests with a [`ServerStackBody`] (see [`body`] for services that take
+//! a single body type).
+//!
+//! ```no_run
+//! use backstop::idempotency::MemoryStore;
+//! use backstop::server::{KeyedRoute, ServerStack};
+//! use http::Method;
+//!
+//! # async fn serve(routes: tonic::service::Routes) -> Result<(), tonic::transport::Error> {
+//! let stack = ServerStack::new("payments", MemoryStore::new())
+//!     .keyed(Method::POST, "/payment.v1.Payment/Charge", KeyedRoute::payments())
+//!     .into_layer();
+//! tonic::transport::Server::builder()
+//!     .layer(stack)
+//!     .add_routes(routes)
+//!     .serve("127.0.0.1:50051".parse().unwrap())
+//!     .await
+//! # }
+//! ```
+//!
 //! # Example
 //!
 //! ```
@@ -55,6 +85,7 @@
 //! # let _ = layer;
 //! ```
 
+pub mod body;
 pub mod deadline;
 pub mod fault;
 pub mod gate;
@@ -260,6 +291,12 @@ pub type ServerStackService<S, St> = deadline::DeadlineService<
         >,
     >,
 >;
+
+/// The request body the service behind a [`ServerStackLayer`] gets for a request that arrived
+/// with body `B`: the bytes the idempotency intake read (keyed and buffered routes), or `B`
+/// unread. Axum's `Router` and tonic's servers take any such body; see [`body`] to convert it
+/// for a service that takes only one body type.
+pub type ServerStackBody<B> = body::RequestBody<body::RequestBody<B>>;
 
 /// The composed layer made by [`ServerStack::into_layer`]: deadline → metrics → tenant →
 /// fault → rate limit → idempotency intake → gate → idempotency → your service.

@@ -303,6 +303,10 @@ impl Problem {
 
     /// The response: status, `Content-Type: application/problem+json`, `Retry-After` when there
     /// is pushback, and the document as body.
+    ///
+    /// Any body type made from bytes will do: `axum::body::Body`, `Full<Bytes>`, or, as the
+    /// server layers answer, [`ResponseBody<B>`](super::body::ResponseBody) for any inner
+    /// body `B`.
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
         let body = self.to_json();
         let mut response = Response::new(B::from(body));

@@ -29,12 +29,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{HeaderValue, Request, Response, header, request::Parts};
 use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use super::body::ResponseBody;
 use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
 use crate::status::{Code, Status};
@@ -147,9 +147,8 @@ impl<S: fmt::Debug> fmt::Debug for SetTenant<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for SetTenant<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, ResBody>;
 
@@ -175,7 +174,7 @@ where
 
 /// The answer to a request whose tenant was refused: problem+json (or a gRPC status), with
 /// the `Bearer` challenge on an HTTP 401.
-fn refusal<B: From<Bytes>>(status: &Status, head: &Parts) -> Response<B> {
+fn refusal<B>(status: &Status, head: &Parts) -> Response<ResponseBody<B>> {
     let protocol = Protocol::of(&head.headers);
     let mut response = Problem::from_status(status).into_response_for(protocol);
     if protocol == Protocol::Http && status.code() == Code::Unauthenticated {
@@ -205,7 +204,7 @@ impl<F, B, E> Future for ResponseFuture<F, B>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.project().inner.poll(cx)
@@ -215,6 +214,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::testing::flat;
+    use bytes::Bytes;
     use std::convert::Infallible;
     use tower::{ServiceExt, service_fn};
 
@@ -235,7 +236,7 @@ mod tests {
     #[tokio::test]
     async fn default_tenant_when_none_is_set() {
         let svc = TenantLayer::none().layer(service_fn(echo_tenant));
-        let res = svc.oneshot(Request::new(Bytes::new())).await.unwrap();
+        let res = flat(svc.oneshot(Request::new(Bytes::new())).await.unwrap());
         assert_eq!(res.body(), "default");
     }
 
@@ -246,7 +247,7 @@ mod tests {
             .header("authorization", "Bearer a")
             .body(Bytes::new())
             .unwrap();
-        let res = svc.oneshot(req).await.unwrap();
+        let res = flat(svc.oneshot(req).await.unwrap());
         assert_eq!(res.body(), "acme");
     }
 
@@ -257,7 +258,7 @@ mod tests {
             #[allow(unreachable_code)]
             Ok::<Response<Bytes>, Infallible>(Response::new(Bytes::new()))
         }));
-        let res = svc.oneshot(Request::new(Bytes::new())).await.unwrap();
+        let res = flat(svc.oneshot(Request::new(Bytes::new())).await.unwrap());
         assert_eq!(res.status(), 401);
         assert_eq!(res.headers()[header::WWW_AUTHENTICATE], "Bearer");
         let doc: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
@@ -271,7 +272,7 @@ mod tests {
             .header("content-type", "application/grpc")
             .body(Bytes::new())
             .unwrap();
-        let res = svc.oneshot(req).await.unwrap();
+        let res = flat(svc.oneshot(req).await.unwrap());
         assert_eq!(res.headers()["grpc-status"], "16");
         assert!(!res.headers().contains_key(header::WWW_AUTHENTICATE));
     }

@@ -162,3 +162,10 @@ pub(crate) fn problem_code(body: &[u8]) -> String {
     let doc: serde_json::Value = serde_json::from_slice(body).unwrap();
     doc["code"].as_str().unwrap_or_default().to_owned()
 }
+
+/// A layer's answer with the body flattened back to the inner service's `Bytes`.
+pub(crate) fn flat(
+    response: Response<crate::server::body::ResponseBody<Bytes>>,
+) -> Response<Bytes> {
+    response.map(crate::server::body::ResponseBody::into_bytes)
+}

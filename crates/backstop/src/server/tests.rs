@@ -42,9 +42,8 @@ fn stack(store: &MemoryStore) -> ServerStack<MemoryStore> {
 #[tokio::test(start_paused = true)]
 async fn handler_sees_every_layers_extension() {
     let store = MemoryStore::new();
-    let svc = stack(&store)
-        .into_layer()
-        .layer(service_fn(|req: Request<Body>| async move {
+    let svc = stack(&store).into_layer().layer(service_fn(
+        |req: Request<ServerStackBody<Body>>| async move {
             let ext = req.extensions();
             assert!(ext.get::<Deadline>().is_some());
             assert_eq!(ext.get::<Route>().unwrap().method(), "POST /v1/payments");
@@ -53,7 +52,8 @@ async fn handler_sees_every_layers_extension() {
             let mut res = Response::new(Body::from("{}"));
             *res.status_mut() = StatusCode::CREATED;
             Ok::<_, Infallible>(res)
-        }));
+        },
+    ));
     let res = svc.oneshot(post("k1", Some("1S"))).await.unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
 }
@@ -67,7 +67,7 @@ async fn refused_requests_never_touch_the_key() {
     let svc = stack(&store)
         .tenant_buckets(KeyedTokenBucket::new(quota, NonZeroUsize::MIN))
         .into_layer()
-        .layer(service_fn(move |_req: Request<Body>| {
+        .layer(service_fn(move |_req: Request<ServerStackBody<Body>>| {
             counted.fetch_add(1, Ordering::SeqCst);
             async {
                 let mut res = Response::new(Body::from("{}"));
@@ -103,9 +103,8 @@ async fn deadline_cut_fails_the_record_so_the_retry_runs() {
     let store = MemoryStore::new();
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
-    let svc = stack(&store)
-        .into_layer()
-        .layer(service_fn(move |_req: Request<Body>| {
+    let svc = stack(&store).into_layer().layer(service_fn(
+        move |_req: Request<ServerStackBody<Body>>| {
             let n = counted.fetch_add(1, Ordering::SeqCst);
             async move {
                 if n == 0 {
@@ -115,7 +114,8 @@ async fn deadline_cut_fails_the_record_so_the_retry_runs() {
                 *res.status_mut() = StatusCode::CREATED;
                 Ok::<_, Infallible>(res)
             }
-        }));
+        },
+    ));
     let res = svc.clone().oneshot(post("k1", Some("50m"))).await.unwrap();
     assert_eq!(res.status(), StatusCode::GATEWAY_TIMEOUT);
     tokio::task::yield_now().await;

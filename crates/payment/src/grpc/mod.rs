@@ -1,10 +1,11 @@
 //! The gRPC payment service: `payment.v1.Payment` (`proto/payment/v1/payment.proto`).
 //!
 //! [`PaymentService`] implements the generated [`proto::payment_server::Payment`] trait over the
-//! same payment logic as the HTTP handlers, and [`router`] mounts it so the server stack runs in
-//! front of it: the deadline from `grpc-timeout`, metrics, authentication (`authorization:
-//! Bearer` metadata), the rate limit, the gate and idempotency (metadata `idempotency-key`),
-//! each answering a gRPC caller with a gRPC status.
+//! same payment logic as the HTTP handlers, and [`routes`] puts it on tonic's own router, which
+//! the server stack wraps as it is, with no HTTP router in between: the deadline from
+//! `grpc-timeout`, metrics, authentication (`authorization: Bearer` metadata), the rate limit,
+//! the gate and idempotency (metadata `idempotency-key`), each answering a gRPC caller with a
+//! gRPC status.
 //!
 //! # Status codes
 //!
@@ -34,8 +35,8 @@ pub use self::service::PaymentService;
 
 use std::time::Duration;
 
-use axum::Router;
 use backstop::server::grpc::{DEFAULT_MAX_MESSAGE, UnaryLimitLayer};
+use tonic::service::Routes;
 
 use crate::state::AppState;
 
@@ -48,21 +49,18 @@ pub const GET_CHARGE: &str = "/payment.v1.Payment/GetCharge";
 /// Pushback sent with `UNAVAILABLE` when the store does not answer.
 const STORE_PUSHBACK: Duration = Duration::from_secs(1);
 
-/// The gRPC routes, without layers: the caller adds the server stack in front of them.
-/// Unknown methods are `UNIMPLEMENTED`.
-pub fn router(state: AppState) -> Router {
+/// The gRPC routes on tonic's own router, without the server stack: the caller puts it in
+/// front (see [`build_routers`](crate::server::build_routers)). Unknown methods are
+/// `UNIMPLEMENTED`.
+pub fn routes(state: AppState) -> Routes {
     let payments = proto::payment_server::PaymentServer::new(PaymentService::new(state))
         .max_decoding_message_size(DEFAULT_MAX_MESSAGE);
-    // Both methods are unary: the message cap is decided from the length prefix, before
-    // tonic's decoder (which would answer OUT_OF_RANGE, not RESOURCE_EXHAUSTED).
-    Router::new()
-        .route_service("/payment.v1.Payment/{method}", payments)
-        .fallback(unimplemented)
-        .layer(UnaryLimitLayer::new(DEFAULT_MAX_MESSAGE))
+    Routes::new(payments)
 }
 
-async fn unimplemented() -> axum::response::Response {
-    tonic::Status::unimplemented("no such gRPC service")
-        .into_http::<axum::body::Body>()
-        .map(axum::body::Body::new)
+/// The layer that goes right in front of [`routes`]: both methods are unary, so the message
+/// cap is decided from the length prefix, before tonic's decoder (which would answer
+/// `OUT_OF_RANGE`, not `RESOURCE_EXHAUSTED`).
+pub fn unary_limit() -> UnaryLimitLayer {
+    UnaryLimitLayer::new(DEFAULT_MAX_MESSAGE)
 }

@@ -4,10 +4,11 @@
 use std::future::Future;
 use std::net::SocketAddr;
 
-use axum::Router;
 use backstop::server::listen::{ListenConfig, Listener};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+
+use crate::server::GrpcService;
 
 /// `service` label of the gRPC listener's connection metrics.
 const LISTENER: &str = "payment-grpc";
@@ -32,15 +33,15 @@ impl Bound {
         self.addr
     }
 
-    /// Serves `router` on a background task until `shutdown` resolves, then drains within
+    /// Serves `service` on a background task until `shutdown` resolves, then drains within
     /// `limits.drain_timeout`; the task ends when every connection has.
     pub(crate) fn spawn(
         self,
-        router: Router,
+        service: GrpcService,
         limits: ListenConfig,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> JoinHandle<()> {
         let listener = Listener::new(LISTENER, self.listener, limits);
-        tokio::spawn(listener.serve(router, shutdown))
+        tokio::spawn(listener.serve(service, shutdown))
     }
 }

@@ -9,7 +9,8 @@
 //! authentication ([`crate::auth`], sets the `Tenant`) -> fault injection (`--fault-abort-percent`,
 //! off by default) -> per-merchant rate limit -> gate ->
 //! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
-//! routes bypass the stack.
+//! routes bypass the stack. The HTTP side is an axum router; the gRPC side is tonic's own router
+//! ([`GrpcService`]), wrapped by the same stack directly.
 //!
 //! # Layout
 //! - `routers`: [`build_routers`] and the layers it configures.
@@ -37,7 +38,9 @@ use tokio::task::JoinHandle;
 mod leases;
 mod routers;
 
-pub use self::routers::{Routers, SERVICE_NAME, build_app, build_routers, rate_limit_layer};
+pub use self::routers::{
+    GrpcService, Routers, SERVICE_NAME, build_app, build_routers, rate_limit_layer,
+};
 
 use self::leases::OpenLeases;
 use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
@@ -139,7 +142,7 @@ pub struct Server {
     addr: SocketAddr,
     app: axum::Router,
     grpc: crate::grpc::server::Bound,
-    grpc_router: axum::Router,
+    grpc_router: GrpcService,
     limits: ListenConfig,
     leases: OpenLeases,
     state: AppState,

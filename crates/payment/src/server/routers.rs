@@ -1,6 +1,7 @@
 //! [`build_routers`]: the HTTP and the gRPC routes behind one server stack, configured from
 //! [`Config`].
 
+use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
@@ -13,7 +14,10 @@ use backstop::server::listen::ConnectionInfo;
 use backstop::server::{
     DeadlineLayer, FaultLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack,
 };
-use http::Method;
+use http::{Method, Request};
+use hyper::body::Incoming;
+use tower::ServiceBuilder;
+use tower::util::BoxCloneService;
 
 use crate::auth::Authenticator;
 use crate::config::{BODY_LIMIT, Config, LimitMode};
@@ -55,8 +59,21 @@ pub fn rate_limit_layer(config: &Config) -> Result<RateLimitLayer, RedisLimitErr
 pub struct Routers {
     /// HTTP: payment routes under the stack, `/healthz`, `/readyz` and `/metrics` beside it.
     pub http: Router,
-    /// gRPC: `payment.v1.Payment` under the stack.
-    pub grpc: Router,
+    /// gRPC: `payment.v1.Payment` on tonic's own router, under the stack.
+    pub grpc: GrpcService,
+}
+
+/// The gRPC side: tonic's router for `payment.v1.Payment` behind the server stack, taking
+/// requests as the listener reads them.
+pub type GrpcService = BoxCloneService<Request<Incoming>, axum::response::Response, Infallible>;
+
+/// A response of the stack as the listener sends it.
+fn boxed<B>(response: http::Response<B>) -> axum::response::Response
+where
+    B: hyper::body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<tower::BoxError>,
+{
+    response.map(axum::body::Body::new)
 }
 
 /// Builds the router: payment routes under the full layer stack, `/healthz`, `/readyz` and
@@ -130,9 +147,15 @@ pub fn build_routers<St: Store>(
 
     // Requests no route takes are counted and logged too, as `unmatched`.
     let unmatched = stack.unmatched();
-    let grpc = grpc::router(state.clone())
-        .layer(stack.clone())
-        .layer(OneProtocolLayer(Port::Grpc));
+    // tonic's router as it is: the stack's layers ask nothing of its bodies.
+    let grpc = BoxCloneService::new(
+        ServiceBuilder::new()
+            .layer(OneProtocolLayer(Port::Grpc))
+            .map_response(boxed)
+            .layer(stack.clone())
+            .layer(grpc::unary_limit())
+            .service(grpc::routes(state.clone())),
+    );
 
     let payments = Router::new()
         .route("/v1/payments", post(handlers::create_payment))

@@ -5,7 +5,6 @@
 use std::convert::Infallible;
 use std::task::{Context, Poll};
 
-use axum::body::Body;
 use axum::response::Response;
 use backstop::server::problem::{GRPC_CONTENT_TYPE, Problem, Protocol};
 use futures_util::future::{Either, Ready, ready};
@@ -58,9 +57,9 @@ pub(crate) struct OneProtocol<S> {
     port: Port,
 }
 
-impl<S> Service<Request<Body>> for OneProtocol<S>
+impl<S, B> Service<Request<B>> for OneProtocol<S>
 where
-    S: Service<Request<Body>, Response = Response, Error = Infallible>,
+    S: Service<Request<B>, Response = Response, Error = Infallible>,
 {
     type Response = Response;
     type Error = Infallible;
@@ -70,7 +69,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<Body>) -> Self::Future {
+    fn call(&mut self, request: Request<B>) -> Self::Future {
         let grpc = Protocol::of(request.headers()).is_grpc();
         let refusal = match self.port {
             // Any of several Content-Type values: a gRPC client never meant JSON.

@@ -4,12 +4,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep, sleep_until};
 
 use crate::deadline::Deadline;
+use crate::server::body::ResponseBody;
 use crate::server::problem::{Problem, Protocol};
 use crate::status::{Code, Status, problem};
 
@@ -37,7 +37,7 @@ pin_project! {
             sleep: Option<Sleep>,
         },
         Rejected {
-            response: Option<Response<B>>,
+            response: Option<Response<ResponseBody<B>>>,
         },
         Done,
     }
@@ -55,7 +55,7 @@ impl<F, B> ResponseFuture<F, B> {
         }
     }
 
-    pub(super) fn rejected(response: Response<B>) -> Self {
+    pub(super) fn rejected(response: Response<ResponseBody<B>>) -> Self {
         Self {
             kind: Kind::Rejected {
                 response: Some(response),
@@ -67,9 +67,8 @@ impl<F, B> ResponseFuture<F, B> {
 impl<F, B, E> Future for ResponseFuture<F, B>
 where
     F: Future<Output = Result<Response<B>, E>>,
-    B: From<Bytes>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
@@ -81,7 +80,7 @@ where
                 mut sleep,
             } => {
                 if let Poll::Ready(result) = inner.poll(cx) {
-                    return Poll::Ready(result);
+                    return Poll::Ready(result.map(|response| response.map(ResponseBody::inner)));
                 }
                 if sleep.is_none() {
                     sleep.set(Some(sleep_until(*deadline)));
@@ -105,7 +104,7 @@ where
     }
 }
 
-fn deadline_exceeded<B: From<Bytes>>(protocol: Protocol) -> Response<B> {
+fn deadline_exceeded<B>(protocol: Protocol) -> Response<ResponseBody<B>> {
     let status = Status::new(
         Code::DeadlineExceeded,
         "the request's deadline passed before the server answered",

@@ -33,11 +33,11 @@ pub use self::layer::DeadlineLayer;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
 use self::future::ResponseFuture;
+use super::body::ResponseBody;
 use super::problem::{Problem, Protocol};
 use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
 
@@ -90,9 +90,8 @@ impl<S> DeadlineService<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for DeadlineService<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, ResBody>;
 

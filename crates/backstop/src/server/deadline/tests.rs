@@ -12,6 +12,7 @@ use tower::{ServiceExt, service_fn};
 use tower_layer::Layer;
 
 use super::*;
+use crate::server::testing::flat;
 
 fn request(timeout: Option<&str>) -> Request<Bytes> {
     let mut builder = Request::builder().uri("/v1/payments");
@@ -36,7 +37,7 @@ fn problem_code(res: &Response<Bytes>) -> String {
 #[tokio::test(start_paused = true)]
 async fn header_becomes_a_deadline_extension() {
     let svc = DeadlineLayer::default().layer(service_fn(report_budget));
-    let res = svc.oneshot(request(Some("250m"))).await.unwrap();
+    let res = flat(svc.oneshot(request(Some("250m"))).await.unwrap());
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.body(), "250");
 }
@@ -44,7 +45,7 @@ async fn header_becomes_a_deadline_extension() {
 #[tokio::test(start_paused = true)]
 async fn absent_header_gets_the_default_budget() {
     let svc = DeadlineLayer::new(Duration::from_secs(3)).layer(service_fn(report_budget));
-    let res = svc.oneshot(request(None)).await.unwrap();
+    let res = flat(svc.oneshot(request(None)).await.unwrap());
     assert_eq!(res.body(), "3000");
 }
 
@@ -52,11 +53,13 @@ async fn absent_header_gets_the_default_budget() {
 async fn budget_is_clamped_to_the_maximum() {
     let layer = DeadlineLayer::new(Duration::from_secs(120)).max(Duration::from_secs(30));
     assert_eq!(layer.default_timeout(), Duration::from_secs(30));
-    let res = layer
-        .layer(service_fn(report_budget))
-        .oneshot(request(Some("5H")))
-        .await
-        .unwrap();
+    let res = flat(
+        layer
+            .layer(service_fn(report_budget))
+            .oneshot(request(Some("5H")))
+            .await
+            .unwrap(),
+    );
     assert_eq!(res.body(), "30000");
 }
 
@@ -80,7 +83,7 @@ async fn malformed_or_nine_digit_grpc_timeout_is_400() {
             called.fetch_add(1, Ordering::SeqCst);
             report_budget(req)
         }));
-        let res = svc.oneshot(request(Some(bad))).await.unwrap();
+        let res = flat(svc.oneshot(request(Some(bad))).await.unwrap());
         assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{bad:?}");
         assert_eq!(problem_code(&res), "invalid_grpc_timeout", "{bad:?}");
         assert_eq!(
@@ -104,7 +107,7 @@ async fn non_ascii_header_is_400() {
         GRPC_TIMEOUT,
         http::HeaderValue::from_bytes(b"5\xffm").unwrap(),
     );
-    let res = svc.oneshot(req).await.unwrap();
+    let res = flat(svc.oneshot(req).await.unwrap());
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
 }
 
@@ -137,7 +140,7 @@ async fn passed_deadline_is_504_never_408_or_499() {
     let mut fut = Box::pin(svc.oneshot(request(Some("100m"))));
     let res = loop {
         tokio::select! {
-            res = &mut fut => break res.unwrap(),
+            res = &mut fut => break flat(res.unwrap()),
             () = sleep(Duration::from_millis(10)) => {
                 assert!(!flag_dropped(&dropped), "not cut before the deadline");
             }
@@ -157,7 +160,7 @@ async fn answer_before_the_deadline_passes_through() {
         sleep(Duration::from_millis(99)).await;
         Ok::<_, Infallible>(Response::new(Bytes::from_static(b"done")))
     }));
-    let res = svc.oneshot(request(Some("100m"))).await.unwrap();
+    let res = flat(svc.oneshot(request(Some("100m"))).await.unwrap());
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.body(), "done");
 }
@@ -169,7 +172,7 @@ async fn budget_starts_when_the_request_arrives_not_when_polled() {
     let fut = svc.call(request(Some("1S")));
     // The response future sits unpolled (queued behind other work) for 300 ms.
     advance(Duration::from_millis(300)).await;
-    let res = fut.await.unwrap();
+    let res = flat(fut.await.unwrap());
     assert_eq!(res.body(), "700");
 }
 
@@ -200,7 +203,7 @@ async fn grpc_request_past_its_deadline_gets_deadline_exceeded_trailers_only() {
     let svc = DeadlineLayer::default().layer(service_fn(|_req: Request<Bytes>| async {
         pending::<Result<Response<Bytes>, Infallible>>().await
     }));
-    let res = svc.oneshot(grpc_request("100m")).await.unwrap();
+    let res = flat(svc.oneshot(grpc_request("100m")).await.unwrap());
     assert_eq!(res.status(), StatusCode::OK);
     assert!(res.body().is_empty());
     assert_eq!(res.headers()["content-type"], "application/grpc");
@@ -210,7 +213,7 @@ async fn grpc_request_past_its_deadline_gets_deadline_exceeded_trailers_only() {
 #[tokio::test(start_paused = true)]
 async fn grpc_request_with_malformed_timeout_is_invalid_argument() {
     let svc = DeadlineLayer::default().layer(service_fn(report_budget));
-    let res = svc.oneshot(grpc_request("soon")).await.unwrap();
+    let res = flat(svc.oneshot(grpc_request("soon")).await.unwrap());
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.headers()["grpc-status"], "3"); // INVALID_ARGUMENT
     assert!(

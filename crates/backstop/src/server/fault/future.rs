@@ -11,6 +11,8 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
+use crate::server::body::ResponseBody;
+
 pin_project! {
     /// The inner future, an injected abort, or a delay followed by one of those.
     pub struct ResponseFuture<S, Req, B>
@@ -30,12 +32,12 @@ pin_project! {
             fut: F,
         },
         Abort {
-            response: Option<Response<B>>,
+            response: Option<Response<ResponseBody<B>>>,
         },
         Delayed {
             // Boxed: the common paths keep a small future.
             sleep: Pin<Box<Sleep>>,
-            then: Option<(Option<Response<B>>, S, Req)>,
+            then: Option<(Option<Response<ResponseBody<B>>>, S, Req)>,
         },
     }
 }
@@ -59,7 +61,7 @@ where
         }
     }
 
-    pub(super) fn abort(response: Response<B>) -> Self {
+    pub(super) fn abort(response: Response<ResponseBody<B>>) -> Self {
         Self {
             state: State::Abort {
                 response: Some(response),
@@ -70,7 +72,7 @@ where
     /// Waits `delay`, then answers `abort` or calls `service` (already ready) with `request`.
     pub(super) fn delayed(
         delay: Duration,
-        abort: Option<Response<B>>,
+        abort: Option<Response<ResponseBody<B>>>,
         service: S,
         request: Req,
     ) -> Self {
@@ -87,13 +89,17 @@ impl<S, Req, B> Future for ResponseFuture<S, Req, B>
 where
     S: Service<Req, Response = Response<B>>,
 {
-    type Output = Result<Response<B>, S::Error>;
+    type Output = Result<Response<ResponseBody<B>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
         loop {
             match state.as_mut().project() {
-                StateProj::Inner { fut } => return fut.poll(cx),
+                StateProj::Inner { fut } => {
+                    return fut
+                        .poll(cx)
+                        .map(|result| result.map(|response| response.map(ResponseBody::inner)));
+                }
                 StateProj::Abort { response } => {
                     return Poll::Ready(Ok(response
                         .take()

@@ -43,13 +43,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use rand::Rng;
 use rand::rngs::StdRng;
 use tower_service::Service;
 
 use self::future::ResponseFuture;
+use super::body::ResponseBody;
 use super::metrics::Route;
 use super::problem::{Problem, Protocol};
 use crate::status::{Code, Status};
@@ -97,9 +97,8 @@ pub struct Fault<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Fault<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, Request<ReqBody>, ResBody>;
 

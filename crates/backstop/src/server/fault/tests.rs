@@ -11,7 +11,7 @@ use tower::{Service, ServiceExt, service_fn};
 use tower_layer::Layer;
 
 use super::*;
-use crate::server::testing::{problem_code, with_metrics};
+use crate::server::testing::{flat, problem_code, with_metrics};
 
 /// A handler answering 200 at once, counting its calls.
 fn counted(
@@ -32,7 +32,7 @@ fn request() -> Request<Bytes> {
 /// Sends `n` requests through `layer`; returns the statuses in order and the handler's calls.
 async fn send(layer: &FaultLayer, n: usize) -> (Vec<StatusCode>, usize) {
     let calls = Arc::new(AtomicUsize::new(0));
-    let svc = layer.layer(counted(calls.clone()));
+    let svc = layer.layer(counted(calls.clone())).map_response(flat);
     let mut statuses = Vec::with_capacity(n);
     for _ in 0..n {
         statuses.push(svc.clone().oneshot(request()).await.unwrap().status());
@@ -62,7 +62,7 @@ fn an_aborted_request_never_reaches_the_service_and_is_counted() {
         let layer = FaultLayer::none().abort_percent(100.0).unwrap();
         let svc = crate::server::MetricsLayer::new("payments")
             .route(Method::POST, "/v1/payments")
-            .layer(layer.layer(counted(calls.clone())));
+            .layer(layer.layer(counted(calls.clone())).map_response(flat));
         let response = svc.clone().oneshot(request()).await.unwrap();
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(response.headers().get(header::RETRY_AFTER).is_none());
@@ -160,7 +160,7 @@ fn percentages_outside_0_to_100_are_refused() {
 #[tokio::test(start_paused = true)]
 async fn in_the_stack_an_aborted_attempt_leaves_its_key_unused() {
     use crate::idempotency::MemoryStore;
-    use crate::server::{KeyedRoute, ServerStack};
+    use crate::server::{KeyedRoute, ServerStack, ServerStackBody};
 
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
@@ -168,14 +168,16 @@ async fn in_the_stack_an_aborted_attempt_leaves_its_key_unused() {
         .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
         .fault(FaultLayer::none().abort_percent(50.0).unwrap().seeded(3))
         .into_layer()
-        .layer(service_fn(move |_req: Request<Full<Bytes>>| {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async {
-                let mut res = Response::new(Full::new(Bytes::from_static(b"{}")));
-                *res.status_mut() = StatusCode::CREATED;
-                Ok::<_, Infallible>(res)
-            }
-        }));
+        .layer(service_fn(
+            move |_req: Request<ServerStackBody<Full<Bytes>>>| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async {
+                    let mut res = Response::new(Full::new(Bytes::from_static(b"{}")));
+                    *res.status_mut() = StatusCode::CREATED;
+                    Ok::<_, Infallible>(res)
+                }
+            },
+        ));
     let mut aborted = 0;
     for attempt in 1.. {
         assert!(attempt < 100, "never served");

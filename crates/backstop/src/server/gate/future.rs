@@ -5,7 +5,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower_service::Service;
@@ -13,6 +12,7 @@ use tower_service::Service;
 use super::overloaded;
 use crate::admission::{Gate, GatePermit, Overloaded};
 use crate::deadline::Deadline;
+use crate::server::body::ResponseBody;
 use crate::server::metrics::Route;
 use crate::server::problem::Protocol;
 use crate::server::tenant::Tenant;
@@ -113,9 +113,8 @@ where
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, Request<ReqBody>>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ResBody: From<Bytes>,
 {
-    type Output = Result<Response<ResBody>, S::Error>;
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
@@ -181,7 +180,7 @@ where
                             Ok(Verdict::Abandoned) => drop(permit),
                         }
                     }
-                    return Poll::Ready(result);
+                    return Poll::Ready(result.map(|response| response.map(ResponseBody::inner)));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

@@ -35,11 +35,11 @@ pub use self::layer::GateLayer;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
 use self::future::ResponseFuture;
+use super::body::ResponseBody;
 use super::metrics::{Rejected, Route, count_rejected};
 use super::problem::{Problem, Protocol};
 use crate::admission::{Gate, Overloaded};
@@ -75,9 +75,8 @@ impl<S> GateService<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for GateService<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
-    ResBody: From<Bytes>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, Request<ReqBody>>;
 
@@ -105,11 +104,11 @@ where
     }
 }
 
-fn overloaded<B: From<Bytes>>(
+fn overloaded<B>(
     route: &Route,
     refused: Overloaded,
     protocol: Protocol,
-) -> Response<B> {
+) -> Response<ResponseBody<B>> {
     let reason = refused.reason_label();
     count_rejected(route, reason);
     let mut response = Problem::from_status(&Status::from(refused)).into_response_for(protocol);

@@ -16,7 +16,7 @@ use crate::admission::{Discipline, QueueConfig};
 use crate::observe::{RPC_SERVER_REJECTED_TOTAL, RPC_SERVER_REQUESTS_TOTAL};
 use crate::server::metrics::MetricsLayer;
 use crate::server::tenant::Tenant;
-use crate::server::testing::{problem_code, with_metrics};
+use crate::server::testing::{flat, problem_code, with_metrics};
 
 /// A handler that finishes only when the test adds a permit to `release`.
 fn held(
@@ -48,7 +48,11 @@ async fn no_permit_is_taken_in_poll_ready() {
     let gate = Gate::new(1, Duration::from_millis(5));
     let release = Arc::new(Semaphore::new(0));
     let mut services: Vec<_> = (0..10)
-        .map(|_| GateLayer::new(gate.clone()).layer(held(release.clone())))
+        .map(|_| {
+            GateLayer::new(gate.clone())
+                .layer(held(release.clone()))
+                .map_response(flat)
+        })
         .collect();
     for svc in &mut services {
         svc.ready().await.unwrap();
@@ -60,7 +64,9 @@ async fn no_permit_is_taken_in_poll_ready() {
 async fn full_gate_waits_at_most_budget_minus_min_service_then_503() {
     let gate = Gate::new(1, Duration::from_millis(20));
     let release = Arc::new(Semaphore::new(0));
-    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let svc = GateLayer::new(gate.clone())
+        .layer(held(release.clone()))
+        .map_response(flat);
 
     let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
     tokio::task::yield_now().await;
@@ -92,7 +98,9 @@ async fn full_gate_waits_at_most_budget_minus_min_service_then_503() {
 async fn budget_below_min_service_is_refused_at_once() {
     let gate = Gate::new(1, Duration::from_millis(50));
     let release = Arc::new(Semaphore::new(0));
-    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let svc = GateLayer::new(gate.clone())
+        .layer(held(release.clone()))
+        .map_response(flat);
     let _first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
     tokio::task::yield_now().await;
 
@@ -109,7 +117,9 @@ async fn budget_below_min_service_is_refused_at_once() {
 async fn waiter_is_admitted_when_a_slot_frees_in_time() {
     let gate = Gate::new(1, Duration::from_millis(20));
     let release = Arc::new(Semaphore::new(0));
-    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let svc = GateLayer::new(gate.clone())
+        .layer(held(release.clone()))
+        .map_response(flat);
     let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
     tokio::task::yield_now().await;
     let second = tokio::spawn(svc.oneshot(request(Duration::from_secs(1))));
@@ -124,7 +134,9 @@ async fn waiter_is_admitted_when_a_slot_frees_in_time() {
 async fn dropping_the_response_future_releases_the_permit() {
     let gate = Gate::new(1, Duration::from_millis(5));
     let release = Arc::new(Semaphore::new(0));
-    let svc = GateLayer::new(gate.clone()).layer(held(release));
+    let svc = GateLayer::new(gate.clone())
+        .layer(held(release))
+        .map_response(flat);
     let running = tokio::spawn(svc.oneshot(request(Duration::from_secs(5))));
     tokio::task::yield_now().await;
     assert_eq!(gate.inflight(), 1);
@@ -139,7 +151,8 @@ async fn request_without_deadline_uses_the_default_budget() {
     let release = Arc::new(Semaphore::new(0));
     let svc = GateLayer::new(gate.clone())
         .default_budget(Duration::from_millis(60))
-        .layer(held(release));
+        .layer(held(release))
+        .map_response(flat);
     let _first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
     tokio::task::yield_now().await;
     let start = Instant::now();
@@ -156,7 +169,11 @@ fn overload_is_counted_as_rejected() {
         let release = Arc::new(Semaphore::new(0));
         let svc = MetricsLayer::new("payments")
             .route(Method::POST, "/v1/payments")
-            .layer(GateLayer::new(gate).layer(held(release.clone())));
+            .layer(
+                GateLayer::new(gate)
+                    .layer(held(release.clone()))
+                    .map_response(flat),
+            );
         let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
         tokio::task::yield_now().await;
         let res = svc
@@ -214,7 +231,9 @@ impl Service<Request<Bytes>> for CountClones {
 async fn a_request_admitted_at_once_holds_a_permit_and_needs_no_service_clone() {
     let gate = Gate::new(1, Duration::from_millis(5));
     let clones = Arc::new(AtomicUsize::new(0));
-    let mut svc = GateLayer::new(gate.clone()).layer(CountClones(clones.clone()));
+    let mut svc = GateLayer::new(gate.clone())
+        .layer(CountClones(clones.clone()))
+        .map_response(flat);
     let fut = svc
         .ready()
         .await
@@ -279,7 +298,9 @@ fn finished_requests_teach_an_adaptive_limit_and_the_gauges_follow() {
         .with_queue(fifo());
         gate.publish_as("payments");
         let latency_ms = Arc::new(AtomicUsize::new(100));
-        let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+        let svc = GateLayer::new(gate.clone())
+            .layer(slowed(latency_ms.clone()))
+            .map_response(flat);
         rounds(&svc, 8, 20).await;
         assert_eq!(
             gate.limit(),
@@ -315,7 +336,9 @@ async fn a_request_cancelled_early_teaches_the_limit_nothing() {
         Duration::from_millis(5),
     );
     let latency_ms = Arc::new(AtomicUsize::new(100));
-    let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+    let svc = GateLayer::new(gate.clone())
+        .layer(slowed(latency_ms.clone()))
+        .map_response(flat);
     rounds(&svc, 4, 10).await;
     latency_ms.store(10_000, Ordering::Relaxed);
     for _ in 0..20 {
@@ -338,7 +361,9 @@ async fn fast_failures_do_not_raise_a_lowered_limit() {
     )
     .with_queue(fifo());
     let latency_ms = Arc::new(AtomicUsize::new(100));
-    let served = GateLayer::new(gate.clone()).layer(slowed(latency_ms.clone()));
+    let served = GateLayer::new(gate.clone())
+        .layer(slowed(latency_ms.clone()))
+        .map_response(flat);
     rounds(&served, 8, 20).await;
     latency_ms.store(600, Ordering::Relaxed);
     rounds(&served, 8, 3).await;
@@ -346,18 +371,21 @@ async fn fast_failures_do_not_raise_a_lowered_limit() {
     assert!(lowered < 8, "{lowered}");
 
     // The service now fails at once (its dependency gave up): 503s in no time at all.
-    let failing = GateLayer::new(gate.clone()).layer(service_fn(|_req: Request<Bytes>| async {
-        let mut res = Response::new(Bytes::new());
-        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-        Ok::<_, Infallible>(res)
-    }));
-    let grpc_failing =
-        GateLayer::new(gate.clone()).layer(service_fn(|_req: Request<Bytes>| async {
+    let failing = GateLayer::new(gate.clone())
+        .layer(service_fn(|_req: Request<Bytes>| async {
+            let mut res = Response::new(Bytes::new());
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            Ok::<_, Infallible>(res)
+        }))
+        .map_response(flat);
+    let grpc_failing = GateLayer::new(gate.clone())
+        .layer(service_fn(|_req: Request<Bytes>| async {
             let mut res = Response::new(Bytes::new());
             res.headers_mut()
                 .insert("grpc-status", http::HeaderValue::from_static("14"));
             Ok::<_, Infallible>(res)
-        }));
+        }))
+        .map_response(flat);
     for _ in 0..100 {
         assert_eq!(
             failing
@@ -430,7 +458,11 @@ fn queue_refusals_carry_their_reason_in_the_metric_and_the_answer() {
         let release = Arc::new(Semaphore::new(0));
         let svc = MetricsLayer::new("payments")
             .route(Method::POST, "/v1/payments")
-            .layer(GateLayer::new(gate.clone()).layer(held(release.clone())));
+            .layer(
+                GateLayer::new(gate.clone())
+                    .layer(held(release.clone()))
+                    .map_response(flat),
+            );
         let _running = spawn(&svc, request(Duration::from_secs(5))).await;
         // One tenant may hold the whole queue...
         let a1 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
@@ -487,7 +519,9 @@ fn a_full_queue_refuses_with_reason_full_and_the_queue_is_published() {
         });
         gate.publish_as("payments");
         let release = Arc::new(Semaphore::new(0));
-        let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+        let svc = GateLayer::new(gate.clone())
+            .layer(held(release.clone()))
+            .map_response(flat);
         let running = spawn(&svc, request(Duration::from_secs(5))).await;
         let waiting = spawn(&svc, request(Duration::from_secs(5))).await;
         let res = svc
@@ -519,7 +553,9 @@ fn a_full_queue_refuses_with_reason_full_and_the_queue_is_published() {
 async fn a_waiter_whose_caller_goes_away_leaves_the_queue_at_once() {
     let gate = Gate::new(1, Duration::from_millis(5));
     let release = Arc::new(Semaphore::new(0));
-    let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+    let svc = GateLayer::new(gate.clone())
+        .layer(held(release.clone()))
+        .map_response(flat);
     let running = spawn(&svc, request(Duration::from_secs(5))).await;
     let waiting = spawn(&svc, request(Duration::from_secs(5))).await;
     assert_eq!((gate.inflight(), gate.queued()), (1, 1));
@@ -547,7 +583,9 @@ fn shedding_hard_tells_grpc_clients_not_to_retry_and_http_clients_to_wait_long()
             ..QueueConfig::default()
         });
         let latency_ms = Arc::new(AtomicUsize::new(20));
-        let svc = GateLayer::new(gate.clone()).layer(slowed(latency_ms));
+        let svc = GateLayer::new(gate.clone())
+            .layer(slowed(latency_ms))
+            .map_response(flat);
         // Ten arrivals per service time, for well over the half second.
         let mut calls = Vec::new();
         let mut early = None;
@@ -602,7 +640,9 @@ fn retry_after_follows_the_queue_and_is_jittered() {
             ..fifo()
         });
         let release = Arc::new(Semaphore::new(0));
-        let svc = GateLayer::new(gate.clone()).layer(held(release.clone()));
+        let svc = GateLayer::new(gate.clone())
+            .layer(held(release.clone()))
+            .map_response(flat);
         let _running = spawn(&svc, request(Duration::from_secs(60))).await;
         let mut waiting = Vec::new();
         for _ in 0..400 {

@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use http::Response;
 use pin_project_lite::pin_project;
 
-use super::body::ResponseBody;
+use crate::server::body::ResponseBody;
 
 type Keyed<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 

@@ -41,6 +41,7 @@ use super::{BoxError, InProgress, KeyedRoute, prepare, read_body};
 use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::{IdempotencyKey, RecordStatus, Store};
+use crate::server::body::{RequestBody, ResponseBody};
 use crate::server::tenant::Tenant;
 
 /// First pause before looking at a running attempt again; each later pause doubles.
@@ -128,15 +129,18 @@ impl<S: fmt::Debug, St> fmt::Debug for Intake<S, St> {
 
 impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Intake<S, St>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: Store,
-    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: From<Bytes> + Send + 'static,
+    ResBody: Send + 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = IntakeFuture<S::Future, ResBody, S::Error>;
 
@@ -150,7 +154,7 @@ where
         if route.is_none() && !self.shared.is_buffered(method, path) {
             return IntakeFuture {
                 kind: Kind::Passthrough {
-                    fut: self.inner.call(request),
+                    fut: self.inner.call(request.map(RequestBody::inner)),
                 },
             };
         }
@@ -168,7 +172,7 @@ where
     }
 }
 
-type Keyed<B, E> = Pin<Box<dyn Future<Output = Result<Response<B>, E>> + Send>>;
+type Keyed<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
 pin_project! {
     /// Response future of [`Intake`]: the inner future unchanged (routes that are not keyed)
@@ -206,11 +210,13 @@ impl<F, B, E> Future for IntakeFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Passthrough { fut } => fut.poll(cx),
+            KindProj::Passthrough { fut } => fut
+                .poll(cx)
+                .map(|result| result.map(|response| response.map(ResponseBody::inner))),
             KindProj::Keyed { fut } => fut.as_mut().poll(cx),
         }
     }
@@ -221,19 +227,17 @@ async fn buffer<S, St, ReqBody, ResBody>(
     shared: Arc<Shared<St>>,
     mut inner: S,
     request: Request<ReqBody>,
-) -> Result<Response<ResBody>, S::Error>
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
-    ResBody: From<Bytes>,
 {
     let (head, body) = request.into_parts();
     match read_body(&shared, &head, body).await {
         Ok(body) => {
-            inner
-                .call(Request::from_parts(head, ReqBody::from(body)))
-                .await
+            let request = Request::from_parts(head, RequestBody::buffered(body));
+            Ok(inner.call(request).await?.map(ResponseBody::inner))
         }
         Err(refusal) => Ok(refusal),
     }
@@ -246,13 +250,12 @@ async fn intake<S, St, ReqBody, ResBody>(
     route: KeyedRoute,
     mut inner: S,
     request: Request<ReqBody>,
-) -> Result<Response<ResBody>, S::Error>
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     St: Store,
-    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
-    ResBody: From<Bytes>,
 {
     let (mut head, body) = request.into_parts();
     let prepared = match prepare(&shared, &head, body).await {
@@ -274,13 +277,12 @@ where
         .unwrap_or_else(Instant::now);
     let mut pause = FIRST_PAUSE;
     loop {
-        let request = Request::from_parts(head.clone(), ReqBody::from(body.clone()));
+        let request = Request::from_parts(head.clone(), RequestBody::buffered(body.clone()));
         let response = inner.ready().await?.call(request).await?;
-        if response.extensions().get::<InProgress>().is_none() {
-            return Ok(response);
-        }
-        if !finished(&shared, &scope, &key, give_up, &mut pause).await {
-            return Ok(response);
+        if response.extensions().get::<InProgress>().is_none()
+            || !finished(&shared, &scope, &key, give_up, &mut pause).await
+        {
+            return Ok(response.map(ResponseBody::inner));
         }
     }
 }

@@ -77,15 +77,14 @@
 //! [`Tenant`]: crate::server::tenant::Tenant
 //! [`Lease`]: crate::idempotency::Lease
 
-pub mod body;
 pub mod future;
 pub mod intake;
 mod layer;
 mod settled;
 
-pub use self::body::ResponseBody;
 pub use self::intake::IntakeLayer;
 pub use self::layer::IdempotencyLayer;
+pub use crate::server::body::{RequestBody, ResponseBody};
 
 use std::future::Future;
 use std::pin::Pin;
@@ -180,11 +179,14 @@ impl<S, St> Idempotency<S, St> {
 
 impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: Store,
-    ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -202,7 +204,7 @@ where
             .shared
             .route_for(request.method(), request.uri().path())
         else {
-            return ResponseFuture::passthrough(self.inner.call(request));
+            return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::inner)));
         };
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
@@ -224,9 +226,9 @@ async fn keyed<S, St, ReqBody, ResBody>(
     request: Request<ReqBody>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
     St: Store,
-    ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
@@ -320,7 +322,7 @@ where
         lease: Some(&lease),
     };
     let result = inner
-        .call(Request::from_parts(head, ReqBody::from(body)))
+        .call(Request::from_parts(head, RequestBody::buffered(body)))
         .await;
 
     let response = match result {

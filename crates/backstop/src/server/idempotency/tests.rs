@@ -19,6 +19,9 @@ use crate::server::testing::{body, problem_code, with_metrics};
 
 type Body = Full<Bytes>;
 
+/// The request body a service behind the idempotency layer gets.
+type In = RequestBody<Body>;
+
 const PAY: &str = r#"{"order_id":"o-1","amount_cents":100}"#;
 
 fn layer(store: &MemoryStore) -> IdempotencyLayer<MemoryStore> {
@@ -64,12 +67,12 @@ impl Handler {
 
     fn service(
         &self,
-    ) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible, Future: Send>
+    ) -> impl Service<Request<In>, Response = Response<Body>, Error = Infallible, Future: Send>
     + Clone
     + Send
     + 'static {
         let this = self.clone();
-        service_fn(move |req: Request<Body>| {
+        service_fn(move |req: Request<In>| {
             let n = this.calls.fetch_add(1, Ordering::SeqCst) + 1;
             let status = this.status;
             let key = req
@@ -97,9 +100,11 @@ impl Handler {
     }
 }
 
-async fn send<S>(svc: &S, req: Request<Body>) -> (StatusCode, http::HeaderMap, Bytes)
+async fn send<S, B>(svc: &S, req: Request<Body>) -> (StatusCode, http::HeaderMap, Bytes)
 where
-    S: Service<Request<Body>, Response = Response<ResponseBody<Body>>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
 {
     let res = svc.clone().oneshot(req).await.unwrap();
     let (parts, b) = res.into_parts();
@@ -258,7 +263,7 @@ async fn concurrent_retry_is_409_in_progress_with_retry_after() {
     let gate = release.clone();
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
-    let svc = layer(&store).layer(service_fn(move |_req: Request<Body>| {
+    let svc = layer(&store).layer(service_fn(move |_req: Request<In>| {
         let gate = gate.clone();
         counted.fetch_add(1, Ordering::SeqCst);
         async move {
@@ -290,7 +295,7 @@ async fn lease_covers_the_request_deadline() {
     let store = MemoryStore::new();
     let release = Arc::new(Semaphore::new(0));
     let gate = release.clone();
-    let svc = layer(&store).layer(service_fn(move |_req: Request<Body>| {
+    let svc = layer(&store).layer(service_fn(move |_req: Request<In>| {
         let gate = gate.clone();
         async move {
             gate.acquire().await.unwrap().forget();
@@ -346,7 +351,7 @@ async fn retryable_failure_lets_the_same_key_run_again() {
 #[tokio::test]
 async fn conflict_with_retry_after_is_retryable_plain_conflict_is_not() {
     let store = MemoryStore::new();
-    let svc = layer(&store).layer(service_fn(|req: Request<Body>| async move {
+    let svc = layer(&store).layer(service_fn(|req: Request<In>| async move {
         let busy = req.uri().query() == Some("busy");
         let mut res = Response::new(Body::from("{}"));
         *res.status_mut() = StatusCode::CONFLICT;
@@ -392,7 +397,7 @@ async fn client_mistake_leaves_the_key_unused() {
 #[tokio::test]
 async fn inner_error_marks_the_record_failed() {
     let store = MemoryStore::new();
-    let svc = layer(&store).layer(service_fn(|_req: Request<Body>| async {
+    let svc = layer(&store).layer(service_fn(|_req: Request<In>| async {
         Err::<Response<Body>, _>(std::io::Error::other("connection reset"))
     }));
     assert!(svc.oneshot(post(Some("k1"), PAY)).await.is_err());
@@ -407,7 +412,7 @@ async fn dropped_request_fails_its_record_so_a_retry_can_run() {
     let store = MemoryStore::new();
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
-    let svc = layer(&store).layer(service_fn(move |_req: Request<Body>| {
+    let svc = layer(&store).layer(service_fn(move |_req: Request<In>| {
         counted.fetch_add(1, Ordering::SeqCst);
         std::future::pending::<Result<Response<Body>, Infallible>>()
     }));
@@ -619,7 +624,7 @@ impl Stacked {
         permits: usize,
     ) -> impl Service<
         Request<Body>,
-        Response = Response<ResponseBody<Body>>,
+        Response = Response<ResponseBody<ResponseBody<ResponseBody<Body>>>>,
         Error = Infallible,
         Future: Send,
     > + Clone
@@ -627,7 +632,7 @@ impl Stacked {
     + 'static {
         let idempotency = layer(&self.store);
         let (release, calls) = (self.release.clone(), self.calls.clone());
-        let handler = service_fn(move |req: Request<Body>| {
+        let handler = service_fn(move |req: Request<RequestBody<In>>| {
             let (release, calls) = (release.clone(), calls.clone());
             async move {
                 let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
@@ -821,14 +826,14 @@ mod grpc {
         calls: Arc<AtomicUsize>,
         code: u8,
     ) -> impl Service<
-        Request<Body>,
+        Request<In>,
         Response = Response<ResponseBody<Body>>,
         Error = Infallible,
         Future: Send,
     > + Clone
     + Send
     + 'static {
-        service_fn(move |req: Request<Body>| {
+        service_fn(move |req: Request<In>| {
             let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
             async move {
                 let received = body(Response::new(req.into_body())).await;

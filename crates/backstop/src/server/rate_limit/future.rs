@@ -9,10 +9,11 @@ use http::Response;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use crate::server::body::ResponseBody;
 use crate::server::reject::RejectOr;
 
 /// A decision still on its way (shared limiter): `None` admits, `Some` is the refusal.
-pub(super) type Check<B> = Pin<Box<dyn Future<Output = Option<Response<B>>> + Send>>;
+pub(super) type Check<B> = Pin<Box<dyn Future<Output = Option<Response<ResponseBody<B>>>> + Send>>;
 
 pin_project! {
     /// The refusal, the inner future, or (shared limiter) the decision still on its way
@@ -66,7 +67,7 @@ impl<S, Req, B, E> Future for ResponseFuture<S, Req, S::Future, B>
 where
     S: Service<Req, Response = Response<B>, Error = E>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();

@@ -29,11 +29,11 @@ pub use self::layer::RateLimitLayer;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
 use self::future::ResponseFuture;
+use super::body::ResponseBody;
 use super::metrics::{Rejected, Route, count_rejected};
 use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
@@ -86,9 +86,9 @@ impl<S> RateLimit<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
-    ResBody: From<Bytes> + Send + 'static,
+    ResBody: Send + 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, Request<ReqBody>, S::Future, ResBody>;
 
@@ -139,11 +139,11 @@ where
 
 /// The answer to a shared decision: `None` admits.
 #[cfg(feature = "redis")]
-fn refusal<B: From<Bytes>>(
+fn refusal<B>(
     verdict: Verdict,
     route: impl FnOnce() -> Route,
     protocol: Protocol,
-) -> Option<Response<B>> {
+) -> Option<Response<ResponseBody<B>>> {
     match verdict {
         Verdict::Allowed => None,
         Verdict::Limited(wait) => {
@@ -162,7 +162,7 @@ fn refusal<B: From<Bytes>>(
     }
 }
 
-fn rate_limited<B: From<Bytes>>(wait: Duration, protocol: Protocol) -> Response<B> {
+fn rate_limited<B>(wait: Duration, protocol: Protocol) -> Response<ResponseBody<B>> {
     let mut response =
         Problem::from_status(&Status::rate_limited(wait)).into_response_for(protocol);
     response.extensions_mut().insert(Rejected(REASON));

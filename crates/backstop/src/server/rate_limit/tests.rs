@@ -13,7 +13,7 @@ use super::*;
 use crate::admission::Quota;
 use crate::observe::{RPC_SERVER_REJECTED_TOTAL, RPC_SERVER_REQUESTS_TOTAL};
 use crate::server::metrics::MetricsLayer;
-use crate::server::testing::{problem_code, with_metrics};
+use crate::server::testing::{flat, problem_code, with_metrics};
 
 fn buckets(rate: u32, burst: u32) -> KeyedTokenBucket {
     let quota = Quota::per_second(
@@ -55,7 +55,11 @@ fn tenant_over_quota_gets_429_with_retry_after() {
             };
             let svc = MetricsLayer::new("payments")
                 .route(Method::POST, "/v1/payments")
-                .layer(RateLimitLayer::new(buckets(1, 2)).layer(inner));
+                .layer(
+                    RateLimitLayer::new(buckets(1, 2))
+                        .layer(inner)
+                        .map_response(flat),
+                );
             let mut out = Vec::new();
             for _ in 0..3 {
                 out.push(svc.clone().oneshot(request(Some("acme"))).await.unwrap());
@@ -93,9 +97,11 @@ fn tenant_over_quota_gets_429_with_retry_after() {
 
 #[tokio::test(start_paused = true)]
 async fn tenants_have_their_own_buckets() {
-    let svc = RateLimitLayer::new(buckets(1, 1)).layer(service_fn(|_req: Request<Bytes>| async {
-        Ok::<_, Infallible>(Response::new(Bytes::new()))
-    }));
+    let svc = RateLimitLayer::new(buckets(1, 1))
+        .layer(service_fn(|_req: Request<Bytes>| async {
+            Ok::<_, Infallible>(Response::new(Bytes::new()))
+        }))
+        .map_response(flat);
     let status = |res: Response<Bytes>| res.status();
     assert_eq!(
         status(svc.clone().oneshot(request(Some("a"))).await.unwrap()),
@@ -134,9 +140,11 @@ async fn tenants_have_their_own_buckets() {
 #[tokio::test(start_paused = true)]
 async fn retry_after_is_never_zero() {
     // 50 tokens per second: the next token is 20 ms away, announced as 1 s.
-    let svc = RateLimitLayer::new(buckets(50, 1)).layer(service_fn(|_req: Request<Bytes>| async {
-        Ok::<_, Infallible>(Response::new(Bytes::new()))
-    }));
+    let svc = RateLimitLayer::new(buckets(50, 1))
+        .layer(service_fn(|_req: Request<Bytes>| async {
+            Ok::<_, Infallible>(Response::new(Bytes::new()))
+        }))
+        .map_response(flat);
     svc.clone().oneshot(request(Some("a"))).await.unwrap();
     let res = svc.oneshot(request(Some("a"))).await.unwrap();
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
