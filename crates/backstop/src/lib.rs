@@ -125,6 +125,7 @@ pub mod admission;
 pub mod client;
 pub mod clock;
 pub mod contract;
+pub mod db;
 pub mod deadline;
 pub mod idempotency;
 pub mod observe;

@@ -80,10 +80,6 @@
 
 pub mod conformance;
 pub mod fingerprint;
-// The SQLite handle under `sqlite`, apart from it because `store`'s error wraps its error
-// while the SQLite store implements `store`'s trait.
-#[cfg(feature = "sqlite")]
-mod group_commit;
 pub mod key;
 pub mod memory;
 #[cfg(feature = "postgres")]

@@ -211,7 +211,7 @@ pub enum StoreError {
     /// The SQLite backend failed.
     #[cfg(feature = "sqlite")]
     #[error("SQLite idempotency store failed")]
-    Sqlite(#[from] super::group_commit::DbError),
+    Sqlite(#[from] crate::db::sqlite::DbError),
     /// Another backend failed (inspect with `source()` / downcast).
     #[error("idempotency store backend failed")]
     Backend(#[source] BoxError),

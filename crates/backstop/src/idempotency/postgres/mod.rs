@@ -55,11 +55,8 @@
 //! Connections are plain TCP (`NoTls`): run the database on a trusted network or a local
 //! socket.
 
-mod batch;
-mod migrate;
-
-pub use batch::WriterStats;
-pub use migrate::{MIGRATIONS_TABLE, migrate};
+pub use crate::db::postgres::batch::WriterStats;
+pub use crate::db::postgres::migrate::{MIGRATIONS_TABLE, migrate};
 pub use {deadpool_postgres, tokio_postgres};
 
 use std::fmt;
@@ -72,7 +69,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::NoTls;
 
-use self::batch::{ClaimRow, Op, Outcome, StartBy, Writer};
+use crate::db::postgres::batch::{ClaimRow, Op, Outcome, StartBy, Writer};
 use super::store::duration_ms;
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,

@@ -36,7 +36,7 @@
 //! # }
 //! ```
 
-pub use super::group_commit::{Db, DbError, DbStats, SqliteOptions, Synchronous};
+pub use crate::db::sqlite::{Db, DbError, DbStats, SqliteOptions, Synchronous};
 
 use std::path::Path;
 

@@ -11,7 +11,7 @@
 //! one flush for the whole batch. Each caller is answered after the COMMIT that made its row
 //! durable.
 //!
-//! [`PostgresOptions::writers`]: super::PostgresOptions::writers
+//! [`PostgresOptions::writers`]: crate::idempotency::postgres::PostgresOptions::writers
 //!
 //! - A batch of one runs alone, in autocommit: no batching cost when there is no concurrency.
 //! - Statements run in `(scope, key)` order, so two batches (on this instance or another) lock
@@ -49,7 +49,7 @@ const QUEUE: usize = 4096;
 /// `INSERT` a running record, or take over a failed / expired one with the same fingerprint by
 /// a conditional `DO UPDATE` (the row lock makes concurrent takeovers see each other: exactly one
 /// wins); when neither happened, return the record as it stood.
-pub(super) const CLAIM_SQL: &str = "\
+pub(crate) const CLAIM_SQL: &str = "\
 WITH taken AS ( \
   INSERT INTO idempotency_key AS k \
     (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
@@ -69,18 +69,18 @@ SELECT false, lease_until, fingerprint, status, http_status, response_body, resp
   WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
 
 /// Store the response, if the lease (fencing token) still holds the record.
-pub(super) const COMPLETE_SQL: &str = "\
+pub(crate) const COMPLETE_SQL: &str = "\
 UPDATE idempotency_key SET status = 'succeeded', http_status = $4, response_body = $5, \
   response_headers = $6, expires_at = GREATEST(expires_at, $7) \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Mark failed, if the lease still holds the record.
-pub(super) const FAIL_SQL: &str = "\
+pub(crate) const FAIL_SQL: &str = "\
 UPDATE idempotency_key SET status = 'failed', expires_at = GREATEST(expires_at, $4) \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Forget the key, if the lease still holds the record.
-pub(super) const RELEASE_SQL: &str = "\
+pub(crate) const RELEASE_SQL: &str = "\
 DELETE FROM idempotency_key \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
@@ -154,7 +154,7 @@ RETURNING u.ord";
 
 /// One statement of the store.
 #[derive(Debug)]
-pub(super) enum Op {
+pub(crate) enum Op {
     Claim {
         scope: String,
         key: String,
@@ -198,18 +198,18 @@ impl Op {
 
 /// What a claim statement found: the lease it took, or the record as it stood.
 #[derive(Debug, Default)]
-pub(super) struct ClaimRow {
+pub(crate) struct ClaimRow {
     /// Whether this claim inserted or took over the record.
-    pub(super) taken: bool,
+    pub(crate) taken: bool,
     /// The new lease end when taken; else the record's.
-    pub(super) lease_until: Option<i64>,
+    pub(crate) lease_until: Option<i64>,
     /// The record's fingerprint when not taken (`None`: the record vanished since the
     /// conflict, e.g. released or swept).
-    pub(super) fingerprint: Option<String>,
-    pub(super) status: Option<String>,
-    pub(super) http_status: Option<i32>,
-    pub(super) body: Option<Vec<u8>>,
-    pub(super) headers: Option<String>,
+    pub(crate) fingerprint: Option<String>,
+    pub(crate) status: Option<String>,
+    pub(crate) http_status: Option<i32>,
+    pub(crate) body: Option<Vec<u8>>,
+    pub(crate) headers: Option<String>,
 }
 
 impl ClaimRow {
@@ -230,7 +230,7 @@ impl ClaimRow {
 
 /// What a statement returned.
 #[derive(Debug)]
-pub(super) enum Outcome {
+pub(crate) enum Outcome {
     /// What the claim found.
     Claim(ClaimRow),
     /// Rows changed by an outcome statement.
@@ -239,16 +239,16 @@ pub(super) enum Outcome {
 
 /// By when a call must have been sent, and what it is answered when it was not.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct StartBy {
+pub(crate) struct StartBy {
     /// The latest instant the call may be sent.
-    pub(super) until: Instant,
+    pub(crate) until: Instant,
     /// Whether `until` is the request's deadline (else the store's timeout).
-    pub(super) by_request: bool,
+    pub(crate) by_request: bool,
 }
 
 impl StartBy {
     /// The error of a call that was not sent by `until`.
-    pub(super) fn missed(self) -> PgError {
+    pub(crate) fn missed(self) -> PgError {
         if self.by_request {
             PgError::DeadlineExceeded
         } else {
@@ -280,7 +280,7 @@ struct Counters {
 
 /// Handle on the writer tasks; they stop when the last handle is dropped.
 #[derive(Debug, Clone)]
-pub(super) struct Writer {
+pub(crate) struct Writer {
     tx: async_channel::Sender<Job>,
     pool: Pool,
     counters: Arc<Counters>,
@@ -291,7 +291,7 @@ pub(super) struct Writer {
 impl Writer {
     /// Spawns `writers` writer tasks on the current runtime.
     /// `timeout` bounds a statement (or batch) once sent.
-    pub(super) fn start(pool: Pool, writers: usize, max_batch: usize, timeout: Duration) -> Writer {
+    pub(crate) fn start(pool: Pool, writers: usize, max_batch: usize, timeout: Duration) -> Writer {
         let (tx, rx) = async_channel::bounded(QUEUE);
         let counters = Arc::new(Counters::default());
         for _ in 0..writers.max(1) {
@@ -313,7 +313,7 @@ impl Writer {
 
     /// Runs `op` at once on a free connection, or else in the next batch. Gives up without
     /// sending it when it cannot be sent by `start.until`; once sent, waits for its answer.
-    pub(super) async fn run(&self, op: Op, start: StartBy) -> Result<Outcome, PgError> {
+    pub(crate) async fn run(&self, op: Op, start: StartBy) -> Result<Outcome, PgError> {
         if start.until <= Instant::now() {
             return Err(start.missed());
         }
@@ -364,7 +364,7 @@ impl Writer {
         }
     }
 
-    pub(super) fn stats(&self) -> WriterStats {
+    pub(crate) fn stats(&self) -> WriterStats {
         WriterStats {
             jobs: self.counters.jobs.load(Ordering::Relaxed),
             batches: self.counters.batches.load(Ordering::Relaxed),
@@ -831,7 +831,7 @@ mod tests {
         client
             .batch_execute(&format!(
                 "CREATE SCHEMA {schema}; SET search_path = {schema}; {}",
-                super::super::MIGRATION
+                crate::idempotency::postgres::MIGRATION
             ))
             .await
             .expect("create table");
