@@ -25,7 +25,8 @@ use std::num::{NonZeroU32, NonZeroUsize};
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::MemoryStore;
-use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+use backstop::db::sqlite::{SqliteOptions, Synchronous};
+use backstop::idempotency::sqlite::SqliteStore;
 use backstop::server::{
     DeadlineLayer, GateLayer, KeyedRoute, MetricsLayer, RateLimitLayer, ServerStack,
 };

@@ -41,7 +41,7 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 use tokio_postgres::Row;
 
-use super::PgError;
+use super::Error;
 
 /// Jobs queued before callers wait to enqueue.
 const QUEUE: usize = 4096;
@@ -248,11 +248,11 @@ pub(crate) struct StartBy {
 
 impl StartBy {
     /// The error of a call that was not sent by `until`.
-    pub(crate) fn missed(self) -> PgError {
+    pub(crate) fn missed(self) -> Error {
         if self.by_request {
-            PgError::DeadlineExceeded
+            Error::DeadlineExceeded
         } else {
-            PgError::Timeout
+            Error::Timeout
         }
     }
 }
@@ -260,7 +260,7 @@ impl StartBy {
 struct Job {
     op: Op,
     start: StartBy,
-    reply: oneshot::Sender<Result<Outcome, PgError>>,
+    reply: oneshot::Sender<Result<Outcome, Error>>,
 }
 
 /// Counters of the writer (for tests and benchmarks).
@@ -313,7 +313,7 @@ impl Writer {
 
     /// Runs `op` at once on a free connection, or else in the next batch. Gives up without
     /// sending it when it cannot be sent by `start.until`; once sent, waits for its answer.
-    pub(crate) async fn run(&self, op: Op, start: StartBy) -> Result<Outcome, PgError> {
+    pub(crate) async fn run(&self, op: Op, start: StartBy) -> Result<Outcome, Error> {
         if start.until <= Instant::now() {
             return Err(start.missed());
         }
@@ -328,21 +328,21 @@ impl Writer {
             match timeout_at(start.until, self.pool.timeout_get(&now)).await {
                 Ok(Ok(client)) => return self.run_at_once(client, &op, start).await,
                 Ok(Err(PoolError::Timeout(TimeoutType::Wait))) => {}
-                Ok(Err(e)) => return Err(PgError::connect(e)),
+                Ok(Err(e)) => return Err(Error::connect(e)),
                 // Nothing to wait for but a new connection: the database is slow to answer.
-                Err(_) => return Err(PgError::Timeout),
+                Err(_) => return Err(Error::Timeout),
             }
         }
         let (reply, answer) = oneshot::channel();
         let job = Job { op, start, reply };
         match timeout_at(start.until, self.tx.send(job)).await {
             Ok(Ok(())) => {}
-            Ok(Err(_)) => return Err(PgError::Closed),
+            Ok(Err(_)) => return Err(Error::Closed),
             Err(_) => return Err(start.missed()),
         }
         // Queued: a writer answers every job, by `start.until` if it did not send it, else
         // with what the database did (bounded by the store's timeout).
-        answer.await.map_err(|_| PgError::Closed)?
+        answer.await.map_err(|_| Error::Closed)?
     }
 
     async fn run_at_once(
@@ -350,7 +350,7 @@ impl Writer {
         client: Object,
         op: &Op,
         start: StartBy,
-    ) -> Result<Outcome, PgError> {
+    ) -> Result<Outcome, Error> {
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.jobs.fetch_add(1, Ordering::Relaxed);
         let until = answer_by(start.until, self.timeout);
@@ -359,7 +359,7 @@ impl Writer {
             Err(_) => {
                 // The connection may be mid-statement: never hand it out again.
                 drop(Object::take(client));
-                Err(PgError::Timeout)
+                Err(Error::Timeout)
             }
         }
     }
@@ -397,7 +397,7 @@ async fn drive(
         let client = match client {
             Ok(Ok(client)) => client,
             Ok(Err(e)) => {
-                let _ = first.reply.send(Err(PgError::connect(e)));
+                let _ = first.reply.send(Err(Error::connect(e)));
                 continue;
             }
             Err(_) => {
@@ -469,22 +469,22 @@ async fn run_batch(client: Object, jobs: &mut Vec<Job>, until: Instant) {
     match ran {
         Ok(Ok(outcomes)) => {
             for (job, outcome) in jobs.drain(..).zip(outcomes) {
-                let _ = job.reply.send(outcome.map_err(PgError::from));
+                let _ = job.reply.send(outcome.map_err(Error::from));
             }
         }
         Ok(Err(e)) => {
             let e = Arc::new(e);
-            answer_all(jobs, || PgError::Database(Arc::clone(&e)));
+            answer_all(jobs, || Error::Database(Arc::clone(&e)));
         }
         Err(_) => {
             // The connection may be mid-pipeline: never hand it out again.
             drop(Object::take(client));
-            answer_all(jobs, || PgError::Timeout);
+            answer_all(jobs, || Error::Timeout);
         }
     }
 }
 
-fn answer_all(jobs: &mut Vec<Job>, error: impl Fn() -> PgError) {
+fn answer_all(jobs: &mut Vec<Job>, error: impl Fn() -> Error) {
     for job in jobs.drain(..) {
         let _ = job.reply.send(Err(error()));
     }

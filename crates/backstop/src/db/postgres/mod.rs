@@ -1,5 +1,80 @@
-//! PostgreSQL plumbing.
-pub(crate) mod batch;
-pub(crate) mod migrate;
+//! PostgreSQL (feature `postgres`): a bounded pool that recovers by itself, versioned
+//! [`migrate`] that several instances may run at once, and the batching writer the idempotency
+//! store runs its statements through.
+//!
+//! Everything here speaks plain SQL to a [`Pool`]: which tables and which statements is the
+//! business of the code on top (the idempotency store, the payment service's tables). Failures
+//! are one typed [`Error`], which tells an unavailable database
+//! ([`Error::is_unavailable`]) from a statement it refused ([`Error::code`],
+//! [`Error::is_constraint_violation`]).
+//!
+//! Connections are plain TCP (`NoTls`): run the database on a trusted network or a local
+//! socket.
 
-use crate::idempotency::postgres::PgError;
+mod batch;
+mod error;
+mod migrate;
+
+pub(crate) use batch::*;
+pub use batch::WriterStats;
+pub use error::Error;
+pub use migrate::{MIGRATIONS_TABLE, migrate};
+pub use {deadpool_postgres, tokio_postgres};
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use futures_util::future::BoxFuture;
+use tokio::time::{Instant, timeout_at};
+use tokio_postgres::NoTls;
+
+/// A bounded pool on `config` (plain TCP): at most `max_connections` (0 counts as 1), every
+/// wait (for a free connection, to connect, to check a returned one) bounded by `timeout`.
+/// Broken connections are dropped when returned and new ones opened on demand, so the pool
+/// recovers by itself when the database comes back.
+pub fn pool(
+    mut config: tokio_postgres::Config,
+    max_connections: usize,
+    timeout: Duration,
+) -> Result<Pool, Error> {
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(timeout);
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(max_connections.max(1))
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(timeout))
+        .create_timeout(Some(timeout))
+        .recycle_timeout(Some(timeout))
+        .build()
+        .map_err(Error::Pool)
+}
+
+/// Runs `query` on a connection of `pool`, the wait for the connection and the query together
+/// bounded by `until`. A connection that timed out mid-query is discarded, never handed out
+/// again.
+pub(crate) async fn with_client<T>(
+    pool: &Pool,
+    until: Instant,
+    query: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>,
+) -> Result<T, Error> {
+    let client = match timeout_at(until, pool.get()).await {
+        Ok(Ok(client)) => client,
+        Ok(Err(e)) => return Err(Error::connect(e)),
+        Err(_) => return Err(Error::Timeout),
+    };
+    match timeout_at(until, query(&client)).await {
+        Ok(answer) => Ok(answer?),
+        Err(_) => {
+            drop(Object::take(client));
+            Err(Error::Timeout)
+        }
+    }
+}

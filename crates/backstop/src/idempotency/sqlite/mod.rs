@@ -1,4 +1,5 @@
-//! SQLite backend (feature `sqlite`, default): [`SqliteStore`] on the group-commit handle [`Db`].
+//! SQLite backend (feature `sqlite`, default): [`SqliteStore`] on the group-commit handle
+//! [`Db`] of [`db::sqlite`](crate::db::sqlite).
 //!
 //! SQLite is the embedded default: one file, no server. It runs in WAL mode with
 //! `synchronous=FULL` by default, because an idempotency record lost in a power cut lets a
@@ -15,7 +16,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore};
+//! use backstop::db::sqlite::SqliteOptions;
+//! use backstop::idempotency::sqlite::SqliteStore;
 //! use backstop::idempotency::{Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store};
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -36,8 +38,6 @@
 //! # }
 //! ```
 
-pub use crate::db::sqlite::{Db, DbError, DbStats, SqliteOptions, Synchronous};
-
 use std::path::Path;
 
 use bytes::Bytes;
@@ -45,6 +45,7 @@ use rusqlite::types::ValueRef;
 use rusqlite::{OptionalExtension, Row, params};
 
 use super::store::duration_ms;
+use crate::db::sqlite::{Db, SqliteOptions};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
