@@ -11,14 +11,14 @@
 //! Connections are plain TCP (`NoTls`): run the database on a trusted network or a local
 //! socket.
 
-mod batch;
 mod error;
 mod migrate;
+mod writer;
 
-pub(crate) use batch::*;
-pub use batch::WriterStats;
 pub use error::Error;
 pub use migrate::{MIGRATIONS_TABLE, migrate};
+pub(crate) use writer::{Group, StartBy, Statement, Writer, alone};
+pub use writer::WriterStats;
 pub use {deadpool_postgres, tokio_postgres};
 
 use std::time::Duration;

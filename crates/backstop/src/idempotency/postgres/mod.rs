@@ -23,8 +23,10 @@
 //!
 //! A call runs at once, in autocommit, while a pool connection is free. Calls that find every
 //! connection busy are batched, the way the SQLite store group-commits: one round trip and one
-//! transaction (one WAL flush) for many callers, each answered after its row committed (see
-//! `batch.rs` for the rules).
+//! transaction (one WAL flush) for many callers, each answered after its row committed. The
+//! batching writer is [`db::postgres`](crate::db::postgres)'s (its rules are in
+//! `db/postgres/writer.rs`); how the store's calls are grouped into statements is in `batch.rs`,
+//! and the statements themselves in `sql.rs`.
 //!
 //! A claim waits to *start* (for a pool connection, for a place in a batch) no longer than the
 //! request's [`Deadline`] allows when one is set ([`Deadline::scope`]; the server's
@@ -56,6 +58,8 @@
 //! Connections are plain TCP (`NoTls`): run the database on a trusted network or a local
 //! socket.
 
+mod batch;
+mod sql;
 
 use std::fmt;
 use std::time::Duration;
@@ -65,14 +69,14 @@ use deadpool_postgres::{Object, Pool};
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-use crate::db::postgres::{
-    self as db, ClaimRow, Op, Outcome, StartBy, Writer, WriterStats, migrate, tokio_postgres,
-};
+use self::batch::{ClaimRow, Op, Outcome};
+use self::sql::{GET_SQL, SWEEP_SQL};
 use super::store::duration_ms;
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
+use crate::db::postgres::{self as db, StartBy, Writer, WriterStats, migrate, tokio_postgres};
 use crate::deadline::Deadline;
 
 /// Name under which [`MIGRATION`] is recorded by [`migrate`].
@@ -88,17 +92,6 @@ const CLAIM_ATTEMPTS: usize = 8;
 
 /// Time kept between a store operation giving up and the request's deadline.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
-
-const GET_SQL: &str = "SELECT fingerprint, status, lease_until, http_status, response_body, \
-     response_headers, created_at, expires_at FROM idempotency_key WHERE scope = $1 AND key = $2";
-
-const SWEEP_SQL: &str = "\
-DELETE FROM idempotency_key \
-WHERE (scope, key) IN ( \
-    SELECT scope, key FROM idempotency_key \
-    WHERE expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1) \
-    ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
-  AND expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1)";
 
 /// Options of [`PostgresStore`] (`max_connections` and `timeout` also shape the pool it opens,
 /// see [`db::pool`]).
@@ -144,7 +137,7 @@ impl From<tokio_postgres::Error> for StoreError {
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
-    writer: Writer,
+    writer: Writer<Op>,
     timeout: Duration,
 }
 
