@@ -1,4 +1,5 @@
-//! [`Db`]: a SQLite handle with one writer thread that group-commits.
+//! SQLite (feature `sqlite`, default): [`Db`], a handle with one writer thread that
+//! group-commits, a pool of read connections and a migration runner; failures are [`Error`].
 //!
 //! With `synchronous=FULL` every COMMIT waits for an fsync of the WAL, so a store that commits
 //! once per claim is bounded by the disk's sync rate (a few thousand per second here). The writer
@@ -8,8 +9,9 @@
 //!
 //! Each job runs inside its own `SAVEPOINT`: a job that fails is rolled back alone and only its
 //! caller sees the error. Jobs that change the database with one statement at most (the
-//! idempotency store's) skip the savepoint: SQLite already undoes a failed statement alone. Every caller is answered only after the COMMIT that made its writes
-//! durable; if that COMMIT fails, every job of the batch gets the error and nothing was written.
+//! idempotency store's) skip the savepoint: SQLite already undoes a failed statement alone.
+//! Every caller is answered only after the COMMIT that made its writes durable; if that COMMIT
+//! fails, every job of the batch gets the error and nothing was written.
 //!
 //! Reads run on a small pool of separate connections (WAL lets them proceed while the writer
 //! commits) on tokio's blocking pool.
