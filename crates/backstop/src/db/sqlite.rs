@@ -628,6 +628,34 @@ mod tests {
         .unwrap();
     }
 
+    /// A database in a fresh directory (kept while the guard lives) with the table `t`.
+    async fn table_db(options: SqliteOptions) -> (tempfile::TempDir, Db) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, options);
+        with_table(&db).await;
+        (dir, db)
+    }
+
+    /// Inserts `v` into `t`, in a write job of its own.
+    async fn insert(db: &Db, v: &'static str) {
+        db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [v]))
+            .await
+            .unwrap();
+    }
+
+    /// `n` concurrent write jobs, the `i`th inserting `i`.
+    fn spawn_inserts(db: &Db, n: i64) -> Vec<tokio::task::JoinHandle<Result<usize, Error>>> {
+        (0..n)
+            .map(|i| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
+                        .await
+                })
+            })
+            .collect()
+    }
+
     async fn count(db: &Db) -> i64 {
         db.read(|c| c.query_row("SELECT count(*) FROM t", [], |r| r.get(0)))
             .await
@@ -636,12 +664,8 @@ mod tests {
 
     #[tokio::test]
     async fn write_then_read_sees_the_row() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('a')", []))
-            .await
-            .unwrap();
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
+        insert(&db, "a").await;
         assert_eq!(count(&db).await, 1);
     }
 
@@ -688,12 +712,8 @@ mod tests {
     /// fails only its own caller; all the others commit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn failing_job_rolls_back_only_itself() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('taken')", []))
-            .await
-            .unwrap();
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
+        insert(&db, "taken").await;
         let mut tasks = Vec::new();
         for i in 0..200 {
             let db = db.clone();
@@ -727,9 +747,7 @@ mod tests {
     /// Jobs that queue up while the writer is busy are committed together in one transaction.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn queued_jobs_share_one_transaction() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let (unblock, blocked) = std::sync::mpsc::channel::<()>();
         let (started_tx, started) = oneshot::channel::<()>();
         let first = {
@@ -746,15 +764,7 @@ mod tests {
         // The writer is now inside the first job's batch.
         started.await.unwrap();
         let before = db.stats();
-        let tasks: Vec<_> = (0..63)
-            .map(|i| {
-                let db = db.clone();
-                tokio::spawn(async move {
-                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
-                        .await
-                })
-            })
-            .collect();
+        let tasks = spawn_inserts(&db, 63);
         while db.queued_jobs() < 63 {
             tokio::task::yield_now().await;
         }
@@ -773,12 +783,8 @@ mod tests {
     /// that statement alone, and the rest of the batch commits.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn failing_statement_job_rolls_back_only_itself() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('taken')", []))
-            .await
-            .unwrap();
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
+        insert(&db, "taken").await;
         let tasks: Vec<_> = (0..100)
             .map(|i| {
                 let db = db.clone();
@@ -813,9 +819,7 @@ mod tests {
 
     #[tokio::test]
     async fn panicking_job_fails_only_its_caller() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let err = db
             .write(|c| -> rusqlite::Result<()> {
                 c.execute("INSERT INTO t (v) VALUES ('p')", [])?;
@@ -824,49 +828,31 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Panicked));
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('after')", []))
-            .await
-            .unwrap();
+        insert(&db, "after").await;
         assert_eq!(count(&db).await, 1);
     }
 
     #[tokio::test]
     async fn job_that_ends_the_transaction_aborts_the_batch() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let err = db
             .write(|c| c.execute_batch("INSERT INTO t (v) VALUES ('x'); ROLLBACK;"))
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Aborted), "{err:?}");
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('y')", []))
-            .await
-            .unwrap();
+        insert(&db, "y").await;
         assert_eq!(count(&db).await, 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn autocommit_mode_commits_every_job() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(
-            &dir,
-            SqliteOptions {
-                group_commit: false,
-                synchronous: Synchronous::Normal,
-                ..SqliteOptions::default()
-            },
-        );
-        with_table(&db).await;
-        let tasks: Vec<_> = (0..50)
-            .map(|i| {
-                let db = db.clone();
-                tokio::spawn(async move {
-                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
-                        .await
-                })
-            })
-            .collect();
+        let (_dir, db) = table_db(SqliteOptions {
+            group_commit: false,
+            synchronous: Synchronous::Normal,
+            ..SqliteOptions::default()
+        })
+        .await;
+        let tasks = spawn_inserts(&db, 50);
         for t in tasks {
             t.await.unwrap().unwrap();
         }
@@ -879,9 +865,7 @@ mod tests {
         {
             let db = open(&dir, SqliteOptions::default());
             with_table(&db).await;
-            db.write(|c| c.execute("INSERT INTO t (v) VALUES ('kept')", []))
-                .await
-                .unwrap();
+            insert(&db, "kept").await;
         }
         let db = open(&dir, SqliteOptions::default());
         with_table(&db).await;
@@ -890,9 +874,7 @@ mod tests {
 
     #[tokio::test]
     async fn read_connections_are_query_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let err = db
             .read(|c| c.execute("INSERT INTO t (v) VALUES ('no')", []))
             .await
