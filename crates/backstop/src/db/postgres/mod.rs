@@ -78,3 +78,91 @@ pub(crate) async fn with_client<T>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn test_pool(config: tokio_postgres::Config) -> Pool {
+        pool(config, 2, Duration::from_secs(2)).expect("build pool")
+    }
+
+    /// A statement the database refused is a constraint violation, with its SQLSTATE, and not
+    /// an outage.
+    #[tokio::test]
+    async fn a_refused_statement_is_told_from_an_outage() {
+        if !crate::test_services::postgres() {
+            return;
+        }
+        let url = crate::test_services::postgres_url();
+        let pool = test_pool(url.parse().expect("test URL"));
+        let until = Instant::now() + Duration::from_secs(10);
+        let err = with_client(&pool, until, |c| {
+            Box::pin(async move {
+                c.batch_execute(
+                    "CREATE TEMP TABLE db_error_kinds (id INTEGER PRIMARY KEY); \
+                     INSERT INTO db_error_kinds VALUES (1)",
+                )
+                .await?;
+                c.execute("INSERT INTO db_error_kinds VALUES (1)", &[])
+                    .await
+            })
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::Database(_)), "{err:?}");
+        assert_eq!(
+            err.code(),
+            Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+        );
+        assert!(err.is_constraint_violation(), "{err:?}");
+        assert!(!err.is_unavailable(), "{err:?}");
+    }
+
+    /// A failed migration names itself and keeps its cause; it is not an outage either.
+    #[tokio::test]
+    async fn a_failed_migration_says_which_and_why() {
+        if !crate::test_services::postgres() {
+            return;
+        }
+        let url = crate::test_services::postgres_url();
+        let pool = test_pool(url.parse().expect("test URL"));
+        let err = migrate(&pool, "db_error_kinds_bad", "NOT SQL")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Migration { name, .. } if name == "db_error_kinds_bad"),
+            "{err:?}"
+        );
+        assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::SYNTAX_ERROR));
+        assert!(!err.is_constraint_violation(), "{err:?}");
+        assert!(!err.is_unavailable(), "{err:?}");
+    }
+
+    /// Nothing listening: no connection to be had, an outage, with no SQLSTATE.
+    #[tokio::test]
+    async fn no_database_is_an_outage() {
+        // A port just released: nothing listens on it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let mut config = tokio_postgres::Config::new();
+        config
+            .host("127.0.0.1")
+            .port(port)
+            .user("postgres")
+            .dbname("test");
+        let pool = test_pool(config);
+        let until = Instant::now() + Duration::from_secs(10);
+        let err = with_client(&pool, until, |c| {
+            Box::pin(async move { c.simple_query("SELECT 1").await })
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, Error::Connect(_)), "{err:?}");
+        assert!(err.is_unavailable(), "{err:?}");
+        assert!(err.code().is_none(), "{err:?}");
+        assert!(!err.is_constraint_violation(), "{err:?}");
+    }
+}
