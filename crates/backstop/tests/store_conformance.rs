@@ -6,8 +6,8 @@ backstop::store_conformance!(memory, async { MemoryStore::new() });
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
-    use backstop::idempotency::conformance::WithGuard;
     use backstop::db::sqlite::{SqliteOptions, Synchronous};
+    use backstop::idempotency::conformance::WithGuard;
     use backstop::idempotency::sqlite::SqliteStore;
 
     async fn open(options: SqliteOptions) -> WithGuard<SqliteStore, tempfile::TempDir> {

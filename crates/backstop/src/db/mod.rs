@@ -56,9 +56,15 @@ mod tests {
 
     #[test]
     fn module_names_are_told_from_variables() {
-        assert!(names_module("use crate::idempotency::Store;", "idempotency"));
+        assert!(names_module(
+            "use crate::idempotency::Store;",
+            "idempotency"
+        ));
         assert!(names_module("use crate::{clock, client};", "client"));
-        assert!(names_module("let x = super::super::server::Gate::new();", "server"));
+        assert!(names_module(
+            "let x = super::super::server::Gate::new();",
+            "server"
+        ));
         assert!(!names_module("op.run(&client).await", "client"));
         assert!(!names_module("let clients = 1;", "client"));
     }

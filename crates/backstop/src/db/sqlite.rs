@@ -146,7 +146,8 @@ impl Error {
     /// Whether SQLite refused a statement because it breaks a constraint (UNIQUE, PRIMARY
     /// KEY, FOREIGN KEY, CHECK, NOT NULL): running it again will not help.
     pub fn is_constraint_violation(&self) -> bool {
-        self.sqlite_error().and_then(rusqlite::Error::sqlite_error_code)
+        self.sqlite_error()
+            .and_then(rusqlite::Error::sqlite_error_code)
             == Some(rusqlite::ErrorCode::ConstraintViolation)
     }
 }

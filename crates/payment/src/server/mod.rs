@@ -23,9 +23,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use backstop::clock::{Clock, SystemClock};
-use backstop::idempotency::Sweeper;
 use backstop::db::postgres::Error as PgError;
 use backstop::db::sqlite::{Db, Error as DbError, SqliteOptions};
+use backstop::idempotency::Sweeper;
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::observe::LATENCY_BUCKETS_SECONDS;

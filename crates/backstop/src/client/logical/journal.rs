@@ -34,8 +34,8 @@ use std::path::Path;
 use rusqlite::{OptionalExtension, params};
 
 use crate::clock::{Clock, SystemClock};
-use crate::idempotency::IdempotencyKey;
 use crate::db::sqlite::{self, Db, SqliteOptions};
+use crate::idempotency::IdempotencyKey;
 
 /// Name under which [`MIGRATION`] is recorded.
 const MIGRATION_NAME: &str = "backstop_client_intent_v1";

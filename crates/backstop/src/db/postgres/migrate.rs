@@ -18,12 +18,10 @@ const MIGRATION_LOCK: i64 = 0x6261_636b_7374_6f70;
 /// A migration that fails is rolled back whole, record included, and reported as
 /// [`Error::Migration`].
 pub async fn migrate(pool: &Pool, name: &str, sql: &str) -> Result<bool, Error> {
-    apply(pool, name, sql)
-        .await
-        .map_err(|e| Error::Migration {
-            name: name.to_owned(),
-            source: Box::new(e),
-        })
+    apply(pool, name, sql).await.map_err(|e| Error::Migration {
+        name: name.to_owned(),
+        source: Box::new(e),
+    })
 }
 
 async fn apply(pool: &Pool, name: &str, sql: &str) -> Result<bool, Error> {

@@ -17,8 +17,8 @@ mod writer;
 
 pub use error::Error;
 pub use migrate::{MIGRATIONS_TABLE, migrate};
-pub(crate) use writer::{Group, StartBy, Statement, Writer, alone};
 pub use writer::WriterStats;
+pub(crate) use writer::{Group, StartBy, Statement, Writer, alone};
 pub use {deadpool_postgres, tokio_postgres};
 
 use std::time::Duration;
@@ -134,7 +134,10 @@ mod tests {
             matches!(&err, Error::Migration { name, .. } if name == "db_error_kinds_bad"),
             "{err:?}"
         );
-        assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::SYNTAX_ERROR));
+        assert_eq!(
+            err.code(),
+            Some(&tokio_postgres::error::SqlState::SYNTAX_ERROR)
+        );
         assert!(!err.is_constraint_violation(), "{err:?}");
         assert!(!err.is_unavailable(), "{err:?}");
     }

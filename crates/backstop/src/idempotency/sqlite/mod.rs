@@ -45,11 +45,11 @@ use rusqlite::types::ValueRef;
 use rusqlite::{OptionalExtension, Row, params};
 
 use super::store::duration_ms;
-use crate::db::sqlite::{Db, SqliteOptions};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
+use crate::db::sqlite::{Db, SqliteOptions};
 
 /// Name under which [`MIGRATION`] is recorded by [`Db::migrate`].
 pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
