@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use backstop::idempotency::postgres::{PostgresOptions, PostgresStore, tokio_postgres};
+use backstop::db::postgres::tokio_postgres;
+use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store, StoredResponse,
 };

@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+use backstop::db::sqlite::{SqliteOptions, Synchronous};
+use backstop::idempotency::sqlite::SqliteStore;
 use backstop::idempotency::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store, StoredResponse,
 };

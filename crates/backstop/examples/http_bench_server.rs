@@ -24,8 +24,9 @@ use axum::{Json, Router, http::StatusCode, routing::post};
 use std::num::{NonZeroU32, NonZeroUsize};
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
+use backstop::db::sqlite::{SqliteOptions, Synchronous};
 use backstop::idempotency::MemoryStore;
-use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+use backstop::idempotency::sqlite::SqliteStore;
 use backstop::server::{
     DeadlineLayer, GateLayer, KeyedRoute, MetricsLayer, RateLimitLayer, ServerStack,
 };

@@ -40,8 +40,12 @@
 //!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
 //!   deadline.
 //! - [`idempotency`]: keys, fingerprints (SHA-256 over RFC 8785 canonical JSON), the
-//!   [`Store`](idempotency::Store) trait with memory and SQLite (group commit) backends, the
+//!   [`Store`](idempotency::Store) trait with memory, SQLite and PostgreSQL backends, the
 //!   sweeper and the conformance suite every backend runs.
+//! - [`db`]: the durable plumbing under the stores, the client's intent journal and an
+//!   application's own tables: SQLite's group-commit writer, read pool and migrations
+//!   (`db::sqlite`), PostgreSQL's pool, migrations and batching writer (`db::postgres`), each
+//!   with its typed error. It depends on no other module here.
 //! - [`admission`]: [`Gate`](admission::Gate) (bounded concurrency with budget-bounded
 //!   waiting), [`TokenBucket`](admission::TokenBucket) and its per-tenant keyed variant,
 //!   [`RetryAfter`](admission::RetryAfter).
@@ -55,13 +59,14 @@
 //!
 //! # Feature flags
 //!
-//! - `sqlite` (default): the SQLite idempotency store and its group-commit writer
-//!   ([`idempotency::sqlite`]), on a bundled SQLite.
+//! - `sqlite` (default): the SQLite idempotency store ([`idempotency::sqlite`]) on the
+//!   group-commit handle of [`db::sqlite`], and the client's intent journal, on a bundled
+//!   SQLite.
 //! - `redis`: per-tenant token buckets shared by several instances through Redis
 //!   (`admission::redis`: one atomic Lua script, the Redis server's clock, expiring keys) with
 //!   an open/closed failure policy, usable by the rate limit layer.
-//! - `postgres`: the PostgreSQL idempotency store (`idempotency::postgres`), for several
-//!   instances sharing one database.
+//! - `postgres`: the PostgreSQL idempotency store (`idempotency::postgres`) on the pool and
+//!   batching writer of `db::postgres`, for several instances sharing one database.
 //!
 //! # Layer order
 //!
@@ -131,6 +136,7 @@ pub use status::Status;
 pub mod admission;
 pub mod client;
 pub mod clock;
+pub mod db;
 pub mod deadline;
 pub mod idempotency;
 pub mod observe;

@@ -387,7 +387,8 @@ async fn stalled_http2_bodies_hold_no_gate_permit() {
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
-    use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore};
+    use backstop::db::sqlite::SqliteOptions;
+    use backstop::idempotency::sqlite::SqliteStore;
 
     async fn store() -> (SqliteStore, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();

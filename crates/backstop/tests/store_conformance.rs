@@ -6,8 +6,9 @@ backstop::store_conformance!(memory, async { MemoryStore::new() });
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
+    use backstop::db::sqlite::{SqliteOptions, Synchronous};
     use backstop::idempotency::conformance::WithGuard;
-    use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore, Synchronous};
+    use backstop::idempotency::sqlite::SqliteStore;
 
     async fn open(options: SqliteOptions) -> WithGuard<SqliteStore, tempfile::TempDir> {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -455,7 +456,7 @@ mod postgres {
                 .await
                 .expect("the claim must end by its deadline");
                 assert!(
-                    matches!(result, Err(StoreError::Backend(_))),
+                    matches!(&result, Err(StoreError::Postgres(e)) if e.is_unavailable()),
                     "{mode:?}: {result:?}"
                 );
                 assert!(store.ping().await.is_err());

@@ -89,7 +89,7 @@ impl StoreLocation {
             return Ok(StoreLocation::Sqlite(PathBuf::from(path)));
         }
         if s.starts_with("postgres://") || s.starts_with("postgresql://") {
-            use backstop::idempotency::postgres::tokio_postgres;
+            use backstop::db::postgres::tokio_postgres;
             return match s.parse::<tokio_postgres::Config>() {
                 Ok(_) => Ok(StoreLocation::Postgres(s.to_owned())),
                 Err(e) => Err(ConfigError::InvalidPostgresUrl(e.to_string())),

@@ -21,8 +21,9 @@
 
 pub mod postgres;
 
-use backstop::idempotency::postgres::{PgError, PostgresStore};
-use backstop::idempotency::sqlite::{Db, DbError};
+use backstop::db::postgres::Error as PgError;
+use backstop::db::sqlite::{Db, Error as DbError};
+use backstop::idempotency::postgres::PostgresStore;
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde::Serialize;
 

@@ -69,10 +69,14 @@
 //! - [`store`] holds the [`Store`] trait and its types: [`Claim`], [`Lease`], [`Record`],
 //!   [`StoreError`].
 //! - [`memory`] holds [`MemoryStore`].
-//! - `sqlite` (feature `sqlite`, default) holds `SqliteStore` on the group-commit handle `Db`,
-//!   which the application shares for its own tables.
-//! - `postgres` (feature `postgres`) holds `PostgresStore` on a bounded pool, batching
-//!   concurrent calls into shared transactions, for several instances sharing one database.
+//! - `sqlite` (feature `sqlite`, default) holds `SqliteStore` on the group-commit handle
+//!   `db::sqlite::Db`, which the application shares for its own tables.
+//! - `postgres` (feature `postgres`) holds `PostgresStore` on a bounded pool, its calls run by
+//!   the batching writer of `db::postgres` (shared transactions for concurrent calls), for
+//!   several instances sharing one database; its SQL is in `postgres/sql.rs`.
+//!
+//! The database plumbing itself (writers, pools, migrations, their errors) is in
+//! [`db`](crate::db), which knows nothing of idempotency.
 //! - `protocol` holds the rules every store decides by (claim, fence, sweep, lease length),
 //!   model-checked with crashes, lease expiry and clock skew.
 //! - [`sweeper`] holds [`Sweeper`], the TTL reaper task.
@@ -80,10 +84,6 @@
 
 pub mod conformance;
 pub mod fingerprint;
-// The SQLite handle under `sqlite`, apart from it because `store`'s error wraps its error
-// while the SQLite store implements `store`'s trait.
-#[cfg(feature = "sqlite")]
-mod group_commit;
 pub mod key;
 pub mod memory;
 #[cfg(feature = "postgres")]

@@ -178,7 +178,7 @@ impl Record {
     }
 }
 
-/// Boxed error of a backend that has no variant of its own in [`StoreError`].
+/// Boxed error of a store outside this crate, carried by [`StoreError::Backend`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Errors of a [`Store`].
@@ -208,13 +208,41 @@ pub enum StoreError {
     /// written. The server answers it as the deadline it is (504), not as a store failure.
     #[error("the request's deadline passed before the idempotency store was reached")]
     DeadlineExceeded,
-    /// The SQLite backend failed.
+    /// A claim kept finding its record changed by other writers (released, swept or taken
+    /// over between its statements), and gave up: nothing is held. Retrying later is safe.
+    #[error("idempotency key {key} in scope {scope} kept changing under the claim")]
+    Contended {
+        /// Scope of the key.
+        scope: String,
+        /// The key.
+        key: IdempotencyKey,
+    },
+    /// The SQLite store failed.
     #[cfg(feature = "sqlite")]
     #[error("SQLite idempotency store failed")]
-    Sqlite(#[from] super::group_commit::DbError),
-    /// Another backend failed (inspect with `source()` / downcast).
+    Sqlite(#[from] crate::db::sqlite::Error),
+    /// The PostgreSQL store failed: the database was out of reach, slow, or refused a
+    /// statement ([`db::postgres::Error`](crate::db::postgres::Error) tells which). A request
+    /// deadline that passed before a statement was sent is [`StoreError::DeadlineExceeded`]
+    /// instead.
+    #[cfg(feature = "postgres")]
+    #[error("PostgreSQL idempotency store failed")]
+    Postgres(#[source] crate::db::postgres::Error),
+    /// A store implemented outside this crate failed: such a store has no variant of its own,
+    /// so it reports its failures through this one (inspect with `source()` and downcast). The
+    /// stores of this crate never use it.
     #[error("idempotency store backend failed")]
     Backend(#[source] BoxError),
+}
+
+#[cfg(feature = "postgres")]
+impl From<crate::db::postgres::Error> for StoreError {
+    fn from(e: crate::db::postgres::Error) -> Self {
+        match e {
+            crate::db::postgres::Error::DeadlineExceeded => StoreError::DeadlineExceeded,
+            e => StoreError::Postgres(e),
+        }
+    }
 }
 
 impl StoreError {

@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use backstop::idempotency::postgres::tokio_postgres;
+use backstop::db::postgres::tokio_postgres;
 
 /// The test database's URL.
 pub(crate) fn url() -> String {

@@ -20,8 +20,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use backstop::idempotency::postgres::{PostgresOptions, PostgresStore, tokio_postgres};
-use backstop::idempotency::sqlite::{Db, SqliteOptions};
+use backstop::db::postgres::tokio_postgres;
+use backstop::db::sqlite::{Db, SqliteOptions};
+use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop_payment::config::DEFAULT_MERCHANT;
 use backstop_payment::intents::Intents;
 use backstop_payment::psp::faults::FaultCounts;

@@ -5,8 +5,9 @@
 //! Statements run on the idempotency store's pool, each bounded by the request's deadline (see
 //! [`PostgresStore::with_client`]).
 
-use backstop::idempotency::postgres::tokio_postgres::Row;
-use backstop::idempotency::postgres::{PgError, PostgresStore, migrate};
+use backstop::db::postgres::tokio_postgres::Row;
+use backstop::db::postgres::{Error as PgError, migrate};
+use backstop::idempotency::postgres::PostgresStore;
 
 use super::{
     Created, Intent, IntentStatus, IntentsError, MIGRATION_NAME, MIGRATION_V2_NAME, NewIntent,

@@ -5,8 +5,9 @@
 //! the action commit together. A record is unique per `(kind, charge_id)`, so a run repeated
 //! after a crash records an action once.
 
-use backstop::idempotency::postgres::{PgError, PostgresOptions, PostgresStore, migrate};
-use backstop::idempotency::sqlite::{Db, DbError, SqliteOptions};
+use backstop::db::postgres::{Error as PgError, migrate};
+use backstop::db::sqlite::{Db, Error as DbError, SqliteOptions};
+use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use rusqlite::params;
 use serde::Serialize;
 

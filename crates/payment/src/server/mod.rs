@@ -24,9 +24,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use backstop::clock::{Clock, SystemClock};
+use backstop::db::postgres::Error as PgError;
+use backstop::db::sqlite::{Db, Error as DbError, SqliteOptions};
 use backstop::idempotency::Sweeper;
-use backstop::idempotency::postgres::{PgError, PostgresOptions, PostgresStore};
-use backstop::idempotency::sqlite::{Db, DbError, SqliteOptions, SqliteStore};
+use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
+use backstop::idempotency::sqlite::SqliteStore;
 use backstop::observe::LATENCY_BUCKETS_SECONDS;
 use backstop::retry::RetryBudget;
 use backstop::server::listen::{ListenConfig, Listener};

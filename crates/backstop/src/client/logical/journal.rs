@@ -34,8 +34,8 @@ use std::path::Path;
 use rusqlite::{OptionalExtension, params};
 
 use crate::clock::{Clock, SystemClock};
+use crate::db::sqlite::{self, Db, SqliteOptions};
 use crate::idempotency::IdempotencyKey;
-use crate::idempotency::sqlite::{Db, DbError, SqliteOptions};
 
 /// Name under which [`MIGRATION`] is recorded.
 const MIGRATION_NAME: &str = "backstop_client_intent_v1";
@@ -58,7 +58,7 @@ pub const MAX_OPERATION_LEN: usize = 512;
 pub enum JournalError {
     /// The database failed.
     #[error("intent journal database error")]
-    Db(#[from] DbError),
+    Db(#[from] sqlite::Error),
     /// The operation id is empty or longer than [`MAX_OPERATION_LEN`].
     #[error("operation id must be 1 to {MAX_OPERATION_LEN} bytes, got {len}")]
     Operation {

@@ -23,8 +23,10 @@
 //!
 //! A call runs at once, in autocommit, while a pool connection is free. Calls that find every
 //! connection busy are batched, the way the SQLite store group-commits: one round trip and one
-//! transaction (one WAL flush) for many callers, each answered after its row committed (see
-//! `batch.rs` for the rules).
+//! transaction (one WAL flush) for many callers, each answered after its row committed. The
+//! batching writer is [`db::postgres`](crate::db::postgres)'s (its rules are in
+//! `db/postgres/writer.rs`); how the store's calls are grouped into statements is in `batch.rs`,
+//! and the statements themselves in `sql.rs`.
 //!
 //! A claim waits to *start* (for a pool connection, for a place in a batch) no longer than the
 //! request's [`Deadline`] allows when one is set ([`Deadline::scope`]; the server's
@@ -35,9 +37,10 @@
 //! whether its claim was taken and can release it; cutting a statement at the request's
 //! deadline would leave a committed claim nobody knows of. Outcomes (complete, fail, release)
 //! finish the request's record, so the request's deadline does not bound them at all.
-//! PostgreSQL down or slow is a [`StoreError::Backend`] holding a [`PgError`], which the
-//! server answers with 503 + `Retry-After`; the pool reconnects by itself when the database
-//! comes back.
+//! PostgreSQL down or slow is a [`StoreError::Postgres`] whose
+//! [`db::postgres::Error`](crate::db::postgres::Error) says which
+//! ([`is_unavailable`](crate::db::postgres::Error::is_unavailable)); the server answers it with
+//! 503 + `Retry-After`, and the pool reconnects by itself when the database comes back.
 //!
 //! ```no_run
 //! use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
@@ -56,28 +59,24 @@
 //! socket.
 
 mod batch;
-mod migrate;
-
-pub use batch::WriterStats;
-pub use migrate::{MIGRATIONS_TABLE, migrate};
-pub use {deadpool_postgres, tokio_postgres};
+mod sql;
 
 use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Object, Pool};
 use futures_util::future::BoxFuture;
-use tokio::time::{Instant, timeout_at};
-use tokio_postgres::NoTls;
+use tokio::time::Instant;
 
-use self::batch::{ClaimRow, Op, Outcome, StartBy, Writer};
+use self::batch::{ClaimRow, Op, Outcome};
+use self::sql::{GET_SQL, SWEEP_SQL};
 use super::store::duration_ms;
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
+use crate::db::postgres::{self as db, StartBy, Writer, WriterStats, migrate, tokio_postgres};
 use crate::deadline::Deadline;
 
 /// Name under which [`MIGRATION`] is recorded by [`migrate`].
@@ -94,18 +93,8 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// Time kept between a store operation giving up and the request's deadline.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
 
-const GET_SQL: &str = "SELECT fingerprint, status, lease_until, http_status, response_body, \
-     response_headers, created_at, expires_at FROM idempotency_key WHERE scope = $1 AND key = $2";
-
-const SWEEP_SQL: &str = "\
-DELETE FROM idempotency_key \
-WHERE (scope, key) IN ( \
-    SELECT scope, key FROM idempotency_key \
-    WHERE expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1) \
-    ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
-  AND expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1)";
-
-/// Options of [`PostgresStore`] and [`pool`].
+/// Options of [`PostgresStore`] (`max_connections` and `timeout` also shape the pool it opens,
+/// see [`db::pool`]).
 #[derive(Debug, Clone)]
 pub struct PostgresOptions {
     /// Most connections open at once (default 20; 0 counts as 1).
@@ -138,97 +127,17 @@ impl Default for PostgresOptions {
     }
 }
 
-/// Errors of the PostgreSQL backend, carried by [`StoreError::Backend`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PgError {
-    /// The connection URL does not parse.
-    #[error("invalid PostgreSQL connection URL")]
-    Url(#[source] tokio_postgres::Error),
-    /// The pool could not be built.
-    #[error("cannot build the PostgreSQL connection pool")]
-    Pool(#[source] deadpool_postgres::BuildError),
-    /// No connection could be had (the database is down, refused, or the pool stayed busy).
-    #[error("no PostgreSQL connection available")]
-    Connect(#[source] Arc<deadpool_postgres::PoolError>),
-    /// A statement (or its batch's transaction) failed; nothing of it was written.
-    #[error("PostgreSQL statement failed")]
-    Database(#[source] Arc<tokio_postgres::Error>),
-    /// The database did not answer within the store's timeout; the statement may or may not
-    /// have been applied, and a claim left behind ends with its lease.
-    #[error("PostgreSQL did not answer in time")]
-    Timeout,
-    /// The request's deadline passed before the statement was sent: nothing was written.
-    #[error("the request's deadline passed before the statement was sent")]
-    DeadlineExceeded,
-    /// The store's writer tasks have stopped (the runtime is shutting down).
-    #[error("the PostgreSQL store's writers have stopped")]
-    Closed,
-    /// A claim kept finding its record changed by other writers.
-    #[error("the idempotency record kept changing under the claim")]
-    Contended,
-}
-
-impl PgError {
-    pub(crate) fn connect(e: deadpool_postgres::PoolError) -> PgError {
-        PgError::Connect(Arc::new(e))
-    }
-}
-
-impl From<tokio_postgres::Error> for PgError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        PgError::Database(Arc::new(e))
-    }
-}
-
-impl From<PgError> for StoreError {
-    fn from(e: PgError) -> Self {
-        match e {
-            PgError::DeadlineExceeded => StoreError::DeadlineExceeded,
-            e => StoreError::Backend(Box::new(e)),
-        }
-    }
-}
-
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
-        PgError::from(e).into()
+        db::Error::from(e).into()
     }
-}
-
-/// A bounded pool on `config` (plain TCP): at most `max_connections`, every wait (for a free
-/// connection, to connect, to check a returned one) bounded by `timeout`. Broken connections
-/// are dropped when returned, and new ones opened on demand: the pool recovers by itself when
-/// the database comes back.
-pub fn pool(
-    mut config: tokio_postgres::Config,
-    options: &PostgresOptions,
-) -> Result<Pool, PgError> {
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(options.timeout);
-    }
-    let manager = Manager::from_config(
-        config,
-        NoTls,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    Pool::builder(manager)
-        .max_size(options.max_connections.max(1))
-        .runtime(Runtime::Tokio1)
-        .wait_timeout(Some(options.timeout))
-        .create_timeout(Some(options.timeout))
-        .recycle_timeout(Some(options.timeout))
-        .build()
-        .map_err(PgError::Pool)
 }
 
 /// The [`Store`] on PostgreSQL; see the [module docs](self). Clones share the pool and writers.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
-    writer: Writer,
+    writer: Writer<Op>,
     timeout: Duration,
 }
 
@@ -247,7 +156,7 @@ impl PostgresStore {
     pub async fn connect(url: &str, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
         let config = url
             .parse::<tokio_postgres::Config>()
-            .map_err(PgError::Url)?;
+            .map_err(db::Error::Url)?;
         PostgresStore::connect_with(config, options).await
     }
 
@@ -256,7 +165,7 @@ impl PostgresStore {
         config: tokio_postgres::Config,
         options: PostgresOptions,
     ) -> Result<PostgresStore, StoreError> {
-        let pool = pool(config, &options)?;
+        let pool = db::pool(config, options.max_connections, options.timeout)?;
         PostgresStore::new(pool, options).await
     }
 
@@ -319,25 +228,12 @@ impl PostgresStore {
     pub async fn with_client<T>(
         &self,
         query: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, PgError> {
-        let until = self.operation_deadline();
-        let client = match timeout_at(until, self.pool.get()).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(PgError::connect(e)),
-            Err(_) => return Err(PgError::Timeout),
-        };
-        let answer = timeout_at(until, query(&client)).await;
-        match answer {
-            Ok(answer) => Ok(answer?),
-            Err(_) => {
-                drop(Object::take(client));
-                Err(PgError::Timeout)
-            }
-        }
+    ) -> Result<T, db::Error> {
+        db::with_client(&self.pool, self.operation_deadline(), query).await
     }
 
     /// Whether the database answers a trivial query (for readiness checks).
-    pub async fn ping(&self) -> Result<(), PgError> {
+    pub async fn ping(&self) -> Result<(), db::Error> {
         self.with_client(|c| Box::pin(async move { c.simple_query("SELECT 1").await }))
             .await
             .map(|_| ())
@@ -459,7 +355,10 @@ impl Store for PostgresStore {
                 return Ok(claim);
             }
         }
-        Err(PgError::Contended.into())
+        Err(StoreError::Contended {
+            scope: req.scope,
+            key: req.key,
+        })
     }
 
     async fn complete(

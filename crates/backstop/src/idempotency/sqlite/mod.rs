@@ -1,4 +1,5 @@
-//! SQLite backend (feature `sqlite`, default): [`SqliteStore`] on the group-commit handle [`Db`].
+//! SQLite backend (feature `sqlite`, default): [`SqliteStore`] on the group-commit handle
+//! [`Db`] of [`db::sqlite`](crate::db::sqlite).
 //!
 //! SQLite is the embedded default: one file, no server. It runs in WAL mode with
 //! `synchronous=FULL` by default, because an idempotency record lost in a power cut lets a
@@ -15,7 +16,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use backstop::idempotency::sqlite::{SqliteOptions, SqliteStore};
+//! use backstop::db::sqlite::SqliteOptions;
+//! use backstop::idempotency::sqlite::SqliteStore;
 //! use backstop::idempotency::{Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store};
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -36,8 +38,6 @@
 //! # }
 //! ```
 
-pub use super::group_commit::{Db, DbError, DbStats, SqliteOptions, Synchronous};
-
 use std::path::Path;
 
 use bytes::Bytes;
@@ -49,6 +49,7 @@ use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
+use crate::db::sqlite::{Db, SqliteOptions};
 
 /// Name under which [`MIGRATION`] is recorded by [`Db::migrate`].
 pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";

@@ -1,4 +1,5 @@
-//! [`Db`]: a SQLite handle with one writer thread that group-commits.
+//! SQLite (feature `sqlite`, default): [`Db`], a handle with one writer thread that
+//! group-commits, a pool of read connections and a migration runner; failures are [`Error`].
 //!
 //! With `synchronous=FULL` every COMMIT waits for an fsync of the WAL, so a store that commits
 //! once per claim is bounded by the disk's sync rate (a few thousand per second here). The writer
@@ -8,8 +9,9 @@
 //!
 //! Each job runs inside its own `SAVEPOINT`: a job that fails is rolled back alone and only its
 //! caller sees the error. Jobs that change the database with one statement at most (the
-//! idempotency store's) skip the savepoint: SQLite already undoes a failed statement alone. Every caller is answered only after the COMMIT that made its writes
-//! durable; if that COMMIT fails, every job of the batch gets the error and nothing was written.
+//! idempotency store's) skip the savepoint: SQLite already undoes a failed statement alone.
+//! Every caller is answered only after the COMMIT that made its writes durable; if that COMMIT
+//! fails, every job of the batch gets the error and nothing was written.
 //!
 //! Reads run on a small pool of separate connections (WAL lets them proceed while the writer
 //! commits) on tokio's blocking pool.
@@ -77,7 +79,7 @@ impl Default for SqliteOptions {
 /// Errors of [`Db`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum DbError {
+pub enum Error {
     /// The database file could not be opened or configured.
     #[error("cannot open SQLite database {}", path.display())]
     Open {
@@ -124,21 +126,29 @@ pub enum DbError {
         name: String,
         /// Why.
         #[source]
-        source: Box<DbError>,
+        source: Box<Error>,
     },
 }
 
-impl DbError {
+impl Error {
     /// The underlying SQLite error, if this error carries one (e.g. to recognise a UNIQUE
     /// constraint violation).
     pub fn sqlite_error(&self) -> Option<&rusqlite::Error> {
         match self {
-            DbError::Open { source, .. } => Some(source),
-            DbError::Sqlite(e) => Some(e),
-            DbError::Transaction(e) => Some(e),
-            DbError::Migration { source, .. } => source.sqlite_error(),
+            Error::Open { source, .. } => Some(source),
+            Error::Sqlite(e) => Some(e),
+            Error::Transaction(e) => Some(e),
+            Error::Migration { source, .. } => source.sqlite_error(),
             _ => None,
         }
+    }
+
+    /// Whether SQLite refused a statement because it breaks a constraint (UNIQUE, PRIMARY
+    /// KEY, FOREIGN KEY, CHECK, NOT NULL): running it again will not help.
+    pub fn is_constraint_violation(&self) -> bool {
+        self.sqlite_error()
+            .and_then(rusqlite::Error::sqlite_error_code)
+            == Some(rusqlite::ErrorCode::ConstraintViolation)
     }
 }
 
@@ -166,20 +176,20 @@ trait Reply: Send {
 
 struct WriteJob<F, T> {
     f: F,
-    tx: oneshot::Sender<Result<T, DbError>>,
+    tx: oneshot::Sender<Result<T, Error>>,
     savepoint: bool,
 }
 
 struct Done<T> {
-    out: Result<T, DbError>,
-    tx: oneshot::Sender<Result<T, DbError>>,
+    out: Result<T, Error>,
+    tx: oneshot::Sender<Result<T, Error>>,
 }
 
-fn end_error(end: BatchEnd<'_>) -> Option<DbError> {
+fn end_error(end: BatchEnd<'_>) -> Option<Error> {
     match end {
         BatchEnd::Committed => None,
-        BatchEnd::Failed(e) => Some(DbError::Transaction(Arc::clone(e))),
-        BatchEnd::Aborted => Some(DbError::Aborted),
+        BatchEnd::Failed(e) => Some(Error::Transaction(Arc::clone(e))),
+        BatchEnd::Aborted => Some(Error::Aborted),
     }
 }
 
@@ -196,14 +206,14 @@ where
         let WriteJob { f, tx, .. } = *self;
         let out = match catch_unwind(AssertUnwindSafe(|| f(conn))) {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(DbError::Sqlite(e)),
-            Err(_) => Err(DbError::Panicked),
+            Ok(Err(e)) => Err(Error::Sqlite(e)),
+            Err(_) => Err(Error::Panicked),
         };
         (out.is_ok(), Box::new(Done { out, tx }))
     }
 
     fn abort(self: Box<Self>, end: BatchEnd<'_>) {
-        let err = end_error(end).unwrap_or(DbError::Aborted);
+        let err = end_error(end).unwrap_or(Error::Aborted);
         let _ = self.tx.send(Err(err));
     }
 }
@@ -251,7 +261,7 @@ struct Inner {
 /// writes are batched together. The writer thread stops when the last clone is dropped.
 ///
 /// ```
-/// use backstop::idempotency::sqlite::{Db, SqliteOptions};
+/// use backstop::db::sqlite::{Db, SqliteOptions};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let dir = tempfile::tempdir()?;
@@ -294,9 +304,9 @@ const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS backstop_migration (
 impl Db {
     /// Opens (creating if needed) the database file at `path` in WAL mode and starts the writer
     /// thread. Does not need a tokio runtime; `write`/`read` do.
-    pub fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Db, DbError> {
+    pub fn open(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Db, Error> {
         let path = path.as_ref().to_path_buf();
-        let open_err = |source| DbError::Open {
+        let open_err = |source| Error::Open {
             path: path.clone(),
             source,
         };
@@ -306,7 +316,7 @@ impl Db {
             .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
             .map_err(open_err)?;
         if !mode.eq_ignore_ascii_case("wal") {
-            return Err(DbError::NotWal { path, mode });
+            return Err(Error::NotWal { path, mode });
         }
         conn.pragma_update(None, "synchronous", options.synchronous.pragma_value())
             .map_err(open_err)?;
@@ -325,7 +335,7 @@ impl Db {
         std::thread::Builder::new()
             .name("backstop-sqlite-writer".into())
             .spawn(move || writer_loop(conn, rx, max_batch, &writer_counters))
-            .map_err(DbError::Spawn)?;
+            .map_err(Error::Spawn)?;
 
         let slots = options.read_connections.max(1);
         Ok(Db {
@@ -368,9 +378,9 @@ impl Db {
     ///
     /// If `f` returns an error (or panics) only its own writes are rolled back and only this call
     /// fails. If the batch's COMMIT fails, every call of the batch fails with
-    /// [`DbError::Transaction`]. `f` must not run `BEGIN`/`COMMIT`/`ROLLBACK` itself (savepoints
+    /// [`Error::Transaction`]. `f` must not run `BEGIN`/`COMMIT`/`ROLLBACK` itself (savepoints
     /// are fine). If the returned future is dropped, the job still runs and commits.
-    pub async fn write<T, F>(&self, f: F) -> Result<T, DbError>
+    pub async fn write<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
@@ -382,7 +392,7 @@ impl Db {
     /// (reads before it are fine) and returns `Ok` once that statement changed anything: SQLite
     /// undoes a failed statement by itself, so the job runs without a SAVEPOINT of its own (two
     /// statements fewer per job).
-    pub(crate) async fn write_statement<T, F>(&self, f: F) -> Result<T, DbError>
+    pub(crate) async fn write_statement<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
@@ -390,7 +400,7 @@ impl Db {
         self.submit(f, false).await
     }
 
-    async fn submit<T, F>(&self, f: F, savepoint: bool) -> Result<T, DbError>
+    async fn submit<T, F>(&self, f: F, savepoint: bool) -> Result<T, Error>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
@@ -400,13 +410,13 @@ impl Db {
             .jobs
             .send(Box::new(WriteJob { f, tx, savepoint }))
             .await
-            .map_err(|_| DbError::Closed)?;
-        rx.await.map_err(|_| DbError::Closed)?
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
     }
 
     /// Runs `f` on a read connection (`query_only`) on tokio's blocking pool. Sees every write
     /// whose `write` call has returned.
-    pub async fn read<T, F>(&self, f: F) -> Result<T, DbError>
+    pub async fn read<T, F>(&self, f: F) -> Result<T, Error>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
@@ -414,7 +424,7 @@ impl Db {
         let permit = Arc::clone(&self.inner.read_slots)
             .acquire_owned()
             .await
-            .map_err(|_| DbError::Closed)?;
+            .map_err(|_| Error::Closed)?;
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
@@ -437,18 +447,18 @@ impl Db {
                     .push(conn);
             }
             match out {
-                Ok(r) => r.map_err(DbError::Sqlite),
-                Err(_) => Err(DbError::Panicked),
+                Ok(r) => r.map_err(Error::Sqlite),
+                Err(_) => Err(Error::Panicked),
             }
         })
         .await
-        .map_err(DbError::ReadTask)?
+        .map_err(Error::ReadTask)?
     }
 
     /// Applies the migration `sql` (one or more statements) once: if a migration called `name`
     /// was already applied to this database, does nothing. Returns whether it ran. The script
     /// and its bookkeeping row commit atomically.
-    pub async fn migrate(&self, name: &str, sql: &str) -> Result<bool, DbError> {
+    pub async fn migrate(&self, name: &str, sql: &str) -> Result<bool, Error> {
         let owned_name = name.to_owned();
         let sql = sql.to_owned();
         self.write(move |conn| {
@@ -470,15 +480,15 @@ impl Db {
             Ok(true)
         })
         .await
-        .map_err(|e| DbError::Migration {
+        .map_err(|e| Error::Migration {
             name: name.to_owned(),
             source: Box::new(e),
         })
     }
 }
 
-fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, DbError> {
-    let open_err = |source| DbError::Open {
+fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, Error> {
+    let open_err = |source| Error::Open {
         path: path.to_path_buf(),
         source,
     };
@@ -619,6 +629,34 @@ mod tests {
         .unwrap();
     }
 
+    /// A database in a fresh directory (kept while the guard lives) with the table `t`.
+    async fn table_db(options: SqliteOptions) -> (tempfile::TempDir, Db) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir, options);
+        with_table(&db).await;
+        (dir, db)
+    }
+
+    /// Inserts `v` into `t`, in a write job of its own.
+    async fn insert(db: &Db, v: &'static str) {
+        db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [v]))
+            .await
+            .unwrap();
+    }
+
+    /// `n` concurrent write jobs, the `i`th inserting `i`.
+    fn spawn_inserts(db: &Db, n: i64) -> Vec<tokio::task::JoinHandle<Result<usize, Error>>> {
+        (0..n)
+            .map(|i| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
+                        .await
+                })
+            })
+            .collect()
+    }
+
     async fn count(db: &Db) -> i64 {
         db.read(|c| c.query_row("SELECT count(*) FROM t", [], |r| r.get(0)))
             .await
@@ -627,12 +665,8 @@ mod tests {
 
     #[tokio::test]
     async fn write_then_read_sees_the_row() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('a')", []))
-            .await
-            .unwrap();
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
+        insert(&db, "a").await;
         assert_eq!(count(&db).await, 1);
     }
 
@@ -653,8 +687,9 @@ mod tests {
             .migrate("bad", "CREATE TABLE ok1 (x INTEGER); NOT SQL;")
             .await
             .unwrap_err();
-        assert!(matches!(err, DbError::Migration { ref name, .. } if name == "bad"));
+        assert!(matches!(err, Error::Migration { ref name, .. } if name == "bad"));
         assert!(err.sqlite_error().is_some());
+        assert!(!err.is_constraint_violation(), "a syntax error: {err:?}");
         let exists: bool = db
             .read(|c| {
                 c.query_row(
@@ -671,19 +706,15 @@ mod tests {
     #[tokio::test]
     async fn memory_database_is_refused() {
         let err = Db::open(":memory:", SqliteOptions::default()).unwrap_err();
-        assert!(matches!(err, DbError::NotWal { .. }), "{err:?}");
+        assert!(matches!(err, Error::NotWal { .. }), "{err:?}");
     }
 
     /// Many concurrent jobs, some failing: each failure rolls back only its own writes and
     /// fails only its own caller; all the others commit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn failing_job_rolls_back_only_itself() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('taken')", []))
-            .await
-            .unwrap();
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
+        insert(&db, "taken").await;
         let mut tasks = Vec::new();
         for i in 0..200 {
             let db = db.clone();
@@ -704,7 +735,8 @@ mod tests {
             match t.await.unwrap() {
                 Ok(_) => {}
                 Err(e) => {
-                    assert!(matches!(e, DbError::Sqlite(_)), "{e:?}");
+                    assert!(matches!(e, Error::Sqlite(_)), "{e:?}");
+                    assert!(e.is_constraint_violation(), "{e:?}");
                     failed += 1;
                 }
             }
@@ -716,9 +748,7 @@ mod tests {
     /// Jobs that queue up while the writer is busy are committed together in one transaction.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn queued_jobs_share_one_transaction() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let (unblock, blocked) = std::sync::mpsc::channel::<()>();
         let (started_tx, started) = oneshot::channel::<()>();
         let first = {
@@ -735,15 +765,7 @@ mod tests {
         // The writer is now inside the first job's batch.
         started.await.unwrap();
         let before = db.stats();
-        let tasks: Vec<_> = (0..63)
-            .map(|i| {
-                let db = db.clone();
-                tokio::spawn(async move {
-                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
-                        .await
-                })
-            })
-            .collect();
+        let tasks = spawn_inserts(&db, 63);
         while db.queued_jobs() < 63 {
             tokio::task::yield_now().await;
         }
@@ -762,12 +784,8 @@ mod tests {
     /// that statement alone, and the rest of the batch commits.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn failing_statement_job_rolls_back_only_itself() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('taken')", []))
-            .await
-            .unwrap();
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
+        insert(&db, "taken").await;
         let tasks: Vec<_> = (0..100)
             .map(|i| {
                 let db = db.clone();
@@ -792,7 +810,7 @@ mod tests {
         let mut failed = 0;
         for t in tasks {
             if let Err(e) = t.await.unwrap() {
-                assert!(matches!(e, DbError::Sqlite(_)), "{e:?}");
+                assert!(matches!(e, Error::Sqlite(_)), "{e:?}");
                 failed += 1;
             }
         }
@@ -802,9 +820,7 @@ mod tests {
 
     #[tokio::test]
     async fn panicking_job_fails_only_its_caller() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let err = db
             .write(|c| -> rusqlite::Result<()> {
                 c.execute("INSERT INTO t (v) VALUES ('p')", [])?;
@@ -812,50 +828,32 @@ mod tests {
             })
             .await
             .unwrap_err();
-        assert!(matches!(err, DbError::Panicked));
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('after')", []))
-            .await
-            .unwrap();
+        assert!(matches!(err, Error::Panicked));
+        insert(&db, "after").await;
         assert_eq!(count(&db).await, 1);
     }
 
     #[tokio::test]
     async fn job_that_ends_the_transaction_aborts_the_batch() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let err = db
             .write(|c| c.execute_batch("INSERT INTO t (v) VALUES ('x'); ROLLBACK;"))
             .await
             .unwrap_err();
-        assert!(matches!(err, DbError::Aborted), "{err:?}");
-        db.write(|c| c.execute("INSERT INTO t (v) VALUES ('y')", []))
-            .await
-            .unwrap();
+        assert!(matches!(err, Error::Aborted), "{err:?}");
+        insert(&db, "y").await;
         assert_eq!(count(&db).await, 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn autocommit_mode_commits_every_job() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(
-            &dir,
-            SqliteOptions {
-                group_commit: false,
-                synchronous: Synchronous::Normal,
-                ..SqliteOptions::default()
-            },
-        );
-        with_table(&db).await;
-        let tasks: Vec<_> = (0..50)
-            .map(|i| {
-                let db = db.clone();
-                tokio::spawn(async move {
-                    db.write(move |c| c.execute("INSERT INTO t (v) VALUES (?1)", [i]))
-                        .await
-                })
-            })
-            .collect();
+        let (_dir, db) = table_db(SqliteOptions {
+            group_commit: false,
+            synchronous: Synchronous::Normal,
+            ..SqliteOptions::default()
+        })
+        .await;
+        let tasks = spawn_inserts(&db, 50);
         for t in tasks {
             t.await.unwrap().unwrap();
         }
@@ -868,9 +866,7 @@ mod tests {
         {
             let db = open(&dir, SqliteOptions::default());
             with_table(&db).await;
-            db.write(|c| c.execute("INSERT INTO t (v) VALUES ('kept')", []))
-                .await
-                .unwrap();
+            insert(&db, "kept").await;
         }
         let db = open(&dir, SqliteOptions::default());
         with_table(&db).await;
@@ -879,13 +875,11 @@ mod tests {
 
     #[tokio::test]
     async fn read_connections_are_query_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = open(&dir, SqliteOptions::default());
-        with_table(&db).await;
+        let (_dir, db) = table_db(SqliteOptions::default()).await;
         let err = db
             .read(|c| c.execute("INSERT INTO t (v) VALUES ('no')", []))
             .await
             .unwrap_err();
-        assert!(matches!(err, DbError::Sqlite(_)));
+        assert!(matches!(err, Error::Sqlite(_)));
     }
 }

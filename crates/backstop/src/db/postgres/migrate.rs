@@ -2,7 +2,7 @@
 
 use deadpool_postgres::Pool;
 
-use super::PgError;
+use super::Error;
 
 /// Table recording which migrations ran (in the connection's schema).
 pub const MIGRATIONS_TABLE: &str = "backstop_migration";
@@ -15,9 +15,17 @@ const MIGRATION_LOCK: i64 = 0x6261_636b_7374_6f70;
 ///
 /// Everything happens in one transaction holding `pg_advisory_xact_lock`: instances starting
 /// together queue on the lock, the first applies the migration, the others find it recorded.
-/// A migration that fails is rolled back whole, record included.
-pub async fn migrate(pool: &Pool, name: &str, sql: &str) -> Result<bool, PgError> {
-    let mut client = pool.get().await.map_err(PgError::connect)?;
+/// A migration that fails is rolled back whole, record included, and reported as
+/// [`Error::Migration`].
+pub async fn migrate(pool: &Pool, name: &str, sql: &str) -> Result<bool, Error> {
+    apply(pool, name, sql).await.map_err(|e| Error::Migration {
+        name: name.to_owned(),
+        source: Box::new(e),
+    })
+}
+
+async fn apply(pool: &Pool, name: &str, sql: &str) -> Result<bool, Error> {
+    let mut client = pool.get().await.map_err(Error::connect)?;
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .await?;
