@@ -255,9 +255,7 @@ struct Prepared {
 async fn prepare(config: PspConfig) -> Result<Prepared, PspError> {
     let faults = FaultControl::new(config.faults, config.seed)?;
     let db_path = config.db_path;
-    let store = tokio::task::spawn_blocking(move || ChargeStore::open(db_path.as_deref()))
-        .await
-        .map_err(StoreError::from)??;
+    let store = ChargeStore::open(db_path.as_deref()).await?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| PspError::Bind {

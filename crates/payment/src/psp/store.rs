@@ -5,15 +5,21 @@
 //! effect key create one charge whatever their interleaving. A file database runs in WAL mode
 //! with `synchronous=FULL`: a charge that was answered survives a power cut.
 //!
+//! Writes go through the library's SQLite writer ([`Db`]): one thread, and concurrent charges
+//! group-committed, so one fsync makes a whole batch durable instead of one per charge, each
+//! charge in a savepoint of its own. Reads run on its read pool.
+//!
 //! [`ChargeStore::void`] settles an effect key that has no charge: it records the key as
 //! voided (or returns the charge it already made), in one transaction as well, so from then on
 //! a charge with that key is refused ([`ChargeOutcome::Voided`]). A caller that gave up on a
 //! key can thus learn its outcome for good: charged, or never to be.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use rusqlite::{Connection, OptionalExtension, Row, TransactionBehavior, params};
+use backstop::db::sqlite::{Db, SqliteOptions, Synchronous};
+use rusqlite::types::Type;
+use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde::{Deserialize, Serialize};
 
 use super::listing::PageQuery;
@@ -215,44 +221,59 @@ pub enum VoidOutcome {
 /// Failures of the PSP store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// SQLite refused an operation.
+    /// SQLite refused an operation, or the database could not be opened.
     #[error("PSP store operation failed")]
-    Sqlite(#[from] rusqlite::Error),
-    /// The blocking task running the operation did not finish.
-    #[error("PSP store task did not complete")]
-    Task(#[from] tokio::task::JoinError),
-    /// A stored row does not read back as a charge.
-    #[error("stored charge has unknown status {0:?}")]
-    UnknownStatus(String),
+    Db(#[from] backstop::db::sqlite::Error),
+    /// The directory of a private database could not be made.
+    #[error("PSP store could not create its private database directory")]
+    PrivateDir(#[source] std::io::Error),
 }
 
-/// The PSP's charge table behind one connection (this is a simulator: writes are serialized).
-/// Cloning shares the connection.
+/// A stored row that does not read back as a charge (an unknown `status`).
+#[derive(Debug, thiserror::Error)]
+#[error("stored charge has unknown status {0:?}")]
+pub struct UnknownStatus(pub String);
+
+/// The PSP's charges, refunds and voided keys. Cloning shares the database.
 #[derive(Debug, Clone)]
 pub struct ChargeStore {
-    conn: Arc<Mutex<Connection>>,
+    db: Db,
+    /// The directory holding a private database (`open(None)`), removed with the last clone.
+    _private: Option<Arc<tempfile::TempDir>>,
 }
 
 impl ChargeStore {
-    /// Opens (creating if needed) the database at `path`, or a private in-memory one when
-    /// `path` is `None`, and runs the migration.
-    pub fn open(path: Option<&Path>) -> Result<Self, StoreError> {
-        let conn = match path {
-            Some(path) => {
-                let conn = Connection::open(path)?;
-                // journal_mode answers with a row, so it cannot go through execute_batch.
-                let _mode: String =
-                    conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))?;
-                conn.execute_batch("PRAGMA synchronous = FULL; PRAGMA busy_timeout = 5000;")?;
-                conn
+    /// Opens (creating if needed) the database at `path` (WAL, `synchronous=FULL`), or a
+    /// private one in a temporary directory when `path` is `None` (not durable: it goes with
+    /// the store), and runs the migration.
+    pub async fn open(path: Option<&Path>) -> Result<Self, StoreError> {
+        let (private, path, synchronous) = match path {
+            Some(path) => (None, path.to_path_buf(), Synchronous::Full),
+            None => {
+                let dir = tempfile::Builder::new()
+                    .prefix("backstop-psp-")
+                    .tempdir()
+                    .map_err(StoreError::PrivateDir)?;
+                let path = dir.path().join("psp.db");
+                (Some(Arc::new(dir)), path, Synchronous::Normal)
             }
-            None => Connection::open_in_memory()?,
         };
-        conn.execute_batch(MIGRATION)?;
-        upgrade_columns(&conn)?;
-        conn.execute_batch(MIGRATION_REFUNDS)?;
+        let options = SqliteOptions {
+            synchronous,
+            // The PSP lists and pages rarely: one reader is enough.
+            read_connections: 1,
+            ..SqliteOptions::default()
+        };
+        let db = Db::open(&path, options)?;
+        db.write(|conn| {
+            conn.execute_batch(MIGRATION)?;
+            upgrade_columns(conn)?;
+            conn.execute_batch(MIGRATION_REFUNDS)
+        })
+        .await?;
         Ok(ChargeStore {
-            conn: Arc::new(Mutex::new(conn)),
+            db,
+            _private: private,
         })
     }
 
@@ -260,8 +281,7 @@ impl ChargeStore {
     pub async fn charge(&self, new: NewCharge) -> Result<ChargeOutcome, StoreError> {
         let charge_id = format!("ch_{}", uuid::Uuid::now_v7().simple());
         let created_ms = now_ms();
-        self.with_conn(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        self.write(move |tx| {
             let voided = tx
                 .query_row(
                     "SELECT 1 FROM voided_effect_key WHERE effect_key = ?1",
@@ -296,13 +316,13 @@ impl ChargeStore {
                 )
                 .optional()?;
             let outcome = match inserted {
-                Some(charge) => ChargeOutcome::Created(charge?),
+                Some(charge) => ChargeOutcome::Created(charge),
                 None => {
                     let existing = tx.query_row(
                         &format!("SELECT {COLUMNS} FROM charge WHERE effect_key = ?1"),
                         [&new.effect_key],
                         read_charge,
-                    )??;
+                    )?;
                     if existing.reference == new.reference
                         && existing.amount_cents == new.amount_cents
                         && existing.currency == new.currency
@@ -313,7 +333,6 @@ impl ChargeStore {
                     }
                 }
             };
-            tx.commit()?;
             Ok(outcome)
         })
         .await
@@ -322,8 +341,7 @@ impl ChargeStore {
     /// Settles `effect_key`: its charge if it made one, else voided for good (see the module
     /// documentation). Idempotent.
     pub async fn void(&self, effect_key: String) -> Result<VoidOutcome, StoreError> {
-        self.with_conn(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        self.write(move |tx| {
             let charged = tx
                 .query_row(
                     &format!("SELECT {COLUMNS} FROM charge WHERE effect_key = ?1"),
@@ -332,7 +350,7 @@ impl ChargeStore {
                 )
                 .optional()?;
             let outcome = match charged {
-                Some(charge) => VoidOutcome::Charged(charge?),
+                Some(charge) => VoidOutcome::Charged(charge),
                 None => {
                     tx.execute(
                         "INSERT INTO voided_effect_key (effect_key) VALUES (?1) \
@@ -342,7 +360,6 @@ impl ChargeStore {
                     VoidOutcome::Voided
                 }
             };
-            tx.commit()?;
             Ok(outcome)
         })
         .await
@@ -351,7 +368,7 @@ impl ChargeStore {
     /// The newest charges (at most [`LIST_LIMIT`]), newest first; only those for `reference`
     /// when given.
     pub async fn list(&self, reference: Option<String>) -> Result<Vec<Charge>, StoreError> {
-        self.with_conn(move |conn| {
+        self.read(move |conn| {
             let limit = i64::try_from(LIST_LIMIT).unwrap_or(i64::MAX);
             let rows = match reference {
                 Some(reference) => {
@@ -370,7 +387,7 @@ impl ChargeStore {
                         .collect::<Result<Vec<_>, _>>()?
                 }
             };
-            rows.into_iter().collect()
+            Ok(rows)
         })
         .await
     }
@@ -378,7 +395,7 @@ impl ChargeStore {
     /// One page of charges in creation order (see [`PageQuery`]): at most `query.limit`, and
     /// whether more follow.
     pub async fn page(&self, query: PageQuery) -> Result<(Vec<Charge>, bool), StoreError> {
-        self.with_conn(move |conn| {
+        self.read(move |conn| {
             // The cursor is a charge id; its row id orders the page. An unknown cursor starts
             // after nothing rather than from the beginning (the caller gets an empty page).
             let after: i64 = match &query.starting_after {
@@ -411,8 +428,6 @@ impl ChargeStore {
                     ],
                     read_charge,
                 )?
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
                 .collect::<Result<Vec<_>, _>>()?;
             let more = rows.len() > query.limit as usize;
             rows.truncate(query.limit as usize);
@@ -426,8 +441,7 @@ impl ChargeStore {
     pub async fn refund(&self, new: NewRefund) -> Result<RefundOutcome, StoreError> {
         let refund_id = format!("re_{}", uuid::Uuid::now_v7().simple());
         let created_ms = now_ms();
-        self.with_conn(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        self.write(move |tx| {
             let seen = tx
                 .query_row(
                     &format!("SELECT {REFUND_COLUMNS} FROM refund WHERE idempotency_key = ?1"),
@@ -451,10 +465,9 @@ impl ChargeStore {
                     read_charge,
                 )
                 .optional()?;
-            let Some(charge) = charge else {
+            let Some(mut charge) = charge else {
                 return Ok(RefundOutcome::NoSuchCharge);
             };
-            let mut charge = charge?;
             let remaining_cents = charge.amount_cents - charge.amount_refunded_cents;
             if new.amount_cents > remaining_cents {
                 return Ok(RefundOutcome::ExceedsCharge { remaining_cents });
@@ -476,7 +489,6 @@ impl ChargeStore {
                  WHERE charge_id = ?1",
                 params![new.charge_id, new.amount_cents],
             )?;
-            tx.commit()?;
             charge.amount_refunded_cents += new.amount_cents;
             Ok(RefundOutcome::Created(
                 Refund {
@@ -494,30 +506,33 @@ impl ChargeStore {
 
     /// How many charges the store holds.
     pub async fn count(&self) -> Result<u64, StoreError> {
-        self.with_conn(|conn| {
+        self.read(|conn| {
             let n: i64 = conn.query_row("SELECT COUNT(*) FROM charge", [], |row| row.get(0))?;
             Ok(u64::try_from(n).unwrap_or(0))
         })
         .await
     }
 
-    async fn with_conn<T: Send + 'static>(
+    /// Runs `f` as one write job: its writes commit together (in their own savepoint of a
+    /// group-committed transaction) once `f` returns `Ok`, and are rolled back alone if it
+    /// fails.
+    async fn write<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let conn = Arc::clone(&self.conn);
-        tokio::task::spawn_blocking(move || {
-            // A panic cannot leave the connection mid-transaction: the transaction rolls
-            // back when dropped, so a poisoned lock is still usable.
-            let mut conn = conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            f(&mut conn)
-        })
-        .await?
+        Ok(self.db.write(f).await?)
+    }
+
+    async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        Ok(self.db.read(f).await?)
     }
 }
 
 /// Adds the [`COLUMN_UPGRADE`] columns a file written before them lacks.
-fn upgrade_columns(conn: &Connection) -> Result<(), StoreError> {
+fn upgrade_columns(conn: &Connection) -> rusqlite::Result<()> {
     let mut stmt = conn.prepare("SELECT name FROM pragma_table_info('charge')")?;
     let present = stmt
         .query_map([], |row| row.get::<_, String>(0))?
@@ -549,14 +564,21 @@ fn read_refund(row: &Row<'_>) -> rusqlite::Result<Refund> {
     })
 }
 
-/// Reads one row of [`COLUMNS`]; the outer result is SQLite's, the inner one ours.
-fn read_charge(row: &Row<'_>) -> rusqlite::Result<Result<Charge, StoreError>> {
+/// Reads one row of [`COLUMNS`]. An unknown status fails like a column of the wrong type, so
+/// a write job that meets one is rolled back.
+fn read_charge(row: &Row<'_>) -> rusqlite::Result<Charge> {
     let status: String = row.get(5)?;
     let status = match status.as_str() {
         "succeeded" => ChargeStatus::Succeeded,
-        _ => return Ok(Err(StoreError::UnknownStatus(status))),
+        _ => {
+            return Err(rusqlite::Error::FromSqlConversionFailure(
+                5,
+                Type::Text,
+                Box::new(UnknownStatus(status)),
+            ));
+        }
     };
-    Ok(Ok(Charge {
+    Ok(Charge {
         charge_id: row.get(0)?,
         effect_key: row.get(1)?,
         reference: row.get(2)?,
@@ -567,7 +589,7 @@ fn read_charge(row: &Row<'_>) -> rusqlite::Result<Result<Charge, StoreError>> {
         traceparent: row.get(7)?,
         created_ms: row.get(8)?,
         amount_refunded_cents: row.get(9)?,
-    }))
+    })
 }
 
 #[cfg(test)]
@@ -587,7 +609,7 @@ mod tests {
 
     #[tokio::test]
     async fn same_key_creates_once_then_replays_or_conflicts() {
-        let store = ChargeStore::open(None).unwrap();
+        let store = ChargeStore::open(None).await.unwrap();
         let ChargeOutcome::Created(first) =
             store.charge(new_charge("k1", "o1", 500)).await.unwrap()
         else {
@@ -616,7 +638,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_voided_key_never_charges_and_a_charged_key_is_not_voided() {
-        let store = ChargeStore::open(None).unwrap();
+        let store = ChargeStore::open(None).await.unwrap();
         assert_eq!(store.void("k1".into()).await.unwrap(), VoidOutcome::Voided);
         assert_eq!(store.void("k1".into()).await.unwrap(), VoidOutcome::Voided);
         assert_eq!(
@@ -642,7 +664,7 @@ mod tests {
 
     #[tokio::test]
     async fn list_filters_by_reference_newest_first() {
-        let store = ChargeStore::open(None).unwrap();
+        let store = ChargeStore::open(None).await.unwrap();
         for (key, reference) in [("a", "o1"), ("b", "o2"), ("c", "o1")] {
             store.charge(new_charge(key, reference, 100)).await.unwrap();
         }
@@ -669,13 +691,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("psp.db");
         let created = {
-            let store = ChargeStore::open(Some(&path)).unwrap();
+            let store = ChargeStore::open(Some(&path)).await.unwrap();
             match store.charge(new_charge("k", "o", 700)).await.unwrap() {
                 ChargeOutcome::Created(charge) => charge,
                 other => panic!("expected a new charge, got {other:?}"),
             }
         };
-        let store = ChargeStore::open(Some(&path)).unwrap();
+        let store = ChargeStore::open(Some(&path)).await.unwrap();
         assert_eq!(
             store.charge(new_charge("k", "o", 700)).await.unwrap(),
             ChargeOutcome::Replayed(created)
@@ -692,7 +714,7 @@ mod tests {
 
     #[tokio::test]
     async fn refunds_are_deduplicated_on_their_key_and_bounded_by_the_charge() {
-        let store = ChargeStore::open(None).unwrap();
+        let store = ChargeStore::open(None).await.unwrap();
         let ChargeOutcome::Created(charge) = store.charge(new_charge("k", "o", 500)).await.unwrap()
         else {
             panic!("not charged");
@@ -738,7 +760,7 @@ mod tests {
 
     #[tokio::test]
     async fn pages_walk_a_window_in_creation_order() {
-        let store = ChargeStore::open(None).unwrap();
+        let store = ChargeStore::open(None).await.unwrap();
         for i in 0..7 {
             store
                 .charge(new_charge(&format!("k{i}"), &format!("o{}", i % 2), 100))
@@ -791,6 +813,74 @@ mod tests {
         );
     }
 
+    /// Concurrent charges share transactions (and fsyncs) instead of taking one each, and
+    /// each still charges once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_charges_are_group_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ChargeStore::open(Some(&dir.path().join("psp.db")))
+            .await
+            .unwrap();
+        let before = store.db.stats();
+        let charges = (0..200).map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .charge(new_charge(
+                        &format!("k{}", i % 100),
+                        &format!("o{}", i % 100),
+                        500,
+                    ))
+                    .await
+                    .unwrap()
+            })
+        });
+        let mut created = 0;
+        for charge in charges.collect::<Vec<_>>() {
+            match charge.await.unwrap() {
+                ChargeOutcome::Created(_) => created += 1,
+                ChargeOutcome::Replayed(_) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(created, 100, "one charge per key");
+        assert_eq!(store.count().await.unwrap(), 100);
+        let after = store.db.stats();
+        assert_eq!(after.jobs - before.jobs, 200);
+        assert!(
+            after.transactions - before.transactions < 200,
+            "{} transactions for 200 charges",
+            after.transactions - before.transactions
+        );
+    }
+
+    /// A row the store cannot read back fails the job that met it, and that job's writes are
+    /// rolled back.
+    #[tokio::test]
+    async fn an_unknown_status_is_an_error_not_a_charge() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("psp.db");
+        let store = ChargeStore::open(Some(&path)).await.unwrap();
+        store.charge(new_charge("k", "o", 500)).await.unwrap();
+        store
+            .db
+            .write(|conn| {
+                conn.execute_batch(
+                    "PRAGMA ignore_check_constraints = ON;
+                     UPDATE charge SET status = 'lost' WHERE effect_key = 'k';",
+                )
+            })
+            .await
+            .unwrap();
+        let error = store.charge(new_charge("k", "o", 500)).await.unwrap_err();
+        assert!(
+            format!("{error:?}").contains(r#"UnknownStatus("lost")"#),
+            "{error:?}"
+        );
+        assert!(store.void("k".into()).await.is_err());
+        assert_eq!(store.count().await.unwrap(), 1);
+    }
+
     #[tokio::test]
     async fn a_file_from_before_refunds_is_upgraded_in_place() {
         let dir = tempfile::tempdir().unwrap();
@@ -809,7 +899,7 @@ mod tests {
             )
             .unwrap();
         }
-        let store = ChargeStore::open(Some(&path)).unwrap();
+        let store = ChargeStore::open(Some(&path)).await.unwrap();
         let old = store.list(None).await.unwrap().remove(0);
         assert_eq!((old.created_ms, old.amount_refunded_cents), (0, 0));
         assert!(matches!(
@@ -818,6 +908,6 @@ mod tests {
         ));
         // A second open finds the columns there.
         drop(store);
-        ChargeStore::open(Some(&path)).unwrap();
+        ChargeStore::open(Some(&path)).await.unwrap();
     }
 }
