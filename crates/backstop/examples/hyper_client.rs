@@ -16,14 +16,22 @@ use axum::routing::post;
 use backstop::client::connect;
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
+use backstop::deadline::decode_grpc_timeout;
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{BoxError, Layer, ServiceExt};
 
-/// What the server saw of each attempt, as one line per attempt.
-type Seen = Arc<Mutex<Vec<String>>>;
+/// The headers the stack sets on an attempt, as the server saw them.
+#[derive(Debug, Clone, PartialEq)]
+struct Attempt {
+    idempotency_key: Option<String>,
+    grpc_timeout: Option<String>,
+    previous_attempts: Option<String>,
+}
+
+type Seen = Arc<Mutex<Vec<Attempt>>>;
 
 async fn create_payment(
     State(seen): State<Seen>,
@@ -33,16 +41,14 @@ async fn create_payment(
         headers
             .get(name)
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("-")
-            .to_owned()
+            .map(str::to_owned)
     };
     let mut seen = seen.lock().unwrap();
-    seen.push(format!(
-        "idempotency-key={} grpc-timeout={} grpc-previous-rpc-attempts={}",
-        text("idempotency-key"),
-        text("grpc-timeout"),
-        text("grpc-previous-rpc-attempts"),
-    ));
+    seen.push(Attempt {
+        idempotency_key: text("idempotency-key"),
+        grpc_timeout: text("grpc-timeout"),
+        previous_attempts: text("grpc-previous-rpc-attempts"),
+    });
     // The first attempt meets a server restarting; a retry is worth it.
     if seen.len() == 1 {
         (StatusCode::SERVICE_UNAVAILABLE, "restarting")
@@ -88,22 +94,30 @@ async fn main() -> Result<(), BoxError> {
     println!("caller got: {status} {}", String::from_utf8_lossy(&body));
 
     let seen = seen.lock().unwrap().clone();
-    for (i, line) in seen.iter().enumerate() {
-        println!("attempt {}: {line}", i + 1);
+    for (i, attempt) in seen.iter().enumerate() {
+        println!("attempt {}: {attempt:?}", i + 1);
     }
     check(status == StatusCode::CREATED, "the call succeeds")?;
     check(seen.len() == 2, "two attempts")?;
-    let key = |line: &str| line.split(' ').next().map(str::to_owned);
     check(
-        key(&seen[0]) == key(&seen[1]) && !seen[0].starts_with("idempotency-key=-"),
+        seen[0].idempotency_key.is_some() && seen[0].idempotency_key == seen[1].idempotency_key,
         "both attempts carry the same key",
     )?;
     check(
-        seen[1].ends_with("grpc-previous-rpc-attempts=1"),
-        "the retry is numbered",
+        seen[1].previous_attempts.as_deref() == Some("1"),
+        "the retry says one attempt came before it",
+    )?;
+    let budget = |a: &Attempt| {
+        a.grpc_timeout
+            .as_deref()
+            .and_then(|t| decode_grpc_timeout(t).ok())
+    };
+    check(
+        budget(&seen[1]) < budget(&seen[0]) && budget(&seen[1]).is_some(),
+        "the retry has less budget left than the first attempt",
     )?;
 
-    println!("ok: one call, two attempts with one key, 201 for the caller");
+    println!("ok: one call, two attempts with one key and a shrinking budget, 201 for the caller");
     Ok(())
 }
 

@@ -130,7 +130,7 @@ async fn hyper_client() {
         "hyper_client",
         &[
             "caller got: 201 Created",
-            "grpc-previous-rpc-attempts=1",
+            "previous_attempts: Some(\"1\")",
             "ok: ",
         ],
     )
