@@ -79,8 +79,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let pay = |key: Option<&str>| {
         let mut request = http
             .post(format!("{base}/v1/payments"))
-            // The caller's budget for the whole call, as gRPC carries it: 2 seconds.
-            .header("grpc-timeout", "2S")
+            // The caller's budget for the whole call, as gRPC carries it: 5 seconds.
+            .header("grpc-timeout", "5S")
             .body(r#"{"order_id":"42","amount_cents":1999}"#);
         if let Some(key) = key {
             request = request.header("idempotency-key", key);

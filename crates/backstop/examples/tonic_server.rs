@@ -185,13 +185,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 .await
         }
     };
-    let two_seconds = Duration::from_secs(2);
+    let budget = Duration::from_secs(5);
 
-    let first = charge(Some("order-42"), two_seconds).await?;
+    let first = charge(Some("order-42"), budget).await?;
     println!("first call: OK {}", first.get_ref().text);
 
     // The client did not hear the answer (say, a timeout) and sends the same call again.
-    let retry = charge(Some("order-42"), two_seconds).await?;
+    let retry = charge(Some("order-42"), budget).await?;
     let replayed = metadata(retry.metadata(), "idempotent-replayed");
     println!(
         "retry:      OK idempotent-replayed: {replayed} {}",
@@ -206,7 +206,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         "charged once for two calls",
     )?;
 
-    let keyless = charge(None, two_seconds).await.unwrap_err();
+    let keyless = charge(None, budget).await.unwrap_err();
     println!("no key:     {:?} {}", keyless.code(), keyless.message());
     check(
         keyless.code() == Code::InvalidArgument,
