@@ -121,10 +121,12 @@
 //! # }
 //! ```
 //!
-//! `examples/axum_stack.rs` serves the same thing on a real port. The same layer goes on
-//! tonic's server (`tonic::transport::Server::builder().layer(stack.into_layer())`) or in
-//! front of a bare hyper service: the layers ask nothing of the bodies beyond
-//! `http_body::Body<Data = Bytes>` (see [`server::body`]).
+//! `examples/axum_server.rs` serves the same thing on a real port. The same layer goes on
+//! tonic's server (`tonic::transport::Server::builder().layer(stack.into_layer())`, as
+//! `examples/tonic_server.rs` shows) or in front of a bare hyper service: the layers ask
+//! nothing of the bodies beyond `http_body::Body<Data = Bytes>` (see [`server::body`]).
+//! `examples/tonic_client.rs` and `examples/hyper_client.rs` show the client stack over a
+//! tonic `Channel` and over a hyper-util client.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 // docs.rs builds with `--cfg docsrs` on nightly: there, items behind a feature say which one.
