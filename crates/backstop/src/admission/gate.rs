@@ -13,8 +13,8 @@ use crate::deadline::Deadline;
 use crate::observe::{self, label, reject_reason};
 use crate::status::Status;
 
-/// The tenant of a waiter entering with [`Gate::enter`].
-const DEFAULT_TENANT: &str = crate::server::tenant::Tenant::DEFAULT;
+/// The tenant of a waiter entering with [`Gate::enter`], and of a request that names none.
+pub const DEFAULT_TENANT: &str = "default";
 
 /// Bounded concurrency with a bounded, fair wait.
 ///

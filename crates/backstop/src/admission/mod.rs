@@ -59,7 +59,7 @@ mod retry_after;
 mod slow_start;
 mod token_bucket;
 
-pub use gate::{Gate, GatePermit, Overloaded};
+pub use gate::{DEFAULT_TENANT, Gate, GatePermit, Overloaded};
 pub use keyed::KeyedTokenBucket;
 pub use limit::{FixedLimit, Gradient2, Limit};
 pub use queue::{

@@ -44,8 +44,10 @@ use crate::status::{Code, Status};
 pub struct Tenant(pub String);
 
 impl Tenant {
-    /// The tenant of a request that carries none.
-    pub const DEFAULT: &'static str = "default";
+    /// The tenant of a request that carries none (the gate's [`DEFAULT_TENANT`]).
+    ///
+    /// [`DEFAULT_TENANT`]: crate::admission::DEFAULT_TENANT
+    pub const DEFAULT: &'static str = crate::admission::DEFAULT_TENANT;
 
     /// A tenant with the given id.
     pub fn new(id: impl Into<String>) -> Self {

@@ -667,3 +667,89 @@ fn retry_after_follows_the_queue_and_is_jittered() {
     assert!(waits.iter().all(|w| (10..=20).contains(w)), "{waits:?}");
     assert!(waits.iter().any(|w| *w != waits[0]), "jittered: {waits:?}");
 }
+
+/// Slow start through the gate layer (paused clock): a burst of 5xx answers drops the gate
+/// to its floor; when the service answers again, a burst of requests is admitted a few at
+/// a time and the limit ramps back to the inner limit instead of jumping there.
+#[tokio::test(start_paused = true)]
+async fn the_server_gate_admits_few_after_a_burst_of_5xx_then_ramps_back() {
+    use std::convert::Infallible;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use bytes::Bytes;
+    use http::{Request, Response, StatusCode};
+    use tower::{ServiceExt, service_fn};
+    use tower_layer::Layer;
+
+    use crate::admission::{FixedLimit, Gate, SlowStart};
+    use crate::deadline::Deadline;
+    use crate::server::GateLayer;
+
+    // One FIFO line bounded by the (long) deadline: every request waits for its turn, so
+    // the test watches the limit alone, not the fair queue's sojourn drops.
+    let gate = Gate::with_limit(
+        SlowStart::new(FixedLimit::new(16), 2),
+        Duration::from_millis(5),
+    )
+    .with_queue(crate::admission::QueueConfig {
+        discipline: crate::admission::Discipline::Fifo,
+        ..crate::admission::QueueConfig::default()
+    });
+    let down = Arc::new(AtomicBool::new(true));
+    let svc = GateLayer::new(gate.clone()).layer(service_fn({
+        let down = down.clone();
+        move |_req: Request<Bytes>| {
+            let down = down.load(Ordering::Relaxed);
+            async move {
+                let mut response = Response::new(Bytes::new());
+                if down {
+                    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                } else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Ok::<_, Infallible>(response)
+            }
+        }
+    }));
+    let call = |svc: &_| {
+        let svc: tower::util::BoxCloneService<_, _, _> = Clone::clone(svc);
+        let mut request = Request::new(Bytes::new());
+        request
+            .extensions_mut()
+            .insert(Deadline::after(Duration::from_secs(60)));
+        tokio::spawn(svc.oneshot(request))
+    };
+    let svc = tower::util::BoxCloneService::new(svc);
+
+    assert_eq!(gate.limit(), 16);
+    for _ in 0..40 {
+        let answer = call(&svc).await.unwrap().unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(
+        gate.limit(),
+        2,
+        "the burst of 503s dropped the gate to its floor"
+    );
+
+    down.store(false, Ordering::Relaxed);
+    let calls: Vec<_> = (0..64).map(|_| call(&svc)).collect();
+    tokio::task::yield_now().await;
+    assert_eq!(gate.inflight(), 2, "admits few at first");
+    let mut limits = vec![gate.limit()];
+    while calls.iter().any(|c| !c.is_finished()) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        limits.push(gate.limit());
+    }
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap().status(), StatusCode::OK);
+    }
+    assert!(limits.windows(2).all(|w| w[0] <= w[1]), "{limits:?}");
+    assert!(
+        limits.iter().any(|l| (3..16).contains(l)),
+        "ramps, does not jump: {limits:?}"
+    );
+    assert_eq!(gate.limit(), 16, "{limits:?}");
+    assert_eq!(gate.inflight(), 0);
+}
