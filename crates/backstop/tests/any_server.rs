@@ -386,10 +386,8 @@ async fn gate_on_tonic_refuses_with_unavailable_and_pushback() {
     assert_eq!(app.calls(), 1, "the refused call never reached the service");
 }
 
-#[tokio::test]
-async fn gate_on_hyper_refuses_with_503_and_retry_after() {
-    let app = App::default();
-    let addr = serve_hyper(gate_layer().layer(handler::<Incoming>(&app))).await;
+/// The gate over HTTP: a held request takes the one place; the next gets 503 + Retry-After.
+async fn expect_gate_over_http(addr: SocketAddr, app: &App) {
     let held = tokio::spawn(async move { post(addr, "hold", &[]).await });
     app.entered.notified().await;
 
@@ -404,20 +402,17 @@ async fn gate_on_hyper_refuses_with_503_and_retry_after() {
 }
 
 #[tokio::test]
+async fn gate_on_hyper_refuses_with_503_and_retry_after() {
+    let app = App::default();
+    let addr = serve_hyper(gate_layer().layer(handler::<Incoming>(&app))).await;
+    expect_gate_over_http(addr, &app).await;
+}
+
+#[tokio::test]
 async fn gate_on_axum_refuses_with_503_and_retry_after() {
     let app = App::default();
     let addr = serve_axum!(gate_layer(), app);
-    let held = tokio::spawn(async move { post(addr, "hold", &[]).await });
-    app.entered.notified().await;
-
-    let refused = post(addr, "next", &[]).await;
-    assert_eq!(refused.status(), 503);
-    assert!(refused.headers().contains_key("retry-after"));
-    assert_eq!(problem_code(refused).await, "overloaded");
-
-    app.release.add_permits(1);
-    assert_eq!(held.await.unwrap().status(), 201);
-    assert_eq!(app.calls(), 1);
+    expect_gate_over_http(addr, &app).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -441,10 +436,8 @@ async fn rate_limit_on_tonic_refuses_with_resource_exhausted() {
     assert_eq!(app.calls(), 1);
 }
 
-#[tokio::test]
-async fn rate_limit_on_hyper_refuses_with_429() {
-    let app = App::default();
-    let addr = serve_hyper(rate_limit_layer().layer(handler::<Incoming>(&app))).await;
+/// The rate limit over HTTP: the first request passes, the second gets 429 + Retry-After.
+async fn expect_rate_limit_over_http(addr: SocketAddr, app: &App) {
     assert_eq!(post(addr, "first", &[]).await.status(), 201);
     let refused = post(addr, "second", &[]).await;
     assert_eq!(refused.status(), 429);
@@ -454,14 +447,17 @@ async fn rate_limit_on_hyper_refuses_with_429() {
 }
 
 #[tokio::test]
+async fn rate_limit_on_hyper_refuses_with_429() {
+    let app = App::default();
+    let addr = serve_hyper(rate_limit_layer().layer(handler::<Incoming>(&app))).await;
+    expect_rate_limit_over_http(addr, &app).await;
+}
+
+#[tokio::test]
 async fn rate_limit_on_axum_refuses_with_429() {
     let app = App::default();
     let addr = serve_axum!(rate_limit_layer(), app);
-    assert_eq!(post(addr, "first", &[]).await.status(), 201);
-    let refused = post(addr, "second", &[]).await;
-    assert_eq!(refused.status(), 429);
-    assert_eq!(problem_code(refused).await, "rate_limited");
-    assert_eq!(app.calls(), 1);
+    expect_rate_limit_over_http(addr, &app).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -492,11 +488,9 @@ async fn deadline_on_tonic_sets_the_budget_and_cuts_late_answers() {
     assert_eq!(app.calls(), 2);
 }
 
-#[tokio::test]
-async fn deadline_on_hyper_sets_the_budget_and_cuts_late_answers() {
-    let app = App::default();
-    let addr = serve_hyper(deadline_layer().layer(handler::<Incoming>(&app))).await;
-
+/// The deadline over HTTP: the budget reaches the handler, a held request is cut with 504, a
+/// malformed `grpc-timeout` is refused with 400.
+async fn expect_deadline_over_http(addr: SocketAddr) {
     let answered = post(addr, "quick", &[("grpc-timeout", "2S")]).await;
     assert_eq!(answered.status(), 201);
     let budget = budget_ms(&seen_by_handler(answered).await);
@@ -512,18 +506,17 @@ async fn deadline_on_hyper_sets_the_budget_and_cuts_late_answers() {
 }
 
 #[tokio::test]
+async fn deadline_on_hyper_sets_the_budget_and_cuts_late_answers() {
+    let app = App::default();
+    let addr = serve_hyper(deadline_layer().layer(handler::<Incoming>(&app))).await;
+    expect_deadline_over_http(addr).await;
+}
+
+#[tokio::test]
 async fn deadline_on_axum_sets_the_budget_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_axum!(deadline_layer(), app);
-
-    let answered = post(addr, "quick", &[("grpc-timeout", "2S")]).await;
-    assert_eq!(answered.status(), 201);
-    let budget = budget_ms(&seen_by_handler(answered).await);
-    assert!((1000..=2000).contains(&budget), "{budget}");
-
-    let cut = post(addr, "hold", &[]).await;
-    assert_eq!(cut.status(), 504);
-    assert_eq!(problem_code(cut).await, "deadline_exceeded");
+    expect_deadline_over_http(addr).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -547,10 +540,8 @@ async fn tenant_on_tonic_resolves_or_refuses_unauthenticated() {
     assert_eq!(app.calls(), 1);
 }
 
-#[tokio::test]
-async fn tenant_on_hyper_resolves_or_refuses_401() {
-    let app = App::default();
-    let addr = serve_hyper(tenant_layer().layer(handler::<Incoming>(&app))).await;
+/// The tenant layer over HTTP: a known key reaches the handler as its tenant, none gets 401.
+async fn expect_tenant_over_http(addr: SocketAddr, app: &App) {
     let answered = post(addr, "hi", &[("authorization", "Bearer k1")]).await;
     assert!(seen_by_handler(answered).await.contains("tenant=acme"));
     let refused = post(addr, "hi", &[]).await;
@@ -561,14 +552,17 @@ async fn tenant_on_hyper_resolves_or_refuses_401() {
 }
 
 #[tokio::test]
+async fn tenant_on_hyper_resolves_or_refuses_401() {
+    let app = App::default();
+    let addr = serve_hyper(tenant_layer().layer(handler::<Incoming>(&app))).await;
+    expect_tenant_over_http(addr, &app).await;
+}
+
+#[tokio::test]
 async fn tenant_on_axum_resolves_or_refuses_401() {
     let app = App::default();
     let addr = serve_axum!(tenant_layer(), app);
-    let answered = post(addr, "hi", &[("authorization", "Bearer k1")]).await;
-    assert!(seen_by_handler(answered).await.contains("tenant=acme"));
-    let refused = post(addr, "hi", &[]).await;
-    assert_eq!(refused.status(), 401);
-    assert_eq!(app.calls(), 1);
+    expect_tenant_over_http(addr, &app).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -583,10 +577,8 @@ async fn fault_on_tonic_aborts_with_unavailable() {
     assert_eq!(app.calls(), 0);
 }
 
-#[tokio::test]
-async fn fault_on_hyper_aborts_with_503() {
-    let app = App::default();
-    let addr = serve_hyper(fault_layer().layer(handler::<Incoming>(&app))).await;
+/// Fault injection over HTTP: the aborted request gets 503 and never reaches the service.
+async fn expect_fault_over_http(addr: SocketAddr, app: &App) {
     let aborted = post(addr, "hi", &[]).await;
     assert_eq!(aborted.status(), 503);
     assert_eq!(problem_code(aborted).await, "fault_injected");
@@ -594,13 +586,17 @@ async fn fault_on_hyper_aborts_with_503() {
 }
 
 #[tokio::test]
+async fn fault_on_hyper_aborts_with_503() {
+    let app = App::default();
+    let addr = serve_hyper(fault_layer().layer(handler::<Incoming>(&app))).await;
+    expect_fault_over_http(addr, &app).await;
+}
+
+#[tokio::test]
 async fn fault_on_axum_aborts_with_503() {
     let app = App::default();
     let addr = serve_axum!(fault_layer(), app);
-    let aborted = post(addr, "hi", &[]).await;
-    assert_eq!(aborted.status(), 503);
-    assert_eq!(problem_code(aborted).await, "fault_injected");
-    assert_eq!(app.calls(), 0);
+    expect_fault_over_http(addr, &app).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -653,11 +649,9 @@ async fn idempotency_on_tonic_replays_the_stored_answer() {
     assert_eq!(app.calls(), 1);
 }
 
-#[tokio::test]
-async fn idempotency_on_hyper_replays_the_stored_answer() {
-    let app = App::default();
-    let service = idempotency_layer().layer(handler::<RequestBody<Incoming>>(&app));
-    let addr = serve_hyper(service).await;
+/// Idempotency over HTTP: the retry with the same key is replayed (the handler ran once), a
+/// call without a key gets 400.
+async fn expect_idempotency_over_http(addr: SocketAddr, app: &App) {
     let key = [("idempotency-key", "pay-1")];
     let first = post(addr, "pay", &key).await;
     assert_eq!(first.status(), 201);
@@ -674,18 +668,18 @@ async fn idempotency_on_hyper_replays_the_stored_answer() {
 }
 
 #[tokio::test]
+async fn idempotency_on_hyper_replays_the_stored_answer() {
+    let app = App::default();
+    let service = idempotency_layer().layer(handler::<RequestBody<Incoming>>(&app));
+    let addr = serve_hyper(service).await;
+    expect_idempotency_over_http(addr, &app).await;
+}
+
+#[tokio::test]
 async fn idempotency_on_axum_replays_the_stored_answer() {
     let app = App::default();
     let addr = serve_axum!(idempotency_layer(), app);
-    let key = [("idempotency-key", "pay-1")];
-    let first = seen_by_handler(post(addr, "pay", &key).await).await;
-    let retry = post(addr, "pay", &key).await;
-    assert_eq!(retry.status(), 201);
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
-    assert_eq!(seen_by_handler(retry).await, first);
-    assert_eq!(app.calls(), 1);
-    let keyless = post(addr, "pay", &[]).await;
-    assert_eq!(keyless.status(), 400);
+    expect_idempotency_over_http(addr, &app).await;
 }
 
 /// A service that takes only tonic's own body gets it by mapping the layer's body.
@@ -727,11 +721,8 @@ async fn server_stack_on_tonic() {
     assert_eq!(app.calls(), 1);
 }
 
-#[tokio::test]
-async fn server_stack_on_hyper() {
-    let app = App::default();
-    let service = stack_layer().layer(handler::<RequestBody<RequestBody<Incoming>>>(&app));
-    let addr = serve_hyper(service).await;
+/// The whole stack over HTTP: a keyed retry is replayed, a keyless call gets 400.
+async fn expect_server_stack_over_http(addr: SocketAddr, app: &App) {
     let key = [("idempotency-key", "stack-1")];
     let first = seen_by_handler(post(addr, "pay", &key).await).await;
     let retry = post(addr, "pay", &key).await;
@@ -743,15 +734,16 @@ async fn server_stack_on_hyper() {
 }
 
 #[tokio::test]
+async fn server_stack_on_hyper() {
+    let app = App::default();
+    let service = stack_layer().layer(handler::<RequestBody<RequestBody<Incoming>>>(&app));
+    let addr = serve_hyper(service).await;
+    expect_server_stack_over_http(addr, &app).await;
+}
+
+#[tokio::test]
 async fn server_stack_on_axum() {
     let app = App::default();
     let addr = serve_axum!(stack_layer(), app);
-    let key = [("idempotency-key", "stack-1")];
-    let first = seen_by_handler(post(addr, "pay", &key).await).await;
-    let retry = post(addr, "pay", &key).await;
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
-    assert_eq!(seen_by_handler(retry).await, first);
-    let keyless = post(addr, "pay", &[]).await;
-    assert_eq!(keyless.status(), 400);
-    assert_eq!(app.calls(), 1);
+    expect_server_stack_over_http(addr, &app).await;
 }
