@@ -50,7 +50,7 @@
 //! ```
 
 pub mod defaults;
-mod table;
+pub(crate) mod table;
 
 pub use self::defaults::{
     DEFAULT_MAX_ATTEMPTS, DEFAULT_RATE_CLASS, DEFAULT_TIMEOUT, KEY_TTL_ASYNC, KEY_TTL_PAYMENTS,

@@ -10,7 +10,7 @@ use crate::server::route::RoutePattern;
 
 /// What an entry of the table applies to.
 #[derive(Debug, Clone)]
-enum Key {
+pub(crate) enum Key {
     /// Every call no other entry names.
     Fallback,
     /// One path: a gRPC method (`/pkg.Service/Method`) or an HTTP path without parameters.
@@ -143,6 +143,14 @@ impl MethodPolicies {
         &self.entries[self.select(request.method(), request.uri().path())].1
     }
 
+    /// The policy of a request of `method` to `path`, where `path` is the request's path or
+    /// the route template the application's router matched (`/v1/payments/{intent_id}`): a
+    /// `{param}` segment of a template matches a `{param}` segment of an entry, so the
+    /// router's names for parameters need not be the table's.
+    pub fn for_route(&self, method: &Method, path: &str) -> &MethodPolicy {
+        &self.entries[self.select(method, path)].1
+    }
+
     /// The policy of calls no other entry names.
     pub fn fallback_policy(&self) -> &MethodPolicy {
         &self.entries[0].1
@@ -151,6 +159,11 @@ impl MethodPolicies {
     /// Every policy, the fallback first, then in the order they were added.
     pub fn iter(&self) -> impl Iterator<Item = &MethodPolicy> {
         self.entries.iter().map(|(_, p)| p)
+    }
+
+    /// Every entry but the fallback, with what it applies to, in the order they were added.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (&Key, &MethodPolicy)> {
+        self.entries.iter().skip(1).map(|(k, p)| (k, p))
     }
 
     /// Number of policies, the fallback included.

@@ -43,6 +43,36 @@
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
 //!    and only admitted requests pay for a store round trip.
 //!
+//! # Which requests are keyed
+//!
+//! A method is described once, in the [`MethodPolicies`] table its clients use too
+//! ([`ServerStack::policies`]): a request whose policy is `Keyed` must carry an
+//! `Idempotency-Key` and is deduplicated, its records kept for the policy's key TTL; the
+//! table's gRPC paths and HTTP routes name the requests in the metrics. There is no second
+//! list of routes to keep in step with the table.
+//!
+//! The table is looked up in one place, the idempotency layer (which the intake shares), by
+//! the request's method and
+//!
+//! - for gRPC, its path, `/package.Service/Method`: tonic's router does nothing more;
+//! - for HTTP, the route template the application's router matched, when the stack runs
+//!   after routing and is told where to find it ([`ServerStack::matched_path_from`]; with
+//!   axum, `MatchedPath`). Put it on the routes with axum's `Router::route_layer`: each route
+//!   is wrapped after the match, so the stack sees exactly the route whose handler will run,
+//!   `{*rest}` templates and all, and a request no route takes never reaches it
+//!   (`Router::layer` wraps the fallback too, where the path is matched against the table);
+//! - else (the stack in front of the router, as on tonic's server) the request's path,
+//!   matched against the table's route templates, `{param}` matching one segment.
+//!
+//! A `Keyed` method that reaches its handler unclaimed is caught twice. At run time the
+//! handler refuses it: only a claim puts the
+//! [`IdempotencyKey`](crate::idempotency::IdempotencyKey) extension on a request, and a
+//! handler of a keyed method requires it. Before that, in a test or at start-up,
+//! [`idempotency::coverage`] sends each keyed entry of the table through the finished service
+//! without a key and reports every entry the idempotency layer did not refuse: one no route
+//! serves (the table and the router disagree on its spelling) or one that went past the
+//! layer unclaimed.
+//!
 //! # On tonic, hyper and axum
 //!
 //! The stack, and each layer alone, goes wherever a tower layer goes: on tonic's own server
@@ -53,12 +83,19 @@
 //!
 //! ```no_run
 //! use backstop::idempotency::MemoryStore;
-//! use backstop::server::{KeyedRoute, ServerStack};
-//! use http::Method;
+//! use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+//! use backstop::server::ServerStack;
 //!
 //! # async fn serve(routes: tonic::service::Routes) -> Result<(), tonic::transport::Error> {
+//! let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
+//!     .key_ttl(KEY_TTL_PAYMENTS)
+//!     .build();
+//! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+//!     .method("/payment.v1.Payment/Charge", charge)
+//!     .validated()
+//!     .unwrap();
 //! let stack = ServerStack::new("payments", MemoryStore::new())
-//!     .keyed(Method::POST, "/payment.v1.Payment/Charge", KeyedRoute::payments())
+//!     .policies(policies)
 //!     .into_layer();
 //! tonic::transport::Server::builder()
 //!     .layer(stack)
@@ -71,15 +108,31 @@
 //! # Example
 //!
 //! ```
-//! use backstop::admission::{Gate, KeyedTokenBucket};
+//! use backstop::admission::Gate;
 //! use backstop::idempotency::MemoryStore;
-//! use backstop::server::{ServerStack, idempotency::KeyedRoute};
+//! use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+//! use backstop::server::ServerStack;
 //! use http::Method;
 //! use std::time::Duration;
 //!
+//! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+//!     .route(
+//!         Method::POST,
+//!         "/v1/payments",
+//!         MethodPolicy::builder("CreatePayment", Idempotency::Keyed)
+//!             .key_ttl(KEY_TTL_PAYMENTS)
+//!             .build(),
+//!     )
+//!     .route(
+//!         Method::GET,
+//!         "/v1/payments/{id}",
+//!         MethodPolicy::builder("GetPayment", Idempotency::Safe).build(),
+//!     )
+//!     .validated()
+//!     .unwrap();
 //! let stack = ServerStack::new("payments", MemoryStore::new())
-//!     .route(Method::GET, "/v1/payments/{id}")
-//!     .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+//!     .policies(policies)
+//!     .lease(Duration::from_secs(5))
 //!     .gate(Gate::new(256, Duration::from_millis(20)));
 //! let layer = stack.into_layer();
 //! # let _ = layer;
@@ -105,7 +158,7 @@ pub(crate) mod testing;
 pub use self::deadline::DeadlineLayer;
 pub use self::fault::FaultLayer;
 pub use self::gate::GateLayer;
-pub use self::idempotency::{IdempotencyLayer, KeyedRoute};
+pub use self::idempotency::{IdempotencyLayer, KeyedRoute, MatchedPathFn};
 pub use self::metrics::MetricsLayer;
 pub use self::problem::Problem;
 pub use self::rate_limit::RateLimitLayer;
@@ -120,6 +173,8 @@ use tower_layer::Layer;
 
 use crate::admission::{Gate, KeyedTokenBucket, Quota};
 use crate::idempotency::Store;
+use crate::policy::MethodPolicies;
+use crate::policy::table::Key;
 use crate::status::Status;
 
 /// Default concurrency limit of the stack's gate.
@@ -145,6 +200,9 @@ pub const DEFAULT_MAX_TENANTS: NonZeroUsize = NonZeroUsize::new(10_000).unwrap()
 /// [`ServerStack::gate`], [`ServerStack::idempotency`]); [`ServerStack::into_layer`] finishes.
 #[derive(Debug, Clone)]
 pub struct ServerStack<St> {
+    policies: Option<MethodPolicies>,
+    lease: Option<Duration>,
+    matched_path: Option<MatchedPathFn>,
     deadline: DeadlineLayer,
     metrics: MetricsLayer,
     tenant: TenantLayer,
@@ -161,6 +219,9 @@ impl<St: Store> ServerStack<St> {
     /// routes.
     pub fn new(service: impl Into<String>, store: St) -> Self {
         Self {
+            policies: None,
+            lease: None,
+            matched_path: None,
             deadline: DeadlineLayer::default(),
             metrics: MetricsLayer::new(service),
             tenant: TenantLayer::none(),
@@ -244,8 +305,31 @@ impl<St: Store> ServerStack<St> {
         self
     }
 
-    /// Declares a keyed route (see [`IdempotencyLayer::keyed`]); it is also named in the
-    /// metrics.
+    /// The methods' policies, the same table the clients use: its `Keyed` methods are the
+    /// keyed routes (see [`IdempotencyLayer::policies`]), and its gRPC paths (as `POST`) and
+    /// HTTP routes are named in the metrics. Applied when the layer is made, whatever
+    /// [`ServerStack::idempotency`] or [`ServerStack::metrics`] replaced.
+    pub fn policies(mut self, policies: MethodPolicies) -> Self {
+        self.policies = Some(policies);
+        self
+    }
+
+    /// The claim lease of the [policies](Self::policies)' keyed methods (default 5 s).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Where the route template the application's router matched is found (see
+    /// [`IdempotencyLayer::matched_path_from`]); with axum,
+    /// `|ext| ext.get::<MatchedPath>().map(MatchedPath::as_str)`.
+    pub fn matched_path_from(mut self, f: MatchedPathFn) -> Self {
+        self.matched_path = Some(f);
+        self
+    }
+
+    /// Declares a keyed route outside the [policies](Self::policies) (see
+    /// [`IdempotencyLayer::keyed`]); it is also named in the metrics.
     pub fn keyed(mut self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
         self.metrics = self.metrics.route(method.clone(), pattern);
         self.idempotency = self.idempotency.keyed(method, pattern, route);
@@ -261,7 +345,23 @@ impl<St: Store> ServerStack<St> {
     }
 
     /// The finished layer.
-    pub fn into_layer(self) -> ServerStackLayer<St> {
+    pub fn into_layer(mut self) -> ServerStackLayer<St> {
+        if let Some(policies) = self.policies.take() {
+            for (key, _) in policies.entries() {
+                self.metrics = match key {
+                    Key::Path(path) => self.metrics.route(Method::POST, path),
+                    Key::Route(method, pattern) => self.metrics.route(method.clone(), pattern),
+                    Key::Fallback | Key::Service(_) => self.metrics,
+                };
+            }
+            self.idempotency = self.idempotency.policies(policies);
+        }
+        if let Some(lease) = self.lease {
+            self.idempotency = self.idempotency.lease(lease);
+        }
+        if let Some(f) = self.matched_path {
+            self.idempotency = self.idempotency.matched_path_from(f);
+        }
         self.gate
             .gate()
             .publish_as(self.metrics.service().to_owned());

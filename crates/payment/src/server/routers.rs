@@ -10,10 +10,10 @@ use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, SlowStart};
 use backstop::idempotency::Store;
+use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
 use backstop::server::listen::ConnectionInfo;
-use backstop::server::{
-    DeadlineLayer, FaultLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer, ServerStack,
-};
+use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
+use backstop::status::Code;
 use http::{Method, Request};
 use hyper::body::Incoming;
 use tower::ServiceBuilder;
@@ -107,6 +107,44 @@ fn gate(config: &Config) -> Gate {
     gate.with_queue(config.queue.clone())
 }
 
+/// The policy of every method the service serves, for its server stack and its clients alike:
+/// `Charge` (`POST /v1/payments` and `payment.v1.Payment/Charge`) is `Keyed`, its keys kept
+/// `config.key_ttl`, retried after the answers its error tables call retryable and hedged;
+/// the reads (`GET /v1/payments/{intent_id}` and `GetCharge`) are `Safe`; anything else is
+/// `Unsafe`. Validated: `Config::validate` keeps the key TTL positive.
+pub fn method_policies(config: &Config) -> MethodPolicies {
+    let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .timeout(config.default_timeout)
+        .key_ttl(config.key_ttl)
+        .retryable([
+            Code::Unavailable,
+            Code::Aborted,
+            Code::ResourceExhausted,
+            Code::DeadlineExceeded,
+        ])
+        .hedging(true)
+        .build();
+    let read = |name: &str| {
+        MethodPolicy::builder(name, Idempotency::Safe)
+            .timeout(config.default_timeout)
+            .build()
+    };
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .route(Method::POST, "/v1/payments", charge.clone())
+        .route(Method::GET, "/v1/payments/{intent_id}", read("GetPayment"))
+        .method(grpc::CHARGE, charge)
+        .method(grpc::GET_CHARGE, read("GetCharge"))
+        .validated()
+        .expect("the payment service's policies are valid")
+}
+
+/// The route template axum's router matched, for the stack's policy lookup.
+fn matched_path(extensions: &http::Extensions) -> Option<&str> {
+    extensions
+        .get::<axum::extract::MatchedPath>()
+        .map(axum::extract::MatchedPath::as_str)
+}
+
 /// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).
 pub fn build_routers<St: Store>(
     state: AppState,
@@ -115,7 +153,6 @@ pub fn build_routers<St: Store>(
     rate_limit: RateLimitLayer,
 ) -> Routers {
     let auth = Authenticator::new(&config.api_keys);
-    let keyed = KeyedRoute::new(config.key_ttl).lease(config.lease);
     let stack = ServerStack::new(SERVICE_NAME, store.clone())
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
@@ -132,9 +169,11 @@ pub fn build_routers<St: Store>(
                 .clock(state.clock.clone())
                 .max_body(BODY_LIMIT),
         )
-        .keyed(Method::POST, "/v1/payments", keyed)
-        .route(Method::GET, "/v1/payments/{intent_id}")
-        .keyed(Method::POST, grpc::CHARGE, keyed)
+        // Which requests are keyed, their key TTL and their metric names: the same table the
+        // clients use, looked up by the route axum matched (gRPC: by the method path).
+        .policies(method_policies(config))
+        .lease(config.lease)
+        .matched_path_from(matched_path)
         // Unary and small: its body is read before the gate, like Charge's.
         .buffered(Method::POST, grpc::GET_CHARGE)
         .peer_from(|ext| match ext.get::<ConnectionInfo>() {

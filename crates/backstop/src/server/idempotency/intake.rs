@@ -149,9 +149,8 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let (method, path) = (request.method(), request.uri().path());
-        let route = self.shared.route_for(method, path);
-        if route.is_none() && !self.shared.is_buffered(method, path) {
+        let route = self.shared.route_of(&request);
+        if route.is_none() && !self.shared.is_buffered(&request) {
             return IntakeFuture {
                 kind: Kind::Passthrough {
                     fut: self.inner.call(request.map(RequestBody::inner)),

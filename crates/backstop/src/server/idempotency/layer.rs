@@ -2,19 +2,21 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, Method, header};
+use http::{Extensions, HeaderName, Method, Request, header};
 use tower_layer::Layer;
 
 use super::settled::Settled;
 use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
+use crate::policy::MethodPolicies;
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
 use crate::server::route::RoutePattern;
 
-/// Applies [`Idempotency`] to the declared keyed routes.
+/// Applies [`Idempotency`] to the keyed methods of a [`MethodPolicies`] table (and to routes
+/// declared one by one with [`IdempotencyLayer::keyed`]).
 ///
-/// Clones share the store, the clock and the route table.
+/// Clones share the store, the clock and the table.
 pub struct IdempotencyLayer<St> {
     shared: Arc<Shared<St>>,
 }
@@ -23,6 +25,12 @@ pub(super) struct Shared<St> {
     pub(super) store: St,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) routes: Vec<(RoutePattern, KeyedRoute)>,
+    /// The methods' policies: a request whose policy is `Keyed` is a keyed route.
+    pub(super) policies: Option<Arc<MethodPolicies>>,
+    /// The lease of the keyed methods of `policies`.
+    pub(super) lease: Duration,
+    /// The route template the application's router matched, when it put one on the request.
+    pub(super) matched_path: Option<MatchedPathFn>,
     /// Routes that are not keyed whose bodies the intake reads before the gate.
     pub(super) buffered: Vec<RoutePattern>,
     pub(super) max_body: usize,
@@ -33,6 +41,10 @@ pub(super) struct Shared<St> {
     /// Bound on any instance's wall-clock error; leases outlast work by twice this.
     pub(super) max_clock_skew: Duration,
 }
+
+/// Reads the route template the application's router matched from a request's extensions
+/// (with axum: `|ext| ext.get::<MatchedPath>().map(MatchedPath::as_str)`).
+pub type MatchedPathFn = for<'a> fn(&'a Extensions) -> Option<&'a str>;
 
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
@@ -46,6 +58,7 @@ impl<St> fmt::Debug for IdempotencyLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("routes", &self.shared.routes)
+            .field("policies", &self.shared.policies)
             .field("max_body", &self.shared.max_body)
             .field("max_message", &self.shared.max_message)
             .field("stored_headers", &self.shared.stored_headers)
@@ -62,6 +75,9 @@ impl<St: Store> IdempotencyLayer<St> {
                 store,
                 clock: Arc::new(SystemClock),
                 routes: Vec::new(),
+                policies: None,
+                lease: super::DEFAULT_LEASE,
+                matched_path: None,
                 buffered: Vec::new(),
                 max_body: DEFAULT_MAX_BODY,
                 max_message: DEFAULT_MAX_MESSAGE,
@@ -72,7 +88,30 @@ impl<St: Store> IdempotencyLayer<St> {
         }
     }
 
-    /// Declares a keyed route: requests with `method` whose path matches `pattern` (literal and
+    /// Takes the keyed methods from `policies`: a request whose policy (see
+    /// [`MethodPolicies::for_route`]) is `Keyed` needs an `Idempotency-Key` and is
+    /// deduplicated, its records kept for the policy's key TTL under the layer's
+    /// [lease](Self::lease). The same table the clients use, so a method is described once.
+    /// Give it validated (a keyed policy without a key TTL is kept [`KeyedRoute::sync`]'s
+    /// 24 hours).
+    pub fn policies(self, policies: MethodPolicies) -> Self {
+        self.edit(|s| s.policies = Some(Arc::new(policies)))
+    }
+
+    /// The claim lease of the keyed methods of the [policies](Self::policies) (default 5 s).
+    pub fn lease(self, lease: Duration) -> Self {
+        self.edit(|s| s.lease = lease)
+    }
+
+    /// Where the route template the application's router matched is found, so that the
+    /// [policies](Self::policies) are looked up by the router's own match rather than by
+    /// matching the path again. Without it, or on a request that has none (the layer in front
+    /// of the router), the request's method and path are matched against the table.
+    pub fn matched_path_from(self, f: MatchedPathFn) -> Self {
+        self.edit(|s| s.matched_path = Some(f))
+    }
+
+    /// Declares a keyed route outside any table: requests with `method` whose path matches `pattern` (literal and
     /// `{param}` segments) need an `Idempotency-Key` and are deduplicated.
     pub fn keyed(self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
         self.edit(|s| s.routes.push((RoutePattern::new(method, pattern), route)))
@@ -131,9 +170,17 @@ impl<St: Store> IdempotencyLayer<St> {
         &self.shared.store
     }
 
-    /// The lease and TTL of the keyed route matching `method` and `path`, if any.
+    /// The lease and TTL of the keyed route matching `method` and `path` (a path or a route
+    /// template), if any.
     pub fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
         self.shared.route_for(method, path)
+    }
+
+    /// The lease and TTL of `request`'s keyed route, if it has one: by the route template its
+    /// router matched when known (see [`matched_path_from`](Self::matched_path_from)), else by
+    /// its method and path.
+    pub fn route_of<B>(&self, request: &Request<B>) -> Option<KeyedRoute> {
+        self.shared.route_of(request)
     }
 
     fn edit(mut self, f: impl FnOnce(&mut Shared<St>)) -> Self {
@@ -145,6 +192,9 @@ impl<St: Store> IdempotencyLayer<St> {
                     store: old.store.clone(),
                     clock: old.clock.clone(),
                     routes: old.routes.clone(),
+                    policies: old.policies.clone(),
+                    lease: old.lease,
+                    matched_path: old.matched_path,
                     buffered: old.buffered.clone(),
                     max_body: old.max_body,
                     max_message: old.max_message,
@@ -161,16 +211,33 @@ impl<St: Store> IdempotencyLayer<St> {
 }
 
 impl<St> Shared<St> {
-    pub(super) fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
-        self.routes
-            .iter()
-            .find(|(p, _)| p.matches(method, path))
-            .map(|(_, r)| *r)
+    /// The one place a request's keyed route is decided.
+    pub(super) fn route_of<B>(&self, request: &Request<B>) -> Option<KeyedRoute> {
+        let matched = self.matched_path.and_then(|f| f(request.extensions()));
+        let path = matched.unwrap_or_else(|| request.uri().path());
+        self.route_for(request.method(), path)
     }
 
-    /// Whether `method` and `path` name a route declared with [`IdempotencyLayer::buffered`].
-    pub(super) fn is_buffered(&self, method: &Method, path: &str) -> bool {
-        self.buffered.iter().any(|p| p.matches(method, path))
+    pub(super) fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
+        if let Some((_, route)) = self.routes.iter().find(|(p, _)| p.matches(method, path)) {
+            return Some(*route);
+        }
+        let policy = self.policies.as_ref()?.for_route(method, path);
+        policy.requires_key().then(|| {
+            let route = policy
+                .key_ttl()
+                .map_or_else(KeyedRoute::sync, KeyedRoute::new);
+            route.lease(self.lease)
+        })
+    }
+
+    /// Whether `request` is on a route declared with [`IdempotencyLayer::buffered`].
+    pub(super) fn is_buffered<B>(&self, request: &Request<B>) -> bool {
+        let matched = self.matched_path.and_then(|f| f(request.extensions()));
+        let path = matched.unwrap_or_else(|| request.uri().path());
+        self.buffered
+            .iter()
+            .any(|p| p.matches(request.method(), path))
     }
 }
 

@@ -1,7 +1,10 @@
 //! Idempotency at the RPC layer: one key, one effect, one stored answer.
 //!
-//! [`IdempotencyLayer`] is the innermost server layer. For each *keyed* route (declared with
-//! [`IdempotencyLayer::keyed`]) it:
+//! [`IdempotencyLayer`] is the innermost server layer. For each request of a *keyed* method
+//! (its policy in the [`MethodPolicies`](crate::policy::MethodPolicies) table given to
+//! [`IdempotencyLayer::policies`] is `Keyed`, looked up by the route the application's router
+//! matched when known, see [`IdempotencyLayer::matched_path_from`]; or a route declared alone
+//! with [`IdempotencyLayer::keyed`]) it:
 //!
 //! 1. requires exactly one `Idempotency-Key` header (a bare token or a quoted Structured Field
 //!    string): 400 `missing_idempotency_key` / `invalid_idempotency_key` (also for two header
@@ -77,13 +80,14 @@
 //! [`Tenant`]: crate::server::tenant::Tenant
 //! [`Lease`]: crate::idempotency::Lease
 
+pub mod coverage;
 pub mod future;
 pub mod intake;
 mod layer;
 mod settled;
 
 pub use self::intake::IntakeLayer;
-pub use self::layer::IdempotencyLayer;
+pub use self::layer::{IdempotencyLayer, MatchedPathFn};
 pub use crate::server::body::{RequestBody, ResponseBody};
 
 use std::future::Future;
@@ -200,10 +204,7 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let Some(route) = self
-            .shared
-            .route_for(request.method(), request.uri().path())
-        else {
+        let Some(route) = self.shared.route_of(&request) else {
             return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::inner)));
         };
         let clone = self.inner.clone();
