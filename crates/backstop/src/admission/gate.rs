@@ -14,7 +14,11 @@ use crate::observe::{self, label, reject_reason};
 use crate::status::Status;
 
 /// The tenant of a waiter entering with [`Gate::enter`].
+#[cfg(feature = "server")]
 const DEFAULT_TENANT: &str = crate::server::tenant::Tenant::DEFAULT;
+// The same name as `server::Tenant::DEFAULT`, for a build without the server layers.
+#[cfg(not(feature = "server"))]
+const DEFAULT_TENANT: &str = "default";
 
 /// Bounded concurrency with a bounded, fair wait.
 ///

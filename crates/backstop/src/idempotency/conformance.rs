@@ -57,7 +57,7 @@ impl<S: Store, G: Send + 'static> Fixture for WithGuard<S, G> {
 /// `store_conformance!(name, run_if = READY, MAKE)` evaluates the `bool` expression `READY` at
 /// the start of every test, which returns at once (and passes) when it is false: for a backend
 /// whose server may be absent, `READY` checks that it answers and says so when it does not.
-#[doc(hidden)]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 #[macro_export]
 macro_rules! store_conformance {
     ($name:ident, run_if = $ready:expr, $make:expr $(,)?) => {

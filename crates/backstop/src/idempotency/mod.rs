@@ -82,6 +82,8 @@
 //! - [`sweeper`] holds [`Sweeper`], the TTL reaper task.
 //! - [`conformance`] holds the suite every backend runs (`backstop::store_conformance!`).
 
+#[cfg(any(test, feature = "conformance"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 pub mod fingerprint;
 pub mod key;
