@@ -551,7 +551,7 @@ struct Expected {
 /// explores: what the store answers, and the record it keeps.
 #[doc(hidden)]
 pub async fn follows_the_protocol_on_random_histories<S: Store>(store: S) {
-    use rand::{Rng, SeedableRng, rngs::StdRng};
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
 
     use super::protocol::{self, ClaimRule, Existing};
 

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use rand::Rng;
+use rand::{Rng, RngExt};
 use tokio::time::Instant;
 
 use super::throttle::is_overload_refusal;
