@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use backstop::admission::Quota;
 use backstop::admission::redis::{RedisConfig, RedisTokenBucket};
-use rand::Rng;
+use rand::RngExt;
 
 fn env<T: FromStr>(name: &str, default: T) -> T {
     std::env::var(name)

@@ -59,6 +59,15 @@
 //!
 //! # Feature flags
 //!
+//! The primitives ([`deadline`], [`status`], [`policy`], [`retry`], [`admission`], the
+//! [`Store`](idempotency::Store) trait and its memory store, [`observe`], [`clock`]) need no
+//! feature. The rest is behind one each, so a crate takes only the drivers and the hyper parts
+//! it uses:
+//!
+//! - `client` (default): the client layers ([`client`]), with hyper's client, HTTP/1 and
+//!   HTTP/2, and tower's balancing for pooled connections.
+//! - `server` (default): the server layers ([`server`]) and their listener, with hyper's server
+//!   and tokio's sockets.
 //! - `sqlite` (default): the SQLite idempotency store ([`idempotency::sqlite`]) on the
 //!   group-commit handle of [`db::sqlite`], and the client's intent journal, on a bundled
 //!   SQLite.
@@ -67,6 +76,13 @@
 //!   an open/closed failure policy, usable by the rate limit layer.
 //! - `postgres`: the PostgreSQL idempotency store (`idempotency::postgres`) on the pool and
 //!   batching writer of `db::postgres`, for several instances sharing one database.
+//! - `conformance`: the suite every store runs (`idempotency::conformance` and the
+//!   `store_conformance!` macro), for testing a store of one's own against the same cases.
+//!
+//! The defaults are what a service using both sides and one machine's storage needs, so that
+//! adding the crate is enough to start. A client-only or server-only crate turns them off
+//! (`default-features = false`) and names the side it uses; the drivers for several instances
+//! (`postgres`, `redis`) and the test suite are never on unless asked for.
 //!
 //! # Layer order
 //!
@@ -136,6 +152,8 @@ pub use deadline::Deadline;
 pub use status::Status;
 
 pub mod admission;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 pub mod clock;
 pub mod db;
@@ -145,6 +163,8 @@ pub mod observe;
 pub mod policy;
 pub mod retry;
 mod sample_window;
+#[cfg(feature = "server")]
+#[cfg_attr(docsrs, doc(cfg(feature = "server")))]
 pub mod server;
 pub mod status;
 

@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn ten_percent_failing_at_random_never_trips_it() {
-        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use rand::{RngExt, SeedableRng, rngs::StdRng};
         let mut rng = StdRng::seed_from_u64(15);
         let mut limit = SlowStart::new(FixedLimit::new(128), 4);
         for _ in 0..100_000 {

@@ -873,7 +873,7 @@ mod tests {
     async fn thousand_calls(dest: &Destination, failing: f64) -> (u64, u64, Vec<StopReason>) {
         use crate::client::retry::RetryStopped;
         use http::{Request, Response};
-        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use rand::{RngExt, SeedableRng, rngs::StdRng};
         use std::sync::Mutex;
         use std::sync::atomic::{AtomicU64, Ordering};
         use tower::{ServiceExt, service_fn};

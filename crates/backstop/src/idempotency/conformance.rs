@@ -57,7 +57,7 @@ impl<S: Store, G: Send + 'static> Fixture for WithGuard<S, G> {
 /// `store_conformance!(name, run_if = READY, MAKE)` evaluates the `bool` expression `READY` at
 /// the start of every test, which returns at once (and passes) when it is false: for a backend
 /// whose server may be absent, `READY` checks that it answers and says so when it does not.
-#[doc(hidden)]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 #[macro_export]
 macro_rules! store_conformance {
     ($name:ident, run_if = $ready:expr, $make:expr $(,)?) => {
@@ -551,7 +551,7 @@ struct Expected {
 /// explores: what the store answers, and the record it keeps.
 #[doc(hidden)]
 pub async fn follows_the_protocol_on_random_histories<S: Store>(store: S) {
-    use rand::{Rng, SeedableRng, rngs::StdRng};
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
 
     use super::protocol::{self, ClaimRule, Existing};
 

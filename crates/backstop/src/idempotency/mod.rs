@@ -80,8 +80,11 @@
 //! - `protocol` holds the rules every store decides by (claim, fence, sweep, lease length),
 //!   model-checked with crashes, lease expiry and clock skew.
 //! - [`sweeper`] holds [`Sweeper`], the TTL reaper task.
-//! - [`conformance`] holds the suite every backend runs (`backstop::store_conformance!`).
+//! - `conformance` (feature `conformance`) holds the suite every backend runs
+//!   (`backstop::store_conformance!`).
 
+#[cfg(any(test, feature = "conformance"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 pub mod fingerprint;
 pub mod key;

@@ -50,6 +50,10 @@
 //! ```
 
 pub mod defaults;
+/// Route patterns (`METHOD /literal/{param}`) the table matches by; the server's metrics take
+/// their bounded labels from them too.
+#[cfg_attr(not(feature = "server"), allow(dead_code))]
+pub(crate) mod route;
 pub(crate) mod table;
 
 pub use self::defaults::{

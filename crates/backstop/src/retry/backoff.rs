@@ -45,7 +45,7 @@
 
 use std::time::Duration;
 
-use rand::Rng;
+use rand::{Rng, RngExt};
 
 use crate::policy::defaults::{
     DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP, DEFAULT_BACKOFF_FLOOR, DEFAULT_BACKOFF_MULTIPLIER,

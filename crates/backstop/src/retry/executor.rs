@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use rand::Rng;
+use rand::{Rng, RngExt};
 use tokio::time::Instant;
 
 use super::throttle::is_overload_refusal;
@@ -503,6 +503,7 @@ impl Attempts {
 
     /// The attempt could not run for lack of time (e.g. refused before it was sent because
     /// less than the peer's margin was left): the request stops on the deadline, as if cut off.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
     pub(crate) fn out_of_time(
         &mut self,
         policy: &RetryPolicy,

@@ -558,7 +558,7 @@ mod tests {
     /// trips it at the tenth call.
     #[tokio::test(start_paused = true)]
     async fn ten_percent_failing_at_random_is_no_storm_but_a_dead_dependency_is() {
-        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use rand::{RngExt, SeedableRng, rngs::StdRng};
 
         let alarm = StormAlarm::new("psp", StormConfig::default());
         assert_eq!(traffic(&alarm, 10, 3), 0);

@@ -151,7 +151,6 @@ pub mod rate_limit;
 pub mod tenant;
 
 mod reject;
-pub(crate) mod route;
 #[cfg(test)]
 pub(crate) mod testing;
 

@@ -467,6 +467,7 @@ mod tests {
         let http: Response<Bytes> = Problem::from_status(&status).into_response();
         assert_eq!(http.headers()[header::RETRY_AFTER], "45");
         // The client reads a negative pushback as "do not retry".
+        #[cfg(feature = "client")]
         assert_eq!(
             crate::client::classify::pushback(grpc.headers()),
             Some(Duration::MAX)

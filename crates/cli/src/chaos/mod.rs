@@ -31,7 +31,7 @@ use backstop_payment::psp_client::psp_reference;
 use clap::Args;
 use hdrhistogram::Histogram;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use rand::Rng;
+use rand::{Rng, RngExt};
 
 /// The standard normal quantile at 0.99.
 const Z99: f64 = 2.326_347_874;

@@ -20,7 +20,7 @@ use backstop::retry::{
 };
 use backstop::status::{Code, Status, problem};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use tokio::time::Instant;
 
 use super::dist::{LogNormal, exponential_nanos};

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// The most faults the scripted queue holds; longer scripts are refused.
@@ -165,7 +165,7 @@ impl FaultControl {
         faults.validate()?;
         let rng = match seed {
             Some(seed) => StdRng::seed_from_u64(seed),
-            None => StdRng::from_os_rng(),
+            None => rand::make_rng(),
         };
         Ok(FaultControl {
             inner: Arc::new(Mutex::new(FaultState {

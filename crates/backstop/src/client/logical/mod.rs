@@ -29,14 +29,18 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{HeaderName, HeaderValue, Request, Response};
-use tower::{BoxError, ServiceExt};
+use tower::BoxError;
+#[cfg(feature = "sqlite")]
+use tower::ServiceExt;
 use tower_service::Service;
 
+#[cfg(feature = "sqlite")]
 use crate::client::classify::response_status;
 use crate::client::future::LayerFuture;
 use crate::client::select::Selected;
 use crate::idempotency::IdempotencyKey;
 use crate::policy::Idempotency;
+#[cfg(feature = "sqlite")]
 use crate::status::RetryClass;
 
 /// The key's header (HTTP) and metadata key (gRPC): `idempotency-key`.

@@ -98,6 +98,7 @@ pub(crate) fn sweepable(
 /// instance decides that the lease has ended by its wall clock. Two wall clocks may differ by up
 /// to twice the bound each keeps to true time, so the lease outlasts the work by that much: a
 /// takeover can then never start while the holder may still be working.
+#[cfg_attr(not(feature = "server"), allow(dead_code))]
 pub(crate) fn lease_for(
     route_lease: Duration,
     budget: Option<Duration>,

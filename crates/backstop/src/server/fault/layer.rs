@@ -92,7 +92,7 @@ impl FaultLayer {
         self.shared = active.then(|| {
             let rng = match self.seed {
                 Some(seed) => StdRng::seed_from_u64(seed),
-                None => StdRng::from_os_rng(),
+                None => rand::make_rng(),
             };
             Arc::new(Faults {
                 abort_percent: self.abort_percent,

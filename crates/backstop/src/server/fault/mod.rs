@@ -44,7 +44,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
-use rand::Rng;
+use rand::RngExt;
 use rand::rngs::StdRng;
 use tower_service::Service;
 

@@ -10,8 +10,8 @@ use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
 use crate::policy::MethodPolicies;
+use crate::policy::route::RoutePattern;
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
-use crate::server::route::RoutePattern;
 
 /// Applies [`Idempotency`] to the keyed methods of a [`MethodPolicies`] table (and to routes
 /// declared one by one with [`IdempotencyLayer::keyed`]).

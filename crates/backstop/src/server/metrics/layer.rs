@@ -7,7 +7,7 @@ use metrics::SharedString;
 use tower_layer::Layer;
 
 use super::{Metrics, Route};
-use crate::server::route::{OTHER_LABELS, RoutePattern, other_index};
+use crate::policy::route::{OTHER_LABELS, RoutePattern, other_index};
 
 /// Names the route of a request from its method and path: must return one of a small, fixed
 /// set of names (never a value taken from the path).
