@@ -141,7 +141,28 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match self.project().kind.project() {
+        self.project().kind.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.kind.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.kind.size_hint()
+    }
+}
+
+/// Both bodies are this: the inner body, or bytes (and, for answers, trailers) in memory.
+impl<B: Body<Data = Bytes>> Body for Kind<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project() {
             KindProj::Inner { body } => body.poll_frame(cx),
             KindProj::Buffered { data, trailers } => Poll::Ready(
                 data.take()
@@ -153,14 +174,14 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
+        match self {
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Buffered { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
+        match self {
             Kind::Inner { body } => body.size_hint(),
             Kind::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
@@ -176,21 +197,7 @@ pin_project! {
     #[derive(Debug)]
     pub struct RequestBody<B> {
         #[pin]
-        kind: RequestKind<B>,
-    }
-}
-
-pin_project! {
-    #[project = RequestKindProj]
-    #[derive(Debug)]
-    enum RequestKind<B> {
-        Inner {
-            #[pin]
-            body: B,
-        },
-        Buffered {
-            data: Option<Bytes>,
-        },
+        kind: Kind<B>,
     }
 }
 
@@ -198,22 +205,23 @@ impl<B> RequestBody<B> {
     /// The request's own body, unread.
     pub fn inner(body: B) -> Self {
         Self {
-            kind: RequestKind::Inner { body },
+            kind: Kind::Inner { body },
         }
     }
 
     /// The whole body, already read.
     pub fn buffered(data: Bytes) -> Self {
         Self {
-            kind: RequestKind::Buffered {
+            kind: Kind::Buffered {
                 data: (!data.is_empty()).then_some(data),
+                trailers: None,
             },
         }
     }
 
     /// Whether the body was read by a layer.
     pub fn is_buffered(&self) -> bool {
-        matches!(self.kind, RequestKind::Buffered { .. })
+        matches!(self.kind, Kind::Buffered { .. })
     }
 }
 
@@ -237,26 +245,15 @@ impl<B: Body<Data = Bytes>> Body for RequestBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match self.project().kind.project() {
-            RequestKindProj::Inner { body } => body.poll_frame(cx),
-            RequestKindProj::Buffered { data } => Poll::Ready(data.take().map(Frame::data).map(Ok)),
-        }
+        self.project().kind.poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            RequestKind::Inner { body } => body.is_end_stream(),
-            RequestKind::Buffered { data } => data.is_none(),
-        }
+        self.kind.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            RequestKind::Inner { body } => body.size_hint(),
-            RequestKind::Buffered { data } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
-        }
+        self.kind.size_hint()
     }
 }
 
