@@ -15,7 +15,7 @@ use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination};
 use backstop::idempotency::MemoryStore;
-use backstop::policy::{Idempotency, MethodPolicy};
+use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
 use backstop::server::{ServerStack, ServerStackBody};
 use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
@@ -176,7 +176,14 @@ fn server(c: &mut Criterion) {
             NonZeroUsize::new(1024).expect("non-zero"),
         ))
         .gate(Gate::new(100_000, Duration::from_millis(1)))
-        .route(Method::POST, "/v1/echo")
+        // The route named in the metrics, as a service's table names it.
+        .policies(
+            MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build()).route(
+                Method::POST,
+                "/v1/echo",
+                MethodPolicy::builder("Echo", Idempotency::Unsafe).build(),
+            ),
+        )
         .into_layer()
         // The same handler, taking the body the stack hands on.
         .layer(service_fn(

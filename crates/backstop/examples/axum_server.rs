@@ -19,7 +19,8 @@ use axum::{Extension, Router};
 use backstop::Deadline;
 use backstop::admission::Gate;
 use backstop::idempotency::{IdempotencyKey, MemoryStore};
-use backstop::server::{KeyedRoute, ServerStack};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+use backstop::server::ServerStack;
 use http::{Method, StatusCode};
 use tokio::sync::Notify;
 
@@ -57,9 +58,16 @@ async fn report(State(app): State<App>) -> &'static str {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
+    // The service's methods, described once: POST /v1/payments needs an `Idempotency-Key`
+    // and its answers are kept 7 days; anything else is sent once and never replayed.
+    let pay_policy = MethodPolicy::builder("Pay", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .build();
+    let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .route(Method::POST, "/v1/payments", pay_policy)
+        .validated()?;
     let stack = ServerStack::new("payments", MemoryStore::new())
-        // POST /v1/payments needs an `Idempotency-Key`; answers are kept 7 days.
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .policies(policies)
         // One request at a time so that one slow request fills the gate; a request that takes
         // at least 100 ms is not worth admitting with less budget than that left.
         .gate(Gate::new(1, Duration::from_millis(100)));

@@ -27,9 +27,8 @@ use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::db::sqlite::{SqliteOptions, Synchronous};
 use backstop::idempotency::MemoryStore;
 use backstop::idempotency::sqlite::SqliteStore;
-use backstop::server::{
-    DeadlineLayer, GateLayer, KeyedRoute, MetricsLayer, RateLimitLayer, ServerStack,
-};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+use backstop::server::{DeadlineLayer, GateLayer, MetricsLayer, RateLimitLayer, ServerStack};
 use http::Method;
 use serde_json::Value;
 
@@ -99,17 +98,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = match mode.as_str() {
         "bare" => router,
         "stack" => router.layer(stack.into_layer()),
-        "keyed" | "keyed_normal" => router.layer(
-            stack
-                .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
-                .into_layer(),
-        ),
+        "keyed" | "keyed_normal" => router.layer(stack.policies(keyed_payments()).into_layer()),
         // The same on the in-memory store: the idempotency layer's own cost, without SQLite.
         "keyed_memory" => router.layer(
             ServerStack::new("bench", MemoryStore::new())
                 .tenant_buckets(buckets())
                 .gate(gate())
-                .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+                .policies(keyed_payments())
                 .into_layer(),
         ),
         // One layer alone, to attribute the stack's cost.
@@ -133,6 +128,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// The baseline a team would write by hand: see the module docs.
+/// `POST /v1/payments` keyed, its answers kept for the payments TTL.
+fn keyed_payments() -> MethodPolicies {
+    let pay = MethodPolicy::builder("Pay", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .build();
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build()).route(
+        Method::POST,
+        "/v1/payments",
+        pay,
+    )
+}
+
 mod handrolled {
     use std::sync::{Arc, Mutex, PoisonError};
 

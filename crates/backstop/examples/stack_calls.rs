@@ -24,11 +24,11 @@ use backstop::client::transparent::TransparentRetry;
 use backstop::client::{ClientStack, Destination};
 use backstop::deadline::Deadline;
 use backstop::idempotency::MemoryStore;
-use backstop::policy::{Idempotency, MethodPolicy};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
 use backstop::server::body::RequestBody;
 use backstop::server::{
-    DeadlineLayer, GateLayer, IdempotencyLayer, KeyedRoute, MetricsLayer, RateLimitLayer,
-    ServerStack, ServerStackBody, TenantLayer,
+    DeadlineLayer, GateLayer, IdempotencyLayer, MetricsLayer, RateLimitLayer, ServerStack,
+    ServerStackBody, TenantLayer,
 };
 use bytes::Bytes;
 use http::{Method, Request, Response};
@@ -241,7 +241,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let stack = ServerStack::new("bench", MemoryStore::new())
                     .tenant_buckets(unlimited_buckets())
                     .gate(wide_gate())
-                    .keyed(Method::POST, "/v1/echo", KeyedRoute::payments())
+                    .policies(echo_policies(Idempotency::Keyed))
                     .into_layer()
                     .layer(handler::<ServerStackBody<axum::body::Body>>());
                 for i in 0..calls {
@@ -257,7 +257,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let stack = ServerStack::new("bench", MemoryStore::new())
                     .tenant_buckets(unlimited_buckets())
                     .gate(wide_gate())
-                    .route(Method::POST, "/v1/echo")
+                    .policies(echo_policies(Idempotency::Unsafe))
                     .into_layer()
                     .layer(handler::<ServerStackBody<axum::body::Body>>());
                 serve(stack, calls).await?;
@@ -286,4 +286,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // that their cost is counted.
     metrics.run_upkeep();
     result
+}
+
+/// `POST /v1/echo` as a service's table names it: `idempotency` (`Keyed` with the payments
+/// TTL, or `Unsafe`), everything else `Unsafe`.
+fn echo_policies(idempotency: Idempotency) -> MethodPolicies {
+    let mut echo = MethodPolicy::builder("Echo", idempotency);
+    if idempotency == Idempotency::Keyed {
+        echo = echo.key_ttl(KEY_TTL_PAYMENTS);
+    }
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build()).route(
+        Method::POST,
+        "/v1/echo",
+        echo.build(),
+    )
 }

@@ -31,9 +31,9 @@ use std::time::Duration;
 
 use backstop::admission::Gate;
 use backstop::idempotency::{IdempotencyKey, MemoryStore};
-use backstop::server::{KeyedRoute, ServerStack};
+use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+use backstop::server::ServerStack;
 use bytes::Bytes;
-use http::Method;
 use http::uri::PathAndQuery;
 use http_body::Body;
 use tokio::sync::Notify;
@@ -142,9 +142,16 @@ impl Payments {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
+    // Charge needs an `idempotency-key` (metadata) and its answers are kept 7 days; the
+    // table names it by its gRPC path, `/package.Service/Method`.
+    let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .build();
+    let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .method(CHARGE, charge)
+        .validated()?;
     let stack = ServerStack::new("payments", MemoryStore::new())
-        // The route is the gRPC path: every gRPC call is a POST to `/package.Service/Method`.
-        .keyed(Method::POST, CHARGE, KeyedRoute::payments())
+        .policies(policies)
         // One call at a time so that one slow call fills the gate; a call that takes at least
         // 100 ms is not worth admitting with less budget than that left.
         .gate(Gate::new(1, Duration::from_millis(100)));

@@ -100,7 +100,8 @@
 //! ```
 //! use axum::{Extension, Json, Router, routing::post};
 //! use backstop::idempotency::{IdempotencyKey, MemoryStore};
-//! use backstop::server::{KeyedRoute, ServerStack};
+//! use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+//! use backstop::server::ServerStack;
 //! use http::{Method, Request, StatusCode};
 //! use tower::ServiceExt;
 //!
@@ -110,11 +111,21 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
+//! // Every method described once; the clients of the service can use the same table.
+//! let pay_policy = MethodPolicy::builder("Pay", Idempotency::Keyed)
+//!     .key_ttl(KEY_TTL_PAYMENTS)
+//!     .build();
+//! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+//!     .route(Method::POST, "/v1/payments", pay_policy)
+//!     .validated()
+//!     .unwrap();
 //! let stack = ServerStack::new("payments", MemoryStore::new())
-//!     .keyed(Method::POST, "/v1/payments", KeyedRoute::payments());
+//!     .policies(policies)
+//!     // The route axum matched, so the table is looked up by the router's own match.
+//!     .matched_path_from(|ext| ext.get::<axum::extract::MatchedPath>().map(|m| m.as_str()));
 //! let app = Router::new()
 //!     .route("/v1/payments", post(pay))
-//!     .layer(stack.into_layer());
+//!     .route_layer(stack.into_layer());
 //!
 //! let request = || {
 //!     Request::post("/v1/payments")

@@ -23,8 +23,8 @@ use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::MemoryStore;
 use backstop::server::body::RequestBody;
 use backstop::server::{
-    DeadlineLayer, FaultLayer, GateLayer, IdempotencyLayer, KeyedRoute, RateLimitLayer,
-    ServerStack, Tenant, TenantLayer,
+    DeadlineLayer, FaultLayer, GateLayer, IdempotencyLayer, RateLimitLayer, ServerStack, Tenant,
+    TenantLayer,
 };
 use backstop::status::{Code, Status};
 use bytes::Bytes;
@@ -37,6 +37,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
+use support::policies::keyed;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
 use tower::{BoxError, Layer, Service, service_fn};
@@ -351,14 +352,12 @@ fn fault_layer() -> FaultLayer {
 
 fn idempotency_layer() -> IdempotencyLayer<MemoryStore> {
     IdempotencyLayer::new(MemoryStore::new())
-        .keyed(Method::POST, "/pay", KeyedRoute::sync())
-        .keyed(Method::POST, SAY, KeyedRoute::sync())
+        .policies(keyed(&[(Method::POST, "/pay"), (Method::POST, SAY)]))
 }
 
 fn stack_layer() -> backstop::server::ServerStackLayer<MemoryStore> {
     ServerStack::new("any_server", MemoryStore::new())
-        .keyed(Method::POST, "/pay", KeyedRoute::sync())
-        .keyed(Method::POST, SAY, KeyedRoute::sync())
+        .policies(keyed(&[(Method::POST, "/pay"), (Method::POST, SAY)]))
         .gate(Gate::new(8, Duration::from_millis(1)))
         .into_layer()
 }
@@ -746,4 +745,8 @@ async fn server_stack_on_axum() {
     let app = App::default();
     let addr = serve_axum!(stack_layer(), app);
     expect_server_stack_over_http(addr, &app).await;
+}
+
+mod support {
+    pub(crate) mod policies;
 }

@@ -19,7 +19,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::{IdempotencyKey, MemoryStore, Store};
-use backstop::server::{KeyedRoute, ServerStack, Tenant};
+use backstop::server::{ServerStack, Tenant};
 use backstop::status::{Code, Status};
 use bytes::Bytes;
 use http::Method;
@@ -27,6 +27,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use serde_json::{Value, json};
+use support::policies::{buffered, keyed};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -89,8 +90,11 @@ struct Server {
 async fn start<St: Store>(store: St, max_inflight: usize) -> Server {
     let app = App::default();
     let stack = ServerStack::new("payments", store)
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
-        .buffered(Method::POST, "/v1/lookup")
+        .policies(keyed(&[(Method::POST, "/v1/payments")]).route(
+            Method::POST,
+            "/v1/lookup",
+            buffered("Lookup"),
+        ))
         .authenticate(authenticate)
         // Quotas are not under test: hundreds of requests a second per merchant.
         .tenant_buckets(KeyedTokenBucket::new(
@@ -411,9 +415,11 @@ mod sqlite {
     }
 }
 
-#[cfg(feature = "postgres")]
 mod support {
+    pub(crate) mod policies;
+    #[cfg(feature = "postgres")]
     pub(crate) mod postgres_schema;
+    #[cfg(feature = "postgres")]
     pub(crate) mod services;
 }
 

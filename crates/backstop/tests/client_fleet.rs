@@ -26,7 +26,7 @@ use backstop::client::{ClientStack, Destination};
 use backstop::idempotency::MemoryStore;
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::retry::RetryBudget;
-use backstop::server::{KeyedRoute, ServerStack};
+use backstop::server::ServerStack;
 use bytes::Bytes;
 use http::{Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
@@ -34,6 +34,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use support::policies::keyed;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -408,7 +409,7 @@ async fn rolling_restart(hedging: bool) {
                 Quota::per_second(unlimited, unlimited),
                 NonZeroUsize::new(16).unwrap(),
             ))
-            .keyed(Method::POST, "/v1/payments", KeyedRoute::payments());
+            .policies(keyed(&[(Method::POST, "/v1/payments")]));
         Router::new()
             .route("/v1/payments", post(handler))
             .layer(server.into_layer())
@@ -515,4 +516,8 @@ async fn rolling_restart(hedging: bool) {
     // stream on the old one was answered before its GOAWAY: so only the reconnects are
     // asserted (more than 200 calls follow the first restart, spread over three replicas).
     assert!(reconnects.load(Ordering::SeqCst) > 0);
+}
+
+mod support {
+    pub(crate) mod policies;
 }

@@ -20,10 +20,11 @@ use backstop::client::{ClientStack, Destination};
 use backstop::deadline::decode_grpc_timeout;
 use backstop::idempotency::MemoryStore;
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
-use backstop::server::{KeyedRoute, ServerStack};
+use backstop::server::ServerStack;
 use bytes::Bytes;
 use http::{Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
+use support::policies::keyed;
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
 
@@ -137,11 +138,8 @@ async fn retries_through_the_server_stack_charge_once() {
             (StatusCode::CREATED, "charged")
         }
     };
-    let server = ServerStack::new("payments", MemoryStore::new()).keyed(
-        Method::POST,
-        "/v1/payments",
-        KeyedRoute::payments(),
-    );
+    let server = ServerStack::new("payments", MemoryStore::new())
+        .policies(keyed(&[(Method::POST, "/v1/payments")]));
     let app = Router::new()
         .route("/v1/payments", post(handler))
         .layer(server.into_layer());
@@ -350,4 +348,8 @@ async fn a_refused_http2_stream_is_sent_again_transparently() {
     assert_eq!(streams.load(Ordering::SeqCst), 2);
     assert!(response.extensions().get::<RetryStopped>().is_none());
     assert_eq!(psp.retry_budget().available(), 19.0);
+}
+
+mod support {
+    pub(crate) mod policies;
 }

@@ -17,10 +17,11 @@ use axum::routing::post;
 use axum::{Extension, Json, Router};
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::idempotency::{Fingerprint, IdempotencyKey, MemoryStore, RecordStatus, Store};
-use backstop::server::{KeyedRoute, ServerStack, Tenant};
+use backstop::server::{ServerStack, Tenant};
 use backstop::status::{Code, Status};
 use http::Method;
 use serde_json::{Value, json};
+use support::policies::keyed;
 use tokio::sync::{Notify, Semaphore};
 
 /// What the handler does, chosen by the request's `order_id`:
@@ -108,7 +109,7 @@ struct Server {
 
 fn stack(store: &MemoryStore) -> ServerStack<MemoryStore> {
     ServerStack::new("payments", store.clone())
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .policies(keyed(&[(Method::POST, "/v1/payments")]))
         .authenticate(authenticate)
 }
 
@@ -475,4 +476,8 @@ async fn one_merchants_key_never_replays_anothers_response() {
         .await;
     assert_eq!(acme_again.body, acme.body);
     assert_eq!(acme_again.json()["merchant"], "acme");
+}
+
+mod support {
+    pub(crate) mod policies;
 }

@@ -32,7 +32,7 @@ use backstop::admission::{KeyedTokenBucket, Quota};
 use backstop::client::replay::ReplayBody;
 use backstop::client::{ClientStack, Destination, connect};
 use backstop::idempotency::MemoryStore;
-use backstop::policy::{Idempotency, MethodPolicy};
+use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
 use backstop::server::ServerStack;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;
 use backstop_payment::grpc::proto::payment_server::{Payment, PaymentServer};
@@ -90,8 +90,12 @@ fn server_stack() -> ServerStack<MemoryStore> {
             100_000,
             Duration::from_millis(1),
         ))
-        .route(Method::POST, GET_CHARGE)
-        .route(Method::POST, "/v1/echo")
+        // The methods named in the metrics, as a service's table names them.
+        .policies(
+            MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+                .method(GET_CHARGE, contract("GetCharge"))
+                .route(Method::POST, "/v1/echo", contract("Echo")),
+        )
 }
 
 fn contract(name: &str) -> MethodPolicy {

@@ -36,11 +36,18 @@ async fn unknown_paths_and_methods_appear_in_metrics() {
         wrong_method.header("content-type"),
         Some("application/problem+json")
     );
+    // On a route the server stack sits on (only the routes, not their 405s): counted the same.
+    let wrong_method_on_payments = send(Method::PUT, "/v1/payments").await;
+    assert_eq!(
+        wrong_method_on_payments.status,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+    assert_eq!(wrong_method_on_payments.code(), "method_not_allowed");
 
     let scrape = String::from_utf8(h.get("/metrics", &[]).await.bytes).unwrap();
     assert_eq!(
         requests_total(&scrape, &["method=\"unmatched\"", "outcome=\"fatal\""]),
-        3,
+        4,
         "{scrape}"
     );
     assert!(!scrape.contains("wp-login"), "never the path as a label");

@@ -109,6 +109,7 @@ pub struct MethodPolicy {
     min_hedge_delay: Duration,
     key_ttl: Option<Duration>,
     rate_class: String,
+    buffer_body: bool,
 }
 
 /// Builder for [`MethodPolicy`]; check the result with [`MethodPolicy::validate`].
@@ -201,6 +202,7 @@ impl MethodPolicy {
                 min_hedge_delay: Duration::ZERO,
                 key_ttl: None,
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
+                buffer_body: false,
             },
         }
     }
@@ -268,9 +270,17 @@ impl MethodPolicy {
         self.key_ttl
     }
 
-    /// The rate-limit class.
+    /// The rate-limit class: the server's rate limit spends the caller's tokens in this
+    /// class's buckets (`RateLimitLayer::class` in `server::rate_limit`).
     pub fn rate_class(&self) -> &str {
         &self.rate_class
+    }
+
+    /// Whether a server reads a request's whole body before admitting it (always for `Keyed`
+    /// methods, whose body is fingerprinted): a client sending such a body slowly then holds
+    /// no concurrency permit. For unary calls with small bodies; never a streaming method.
+    pub fn buffers_body(&self) -> bool {
+        self.buffer_body || self.requires_key()
     }
 
     /// Checks the policy (see [`InvalidPolicy`]).
@@ -362,9 +372,18 @@ impl MethodPolicyBuilder {
         self
     }
 
-    /// The rate-limit class.
+    /// The rate-limit class (default [`DEFAULT_RATE_CLASS`]): a server may give each class
+    /// its own quota, so that, say, status polls do not spend the tokens charges need.
     pub fn rate_class(mut self, class: impl Into<String>) -> Self {
         self.policy.rate_class = class.into();
+        self
+    }
+
+    /// Has a server read the whole request body before admission (default: only for `Keyed`
+    /// methods; see [`MethodPolicy::buffers_body`]). Within the server's body and message
+    /// caps; for unary calls only.
+    pub fn buffer_body(mut self, buffer: bool) -> Self {
+        self.policy.buffer_body = buffer;
         self
     }
 

@@ -151,16 +151,18 @@ pub mod rate_limit;
 pub mod tenant;
 
 mod reject;
+mod select;
 #[cfg(test)]
 pub(crate) mod testing;
 
 pub use self::deadline::DeadlineLayer;
 pub use self::fault::FaultLayer;
 pub use self::gate::GateLayer;
-pub use self::idempotency::{IdempotencyLayer, KeyedRoute, MatchedPathFn};
+pub use self::idempotency::{IdempotencyLayer, KeyedRoute};
 pub use self::metrics::MetricsLayer;
 pub use self::problem::Problem;
 pub use self::rate_limit::RateLimitLayer;
+pub use self::select::MatchedPathFn;
 pub use self::tenant::{Tenant, TenantLayer};
 
 use std::num::{NonZeroU32, NonZeroUsize};
@@ -215,7 +217,7 @@ impl<St: Store> ServerStack<St> {
     /// A stack labelled `service` keeping idempotency records in `store`, with the defaults:
     /// 10 s deadline (60 s max), no route names, no tenant resolution, 100 req/s per tenant
     /// with bursts of 200, 1024 requests in flight with a 5 ms minimal service time, and no keyed
-    /// routes.
+    /// methods until it is given its [policies](Self::policies).
     pub fn new(service: impl Into<String>, store: St) -> Self {
         Self {
             policies: None,
@@ -246,12 +248,6 @@ impl<St: Store> ServerStack<St> {
     /// Replaces the metrics layer.
     pub fn metrics(mut self, layer: MetricsLayer) -> Self {
         self.metrics = layer;
-        self
-    }
-
-    /// Names a route in the metrics (see [`MetricsLayer::route`]).
-    pub fn route(mut self, method: Method, pattern: &str) -> Self {
-        self.metrics = self.metrics.route(method, pattern);
         self
     }
 
@@ -304,10 +300,13 @@ impl<St: Store> ServerStack<St> {
         self
     }
 
-    /// The methods' policies, the same table the clients use: its `Keyed` methods are the
-    /// keyed routes (see [`IdempotencyLayer::policies`]), and its gRPC paths (as `POST`) and
-    /// HTTP routes are named in the metrics. Applied when the layer is made, whatever
-    /// [`ServerStack::idempotency`] or [`ServerStack::metrics`] replaced.
+    /// The methods' policies, the same table the clients use, and the stack's only list of
+    /// methods: its `Keyed` methods are the keyed routes and its `buffer_body` ones are read
+    /// before the gate (see [`IdempotencyLayer::policies`]), the rate limit spends from each
+    /// method's rate class (see [`RateLimitLayer::class`]), and its gRPC paths (as `POST`)
+    /// and HTTP routes are named in the metrics. Applied when the layer is made, whatever
+    /// [`ServerStack::idempotency`], [`ServerStack::rate_limit`] or
+    /// [`ServerStack::metrics`] replaced.
     pub fn policies(mut self, policies: MethodPolicies) -> Self {
         self.policies = Some(policies);
         self
@@ -327,22 +326,6 @@ impl<St: Store> ServerStack<St> {
         self
     }
 
-    /// Declares a keyed route outside the [policies](Self::policies) (see
-    /// [`IdempotencyLayer::keyed`]); it is also named in the metrics.
-    pub fn keyed(mut self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
-        self.metrics = self.metrics.route(method.clone(), pattern);
-        self.idempotency = self.idempotency.keyed(method, pattern, route);
-        self
-    }
-
-    /// Names a route that is not keyed in the metrics and has its whole body read before the
-    /// gate (see [`IdempotencyLayer::buffered`]): for unary calls, never a streaming route.
-    pub fn buffered(mut self, method: Method, pattern: &str) -> Self {
-        self.metrics = self.metrics.route(method.clone(), pattern);
-        self.idempotency = self.idempotency.buffered(method, pattern);
-        self
-    }
-
     /// The finished layer.
     pub fn into_layer(mut self) -> ServerStackLayer<St> {
         if let Some(policies) = self.policies.take() {
@@ -353,7 +336,11 @@ impl<St: Store> ServerStack<St> {
                     Key::Fallback | Key::Service(_) => self.metrics,
                 };
             }
-            self.idempotency = self.idempotency.policies(policies);
+            let policies = std::sync::Arc::new(policies);
+            self.rate_limit = self
+                .rate_limit
+                .policies_shared(policies.clone(), self.matched_path);
+            self.idempotency = self.idempotency.policies_shared(policies);
         }
         if let Some(lease) = self.lease {
             self.idempotency = self.idempotency.lease(lease);

@@ -169,3 +169,14 @@ pub(crate) fn flat(
 ) -> Response<Bytes> {
     response.map(crate::server::body::ResponseBody::into_bytes)
 }
+
+/// A table in which `method pattern` (an HTTP route, or a gRPC path as `POST`) is `Keyed`,
+/// its keys kept for the payments TTL, and everything else `Unsafe`.
+pub(crate) fn keyed(method: http::Method, pattern: &str) -> crate::policy::MethodPolicies {
+    use crate::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+    let keyed = MethodPolicy::builder("Keyed", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .build();
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .route(method, pattern, keyed)
+}

@@ -32,7 +32,7 @@ fn post(key: &str, timeout: Option<&str>) -> Request<Body> {
 
 fn stack(store: &MemoryStore) -> ServerStack<MemoryStore> {
     ServerStack::new("payments", store.clone())
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .policies(crate::server::testing::keyed(Method::POST, "/v1/payments"))
         .authenticate(|head| match head.headers.get("authorization") {
             Some(v) if v == "Bearer acme" => Ok(Tenant::new("acme")),
             _ => Err(Status::new(crate::status::Code::Unauthenticated, "bad key")),

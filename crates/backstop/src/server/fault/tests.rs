@@ -160,12 +160,12 @@ fn percentages_outside_0_to_100_are_refused() {
 #[tokio::test(start_paused = true)]
 async fn in_the_stack_an_aborted_attempt_leaves_its_key_unused() {
     use crate::idempotency::MemoryStore;
-    use crate::server::{KeyedRoute, ServerStack, ServerStackBody};
+    use crate::server::{ServerStack, ServerStackBody};
 
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
     let svc = ServerStack::new("payments", MemoryStore::new())
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .policies(crate::server::testing::keyed(Method::POST, "/v1/payments"))
         .fault(FaultLayer::none().abort_percent(50.0).unwrap().seeded(3))
         .into_layer()
         .layer(service_fn(

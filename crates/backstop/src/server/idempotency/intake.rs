@@ -14,8 +14,9 @@
 //!   `request_in_progress` + `Retry-After`. A waiter is woken at once when the attempt runs
 //!   on the same instance.
 //!
-//! Routes declared with [`IdempotencyLayer::buffered`](super::IdempotencyLayer::buffered)
-//! (unary calls that are not keyed) have their bodies read here too, within the same caps.
+//! Requests of methods that are not keyed but whose policy
+//! [buffers the body](crate::policy::MethodPolicy::buffers_body) (unary calls) have their
+//! bodies read here too, within the same caps.
 //!
 //! The key, fingerprint and body read here travel to [`Idempotency`](super::Idempotency) as a
 //! request extension, so the request is read and fingerprinted once.
@@ -36,7 +37,7 @@ use tower::ServiceExt;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::layer::Shared;
+use super::layer::{IntakeKind, Shared};
 use super::{BoxError, InProgress, KeyedRoute, prepare, read_body};
 use crate::clock::Clock;
 use crate::deadline::Deadline;
@@ -88,7 +89,10 @@ impl<St> Clone for IntakeLayer<St> {
 impl<St> fmt::Debug for IntakeLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IntakeLayer")
-            .field("routes", &self.shared.routes)
+            .field(
+                "policies",
+                &self.shared.lookup.as_ref().map(|l| &l.policies),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -149,8 +153,8 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let route = self.shared.route_of(&request);
-        if route.is_none() && !self.shared.is_buffered(&request) {
+        let kind = self.shared.intake_of(&request);
+        if let IntakeKind::Unread = kind {
             return IntakeFuture {
                 kind: Kind::Passthrough {
                     fut: self.inner.call(request.map(RequestBody::inner)),
@@ -161,9 +165,9 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        let fut: Keyed<ResBody, S::Error> = match route {
-            Some(route) => Box::pin(intake(shared, route, inner, request)),
-            None => Box::pin(buffer(shared, inner, request)),
+        let fut: Keyed<ResBody, S::Error> = match kind {
+            IntakeKind::Keyed(route) => Box::pin(intake(shared, route, inner, request)),
+            IntakeKind::Buffered | IntakeKind::Unread => Box::pin(buffer(shared, inner, request)),
         };
         IntakeFuture {
             kind: Kind::Keyed { fut },

@@ -2,7 +2,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Extensions, HeaderName, Method, Request, header};
+use http::{HeaderName, Method, Request, header};
 use tower_layer::Layer;
 
 use super::settled::Settled;
@@ -10,11 +10,11 @@ use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
 use crate::policy::MethodPolicies;
-use crate::policy::route::RoutePattern;
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
+use crate::server::select::{MatchedPathFn, PolicyLookup};
 
-/// Applies [`Idempotency`] to the keyed methods of a [`MethodPolicies`] table (and to routes
-/// declared one by one with [`IdempotencyLayer::keyed`]).
+/// Applies [`Idempotency`] to the keyed methods of a [`MethodPolicies`] table: the one place
+/// a service says which of its methods are keyed (see [`IdempotencyLayer::policies`]).
 ///
 /// Clones share the store, the clock and the table.
 pub struct IdempotencyLayer<St> {
@@ -24,15 +24,13 @@ pub struct IdempotencyLayer<St> {
 pub(super) struct Shared<St> {
     pub(super) store: St,
     pub(super) clock: Arc<dyn Clock>,
-    pub(super) routes: Vec<(RoutePattern, KeyedRoute)>,
-    /// The methods' policies: a request whose policy is `Keyed` is a keyed route.
-    pub(super) policies: Option<Arc<MethodPolicies>>,
-    /// The lease of the keyed methods of `policies`.
-    pub(super) lease: Duration,
-    /// The route template the application's router matched, when it put one on the request.
+    /// The methods' policies (a request whose policy is `Keyed` is a keyed route), and where
+    /// the route template the application's router matched is found.
+    pub(super) lookup: Option<PolicyLookup>,
+    /// Set before the table, kept for it.
     pub(super) matched_path: Option<MatchedPathFn>,
-    /// Routes that are not keyed whose bodies the intake reads before the gate.
-    pub(super) buffered: Vec<RoutePattern>,
+    /// The lease of the keyed methods.
+    pub(super) lease: Duration,
     pub(super) max_body: usize,
     pub(super) max_message: usize,
     pub(super) stored_headers: Vec<HeaderName>,
@@ -41,10 +39,6 @@ pub(super) struct Shared<St> {
     /// Bound on any instance's wall-clock error; leases outlast work by twice this.
     pub(super) max_clock_skew: Duration,
 }
-
-/// Reads the route template the application's router matched from a request's extensions
-/// (with axum: `|ext| ext.get::<MatchedPath>().map(MatchedPath::as_str)`).
-pub type MatchedPathFn = for<'a> fn(&'a Extensions) -> Option<&'a str>;
 
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
@@ -57,8 +51,10 @@ impl<St> Clone for IdempotencyLayer<St> {
 impl<St> fmt::Debug for IdempotencyLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("routes", &self.shared.routes)
-            .field("policies", &self.shared.policies)
+            .field(
+                "policies",
+                &self.shared.lookup.as_ref().map(|l| &l.policies),
+            )
             .field("max_body", &self.shared.max_body)
             .field("max_message", &self.shared.max_message)
             .field("stored_headers", &self.shared.stored_headers)
@@ -67,18 +63,16 @@ impl<St> fmt::Debug for IdempotencyLayer<St> {
 }
 
 impl<St: Store> IdempotencyLayer<St> {
-    /// A layer over `store` with no keyed routes yet, the system clock, a 1 MiB body cap, a
+    /// A layer over `store` with no keyed methods yet (see [`policies`](Self::policies)), the system clock, a 1 MiB body cap, a
     /// 4 MiB gRPC message cap and `Content-Type` and `Location` as the stored headers.
     pub fn new(store: St) -> Self {
         Self {
             shared: Arc::new(Shared {
                 store,
                 clock: Arc::new(SystemClock),
-                routes: Vec::new(),
-                policies: None,
-                lease: super::DEFAULT_LEASE,
+                lookup: None,
                 matched_path: None,
-                buffered: Vec::new(),
+                lease: super::DEFAULT_LEASE,
                 max_body: DEFAULT_MAX_BODY,
                 max_message: DEFAULT_MAX_MESSAGE,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
@@ -94,8 +88,21 @@ impl<St: Store> IdempotencyLayer<St> {
     /// [lease](Self::lease). The same table the clients use, so a method is described once.
     /// Give it validated (a keyed policy without a key TTL is kept [`KeyedRoute::sync`]'s
     /// 24 hours).
+    /// A request whose policy says [`buffers_body`](crate::policy::MethodPolicy::buffers_body)
+    /// but is not keyed has its whole body read by the [intake](Self::intake) before the gate,
+    /// within the same caps (a body or message over them is refused as on a keyed route).
     pub fn policies(self, policies: MethodPolicies) -> Self {
-        self.edit(|s| s.policies = Some(Arc::new(policies)))
+        self.policies_shared(Arc::new(policies))
+    }
+
+    /// [`policies`](Self::policies), sharing a table other layers read too.
+    pub(crate) fn policies_shared(self, policies: Arc<MethodPolicies>) -> Self {
+        self.edit(|s| {
+            s.lookup = Some(PolicyLookup {
+                policies,
+                matched_path: s.matched_path,
+            })
+        })
     }
 
     /// The claim lease of the keyed methods of the [policies](Self::policies) (default 5 s).
@@ -108,21 +115,12 @@ impl<St: Store> IdempotencyLayer<St> {
     /// matching the path again. Without it, or on a request that has none (the layer in front
     /// of the router), the request's method and path are matched against the table.
     pub fn matched_path_from(self, f: MatchedPathFn) -> Self {
-        self.edit(|s| s.matched_path = Some(f))
-    }
-
-    /// Declares a keyed route outside any table: requests with `method` whose path matches `pattern` (literal and
-    /// `{param}` segments) need an `Idempotency-Key` and are deduplicated.
-    pub fn keyed(self, method: Method, pattern: &str, route: KeyedRoute) -> Self {
-        self.edit(|s| s.routes.push((RoutePattern::new(method, pattern), route)))
-    }
-
-    /// Declares a route that is not keyed whose whole body the [intake](Self::intake) reads
-    /// before the gate, within the same caps (a body or message over them is refused as on a
-    /// keyed route): a client sending such a body slowly holds no gate permit either. For
-    /// unary calls and small bodies only; a streaming route must not be declared.
-    pub fn buffered(self, method: Method, pattern: &str) -> Self {
-        self.edit(|s| s.buffered.push(RoutePattern::new(method, pattern)))
+        self.edit(|s| {
+            s.matched_path = Some(f);
+            if let Some(lookup) = &mut s.lookup {
+                lookup.matched_path = Some(f);
+            }
+        })
     }
 
     /// The wall clock used for leases and TTLs (default: [`SystemClock`]).
@@ -191,11 +189,9 @@ impl<St: Store> IdempotencyLayer<St> {
                 let mut shared = Shared {
                     store: old.store.clone(),
                     clock: old.clock.clone(),
-                    routes: old.routes.clone(),
-                    policies: old.policies.clone(),
-                    lease: old.lease,
+                    lookup: old.lookup.clone(),
                     matched_path: old.matched_path,
-                    buffered: old.buffered.clone(),
+                    lease: old.lease,
                     max_body: old.max_body,
                     max_message: old.max_message,
                     stored_headers: old.stored_headers.clone(),
@@ -213,16 +209,16 @@ impl<St: Store> IdempotencyLayer<St> {
 impl<St> Shared<St> {
     /// The one place a request's keyed route is decided.
     pub(super) fn route_of<B>(&self, request: &Request<B>) -> Option<KeyedRoute> {
-        let matched = self.matched_path.and_then(|f| f(request.extensions()));
-        let path = matched.unwrap_or_else(|| request.uri().path());
-        self.route_for(request.method(), path)
+        let policy = self.lookup.as_ref()?.policy_of(request);
+        self.keyed(policy)
     }
 
     pub(super) fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
-        if let Some((_, route)) = self.routes.iter().find(|(p, _)| p.matches(method, path)) {
-            return Some(*route);
-        }
-        let policy = self.policies.as_ref()?.for_route(method, path);
+        let policy = self.lookup.as_ref()?.policies.for_route(method, path);
+        self.keyed(policy)
+    }
+
+    fn keyed(&self, policy: &crate::policy::MethodPolicy) -> Option<KeyedRoute> {
         policy.requires_key().then(|| {
             let route = policy
                 .key_ttl()
@@ -231,14 +227,30 @@ impl<St> Shared<St> {
         })
     }
 
-    /// Whether `request` is on a route declared with [`IdempotencyLayer::buffered`].
-    pub(super) fn is_buffered<B>(&self, request: &Request<B>) -> bool {
-        let matched = self.matched_path.and_then(|f| f(request.extensions()));
-        let path = matched.unwrap_or_else(|| request.uri().path());
-        self.buffered
-            .iter()
-            .any(|p| p.matches(request.method(), path))
+    /// How the intake treats `request`: keyed (claimed), read whole first (its policy
+    /// [buffers its body](crate::policy::MethodPolicy::buffers_body)), or passed on unread.
+    pub(super) fn intake_of<B>(&self, request: &Request<B>) -> IntakeKind {
+        let Some(lookup) = &self.lookup else {
+            return IntakeKind::Unread;
+        };
+        let policy = lookup.policy_of(request);
+        match self.keyed(policy) {
+            Some(route) => IntakeKind::Keyed(route),
+            None if policy.buffers_body() => IntakeKind::Buffered,
+            None => IntakeKind::Unread,
+        }
     }
+}
+
+/// What the intake does with a request, decided by its method's policy.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum IntakeKind {
+    /// A keyed method: read, fingerprinted and claimed.
+    Keyed(KeyedRoute),
+    /// Read whole before the gate, then passed on.
+    Buffered,
+    /// Passed on unread.
+    Unread,
 }
 
 impl<S, St> Layer<S> for IdempotencyLayer<St> {
@@ -249,27 +261,25 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     }
 }
 
+/// What a keyed request's method asks of its claim, resolved from its
+/// [`MethodPolicy`](crate::policy::MethodPolicy) and the layer's lease.
 impl KeyedRoute {
     /// A keyed route whose records live `ttl`, with the default 5 s lease.
-    pub fn new(ttl: Duration) -> Self {
+    pub(crate) fn new(ttl: Duration) -> Self {
         Self {
             ttl,
             lease: super::DEFAULT_LEASE,
         }
     }
 
-    /// Payments and refunds: records kept 7 days.
-    pub fn payments() -> Self {
-        Self::new(Duration::from_secs(7 * 24 * 3600))
-    }
-
-    /// Synchronous APIs: records kept 24 hours.
-    pub fn sync() -> Self {
-        Self::new(Duration::from_secs(24 * 3600))
+    /// A keyed method with no key TTL of its own: records kept as long as a synchronous
+    /// API's.
+    pub(crate) fn sync() -> Self {
+        Self::new(crate::policy::KEY_TTL_SYNC)
     }
 
     /// How long a claim runs before another attempt may take it over (default 5 s).
-    pub fn lease(mut self, lease: Duration) -> Self {
+    pub(crate) fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
     }

@@ -87,8 +87,9 @@ mod layer;
 mod settled;
 
 pub use self::intake::IntakeLayer;
-pub use self::layer::{IdempotencyLayer, MatchedPathFn};
+pub use self::layer::IdempotencyLayer;
 pub use crate::server::body::{RequestBody, ResponseBody};
+pub use crate::server::select::MatchedPathFn;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -14,8 +14,9 @@ use super::*;
 use crate::clock::ManualClock;
 use crate::idempotency::{MemoryStore, RecordStatus};
 use crate::observe::IDEMPOTENCY_CLAIMS_TOTAL;
+use crate::policy::{Idempotency, MethodPolicy};
 use crate::server::metrics::MetricsLayer;
-use crate::server::testing::{body, problem_code, with_metrics};
+use crate::server::testing::{body, keyed, problem_code, with_metrics};
 
 type Body = Full<Bytes>;
 
@@ -27,7 +28,7 @@ const PAY: &str = r#"{"order_id":"o-1","amount_cents":100}"#;
 fn layer(store: &MemoryStore) -> IdempotencyLayer<MemoryStore> {
     IdempotencyLayer::new(store.clone())
         .clock(ManualClock::new(1_000_000))
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .policies(keyed(Method::POST, "/v1/payments"))
         .max_body(1024)
 }
 
@@ -581,7 +582,7 @@ async fn claim_committed_after_its_request_was_dropped_is_released() {
     let handler = Handler::new(StatusCode::CREATED);
     let svc = IdempotencyLayer::new(store.clone())
         .clock(ManualClock::new(1_000_000))
-        .keyed(Method::POST, "/v1/payments", KeyedRoute::payments())
+        .policies(keyed(Method::POST, "/v1/payments"))
         .layer(handler.service());
     // The request is cut (deadline, disconnect) while its claim waits for the writer...
     let cut = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
@@ -798,7 +799,7 @@ mod grpc {
     fn grpc_layer(store: &MemoryStore) -> IdempotencyLayer<MemoryStore> {
         IdempotencyLayer::new(store.clone())
             .clock(ManualClock::new(1_000_000))
-            .keyed(Method::POST, CHARGE, KeyedRoute::payments())
+            .policies(keyed(Method::POST, CHARGE))
             .max_message(64)
     }
 
@@ -952,8 +953,11 @@ mod grpc {
         const GET: &str = "/payment.v1.Payment/GetCharge";
         let store = MemoryStore::new();
         let calls = Arc::new(AtomicUsize::new(0));
+        let read = MethodPolicy::builder("GetCharge", Idempotency::Safe)
+            .buffer_body(true)
+            .build();
         let svc = grpc_layer(&store)
-            .buffered(Method::POST, GET)
+            .policies(keyed(Method::POST, CHARGE).route(Method::POST, GET, read))
             .intake()
             .layer(handler(calls.clone(), 0));
         let to_get = |body: Bytes| {

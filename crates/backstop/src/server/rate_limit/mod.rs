@@ -8,6 +8,14 @@
 //! never 0: "retry now" would only feed the overload). The refusal is counted in
 //! `rpc_server_rejected_total{reason="rate_limited"}`.
 //!
+//! Each method may have a quota of its own: its [`MethodPolicy`](crate::policy::MethodPolicy)
+//! names a rate class, and [`RateLimitLayer::class`] gives a class its own buckets (say,
+//! status polls in `reads`, so that a client converging on unknown outcomes cannot spend the
+//! tokens its charges need). Requests find their class through the layer's
+//! [policies](RateLimitLayer::policies), the table the idempotency layer and the clients read
+//! ([`ServerStack::policies`](crate::server::ServerStack::policies) gives it to both); a class
+//! with no buckets of its own, or a layer with no table, spends from the default buckets.
+//!
 //! Quota (429) is about the *caller* and the [`gate`](crate::server::gate) (503) about *our own*
 //! capacity; both are refusals before any work, so the idempotency key stays unused.
 //!
@@ -26,6 +34,7 @@ pub mod future;
 
 pub use self::layer::RateLimitLayer;
 
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -37,6 +46,7 @@ use super::body::ResponseBody;
 use super::metrics::{Rejected, Route, count_rejected};
 use super::problem::{Problem, Protocol};
 use super::reject::RejectOr;
+use super::select::PolicyLookup;
 use super::tenant::Tenant;
 use crate::admission::KeyedTokenBucket;
 #[cfg(feature = "redis")]
@@ -59,28 +69,67 @@ enum Limiter {
     Shared(SharedLimiter),
 }
 
+/// The rate classes with buckets of their own, and how a request finds its class.
+#[derive(Debug, Default)]
+struct Classes {
+    lookup: Option<PolicyLookup>,
+    limiters: Vec<(Box<str>, Limiter)>,
+}
+
+impl Classes {
+    /// The limiter of `request`'s rate class, if that class has one of its own.
+    fn limiter_of<B>(&self, request: &Request<B>) -> Option<&Limiter> {
+        if self.limiters.is_empty() {
+            return None;
+        }
+        let class = self.lookup.as_ref()?.policy_of(request).rate_class();
+        self.limiters
+            .iter()
+            .find(|(name, _)| &**name == class)
+            .map(|(_, limiter)| limiter)
+    }
+}
+
 /// Refuses requests of tenants over their quota.
 #[derive(Debug, Clone)]
 pub struct RateLimit<S> {
     inner: S,
+    /// The default buckets.
     limiter: Limiter,
+    /// Classes with buckets of their own; `None` when there are none.
+    classes: Option<Arc<Classes>>,
 }
 
 impl<S> RateLimit<S> {
     /// Wraps `inner` with the given per-tenant buckets.
     pub fn new(inner: S, buckets: KeyedTokenBucket) -> Self {
-        Self::with_limiter(inner, Limiter::Local(buckets))
+        Self::with_limiter(inner, Limiter::Local(buckets), None)
     }
 
     /// Wraps `inner` with buckets shared through Redis.
     #[cfg(feature = "redis")]
     pub fn shared(inner: S, limiter: SharedLimiter) -> Self {
-        Self::with_limiter(inner, Limiter::Shared(limiter))
+        Self::with_limiter(inner, Limiter::Shared(limiter), None)
     }
 
-    fn with_limiter(inner: S, limiter: Limiter) -> Self {
-        Self { inner, limiter }
+    fn with_limiter(inner: S, limiter: Limiter, classes: Option<Arc<Classes>>) -> Self {
+        Self {
+            inner,
+            limiter,
+            classes,
+        }
     }
+}
+
+/// The limiter `request` spends from: its class's own, else the default.
+fn limiter_for<'a, B>(
+    default: &'a Limiter,
+    classes: Option<&'a Classes>,
+    request: &Request<B>,
+) -> &'a Limiter {
+    classes
+        .and_then(|c| c.limiter_of(request))
+        .unwrap_or(default)
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
@@ -97,7 +146,7 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        match &self.limiter {
+        match limiter_for(&self.limiter, self.classes.as_deref(), &request) {
             Limiter::Local(buckets) => match buckets.check(Tenant::of(&request)) {
                 Ok(()) => ResponseFuture::new(RejectOr::inner(self.inner.call(request))),
                 Err(wait) => {

@@ -152,3 +152,74 @@ async fn retry_after_is_never_zero() {
     let doc: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
     assert_eq!(doc["retry_after"], 1);
 }
+
+/// The table of `rate_class_spends_its_own_buckets`: status polls in `reads`, the rest in
+/// the default class.
+fn classed_policies() -> crate::policy::MethodPolicies {
+    use crate::policy::{Idempotency, MethodPolicies, MethodPolicy};
+    let read = MethodPolicy::builder("GetPayment", Idempotency::Safe)
+        .rate_class("reads")
+        .build();
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build()).route(
+        Method::GET,
+        "/v1/payments/{id}",
+        read,
+    )
+}
+
+fn get(tenant: &str) -> Request<Bytes> {
+    let mut req = Request::get("/v1/payments/p-1").body(Bytes::new()).unwrap();
+    req.extensions_mut().insert(Tenant::new(tenant));
+    req
+}
+
+#[tokio::test(start_paused = true)]
+async fn rate_class_spends_its_own_buckets() {
+    let ok = service_fn(|_req: Request<Bytes>| async {
+        Ok::<_, Infallible>(Response::new(Bytes::new()))
+    });
+    let svc = RateLimitLayer::new(buckets(1, 1))
+        .class("reads", buckets(1, 2))
+        .policies(classed_policies())
+        .layer(ok);
+    let status = |r: Response<_>| r.status();
+
+    // The one default token goes to a POST; the next POST is refused...
+    assert_eq!(
+        status(svc.clone().oneshot(request(Some("acme"))).await.unwrap()),
+        StatusCode::OK
+    );
+    let refused = svc.clone().oneshot(request(Some("acme"))).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    // ...while the tenant's polls spend from their class's two tokens, then are refused too.
+    for _ in 0..2 {
+        assert_eq!(
+            status(svc.clone().oneshot(get("acme")).await.unwrap()),
+            StatusCode::OK
+        );
+    }
+    let polls_refused = svc.clone().oneshot(get("acme")).await.unwrap();
+    assert_eq!(polls_refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    // The default class was not spent by the polls: a second tenant's POST still passes.
+    assert_eq!(
+        status(svc.clone().oneshot(request(Some("beta"))).await.unwrap()),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_table_every_class_spends_the_default_buckets() {
+    let ok = service_fn(|_req: Request<Bytes>| async {
+        Ok::<_, Infallible>(Response::new(Bytes::new()))
+    });
+    // A class's buckets but no table to find a request's class: the default buckets decide.
+    let svc = RateLimitLayer::new(buckets(1, 1))
+        .class("reads", buckets(1, 100))
+        .layer(ok);
+    assert_eq!(
+        svc.clone().oneshot(get("acme")).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let refused = svc.clone().oneshot(get("acme")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+}
