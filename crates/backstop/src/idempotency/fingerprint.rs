@@ -120,8 +120,8 @@ fn write_canonical<W: Write>(value: &Value, out: &mut W) -> serde_json::Result<(
 ///
 /// - Strings, member names included: the canonicalizer escapes through serde_json's own
 ///   escaper, with the same spelling for every escape that escaper produces (`\"`, `\\`,
-///   `\b \t \n \f \r`, `\u00xx` in lowercase for the other controls, nothing else escaped,
-///   U+2028 and U+2029 included), so every string is written alike.
+///   `\b \t \n \f \r`, `\u00xx` in lowercase for the other controls, and nothing else
+///   escaped, not even U+2028 and U+2029), so every string is written alike.
 /// - Numbers: RFC 8785 writes a number as ECMAScript writes its double. For an integer of
 ///   magnitude at most 2^53 the double is exact and is written as its decimal digits, as
 ///   serde_json writes the integer. Fractions, exponents and `-0` parse to floats, larger
@@ -371,7 +371,10 @@ mod tests {
         // Refusing repeated members is the request parser's job (the payment service answers
         // `duplicate_field`); the fingerprint reads them as serde_json does, on both paths.
         let body = br#"{"amount_cents":1,"amount_cents":2}"#;
-        assert_eq!(Fingerprint::of_json(M, body).ok(), through_canonicalizer(body));
+        assert_eq!(
+            Fingerprint::of_json(M, body).ok(),
+            through_canonicalizer(body)
+        );
         assert_eq!(
             Fingerprint::of_json(M, body).unwrap(),
             fp(r#"{"amount_cents":2}"#)
