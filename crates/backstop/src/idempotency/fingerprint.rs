@@ -3,6 +3,7 @@
 use std::fmt;
 use std::io::Write;
 
+use serde_json::{Number, Value};
 use sha2::{Digest, Sha256};
 
 /// SHA-256 of a request's method and canonical parameters.
@@ -52,11 +53,9 @@ pub enum FingerprintError {
 impl Fingerprint {
     /// SHA-256 of `method + "\n" + ` the RFC 8785 canonical form of the JSON `body`.
     pub fn of_json(method: &str, body: &[u8]) -> Result<Fingerprint, FingerprintError> {
-        let value: serde_json::Value =
-            serde_json::from_slice(body).map_err(FingerprintError::NotJson)?;
+        let value: Value = serde_json::from_slice(body).map_err(FingerprintError::NotJson)?;
         let mut hasher = HashWriter(prefixed(method));
-        serde_json_canonicalizer::to_writer(&value, &mut hasher)
-            .map_err(FingerprintError::Canonical)?;
+        write_canonical(&value, &mut hasher).map_err(FingerprintError::Canonical)?;
         Ok(Fingerprint(hasher.0.finalize().into()))
     }
 
@@ -103,7 +102,64 @@ fn prefixed(method: &str) -> Sha256 {
     hasher
 }
 
-/// Feeds the canonicalizer's output straight into the hash, without building the string.
+/// Writes the RFC 8785 canonical form of `value` to `out`.
+///
+/// Most request bodies hold only integers, strings and ASCII member names. For those,
+/// serde_json's own compact output already is the canonical form, and it costs a fraction of
+/// the canonicalizer's, which buffers every member and parses its name again to sort it. Any
+/// other value goes through the canonicalizer.
+fn write_canonical<W: Write>(value: &Value, out: &mut W) -> serde_json::Result<()> {
+    if compact_is_canonical(value) {
+        serde_json::to_writer(out, value)
+    } else {
+        serde_json_canonicalizer::to_writer(value, out)
+    }
+}
+
+/// Whether serde_json's compact output of `value` is its RFC 8785 form, byte for byte.
+///
+/// - Strings, member names included: the canonicalizer escapes through serde_json's own
+///   escaper, with the same spelling for every escape that escaper produces (`\"`, `\\`,
+///   `\b \t \n \f \r`, `\u00xx` in lowercase for the other controls, and nothing else
+///   escaped, not even U+2028 and U+2029), so every string is written alike.
+/// - Numbers: RFC 8785 writes a number as ECMAScript writes its double. For an integer of
+///   magnitude at most 2^53 the double is exact and is written as its decimal digits, as
+///   serde_json writes the integer. Fractions, exponents and `-0` parse to floats, larger
+///   integers would be rounded: all of them take the canonicalizer.
+/// - Member order: RFC 8785 sorts names by UTF-16 code units; serde_json's map iterates by
+///   bytes (by insertion with its `preserve_order` feature, which any crate in a build can turn
+///   on). The two orders agree on ASCII names, so an object qualifies when its names are ASCII
+///   and come strictly ascending by bytes, whatever the map's order.
+fn compact_is_canonical(value: &Value) -> bool {
+    match value {
+        Value::Null | Value::Bool(_) | Value::String(_) => true,
+        Value::Number(number) => is_exact_integer(number),
+        Value::Array(items) => items.iter().all(compact_is_canonical),
+        Value::Object(members) => {
+            let mut previous: Option<&str> = None;
+            members.iter().all(|(name, member)| {
+                let ascending =
+                    name.is_ascii() && previous.is_none_or(|p| p.as_bytes() < name.as_bytes());
+                previous = Some(name);
+                ascending && compact_is_canonical(member)
+            })
+        }
+    }
+}
+
+/// An integer from -2^53 to 2^53 that serde_json writes as its plain decimal digits.
+fn is_exact_integer(number: &Number) -> bool {
+    const EXACT: u64 = 1 << 53;
+    match (number.as_u64(), number.as_i64()) {
+        (Some(n), _) => n <= EXACT,
+        // Strictly negative: with serde_json's `arbitrary_precision` a `-0` keeps its spelling
+        // and reads as the integer 0 here, but RFC 8785 writes it `0`.
+        (None, Some(n)) => n < 0 && n.unsigned_abs() <= EXACT,
+        (None, None) => false,
+    }
+}
+
+/// Feeds the canonical output straight into the hash, without building the string.
 struct HashWriter(Sha256);
 
 impl Write for HashWriter {
@@ -211,7 +267,181 @@ mod tests {
         ));
     }
 
+    /// The fingerprint as the canonicalizer alone computes it.
+    fn through_canonicalizer(body: &[u8]) -> Option<Fingerprint> {
+        let value: Value = serde_json::from_slice(body).ok()?;
+        let mut hasher = HashWriter(prefixed(M));
+        serde_json_canonicalizer::to_writer(&value, &mut hasher).ok()?;
+        Some(Fingerprint(hasher.0.finalize().into()))
+    }
+
+    /// `value` written by `write_canonical`, and by the canonicalizer alone.
+    fn both_ways(value: &Value) -> (Vec<u8>, Vec<u8>) {
+        let mut ours = Vec::new();
+        write_canonical(value, &mut ours).unwrap();
+        (ours, serde_json_canonicalizer::to_vec(value).unwrap())
+    }
+
+    fn parse(text: &str) -> Value {
+        serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn integer_string_and_ascii_name_bodies_take_the_compact_path() {
+        for text in [
+            r#"{"order_id":"o-8812","amount_cents":1999,"currency":"EUR"}"#,
+            r#"{"meta":{"tags":["a","b"],"n":[0,-1,9007199254740992,-9007199254740992]}}"#,
+            r#"{"s":"quote \" backslash \\ tab \t nul \u0000 del \u007f ls \u2028 ps \u2029"}"#,
+            r#"{"v":"é is fine in a value"}"#,
+            r#"{"v":"é 😀 \ud83d\ude00"}"#,
+            r#"[null,true,false,{},[]]"#,
+            r#""just a string""#,
+        ] {
+            let value = parse(text);
+            assert!(compact_is_canonical(&value), "{text}");
+            let (ours, theirs) = both_ways(&value);
+            assert_eq!(ours, theirs, "{text}");
+        }
+    }
+
+    #[test]
+    fn floats_big_integers_and_non_ascii_names_take_the_canonicalizer() {
+        for text in [
+            r#"{"a":1.0}"#,
+            r#"{"a":1e2}"#,
+            r#"{"a":0.5}"#,
+            r#"{"a":-0}"#,
+            r#"{"a":-0.0}"#,
+            r#"{"a":9007199254740993}"#,
+            r#"{"a":-9007199254740993}"#,
+            r#"{"a":18446744073709551615}"#,
+            r#"{"a":-9223372036854775808}"#,
+            r#"[[{"deep":1.5}]]"#,
+            r#"{"é":1}"#,
+            r#"{"ok":{"\ue000":1}}"#,
+        ] {
+            let value = parse(text);
+            assert!(!compact_is_canonical(&value), "{text}");
+            let (ours, theirs) = both_ways(&value);
+            assert_eq!(ours, theirs, "{text}");
+        }
+    }
+
+    #[test]
+    fn numbers_are_written_as_their_double() {
+        let canonical = |text: &str| String::from_utf8(both_ways(&parse(text)).0).unwrap();
+        assert_eq!(canonical("-0"), "0");
+        assert_eq!(canonical("-0.0"), "0");
+        assert_eq!(canonical("1E2"), "100");
+        assert_eq!(canonical("1.50"), "1.5");
+        assert_eq!(canonical("1e21"), "1e+21");
+        assert_eq!(canonical("9007199254740992"), "9007199254740992");
+        // Beyond 2^53 the double rounds: the canonical form says what a JSON reader sees.
+        assert_eq!(canonical("9007199254740993"), "9007199254740992");
+        assert_eq!(canonical("18446744073709551615"), "18446744073709552000");
+    }
+
+    #[test]
+    fn names_sort_by_utf16_code_units_not_by_bytes() {
+        // U+10000 is D800 DC00 in UTF-16, before U+E000; in UTF-8 it comes after.
+        let value = parse(r#"{"\ue000":1,"\ud800\udc00":2,"b":3,"B":4}"#);
+        let (ours, theirs) = both_ways(&value);
+        assert_eq!(ours, theirs);
+        assert_eq!(
+            String::from_utf8(ours).unwrap(),
+            "{\"B\":4,\"b\":3,\"\u{10000}\":2,\"\u{e000}\":1}"
+        );
+    }
+
+    #[test]
+    fn every_control_character_is_escaped_alike() {
+        let controls: String = (0u8..0x20).chain([0x7f]).map(char::from).collect();
+        let with_separators = format!("{controls}\u{2028}\u{2029}/\"\\");
+        let value = serde_json::json!({ "s": with_separators, "k": { controls.clone(): 1 } });
+        let (ours, theirs) = both_ways(&value);
+        assert_eq!(ours, theirs);
+        let text = String::from_utf8(ours).unwrap();
+        assert!(text.contains(r#"\u0000\u0001"#), "{text}");
+        assert!(text.contains(r#"\b\t\n\u000b\f\r"#), "{text}");
+        assert!(text.contains("\u{7f}\u{2028}\u{2029}/\\\"\\\\"), "{text}");
+    }
+
+    #[test]
+    fn a_repeated_member_fingerprints_as_its_last_value_either_way() {
+        // Refusing repeated members is the request parser's job (the payment service answers
+        // `duplicate_field`); the fingerprint reads them as serde_json does, on both paths.
+        let body = br#"{"amount_cents":1,"amount_cents":2}"#;
+        assert_eq!(
+            Fingerprint::of_json(M, body).ok(),
+            through_canonicalizer(body)
+        );
+        assert_eq!(
+            Fingerprint::of_json(M, body).unwrap(),
+            fp(r#"{"amount_cents":2}"#)
+        );
+    }
+
+    /// Any JSON value: nested arrays and objects of integers (near +/-2^53 too), floats and
+    /// strings, with names of any Unicode (astral and U+E000..U+FFFF ones to test the order).
+    fn any_json() -> impl Strategy<Value = Value> {
+        const EXACT: i64 = 1 << 53;
+        let text = prop_oneof![
+            any::<String>(),
+            "[a-z\u{0}-\u{1f}\u{7f}\u{80}-\u{ff}\u{2028}\u{2029}\"\\\\/]{0,8}",
+        ];
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            (-EXACT - 2..=-EXACT + 2).prop_map(Value::from),
+            (EXACT - 2..=EXACT + 2).prop_map(Value::from),
+            (-1000i64..1000).prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            (-1000i64..1000).prop_map(|n| Value::from(n as f64 / 8.0)),
+            text.prop_map(Value::from),
+        ];
+        let name = prop_oneof![
+            "[a-zA-Z0-9_]{0,6}",
+            any::<String>(),
+            "[a\u{e000}-\u{ffff}\u{10000}-\u{10ffff}]{1,3}",
+        ];
+        leaf.prop_recursive(4, 64, 8, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                proptest::collection::btree_map(name.clone(), inner, 0..8)
+                    .prop_map(|members| Value::Object(members.into_iter().collect())),
+            ]
+        })
+    }
+
     proptest! {
+        #[test]
+        fn compact_path_writes_what_the_canonicalizer_writes(value in any_json()) {
+            let (ours, theirs) = both_ways(&value);
+            prop_assert_eq!(ours, theirs);
+        }
+
+        #[test]
+        fn fingerprint_equals_the_canonicalizers(value in any_json()) {
+            let body = serde_json::to_vec(&value).unwrap();
+            let ours = Fingerprint::of_json(M, &body).unwrap();
+            prop_assert_eq!(Some(ours), through_canonicalizer(&body));
+        }
+
+        #[test]
+        fn every_number_spelling_fingerprints_as_through_the_canonicalizer(
+            number in r"-?(0|[1-9][0-9]{0,3}|[1-9][0-9]{14,20})(\.[0-9]{1,4})?([eE][+-]?[0-9]{1,3})?",
+        ) {
+            for body in [format!(r#"{{"n":{number}}}"#), format!("[{number},1]"), number.clone()] {
+                prop_assert_eq!(
+                    Fingerprint::of_json(M, body.as_bytes()).ok(),
+                    through_canonicalizer(body.as_bytes()),
+                    "{}", body
+                );
+            }
+        }
+
         #[test]
         fn of_json_never_panics(body in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = Fingerprint::of_json(M, &body);
