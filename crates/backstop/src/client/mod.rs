@@ -93,6 +93,7 @@ pub mod deadline;
 pub mod future;
 pub mod hedge;
 pub mod logical;
+pub mod observer;
 mod previous_attempts;
 pub mod replay;
 pub mod retry;
@@ -100,5 +101,6 @@ mod select;
 mod stack;
 pub mod transparent;
 
+pub use self::observer::AttemptObserver;
 pub use self::select::SelectMethod;
 pub use self::stack::{ClientService, ClientStack, ClientStackBuilder, Destination, StackError};
