@@ -191,3 +191,348 @@ impl fmt::Debug for Observer {
         f.write_str("AttemptObserver")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use bytes::Bytes;
+    use http::{Request, Response};
+    use http_body_util::Full;
+    use tower::{Layer, ServiceExt, service_fn};
+
+    use super::*;
+    use crate::client::hedge::HedgePolicy;
+    use crate::client::{ClientStack, Destination};
+    use crate::policy::{Idempotency, MethodPolicy};
+    use crate::retry::RetryBudget;
+
+    /// Marks a call, as a caller tells its calls apart.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Tag(u32);
+
+    /// A send as the observer was told it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Sent {
+        number: u32,
+        kind: AttemptKind,
+        outcome: Outcome,
+        code: Option<Code>,
+        tag: Option<Tag>,
+    }
+
+    /// A call's end as the observer was told it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Ended {
+        outcome: Outcome,
+        attempts: u32,
+        stop_reason: Option<StopReason>,
+        tag: Option<Tag>,
+    }
+
+    #[derive(Debug, Default)]
+    struct Recorder {
+        sends: Mutex<Vec<Sent>>,
+        ends: Mutex<Vec<Ended>>,
+    }
+
+    impl AttemptObserver for Recorder {
+        fn on_attempt(&self, attempt: &AttemptEvent<'_>) {
+            assert_eq!((attempt.destination, attempt.method), ("psp", "GetCharge"));
+            assert!(attempt.deadline_remaining <= Duration::from_secs(2));
+            self.sends.lock().unwrap().push(Sent {
+                number: attempt.number,
+                kind: attempt.kind,
+                outcome: attempt.outcome,
+                code: attempt.code,
+                tag: attempt.extensions.get::<Tag>().copied(),
+            });
+        }
+
+        fn on_call_end(&self, end: &CallEnd<'_>) {
+            self.ends.lock().unwrap().push(Ended {
+                outcome: end.outcome,
+                attempts: end.attempts,
+                stop_reason: end.stop_reason,
+                tag: end.extensions.get::<Tag>().copied(),
+            });
+        }
+    }
+
+    impl Recorder {
+        fn take(&self) -> (Vec<Sent>, Vec<Ended>) {
+            (
+                std::mem::take(&mut *self.sends.lock().unwrap()),
+                std::mem::take(&mut *self.ends.lock().unwrap()),
+            )
+        }
+    }
+
+    fn sent(number: u32, kind: AttemptKind, outcome: Outcome, code: Option<Code>) -> Sent {
+        Sent {
+            number,
+            kind,
+            outcome,
+            code,
+            tag: Some(Tag(7)),
+        }
+    }
+
+    fn ended(outcome: Outcome, attempts: u32, stop_reason: Option<StopReason>) -> Ended {
+        Ended {
+            outcome,
+            attempts,
+            stop_reason,
+            tag: Some(Tag(7)),
+        }
+    }
+
+    fn get_charge() -> crate::policy::MethodPolicyBuilder {
+        MethodPolicy::builder("GetCharge", Idempotency::Safe).timeout(Duration::from_secs(2))
+    }
+
+    fn request() -> Request<Full<Bytes>> {
+        let mut request = Request::get("http://psp/v1/charges/c-1")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        request.extensions_mut().insert(Tag(7));
+        request
+    }
+
+    /// The `n`th answer (from 0) of a transport answering `statuses` in turn, then 200.
+    fn answers(
+        statuses: &'static [u16],
+    ) -> impl tower::Service<
+        Request<crate::client::replay::ReplayBody<Full<Bytes>>>,
+        Response = Response<()>,
+        Error = io::Error,
+        Future = impl Future<Output = io::Result<Response<()>>> + Send,
+    > + Clone
+    + Send
+    + 'static {
+        let calls = Arc::new(AtomicUsize::new(0));
+        service_fn(move |_r| {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            let status = statuses.get(n).copied().unwrap_or(200);
+            std::future::ready(Ok(Response::builder().status(status).body(()).unwrap()))
+        })
+    }
+
+    /// A first attempt answered 503, then a retry that succeeds: two sends, numbered 1 and 2,
+    /// and one successful end after two attempts.
+    #[tokio::test(start_paused = true)]
+    async fn a_503_then_a_successful_retry_is_two_sends_and_one_end() {
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp");
+        let client = ClientStack::builder(&dest, get_charge().build())
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(answers(&[503]));
+        let response = client.oneshot(request()).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [
+                sent(
+                    1,
+                    AttemptKind::First,
+                    Outcome::Retryable,
+                    Some(Code::Unavailable)
+                ),
+                sent(2, AttemptKind::Retry, Outcome::Ok, Some(Code::Ok)),
+            ]
+        );
+        assert_eq!(ends, [ended(Outcome::Ok, 2, None)]);
+    }
+
+    /// A slow attempt hedged after the p95: the hedge is told as one (numbered one above the
+    /// attempt it copies) and wins; the attempt it raced is dropped, unanswered.
+    #[tokio::test(start_paused = true)]
+    async fn a_hedge_is_told_as_a_hedge_and_the_loser_as_cancelled() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let transport = {
+            let calls = calls.clone();
+            service_fn(move |_r: Request<_>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    // Quick answers fill the latency window; then one attempt stalls.
+                    let stalled = n == HedgePolicy::MIN_SAMPLES;
+                    let wait = if stalled { 10_000 } else { 10 };
+                    tokio::time::sleep(Duration::from_millis(wait)).await;
+                    Ok::<_, io::Error>(Response::builder().status(200).body(()).unwrap())
+                }
+            })
+        };
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp");
+        let client = ClientStack::builder(&dest, get_charge().hedging(true).build())
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(transport);
+        for _ in 0..HedgePolicy::MIN_SAMPLES {
+            client.clone().oneshot(request()).await.unwrap();
+        }
+        let (sends, _) = recorder.take();
+        assert_eq!(sends.len(), HedgePolicy::MIN_SAMPLES);
+        assert!(sends.iter().all(|s| s.kind == AttemptKind::First));
+
+        let response = client.oneshot(request()).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(calls.load(Ordering::SeqCst), HedgePolicy::MIN_SAMPLES + 2);
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [
+                sent(1, AttemptKind::First, Outcome::Cancelled, None),
+                sent(2, AttemptKind::Hedge, Outcome::Ok, Some(Code::Ok)),
+            ]
+        );
+        assert_eq!(ends, [ended(Outcome::Ok, 1, None)]);
+    }
+
+    /// An attempt whose connection was refused never reached the server: it is sent again at
+    /// once, told as a transparent re-send with the same number, and counts as one attempt.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_connection_is_told_as_a_transparent_resend() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let transport = {
+            let calls = calls.clone();
+            service_fn(move |_r: Request<_>| {
+                let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+                std::future::ready(if first {
+                    Err(io::Error::from(io::ErrorKind::ConnectionRefused))
+                } else {
+                    Ok(Response::builder().status(200).body(()).unwrap())
+                })
+            })
+        };
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp");
+        let client = ClientStack::builder(&dest, get_charge().build())
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(transport);
+        let response = client.oneshot(request()).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [
+                sent(
+                    1,
+                    AttemptKind::First,
+                    Outcome::Retryable,
+                    Some(Code::Unavailable)
+                ),
+                sent(1, AttemptKind::Transparent, Outcome::Ok, Some(Code::Ok)),
+            ]
+        );
+        assert_eq!(ends, [ended(Outcome::Ok, 1, None)]);
+    }
+
+    /// With the retry budget spent, a 503 is not retried: one send, and the call's end says
+    /// `budget_exhausted`.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_stopped_by_the_budget_ends_with_budget_exhausted() {
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp")
+            .budget(RetryBudget::new(0.1, 2).unwrap())
+            .storm_alarm(None)
+            .breaker(None);
+        while dest.retry_budget().try_withdraw() {}
+        let client = ClientStack::builder(&dest, get_charge().build())
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(answers(&[503, 503, 503]));
+        let response = client.oneshot(request()).await.unwrap();
+        assert_eq!(response.status(), 503);
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [sent(
+                1,
+                AttemptKind::First,
+                Outcome::Retryable,
+                Some(Code::Unavailable)
+            )]
+        );
+        assert_eq!(
+            ends,
+            [ended(
+                Outcome::Retryable,
+                1,
+                Some(StopReason::BudgetExhausted)
+            )]
+        );
+    }
+
+    /// An attempt left unanswered until the deadline is cut off there: told as a timeout, and
+    /// the call's end says `deadline`.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_stopped_by_the_deadline_ends_with_deadline() {
+        let transport = service_fn(|_r: Request<_>| async {
+            std::future::pending::<()>().await;
+            Ok::<_, io::Error>(Response::builder().status(200).body(()).unwrap())
+        });
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp").attempt_limit(None);
+        let client = ClientStack::builder(&dest, get_charge().build())
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(transport);
+        let error = client.oneshot(request()).await.unwrap_err();
+        let stopped = error.downcast_ref::<crate::retry::RetryError>().unwrap();
+        assert_eq!(stopped.reason, StopReason::Deadline);
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [sent(
+                1,
+                AttemptKind::First,
+                Outcome::Timeout,
+                Some(Code::DeadlineExceeded)
+            )]
+        );
+        assert_eq!(
+            ends,
+            [ended(Outcome::Timeout, 1, Some(StopReason::Deadline))]
+        );
+    }
+
+    /// An attempt refused by an open circuit is no send: only the call's end is told.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_refused_by_an_open_circuit_is_no_send() {
+        use crate::client::breaker::{BreakerConfig, CircuitBreaker};
+        let breaker = CircuitBreaker::new(BreakerConfig {
+            min_requests: 4,
+            ..Default::default()
+        })
+        .unwrap();
+        for _ in 0..4 {
+            breaker.try_acquire().unwrap().record(false);
+        }
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp").breaker(Some(breaker));
+        let client = ClientStack::builder(&dest, get_charge().build())
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(answers(&[]));
+        assert!(client.oneshot(request()).await.is_err());
+        let (sends, ends) = recorder.take();
+        assert_eq!(sends, []);
+        assert_eq!(
+            ends,
+            [ended(Outcome::Retryable, 1, Some(StopReason::CircuitOpen))]
+        );
+    }
+}
