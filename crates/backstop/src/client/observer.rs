@@ -349,6 +349,73 @@ mod tests {
         assert_eq!(ends, [ended(Outcome::Ok, 2, None)]);
     }
 
+    /// What the observer is told is what the metrics count: each attempt by number and
+    /// outcome, and each retry; the first is sent with the whole deadline left.
+    #[tokio::test(start_paused = true)]
+    async fn the_observer_is_told_what_the_metrics_count() {
+        use crate::observe::{RPC_CLIENT_ATTEMPTS_TOTAL, RPC_CLIENT_RETRIES_TOTAL, attempt_label};
+        use crate::server::testing::Recorded;
+        use metrics_util::debugging::DebuggingRecorder;
+
+        #[derive(Debug, Default)]
+        struct Remaining(Mutex<Vec<Duration>>);
+        impl AttemptObserver for Remaining {
+            fn on_attempt(&self, attempt: &AttemptEvent<'_>) {
+                self.0.lock().unwrap().push(attempt.deadline_remaining);
+            }
+        }
+        struct Both(Arc<Recorder>, Arc<Remaining>);
+        impl AttemptObserver for Both {
+            fn on_attempt(&self, attempt: &AttemptEvent<'_>) {
+                self.0.on_attempt(attempt);
+                self.1.on_attempt(attempt);
+            }
+            fn on_call_end(&self, end: &CallEnd<'_>) {
+                self.0.on_call_end(end);
+            }
+        }
+
+        let metrics = DebuggingRecorder::new();
+        let _guard = metrics::set_default_local_recorder(&metrics);
+        let (recorder, remaining) = (Arc::new(Recorder::default()), Arc::default());
+        let dest = Destination::new("psp").breaker(None).storm_alarm(None);
+        let client = ClientStack::builder(&dest, get_charge().build())
+            .observer(Arc::new(Both(recorder.clone(), Arc::clone(&remaining))))
+            .build()
+            .unwrap()
+            .layer(answers(&[503, 503]));
+        assert_eq!(client.oneshot(request()).await.unwrap().status(), 200);
+
+        let (sends, ends) = recorder.take();
+        assert_eq!(sends.len(), 3);
+        let recorded = Recorded::of(&metrics);
+        let who = [("service", "psp"), ("method", "GetCharge")];
+        for send in &sends {
+            let labels = [
+                who[0],
+                who[1],
+                ("attempt", attempt_label(send.number)),
+                ("outcome", send.outcome.as_str()),
+            ];
+            assert_eq!(
+                recorded.counter(RPC_CLIENT_ATTEMPTS_TOTAL, &labels),
+                1,
+                "{send:?}"
+            );
+        }
+        assert_eq!(recorded.counter(RPC_CLIENT_ATTEMPTS_TOTAL, &who), 3);
+        let retries = sends
+            .iter()
+            .filter(|s| s.kind == AttemptKind::Retry)
+            .count();
+        assert_eq!(recorded.counter(RPC_CLIENT_RETRIES_TOTAL, &who), 2);
+        assert_eq!(retries, 2);
+        assert_eq!(ends, [ended(Outcome::Ok, 3, None)]);
+        let remaining = remaining.0.lock().unwrap();
+        assert_eq!(remaining[0], Duration::from_secs(2));
+        assert!(remaining[1] < remaining[0] && remaining[2] < remaining[1]);
+    }
+
     /// A slow attempt hedged after the p95: the hedge is told as one (numbered one above the
     /// attempt it copies) and wins; the attempt it raced is dropped, unanswered.
     #[tokio::test(start_paused = true)]

@@ -21,7 +21,9 @@
 //! The hedge's request carries a [`Hedged`] extension. Its `grpc-previous-rpc-attempts` is one
 //! above the attempt it races, the value the next retry would carry too, so a service below
 //! the stack that observes what is sent (a recording transport) needs the marker to tell the
-//! two apart.
+//! two apart. An [`AttemptObserver`](super::AttemptObserver) needs neither: the race of an
+//! observed call's hedged attempt (when each send started and how it ended) is kept in its
+//! [`HedgeAllowance`], and the retry layer tells both sends, the hedge as a hedge.
 
 mod latency;
 mod layer;

@@ -344,7 +344,7 @@ where
                     };
                     *this.last = None;
                     let status = error_status(&*e);
-                    let sent = on_wire && !refused_locally(&*e);
+                    let sent = tell.observed() && on_wire && !refused_locally(&*e);
                     tell.attempt(this.deadline, &current, sent.then(|| seen(&status)));
                     if e.is::<DeadlineExceeded>() {
                         // Refused before sending (less than the peer's margin left): a later

@@ -36,6 +36,10 @@
 //!   went away at that instant, or to a peer that vanished) then costs half the budget, not all
 //!   of it.
 //!
+//! - **Observer.** Under a [client stack](super::ClientStack) with an
+//!   [`AttemptObserver`](super::AttemptObserver), each send is told as it ends and each call's
+//!   end with its stop reason, beside the executor step that counts and logs it.
+//!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
 //! one (transport errors, the deadline, an open circuit), the error is a
