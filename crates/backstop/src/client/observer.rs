@@ -15,7 +15,8 @@
 //!   adaptive throttling) is not a send: the call's end says why it stopped.
 //! - [`AttemptObserver::on_call_end`], once per logical call, when the stack returns its
 //!   result: the outcome, how many attempts it made, and why they stopped when it did not
-//!   succeed.
+//!   succeed. A call its caller drops before it ends (the caller stopped waiting) is told
+//!   nothing more.
 //!
 //! Both are called on the task that polls the call, while it is being polled: keep them short
 //! and never block (hand the event to a channel or a lock-free counter for anything slow).
