@@ -41,7 +41,10 @@
 //! several endpoints) or a tonic channel. [`config`] reads gRPC service configs into the same
 //! policies. Every attempt is counted (`rpc_client_attempts_total{attempt,outcome}`,
 //! `rpc_client_attempt_duration_seconds`), every hedge (`rpc_client_hedges_total`) and retry
-//! (`rpc_client_retries_total`), and logged as an `rpc_attempt` event.
+//! (`rpc_client_retries_total`), and logged as an `rpc_attempt` event. An [`AttemptObserver`]
+//! set with [`ClientStackBuilder::observer`] is told the same, from the same places: each
+//! physical send (first attempt, retry, hedge, transparent re-send) as it ends, and each
+//! call's end with why its attempts stopped (see [`observer`]).
 //!
 //! ```
 //! use std::sync::{Arc, Mutex};
@@ -93,6 +96,7 @@ pub mod deadline;
 pub mod future;
 pub mod hedge;
 pub mod logical;
+pub mod observer;
 mod previous_attempts;
 pub mod replay;
 pub mod retry;
@@ -100,5 +104,6 @@ mod select;
 mod stack;
 pub mod transparent;
 
+pub use self::observer::AttemptObserver;
 pub use self::select::SelectMethod;
 pub use self::stack::{ClientService, ClientStack, ClientStackBuilder, Destination, StackError};

@@ -12,6 +12,7 @@ use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
 use super::logical::IdempotencyKeyService;
 #[cfg(feature = "sqlite")]
 use super::logical::IntentJournal;
+use super::observer::{AttemptObserver, Observer};
 use super::replay::DEFAULT_REPLAY_CAP;
 use super::retry::{AttemptLimit, Config as RetryConfig, Retry};
 use super::select::{MethodTable, Resolved, SelectMethod};
@@ -201,6 +202,7 @@ impl ClientStack {
             policies: policies.into(),
             replay_cap: DEFAULT_REPLAY_CAP,
             classifier: classify_head,
+            observer: None,
             #[cfg(feature = "sqlite")]
             journal: None,
         }
@@ -268,6 +270,7 @@ pub struct ClientStackBuilder {
     policies: MethodPolicies,
     replay_cap: usize,
     classifier: Classifier,
+    observer: Option<Observer>,
     #[cfg(feature = "sqlite")]
     journal: Option<IntentJournal>,
 }
@@ -283,6 +286,19 @@ impl ClientStackBuilder {
     /// [`classify_head`](super::classify::classify_head), the [`Code`](crate::status::Code) table).
     pub fn classifier(mut self, classifier: Classifier) -> Self {
         self.classifier = classifier;
+        self
+    }
+
+    /// Tells `observer` what the stack does with each call: every send (first attempt, retry,
+    /// hedge, transparent re-send) as it ends, and each call's end, with the outcomes and stop
+    /// reasons the stack counts in its metrics (see [`AttemptObserver`]). One observer for
+    /// every call of the stack; without one (the default) nothing is built or called for it.
+    ///
+    /// Taken as an `Arc<dyn AttemptObserver>` rather than a type parameter: the stack's
+    /// service type stays the same whatever observes it, and the observer is reached through
+    /// one pointer the calls already share.
+    pub fn observer(mut self, observer: Arc<dyn AttemptObserver>) -> Self {
+        self.observer = Some(Observer(observer));
         self
     }
 
@@ -352,7 +368,8 @@ impl ClientStackBuilder {
             hedge.is_some(),
             limit,
             policy.timeout(),
-        );
+        )
+        .observer(self.observer.clone());
         Ok(Resolved {
             idempotency: policy.idempotency(),
             timeout: policy.timeout(),

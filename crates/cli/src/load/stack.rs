@@ -1,53 +1,44 @@
 //! The `backstop` policy: every logical request goes through the library's client stack
 //! ([`ClientStack`]: logical key, deadline, retry with replay, budget and pushback, hedging,
 //! attempt timeout, circuit breaker, transparent retry) over the library's transport, and the
-//! report is read back from two thin observers on either side of the stack:
+//! report is what the stack says it did, through its [`AttemptObserver`]:
 //!
 //! ```text
-//! Observe -> ClientStack -> Record -> transport (pooled hyper-util client, or a tonic Channel)
+//! ClientStack (observed by Tell) -> transport (pooled hyper-util client, or a tonic Channel)
 //! ```
 //!
-//! - [`Record`], the transport as the stack sees it, sees every physical send: attempts,
-//!   hedges and transparent re-sends alike. It reads each one's number from
-//!   `grpc-previous-rpc-attempts` (one more than the attempts before it), a hedge from the
-//!   [`Hedged`] marker (a hedge carries the header value the next retry would carry), and a
-//!   transparent re-send from a repeat: the retry layer numbers its attempts 1, 2, 3, and a
-//!   call has one hedge at most, so a second send with the same number and kind can only be
-//!   the transparent re-send of the first.
-//! - [`Observe`], what the tool calls, sees how the logical request ended: its answer, or the
-//!   stack's [`RetryError`], and why the attempts stopped ([`RetryStopped`] on a failed
-//!   answer, the [`RetryError`]'s reason on an error).
+//! - Each physical send (first attempt, retry, hedge, transparent re-send) the stack tells as
+//!   it ends becomes an [`AttemptRecord`]: its number, kind, outcome and latency as the stack
+//!   classified them; a hedge race's loser, dropped unanswered, is `cancelled`. An attempt the
+//!   stack refused to send (an open circuit, no time left) is no send.
+//! - Each call's end becomes the [`LogicalRecord`]: its outcome and why the attempts stopped.
 //!
-//! Both find the logical request's [`Probe`] in the request's extensions, which the stack
-//! copies onto every attempt, hedge and re-send.
+//! One observer serves every call; it finds the logical request's [`Probe`] in the request
+//! extensions each event carries. Over gRPC a failure can also arrive in the trailers, after
+//! the stack has seen a successful head: [`StackClient::run`] reads it from tonic's answer.
+//!
+//! The `naive` policy does not go through the stack: it records its own attempts (see
+//! [`policy`](super::policy)).
 
-use std::error::Error as StdError;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backstop::client::classify::{classify_head, error_status};
-use backstop::client::hedge::Hedged;
+use backstop::client::observer::{AttemptEvent, AttemptKind, AttemptObserver, CallEnd};
 use backstop::client::replay::ReplayBody;
-use backstop::client::retry::{GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
 use backstop::client::{ClientService, ClientStack, Destination, connect};
-use backstop::deadline::Deadline;
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
-use backstop::retry::RetryError;
+use backstop::retry::StopReason;
 use backstop::status::{Code, Outcome};
 use backstop_payment::grpc::proto::ChargeRequest;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
-use http::{HeaderValue, Request, Response, Uri};
+use http::{HeaderValue, Request, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use tokio::time::Instant;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
 use tower::util::MapRequest;
-use tower::{BoxError, Layer, Service, ServiceExt};
+use tower::{Layer, ServiceExt};
 
 use super::logical::Logical;
 use super::report::{AttemptOutcome, AttemptRecord, LogicalRecord};
@@ -113,8 +104,8 @@ impl std::fmt::Debug for GrpcStack {
     }
 }
 
-type HttpService = Observe<ClientService<Record<connect::HttpClient<ReplayBody<Full<Bytes>>>>>>;
-type GrpcService = Observe<ClientService<Record<GrpcTransport>>>;
+type HttpService = ClientService<connect::HttpClient<ReplayBody<Full<Bytes>>>>;
+type GrpcService = ClientService<GrpcTransport>;
 
 /// The stack sends a replayable body; tonic's channel takes its own body type.
 type GrpcTransport =
@@ -131,6 +122,7 @@ impl StackClient {
         hedge_delay: Duration,
     ) -> Result<Self, String> {
         let stack = ClientStack::builder(destination, charge_policy(timeout, hedge_delay))
+            .observer(Arc::new(Tell))
             .build()
             .map_err(|e| format!("client stack: {e}"))?;
         let bearer = api_key.map(|k| format!("Bearer {k}"));
@@ -145,9 +137,8 @@ impl StackClient {
                             .map_err(|_| "the API key is not a valid header value")
                     })
                     .transpose()?;
-                let transport = Record::new(connect::pooled(false));
                 Ok(StackClient::Http(Arc::new(HttpStack {
-                    service: Observe::new(stack.layer(transport)),
+                    service: stack.layer(connect::pooled(false)),
                     payments,
                     authorization,
                 })))
@@ -160,7 +151,7 @@ impl StackClient {
                 let to_tonic: fn(
                     Request<ReplayBody<tonic::body::Body>>,
                 ) -> Request<tonic::body::Body> = |r| r.map(tonic::body::Body::new);
-                let transport = Record::new(channel.map_request(to_tonic));
+                let transport = channel.map_request(to_tonic);
                 let authorization = bearer
                     .map(|b| {
                         MetadataValue::try_from(b)
@@ -168,7 +159,7 @@ impl StackClient {
                     })
                     .transpose()?;
                 Ok(StackClient::Grpc(Arc::new(GrpcStack {
-                    client: PaymentClient::new(Observe::new(stack.layer(transport))),
+                    client: PaymentClient::new(stack.layer(transport)),
                     authorization,
                 })))
             }
@@ -234,8 +225,8 @@ impl StackClient {
                 outcome: from_tonic(&status).outcome(),
                 stop_reason: None,
             },
-            // Unreachable: the stack is always ready, so `Observe` always calls it and records
-            // the end.
+            // Unreachable: the retry layer tells the end of every call it runs, and no layer
+            // above it fails a call here (no intent journal).
             (None, None) => LogicalRecord {
                 outcome: Outcome::Fatal,
                 stop_reason: None,
@@ -245,18 +236,13 @@ impl StackClient {
     }
 }
 
-/// One logical request's record, shared by every attempt the stack makes of it (the stack
-/// copies request extensions onto each attempt, hedge and re-send).
+/// One logical request's record, found by [`Tell`] in the extensions the stack tells it of.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Probe(Arc<Mutex<CallLog>>);
 
 #[derive(Debug, Default)]
 struct CallLog {
     attempts: Vec<AttemptRecord>,
-    /// `grpc-previous-rpc-attempts` of the sends that were not hedges, so far.
-    sent: Vec<u32>,
-    /// A hedge was sent.
-    hedged: bool,
     end: Option<LogicalRecord>,
 }
 
@@ -268,199 +254,38 @@ impl Probe {
     fn take(&self) -> CallLog {
         std::mem::take(&mut *self.lock())
     }
-
-    /// A send of `request` begins (see the module docs for how it is told apart).
-    fn send<B>(&self, request: &Request<B>) -> InFlight {
-        let previous = request
-            .headers()
-            .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u32>().ok())
-            .unwrap_or(0);
-        let hedge = request.extensions().get::<Hedged>().is_some();
-        let mut log = self.lock();
-        let resend = if hedge {
-            std::mem::replace(&mut log.hedged, true)
-        } else if log.sent.contains(&previous) {
-            true
-        } else {
-            log.sent.push(previous);
-            false
-        };
-        InFlight {
-            probe: self.clone(),
-            number: previous.saturating_add(1),
-            hedge,
-            resend,
-            deadline: request.extensions().get::<Deadline>().copied(),
-            started: Instant::now(),
-            outcome: None,
-        }
-    }
-
-    /// The logical request ended with `result`, as the stack returned it.
-    fn end<B>(&self, result: &Result<Response<B>, BoxError>) {
-        let end = match result {
-            Ok(response) => match classify_head(response.status(), response.headers()) {
-                None => LogicalRecord {
-                    outcome: Outcome::Ok,
-                    stop_reason: None,
-                },
-                Some(status) => LogicalRecord {
-                    outcome: status.outcome(),
-                    stop_reason: response
-                        .extensions()
-                        .get::<RetryStopped>()
-                        .map(|s| s.reason.as_str()),
-                },
-            },
-            Err(error) => match find::<RetryError>(&**error) {
-                Some(stopped) => LogicalRecord {
-                    outcome: stopped.last.outcome(),
-                    stop_reason: Some(stopped.reason.as_str()),
-                },
-                None => LogicalRecord {
-                    outcome: error_status(&**error).outcome(),
-                    stop_reason: None,
-                },
-            },
-        };
-        self.lock().end = Some(end);
-    }
 }
 
-/// `E` in `error`'s source chain.
-fn find<'a, E: StdError + 'static>(error: &'a (dyn StdError + 'static)) -> Option<&'a E> {
-    let mut cause = Some(error);
-    while let Some(e) = cause {
-        if let Some(found) = e.downcast_ref::<E>() {
-            return Some(found);
-        }
-        cause = e.source();
-    }
-    None
-}
+/// The stack's observer: writes each send and each call's end into the call's [`Probe`]
+/// (module docs).
+#[derive(Debug, Default)]
+struct Tell;
 
-/// One send under way; recorded when it ends, or when it is dropped unfinished (cut off at the
-/// deadline, or the loser of a hedge race).
-struct InFlight {
-    probe: Probe,
-    number: u32,
-    hedge: bool,
-    resend: bool,
-    deadline: Option<Deadline>,
-    started: Instant,
-    outcome: Option<Outcome>,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let outcome = match self.outcome {
-            Some(outcome) => AttemptOutcome::Done(outcome),
-            None if self.deadline.is_some_and(|d| d.expired()) => {
-                AttemptOutcome::Done(Outcome::Timeout)
-            }
-            None => AttemptOutcome::Cancelled,
+impl AttemptObserver for Tell {
+    fn on_attempt(&self, attempt: &AttemptEvent<'_>) {
+        let Some(probe) = attempt.extensions.get::<Probe>() else {
+            return;
         };
         let record = AttemptRecord {
-            number: self.number,
-            latency: self.started.elapsed(),
-            outcome,
-            hedge: self.hedge,
-            resend: self.resend,
-            sent: self.started,
+            number: attempt.number,
+            latency: attempt.duration,
+            outcome: match attempt.outcome {
+                Outcome::Cancelled => AttemptOutcome::Cancelled,
+                outcome => AttemptOutcome::Done(outcome),
+            },
+            hedge: attempt.kind == AttemptKind::Hedge,
+            resend: attempt.kind == AttemptKind::Transparent,
+            sent: attempt.started,
         };
-        self.probe.lock().attempts.push(record);
-    }
-}
-
-type BoxFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
-
-/// The transport as the stack sees it: records every send of a request that carries a
-/// [`Probe`] (module docs).
-#[derive(Debug, Clone)]
-pub(crate) struct Record<S> {
-    inner: S,
-}
-
-impl<S> Record<S> {
-    fn new(inner: S) -> Self {
-        Self { inner }
-    }
-}
-
-impl<S, B, ResB> Service<Request<B>> for Record<S>
-where
-    S: Service<Request<B>, Response = Response<ResB>>,
-    S::Error: Into<BoxError>,
-    S::Future: Send + 'static,
-{
-    type Response = Response<ResB>;
-    type Error = BoxError;
-    type Future = BoxFuture<Response<ResB>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        probe.lock().attempts.push(record);
     }
 
-    fn call(&mut self, request: Request<B>) -> Self::Future {
-        let in_flight = request
-            .extensions()
-            .get::<Probe>()
-            .map(|p| p.send(&request));
-        let sent = self.inner.call(request);
-        Box::pin(async move {
-            let mut in_flight = in_flight;
-            let result = sent.await.map_err(Into::into);
-            if let Some(send) = &mut in_flight {
-                // Read the way the retry layer reads it.
-                send.outcome = Some(match &result {
-                    Ok(response) => classify_head(response.status(), response.headers())
-                        .map_or(Outcome::Ok, |s| s.outcome()),
-                    Err(error) => error_status(&**error).outcome(),
-                });
-            }
-            result
-        })
-    }
-}
-
-/// What the tool calls: the stack, with the end of each logical request recorded in its
-/// [`Probe`] (module docs).
-#[derive(Debug, Clone)]
-pub(crate) struct Observe<S> {
-    inner: S,
-}
-
-impl<S> Observe<S> {
-    fn new(inner: S) -> Self {
-        Self { inner }
-    }
-}
-
-impl<S, B, ResB> Service<Request<B>> for Observe<S>
-where
-    S: Service<Request<B>, Response = Response<ResB>>,
-    S::Error: Into<BoxError>,
-    S::Future: Send + 'static,
-{
-    type Response = Response<ResB>;
-    type Error = BoxError;
-    type Future = BoxFuture<Response<ResB>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, request: Request<B>) -> Self::Future {
-        let probe = request.extensions().get::<Probe>().cloned();
-        let call = self.inner.call(request);
-        Box::pin(async move {
-            let result = call.await.map_err(Into::into);
-            if let Some(probe) = probe {
-                probe.end(&result);
-            }
-            result
-        })
+    fn on_call_end(&self, end: &CallEnd<'_>) {
+        if let Some(probe) = end.extensions.get::<Probe>() {
+            probe.lock().end = Some(LogicalRecord {
+                outcome: end.outcome,
+                stop_reason: end.stop_reason.map(StopReason::as_str),
+            });
+        }
     }
 }

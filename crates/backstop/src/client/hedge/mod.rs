@@ -21,7 +21,9 @@
 //! The hedge's request carries a [`Hedged`] extension. Its `grpc-previous-rpc-attempts` is one
 //! above the attempt it races, the value the next retry would carry too, so a service below
 //! the stack that observes what is sent (a recording transport) needs the marker to tell the
-//! two apart.
+//! two apart. An [`AttemptObserver`](super::AttemptObserver) needs neither: the race of an
+//! observed call's hedged attempt (when each send started and how it ended) is kept in its
+//! [`HedgeAllowance`], and the retry layer tells both sends, the hedge as a hedge.
 
 mod latency;
 mod layer;
@@ -30,8 +32,8 @@ pub use self::latency::LatencyWindow;
 pub use self::layer::HedgeLayer;
 
 use std::pin::pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -41,14 +43,15 @@ use tokio::time::Instant;
 use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
-use super::classify::response_status;
+use super::classify::{error_status, response_status};
 use super::future::LayerFuture;
+use super::observer::refused_locally;
 use super::previous_attempts::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use super::replay::{ReplayBody, try_clone_request};
 use super::select::Selected;
 use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
 use crate::retry::{RetryBudget, StormAlarm};
-use crate::status::RetryClass;
+use crate::status::{Code, Outcome, RetryClass};
 
 /// The response future of [`Hedge`]: the inner call's own future unless the attempt may be
 /// hedged.
@@ -57,12 +60,150 @@ pub type ResponseFuture<F, T> = LayerFuture<F, T>;
 /// One hedge per logical call: put in the request's extensions by the retry layer and shared by
 /// the call's attempts.
 #[derive(Debug, Clone, Default)]
-pub struct HedgeAllowance(Arc<AtomicBool>);
+pub struct HedgeAllowance(Arc<Allowance>);
+
+#[derive(Debug, Default)]
+struct Allowance {
+    taken: AtomicBool,
+    /// Whether the call is observed: the race of its hedged attempt is then kept in `race`.
+    observed: bool,
+    /// The race of the attempt that was hedged, once it is over, until the retry layer takes it
+    /// to tell the call's [`AttemptObserver`](super::observer::AttemptObserver).
+    race: Mutex<Option<Race>>,
+}
 
 impl HedgeAllowance {
     /// Takes the call's one hedge; `false` if it was taken already.
     pub fn take(&self) -> bool {
-        !self.0.swap(true, Ordering::AcqRel)
+        !self.0.taken.swap(true, Ordering::AcqRel)
+    }
+
+    /// The allowance of a call whose hedge race, if it has one, is kept for its observer.
+    pub(crate) fn observed() -> Self {
+        Self(Arc::new(Allowance {
+            observed: true,
+            ..Allowance::default()
+        }))
+    }
+
+    /// The race of the call's hedged attempt, once it is over (once: it is taken).
+    pub(crate) fn take_race(&self) -> Option<Race> {
+        self.0
+            .race
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// How the two sends of a hedged attempt went, as the hedge layer saw them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Race {
+    /// The attempt the retry layer sent.
+    pub(crate) primary: Leg,
+    /// Its copy.
+    pub(crate) hedge: Leg,
+    /// Whose result was returned; `None` when the race was dropped first (cut off above).
+    pub(crate) returned: Option<Side>,
+}
+
+/// One side of a hedge race.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Primary,
+    Hedge,
+}
+
+/// One send of a hedge race.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Leg {
+    pub(crate) started: Instant,
+    /// How it ended, if it did before the race was over.
+    pub(crate) ended: Option<LegEnd>,
+}
+
+/// How a send of a hedge race ended.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LegEnd {
+    pub(crate) duration: Duration,
+    pub(crate) outcome: Outcome,
+    pub(crate) code: Code,
+    /// `false` when it was refused before it was sent (an open circuit, no time left).
+    pub(crate) sent: bool,
+}
+
+impl Leg {
+    fn new(started: Instant) -> Self {
+        Self {
+            started,
+            ended: None,
+        }
+    }
+
+    fn end<B>(&mut self, result: &Result<Response<B>, BoxError>) {
+        let (status, sent) = match result {
+            Ok(response) => (response_status(response), true),
+            Err(e) => (Some(error_status(&**e)), !refused_locally(&**e)),
+        };
+        let (outcome, code) = status.map_or((Outcome::Ok, Code::Ok), |s| (s.outcome(), s.code()));
+        self.ended = Some(LegEnd {
+            duration: self.started.elapsed(),
+            outcome,
+            code,
+            sent,
+        });
+    }
+}
+
+/// A hedge race under way, handed to the call's allowance when it is over or dropped.
+struct RaceLog {
+    allowance: HedgeAllowance,
+    race: Race,
+}
+
+impl RaceLog {
+    /// The race of an observed call, or `None`.
+    fn new(allowance: Option<&HedgeAllowance>, started: Instant, hedged: Instant) -> Option<Self> {
+        let allowance = allowance.filter(|a| a.0.observed)?.clone();
+        Some(Self {
+            allowance,
+            race: Race {
+                primary: Leg::new(started),
+                hedge: Leg::new(hedged),
+                returned: None,
+            },
+        })
+    }
+}
+
+impl Drop for RaceLog {
+    fn drop(&mut self) {
+        *self
+            .allowance
+            .0
+            .race
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(self.race);
+    }
+}
+
+/// Records in `log`, if any, that the `side` of the race ended with `result`, and whether it is
+/// the result returned.
+fn leg_ended<B>(
+    log: &mut Option<RaceLog>,
+    side: Side,
+    result: &Result<Response<B>, BoxError>,
+    returned: bool,
+) {
+    if let Some(log) = log {
+        let leg = match side {
+            Side::Primary => &mut log.race.primary,
+            Side::Hedge => &mut log.race.hedge,
+        };
+        leg.end(result);
+        if returned {
+            log.race.returned = Some(side);
+        }
     }
 }
 
@@ -291,25 +432,33 @@ where
     );
     backup.extensions_mut().insert(Hedged);
     let hedge_started = Instant::now();
+    // Handed to the allowance when the race is over, or dropped unfinished.
+    let mut log = RaceLog::new(allowance.as_ref(), started, hedge_started);
     let mut secondary =
         pin!(async move { svc.oneshot(backup).await.map_err(Into::<BoxError>::into) });
     // The first final answer wins; the other attempt is dropped, which cancels it.
     tokio::select! {
         result = &mut primary => {
-            if is_final(&result) {
+            let last = is_final(&result);
+            leg_ended(&mut log, Side::Primary, &result, last);
+            if last {
                 record(&policy, &result, started);
                 return result;
             }
             let result = secondary.await;
+            leg_ended(&mut log, Side::Hedge, &result, true);
             record(&policy, &result, hedge_started);
             result
         }
         result = &mut secondary => {
-            if is_final(&result) {
+            let last = is_final(&result);
+            leg_ended(&mut log, Side::Hedge, &result, last);
+            if last {
                 record(&policy, &result, hedge_started);
                 return result;
             }
             let result = primary.await;
+            leg_ended(&mut log, Side::Primary, &result, true);
             record(&policy, &result, started);
             result
         }

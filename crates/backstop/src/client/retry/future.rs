@@ -22,11 +22,15 @@ use tower_service::Service;
 
 use super::{Config, GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
 use crate::client::classify::error_status;
+use crate::client::hedge::{HedgeAllowance, Side};
+use crate::client::observer::{
+    AttemptEvent, AttemptKind, AttemptObserver, CallEnd, refused_locally,
+};
 use crate::client::replay::{Buffered, Buffering, Replay, ReplayBody, ResendBy};
 use crate::client::transparent::ResendRequested;
 use crate::deadline::{Deadline, DeadlineExceeded};
-use crate::retry::{Attempt, Attempts, CallInfo, RetryError, RetryPolicy};
-use crate::status::{Code, Status};
+use crate::retry::{Attempt, Attempts, CallInfo, RetryError, RetryPolicy, StopReason};
+use crate::status::{Code, Outcome as Classified, Status};
 
 /// What each attempt sends.
 pub(super) enum Content<B> {
@@ -184,7 +188,8 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            let sent = match this.step.as_mut().project() {
+            // What became of the attempt, and whether it was handed to the service below.
+            let (sent, on_wire) = match this.step.as_mut().project() {
                 StepProj::Buffering => {
                     let Content::Buffering(buffering) = this.content else {
                         this.step.set(Step::Next);
@@ -192,11 +197,18 @@ where
                     };
                     match buffering.poll_buffer(cx) {
                         Poll::Ready(Ok(buffered)) => *this.content = buffered.into(),
-                        Poll::Ready(Err(e)) => return done(this.step, Err(e.into())),
+                        Poll::Ready(Err(e)) => {
+                            let e: BoxError = e.into();
+                            told(this.config, this.parts, this.key).end_unsent(&*e, None);
+                            return done(this.step, Err(e));
+                        }
                         Poll::Pending => {
                             // Reading the body is part of the call: it too ends at the deadline.
                             ready!(this.timer.as_mut().poll(cx));
-                            return done(this.step, Err(Box::new(DeadlineExceeded::PASSED)));
+                            let e = DeadlineExceeded::PASSED;
+                            told(this.config, this.parts, this.key)
+                                .end_unsent(&e, Some(StopReason::Deadline));
+                            return done(this.step, Err(Box::new(e)));
                         }
                     }
                     this.step.set(Step::Next);
@@ -210,7 +222,10 @@ where
                         .get_or_insert_with(|| policy.attempts(*this.deadline));
                     let current = match start_attempt(attempts, policy, &call, this.resend.take()) {
                         Ok(current) => current,
-                        Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
+                        Err(stopped) => {
+                            told(this.config, this.parts, this.key).end_stopped(&stopped);
+                            return done(this.step, stop(this.last.take(), stopped));
+                        }
                     };
                     if matches!(this.content, Content::Once(None)) {
                         // Unreachable: a body sent once allows one attempt only.
@@ -219,6 +234,7 @@ where
                         match attempts.failed(policy, &call, status, remaining, Duration::ZERO) {
                             Ok(_) => continue,
                             Err(stopped) => {
+                                told(this.config, this.parts, this.key).end_stopped(&stopped);
                                 return done(this.step, stop(this.last.take(), stopped));
                             }
                         }
@@ -253,22 +269,23 @@ where
                             this.step.set(Step::Calling { future });
                             continue;
                         }
-                        Poll::Ready(Err(e)) => Outcome::Failed(e.into()),
+                        // Not sent: the service was never ready for it.
+                        Poll::Ready(Err(e)) => (Outcome::Failed(e.into()), false),
                         Poll::Pending => {
                             ready!(this.timer.as_mut().poll(cx));
-                            Outcome::CutOff
+                            (Outcome::CutOff, false)
                         }
                     }
                 }
                 StepProj::Calling { future } => match future.poll(cx) {
-                    Poll::Ready(Ok(response)) => Outcome::Response(response),
-                    Poll::Ready(Err(e)) => Outcome::Failed(e.into()),
+                    Poll::Ready(Ok(response)) => (Outcome::Response(response), true),
+                    Poll::Ready(Err(e)) => (Outcome::Failed(e.into()), true),
                     Poll::Pending => {
                         ready!(this.timer.as_mut().poll(cx));
                         if this.abandon_at.is_some() {
-                            Outcome::Abandoned
+                            (Outcome::Abandoned, true)
                         } else {
-                            Outcome::CutOff
+                            (Outcome::CutOff, true)
                         }
                     }
                 },
@@ -291,16 +308,20 @@ where
             };
             let policy = policy(this.config, this.content);
             let call = call_info(this.config, this.key, this.trace_id);
+            let tell = told(this.config, this.parts, this.key);
             let elapsed = current.started.elapsed();
             let remaining = current.remaining;
             let next = match sent {
                 Outcome::Response(response) => {
                     match (this.config.classifier)(response.status(), response.headers()) {
                         None => {
+                            tell.attempt(this.deadline, &current, on_wire.then_some(OK));
                             attempts.succeeded(policy, &call, remaining, elapsed);
+                            tell.end(Classified::Ok, attempts.sent(), None);
                             return done(this.step, Ok(response));
                         }
                         Some(status) => {
+                            tell.attempt(this.deadline, &current, on_wire.then(|| seen(&status)));
                             *this.last = Some(Box::new(response));
                             attempts.failed(policy, &call, status, remaining, elapsed)
                         }
@@ -310,7 +331,11 @@ where
                     let e = match e.downcast::<ResendRequested>() {
                         // Not an attempt: the same one goes again, its budget token already
                         // taken.
-                        Ok(_never_sent) if !current.resending => {
+                        Ok(never_sent) if !current.resending => {
+                            if tell.observed() {
+                                let status = error_status(&*never_sent);
+                                tell.attempt(this.deadline, &current, Some(seen(&status)));
+                            }
                             *this.resend = Some((current.attempt, remaining));
                             continue;
                         }
@@ -319,6 +344,8 @@ where
                     };
                     *this.last = None;
                     let status = error_status(&*e);
+                    let sent = tell.observed() && on_wire && !refused_locally(&*e);
+                    tell.attempt(this.deadline, &current, sent.then(|| seen(&status)));
                     if e.is::<DeadlineExceeded>() {
                         // Refused before sending (less than the peer's margin left): a later
                         // attempt would have even less, so stop on the deadline, spending
@@ -330,6 +357,8 @@ where
                 }
                 Outcome::CutOff => {
                     *this.last = None;
+                    let timeout = (Classified::Timeout, Code::DeadlineExceeded);
+                    tell.attempt(this.deadline, &current, on_wire.then_some(timeout));
                     attempts.cut_off(policy, &call, remaining, elapsed)
                 }
                 Outcome::Abandoned => {
@@ -345,6 +374,7 @@ where
                         Code::Unavailable,
                         "no answer within the attempt limit; abandoned",
                     );
+                    tell.attempt(this.deadline, &current, Some(seen(&status)));
                     attempts.failed(policy, &call, status, remaining, elapsed)
                 }
             };
@@ -355,7 +385,10 @@ where
                     this.timer.as_mut().reset(Instant::now() + wait);
                     this.step.set(Step::Waiting);
                 }
-                Err(stopped) => return done(this.step, stop(this.last.take(), stopped)),
+                Err(stopped) => {
+                    tell.end_stopped(&stopped);
+                    return done(this.step, stop(this.last.take(), stopped));
+                }
             }
         }
     }
@@ -481,5 +514,164 @@ pub(super) fn stop<ResB>(
             Ok(response)
         }
         None => Err(Box::new(stopped)),
+    }
+}
+
+/// The attempt succeeded, as the observer is told.
+const OK: (Classified, Code) = (Classified::Ok, Code::Ok);
+
+/// A failed attempt's outcome and code, as the observer is told.
+fn seen(status: &Status) -> (Classified, Code) {
+    (status.outcome(), status.code())
+}
+
+/// What the call's observer, if it has one, is told with.
+pub(super) struct Told<'a> {
+    observer: Option<&'a dyn AttemptObserver>,
+    config: &'a Config,
+    extensions: &'a http::Extensions,
+    key: Option<&'a str>,
+}
+
+/// The observer of the call with head `parts`, by `config`, whose key is `key`.
+pub(super) fn told<'a>(
+    config: &'a Config,
+    parts: &'a Parts,
+    key: &'a Option<Box<str>>,
+) -> Told<'a> {
+    Told {
+        observer: config.observer.as_ref().map(|o| &*o.0),
+        config,
+        extensions: &parts.extensions,
+        key: key.as_deref(),
+    }
+}
+
+impl Told<'_> {
+    /// Whether there is an observer to tell.
+    pub(super) fn observed(&self) -> bool {
+        self.observer.is_some()
+    }
+
+    /// The attempt `current` of a call with `deadline` is over, as the retry layer read it
+    /// (`None`: it was not sent). When the hedge layer below raced it against a copy, both
+    /// sends are told, each as it ended.
+    pub(super) fn attempt(
+        &self,
+        deadline: &Deadline,
+        current: &Current,
+        seen: Option<(Classified, Code)>,
+    ) {
+        let Some(observer) = self.observer else {
+            return;
+        };
+        let number = current.attempt.number;
+        let kind = if current.resending {
+            AttemptKind::Transparent
+        } else if number > 1 {
+            AttemptKind::Retry
+        } else {
+            AttemptKind::First
+        };
+        let race = self
+            .extensions
+            .get::<HedgeAllowance>()
+            .and_then(HedgeAllowance::take_race);
+        let Some(race) = race else {
+            if let Some((outcome, code)) = seen {
+                let ended = (outcome, Some(code), current.started.elapsed());
+                self.send(observer, deadline, number, kind, current.started, ended);
+            }
+            return;
+        };
+        let legs = [
+            (Side::Primary, race.primary, number, kind),
+            (
+                Side::Hedge,
+                race.hedge,
+                number.saturating_add(1),
+                AttemptKind::Hedge,
+            ),
+        ];
+        for (side, leg, number, kind) in legs {
+            let ended = if race.returned == Some(side) {
+                // Its result is the one the retry layer read.
+                let duration = leg
+                    .ended
+                    .map_or_else(|| leg.started.elapsed(), |e| e.duration);
+                seen.map(|(outcome, code)| (outcome, Some(code), duration))
+            } else if let Some(end) = leg.ended {
+                end.sent
+                    .then_some((end.outcome, Some(end.code), end.duration))
+            } else if race.returned.is_some() {
+                // The other one answered first: this one was dropped, unanswered.
+                Some((Classified::Cancelled, None, leg.started.elapsed()))
+            } else {
+                // Both were still running when the attempt was ended from here.
+                seen.map(|(outcome, code)| (outcome, Some(code), leg.started.elapsed()))
+            };
+            if let Some(ended) = ended {
+                self.send(observer, deadline, number, kind, leg.started, ended);
+            }
+        }
+    }
+
+    fn send(
+        &self,
+        observer: &dyn AttemptObserver,
+        deadline: &Deadline,
+        number: u32,
+        kind: AttemptKind,
+        started: Instant,
+        (outcome, code, duration): (Classified, Option<Code>, Duration),
+    ) {
+        observer.on_attempt(&AttemptEvent {
+            destination: self.config.policy.service(),
+            method: self.config.policy.method(),
+            number,
+            kind,
+            outcome,
+            code,
+            started,
+            duration,
+            deadline_remaining: deadline.remaining_at(started),
+            idempotency_key: self.key,
+            extensions: self.extensions,
+        });
+    }
+
+    /// The call ended with `outcome` after `attempts` attempts, stopped for `stop_reason`.
+    pub(super) fn end(&self, outcome: Classified, attempts: u32, stop_reason: Option<StopReason>) {
+        if let Some(observer) = self.observer {
+            observer.on_call_end(&CallEnd {
+                destination: self.config.policy.service(),
+                method: self.config.policy.method(),
+                outcome,
+                attempts,
+                stop_reason,
+                idempotency_key: self.key,
+                extensions: self.extensions,
+            });
+        }
+    }
+
+    /// The attempts stopped.
+    pub(super) fn end_stopped(&self, stopped: &RetryError) {
+        self.end(
+            stopped.last.outcome(),
+            stopped.attempts,
+            Some(stopped.reason),
+        );
+    }
+
+    /// The call failed with `error` before any attempt.
+    pub(super) fn end_unsent(
+        &self,
+        error: &(dyn std::error::Error + 'static),
+        stop_reason: Option<StopReason>,
+    ) {
+        if self.observed() {
+            self.end(error_status(error).outcome(), 0, stop_reason);
+        }
     }
 }

@@ -36,6 +36,10 @@
 //!   went away at that instant, or to a peer that vanished) then costs half the budget, not all
 //!   of it.
 //!
+//! - **Observer.** Under a [client stack](super::ClientStack) with an
+//!   [`AttemptObserver`](super::AttemptObserver), each send is told as it ends and each call's
+//!   end with its stop reason, beside the executor step that counts and logs it.
+//!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
 //! one (transport errors, the deadline, an open circuit), the error is a
@@ -66,6 +70,7 @@ use self::future::{Content, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::logical::IDEMPOTENCY_KEY;
+use super::observer::Observer;
 use super::replay::{Buffering, ReplayBody};
 use super::select::Selected;
 use crate::deadline::{Deadline, Margin};
@@ -102,6 +107,8 @@ pub(crate) struct Config {
     limiter: Option<Limiter>,
     /// The deadline of a call that arrives without one.
     timeout: Duration,
+    /// Told of each send and of each call's end, if set.
+    observer: Option<Observer>,
 }
 
 impl Config {
@@ -130,7 +137,14 @@ impl Config {
             hedged,
             limiter: limit.map(|(limit, margin)| Limiter { limit, margin }),
             timeout,
+            observer: None,
         }
+    }
+
+    /// Tells `observer` of each send and of each call's end.
+    pub(crate) fn observer(mut self, observer: Option<Observer>) -> Self {
+        self.observer = observer;
+        self
     }
 
     /// The retry policy the calls run by.
@@ -269,7 +283,10 @@ where
             .extensions
             .get_or_insert_with(|| Deadline::after(config.timeout));
         if config.hedged {
-            parts.extensions.insert(HedgeAllowance::default());
+            parts.extensions.insert(match config.observer {
+                Some(_) => HedgeAllowance::observed(),
+                None => HedgeAllowance::default(),
+            });
         }
         let key: Option<Box<str>> = parts
             .headers
@@ -292,7 +309,11 @@ where
         if let Content::Buffering(buffering) = &mut content {
             match buffering.poll_buffer(&mut Context::from_waker(Waker::noop())) {
                 Poll::Ready(Ok(buffered)) => content = buffered.into(),
-                Poll::Ready(Err(e)) => return Box::pin(std::future::ready(Err(e.into()))),
+                Poll::Ready(Err(e)) => {
+                    let e: BoxError = e.into();
+                    future::told(&config, &parts, &key).end_unsent(&*e, None);
+                    return Box::pin(std::future::ready(Err(e)));
+                }
                 Poll::Pending => {}
             }
         }
@@ -315,7 +336,10 @@ where
                     let request = future::attempt_request(&parts, &mut content, current);
                     Some((self.inner.call(request), current, attempts))
                 }
-                Err(stopped) => return Box::pin(std::future::ready(future::stop(None, stopped))),
+                Err(stopped) => {
+                    future::told(&config, &parts, &key).end_stopped(&stopped);
+                    return Box::pin(std::future::ready(future::stop(None, stopped)));
+                }
             }
         } else {
             None
