@@ -17,7 +17,7 @@ use backstop::client::breaker::{Breaker, BreakerConfig, CircuitBreaker};
 use backstop::client::classify::classify_head;
 use backstop::client::deadline::{AttemptTimeout, SetDeadline};
 use backstop::client::hedge::Hedge;
-use backstop::client::logical::IdempotencyKeyService;
+use backstop::client::idempotency::IdempotencyKeyService;
 use backstop::client::replay::{DEFAULT_REPLAY_CAP, ReplayBody};
 use backstop::client::retry::Retry;
 use backstop::client::transparent::TransparentRetry;

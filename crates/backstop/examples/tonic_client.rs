@@ -16,8 +16,8 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use backstop::client::config::ServiceConfig;
 use backstop::client::replay::ReplayBody;
+use backstop::client::service_config::ServiceConfig;
 use backstop::client::{ClientStack, Destination};
 use http::uri::PathAndQuery;
 use tonic::transport::{Channel, Server};

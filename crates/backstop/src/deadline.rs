@@ -11,6 +11,14 @@
 //! leaves a [`Margin`] for the reply to travel back. When nothing would be left, `child` fails at
 //! once: a call that cannot finish in time must not be started.
 //!
+//! # Where it lives
+//!
+//! This module is the primitive. The client sets one deadline per call and stamps each attempt
+//! with what is left ([`client::deadline`](crate::client::deadline): `SetDeadline`,
+//! `AttemptTimeout`); the server reads it the moment a request arrives and answers 504 at the
+//! deadline ([`server::deadline`](crate::server::deadline)). A method's default budget is its
+//! [`MethodPolicy::timeout`](crate::policy::MethodPolicy::timeout).
+//!
 //! Time is `tokio::time::Instant`, so tests pause it instead of sleeping.
 //!
 //! ```

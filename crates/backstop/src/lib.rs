@@ -24,6 +24,23 @@
 //!
 //! The primitives know nothing of HTTP or gRPC; the [`server`] and [`client`] layers adapt them.
 //!
+//! # Where each concept lives
+//!
+//! | concept | primitive | client layer | server layer |
+//! |---|---|---|---|
+//! | deadline | [`deadline`] | `client::deadline` | `server::deadline` |
+//! | retry, hedging | [`retry`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent` | pushback from [`admission`] |
+//! | idempotency | [`idempotency`] (stores on [`db`]) | `client::idempotency` (key, intent journal) | `server::idempotency` |
+//! | concurrency limit | [`admission::Gate`] | | `server::concurrency` |
+//! | quota | [`admission::KeyedTokenBucket`], `admission::redis` | | `server::rate_limit` |
+//! | per-method policy | [`policy`] | `client::SelectMethod`, `client::service_config` | read by `server::idempotency` and `server::rate_limit` |
+//! | metrics, logs | [`observe`] | `client::observer` | `server::metrics` |
+//!
+//! The folders are by side, not by concept: `client/` and `server/` are whole features, so a
+//! crate that turns one off leaves its folder and its hyper parts out, and the primitives
+//! under them compile with neither. tower keeps each concept in one folder because it has one
+//! side; here a concept has up to three homes, and each one's module docs link the other two.
+//!
 //! # Layout
 //!
 //! - [`deadline`]: [`Deadline`], the `grpc-timeout` codec, the per-peer

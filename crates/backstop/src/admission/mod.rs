@@ -19,6 +19,14 @@
 //!   `RESOURCE_EXHAUSTED` + `Retry-After`. With the `redis` feature, the `redis` module shares the
 //!   per-tenant buckets between instances.
 //!
+//! # Where it lives
+//!
+//! These are the primitives. On the server, the concurrency limit is
+//! [`server::concurrency`](crate::server::concurrency) (`GateLayer`, 503) and the quota
+//! [`server::rate_limit`](crate::server::rate_limit) (429), whose classes are the methods'
+//! [`rate_class`](crate::policy::MethodPolicy::rate_class). On the client, the answer to both
+//! is pushback: [`client::retry`](crate::client::retry) waits as long as they say.
+//!
 //! Both refusals carry a wait, formatted by [`RetryAfter`] (never `0`, which would invite an
 //! immediate retry). Neither is ever a `500`.
 //!
@@ -49,7 +57,7 @@
 //! # }
 //! ```
 
-mod gate;
+mod concurrency;
 mod keyed;
 mod limit;
 mod queue;
@@ -59,7 +67,7 @@ mod retry_after;
 mod slow_start;
 mod token_bucket;
 
-pub use gate::{DEFAULT_TENANT, Gate, GatePermit, Overloaded};
+pub use concurrency::{DEFAULT_TENANT, Gate, GatePermit, Overloaded};
 pub use keyed::KeyedTokenBucket;
 pub use limit::{FixedLimit, Gradient2, Limit};
 pub use queue::{

@@ -10,8 +10,8 @@
 //!
 //! 0. [`SelectMethod`]: the call's method policy, looked up once; the layers below read the
 //!    one it chose.
-//! 1. [`logical`]: one idempotency key per logical call (`Keyed` methods), made once and, with
-//!    an [`IntentJournal`](logical::IntentJournal), stored before the first send so a restarted
+//! 1. [`idempotency`]: one idempotency key per logical call (`Keyed` methods), made once and, with
+//!    an [`IntentJournal`](idempotency::IntentJournal), stored before the first send so a restarted
 //!    client resumes with the same key. Outermost, so nothing below can make a second key.
 //! 2. [`deadline`] ([`SetDeadline`](deadline::SetDeadline)): one deadline for the whole call.
 //!    Above retry, so retries share it and can never extend it.
@@ -38,7 +38,7 @@
 //!    errors are seen.
 //!
 //! Below it sits the transport: [`connect`] (pooled hyper-util clients, balancing over
-//! several endpoints) or a tonic channel. [`config`] reads gRPC service configs into the same
+//! several endpoints) or a tonic channel. [`service_config`] reads gRPC service configs into the same
 //! policies. Every attempt is counted (`rpc_client_attempts_total{attempt,outcome}`,
 //! `rpc_client_attempt_duration_seconds`), every hedge (`rpc_client_hedges_total`) and retry
 //! (`rpc_client_retries_total`), and logged as an `rpc_attempt` event. An [`AttemptObserver`]
@@ -90,17 +90,17 @@
 pub mod breaker;
 mod circuit_open;
 pub mod classify;
-pub mod config;
 pub mod connect;
 pub mod deadline;
 pub mod future;
 pub mod hedge;
-pub mod logical;
+pub mod idempotency;
 pub mod observer;
 mod previous_attempts;
 pub mod replay;
 pub mod retry;
 mod select;
+pub mod service_config;
 mod stack;
 pub mod transparent;
 

@@ -9,9 +9,9 @@ use super::breaker::{Breaker, BreakerConfig, CircuitBreaker};
 use super::classify::{Classifier, classify_head};
 use super::deadline::{AttemptTimeout, SetDeadline};
 use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
-use super::logical::IdempotencyKeyService;
+use super::idempotency::IdempotencyKeyService;
 #[cfg(feature = "sqlite")]
-use super::logical::IntentJournal;
+use super::idempotency::IntentJournal;
 use super::observer::{AttemptObserver, Observer};
 use super::replay::DEFAULT_REPLAY_CAP;
 use super::retry::{AttemptLimit, Config as RetryConfig, Retry};
@@ -166,7 +166,7 @@ pub enum StackError {
 /// Outermost first, each layer being one mechanism (see [`crate::client`] for why this order):
 ///
 /// 0. [select](super::SelectMethod): the call's method policy, by path (skipped with one);
-/// 1. [logical request](super::logical): the idempotency key (`Keyed` methods), once;
+/// 1. [logical request](super::idempotency): the idempotency key (`Keyed` methods), once;
 /// 2. [deadline](super::deadline::SetDeadline): one deadline for the call, the method's
 ///    timeout unless the caller set one;
 /// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons, an
@@ -302,7 +302,7 @@ impl ClientStackBuilder {
         self
     }
 
-    /// Journals the keys of calls that name an [`Operation`](super::logical::Operation).
+    /// Journals the keys of calls that name an [`Operation`](super::idempotency::Operation).
     #[cfg(feature = "sqlite")]
     pub fn journal(mut self, journal: IntentJournal) -> Self {
         self.journal = Some(journal);
@@ -448,7 +448,7 @@ mod tests {
     /// hedging, timeout and key; a path the table does not name by the fallback.
     #[test]
     fn a_grpc_service_config_drives_the_stack() {
-        use crate::client::config::ServiceConfig;
+        use crate::client::service_config::ServiceConfig;
         let config = ServiceConfig::from_json(
             r#"{"methodConfig": [
                 {"name": [{"service": "p.Payment", "method": "GetCharge"}], "timeout": "3s",
@@ -595,7 +595,7 @@ mod tests {
     /// attempts all hang is sent twice, not four times.
     #[tokio::test(start_paused = true)]
     async fn a_config_asking_for_more_hedges_gets_one() {
-        use crate::client::config::ServiceConfig;
+        use crate::client::service_config::ServiceConfig;
         use http::{Request, Response};
         use std::sync::atomic::{AtomicUsize, Ordering};
         use tower::{ServiceExt, service_fn};

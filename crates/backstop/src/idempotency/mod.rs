@@ -22,6 +22,16 @@
 //! Records expire after a TTL (24 h for synchronous APIs, 7 days for payments); the
 //! [`Sweeper`] deletes expired ones and never a running record whose lease is live.
 //!
+//! # Where it lives
+//!
+//! This module holds the primitives: keys, fingerprints, the [`Store`] trait and its backends
+//! (their durable plumbing is in [`db`](crate::db)). The client makes one key per logical call
+//! and, with an intent journal, stores it before the first send
+//! ([`client::idempotency`](crate::client::idempotency)); the server claims it before the
+//! handler runs and replays the answer ([`server::idempotency`](crate::server::idempotency)).
+//! Which methods are keyed, and for how long their keys live, is their
+//! [`MethodPolicy`](crate::policy::MethodPolicy).
+//!
 //! ```
 //! use std::time::Duration;
 //! use backstop::idempotency::{Claim, ClaimRequest, Fingerprint, IdempotencyKey, MemoryStore, Store, StoredResponse};

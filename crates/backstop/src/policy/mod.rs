@@ -8,7 +8,7 @@
 //! class. Everything that acts on a call reads it from there: the client stack's retry, hedge
 //! and deadline layers, the retry executor, and the server's idempotency and rate-limit
 //! configuration; a gRPC service config is read into the same type
-//! ([`ServiceConfig::policies`](crate::client::config::ServiceConfig::policies)).
+//! ([`ServiceConfig::policies`](crate::client::service_config::ServiceConfig::policies)).
 //!
 //! A service declares its policies once, in a [`MethodPolicies`] table keyed the way gRPC
 //! service configs are: by full method path (`/payment.v1.Payment/Charge`), by service

@@ -19,6 +19,16 @@
 //!   leaves room for the wait and a minimal attempt, honouring the server's pushback, and
 //!   reporting why it stopped ([`StopReason`]) in the error, the metrics and the logs.
 //!
+//! # Where it lives
+//!
+//! This module is the mechanism, usable alone. The client runs it per call in
+//! [`client::retry`](crate::client::retry) (with hedges in [`client::hedge`](crate::client::hedge),
+//! the circuit breaker in [`client::breaker`](crate::client::breaker) and re-sends that never
+//! reached the server in [`client::transparent`](crate::client::transparent)); what a method
+//! allows (attempts, codes, backoff, hedging) is its [`MethodPolicy`](crate::policy::MethodPolicy).
+//! The server's side is the pushback it sends: `Retry-After` and `grpc-retry-pushback-ms` from
+//! [`admission`](crate::admission).
+//!
 //! The budget and the backoff also serve a plain [`tower::retry::Policy`]: [`RetryBudget`] is a
 //! tower [`Budget`](tower::retry::budget::Budget) (one deposit per logical request, one
 //! withdrawal per retry, as here) and [`Backoff`] a tower

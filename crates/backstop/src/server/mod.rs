@@ -38,7 +38,7 @@
 //!    and the deadline) before the gate, so a client sending its body slowly, or never
 //!    finishing it, holds no permit another tenant needs; and waits, holding no permit, for a
 //!    running attempt with the same key to finish, then has its answer replayed.
-//! 7. [`gate`]: our own capacity; 503 when the request could not start within its budget.
+//! 7. [`concurrency`] (the gate): our own capacity; 503 when the request could not start within its budget.
 //! 8. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
 //!    and only admitted requests pay for a store round trip.
@@ -139,9 +139,9 @@
 //! ```
 
 pub mod body;
+pub mod concurrency;
 pub mod deadline;
 pub mod fault;
-pub mod gate;
 pub mod grpc;
 pub mod idempotency;
 pub mod listen;
@@ -155,9 +155,9 @@ mod select;
 #[cfg(test)]
 pub(crate) mod testing;
 
+pub use self::concurrency::GateLayer;
 pub use self::deadline::DeadlineLayer;
 pub use self::fault::FaultLayer;
-pub use self::gate::GateLayer;
 pub use self::idempotency::{IdempotencyLayer, KeyedRoute};
 pub use self::metrics::MetricsLayer;
 pub use self::problem::Problem;
@@ -369,7 +369,7 @@ pub type ServerStackService<S, St> = deadline::DeadlineService<
             fault::Fault<
                 rate_limit::RateLimit<
                     idempotency::intake::Intake<
-                        gate::GateService<idempotency::Idempotency<S, St>>,
+                        concurrency::GateService<idempotency::Idempotency<S, St>>,
                         St,
                     >,
                 >,

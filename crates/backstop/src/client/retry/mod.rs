@@ -69,7 +69,7 @@ use self::attempt_limit::Limiter;
 use self::future::{Content, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
-use super::logical::IDEMPOTENCY_KEY;
+use super::idempotency::IDEMPOTENCY_KEY;
 use super::observer::Observer;
 use super::replay::{Buffering, ReplayBody};
 use super::select::Selected;

@@ -86,8 +86,8 @@ impl<St: Store> IdempotencyLayer<St> {
     /// [`MethodPolicies::for_route`]) is `Keyed` needs an `Idempotency-Key` and is
     /// deduplicated, its records kept for the policy's key TTL under the layer's
     /// [lease](Self::lease). The same table the clients use, so a method is described once.
-    /// Give it validated (a keyed policy without a key TTL is kept [`KeyedRoute::sync`]'s
-    /// 24 hours).
+    /// Give it validated (a keyed policy without a key TTL is kept
+    /// [`KEY_TTL_SYNC`](crate::policy::KEY_TTL_SYNC), 24 hours).
     /// A request whose policy says [`buffers_body`](crate::policy::MethodPolicy::buffers_body)
     /// but is not keyed has its whole body read by the [intake](Self::intake) before the gate,
     /// within the same caps (a body or message over them is refused as on a keyed route).

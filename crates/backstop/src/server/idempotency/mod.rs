@@ -3,8 +3,7 @@
 //! [`IdempotencyLayer`] is the innermost server layer. For each request of a *keyed* method
 //! (its policy in the [`MethodPolicies`](crate::policy::MethodPolicies) table given to
 //! [`IdempotencyLayer::policies`] is `Keyed`, looked up by the route the application's router
-//! matched when known, see [`IdempotencyLayer::matched_path_from`]; or a route declared alone
-//! with [`IdempotencyLayer::keyed`]) it:
+//! matched when known, see [`IdempotencyLayer::matched_path_from`]) it:
 //!
 //! 1. requires exactly one `Idempotency-Key` header (a bare token or a quoted Structured Field
 //!    string): 400 `missing_idempotency_key` / `invalid_idempotency_key` (also for two header

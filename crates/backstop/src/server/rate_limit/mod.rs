@@ -16,7 +16,7 @@
 //! ([`ServerStack::policies`](crate::server::ServerStack::policies) gives it to both); a class
 //! with no buckets of its own, or a layer with no table, spends from the default buckets.
 //!
-//! Quota (429) is about the *caller* and the [`gate`](crate::server::gate) (503) about *our own*
+//! Quota (429) is about the *caller* and the [concurrency limit](crate::server::concurrency) (503) about *our own*
 //! capacity; both are refusals before any work, so the idempotency key stays unused.
 //!
 //! With the `redis` feature the buckets can instead be shared by several instances

@@ -11,7 +11,7 @@
 //! It runs on the crate's SQLite group-commit writer ([`Db`]), so concurrent calls share fsyncs.
 //!
 //! ```
-//! use backstop::client::logical::IntentJournal;
+//! use backstop::client::idempotency::IntentJournal;
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dir = tempfile::tempdir()?;

@@ -1,4 +1,4 @@
-//! Concurrency gate: bounded in-flight work, a bounded fair queue, 503 + `Retry-After`.
+//! Concurrency limit (the gate): bounded in-flight work, a bounded fair queue, 503 + `Retry-After`.
 //!
 //! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
 //! permit is acquired when the request is called (at once when the gate has room) or *inside the

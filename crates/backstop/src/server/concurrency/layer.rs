@@ -9,6 +9,7 @@ use crate::admission::Gate;
 ///
 /// Clones share the gate.
 #[derive(Debug, Clone)]
+#[doc(alias = "concurrency limit", alias = "ConcurrencyLimitLayer")]
 pub struct GateLayer {
     gate: Gate,
     default_budget: Duration,

@@ -1,4 +1,4 @@
-//! The logical request: one idempotency key per call, made once, before anything is sent.
+//! The client's idempotency key: one per logical call, made once, before anything is sent.
 //!
 //! The most expensive retry bug is the simplest: the key is generated inside the retry loop,
 //! every attempt looks new to the server, and one intent is charged twice.

@@ -58,6 +58,11 @@ pub const DEFAULT_TENANT: &str = "default";
 /// # }
 /// ```
 #[derive(Debug, Clone)]
+#[doc(
+    alias = "concurrency limit",
+    alias = "ConcurrencyLimit",
+    alias = "load shedding"
+)]
 pub struct Gate {
     shared: Arc<Shared>,
     min_service: Duration,

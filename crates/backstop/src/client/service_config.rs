@@ -29,7 +29,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use backstop::client::config::ServiceConfig;
+//! use backstop::client::service_config::ServiceConfig;
 //!
 //! let config = ServiceConfig::from_json(r#"{
 //!   "methodConfig": [{
