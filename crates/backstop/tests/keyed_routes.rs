@@ -14,7 +14,11 @@ use backstop::server::idempotency::coverage::{
     Uncovered, assert_keyed_routes_covered, keyed_routes_uncovered,
 };
 use http::{Method, Request, StatusCode};
-use http_body_util::BodyExt;
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Empty, Full};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -176,4 +180,81 @@ async fn a_keyed_route_the_stack_does_not_claim_is_reported() {
     })
     .await;
     assert!(panicked.unwrap_err().is_panic());
+}
+
+/// A gRPC server in miniature: `Charge` answers OK (it would charge), any other path
+/// `UNIMPLEMENTED`, as tonic's router does.
+fn grpc_app(stack: ServerStack<MemoryStore>) -> GrpcApp {
+    use tower::Layer;
+    let handler = tower::service_fn(
+        |request: Request<backstop::server::ServerStackBody<Empty<Bytes>>>| async move {
+            let status = if request.uri().path() == CHARGE {
+                "0"
+            } else {
+                "12"
+            };
+            Ok::<_, Infallible>(
+                http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", status)
+                    .body(Full::new(Bytes::new()))
+                    .unwrap(),
+            )
+        },
+    );
+    // The stack in front of the router, as on tonic's server; the probe reads heads and
+    // extensions only, so the body is boxed to name the type.
+    let service = stack.into_layer().layer(handler).map_response(|r| {
+        r.map(|body| {
+            body.map_err(|_| std::io::Error::other("body"))
+                .boxed_unsync()
+        })
+    });
+    tower::util::BoxCloneService::new(service)
+}
+
+type GrpcApp = tower::util::BoxCloneService<
+    Request<Empty<Bytes>>,
+    http::Response<UnsyncBoxBody<Bytes, std::io::Error>>,
+    Infallible,
+>;
+
+const CHARGE: &str = "/payment.v1.Payment/Charge";
+
+fn grpc_policies(path: &str) -> MethodPolicies {
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .method(path, keyed("Charge"))
+        .validated()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_keyed_grpc_method_is_probed_as_a_grpc_call_and_found_covered() {
+    let table = grpc_policies(CHARGE);
+    let app = grpc_app(stack(table.clone()));
+    assert_keyed_routes_covered(app, &table, |b| b).await;
+}
+
+#[tokio::test]
+async fn a_keyed_grpc_method_the_stack_does_not_claim_is_reported() {
+    // The stack was given a table without Charge: a keyless Charge reaches the handler.
+    let unkeyed = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build());
+    let app = grpc_app(stack(unkeyed));
+    let uncovered = keyed_routes_uncovered(app, &grpc_policies(CHARGE), |b| b).await;
+    assert_eq!(
+        uncovered,
+        [Uncovered {
+            route: format!("POST {CHARGE}"),
+            answer: "200 grpc-status OK".to_owned(),
+            unserved: false,
+        }]
+    );
+    // Misspelt in both, and nothing keyed in the stack: the router says no one serves it.
+    let typo = "/payment.v1.Payment/Chrage";
+    let app = grpc_app(stack(MethodPolicies::new(
+        MethodPolicy::builder("other", Idempotency::Unsafe).build(),
+    )));
+    let uncovered = keyed_routes_uncovered(app, &grpc_policies(typo), |b| b).await;
+    assert_eq!(uncovered.len(), 1);
+    assert!(uncovered[0].unserved, "{uncovered:?}");
 }

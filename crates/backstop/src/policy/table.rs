@@ -204,7 +204,7 @@ impl From<MethodPolicy> for MethodPolicies {
 }
 
 /// The service of a gRPC method path: `payment.v1.Payment` in `/payment.v1.Payment/Charge`.
-fn grpc_service(path: &str) -> Option<&str> {
+pub(crate) fn grpc_service(path: &str) -> Option<&str> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
     (!service.is_empty() && !method.is_empty() && !method.contains('/')).then_some(service)
 }

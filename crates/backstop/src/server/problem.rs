@@ -144,6 +144,13 @@ pub struct Problem {
     extra: Map<String, Value>,
 }
 
+/// The stable `code` of a refusal answered through [`Problem`], put on the response in either
+/// protocol: an in-process caller (a test, [`coverage`](crate::server::idempotency::coverage))
+/// can tell refusals apart even in gRPC's trailers-only form, which carries only a status and
+/// a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProblemCode(pub Cow<'static, str>);
+
 #[derive(Serialize)]
 struct Document<'a> {
     #[serde(rename = "type")]
@@ -313,6 +320,9 @@ impl Problem {
         // Carried to the metrics layer: an HTTP status alone cannot tell a 409 conflict from a
         // 409 in progress.
         response.extensions_mut().insert(self.outcome_label());
+        response
+            .extensions_mut()
+            .insert(ProblemCode(self.code.clone()));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
@@ -339,6 +349,11 @@ impl Problem {
     pub fn into_grpc_response<B: From<Bytes>>(self) -> Response<B> {
         let mut response = Response::new(B::from(Bytes::new()));
         response.extensions_mut().insert(self.outcome_label());
+        // gRPC's trailers-only form has no room for the stable code: in process it stays
+        // readable.
+        response
+            .extensions_mut()
+            .insert(ProblemCode(self.code.clone()));
         let code = self.code_for_grpc();
         let mut message = self
             .detail
@@ -527,6 +542,11 @@ mod tests {
         assert_eq!(
             *response.extensions().get::<Outcome>().unwrap(),
             Outcome::Retryable
+        );
+        // The stable code the trailers cannot carry, for in-process callers.
+        assert_eq!(
+            response.extensions().get::<ProblemCode>().map(|c| &*c.0),
+            Some("request_in_progress")
         );
     }
 

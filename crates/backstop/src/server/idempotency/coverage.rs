@@ -10,8 +10,10 @@
 //! production: in a test, or at start-up against the finished service.
 //!
 //! It sends each keyed entry of the table one request without an `Idempotency-Key` (path
-//! parameters filled with `probe`) and expects the idempotency layer's refusal,
-//! `missing_idempotency_key`. That refusal comes before any handler, so the probe has no
+//! parameters filled with `probe`; a gRPC method path, `/package.Service/Method`, as a gRPC
+//! call with `Content-Type: application/grpc`) and expects the idempotency layer's refusal,
+//! `missing_idempotency_key` (read from the response's [`ProblemCode`], so gRPC's
+//! trailers-only refusal counts too). That refusal comes before any handler, so the probe has no
 //! effect when the route is covered. Any other answer is reported: a 404 or 405 (or gRPC
 //! `UNIMPLEMENTED`) means no route serves the entry, anything else that the request went past
 //! the idempotency layer unclaimed. Entries for a whole gRPC service are not probed (their
@@ -30,8 +32,8 @@ use tower::ServiceExt;
 use tower_service::Service;
 
 use crate::policy::MethodPolicies;
-use crate::policy::table::Key;
-use crate::server::problem::grpc_status;
+use crate::policy::table::{Key, grpc_service};
+use crate::server::problem::{GRPC_CONTENT_TYPE, ProblemCode, grpc_status};
 use crate::status::{Code, problem};
 
 /// A keyed entry of a table that a probe showed unprotected.
@@ -82,7 +84,13 @@ where
             Key::Fallback | Key::Service(_) => continue,
         };
         let route = format!("{method} {path}");
-        let request = prepare(Request::builder().method(method).uri(&path))
+        let mut builder = Request::builder().method(method).uri(&path);
+        if grpc_service(&path).is_some() {
+            builder = builder
+                .header(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE)
+                .header(http::header::TE, "trailers");
+        }
+        let request = prepare(builder)
             .body(Empty::new())
             .expect("a probe request");
         let response = service
@@ -96,9 +104,12 @@ where
             .await
             .map(|b| b.to_bytes())
             .unwrap_or_default();
-        let code = serde_json::from_slice::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v.get("code")?.as_str().map(str::to_owned));
+        let code = match head.extensions.get::<ProblemCode>() {
+            Some(ProblemCode(code)) => Some(code.to_string()),
+            None => serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("code")?.as_str().map(str::to_owned)),
+        };
         if code.as_deref() == Some(problem::MISSING_IDEMPOTENCY_KEY) {
             continue;
         }
