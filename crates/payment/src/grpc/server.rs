@@ -8,7 +8,15 @@ use backstop::server::listen::{ListenConfig, Listener};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::server::GrpcService;
+use std::convert::Infallible;
+
+use http::Request;
+use hyper::body::Incoming;
+use tower::util::BoxCloneService;
+
+/// The gRPC side as this listener serves it: tonic's router for `payment.v1.Payment` behind
+/// the server stack, taking requests as the listener reads them.
+pub type GrpcService = BoxCloneService<Request<Incoming>, axum::response::Response, Infallible>;
 
 /// `service` label of the gRPC listener's connection metrics.
 const LISTENER: &str = "payment-grpc";

@@ -1,7 +1,6 @@
 //! [`build_routers`]: the HTTP and the gRPC routes behind one server stack, configured from
 //! [`Config`].
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,8 +13,7 @@ use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
 use backstop::status::Code;
-use http::{Method, Request};
-use hyper::body::Incoming;
+use http::Method;
 use tower::ServiceBuilder;
 use tower::util::BoxCloneService;
 
@@ -63,9 +61,7 @@ pub struct Routers {
     pub grpc: GrpcService,
 }
 
-/// The gRPC side: tonic's router for `payment.v1.Payment` behind the server stack, taking
-/// requests as the listener reads them.
-pub type GrpcService = BoxCloneService<Request<Incoming>, axum::response::Response, Infallible>;
+pub use crate::grpc::server::GrpcService;
 
 /// A response of the stack as the listener sends it.
 fn boxed<B>(response: http::Response<B>) -> axum::response::Response
