@@ -101,6 +101,14 @@
 //! (`default-features = false`) and names the side it uses; the drivers for several instances
 //! (`postgres`, `redis`) and the test suite are never on unless asked for.
 //!
+//! The store backends and the Redis limiter stay in this crate, behind features, rather than
+//! in crates of their own as tower-sessions splits its stores: they share the `Store` trait's
+//! claim rules, the conformance suite and the `db` plumbing, and change with them, so one
+//! version to pin is simpler for a user, and a feature left off costs nothing at build time
+//! (its driver is not compiled). A backend written elsewhere implements `Store` and runs the
+//! same suite (`conformance`). The binary, the payment service and the storm lab, whose
+//! dependencies a library user never wants, are crates of their own.
+//!
 //! # Layer order
 //!
 //! [`ServerStack`](server::ServerStack) applies, outermost first: **deadline** (read
