@@ -335,8 +335,8 @@ where
                 Outcome::Abandoned => {
                     *this.last = None;
                     tracing::debug!(
-                        name: "rpc_attempt_abandoned",
-                        event = "rpc_attempt_abandoned",
+                        name: crate::observe::event::RPC_ATTEMPT_ABANDONED,
+                        event = crate::observe::event::RPC_ATTEMPT_ABANDONED,
                         attempt = current.attempt.number,
                         duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
                         "no answer within the attempt limit; abandoned for the next attempt"

@@ -11,9 +11,10 @@ use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tracing::Level;
 
-use super::{PeerFn, Rejected, Route, trace_id};
+use super::{PeerFn, Rejected, Route};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
+use crate::observe::trace_context;
 use crate::server::problem::grpc_status;
 use crate::status::{Code, Outcome};
 
@@ -81,7 +82,6 @@ const TARGET: &str = "backstop::server";
 
 /// Request headers read only for the log event.
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 static PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
 
 /// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`, ...).
@@ -112,6 +112,11 @@ struct LogFields {
     grpc: bool,
 }
 
+/// The trace id of a valid `traceparent`, for the log event.
+pub(super) fn trace_id(headers: &http::HeaderMap) -> Option<Box<str>> {
+    trace_context::extract(headers).map(|span| span.trace_id().to_string().into_boxed_str())
+}
+
 impl LogFields {
     fn read<B>(request: &Request<B>, peer_fn: Option<PeerFn>) -> Self {
         let headers = request.headers();
@@ -120,7 +125,7 @@ impl LogFields {
             idempotency_key: header(&IDEMPOTENCY_KEY)
                 .and_then(|v| IdempotencyKey::parse(v).ok())
                 .map(|k| Box::from(k.as_str())),
-            trace_id: header(&TRACEPARENT).and_then(trace_id).map(Box::from),
+            trace_id: trace_id(headers),
             peer: peer_fn.and_then(|f| f(request.extensions())),
             attempt: header(&PREVIOUS_ATTEMPTS)
                 .and_then(|v| v.trim().parse::<u32>().ok())
@@ -202,7 +207,8 @@ impl Record {
             attempt = log.map(|l| l.attempt),
             peer = log.and_then(|l| l.peer).map(tracing::field::display),
             trace_id = log.and_then(|l| l.trace_id.as_deref()),
-            "rpc_server_request"
+            "{}",
+            super::EVENT
         );
     }
 }
