@@ -463,6 +463,8 @@ pub(super) fn attempt_request<B>(
             HeaderValue::from(current.attempt.number - 1),
         );
     }
+    #[cfg(feature = "otel")]
+    super::otel::start_attempt(&mut request, current.attempt.number);
     request
 }
 

@@ -44,6 +44,8 @@
 mod attempt_limit;
 mod future;
 mod layer;
+#[cfg(feature = "otel")]
+mod otel;
 
 pub use self::attempt_limit::AttemptLimit;
 pub use self::layer::RetryLayer;

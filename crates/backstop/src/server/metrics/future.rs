@@ -42,7 +42,13 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let result = std::task::ready!(this.inner.poll(cx));
+        let result = {
+            // The service runs in the request's span, so its own spans and the calls it makes
+            // join the caller's trace.
+            #[cfg(feature = "otel")]
+            let _entered = this.record.span.enter();
+            std::task::ready!(this.inner.poll(cx))
+        };
         match &result {
             Ok(response) => {
                 let extensions = response.extensions();
@@ -78,7 +84,7 @@ pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
 }
 
 /// Target of the per-request log event.
-const TARGET: &str = "backstop::server";
+pub(super) const TARGET: &str = "backstop::server";
 
 /// Request headers read only for the log event.
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -144,6 +150,9 @@ pub(super) struct Record {
     /// Read from the request only when the log event is enabled.
     log: Option<Box<LogFields>>,
     done: bool,
+    /// The span the inner service is polled in.
+    #[cfg(feature = "otel")]
+    span: tracing::Span,
 }
 
 impl Record {
@@ -157,6 +166,8 @@ impl Record {
         // subscriber wants it.
         let log = tracing::enabled!(target: TARGET, Level::INFO)
             .then(|| Box::new(LogFields::read(request, peer_fn)));
+        #[cfg(feature = "otel")]
+        let span = super::otel::request_span(&route, request);
         route.inflight(1.0);
         Self {
             route,
@@ -164,6 +175,8 @@ impl Record {
             deadline,
             log,
             done: false,
+            #[cfg(feature = "otel")]
+            span,
         }
     }
 

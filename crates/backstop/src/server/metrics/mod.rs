@@ -305,5 +305,7 @@ where
     }
 }
 
+#[cfg(feature = "otel")]
+mod otel;
 #[cfg(test)]
 mod tests;
