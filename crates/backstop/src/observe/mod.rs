@@ -177,7 +177,7 @@ pub mod event {
     pub const RPC_TRANSPARENT_RETRY: &str = "rpc_transparent_retry";
     /// Client: the storm alarm of a destination changed level.
     pub const RPC_STORM_ALARM: &str = "rpc_storm_alarm";
-    /// Server: one request served (see [`server::metrics`](crate::server::metrics)).
+    /// Server: one request served (the server metrics layer's event).
     pub const RPC_SERVER_REQUEST: &str = "rpc_server_request";
     /// Field: timestamp.
     pub const TS: &str = "ts";
