@@ -93,6 +93,15 @@
 //!   an open/closed failure policy, usable by the rate limit layer.
 //! - `postgres`: the PostgreSQL idempotency store (`idempotency::postgres`) on the pool and
 //!   batching writer of `db::postgres`, for several instances sharing one database.
+//! - `trace-context` (on with `client` or `server`): W3C `traceparent` in and out of headers
+//!   ([`observe::trace_context`]) through OpenTelemetry's propagator; the client and server
+//!   layers read it for the `trace_id` of their log events.
+//! - `otel`: OpenTelemetry spans through `tracing-opentelemetry`. The server metrics layer's
+//!   `rpc_server_request` span takes the caller's `traceparent` as its remote parent, and each
+//!   client attempt runs in an `rpc_client_attempt` span whose context the attempt sends as its
+//!   `traceparent`, so one trace crosses every hop. The application installs the
+//!   `tracing-opentelemetry` layer and an exporter; without them the spans cost what any
+//!   disabled `tracing` span costs.
 //! - `conformance`: the suite every store runs (`idempotency::conformance` and the
 //!   `store_conformance!` macro), for testing a store of one's own against the same cases.
 //!

@@ -4,7 +4,12 @@ use std::fmt;
 use std::io::IsTerminal;
 
 use clap::ValueEnum;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+/// A layer installed beside the log output (the span exporter of `serve --otlp-endpoint`).
+pub(crate) type ExtraLayer = Box<dyn Layer<Registry> + Send + Sync>;
 
 /// The environment variable that filters the logs.
 const FILTER_VAR: &str = "RUST_LOG";
@@ -65,17 +70,20 @@ pub(crate) fn filter(value: Option<&str>, default_level: &str) -> Result<EnvFilt
 }
 
 /// Installs the global subscriber: logs on stderr in `format` (see [`LogFormat::resolve`]),
-/// filtered by `RUST_LOG` (default `default_level`).
-pub(crate) fn init(format: Option<LogFormat>, default_level: &str) -> Result<(), InvalidFilter> {
+/// and `extra` when given, filtered by `RUST_LOG` (default `default_level`).
+pub(crate) fn init(
+    format: Option<LogFormat>,
+    default_level: &str,
+    extra: Option<ExtraLayer>,
+) -> Result<(), InvalidFilter> {
     let value = std::env::var(FILTER_VAR).ok();
     let filter = filter(value.as_deref(), default_level)?;
     let terminal = std::io::stderr().is_terminal();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let output = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let subscriber = tracing_subscriber::registry().with(extra).with(filter);
     match LogFormat::resolve(format, terminal) {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.with_ansi(terminal).init(),
+        LogFormat::Json => subscriber.with(output.json()).init(),
+        LogFormat::Text => subscriber.with(output.with_ansi(terminal)).init(),
     }
     Ok(())
 }

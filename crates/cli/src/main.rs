@@ -23,6 +23,8 @@ mod chaos;
 mod error_chain;
 mod load;
 mod logging;
+#[cfg(feature = "otel")]
+mod otel;
 mod psp;
 mod reconcile;
 mod report;
@@ -105,7 +107,28 @@ async fn main() -> ExitCode {
         Command::Storm(_) => "error",
         _ => "info",
     };
-    if let Err(error) = logging::init(cli.log_format, default_level) {
+    let traces_url = match &cli.command {
+        Command::Serve(args) => args
+            .otlp_traces_url()
+            .unwrap_or_else(|error| usage_error(error, "serve")),
+        _ => None,
+    };
+    // The exporter exists only when asked for: without --otlp-endpoint nothing is built.
+    #[cfg(feature = "otel")]
+    let (export, extra) = match traces_url.as_ref().map(otel::install).transpose() {
+        Ok(Some((export, layer))) => (Some(export), Some(layer)),
+        Ok(None) => (None, None),
+        Err(error) => {
+            eprintln!("error: cannot export spans: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    #[cfg(not(feature = "otel"))]
+    let extra = {
+        debug_assert!(traces_url.is_none(), "refused by otlp_traces_url");
+        None
+    };
+    if let Err(error) = logging::init(cli.log_format, default_level, extra) {
         // Same status as a flag error: the process was started wrong and did nothing.
         eprintln!("error: {error}");
         return ExitCode::from(2);
@@ -115,9 +138,13 @@ async fn main() -> ExitCode {
             let config = args
                 .config()
                 .unwrap_or_else(|error| usage_error(error, "serve"));
-            serve::run(config, shutdown_signal())
-                .await
-                .map_err(Into::into)
+            let result = serve::run(config, shutdown_signal()).await;
+            // After the drain: the last requests' spans are batched by now.
+            #[cfg(feature = "otel")]
+            if let Some(export) = export {
+                export.shutdown().await;
+            }
+            result.map_err(Into::into)
         }
         Command::Psp(args) => {
             let config = args

@@ -122,9 +122,41 @@ pub(crate) struct ServeArgs {
     /// How many instances share the Redis limits (sets each one's fallback share).
     #[arg(long, value_name = "N", default_value_t = NonZeroU32::MIN)]
     instances: NonZeroU32,
+    /// Export the service's spans to this OpenTelemetry collector (OTLP over HTTP/protobuf,
+    /// plain HTTP), e.g. `http://127.0.0.1:4318`: they go to URL/v1/traces, each request's span
+    /// a child of the caller's `traceparent`. Without it nothing is exported. Needs a build with
+    /// the `otel` feature (on by default).
+    #[cfg_attr(
+        feature = "otel",
+        arg(long, value_name = "URL", env = "OTEL_EXPORTER_OTLP_ENDPOINT")
+    )]
+    #[cfg_attr(not(feature = "otel"), arg(long, value_name = "URL"))]
+    otlp_endpoint: Option<String>,
 }
 
 impl ServeArgs {
+    /// Where `--otlp-endpoint` sends spans (its URL with `/v1/traces`), if given. A build
+    /// without the `otel` feature refuses the flag rather than ignore it.
+    pub(crate) fn otlp_traces_url(&self) -> Result<Option<http::Uri>, clap::Error> {
+        let Some(endpoint) = self.otlp_endpoint.as_deref() else {
+            return Ok(None);
+        };
+        let invalid = |message: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::InvalidValue,
+                format!("invalid --otlp-endpoint {endpoint:?}: {message}\n"),
+            )
+        };
+        if !cfg!(feature = "otel") {
+            return Err(invalid(
+                "this backstop was built without the `otel` feature, so it cannot export spans \
+                 (build it with `--features otel`)"
+                    .into(),
+            ));
+        }
+        otlp_traces_url(endpoint).map(Some).map_err(invalid)
+    }
+
     /// The service configuration these flags and `BACKSTOP_API_KEYS` describe.
     pub(crate) fn config(&self) -> Result<Config, clap::Error> {
         self.config_with_env_keys(std::env::var(api_keys::ENV).ok().as_deref())
@@ -243,6 +275,29 @@ fn parse_percent(s: &str) -> Result<f64, String> {
     } else {
         Err(format!("{s} is outside 0 to 100"))
     }
+}
+
+/// The traces URL of an OTLP/HTTP collector's base URL: `http://HOST:PORT[/PATH]` plus
+/// `/v1/traces`.
+fn otlp_traces_url(endpoint: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = endpoint
+        .parse()
+        .map_err(|e| format!("{e} (expected e.g. http://127.0.0.1:4318)"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => return Err("https is not supported; use plain http".into()),
+        _ => return Err("expected an http:// URL, e.g. http://127.0.0.1:4318".into()),
+    }
+    if uri.authority().is_none() {
+        return Err("no host (expected e.g. http://127.0.0.1:4318)".into());
+    }
+    if uri.query().is_some() {
+        return Err("a query has no place in a collector's URL".into());
+    }
+    let base = uri.to_string();
+    format!("{}/v1/traces", base.trim_end_matches('/'))
+        .parse()
+        .map_err(|e| format!("{e}"))
 }
 
 /// Runs the service until `shutdown` resolves (ctrl-c / SIGTERM), draining in-flight requests.
@@ -523,6 +578,69 @@ mod tests {
         assert_eq!(
             parse(&["--drain-timeout", "1500ms"]).unwrap().drain_timeout,
             Duration::from_millis(1500)
+        );
+    }
+
+    #[test]
+    fn an_otlp_endpoint_is_a_base_url_for_v1_traces() {
+        for (base, want) in [
+            ("http://127.0.0.1:4318", "http://127.0.0.1:4318/v1/traces"),
+            ("http://127.0.0.1:4318/", "http://127.0.0.1:4318/v1/traces"),
+            (
+                "http://collector:4318/otlp",
+                "http://collector:4318/otlp/v1/traces",
+            ),
+        ] {
+            assert_eq!(otlp_traces_url(base).unwrap().to_string(), want, "{base}");
+        }
+        for (bad, why) in [
+            ("https://127.0.0.1:4318", "https"),
+            ("127.0.0.1:4318", "http://"),
+            ("/v1/traces", "http://"),
+            ("http://127.0.0.1:4318/?x=1", "query"),
+            ("http://exa mple", "invalid"),
+        ] {
+            let error = otlp_traces_url(bad).unwrap_err();
+            assert!(error.contains(why), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn no_otlp_endpoint_exports_nothing() {
+        let args = T::try_parse_from(["serve"]).unwrap().args;
+        if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_none() {
+            assert_eq!(args.otlp_traces_url().unwrap(), None);
+        }
+    }
+
+    #[cfg(feature = "otel")]
+    #[test]
+    fn an_otlp_endpoint_is_read_and_checked() {
+        let args = T::try_parse_from(["serve", "--otlp-endpoint", "http://127.0.0.1:4318"])
+            .unwrap()
+            .args;
+        let url = args.otlp_traces_url().unwrap().unwrap();
+        assert_eq!(url.to_string(), "http://127.0.0.1:4318/v1/traces");
+        let args = T::try_parse_from(["serve", "--otlp-endpoint", "https://x"])
+            .unwrap()
+            .args;
+        let error = args.otlp_traces_url().unwrap_err().to_string();
+        assert!(
+            error.contains("--otlp-endpoint") && error.contains("https"),
+            "{error}"
+        );
+    }
+
+    #[cfg(not(feature = "otel"))]
+    #[test]
+    fn an_otlp_endpoint_without_the_otel_feature_is_refused() {
+        let args = T::try_parse_from(["serve", "--otlp-endpoint", "http://127.0.0.1:4318"])
+            .unwrap()
+            .args;
+        let error = args.otlp_traces_url().unwrap_err().to_string();
+        assert!(
+            error.contains("--otlp-endpoint") && error.contains("`otel` feature"),
+            "{error}"
         );
     }
 }

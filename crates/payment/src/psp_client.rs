@@ -60,7 +60,7 @@ use tokio::time::Instant;
 use tower::{BoxError, Service, ServiceExt};
 
 use crate::psp::{Charge, ChargeRequest, Void};
-use crate::trace::{TRACEPARENT, TraceParent};
+use crate::trace::{self, SpanContext, TRACEPARENT};
 
 /// Largest PSP answer body read (a charge is a few hundred bytes; a list is bounded by the
 /// PSP's list limit).
@@ -104,7 +104,7 @@ pub struct ChargeCall {
     /// The incoming request's deadline (the child deadline is derived from it).
     pub deadline: Deadline,
     /// The incoming request's trace context.
-    pub trace: TraceParent,
+    pub trace: SpanContext,
 }
 
 /// Why a charge did not produce a [`Charge`].
@@ -401,7 +401,6 @@ impl PspClient {
         let mut request = http::Request::post(self.inner.charges_url.clone())
             .header(http::header::CONTENT_TYPE, "application/json")
             .header("idempotency-key", &call.effect_key)
-            .header(TRACEPARENT, call.trace.child().to_string())
             .body(Full::new(Bytes::from(json)))
             .map_err(|e| {
                 unknown(Status::new(
@@ -409,6 +408,10 @@ impl PspClient {
                     format!("cannot build the charge: {e}"),
                 ))
             })?;
+        // The caller's trace, a new span id; an invalid context (none read) sends none.
+        if let Some(traceparent) = trace::traceparent(&trace::child(&call.trace)) {
+            request.headers_mut().insert(TRACEPARENT, traceparent);
+        }
         request.extensions_mut().insert(child);
         request.extensions_mut().insert(log.clone());
         let response = match self.inner.charges.clone().oneshot(request).await {

@@ -13,10 +13,7 @@ use crate::deadline::Deadline;
 use crate::observe::{event, label};
 use crate::status::{Code, Outcome, RetryClass, Status, problem};
 
-/// Logical requests that failed, by why no further attempt was made:
-/// `rpc_client_retry_stops_total{service,method,reason}`, `reason` one of
-/// [`StopReason::as_str`]. The other client metrics are named in [`crate::observe`].
-pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
+pub use crate::observe::RPC_CLIENT_RETRY_STOPS_TOTAL;
 
 /// The problem code of an attempt rejected locally by adaptive throttling.
 const THROTTLED_PROBLEM: &str = "throttled";
@@ -290,7 +287,7 @@ impl RetryPolicy {
             elapsed.as_secs_f64(),
         );
         tracing::info!(
-            name: "rpc_attempt",
+            name: event::RPC_ATTEMPT,
             event = event::RPC_ATTEMPT,
             service = &*self.service,
             method = &*self.method,
@@ -304,7 +301,8 @@ impl RetryPolicy {
             stop_reason = stop_reason.map(StopReason::as_str),
             peer = call.peer,
             trace_id = call.trace_id,
-            "rpc_attempt"
+            "{}",
+            event::RPC_ATTEMPT
         );
     }
 
@@ -324,8 +322,8 @@ impl RetryPolicy {
             label::REASON => reason.as_str())
         .increment(1);
         tracing::info!(
-            name: "rpc_retry_stopped",
-            event = "rpc_retry_stopped",
+            name: event::RPC_RETRY_STOPPED,
+            event = event::RPC_RETRY_STOPPED,
             service = &*self.service,
             method = &*self.method,
             idempotency_key = call.idempotency_key,
@@ -333,7 +331,8 @@ impl RetryPolicy {
             reason = reason.as_str(),
             code = last.code().as_str(),
             trace_id = call.trace_id,
-            "rpc_retry_stopped"
+            "{}",
+            event::RPC_RETRY_STOPPED
         );
         RetryError {
             last,

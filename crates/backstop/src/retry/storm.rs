@@ -59,11 +59,9 @@ use metrics::SharedString;
 use tokio::time::Instant;
 
 use super::window::SlidingCounts;
-use crate::observe::label;
+use crate::observe::{event, label};
 
-/// The storm alarm's level per destination: `rpc_client_storm_alarm{service,level}`, 1 while
-/// at or above `level` (`warning`, `tripped`), else 0.
-pub const RPC_CLIENT_STORM_ALARM: &str = "rpc_client_storm_alarm";
+pub use crate::observe::RPC_CLIENT_STORM_ALARM;
 
 /// A storm alarm configuration that cannot be used.
 #[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
@@ -332,7 +330,7 @@ impl StormAlarm {
             (StormLevel::Tripped.as_str(), StormLevel::Tripped),
         ] {
             metrics::gauge!(RPC_CLIENT_STORM_ALARM,
-                label::SERVICE => service.clone(), "level" => name)
+                label::SERVICE => service.clone(), label::LEVEL => name)
             .set(if level >= at { 1.0 } else { 0.0 });
         }
     }
@@ -347,8 +345,8 @@ impl StormAlarm {
         };
         if change.level == StormLevel::Calm {
             tracing::info!(
-                name: "rpc_storm_alarm",
-                event = "rpc_storm_alarm",
+                name: event::RPC_STORM_ALARM,
+                event = event::RPC_STORM_ALARM,
                 service = &**service,
                 level = change.level.as_str(),
                 ratio = change.ratio,
@@ -358,8 +356,8 @@ impl StormAlarm {
             );
         } else {
             tracing::warn!(
-                name: "rpc_storm_alarm",
-                event = "rpc_storm_alarm",
+                name: event::RPC_STORM_ALARM,
+                event = event::RPC_STORM_ALARM,
                 service = &**service,
                 level = change.level.as_str(),
                 ratio = change.ratio,

@@ -15,7 +15,7 @@ use crate::intents::Intent;
 use crate::service::payments::{self, ChargeOutcome, Lookup};
 use crate::service::request;
 use crate::state::AppState;
-use crate::trace::TraceParent;
+use crate::trace;
 
 /// The `payment.v1.Payment` service. Runs below the server stack, which has set the request's
 /// [`Deadline`], [`Tenant`] and (on `Charge`) claimed its [`IdempotencyKey`].
@@ -79,7 +79,7 @@ impl Payment for PaymentService {
                 "Charge requires the idempotency-key metadata",
             ));
         };
-        let trace = TraceParent::from_header(request.metadata().as_ref().get("traceparent"));
+        let trace = trace::incoming(request.metadata().as_ref());
         let message = request.into_inner();
         let req = request::from_fields(message.order_id, message.amount_cents, message.currency)
             .map_err(|e| Status::invalid_argument(format!("{}: {e}", e.code())))?;

@@ -19,7 +19,7 @@ use super::payments::{self, ChargeOutcome, Lookup};
 use super::request::{self, PaymentRequest};
 use crate::intents::{Intent, IntentStatus};
 use crate::state::AppState;
-use crate::trace::{TRACEPARENT, TraceParent};
+use crate::trace::{self, SpanContext};
 
 /// Problem code of a 504 whose payment outcome is unknown.
 pub const PAYMENT_OUTCOME_UNKNOWN: &str = "payment_outcome_unknown";
@@ -150,7 +150,7 @@ pub(crate) async fn create_payment(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let trace = TraceParent::from_header(headers.get(TRACEPARENT));
+    let trace = trace::incoming(&headers);
     let span = tracing::info_span!(
         "payment",
         trace_id = %trace.trace_id(),
@@ -167,7 +167,7 @@ async fn create(
     tenant: Tenant,
     deadline: Deadline,
     key: IdempotencyKey,
-    trace: TraceParent,
+    trace: SpanContext,
     body: Bytes,
 ) -> Response {
     let req: PaymentRequest = match request::parse(&body) {

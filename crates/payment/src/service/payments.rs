@@ -13,7 +13,7 @@ use crate::intents::{Created, Intent, IntentStatus, NewIntent};
 use crate::psp_client::{ChargeCall, ChargeError};
 use crate::resolver;
 use crate::state::AppState;
-use crate::trace::TraceParent;
+use crate::trace::SpanContext;
 
 /// How a charge ended.
 #[derive(Debug)]
@@ -85,7 +85,7 @@ pub(crate) async fn charge(
     merchant: &str,
     deadline: Deadline,
     key: &IdempotencyKey,
-    trace: TraceParent,
+    trace: SpanContext,
     req: PaymentRequest,
 ) -> ChargeOutcome {
     // Before any write: a budget that cannot cover a PSP round trip leaves nothing behind.

@@ -364,8 +364,8 @@ where
                 Outcome::Abandoned => {
                     *this.last = None;
                     tracing::debug!(
-                        name: "rpc_attempt_abandoned",
-                        event = "rpc_attempt_abandoned",
+                        name: crate::observe::event::RPC_ATTEMPT_ABANDONED,
+                        event = crate::observe::event::RPC_ATTEMPT_ABANDONED,
                         attempt = current.attempt.number,
                         duration_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
                         "no answer within the attempt limit; abandoned for the next attempt"
@@ -496,6 +496,8 @@ pub(super) fn attempt_request<B>(
             HeaderValue::from(current.attempt.number - 1),
         );
     }
+    #[cfg(feature = "otel")]
+    super::otel::start_attempt(&mut request, current.attempt.number);
     request
 }
 

@@ -48,6 +48,8 @@
 mod attempt_limit;
 mod future;
 mod layer;
+#[cfg(feature = "otel")]
+mod otel;
 
 pub use self::attempt_limit::AttemptLimit;
 pub use self::layer::RetryLayer;
@@ -60,7 +62,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, Request, Response};
+use http::{Request, Response};
 use http_body::Body;
 use tower::BoxError;
 use tower_service::Service;
@@ -76,9 +78,6 @@ use super::select::Selected;
 use crate::deadline::{Deadline, Margin};
 use crate::policy::{DEFAULT_TIMEOUT, Idempotency};
 use crate::retry::{RetryPolicy, StopReason};
-
-/// The W3C trace context header, read for the `trace_id` log field.
-static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// The response future of [`Retry`].
 pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
@@ -317,13 +316,9 @@ where
                 Poll::Pending => {}
             }
         }
-        let trace_id: Option<Box<str>> = parts
-            .headers
-            .get(&TRACEPARENT)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split('-').nth(1))
-            .filter(|id| id.len() == 32)
-            .map(Box::from);
+        // The `trace_id` log field, from a valid `traceparent` only.
+        let trace_id: Option<Box<str>> = crate::observe::trace_context::extract(&parts.headers)
+            .map(|span| span.trace_id().to_string().into_boxed_str());
         // The first attempt goes out now on the service polled ready, if it was and the body
         // is read; the others (or all, if not) on one clone of it the future owns.
         let first = if std::mem::take(&mut self.ready) && !matches!(content, Content::Buffering(_))

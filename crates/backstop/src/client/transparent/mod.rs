@@ -263,8 +263,8 @@ where
                         return Poll::Ready(Err(error));
                     }
                     tracing::debug!(
-                        name: "rpc_transparent_retry",
-                        event = "rpc_transparent_retry",
+                        name: crate::observe::event::RPC_TRANSPARENT_RETRY,
+                        event = crate::observe::event::RPC_TRANSPARENT_RETRY,
                         error = %error,
                         "re-sending an attempt that never reached the server"
                     );

@@ -54,8 +54,7 @@ use super::metrics::Route;
 use super::problem::{Problem, Protocol};
 use crate::status::{Code, Status};
 
-/// Counter of injected faults, labelled `service`, `method` and `fault` (`abort`, `delay`).
-pub const RPC_SERVER_FAULTS_INJECTED_TOTAL: &str = "rpc_server_faults_injected_total";
+pub use crate::observe::RPC_SERVER_FAULTS_INJECTED_TOTAL;
 
 /// The problem code of the default abort.
 pub const FAULT_INJECTED: &str = "fault_injected";
@@ -136,7 +135,7 @@ fn count(route: &Route, fault: &'static str) {
         RPC_SERVER_FAULTS_INJECTED_TOTAL,
         crate::observe::label::SERVICE => route.service_label(),
         crate::observe::label::METHOD => route.method_label(),
-        "fault" => fault,
+        crate::observe::label::FAULT => fault,
     )
     .increment(1);
 }

@@ -11,9 +11,10 @@ use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tracing::Level;
 
-use super::{PeerFn, Rejected, Route, trace_id};
+use super::{PeerFn, Rejected, Route};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
+use crate::observe::trace_context;
 use crate::server::problem::grpc_status;
 use crate::status::{Code, Outcome};
 
@@ -41,7 +42,13 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let result = std::task::ready!(this.inner.poll(cx));
+        let result = {
+            // The service runs in the request's span, so its own spans and the calls it makes
+            // join the caller's trace.
+            #[cfg(feature = "otel")]
+            let _entered = this.record.span.enter();
+            std::task::ready!(this.inner.poll(cx))
+        };
         match &result {
             Ok(response) => {
                 let extensions = response.extensions();
@@ -77,11 +84,10 @@ pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
 }
 
 /// Target of the per-request log event.
-const TARGET: &str = "backstop::server";
+pub(super) const TARGET: &str = "backstop::server";
 
 /// Request headers read only for the log event.
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 static PREVIOUS_ATTEMPTS: HeaderName = HeaderName::from_static("grpc-previous-rpc-attempts");
 
 /// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`, ...).
@@ -112,6 +118,11 @@ struct LogFields {
     grpc: bool,
 }
 
+/// The trace id of a valid `traceparent`, for the log event.
+pub(super) fn trace_id(headers: &http::HeaderMap) -> Option<Box<str>> {
+    trace_context::extract(headers).map(|span| span.trace_id().to_string().into_boxed_str())
+}
+
 impl LogFields {
     fn read<B>(request: &Request<B>, peer_fn: Option<PeerFn>) -> Self {
         let headers = request.headers();
@@ -120,7 +131,7 @@ impl LogFields {
             idempotency_key: header(&IDEMPOTENCY_KEY)
                 .and_then(|v| IdempotencyKey::parse(v).ok())
                 .map(|k| Box::from(k.as_str())),
-            trace_id: header(&TRACEPARENT).and_then(trace_id).map(Box::from),
+            trace_id: trace_id(headers),
             peer: peer_fn.and_then(|f| f(request.extensions())),
             attempt: header(&PREVIOUS_ATTEMPTS)
                 .and_then(|v| v.trim().parse::<u32>().ok())
@@ -139,6 +150,9 @@ pub(super) struct Record {
     /// Read from the request only when the log event is enabled.
     log: Option<Box<LogFields>>,
     done: bool,
+    /// The span the inner service is polled in.
+    #[cfg(feature = "otel")]
+    span: tracing::Span,
 }
 
 impl Record {
@@ -152,6 +166,8 @@ impl Record {
         // subscriber wants it.
         let log = tracing::enabled!(target: TARGET, Level::INFO)
             .then(|| Box::new(LogFields::read(request, peer_fn)));
+        #[cfg(feature = "otel")]
+        let span = super::otel::request_span(&route, request);
         route.inflight(1.0);
         Self {
             route,
@@ -159,6 +175,8 @@ impl Record {
             deadline,
             log,
             done: false,
+            #[cfg(feature = "otel")]
+            span,
         }
     }
 
@@ -202,7 +220,8 @@ impl Record {
             attempt = log.map(|l| l.attempt),
             peer = log.and_then(|l| l.peer).map(tracing::field::display),
             trace_id = log.and_then(|l| l.trace_id.as_deref()),
-            "rpc_server_request"
+            "{}",
+            super::EVENT
         );
     }
 }

@@ -242,7 +242,7 @@ fn claim_index(result: &str) -> Option<usize> {
 }
 
 /// Message of the per-request log event.
-pub const EVENT: &str = "rpc_server_request";
+pub const EVENT: &str = observe::event::RPC_SERVER_REQUEST;
 
 /// Response extension: the request was refused by admission control (rate limit, overload)
 /// before any work started. The metrics layer counts such a response as outcome `rejected`.
@@ -305,27 +305,7 @@ where
     }
 }
 
-/// The trace id of a W3C `traceparent` header (`00-<32 hex>-<16 hex>-<2 hex>`), if valid.
-pub(crate) fn trace_id(traceparent: &str) -> Option<&str> {
-    fn hex(s: &str, len: usize) -> bool {
-        s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-    }
-    let mut parts = traceparent.split('-');
-    let version = parts.next()?;
-    let trace = parts.next()?;
-    let parent = parts.next()?;
-    let flags = parts.next()?;
-    let rest = parts.next();
-    let ok = hex(version, 2)
-        && version != "ff"
-        && (version != "00" || rest.is_none())
-        && hex(trace, 32)
-        && trace.bytes().any(|b| b != b'0')
-        && hex(parent, 16)
-        && parent.bytes().any(|b| b != b'0')
-        && hex(flags, 2);
-    ok.then_some(trace)
-}
-
+#[cfg(feature = "otel")]
+mod otel;
 #[cfg(test)]
 mod tests;

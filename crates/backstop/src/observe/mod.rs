@@ -28,6 +28,10 @@ use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
 pub use crate::status::Outcome;
 
+#[cfg(feature = "trace-context")]
+#[cfg_attr(docsrs, doc(cfg(feature = "trace-context")))]
+pub mod trace_context;
+
 /// Client: logical requests (one per user intent, whatever the attempts).
 pub const RPC_CLIENT_REQUESTS_TOTAL: &str = "rpc_client_requests_total";
 /// Client: attempts, labelled `attempt` and `outcome`.
@@ -38,6 +42,12 @@ pub const RPC_CLIENT_RETRIES_TOTAL: &str = "rpc_client_retries_total";
 pub const RPC_CLIENT_HEDGES_TOTAL: &str = "rpc_client_hedges_total";
 /// Client: duration of each attempt in seconds, labelled `attempt`.
 pub const RPC_CLIENT_ATTEMPT_DURATION_SECONDS: &str = "rpc_client_attempt_duration_seconds";
+/// Client: logical requests that failed, by why no further attempt was made, labelled `reason`
+/// (one of [`StopReason::as_str`](crate::retry::StopReason::as_str)).
+pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
+/// Gauge: the storm alarm per destination, labelled `service` and `level` (`warning`,
+/// `tripped`): 1 while at or above that level, else 0.
+pub const RPC_CLIENT_STORM_ALARM: &str = "rpc_client_storm_alarm";
 /// Gauge: retry-budget tokens a destination has left now (retries and hedges it may still
 /// send), label `service`.
 pub const RPC_CLIENT_RETRY_BUDGET_TOKENS: &str = "rpc_client_retry_budget_tokens";
@@ -70,6 +80,8 @@ pub const RPC_SERVER_CONNECTIONS: &str = "rpc_server_connections";
 pub const RPC_SERVER_CONNECTIONS_REJECTED_TOTAL: &str = "rpc_server_connections_rejected_total";
 /// Server: idempotency claims, labelled `result` (see [`claim_result`]).
 pub const IDEMPOTENCY_CLAIMS_TOTAL: &str = "idempotency_claims_total";
+/// Server: injected faults, labelled `fault` (`abort`, `delay`).
+pub const RPC_SERVER_FAULTS_INJECTED_TOTAL: &str = "rpc_server_faults_injected_total";
 /// Server: rate-limit decisions made without Redis because it failed or did not answer in
 /// time, labelled `result` (see [`redis_unavailable_result`]).
 pub const RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL: &str = "rate_limit_redis_unavailable_total";
@@ -98,6 +110,11 @@ pub mod label {
     pub const RESULT: &str = "result";
     /// The library's version, on [`BACKSTOP_BUILD_INFO`](super::BACKSTOP_BUILD_INFO).
     pub const VERSION: &str = "version";
+    /// The storm alarm level, on [`RPC_CLIENT_STORM_ALARM`](super::RPC_CLIENT_STORM_ALARM).
+    pub const LEVEL: &str = "level";
+    /// The kind of injected fault, on
+    /// [`RPC_SERVER_FAULTS_INJECTED_TOTAL`](super::RPC_SERVER_FAULTS_INJECTED_TOTAL).
+    pub const FAULT: &str = "fault";
 }
 
 /// Values of the `reason` label on [`RPC_SERVER_REJECTED_TOTAL`].
@@ -147,10 +164,21 @@ pub mod claim_result {
     pub const IN_PROGRESS: &str = "in_progress";
 }
 
-/// The `rpc_attempt` log event and its fields.
+/// Log event names (the tracing event name, message and `event` field), and the fields of
+/// `rpc_attempt`.
 pub mod event {
-    /// Event name (the tracing message / `event` field).
+    /// Client: one attempt ended.
     pub const RPC_ATTEMPT: &str = "rpc_attempt";
+    /// Client: a logical request failed and no further attempt was made, with the `reason`.
+    pub const RPC_RETRY_STOPPED: &str = "rpc_retry_stopped";
+    /// Client: an attempt got no answer within the attempt limit and was left for the next.
+    pub const RPC_ATTEMPT_ABANDONED: &str = "rpc_attempt_abandoned";
+    /// Client: an attempt that never reached the server is sent again.
+    pub const RPC_TRANSPARENT_RETRY: &str = "rpc_transparent_retry";
+    /// Client: the storm alarm of a destination changed level.
+    pub const RPC_STORM_ALARM: &str = "rpc_storm_alarm";
+    /// Server: one request served (the server metrics layer's event).
+    pub const RPC_SERVER_REQUEST: &str = "rpc_server_request";
     /// Field: timestamp.
     pub const TS: &str = "ts";
     /// Field: method.
@@ -219,6 +247,15 @@ pub fn describe_metrics() {
         RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
         Unit::Seconds,
         "Duration of each client attempt by attempt number."
+    );
+    describe_counter!(
+        RPC_CLIENT_RETRY_STOPS_TOTAL,
+        Unit::Count,
+        "Logical client requests that failed, by why no further attempt was made."
+    );
+    describe_gauge!(
+        RPC_CLIENT_STORM_ALARM,
+        "The storm alarm per destination: 1 while at or above the level, else 0."
     );
     describe_gauge!(
         RPC_CLIENT_RETRY_BUDGET_TOKENS,
@@ -289,6 +326,11 @@ pub fn describe_metrics() {
         "Idempotency key claims by result (claimed, replay, conflict, in_progress)."
     );
     describe_counter!(
+        RPC_SERVER_FAULTS_INJECTED_TOTAL,
+        Unit::Count,
+        "Faults injected by the server's fault layer, by kind (abort, delay)."
+    );
+    describe_counter!(
         RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL,
         Unit::Count,
         "Rate-limit decisions made without Redis (fallback or rejected) because it failed."
@@ -352,6 +394,8 @@ mod tests {
             (RPC_CLIENT_HEDGES_TOTAL, "counter", Unit::Count),
             (RPC_CLIENT_REQUESTS_TOTAL, "counter", Unit::Count),
             (RPC_CLIENT_RETRIES_TOTAL, "counter", Unit::Count),
+            (RPC_CLIENT_RETRY_STOPS_TOTAL, "counter", Unit::Count),
+            (RPC_SERVER_FAULTS_INJECTED_TOTAL, "counter", Unit::Count),
             (RPC_SERVER_CONNECTIONS, "gauge", Unit::Count),
             (
                 RPC_SERVER_CONNECTIONS_REJECTED_TOTAL,
@@ -378,6 +422,7 @@ mod tests {
         // A state and an identity: no unit.
         want.push((RPC_CLIENT_BREAKER_STATE.to_owned(), "gauge", None));
         want.push((BACKSTOP_BUILD_INFO.to_owned(), "gauge", None));
+        want.push((RPC_CLIENT_STORM_ALARM.to_owned(), "gauge", None));
         want.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(got, want);
     }
@@ -389,6 +434,8 @@ mod tests {
             RPC_CLIENT_ATTEMPTS_TOTAL,
             RPC_CLIENT_RETRIES_TOTAL,
             RPC_CLIENT_HEDGES_TOTAL,
+            RPC_CLIENT_RETRY_STOPS_TOTAL,
+            RPC_SERVER_FAULTS_INJECTED_TOTAL,
             RPC_SERVER_REQUESTS_TOTAL,
             RPC_SERVER_REJECTED_TOTAL,
             RPC_SERVER_CONNECTIONS_REJECTED_TOTAL,
