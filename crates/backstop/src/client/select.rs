@@ -8,8 +8,8 @@ use std::time::Duration;
 use http::Request;
 use tower_service::Service;
 
-use super::hedge::HedgePolicy;
-use super::retry::Config as RetryConfig;
+use super::hedge::policy::HedgePolicy;
+use super::retry::config::Config as RetryConfig;
 use crate::policy::{Idempotency, MethodPolicies};
 
 /// One method's policy as the client layers run it.

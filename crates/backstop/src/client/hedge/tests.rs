@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::*;
 use crate::client::replay::{Replay, ReplayBody};
+use crate::retry::{RetryBudget, StormAlarm};
 
 type Body = ReplayBody<Full<Bytes>>;
 
@@ -27,7 +28,7 @@ fn request(allowance: &HedgeAllowance) -> Request<Body> {
 fn warmed(budget: &RetryBudget) -> HedgePolicy {
     let policy = HedgePolicy::new(budget.clone(), "psp", "GetCharge");
     for _ in 0..HedgePolicy::MIN_SAMPLES {
-        policy.latencies.record(100 * MS);
+        policy.record_latency(100 * MS);
     }
     policy
 }

@@ -46,6 +46,7 @@
 //! [`RetryError`](crate::retry::RetryError).
 
 mod attempt_limit;
+pub(super) mod config;
 mod future;
 mod layer;
 #[cfg(feature = "otel")]
@@ -68,11 +69,11 @@ use tower::BoxError;
 use tower_service::Service;
 
 use self::attempt_limit::Limiter;
+pub(crate) use self::config::Config;
 use self::future::{Content, RetryCall};
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::idempotency::IDEMPOTENCY_KEY;
-use super::observer::Observer;
 use super::replay::{Buffering, ReplayBody};
 use super::select::Selected;
 use crate::deadline::{Deadline, Margin};
@@ -90,66 +91,6 @@ pub struct RetryStopped {
     pub reason: StopReason,
     /// Attempts sent, first included.
     pub attempts: u32,
-}
-
-/// How one method's calls are retried; shared by the calls (and, under a
-/// [`ClientStack`](super::ClientStack), chosen per call by its method).
-#[derive(Debug)]
-pub(crate) struct Config {
-    policy: RetryPolicy,
-    single: RetryPolicy,
-    idempotency: Idempotency,
-    replay_cap: usize,
-    peer: Option<Arc<str>>,
-    classifier: Classifier,
-    hedged: bool,
-    limiter: Option<Limiter>,
-    /// The deadline of a call that arrives without one.
-    timeout: Duration,
-    /// Told of each send and of each call's end, if set.
-    observer: Option<Observer>,
-}
-
-impl Config {
-    /// A method's retry configuration: attempts by `policy`, eligibility by `idempotency`,
-    /// bodies kept for replay up to `replay_cap`, answers read by `classifier`, `peer` in
-    /// the logs, a [`HedgeAllowance`] per call when `hedged`, abandoned attempts by `limit`,
-    /// and `timeout` for a call without a deadline.
-    #[allow(clippy::too_many_arguments)] // One constructor for the stack and the layer.
-    pub(crate) fn new(
-        policy: RetryPolicy,
-        idempotency: Idempotency,
-        replay_cap: usize,
-        classifier: Classifier,
-        peer: Option<Arc<str>>,
-        hedged: bool,
-        limit: Option<(AttemptLimit, Arc<Margin>)>,
-        timeout: Duration,
-    ) -> Self {
-        Self {
-            single: policy.single_attempt(),
-            policy,
-            idempotency,
-            replay_cap,
-            peer,
-            classifier,
-            hedged,
-            limiter: limit.map(|(limit, margin)| Limiter { limit, margin }),
-            timeout,
-            observer: None,
-        }
-    }
-
-    /// Tells `observer` of each send and of each call's end.
-    pub(crate) fn observer(mut self, observer: Option<Observer>) -> Self {
-        self.observer = observer;
-        self
-    }
-
-    /// The retry policy the calls run by.
-    pub(crate) fn policy(&self) -> &RetryPolicy {
-        &self.policy
-    }
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).

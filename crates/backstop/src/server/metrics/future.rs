@@ -11,7 +11,7 @@ use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tracing::Level;
 
-use super::{PeerFn, Rejected, Route};
+use super::{PeerFn, Rejected, Route, TARGET};
 use crate::deadline::Deadline;
 use crate::idempotency::IdempotencyKey;
 use crate::observe::trace_context;
@@ -82,9 +82,6 @@ where
 pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
     Outcome::from_http(status)
 }
-
-/// Target of the per-request log event.
-pub(super) const TARGET: &str = "backstop::server";
 
 /// Request headers read only for the log event.
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");

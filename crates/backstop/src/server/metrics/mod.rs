@@ -48,6 +48,9 @@
 //! # let _ = layer;
 //! ```
 
+/// Target of the per-request log event (and, with `otel`, of its span).
+const TARGET: &str = "backstop::server";
+
 pub mod future;
 mod layer;
 

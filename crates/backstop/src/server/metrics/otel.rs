@@ -14,7 +14,7 @@ use crate::observe::{event, trace_context};
 /// of a new trace, or a child of the span current where the service was called).
 pub(super) fn request_span<B>(route: &Route, request: &Request<B>) -> Span {
     let span = tracing::info_span!(
-        target: super::future::TARGET,
+        target: super::TARGET,
         event::RPC_SERVER_REQUEST,
         otel.name = route.method(),
         otel.kind = "server",

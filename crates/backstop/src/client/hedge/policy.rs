@@ -1,0 +1,110 @@
+//! [`HedgePolicy`]: when a destination's attempts are hedged, and what a hedge may spend.
+//!
+//! Apart from the layer so that the client stack's per-method settings can hold one without
+//! depending on the layer that reads them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics::SharedString;
+use tokio::time::Instant;
+
+use super::latency::LatencyWindow;
+use crate::retry::{RetryBudget, StormAlarm};
+
+/// How a destination is hedged.
+#[derive(Debug, Clone)]
+pub struct HedgePolicy {
+    budget: RetryBudget,
+    storm: Option<StormAlarm>,
+    latencies: Arc<LatencyWindow>,
+    quantile: f64,
+    min_delay: Duration,
+    pub(super) service: SharedString,
+    pub(super) method: SharedString,
+}
+
+impl HedgePolicy {
+    /// Samples in the latency window.
+    pub const WINDOW: usize = 256;
+    /// Samples needed before hedging starts.
+    pub const MIN_SAMPLES: usize = 20;
+
+    /// Hedge at the rolling p95, paying from `budget` (the destination's retry budget);
+    /// `service` and `method` label `rpc_client_hedges_total`.
+    pub fn new(
+        budget: RetryBudget,
+        service: impl Into<SharedString>,
+        method: impl Into<SharedString>,
+    ) -> Self {
+        Self {
+            budget,
+            storm: None,
+            latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
+            quantile: 0.95,
+            min_delay: Duration::ZERO,
+            service: service.into(),
+            method: method.into(),
+        }
+    }
+
+    /// Sends no hedge while `alarm` (the destination's storm alarm) is tripped; a hedge that
+    /// would be sent counts as a retry asked for.
+    pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
+        self.storm = alarm;
+        self
+    }
+
+    /// Never hedge sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
+    pub fn min_delay(mut self, delay: Duration) -> Self {
+        self.min_delay = delay;
+        self
+    }
+
+    /// The shortest delay before a hedge.
+    pub fn min_hedge_delay(&self) -> Duration {
+        self.min_delay
+    }
+
+    /// Shares a latency window (e.g. one per destination across methods).
+    pub fn latencies(mut self, window: Arc<LatencyWindow>) -> Self {
+        self.latencies = window;
+        self
+    }
+
+    /// The delay after which an attempt is hedged, once the window has enough samples.
+    pub fn delay(&self) -> Option<Duration> {
+        self.latencies
+            .quantile(self.quantile)
+            .map(|d| d.max(self.min_delay))
+    }
+
+    /// Hedge at the `quantile` (in `(0, 1]`) of recent latencies instead of the p95.
+    pub fn quantile(mut self, quantile: f64) -> Self {
+        self.quantile = quantile;
+        self
+    }
+
+    /// Records the latency of a successful attempt in the window the delay is read from.
+    pub fn record_latency(&self, latency: Duration) {
+        self.latencies.record(latency);
+    }
+
+    /// Whether a hedge may be sent at `now`. A hedge answers a slow attempt, not a failed one:
+    /// it is not counted in the storm alarm's retry ratio (hedging at the p95 would otherwise
+    /// take half of its margin in calm weather), but none is sent while the alarm is tripped;
+    /// and it takes a token from the retry budget only while the budget holds at least half
+    /// its burst, leaving the rest to retries (taken when `true`).
+    pub fn try_hedge_at(&self, now: Instant) -> bool {
+        let storming = self
+            .storm
+            .as_ref()
+            .is_some_and(|s| s.level_at(now) == crate::retry::StormLevel::Tripped);
+        !storming && hedge_token(&self.budget)
+    }
+}
+
+/// Takes a token for a hedge, only while the budget holds at least half its burst.
+fn hedge_token(budget: &RetryBudget) -> bool {
+    budget.available() >= f64::from(budget.burst()) / 2.0 && budget.try_withdraw()
+}
