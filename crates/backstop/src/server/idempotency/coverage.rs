@@ -10,12 +10,13 @@
 //! production: in a test, or at start-up against the finished service.
 //!
 //! It sends each keyed entry of the table one request without an `Idempotency-Key` (path
-//! parameters filled with `probe`; a gRPC method path, `/package.Service/Method`, as a gRPC
-//! call with `Content-Type: application/grpc`) and expects the idempotency layer's refusal,
+//! parameters filled with `probe`; a gRPC method path, `/package.Service/Method` with a
+//! package-qualified service, as a gRPC call with `Content-Type: application/grpc`) and expects the idempotency layer's refusal,
 //! `missing_idempotency_key` (read from the response's [`ProblemCode`], so gRPC's
 //! trailers-only refusal counts too). That refusal comes before any handler, so the probe has no
 //! effect when the route is covered. Any other answer is reported: a 404 or 405 (or gRPC
-//! `UNIMPLEMENTED`) means no route serves the entry, anything else that the request went past
+//! `UNIMPLEMENTED`, or a 415 from a listener of the other protocol) means no route serves the
+//! entry, anything else that the request went past
 //! the idempotency layer unclaimed. Entries for a whole gRPC service are not probed (their
 //! methods cannot be listed), nor is the fallback. A stack that also sees the requests no
 //! route takes (in front of tonic's router, or on an axum fallback through `Router::layer`)
@@ -43,7 +44,7 @@ pub struct Uncovered {
     pub route: String,
     /// The probe's answer: its status and problem code, if any.
     pub answer: String,
-    /// Whether the router serves nothing there (404, 405, `UNIMPLEMENTED`) rather than
+    /// Whether the router serves nothing there (404, 405, 415, `UNIMPLEMENTED`) rather than
     /// serving it past the idempotency layer.
     pub unserved: bool,
 }
@@ -78,14 +79,20 @@ where
         if !policy.requires_key() {
             continue;
         }
-        let (method, path) = match key {
-            Key::Path(path) => (Method::POST, path.to_string()),
-            Key::Route(method, pattern) => (method.clone(), fill(pattern)),
+        // A path entry whose service is package-qualified (`/payment.v1.Payment/Charge`) is a
+        // gRPC method; an HTTP path (`/v1/payments`) or route is probed as HTTP.
+        let (method, path, is_grpc) = match key {
+            Key::Path(path) => (
+                Method::POST,
+                path.to_string(),
+                grpc_service(path).is_some_and(|service| service.contains('.')),
+            ),
+            Key::Route(method, pattern) => (method.clone(), fill(pattern), false),
             Key::Fallback | Key::Service(_) => continue,
         };
         let route = format!("{method} {path}");
         let mut builder = Request::builder().method(method).uri(&path);
-        if grpc_service(&path).is_some() {
+        if is_grpc {
             builder = builder
                 .header(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE)
                 .header(http::header::TE, "trailers");
@@ -114,9 +121,12 @@ where
             continue;
         }
         let grpc = grpc_status(&head.headers);
+        // 415: a listener that serves the other protocol only (gRPC on an HTTP port).
         let unserved = matches!(
             head.status,
-            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED
+            StatusCode::NOT_FOUND
+                | StatusCode::METHOD_NOT_ALLOWED
+                | StatusCode::UNSUPPORTED_MEDIA_TYPE
         ) || grpc == Some(Code::Unimplemented);
         let answer = match (code, grpc) {
             (Some(code), _) => format!("{} {code}", head.status.as_u16()),
