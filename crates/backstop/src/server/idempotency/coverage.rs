@@ -11,17 +11,17 @@
 //!
 //! It sends each keyed entry of the table one request without an `Idempotency-Key` (path
 //! parameters filled with `probe`; a gRPC method path, `/package.Service/Method` with a
-//! package-qualified service, as a gRPC call with `Content-Type: application/grpc`) and expects the idempotency layer's refusal,
-//! `missing_idempotency_key` (read from the response's [`ProblemCode`], so gRPC's
-//! trailers-only refusal counts too). That refusal comes before any handler, so the probe has no
-//! effect when the route is covered. Any other answer is reported: a 404 or 405 (or gRPC
-//! `UNIMPLEMENTED`, or a 415 from a listener of the other protocol) means no route serves the
-//! entry, anything else that the request went past
-//! the idempotency layer unclaimed. Entries for a whole gRPC service are not probed (their
-//! methods cannot be listed), nor is the fallback. A stack that also sees the requests no
-//! route takes (in front of tonic's router, or on an axum fallback through `Router::layer`)
-//! refuses the probe of an entry no route serves before the router can say so: such an
-//! entry is only reported when the stack is on the routes alone (`Router::route_layer`).
+//! package-qualified service, as a gRPC call with `Content-Type: application/grpc`) and
+//! expects the idempotency layer's refusal, `missing_idempotency_key` (read from the
+//! response's [`ProblemCode`], so gRPC's trailers-only refusal counts too). That refusal comes
+//! before any handler, so the probe has no effect when the route is covered. Any other answer
+//! is reported: a 404 or 405 (or gRPC `UNIMPLEMENTED`, or a 415 from a listener of the other
+//! protocol) means no route serves the entry, anything else that the request went past the
+//! idempotency layer unclaimed. Entries for a whole gRPC service are not probed (their methods
+//! cannot be listed), nor is the fallback. A stack that also sees the requests no route takes
+//! (in front of tonic's router, or on an axum fallback through `Router::layer`) refuses the
+//! probe of an entry no route serves before the router can say so: such an entry is only
+//! reported when the stack is on the routes alone (`Router::route_layer`).
 
 use std::fmt;
 
