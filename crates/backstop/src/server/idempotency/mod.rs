@@ -455,11 +455,12 @@ where
     let key =
         key_of(&head.headers).map_err(|(code, detail)| bad_request(code, detail, protocol))?;
     let body = read_body(shared, head, body).await?;
-    let operation = format!("{} {}", head.method, head.uri.path());
+    // The operation is `"METHOD path"`, hashed from its parts.
+    let (verb, path) = (head.method.as_str(), head.uri.path());
     let fingerprint = match protocol {
         // `read_body` checked the frame: the message follows its prefix.
-        Protocol::Grpc => Fingerprint::of_bytes(&operation, &body[PREFIX_LEN..]),
-        Protocol::Http => Fingerprint::of_json(&operation, &body)
+        Protocol::Grpc => Fingerprint::of_bytes_operation(verb, path, &body[PREFIX_LEN..]),
+        Protocol::Http => Fingerprint::of_json_operation(verb, path, &body)
             .map_err(|_| bad_request(INVALID_BODY, "the request body must be JSON", protocol))?,
     };
     Ok(Prepared {
