@@ -1,15 +1,17 @@
 //! [`MemoryStore`]: the dedup table in process memory (tests, single-process development).
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::future::Future;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::protocol::{self, ClaimRule};
 use super::store::duration_ms;
 use super::{
-    Claim, ClaimRequest, IdempotencyKey, Lease, Record, RecordStatus, Store, StoreError,
-    StoredResponse,
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
+    StoreError, StoredResponse,
 };
 
 /// The [`Store`] in sharded `Mutex<HashMap>`s: every operation is one short critical section on
@@ -51,7 +53,90 @@ pub struct MemoryStore {
 /// a sweep takes one shard's lock at a time.
 const SHARDS: usize = 64;
 
-type Map = HashMap<(String, String), Record>;
+type Map = HashMap<Id, Slot>;
+
+/// Where a record is kept: its scope and key, owned once, by the map.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Id {
+    scope: String,
+    key: IdempotencyKey,
+}
+
+/// A `(scope, key)` to look a record up by, owned ([`Id`]) or borrowed (`(&str, &str)`), so
+/// that a lookup needs no copy of either string. Hashes and compares as [`Id`] does (its
+/// derived `Hash` feeds the scope, then the key, each as a `str`), as `Borrow` requires.
+trait IdRef {
+    fn parts(&self) -> (&str, &str);
+}
+
+impl IdRef for Id {
+    fn parts(&self) -> (&str, &str) {
+        (&self.scope, self.key.as_str())
+    }
+}
+
+impl IdRef for (&str, &str) {
+    fn parts(&self) -> (&str, &str) {
+        *self
+    }
+}
+
+impl<'a> Borrow<dyn IdRef + 'a> for Id {
+    fn borrow(&self) -> &(dyn IdRef + 'a) {
+        self
+    }
+}
+
+impl Hash for dyn IdRef + '_ {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let (scope, key) = self.parts();
+        scope.hash(state);
+        key.hash(state);
+    }
+}
+
+impl PartialEq for dyn IdRef + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn IdRef + '_ {}
+
+/// The borrowed id of `key` in `scope`.
+fn id<'a>(scope: &'a str, key: &'a str) -> (&'a str, &'a str) {
+    (scope, key)
+}
+
+/// A record's columns but its scope and key, which its [`Id`] holds.
+#[derive(Debug, Clone)]
+struct Slot {
+    fingerprint: Fingerprint,
+    status: RecordStatus,
+    lease_until_ms: i64,
+    response: Option<StoredResponse>,
+    created_at_ms: i64,
+    expires_at_ms: i64,
+}
+
+impl Slot {
+    fn record(&self, id: &Id) -> Record {
+        Record {
+            scope: id.scope.clone(),
+            key: id.key.clone(),
+            fingerprint: self.fingerprint,
+            status: self.status,
+            lease_until_ms: self.lease_until_ms,
+            response: self.response.clone(),
+            created_at_ms: self.created_at_ms,
+            expires_at_ms: self.expires_at_ms,
+        }
+    }
+
+    fn is_sweepable(&self, now_ms: i64) -> bool {
+        protocol::sweepable(self.status, self.lease_until_ms, self.expires_at_ms, now_ms)
+    }
+}
 
 #[derive(Debug)]
 struct Shards {
@@ -93,32 +178,44 @@ impl MemoryStore {
         lock(&self.shards.maps[index])
     }
 
-    fn claim_now(&self, req: &ClaimRequest) -> Claim {
+    fn claim_now(&self, req: ClaimRequest) -> Claim {
         let mut records = self.shard(&req.scope, req.key.as_str());
-        let id = (req.scope.clone(), req.key.as_str().to_owned());
-        let Some(rec) = records.get_mut(&id) else {
-            let lease_until = req.lease_until_ms();
-            records.insert(
-                id,
-                Record {
-                    scope: req.scope.clone(),
-                    key: req.key.clone(),
+        let lease_until = req.lease_until_ms();
+        let expires_at = req.expires_at_ms();
+        let lease = |id: &Id, lease_until_ms| Lease {
+            scope: id.scope.clone(),
+            key: id.key.clone(),
+            lease_until_ms,
+            ttl: req.ttl,
+        };
+        // The request's own strings become the record's id: a fresh claim copies them only
+        // into its lease.
+        let entry = records.entry(Id {
+            scope: req.scope,
+            key: req.key,
+        });
+        let mut occupied = match entry {
+            Entry::Vacant(vacant) => {
+                let lease = lease(vacant.key(), lease_until);
+                vacant.insert(Slot {
                     fingerprint: req.fingerprint,
                     status: RecordStatus::Running,
                     lease_until_ms: lease_until,
                     response: None,
                     created_at_ms: req.now_ms,
-                    expires_at_ms: req.expires_at_ms(),
-                },
-            );
-            return Claim::Claimed(req.lease_at(lease_until));
+                    expires_at_ms: expires_at,
+                });
+                return Claim::Claimed(lease);
+            }
+            Entry::Occupied(occupied) => occupied,
         };
+        let rec = occupied.get();
         let existing = protocol::Existing {
             status: rec.status,
             lease_until_ms: rec.lease_until_ms,
             same_fingerprint: rec.fingerprint == req.fingerprint,
         };
-        match protocol::claim(Some(existing), req.now_ms, req.lease_until_ms()) {
+        match protocol::claim(Some(existing), req.now_ms, lease_until) {
             ClaimRule::Conflict => Claim::Conflict {
                 fingerprint_prefix: rec.fingerprint.prefix8(),
             },
@@ -131,29 +228,14 @@ impl MemoryStore {
                 Claim::in_progress(lease_until_ms, req.now_ms)
             }
             ClaimRule::TakeOver { lease_until_ms } | ClaimRule::Insert { lease_until_ms } => {
+                let lease = lease(occupied.key(), lease_until_ms);
+                let rec = occupied.get_mut();
                 rec.status = RecordStatus::Running;
                 rec.lease_until_ms = lease_until_ms;
                 rec.response = None;
-                rec.expires_at_ms = rec.expires_at_ms.max(req.expires_at_ms());
-                Claim::Claimed(req.lease_at(lease_until_ms))
+                rec.expires_at_ms = rec.expires_at_ms.max(expires_at);
+                Claim::Claimed(lease)
             }
-        }
-    }
-
-    /// Runs `f` on the record `lease` holds, or fails with `LeaseLost`.
-    fn with_held(
-        &self,
-        lease: &Lease,
-        f: impl FnOnce(&mut Map, (String, String)),
-    ) -> Result<(), StoreError> {
-        let mut records = self.shard(&lease.scope, lease.key.as_str());
-        let id = (lease.scope.clone(), lease.key.as_str().to_owned());
-        match records.get(&id) {
-            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
-                f(&mut records, id);
-                Ok(())
-            }
-            _ => Err(StoreError::lease_lost(lease)),
         }
     }
 
@@ -164,15 +246,32 @@ impl MemoryStore {
         response: Option<StoredResponse>,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        self.with_held(lease, |records, id| {
-            if let Some(rec) = records.get_mut(&id) {
+        let (scope, key) = (lease.scope.as_str(), lease.key.as_str());
+        let mut records = self.shard(scope, key);
+        match records.get_mut(&id(scope, key) as &dyn IdRef) {
+            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
                 rec.status = status;
                 rec.response = response;
                 rec.expires_at_ms = rec
                     .expires_at_ms
                     .max(now_ms.saturating_add(duration_ms(lease.ttl)));
+                Ok(())
             }
-        })
+            _ => Err(StoreError::lease_lost(lease)),
+        }
+    }
+
+    fn release_now(&self, lease: &Lease) -> Result<(), StoreError> {
+        let (scope, key) = (lease.scope.as_str(), lease.key.as_str());
+        let id = id(scope, key);
+        let mut records = self.shard(scope, key);
+        match records.get(&id as &dyn IdRef) {
+            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
+                records.remove(&id as &dyn IdRef);
+                Ok(())
+            }
+            _ => Err(StoreError::lease_lost(lease)),
+        }
     }
 }
 
@@ -183,7 +282,7 @@ fn lock(map: &Mutex<Map>) -> MutexGuard<'_, Map> {
 
 impl Store for MemoryStore {
     fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        std::future::ready(Ok(self.claim_now(&req)))
+        std::future::ready(Ok(self.claim_now(req)))
     }
 
     fn complete(
@@ -204,9 +303,7 @@ impl Store for MemoryStore {
     }
 
     fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send {
-        std::future::ready(self.with_held(lease, |records, id| {
-            records.remove(&id);
-        }))
+        std::future::ready(self.release_now(lease))
     }
 
     fn get(
@@ -214,8 +311,11 @@ impl Store for MemoryStore {
         scope: &str,
         key: &IdempotencyKey,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
-        let id = (scope.to_owned(), key.as_str().to_owned());
-        std::future::ready(Ok(self.shard(scope, key.as_str()).get(&id).cloned()))
+        let record = self
+            .shard(scope, key.as_str())
+            .get_key_value(&id(scope, key.as_str()) as &dyn IdRef)
+            .map(|(id, slot)| slot.record(id));
+        std::future::ready(Ok(record))
     }
 
     fn sweep(
@@ -229,7 +329,7 @@ impl Store for MemoryStore {
                 break;
             }
             let mut records = lock(map);
-            let doomed: Vec<(String, String)> = records
+            let doomed: Vec<Id> = records
                 .iter()
                 .filter(|(_, rec)| rec.is_sweepable(now_ms))
                 .map(|(id, _)| id.clone())
@@ -249,7 +349,39 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::idempotency::Fingerprint;
+
+    /// The map is searched by the borrowed `(scope, key)`: it must hash and compare exactly
+    /// as the owned id it finds, or a lookup would miss its record.
+    #[test]
+    fn a_borrowed_id_hashes_and_compares_as_the_owned_one() {
+        let hasher = RandomState::new();
+        for (scope, key) in [
+            ("s", "k"),
+            ("", "k"),
+            ("sk", "x"),
+            ("s", "kx"),
+            ("a\u{ff}", "b"),
+        ] {
+            let owned = Id {
+                scope: scope.to_owned(),
+                key: IdempotencyKey::new(key).unwrap(),
+            };
+            let borrowed = id(scope, key);
+            let owned_ref: &dyn IdRef = owned.borrow();
+            assert_eq!(
+                hasher.hash_one(&owned),
+                hasher.hash_one(&borrowed as &dyn IdRef)
+            );
+            assert_eq!(hasher.hash_one(&owned), hasher.hash_one(owned_ref));
+            assert!(owned_ref == &borrowed as &dyn IdRef);
+        }
+        let owned = Id {
+            scope: "sk".to_owned(),
+            key: IdempotencyKey::new("x").unwrap(),
+        };
+        let owned_ref: &dyn IdRef = owned.borrow();
+        assert!(owned_ref != &id("s", "kx") as &dyn IdRef);
+    }
 
     /// No shard may end up with most of the records: a growing shard rehashes everything it
     /// holds under its lock, which is the stall sharding is there to bound.
