@@ -4,7 +4,7 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::future::Future;
-use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::protocol::{self, ClaimRule};
@@ -53,31 +53,52 @@ pub struct MemoryStore {
 /// a sweep takes one shard's lock at a time.
 const SHARDS: usize = 64;
 
-type Map = HashMap<Id, Slot>;
+type Map = HashMap<Id, Slot, BuildHasherDefault<Precomputed>>;
 
-/// Where a record is kept: its scope and key, owned once, by the map.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// Where a record is kept: its scope and key, owned once, by the map, and their hash.
+///
+/// The hash is computed once per operation, with the store's random keys: it picks the shard,
+/// then the map's bucket (the map's hasher passes it through), so neither hashes the strings
+/// again, not even when the map grows.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Id {
+    hash: u64,
     scope: String,
     key: IdempotencyKey,
 }
 
-/// A `(scope, key)` to look a record up by, owned ([`Id`]) or borrowed (`(&str, &str)`), so
-/// that a lookup needs no copy of either string. Hashes and compares as [`Id`] does (its
-/// derived `Hash` feeds the scope, then the key, each as a `str`), as `Borrow` requires.
+/// A record's id as borrowed strings and their hash: what a lookup needs, copying neither.
+#[derive(Clone, Copy)]
+struct Lookup<'a> {
+    hash: u64,
+    scope: &'a str,
+    key: &'a str,
+}
+
+/// An [`Id`] or a [`Lookup`], so that the map of [`Id`]s can be searched by a [`Lookup`].
+/// Both hash as their precomputed hash and compare by scope and key, as `Borrow` requires.
 trait IdRef {
+    fn hash(&self) -> u64;
     fn parts(&self) -> (&str, &str);
 }
 
 impl IdRef for Id {
+    fn hash(&self) -> u64 {
+        self.hash
+    }
+
     fn parts(&self) -> (&str, &str) {
         (&self.scope, self.key.as_str())
     }
 }
 
-impl IdRef for (&str, &str) {
+impl IdRef for Lookup<'_> {
+    fn hash(&self) -> u64 {
+        self.hash
+    }
+
     fn parts(&self) -> (&str, &str) {
-        *self
+        (self.scope, self.key)
     }
 }
 
@@ -87,11 +108,15 @@ impl<'a> Borrow<dyn IdRef + 'a> for Id {
     }
 }
 
+impl Hash for Id {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
 impl Hash for dyn IdRef + '_ {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        let (scope, key) = self.parts();
-        scope.hash(state);
-        key.hash(state);
+        state.write_u64(IdRef::hash(self));
     }
 }
 
@@ -103,9 +128,25 @@ impl PartialEq for dyn IdRef + '_ {
 
 impl Eq for dyn IdRef + '_ {}
 
-/// The borrowed id of `key` in `scope`.
-fn id<'a>(scope: &'a str, key: &'a str) -> (&'a str, &'a str) {
-    (scope, key)
+/// The map's hasher: passes an [`Id`]'s precomputed hash through.
+#[derive(Debug, Default)]
+struct Precomputed(u64);
+
+impl Hasher for Precomputed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write_u64(&mut self, hash: u64) {
+        self.0 = hash;
+    }
+
+    // Ids hash with `write_u64` alone; anything else is still mixed in rather than dropped.
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
 }
 
 /// A record's columns but its scope and key, which its [`Id`] holds.
@@ -170,16 +211,18 @@ impl MemoryStore {
         self.shards.maps.iter().all(|m| lock(m).is_empty())
     }
 
-    /// The locked shard that holds `(scope, key)`.
-    fn shard(&self, scope: &str, key: &str) -> MutexGuard<'_, Map> {
+    /// The locked shard that holds `(scope, key)`, and the record's lookup in it.
+    fn locate<'a>(&self, scope: &'a str, key: &'a str) -> (MutexGuard<'_, Map>, Lookup<'a>) {
         let hash = self.shards.hasher.hash_one((scope, key));
-        // The remainder is below SHARDS, so it fits any usize.
-        let index = usize::try_from(hash % SHARDS as u64).unwrap_or(0);
-        lock(&self.shards.maps[index])
+        // Bits 32 to 37 pick the shard: a map picks a bucket by the low bits and tags it with
+        // the top seven, which must still vary among the records of one shard.
+        let index = usize::try_from((hash >> 32) % SHARDS as u64).unwrap_or(0);
+        (lock(&self.shards.maps[index]), Lookup { hash, scope, key })
     }
 
     fn claim_now(&self, req: ClaimRequest) -> Claim {
-        let mut records = self.shard(&req.scope, req.key.as_str());
+        let (mut records, lookup) = self.locate(&req.scope, req.key.as_str());
+        let hash = lookup.hash;
         let lease_until = req.lease_until_ms();
         let expires_at = req.expires_at_ms();
         let lease = |id: &Id, lease_until_ms| Lease {
@@ -191,6 +234,7 @@ impl MemoryStore {
         // The request's own strings become the record's id: a fresh claim copies them only
         // into its lease.
         let entry = records.entry(Id {
+            hash,
             scope: req.scope,
             key: req.key,
         });
@@ -246,9 +290,8 @@ impl MemoryStore {
         response: Option<StoredResponse>,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        let (scope, key) = (lease.scope.as_str(), lease.key.as_str());
-        let mut records = self.shard(scope, key);
-        match records.get_mut(&id(scope, key) as &dyn IdRef) {
+        let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
+        match records.get_mut(&lookup as &dyn IdRef) {
             Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
                 rec.status = status;
                 rec.response = response;
@@ -262,12 +305,10 @@ impl MemoryStore {
     }
 
     fn release_now(&self, lease: &Lease) -> Result<(), StoreError> {
-        let (scope, key) = (lease.scope.as_str(), lease.key.as_str());
-        let id = id(scope, key);
-        let mut records = self.shard(scope, key);
-        match records.get(&id as &dyn IdRef) {
+        let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
+        match records.get(&lookup as &dyn IdRef) {
             Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
-                records.remove(&id as &dyn IdRef);
+                records.remove(&lookup as &dyn IdRef);
                 Ok(())
             }
             _ => Err(StoreError::lease_lost(lease)),
@@ -311,10 +352,11 @@ impl Store for MemoryStore {
         scope: &str,
         key: &IdempotencyKey,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
-        let record = self
-            .shard(scope, key.as_str())
-            .get_key_value(&id(scope, key.as_str()) as &dyn IdRef)
+        let (records, lookup) = self.locate(scope, key.as_str());
+        let record = records
+            .get_key_value(&lookup as &dyn IdRef)
             .map(|(id, slot)| slot.record(id));
+        drop(records);
         std::future::ready(Ok(record))
     }
 
@@ -350,11 +392,18 @@ mod tests {
 
     use super::*;
 
-    /// The map is searched by the borrowed `(scope, key)`: it must hash and compare exactly
-    /// as the owned id it finds, or a lookup would miss its record.
+    fn lookup_in<'a>(store: &MemoryStore, scope: &'a str, key: &'a str) -> Lookup<'a> {
+        let (records, lookup) = store.locate(scope, key);
+        drop(records);
+        lookup
+    }
+
+    /// The map is searched by a borrowed lookup: it must hash and compare exactly as the
+    /// owned id it finds, or a lookup would miss its record.
     #[test]
-    fn a_borrowed_id_hashes_and_compares_as_the_owned_one() {
-        let hasher = RandomState::new();
+    fn a_lookup_hashes_and_compares_as_the_id_it_finds() {
+        let store = MemoryStore::new();
+        let hasher = BuildHasherDefault::<Precomputed>::default();
         for (scope, key) in [
             ("s", "k"),
             ("", "k"),
@@ -362,25 +411,23 @@ mod tests {
             ("s", "kx"),
             ("a\u{ff}", "b"),
         ] {
+            let lookup = lookup_in(&store, scope, key);
             let owned = Id {
+                hash: lookup.hash,
                 scope: scope.to_owned(),
                 key: IdempotencyKey::new(key).unwrap(),
             };
-            let borrowed = id(scope, key);
             let owned_ref: &dyn IdRef = owned.borrow();
-            assert_eq!(
-                hasher.hash_one(&owned),
-                hasher.hash_one(&borrowed as &dyn IdRef)
-            );
+            let lookup_ref: &dyn IdRef = &lookup;
+            assert_eq!(hasher.hash_one(&owned), hasher.hash_one(lookup_ref));
             assert_eq!(hasher.hash_one(&owned), hasher.hash_one(owned_ref));
-            assert!(owned_ref == &borrowed as &dyn IdRef);
+            assert!(owned_ref == lookup_ref);
         }
-        let owned = Id {
-            scope: "sk".to_owned(),
-            key: IdempotencyKey::new("x").unwrap(),
-        };
-        let owned_ref: &dyn IdRef = owned.borrow();
-        assert!(owned_ref != &id("s", "kx") as &dyn IdRef);
+        // The same bytes split otherwise are another record.
+        let a = lookup_in(&store, "sk", "x");
+        let b = lookup_in(&store, "s", "kx");
+        assert_ne!(a.hash, b.hash);
+        assert!(&a as &dyn IdRef != &Lookup { hash: a.hash, ..b } as &dyn IdRef);
     }
 
     /// No shard may end up with most of the records: a growing shard rehashes everything it
