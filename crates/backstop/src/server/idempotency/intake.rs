@@ -43,6 +43,7 @@ use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::{IdempotencyKey, RecordStatus, Store};
 use crate::server::body::{RequestBody, ResponseBody};
+use crate::server::problem::Protocol;
 use crate::server::tenant::Tenant;
 
 /// First pause before looking at a running attempt again; each later pause doubles.
@@ -237,7 +238,7 @@ where
     ReqBody::Error: Into<BoxError>,
 {
     let (head, body) = request.into_parts();
-    match read_body(&shared, &head, body).await {
+    match read_body(&shared, &head, body, Protocol::of(&head.headers)).await {
         Ok(body) => {
             let request = Request::from_parts(head, RequestBody::buffered(body));
             Ok(inner.call(request).await?.map(ResponseBody::inner))
