@@ -181,7 +181,7 @@ impl Slot {
 
 #[derive(Debug)]
 struct Shards {
-    /// Picks the shard of a `(scope, key)`.
+    /// Hashes a `(scope, key)` once: the hash picks its shard and its bucket.
     hasher: RandomState,
     maps: Box<[Mutex<Map>]>,
 }
