@@ -53,18 +53,40 @@ pub enum FingerprintError {
 impl Fingerprint {
     /// SHA-256 of `method + "\n" + ` the RFC 8785 canonical form of the JSON `body`.
     pub fn of_json(method: &str, body: &[u8]) -> Result<Fingerprint, FingerprintError> {
-        let value: Value = serde_json::from_slice(body).map_err(FingerprintError::NotJson)?;
-        let mut hasher = HashWriter(prefixed(method));
-        write_canonical(&value, &mut hasher).map_err(FingerprintError::Canonical)?;
-        Ok(Fingerprint(hasher.0.finalize().into()))
+        json(prefixed(&[method]), body)
     }
 
     /// SHA-256 of `method + "\n" + body` with the body taken byte for byte, for requests whose
     /// body is not JSON (or is already canonical).
     pub fn of_bytes(method: &str, body: &[u8]) -> Fingerprint {
-        let mut hasher = prefixed(method);
-        hasher.update(body);
-        Fingerprint(hasher.finalize().into())
+        bytes(prefixed(&[method]), body)
+    }
+
+    /// [`of_json`](Self::of_json) of the operation `verb + " " + path` (as in
+    /// `"POST /v1/payments"`), hashed from its parts without building the string.
+    ///
+    /// ```
+    /// use backstop::idempotency::Fingerprint;
+    ///
+    /// let body = br#"{"amount_cents":100}"#;
+    /// assert_eq!(
+    ///     Fingerprint::of_json_operation("POST", "/v1/payments", body)?,
+    ///     Fingerprint::of_json("POST /v1/payments", body)?,
+    /// );
+    /// # Ok::<(), backstop::idempotency::FingerprintError>(())
+    /// ```
+    pub fn of_json_operation(
+        verb: &str,
+        path: &str,
+        body: &[u8],
+    ) -> Result<Fingerprint, FingerprintError> {
+        json(prefixed(&[verb, " ", path]), body)
+    }
+
+    /// [`of_bytes`](Self::of_bytes) of the operation `verb + " " + path`, hashed from its parts
+    /// without building the string.
+    pub fn of_bytes_operation(verb: &str, path: &str, body: &[u8]) -> Fingerprint {
+        bytes(prefixed(&[verb, " ", path]), body)
     }
 
     /// A fingerprint from its 32 bytes.
@@ -95,11 +117,26 @@ impl Fingerprint {
     }
 }
 
-fn prefixed(method: &str) -> Sha256 {
+/// A hash fed the method, given in pieces hashed one after the other, and the newline.
+fn prefixed(method: &[&str]) -> Sha256 {
     let mut hasher = Sha256::new();
-    hasher.update(method.as_bytes());
+    for piece in method {
+        hasher.update(piece.as_bytes());
+    }
     hasher.update(b"\n");
     hasher
+}
+
+fn json(prefixed: Sha256, body: &[u8]) -> Result<Fingerprint, FingerprintError> {
+    let value: Value = serde_json::from_slice(body).map_err(FingerprintError::NotJson)?;
+    let mut hasher = HashWriter(prefixed);
+    write_canonical(&value, &mut hasher).map_err(FingerprintError::Canonical)?;
+    Ok(Fingerprint(hasher.0.finalize().into()))
+}
+
+fn bytes(mut prefixed: Sha256, body: &[u8]) -> Fingerprint {
+    prefixed.update(body);
+    Fingerprint(prefixed.finalize().into())
 }
 
 /// Writes the RFC 8785 canonical form of `value` to `out`.
@@ -270,7 +307,7 @@ mod tests {
     /// The fingerprint as the canonicalizer alone computes it.
     fn through_canonicalizer(body: &[u8]) -> Option<Fingerprint> {
         let value: Value = serde_json::from_slice(body).ok()?;
-        let mut hasher = HashWriter(prefixed(M));
+        let mut hasher = HashWriter(prefixed(&[M]));
         serde_json_canonicalizer::to_writer(&value, &mut hasher).ok()?;
         Some(Fingerprint(hasher.0.finalize().into()))
     }
@@ -440,6 +477,29 @@ mod tests {
                     "{}", body
                 );
             }
+        }
+
+        #[test]
+        fn an_operation_in_parts_fingerprints_as_its_formatted_string(
+            verb in "[A-Z]{0,8}",
+            path in "[ -~]{0,40}",
+            value in any_json(),
+        ) {
+            let body = serde_json::to_vec(&value).unwrap();
+            let operation = format!("{verb} {path}");
+            prop_assert_eq!(
+                Fingerprint::of_json_operation(&verb, &path, &body).unwrap(),
+                Fingerprint::of_json(&operation, &body).unwrap()
+            );
+            prop_assert_eq!(
+                Fingerprint::of_bytes_operation(&verb, &path, &body),
+                Fingerprint::of_bytes(&operation, &body)
+            );
+            // The parts are the operation's, not just its bytes in any split.
+            prop_assert_ne!(
+                Fingerprint::of_bytes_operation(&verb, &path, &body),
+                Fingerprint::of_bytes(&format!("{verb}{path}"), &body)
+            );
         }
 
         #[test]

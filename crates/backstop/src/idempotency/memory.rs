@@ -1,15 +1,17 @@
 //! [`MemoryStore`]: the dedup table in process memory (tests, single-process development).
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::future::Future;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::protocol::{self, ClaimRule};
 use super::store::duration_ms;
 use super::{
-    Claim, ClaimRequest, IdempotencyKey, Lease, Record, RecordStatus, Store, StoreError,
-    StoredResponse,
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
+    StoreError, StoredResponse,
 };
 
 /// The [`Store`] in sharded `Mutex<HashMap>`s: every operation is one short critical section on
@@ -51,11 +53,135 @@ pub struct MemoryStore {
 /// a sweep takes one shard's lock at a time.
 const SHARDS: usize = 64;
 
-type Map = HashMap<(String, String), Record>;
+type Map = HashMap<Id, Slot, BuildHasherDefault<Precomputed>>;
+
+/// Where a record is kept: its scope and key, owned once, by the map, and their hash.
+///
+/// The hash is computed once per operation, with the store's random keys: it picks the shard,
+/// then the map's bucket (the map's hasher passes it through), so neither hashes the strings
+/// again, not even when the map grows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Id {
+    hash: u64,
+    scope: String,
+    key: IdempotencyKey,
+}
+
+/// A record's id as borrowed strings and their hash: what a lookup needs, copying neither.
+#[derive(Clone, Copy)]
+struct Lookup<'a> {
+    hash: u64,
+    scope: &'a str,
+    key: &'a str,
+}
+
+/// An [`Id`] or a [`Lookup`], so that the map of [`Id`]s can be searched by a [`Lookup`].
+/// Both hash as their precomputed hash and compare by scope and key, as `Borrow` requires.
+trait IdRef {
+    fn hash(&self) -> u64;
+    fn parts(&self) -> (&str, &str);
+}
+
+impl IdRef for Id {
+    fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    fn parts(&self) -> (&str, &str) {
+        (&self.scope, self.key.as_str())
+    }
+}
+
+impl IdRef for Lookup<'_> {
+    fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    fn parts(&self) -> (&str, &str) {
+        (self.scope, self.key)
+    }
+}
+
+impl<'a> Borrow<dyn IdRef + 'a> for Id {
+    fn borrow(&self) -> &(dyn IdRef + 'a) {
+        self
+    }
+}
+
+impl Hash for Id {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+impl Hash for dyn IdRef + '_ {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(IdRef::hash(self));
+    }
+}
+
+impl PartialEq for dyn IdRef + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn IdRef + '_ {}
+
+/// The map's hasher: passes an [`Id`]'s precomputed hash through.
+#[derive(Debug, Default)]
+struct Precomputed(u64);
+
+impl Hasher for Precomputed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write_u64(&mut self, hash: u64) {
+        self.0 = hash;
+    }
+
+    // Ids hash with `write_u64` alone; anything else is still mixed in rather than dropped.
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+}
+
+/// A record's columns but its scope and key, which its [`Id`] holds.
+#[derive(Debug, Clone)]
+struct Slot {
+    fingerprint: Fingerprint,
+    status: RecordStatus,
+    lease_until_ms: i64,
+    response: Option<StoredResponse>,
+    created_at_ms: i64,
+    expires_at_ms: i64,
+}
+
+impl Slot {
+    fn record(&self, id: &Id) -> Record {
+        Record {
+            scope: id.scope.clone(),
+            key: id.key.clone(),
+            fingerprint: self.fingerprint,
+            status: self.status,
+            lease_until_ms: self.lease_until_ms,
+            response: self.response.clone(),
+            created_at_ms: self.created_at_ms,
+            expires_at_ms: self.expires_at_ms,
+        }
+    }
+
+    fn is_sweepable(&self, now_ms: i64) -> bool {
+        protocol::sweepable(self.status, self.lease_until_ms, self.expires_at_ms, now_ms)
+    }
+}
 
 #[derive(Debug)]
 struct Shards {
-    /// Picks the shard of a `(scope, key)`.
+    /// Hashes a `(scope, key)` once: the hash picks its shard and its bucket.
     hasher: RandomState,
     maps: Box<[Mutex<Map>]>,
 }
@@ -85,40 +211,55 @@ impl MemoryStore {
         self.shards.maps.iter().all(|m| lock(m).is_empty())
     }
 
-    /// The locked shard that holds `(scope, key)`.
-    fn shard(&self, scope: &str, key: &str) -> MutexGuard<'_, Map> {
+    /// The locked shard that holds `(scope, key)`, and the record's lookup in it.
+    fn locate<'a>(&self, scope: &'a str, key: &'a str) -> (MutexGuard<'_, Map>, Lookup<'a>) {
         let hash = self.shards.hasher.hash_one((scope, key));
-        // The remainder is below SHARDS, so it fits any usize.
-        let index = usize::try_from(hash % SHARDS as u64).unwrap_or(0);
-        lock(&self.shards.maps[index])
+        // Bits 32 to 37 pick the shard: a map picks a bucket by the low bits and tags it with
+        // the top seven, which must still vary among the records of one shard.
+        let index = usize::try_from((hash >> 32) % SHARDS as u64).unwrap_or(0);
+        (lock(&self.shards.maps[index]), Lookup { hash, scope, key })
     }
 
-    fn claim_now(&self, req: &ClaimRequest) -> Claim {
-        let mut records = self.shard(&req.scope, req.key.as_str());
-        let id = (req.scope.clone(), req.key.as_str().to_owned());
-        let Some(rec) = records.get_mut(&id) else {
-            let lease_until = req.lease_until_ms();
-            records.insert(
-                id,
-                Record {
-                    scope: req.scope.clone(),
-                    key: req.key.clone(),
+    fn claim_now(&self, req: ClaimRequest) -> Claim {
+        let (mut records, lookup) = self.locate(&req.scope, req.key.as_str());
+        let hash = lookup.hash;
+        let lease_until = req.lease_until_ms();
+        let expires_at = req.expires_at_ms();
+        let lease = |id: &Id, lease_until_ms| Lease {
+            scope: id.scope.clone(),
+            key: id.key.clone(),
+            lease_until_ms,
+            ttl: req.ttl,
+        };
+        // The request's own strings become the record's id: a fresh claim copies them only
+        // into its lease.
+        let entry = records.entry(Id {
+            hash,
+            scope: req.scope,
+            key: req.key,
+        });
+        let mut occupied = match entry {
+            Entry::Vacant(vacant) => {
+                let lease = lease(vacant.key(), lease_until);
+                vacant.insert(Slot {
                     fingerprint: req.fingerprint,
                     status: RecordStatus::Running,
                     lease_until_ms: lease_until,
                     response: None,
                     created_at_ms: req.now_ms,
-                    expires_at_ms: req.expires_at_ms(),
-                },
-            );
-            return Claim::Claimed(req.lease_at(lease_until));
+                    expires_at_ms: expires_at,
+                });
+                return Claim::Claimed(lease);
+            }
+            Entry::Occupied(occupied) => occupied,
         };
+        let rec = occupied.get();
         let existing = protocol::Existing {
             status: rec.status,
             lease_until_ms: rec.lease_until_ms,
             same_fingerprint: rec.fingerprint == req.fingerprint,
         };
-        match protocol::claim(Some(existing), req.now_ms, req.lease_until_ms()) {
+        match protocol::claim(Some(existing), req.now_ms, lease_until) {
             ClaimRule::Conflict => Claim::Conflict {
                 fingerprint_prefix: rec.fingerprint.prefix8(),
             },
@@ -131,29 +272,14 @@ impl MemoryStore {
                 Claim::in_progress(lease_until_ms, req.now_ms)
             }
             ClaimRule::TakeOver { lease_until_ms } | ClaimRule::Insert { lease_until_ms } => {
+                let lease = lease(occupied.key(), lease_until_ms);
+                let rec = occupied.get_mut();
                 rec.status = RecordStatus::Running;
                 rec.lease_until_ms = lease_until_ms;
                 rec.response = None;
-                rec.expires_at_ms = rec.expires_at_ms.max(req.expires_at_ms());
-                Claim::Claimed(req.lease_at(lease_until_ms))
+                rec.expires_at_ms = rec.expires_at_ms.max(expires_at);
+                Claim::Claimed(lease)
             }
-        }
-    }
-
-    /// Runs `f` on the record `lease` holds, or fails with `LeaseLost`.
-    fn with_held(
-        &self,
-        lease: &Lease,
-        f: impl FnOnce(&mut Map, (String, String)),
-    ) -> Result<(), StoreError> {
-        let mut records = self.shard(&lease.scope, lease.key.as_str());
-        let id = (lease.scope.clone(), lease.key.as_str().to_owned());
-        match records.get(&id) {
-            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
-                f(&mut records, id);
-                Ok(())
-            }
-            _ => Err(StoreError::lease_lost(lease)),
         }
     }
 
@@ -164,15 +290,29 @@ impl MemoryStore {
         response: Option<StoredResponse>,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        self.with_held(lease, |records, id| {
-            if let Some(rec) = records.get_mut(&id) {
+        let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
+        match records.get_mut(&lookup as &dyn IdRef) {
+            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
                 rec.status = status;
                 rec.response = response;
                 rec.expires_at_ms = rec
                     .expires_at_ms
                     .max(now_ms.saturating_add(duration_ms(lease.ttl)));
+                Ok(())
             }
-        })
+            _ => Err(StoreError::lease_lost(lease)),
+        }
+    }
+
+    fn release_now(&self, lease: &Lease) -> Result<(), StoreError> {
+        let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
+        match records.get(&lookup as &dyn IdRef) {
+            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
+                records.remove(&lookup as &dyn IdRef);
+                Ok(())
+            }
+            _ => Err(StoreError::lease_lost(lease)),
+        }
     }
 }
 
@@ -183,7 +323,7 @@ fn lock(map: &Mutex<Map>) -> MutexGuard<'_, Map> {
 
 impl Store for MemoryStore {
     fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        std::future::ready(Ok(self.claim_now(&req)))
+        std::future::ready(Ok(self.claim_now(req)))
     }
 
     fn complete(
@@ -204,9 +344,7 @@ impl Store for MemoryStore {
     }
 
     fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send {
-        std::future::ready(self.with_held(lease, |records, id| {
-            records.remove(&id);
-        }))
+        std::future::ready(self.release_now(lease))
     }
 
     fn get(
@@ -214,8 +352,12 @@ impl Store for MemoryStore {
         scope: &str,
         key: &IdempotencyKey,
     ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
-        let id = (scope.to_owned(), key.as_str().to_owned());
-        std::future::ready(Ok(self.shard(scope, key.as_str()).get(&id).cloned()))
+        let (records, lookup) = self.locate(scope, key.as_str());
+        let record = records
+            .get_key_value(&lookup as &dyn IdRef)
+            .map(|(id, slot)| slot.record(id));
+        drop(records);
+        std::future::ready(Ok(record))
     }
 
     fn sweep(
@@ -229,7 +371,7 @@ impl Store for MemoryStore {
                 break;
             }
             let mut records = lock(map);
-            let doomed: Vec<(String, String)> = records
+            let doomed: Vec<Id> = records
                 .iter()
                 .filter(|(_, rec)| rec.is_sweepable(now_ms))
                 .map(|(id, _)| id.clone())
@@ -249,7 +391,44 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::idempotency::Fingerprint;
+
+    fn lookup_in<'a>(store: &MemoryStore, scope: &'a str, key: &'a str) -> Lookup<'a> {
+        let (records, lookup) = store.locate(scope, key);
+        drop(records);
+        lookup
+    }
+
+    /// The map is searched by a borrowed lookup: it must hash and compare exactly as the
+    /// owned id it finds, or a lookup would miss its record.
+    #[test]
+    fn a_lookup_hashes_and_compares_as_the_id_it_finds() {
+        let store = MemoryStore::new();
+        let hasher = BuildHasherDefault::<Precomputed>::default();
+        for (scope, key) in [
+            ("s", "k"),
+            ("", "k"),
+            ("sk", "x"),
+            ("s", "kx"),
+            ("a\u{ff}", "b"),
+        ] {
+            let lookup = lookup_in(&store, scope, key);
+            let owned = Id {
+                hash: lookup.hash,
+                scope: scope.to_owned(),
+                key: IdempotencyKey::new(key).unwrap(),
+            };
+            let owned_ref: &dyn IdRef = owned.borrow();
+            let lookup_ref: &dyn IdRef = &lookup;
+            assert_eq!(hasher.hash_one(&owned), hasher.hash_one(lookup_ref));
+            assert_eq!(hasher.hash_one(&owned), hasher.hash_one(owned_ref));
+            assert!(owned_ref == lookup_ref);
+        }
+        // The same bytes split otherwise are another record.
+        let a = lookup_in(&store, "sk", "x");
+        let b = lookup_in(&store, "s", "kx");
+        assert_ne!(a.hash, b.hash);
+        assert!(&a as &dyn IdRef != &Lookup { hash: a.hash, ..b } as &dyn IdRef);
+    }
 
     /// No shard may end up with most of the records: a growing shard rehashes everything it
     /// holds under its lock, which is the stall sharding is there to bound.

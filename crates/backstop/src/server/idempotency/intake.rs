@@ -38,11 +38,12 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::layer::{IntakeKind, Shared};
-use super::{BoxError, InProgress, KeyedRoute, prepare, read_body};
+use super::{BoxError, InProgress, KeyedRoute, Prepared, prepare, read_body};
 use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::{IdempotencyKey, RecordStatus, Store};
 use crate::server::body::{RequestBody, ResponseBody};
+use crate::server::problem::Protocol;
 use crate::server::tenant::Tenant;
 
 /// First pause before looking at a running attempt again; each later pause doubles.
@@ -237,7 +238,7 @@ where
     ReqBody::Error: Into<BoxError>,
 {
     let (head, body) = request.into_parts();
-    match read_body(&shared, &head, body).await {
+    match read_body(&shared, &head, body, Protocol::of(&head.headers)).await {
         Ok(body) => {
             let request = Request::from_parts(head, RequestBody::buffered(body));
             Ok(inner.call(request).await?.map(ResponseBody::inner))
@@ -265,8 +266,7 @@ where
         Ok(prepared) => prepared,
         Err(refusal) => return Ok(refusal),
     };
-    let scope = Tenant::from_extensions(&head.extensions).to_owned();
-    let (key, body) = (prepared.key.clone(), prepared.body.clone());
+    let body = prepared.body.clone();
     head.extensions.insert(prepared);
     // Without a deadline layer outside, wait no longer than one lease.
     let deadline = head
@@ -282,9 +282,16 @@ where
     loop {
         let request = Request::from_parts(head.clone(), RequestBody::buffered(body.clone()));
         let response = inner.ready().await?.call(request).await?;
-        if response.extensions().get::<InProgress>().is_none()
-            || !finished(&shared, &scope, &key, give_up, &mut pause).await
-        {
+        if response.extensions().get::<InProgress>().is_none() {
+            return Ok(response.map(ResponseBody::inner));
+        }
+        // Only a waiter needs the scope and the key: the head keeps both.
+        let scope = Tenant::from_extensions(&head.extensions);
+        let key = match head.extensions.get::<Prepared>() {
+            Some(prepared) => &prepared.key,
+            None => return Ok(response.map(ResponseBody::inner)),
+        };
+        if !finished(&shared, scope, key, give_up, &mut pause).await {
             return Ok(response.map(ResponseBody::inner));
         }
     }

@@ -453,12 +453,13 @@ where
     let protocol = Protocol::of(&head.headers);
     let key =
         key_of(&head.headers).map_err(|(code, detail)| bad_request(code, detail, protocol))?;
-    let body = read_body(shared, head, body).await?;
-    let operation = format!("{} {}", head.method, head.uri.path());
+    let body = read_body(shared, head, body, protocol).await?;
+    // The operation is `"METHOD path"`, hashed from its parts.
+    let (verb, path) = (head.method.as_str(), head.uri.path());
     let fingerprint = match protocol {
         // `read_body` checked the frame: the message follows its prefix.
-        Protocol::Grpc => Fingerprint::of_bytes(&operation, &body[PREFIX_LEN..]),
-        Protocol::Http => Fingerprint::of_json(&operation, &body)
+        Protocol::Grpc => Fingerprint::of_bytes_operation(verb, path, &body[PREFIX_LEN..]),
+        Protocol::Http => Fingerprint::of_json_operation(verb, path, &body)
             .map_err(|_| bad_request(INVALID_BODY, "the request body must be JSON", protocol))?,
     };
     Ok(Prepared {
@@ -470,18 +471,19 @@ where
 
 /// A request's whole body within the caps: for gRPC exactly one framed message (its length
 /// prefix checked before the message is read), for HTTP at most `max_body` bytes (an
-/// announced larger `Content-Length` refused before a byte is read).
+/// announced larger `Content-Length` refused before a byte is read). `protocol` is the
+/// request's, [`Protocol::of`] its headers.
 async fn read_body<St, ReqBody, B>(
     shared: &Shared<St>,
     head: &http::request::Parts,
     body: ReqBody,
+    protocol: Protocol,
 ) -> Result<Bytes, Response<B>>
 where
     ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
     B: From<Bytes>,
 {
-    let protocol = Protocol::of(&head.headers);
     match protocol {
         Protocol::Grpc => match read_unary(body, shared.max_message).await {
             Ok(message) => Ok(message.framed().clone()),
