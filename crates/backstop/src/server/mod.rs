@@ -301,12 +301,14 @@ impl<St: Store> ServerStack<St> {
     }
 
     /// The methods' policies, the same table the clients use, and the stack's only list of
-    /// methods: its `Keyed` methods are the keyed routes and its `buffer_body` ones are read
-    /// before the gate (see [`IdempotencyLayer::policies`]), the rate limit spends from each
+    /// methods: a request without `grpc-timeout` gets its method's timeout (see
+    /// [`DeadlineLayer::policies`]), its `Keyed` methods are the keyed routes and its
+    /// `buffer_body` ones are read before the gate (see [`IdempotencyLayer::policies`]), the
+    /// rate limit spends from each
     /// method's rate class (see [`RateLimitLayer::class`]), and its gRPC paths (as `POST`)
     /// and HTTP routes are named in the metrics. Applied when the layer is made, whatever
-    /// [`ServerStack::idempotency`], [`ServerStack::rate_limit`] or
-    /// [`ServerStack::metrics`] replaced.
+    /// [`ServerStack::deadline`], [`ServerStack::idempotency`], [`ServerStack::rate_limit`]
+    /// or [`ServerStack::metrics`] replaced.
     pub fn policies(mut self, policies: MethodPolicies) -> Self {
         self.policies = Some(policies);
         self
@@ -337,6 +339,9 @@ impl<St: Store> ServerStack<St> {
                 };
             }
             let policies = std::sync::Arc::new(policies);
+            self.deadline = self
+                .deadline
+                .policies_shared(policies.clone(), self.matched_path);
             self.rate_limit = self
                 .rate_limit
                 .policies_shared(policies.clone(), self.matched_path);
@@ -407,7 +412,7 @@ impl<S, St: Store> Layer<S> for ServerStackLayer<St> {
     fn layer(&self, inner: S) -> Self::Service {
         let p = &self.parts;
         ServiceBuilder::new()
-            .layer(p.deadline)
+            .layer(p.deadline.clone())
             .layer(p.metrics.clone())
             .layer(p.tenant.clone())
             .layer(p.fault.clone())

@@ -1,16 +1,20 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use tower_layer::Layer;
 
 use super::{DEFAULT_MAX_TIMEOUT, DEFAULT_TIMEOUT, DeadlineService};
+use crate::policy::MethodPolicies;
+use crate::server::select::{MatchedPathFn, PolicyLookup};
 
 /// Applies [`DeadlineService`] to requests: `grpc-timeout` on arrival, 504 when it passes.
 ///
-/// `Copy`-cheap to clone; the layer holds no other state.
-#[derive(Debug, Clone, Copy)]
+/// Cheap to clone: the policies, if any, are shared.
+#[derive(Debug, Clone)]
 pub struct DeadlineLayer {
     default: Duration,
     max: Duration,
+    policies: Option<PolicyLookup>,
 }
 
 impl DeadlineLayer {
@@ -20,7 +24,29 @@ impl DeadlineLayer {
         Self {
             default,
             max: DEFAULT_MAX_TIMEOUT,
+            policies: None,
         }
+    }
+
+    /// The methods' policies: a request without `grpc-timeout` gets its method's
+    /// [`timeout`](crate::policy::MethodPolicy::timeout) (clamped by the maximum) instead of
+    /// the layer's default, the same budget the method's clients set. With
+    /// [`ServerStack::policies`](crate::server::ServerStack::policies) the stack gives its
+    /// table here too.
+    pub fn policies(self, policies: MethodPolicies) -> Self {
+        self.policies_shared(Arc::new(policies), None)
+    }
+
+    pub(crate) fn policies_shared(
+        mut self,
+        policies: Arc<MethodPolicies>,
+        matched_path: Option<MatchedPathFn>,
+    ) -> Self {
+        self.policies = Some(PolicyLookup {
+            policies,
+            matched_path,
+        });
+        self
     }
 
     /// The largest budget a caller may ask for; larger `grpc-timeout` values are clamped to it.
@@ -29,7 +55,8 @@ impl DeadlineLayer {
         self
     }
 
-    /// The budget of a request without `grpc-timeout`.
+    /// The budget of a request without `grpc-timeout` whose method no
+    /// [policies](Self::policies) name.
     pub fn default_timeout(&self) -> Duration {
         self.default.min(self.max)
     }
@@ -51,6 +78,8 @@ impl<S> Layer<S> for DeadlineLayer {
     type Service = DeadlineService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        DeadlineService::new(inner, self.default, self.max)
+        let mut service = DeadlineService::new(inner, self.default, self.max);
+        service.policies = self.policies.clone();
+        service
     }
 }

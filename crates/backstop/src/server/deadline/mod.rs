@@ -6,7 +6,9 @@
 //! authentication and decoding are paid out of the caller's budget. The deadline is
 //! stored as a request extension for the layers and the handler below.
 //!
-//! - no header: a configured default budget (10 s unless set);
+//! - no header: the method's [`MethodPolicy::timeout`](crate::policy::MethodPolicy::timeout)
+//!   when the layer has the methods' [policies](DeadlineLayer::policies), else a configured
+//!   default budget (10 s unless set, the same default every policy has);
 //! - a budget above the configured maximum (60 s unless set) is clamped to it;
 //! - a malformed value (no unit, a 9-digit value, zero, garbage) is answered at once with 400
 //!   problem+json `invalid_grpc_timeout`;
@@ -57,6 +59,7 @@ pub struct DeadlineService<S> {
     inner: S,
     default: Duration,
     max: Duration,
+    policies: Option<crate::server::select::PolicyLookup>,
 }
 
 impl<S> DeadlineService<S> {
@@ -66,13 +69,17 @@ impl<S> DeadlineService<S> {
             inner,
             default: default.min(max),
             max,
+            policies: None,
         }
     }
 
-    /// The budget for a `grpc-timeout` header value (or its absence).
-    fn budget(&self, header: Option<&http::HeaderValue>) -> Result<Duration, Status> {
-        let Some(value) = header else {
-            return Ok(self.default);
+    /// The budget for `request`'s `grpc-timeout` (or, without one, its method's).
+    fn budget<B>(&self, request: &Request<B>) -> Result<Duration, Status> {
+        let Some(value) = request.headers().get(&GRPC_TIMEOUT_HEADER) else {
+            return Ok(match &self.policies {
+                Some(lookup) => lookup.policy_of(request).timeout().min(self.max),
+                None => self.default,
+            });
         };
         let invalid = || {
             Status::new(
@@ -101,7 +108,7 @@ where
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let protocol = Protocol::of(request.headers());
-        match self.budget(request.headers().get(&GRPC_TIMEOUT_HEADER)) {
+        match self.budget(&request) {
             Ok(budget) => {
                 let deadline = Deadline::after(budget);
                 request.extensions_mut().insert(deadline);

@@ -223,3 +223,37 @@ async fn grpc_request_with_malformed_timeout_is_invalid_argument() {
             .contains("grpc-timeout")
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn absent_header_gets_the_methods_timeout_from_the_policies() {
+    use crate::policy::{Idempotency, MethodPolicies, MethodPolicy};
+    let quick = MethodPolicy::builder("Quick", Idempotency::Safe)
+        .timeout(Duration::from_millis(1500))
+        .build();
+    let slow = MethodPolicy::builder("Slow", Idempotency::Safe)
+        .timeout(Duration::from_secs(90))
+        .build();
+    let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .method("/v1/payments", quick)
+        .method("/v1/reports", slow);
+    let layer = DeadlineLayer::new(Duration::from_secs(3))
+        .max(Duration::from_secs(60))
+        .policies(policies);
+    let svc = layer.layer(service_fn(report_budget));
+    let budget = |path: &'static str, timeout: Option<&'static str>| {
+        let svc = svc.clone();
+        async move {
+            let mut req = request(timeout);
+            *req.uri_mut() = http::Uri::from_static(path);
+            flat(svc.oneshot(req).await.unwrap()).into_body()
+        }
+    };
+    // The method's own budget, not the layer's 3 s...
+    assert_eq!(budget("/v1/payments", None).await, "1500");
+    // ...clamped by the layer's maximum...
+    assert_eq!(budget("/v1/reports", None).await, "60000");
+    // ...the fallback policy's (the one default) for a method the table does not name...
+    assert_eq!(budget("/v1/other", None).await, "10000");
+    // ...and never over what the caller sent.
+    assert_eq!(budget("/v1/payments", Some("250m")).await, "250");
+}
