@@ -5,7 +5,7 @@
 //! one copy (through the balancer, so usually to another endpoint). The first good answer wins
 //! and the other attempt is dropped, which cancels it. At most one hedge per logical call.
 //!
-//! Hedges are paid from the destination's [`RetryBudget`], the same one retries use, so
+//! Hedges are paid from the destination's [`RetryBudget`](crate::retry::RetryBudget), the same one retries use, so
 //! hedging cannot double the load on a destination that is slow because it is overloaded.
 //! A hedge only spends from a budget holding at least half its burst: the rest is kept for
 //! retries, which a call needs to succeed when attempts fail, where a hedge only shortens a
