@@ -17,7 +17,7 @@ conns=${2:-64}
 rounds=${3:-3}
 modes=${MODES:-bare stack keyed}
 # The profiling profile: release code with line tables, for perf or callgrind on this binary.
-cargo build --profile profiling -q -p backstop --example http_bench_server
+cargo build --profile profiling -q -p backstop --features postgres --example http_bench_server
 bin=${CARGO_TARGET_DIR:-target}/profiling/examples/http_bench_server
 work=$(mktemp -d)
 

@@ -8,34 +8,26 @@
 # (bench/payments.lua). Both run unpinned on both cores with wrk -t2, as a deployment would, in
 # ROUNDS interleaved rounds; medians and the ratio serve / keyed are printed, with the number
 # of threads serve ran.
-# Needs wrk (apt-get install wrk). Usage: bench/serve.sh [SECONDS] [CONNECTIONS] [ROUNDS]
+# `name value` lines go to OUT (default target/bench-serve.txt) for bench/targets.sh.
+# Needs wrk (apt-get install wrk). Usage: bench/serve.sh [SECONDS] [CONNECTIONS] [ROUNDS] [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 secs=${1:-5}
 conns=${2:-64}
 rounds=${3:-3}
-cargo build --profile profiling -q -p backstop --example http_bench_server
+results=${4:-target/bench-serve.txt}
+mkdir -p "$(dirname "$results")"
+: >"$results"
+cargo build --profile profiling -q -p backstop --features postgres --example http_bench_server
 cargo build --profile profiling -q -p backstop-cli
 dir=${CARGO_TARGET_DIR:-target}/profiling
 work=$(mktemp -d)
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"' EXIT
 
-# wait_addr FILE SED: the first address FILE logs, by the sed expression.
-wait_addr() {
-  for _ in $(seq 200); do
-    a=$(sed -n "$2" "$1" 2>/dev/null | head -n1)
-    [ -n "$a" ] && { echo "$a"; return; }
-    sleep 0.05
-  done
-  echo "server did not start:" >&2
-  cat "$1" >&2
-  exit 1
-}
-
 stop() {
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 400); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+  stop_pid "$pid"
   pid=""
 }
 
@@ -58,9 +50,9 @@ run() {
   out=$(wrk -t2 -c"$conns" -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "$mode$round$$")
   threads=$(ls "/proc/$pid/task" 2>/dev/null | wc -l)
   stop
-  if grep -q "Non-2xx" <<<"$out"; then echo "mode $mode: non-2xx answers" >&2; echo "$out" >&2; exit 1; fi
-  r=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
-  p=$(awk '$1=="99%" {v=$2; if (v ~ /us$/) {sub(/us/,"",v); v=v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v=v*1000}; print v}' <<<"$out")
+  wrk_check "mode $mode" "$out"
+  r=$(wrk_rps "$out")
+  p=$(wrk_p99_ms "$out")
 }
 
 declare -A rps p99 thr
@@ -74,12 +66,14 @@ for round in $(seq "$rounds"); do
   done
 done
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 base=$(median <<<"${rps[keyed]}")
 printf '%-6s %10s %9s %8s %14s\n' mode "req/s" "p99 ms" threads "ratio vs keyed"
 for mode in keyed serve; do
   r=$(median <<<"${rps[$mode]}")
   printf '%-6s %10.0f %9.2f %8s %14.2f\n' "$mode" "$r" "$(median <<<"${p99[$mode]}")" \
     "$(median <<<"${thr[$mode]}")" "$(echo "$r / $base" | bc -l)"
+  echo "${mode}_rps $r" >>"$results"
+  echo "${mode}_p99_ms $(median <<<"${p99[$mode]}")" >>"$results"
+  echo "${mode}_threads $(median <<<"${thr[$mode]}")" >>"$results"
 done
 echo "(store ${STORE:-SQLite}; unpinned, wrk -t2 -c$conns -d${secs}s; median of $rounds interleaved rounds)"

@@ -8,7 +8,11 @@
 //!   group commit) at DB_PATH;
 //! - `keyed_normal`: `keyed` with `synchronous=NORMAL` (no fsync on COMMIT; not durable):
 //!   what the rest costs without the sync;
+//! - `keyed_inline`: `keyed` with SQLite's own checkpoints inside the writer's COMMIT instead
+//!   of the background checkpointer: what the latter saves;
 //! - `keyed_memory`: the same on the in-memory store (not durable; isolates the layer's cost);
+//! - `keyed_postgres` (with `--features postgres`): the same on the PostgreSQL store with its
+//!   defaults, DB_PATH being the URL (`postgres://user@host/db?options=-c%20search_path%3DS`);
 //! - `deadline`, `metrics`, `rate_limit`, `gate`: one layer alone, to attribute the cost;
 //! - `handrolled`, `handrolled_normal`: what a team would write by hand instead: axum and
 //!   rusqlite, one `Mutex<Connection>` (WAL; `synchronous=FULL`, or `NORMAL`), autocommit per
@@ -75,10 +79,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         } else {
             Synchronous::Full
         },
+        background_checkpoint: mode != "keyed_inline",
         ..SqliteOptions::default()
     };
-    let store = SqliteStore::open(&db, options).await?;
-    let writer = matches!(mode.as_str(), "keyed" | "keyed_normal").then(|| store.db().clone());
+    // The SQLite store only where a mode serves from it (`keyed_postgres`' DB_PATH is a URL).
+    let store = if matches!(
+        mode.as_str(),
+        "stack" | "keyed" | "keyed_normal" | "keyed_inline"
+    ) {
+        Some(SqliteStore::open(&db, options).await?)
+    } else {
+        None
+    };
+    let writer = matches!(mode.as_str(), "keyed" | "keyed_normal" | "keyed_inline")
+        .then(|| store.as_ref().map(|s| s.db().clone()))
+        .flatten();
     tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};
         if let Ok(mut term) = signal(SignalKind::terminate()) {
@@ -92,13 +107,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::process::exit(0);
         }
     });
-    let stack = ServerStack::new("bench", store)
-        .tenant_buckets(buckets())
-        .gate(gate());
+    let sqlite_stack = || {
+        let store = store.clone().expect("opened for this mode");
+        ServerStack::new("bench", store)
+            .tenant_buckets(buckets())
+            .gate(gate())
+    };
     let app = match mode.as_str() {
         "bare" => router,
-        "stack" => router.layer(stack.into_layer()),
-        "keyed" | "keyed_normal" => router.layer(stack.policies(keyed_payments()).into_layer()),
+        "stack" => router.layer(sqlite_stack().into_layer()),
+        "keyed" | "keyed_normal" | "keyed_inline" => {
+            router.layer(sqlite_stack().policies(keyed_payments()).into_layer())
+        }
         // The same on the in-memory store: the idempotency layer's own cost, without SQLite.
         "keyed_memory" => router.layer(
             ServerStack::new("bench", MemoryStore::new())
@@ -107,6 +127,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .policies(keyed_payments())
                 .into_layer(),
         ),
+        #[cfg(feature = "postgres")]
+        "keyed_postgres" => {
+            use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
+            let store = PostgresStore::connect(&db, PostgresOptions::default()).await?;
+            router.layer(
+                ServerStack::new("bench", store)
+                    .tenant_buckets(buckets())
+                    .gate(gate())
+                    .policies(keyed_payments())
+                    .into_layer(),
+            )
+        }
         // One layer alone, to attribute the stack's cost.
         "deadline" => router.layer(DeadlineLayer::default()),
         "metrics" => router.layer(MetricsLayer::new("bench")),
@@ -115,8 +147,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "handrolled" | "handrolled_normal" => handrolled::router(&db, mode == "handrolled_normal")?,
         other => {
             return Err(format!(
-                "unknown mode {other:?}: bare | stack | keyed | keyed_normal | keyed_memory | \
-             deadline | metrics | rate_limit | gate | handrolled | handrolled_normal"
+                "unknown mode {other:?}: bare | stack | keyed | keyed_normal | keyed_inline | keyed_memory | \
+             deadline | metrics | rate_limit | gate | handrolled | handrolled_normal | \
+             keyed_postgres (with --features postgres)"
             )
             .into());
         }

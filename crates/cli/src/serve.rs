@@ -43,6 +43,10 @@ pub(crate) struct ServeArgs {
     /// (both ports drain at once, within this one bound).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_drain)]
     drain_timeout: Duration,
+    /// How often expired idempotency records are deleted, in batches that let claims through
+    /// between them (a sweep also runs at start-up). From 1s to 1d.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_sweep_every)]
+    sweep_every: Duration,
     /// `fixed`: --max-inflight requests at once. `adaptive`: a limit found from the latency of
     /// served requests, between --min-inflight and --max-inflight, lowered when latency rises
     /// above its baseline and raised when it falls.
@@ -181,6 +185,7 @@ impl ServeArgs {
         config.max_inflight = self.max_inflight;
         config.max_connections = self.max_connections;
         config.drain_timeout = self.drain_timeout;
+        config.sweep_every = self.sweep_every;
         config.limit = self.limit;
         config.min_inflight = self.min_inflight;
         config.queue = QueueConfig {
@@ -264,6 +269,15 @@ fn parse_drain(s: &str) -> Result<Duration, String> {
         return Err(format!("{s} is longer than 10 minutes"));
     }
     Ok(drain)
+}
+
+fn parse_sweep_every(s: &str) -> Result<Duration, String> {
+    let every = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 60s or 5m: {e}"))?;
+    if !(Duration::from_secs(1)..=Duration::from_secs(24 * 3600)).contains(&every) {
+        return Err(format!("{s} is outside 1s..=1d"));
+    }
+    Ok(every)
 }
 
 fn parse_percent(s: &str) -> Result<f64, String> {
@@ -579,6 +593,18 @@ mod tests {
             parse(&["--drain-timeout", "1500ms"]).unwrap().drain_timeout,
             Duration::from_millis(1500)
         );
+    }
+
+    #[test]
+    fn sweep_every_is_a_bounded_duration() {
+        assert_eq!(parse(&[]).unwrap().sweep_every, Duration::from_secs(60));
+        assert_eq!(
+            parse(&["--sweep-every", "5s"]).unwrap().sweep_every,
+            Duration::from_secs(5)
+        );
+        for bad in ["0s", "500ms", "2d", "often"] {
+            assert!(parse(&["--sweep-every", bad]).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -87,6 +87,38 @@ async fn grpc_load_charges_every_order_once() {
 }
 
 /// A dependency that answers every request 503 without a Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_up_requests_are_sent_but_left_out_of_the_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
+    config.http = "127.0.0.1:0".parse().unwrap();
+    config.grpc = "127.0.0.1:0".parse().unwrap();
+    let server = Server::bind(config).await.unwrap();
+    let (psp_url, target) = (server.psp_url().to_owned(), server.url());
+    let server = server.spawn();
+
+    let s = load(
+        &target,
+        &["--rate", "100", "--warmup", "500ms", "--duration", "1s"],
+    )
+    .await;
+    assert_eq!(s["logical_requests"], 100, "{s}");
+    assert_eq!(s["outcomes"]["ok"], 100, "{s}");
+    assert_eq!(s["latency_ms"][0]["count"], 100, "{s}");
+    let charges: Value = reqwest::get(format!("{psp_url}/v1/charges"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        charges.as_array().unwrap().len(),
+        150,
+        "the 50 warm-up payments were sent and charged too"
+    );
+    server.shutdown().await.unwrap();
+}
+
 async fn dead_service() -> (String, Arc<AtomicU64>) {
     let hits = Arc::new(AtomicU64::new(0));
     let counted = hits.clone();

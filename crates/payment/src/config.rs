@@ -240,6 +240,8 @@ pub struct Config {
     pub lease: Duration,
     /// Bound on draining in-flight requests at shutdown.
     pub drain_timeout: Duration,
+    /// How often expired idempotency records are deleted (a sweep also runs at start-up).
+    pub sweep_every: Duration,
     /// Most connections open at once on each listener; at the cap an idle connection is closed
     /// to make room, or the new one is refused when all are busy. Keep it below the file
     /// descriptor limit.
@@ -281,6 +283,7 @@ impl Config {
             key_ttl: Duration::from_secs(7 * 24 * 3600),
             lease: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(10),
+            sweep_every: Duration::from_secs(60),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             redis: None,
             redis_failure: FailurePolicy::Open,

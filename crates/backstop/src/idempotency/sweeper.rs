@@ -36,16 +36,19 @@ pub struct Sweeper<S, C> {
     clock: C,
     interval: Duration,
     batch: usize,
+    share: f64,
 }
 
 impl<S: Store, C: Clock> Sweeper<S, C> {
-    /// A sweeper of `store`, reading "now" from `clock`; every 60 s, 1000 records per batch.
+    /// A sweeper of `store`, reading "now" from `clock`; every 60 s, [`DEFAULT_BATCH`] records
+    /// per batch, taking at most [`DEFAULT_SHARE`] of the store's time.
     pub fn new(store: S, clock: C) -> Self {
         Sweeper {
             store,
             clock,
             interval: Duration::from_secs(60),
-            batch: 1_000,
+            batch: DEFAULT_BATCH,
+            share: DEFAULT_SHARE,
         }
     }
 
@@ -68,18 +71,40 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         self
     }
 
-    /// Sweeps once now: batches until one comes back short. Returns how many records went.
+    /// Sets the most of the store's time a sweep takes while it has more to delete, in
+    /// `(0, 1]`: after each batch it waits `took x (1 / share - 1)`, so claims queued behind a
+    /// batch find the store free for a while before the next one (1.0: no wait). A backlog of
+    /// expired records (after an outage, or a first sweep of a large table) then goes at a
+    /// bounded pace instead of holding the writer for seconds. Values outside the range are
+    /// clamped.
+    pub fn max_share(mut self, share: f64) -> Self {
+        self.share = if share.is_nan() {
+            DEFAULT_SHARE
+        } else {
+            share.clamp(0.01, 1.0)
+        };
+        self
+    }
+
+    /// Sweeps once now: batches until one comes back short, pausing between them as
+    /// [`Sweeper::max_share`] says. Returns how many records went.
     pub async fn sweep_now(&self) -> Result<usize, StoreError> {
         let now_ms = self.clock.now_ms();
         let mut total = 0;
         loop {
+            let started = tokio::time::Instant::now();
             let deleted = self.store.sweep(now_ms, self.batch).await?;
             total += deleted;
             if deleted < self.batch {
                 return Ok(total);
             }
-            // Let other work (claims) through between batches.
-            tokio::task::yield_now().await;
+            let pause = pause_after(started.elapsed(), self.share);
+            if pause.is_zero() {
+                // Let other work (claims) through between batches.
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(pause).await;
+            }
         }
     }
 
@@ -90,9 +115,15 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             ticks.tick().await;
+            let started = tokio::time::Instant::now();
             match self.sweep_now().await {
                 Ok(0) => {}
-                Ok(deleted) => tracing::debug!(deleted, "idempotency sweep"),
+                // At most once per interval, and what an operator asks first when latency moves.
+                Ok(deleted) => tracing::info!(
+                    deleted,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "idempotency sweep"
+                ),
                 Err(error) => tracing::warn!(%error, "idempotency sweep failed"),
             }
         }
@@ -104,12 +135,28 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
     }
 }
 
+/// Records one sweep statement deletes at most, by default: small enough that a claim
+/// committed in the same transaction waits a few milliseconds for it, not tens.
+pub const DEFAULT_BATCH: usize = 1_000;
+
+/// Share of the store's time a sweep takes at most while it has a backlog, by default.
+pub const DEFAULT_SHARE: f64 = 0.5;
+
+/// The wait after a batch that took `took`, for the sweep to take at most `share` of the time.
+fn pause_after(took: Duration, share: f64) -> Duration {
+    if share >= 1.0 {
+        return Duration::ZERO;
+    }
+    took.mul_f64(1.0 / share - 1.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::idempotency::{
-        Claim, ClaimRequest, Fingerprint, IdempotencyKey, MemoryStore, RecordStatus,
+        Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, MemoryStore, Record, RecordStatus,
+        StoredResponse,
     };
 
     const T0: i64 = 1_700_000_000_000;
@@ -168,5 +215,77 @@ mod tests {
         assert_eq!(sweeper.sweep_now().await.unwrap(), 25);
         assert!(store.is_empty());
         assert_eq!(sweeper.sweep_now().await.unwrap(), 0);
+    }
+
+    /// A memory store whose every sweep statement takes 10 ms (of tokio's paused clock).
+    #[derive(Clone)]
+    struct SlowSweeps(MemoryStore);
+
+    impl Store for SlowSweeps {
+        async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+            self.0.claim(req).await
+        }
+        async fn complete(
+            &self,
+            lease: &Lease,
+            response: StoredResponse,
+            now_ms: i64,
+        ) -> Result<(), StoreError> {
+            self.0.complete(lease, response, now_ms).await
+        }
+        async fn fail(&self, lease: &Lease, now_ms: i64) -> Result<(), StoreError> {
+            self.0.fail(lease, now_ms).await
+        }
+        async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+            self.0.release(lease).await
+        }
+        async fn get(
+            &self,
+            scope: &str,
+            key: &IdempotencyKey,
+        ) -> Result<Option<Record>, StoreError> {
+            self.0.get(scope, key).await
+        }
+        async fn sweep(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            self.0.sweep(now_ms, limit).await
+        }
+    }
+
+    /// How long one `sweep_now` of 25 expired records in batches of 10 takes with `share`.
+    async fn sweep_time(share: f64) -> Duration {
+        let store = MemoryStore::new();
+        for i in 0..25 {
+            claim(&store, &format!("k{i}"), 10, 10).await;
+        }
+        let sweeper = Sweeper::new(SlowSweeps(store.clone()), ManualClock::new(T0 + 1_000))
+            .batch(10)
+            .max_share(share);
+        let started = tokio::time::Instant::now();
+        assert_eq!(sweeper.sweep_now().await.unwrap(), 25);
+        assert!(store.is_empty());
+        started.elapsed()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_backlog_is_swept_at_the_pace_its_share_allows() {
+        // Three statements of 10 ms; after each full batch a pause of 10 ms x (1/share - 1).
+        assert_eq!(sweep_time(1.0).await, Duration::from_millis(30));
+        assert_eq!(sweep_time(0.5).await, Duration::from_millis(50));
+        assert_eq!(sweep_time(0.25).await, Duration::from_millis(90));
+    }
+
+    #[test]
+    fn the_share_is_clamped() {
+        let sweeper =
+            |share| Sweeper::new(MemoryStore::new(), ManualClock::new(T0)).max_share(share);
+        assert_eq!(sweeper(2.0).share, 1.0);
+        assert_eq!(sweeper(0.0).share, 0.01);
+        assert_eq!(sweeper(f64::NAN).share, DEFAULT_SHARE);
+        assert_eq!(pause_after(Duration::from_millis(8), 1.0), Duration::ZERO);
+        assert_eq!(
+            pause_after(Duration::from_millis(8), 0.25),
+            Duration::from_millis(24)
+        );
     }
 }

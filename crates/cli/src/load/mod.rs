@@ -49,6 +49,11 @@ pub(crate) struct LoadArgs {
     /// How long to keep starting requests, e.g. `5s`, `1m`.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     duration: Duration,
+    /// Offer the same rate for this long first, leaving it out of the summary: connections are
+    /// opened and the service's slow start has passed before anything is measured (`--series`
+    /// covers it too, from its first row).
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_warmup)]
+    warmup: Duration,
     /// Most logical requests in flight at once.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     concurrency: u32,
@@ -91,13 +96,16 @@ pub(crate) struct LoadArgs {
 
 /// Runs the load and prints the summary.
 pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let total = (args.rate * args.duration.as_secs_f64()).ceil() as u64;
-    if total == 0 {
+    let measured = (args.rate * args.duration.as_secs_f64()).ceil() as u64;
+    if measured == 0 {
         return Err("--rate x --duration schedules no request".into());
     }
+    let warmup = (args.rate * args.warmup.as_secs_f64()).ceil() as u64;
+    let total = measured.saturating_add(warmup);
     if total > MAX_REQUESTS {
         return Err(format!(
-            "--rate x --duration schedules {total} requests; at most {MAX_REQUESTS} per run"
+            "--rate x (--warmup + --duration) schedules {total} requests; at most \
+             {MAX_REQUESTS} per run"
         )
         .into());
     }
@@ -126,9 +134,10 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
 
     let interval = Duration::from_secs_f64(1.0 / args.rate);
     let start = Instant::now();
-    let series = series_file
-        .is_some()
-        .then(|| Arc::new(std::sync::Mutex::new(Series::new(start, args.duration))));
+    let series = series_file.is_some().then(|| {
+        let run = args.duration + args.warmup;
+        Arc::new(std::sync::Mutex::new(Series::new(start, run)))
+    });
     let mut tally = Tally::new();
     let mut tasks = JoinSet::new();
     for i in 0..total {
@@ -137,8 +146,11 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         while let Some(done) = tasks.try_join_next() {
             merge(&mut tally, done);
         }
+        let counted = i >= warmup;
         let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tally.skipped();
+            if counted {
+                tally.skipped();
+            }
             progress.inc(1);
             continue;
         };
@@ -165,13 +177,14 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
             }
             live.add(&tally);
             progress.inc(1);
-            tally
+            // A warm-up request's tally is left out of the summary.
+            if counted { tally } else { Tally::new() }
         });
     }
     while let Some(done) = tasks.join_next().await {
         merge(&mut tally, done);
     }
-    let elapsed = start.elapsed();
+    let elapsed = start.elapsed().saturating_sub(args.warmup);
     progress.finish_and_clear();
 
     if let (Some(file), Some(series)) = (series_file, &series) {
@@ -283,6 +296,13 @@ fn parse_rate(s: &str) -> Result<f64, String> {
     Ok(rate)
 }
 
+fn parse_warmup(s: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if d.is_zero() => Ok(d),
+        _ => parse_duration(s),
+    }
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s)
         .map_err(|e| format!("{s:?} is not a duration like 5s or 1m: {e}"))?;
@@ -363,6 +383,11 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         for bad in ["0s", "5", "2 days", "-1s"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_warmup("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_warmup("2s"), Ok(Duration::from_secs(2)));
+        for bad in ["5", "2 days", "-1s"] {
+            assert!(parse_warmup(bad).is_err(), "{bad}");
         }
     }
 }

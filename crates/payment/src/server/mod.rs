@@ -56,7 +56,6 @@ use crate::state::AppState;
 const PSP_RETRY_RATIO: f64 = 0.1;
 const PSP_RETRY_BURST: u32 = 20;
 /// How often expired idempotency records are swept.
-const SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// How often the PSP round trip is sampled for the deadline margin.
 const PROBE_EVERY: Duration = Duration::from_secs(5);
 /// Longest wait at shutdown for the keys of requests cut at the drain bound to be released.
@@ -226,7 +225,11 @@ impl Server {
         limits.max_connections = config.max_connections;
         limits.drain_timeout = config.drain_timeout;
 
-        let mut background = vec![Sweeper::spawn(store.clone(), SystemClock, SWEEP_EVERY)];
+        let mut background = vec![Sweeper::spawn(
+            store.clone(),
+            SystemClock,
+            config.sweep_every,
+        )];
         background.push(tokio::spawn(async move {
             loop {
                 if let Err(e) = client.probe_rtt(Duration::from_secs(1)).await {
