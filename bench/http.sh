@@ -12,6 +12,7 @@
 # Needs wrk (apt-get install wrk). Usage: bench/http.sh [SECONDS] [CONNECTIONS] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 secs=${1:-10}
 conns=${2:-64}
 rounds=${3:-3}
@@ -67,8 +68,8 @@ run_mode() {
   server_pid=""
   batches=$(sed -n 's/^sqlite: //p' "$work/server.out")
   if grep -q "Non-2xx" <<<"$out"; then echo "mode $mode: non-2xx answers" >&2; echo "$out" >&2; exit 1; fi
-  r=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
-  p=$(awk '$1=="99%" {v=$2; if (v ~ /us$/) {sub(/us/,"",v); v=v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v)} else if (v ~ /s$/) {sub(/s/,"",v); v=v*1000}; print v}' <<<"$out")
+  r=$(wrk_rps "$out")
+  p=$(wrk_p99_ms "$out")
 }
 
 declare -A rps p99
@@ -81,7 +82,6 @@ for round in $(seq "$rounds"); do
   done
 done
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 base=$(median <<<"${rps[bare]:-}")
 printf '%-10s %10s %9s %14s\n' mode "req/s" "p99 ms" "ratio vs bare"
 for mode in $modes; do

@@ -39,12 +39,27 @@ async fn load(target: &str, extra: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("one JSON summary on stdout")
 }
 
-async fn every_logical_request_is_one_order_charged_once(protocol: &str) {
-    let dir = tempfile::tempdir().unwrap();
+/// The payment service on a SQLite store in `dir`, with its embedded PSP, on free ports.
+async fn payment_server(dir: &tempfile::TempDir) -> Server {
     let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
     config.http = "127.0.0.1:0".parse().unwrap();
     config.grpc = "127.0.0.1:0".parse().unwrap();
-    let server = Server::bind(config).await.unwrap();
+    Server::bind(config).await.unwrap()
+}
+
+/// Every charge the PSP at `psp_url` holds.
+async fn psp_charges(psp_url: &str) -> Vec<Value> {
+    reqwest::get(format!("{psp_url}/v1/charges"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn every_logical_request_is_one_order_charged_once(protocol: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let server = payment_server(&dir).await;
     let psp_url = server.psp_url().to_owned();
     let target = match protocol {
         "grpc" => format!("grpc://{}", server.grpc_addr()),
@@ -61,13 +76,7 @@ async fn every_logical_request_is_one_order_charged_once(protocol: &str) {
     assert_eq!(s["policy"], "backstop");
     assert_eq!(s["latency_ms"][0]["attempt"], "1");
 
-    let charges: Value = reqwest::get(format!("{psp_url}/v1/charges"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let charges = charges.as_array().unwrap();
+    let charges = psp_charges(&psp_url).await;
     assert_eq!(charges.len(), 200, "one charge per logical request");
     let mut orders: Vec<_> = charges.iter().map(|c| c["reference"].clone()).collect();
     orders.sort_by_key(|o| o.to_string());
@@ -90,10 +99,7 @@ async fn grpc_load_charges_every_order_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warm_up_requests_are_sent_but_left_out_of_the_summary() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = Config::new(StoreLocation::Sqlite(dir.path().join("pay.db")));
-    config.http = "127.0.0.1:0".parse().unwrap();
-    config.grpc = "127.0.0.1:0".parse().unwrap();
-    let server = Server::bind(config).await.unwrap();
+    let server = payment_server(&dir).await;
     let (psp_url, target) = (server.psp_url().to_owned(), server.url());
     let server = server.spawn();
 
@@ -105,14 +111,8 @@ async fn warm_up_requests_are_sent_but_left_out_of_the_summary() {
     assert_eq!(s["logical_requests"], 100, "{s}");
     assert_eq!(s["outcomes"]["ok"], 100, "{s}");
     assert_eq!(s["latency_ms"][0]["count"], 100, "{s}");
-    let charges: Value = reqwest::get(format!("{psp_url}/v1/charges"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
     assert_eq!(
-        charges.as_array().unwrap().len(),
+        psp_charges(&psp_url).await.len(),
         150,
         "the 50 warm-up payments were sent and charged too"
     );
