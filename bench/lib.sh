@@ -41,6 +41,6 @@ wrk_check() {
 }
 
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-ratio() { echo "scale=2; $1 / $2" | bc -l; }
+ratio() { echo "scale=2; $1 / $2" | bc -l | sed "s/^\./0./"; }
 # rss_kib PID FIELD: VmRSS or VmHWM of PID in KiB.
 rss_kib() { awk -v f="$2:" '$1==f {print $2}' "/proc/$1/status"; }

@@ -133,7 +133,6 @@ commit=$(git rev-parse --short HEAD)
       "$(val growth rss_payments)" "$after" "$before" "$r" "$(verdict_max "$r" 2)"
   fi
   echo
-  echo
   echo "At \`$commit\`, $(date -u +%Y-%m-%d): \`bench/targets.sh $secs $rounds\` (parts: $parts; ${secs} s x $rounds interleaved rounds per comparison; rpc_overhead with 32 callers)."
 } | tee "$out"
 
