@@ -208,3 +208,80 @@ async fn postgres_down_is_503_and_not_ready_then_recovers() {
     assert_eq!(after.status, StatusCode::CREATED, "{:?}", after.json);
     assert_eq!(schema.count("payment_intent").await, 3);
 }
+
+/// Finding one intent by its id reads the primary key, however many intents the merchant has.
+/// Every other index of `payment_intent` leads with `merchant_id` (or is partial on `status`);
+/// a prepared statement's generic plan, fixed on a near-empty table after its first five runs,
+/// picked one of them and read every intent of the merchant on each `get` and `mark`: cost
+/// growing with the table. Counted from PostgreSQL's own index statistics, not timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intent_lookups_by_id_read_the_primary_key_not_the_merchants_intents() {
+    use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
+    use backstop_payment::intents::{Intents, NewIntent};
+
+    if !services::postgres() {
+        return;
+    }
+    const N: i64 = 300;
+    let schema = Schema::create("intent_plan").await;
+    // One connection: every statement runs in the one session whose plans are cached.
+    let options = PostgresOptions {
+        max_connections: 1,
+        ..PostgresOptions::default()
+    };
+    let store = PostgresStore::connect(&schema.store_url(None), options)
+        .await
+        .expect("store");
+    let intents = Intents::postgres(store).await.expect("intents");
+    for i in 0..N {
+        let id = format!("intent-{i:05}");
+        let new = NewIntent {
+            intent_id: id.clone(),
+            merchant_id: "m".into(),
+            order_id: format!("order-{i}"),
+            amount_cents: 100,
+            currency: "USD".into(),
+            request_key: format!("key-{i}"),
+            fingerprint: "f".into(),
+            created_at: 1_700_000_000_000 + i,
+        };
+        intents.create(new).await.expect("create");
+        assert!(intents.succeed("m", &id, "ch").await.expect("succeed"));
+        assert!(intents.get("m", &id).await.expect("get").is_some());
+    }
+    drop(intents);
+
+    // A backend reports its statistics within seconds of going idle (or on exit): wait until
+    // every insert's uniqueness probe of the request-key index shows (bounded), then read the
+    // primary key's scans and the tuples read through every other index.
+    let admin = postgres_schema::admin().await;
+    let query = "SELECT \
+        coalesce(sum(idx_scan) FILTER (WHERE indexrelname LIKE '%request_key%'), 0)::bigint, \
+        coalesce(sum(idx_scan) FILTER (WHERE indexrelname = 'payment_intent_pkey'), 0)::bigint, \
+        coalesce(sum(idx_tup_read) FILTER (WHERE indexrelname <> 'payment_intent_pkey'), 0)::bigint \
+        FROM pg_stat_user_indexes WHERE schemaname = $1 AND relname = 'payment_intent'";
+    let mut seen = (0i64, 0i64, 0i64);
+    for _ in 0..300 {
+        let row = admin
+            .query_one(query, &[&schema.name()])
+            .await
+            .expect("index statistics");
+        seen = (row.get(0), row.get(1), row.get(2));
+        if seen.0 >= N {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let (inserts, by_id, elsewhere) = seen;
+    assert!(inserts >= N, "statistics never arrived: {seen:?}");
+    assert!(
+        by_id >= 2 * N,
+        "{by_id} primary key scans for {N} marks and gets"
+    );
+    // The other indexes are only probed for uniqueness on insert, which reads no tuple; a
+    // merchant-wide scan per lookup reads about N*N/2.
+    assert!(
+        elsewhere < N,
+        "{elsewhere} index tuples read outside the primary key for {N} intents"
+    );
+}

@@ -4,6 +4,16 @@
 //!
 //! Statements run on the idempotency store's pool, each bounded by the request's deadline (see
 //! [`PostgresStore::with_client`]).
+//!
+//! A statement that finds one intent by its id (`get`, `mark`) names the id alone as an
+//! indexable condition and checks the merchant and status with `IS NOT DISTINCT FROM`, which no
+//! index and no partial-index predicate matches, so the primary key is the only plan. Written
+//! as `merchant_id = $1 AND intent_id = $2 AND status = 'running'`, the planner could pick an
+//! index leading with `merchant_id`, or scan the partial index of running intents, whenever its
+//! statistics made those look as cheap (a table not yet analyzed, or one whose running intents
+//! look few): each call then read every intent of the merchant, or every dead entry of that
+//! index, and the cost of a payment grew with the table. The columns are `NOT NULL`, so the
+//! two forms select the same rows.
 
 use backstop::db::postgres::tokio_postgres::Row;
 use backstop::db::postgres::{Error as PgError, migrate};
@@ -51,6 +61,11 @@ const INSERT_SQL: &str = "INSERT INTO payment_intent (intent_id, merchant_id, or
      amount_cents, currency, request_key, fingerprint, effect_key, status, psp_charge_id, \
      created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $1, 'running', NULL, $8) \
      ON CONFLICT DO NOTHING";
+
+/// One intent by its id, if the merchant (`$1`) owns it (the lookup shape of the module doc).
+const GET_SQL: &str = "SELECT intent_id, merchant_id, order_id, amount_cents, currency, \
+     request_key, fingerprint, effect_key, status, psp_charge_id, created_at \
+     FROM payment_intent WHERE intent_id = $2 AND merchant_id IS NOT DISTINCT FROM $1";
 
 /// The PostgreSQL side of [`Intents`](super::Intents).
 #[derive(Debug, Clone)]
@@ -184,8 +199,9 @@ impl PgIntents {
                             let stmt = c
                                 .prepare_cached(
                                     "UPDATE payment_intent SET status = 'succeeded', \
-                                     psp_charge_id = $3 WHERE merchant_id = $1 \
-                                     AND intent_id = $2 AND status = 'running'",
+                                     psp_charge_id = $3 WHERE intent_id = $2 \
+                                     AND (merchant_id, status) IS NOT DISTINCT FROM \
+                                     ($1, 'running')",
                                 )
                                 .await?;
                             c.execute(&stmt, &[&merchant_id, &intent_id, &charge]).await
@@ -194,8 +210,9 @@ impl PgIntents {
                             let stmt = c
                                 .prepare_cached(
                                     "UPDATE payment_intent SET status = 'failed' \
-                                     WHERE merchant_id = $1 AND intent_id = $2 \
-                                     AND status = 'running'",
+                                     WHERE intent_id = $2 \
+                                     AND (merchant_id, status) IS NOT DISTINCT FROM \
+                                     ($1, 'running')",
                                 )
                                 .await?;
                             c.execute(&stmt, &[&merchant_id, &intent_id]).await
@@ -214,8 +231,16 @@ impl PgIntents {
         intent_id: String,
     ) -> Result<Option<Intent>, IntentsError> {
         // The primary key: at most one row.
-        let mut found = self.select("intent_id", merchant_id, intent_id).await?;
-        Ok(found.pop())
+        let rows = self
+            .store
+            .with_client(move |c| {
+                Box::pin(async move {
+                    let stmt = c.prepare_cached(GET_SQL).await?;
+                    c.query(&stmt, &[&merchant_id, &intent_id]).await
+                })
+            })
+            .await?;
+        rows.iter().map(from_row).next().transpose()
     }
 
     /// Every intent a merchant has for an order: at most one live, any number failed.
@@ -344,5 +369,15 @@ impl PgIntents {
             })
             .await
             .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn get_reads_every_column_in_order() {
+        assert!(GET_SQL.starts_with(&format!("SELECT {COLUMNS} FROM payment_intent WHERE")));
     }
 }
