@@ -13,7 +13,7 @@
 # Every ratio comes from one placement's interleaved rounds (bench/http.sh, serve.sh,
 # growth.sh) or one process (rpc_overhead), so both figures of a ratio are measured under the
 # same conditions. The table is written to OUT.md and, between its markers, into the "targets
-# at a glance" of BENCHMARKS.md (WRITE=0 leaves BENCHMARKS.md alone). About 25 minutes with the
+# at a glance" of BENCHMARKS.md (WRITE=0 leaves BENCHMARKS.md alone). About 50 minutes with the
 # defaults; PARTS="http rpc serve growth" picks parts, PG=none skips PostgreSQL.
 # Needs wrk, bc, sqlite3, psql (apt-get install wrk bc sqlite3 postgresql-client) and
 # PostgreSQL on 127.0.0.1:5432 (PG=URL for another).
