@@ -21,7 +21,7 @@ use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use tower::{BoxError, Layer, ServiceExt};
+use tower::{BoxError, ServiceExt};
 
 /// The headers the stack sets on an attempt, as the server saw them.
 #[derive(Debug, Clone, PartialEq)]

@@ -23,7 +23,7 @@ use http::uri::PathAndQuery;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
-use tower::{Layer, Service, ServiceExt, service_fn};
+use tower::{Service, ServiceExt, service_fn};
 
 /// Per method: `GetBalance` is retried on `UNAVAILABLE` up to 3 attempts in all, with a
 /// short backoff; every method of the service gets a 2 s deadline. This is the JSON a gRPC

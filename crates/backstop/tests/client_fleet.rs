@@ -39,7 +39,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tower::util::BoxCloneService;
-use tower::{BoxError, Layer, ServiceExt, service_fn};
+use tower::{BoxError, ServiceExt, service_fn};
 
 type Body = ReplayBody<Full<Bytes>>;
 
@@ -458,7 +458,10 @@ async fn rolling_restart(hedging: bool) {
         let done_tx = done_tx.clone();
         service_fn(move |request: Request<Full<Bytes>>| {
             let done_tx = done_tx.clone();
-            let call: SendFuture = Box::pin(svc.clone().oneshot(request));
+            let call: SendFuture = Box::pin(futures_util::TryFutureExt::map_err(
+                svc.clone().oneshot(request),
+                BoxError::from,
+            ));
             let counted: SendFuture = Box::pin(async move {
                 let result = call.await;
                 done_tx.send_modify(|n| *n += 1);

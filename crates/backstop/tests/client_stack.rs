@@ -26,7 +26,7 @@ use http::{Method, Request, Uri};
 use http_body_util::{BodyExt, Full};
 use support::policies::keyed;
 use tokio::net::TcpListener;
-use tower::{Layer, ServiceExt};
+use tower::ServiceExt;
 
 type Body = ReplayBody<Full<Bytes>>;
 

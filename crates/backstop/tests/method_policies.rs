@@ -20,7 +20,7 @@ use tonic::server::NamedService;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
-use tower::{Layer, Service, ServiceExt};
+use tower::{Service, ServiceExt};
 
 const SERVICE: &str = "test.v1.Echo";
 

@@ -22,7 +22,7 @@ use http_body_util::Full;
 use opentelemetry::trace::{SpanKind, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use tokio::net::TcpListener;
-use tower::{Layer, ServiceExt};
+use tower::ServiceExt;
 use tracing_subscriber::layer::SubscriberExt;
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";

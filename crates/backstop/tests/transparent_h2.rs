@@ -37,7 +37,7 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower::util::BoxCloneService;
-use tower::{BoxError, Layer, ServiceExt, service_fn};
+use tower::{BoxError, ServiceExt, service_fn};
 
 type Body = ReplayBody<Full<Bytes>>;
 
@@ -497,7 +497,7 @@ async fn goaway_at_the_stream(
         .build()
         .unwrap()
         .layer(transport(&going, 1, &other, &sends));
-    let result = svc.oneshot(post_charge()).await;
+    let result = svc.oneshot(post_charge()).await.map_err(BoxError::from);
     (result, going, other, sends)
 }
 

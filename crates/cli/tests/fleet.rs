@@ -33,7 +33,7 @@ use serde_json::{Value, json};
 use serve_process::{ServeProcess, serve_command};
 use tokio::sync::Semaphore;
 use tower::util::BoxCloneService;
-use tower::{BoxError, Layer, ServiceExt};
+use tower::{BoxError, ServiceExt};
 
 use postgres_schema::{Schema, unique};
 
@@ -237,7 +237,7 @@ fn payments_client(fleet: &[Serve], destination: &Destination) -> Payments {
     let stack = ClientStack::builder(destination, contract)
         .build()
         .expect("client stack");
-    BoxCloneService::new(stack.layer(transport))
+    BoxCloneService::new(stack.layer(transport).map_err(BoxError::from))
 }
 
 /// One logical payment: its key is fixed, and it is sent again (same key) until it succeeds.

@@ -41,7 +41,7 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use http::Method;
 use http_body_util::{BodyExt, Full};
-use tower::{Layer, Service, ServiceBuilder, ServiceExt};
+use tower::{Service, ServiceBuilder, ServiceExt};
 
 /// The allocator the `backstop` binary uses (see BENCHMARKS.md for the same run under glibc's).
 #[global_allocator]

@@ -417,13 +417,10 @@ impl PspClient {
         let response = match self.inner.charges.clone().oneshot(request).await {
             Ok(response) => response,
             Err(e) => {
-                let stopped = match e.downcast::<RetryError>() {
-                    Ok(stopped) => *stopped,
-                    Err(other) => RetryError {
-                        last: Status::new(Code::Unavailable, other.to_string()),
-                        attempts: 1,
-                        reason: StopReason::NonRetryable,
-                    },
+                let stopped = RetryError {
+                    last: e.last().clone(),
+                    attempts: e.attempts(),
+                    reason: e.reason().unwrap_or(StopReason::NonRetryable),
                 };
                 return Err(classify_failure(stopped, &log));
             }

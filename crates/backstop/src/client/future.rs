@@ -70,3 +70,32 @@ where
         }
     }
 }
+
+pin_project! {
+    /// The response future of a [`ClientStack`](super::ClientStack)'s service: the call, its
+    /// failure read as a typed [`Error`](super::Error).
+    #[derive(Debug)]
+    pub struct CallFuture<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F> CallFuture<F> {
+    pub(crate) fn new(inner: F) -> Self {
+        Self { inner }
+    }
+}
+
+impl<F, T, E> Future for CallFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, super::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let result = ready!(self.project().inner.poll(cx));
+        Poll::Ready(result.map_err(|e| super::Error::from_box(e.into())))
+    }
+}

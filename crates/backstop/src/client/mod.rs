@@ -92,6 +92,7 @@ mod circuit_open;
 pub mod classify;
 pub mod connect;
 pub mod deadline;
+mod error;
 pub mod future;
 pub mod hedge;
 pub mod idempotency;
@@ -104,6 +105,9 @@ pub mod service_config;
 mod stack;
 pub mod transparent;
 
+pub use self::error::Error;
 pub use self::observer::AttemptObserver;
 pub use self::select::SelectMethod;
-pub use self::stack::{ClientService, ClientStack, ClientStackBuilder, Destination, StackError};
+pub use self::stack::{
+    ClientService, ClientStack, ClientStackBuilder, Destination, HttpService, StackError,
+};

@@ -202,7 +202,7 @@ mod tests {
     use bytes::Bytes;
     use http::{Request, Response};
     use http_body_util::Full;
-    use tower::{Layer, ServiceExt, service_fn};
+    use tower::{ServiceExt, service_fn};
 
     use super::*;
     use crate::client::hedge::HedgePolicy;
@@ -558,8 +558,7 @@ mod tests {
             .unwrap()
             .layer(transport);
         let error = client.oneshot(request()).await.unwrap_err();
-        let stopped = error.downcast_ref::<crate::retry::RetryError>().unwrap();
-        assert_eq!(stopped.reason, StopReason::Deadline);
+        assert_eq!(error.reason(), Some(StopReason::Deadline));
         let (sends, ends) = recorder.take();
         assert_eq!(
             sends,

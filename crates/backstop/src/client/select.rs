@@ -6,8 +6,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::Request;
+use tower::BoxError;
 use tower_service::Service;
 
+use super::error::Error;
+use super::future::CallFuture;
 use super::hedge::policy::HedgePolicy;
 use super::retry::config::Config as RetryConfig;
 use crate::policy::{Idempotency, MethodPolicies};
@@ -60,13 +63,16 @@ impl<S> SelectMethod<S> {
 impl<S, B> Service<Request<B>> for SelectMethod<S>
 where
     S: Service<Request<B>>,
+    S::Error: Into<BoxError>,
 {
     type Response = S::Response;
-    type Error = S::Error;
-    type Future = S::Future;
+    type Error = Error;
+    type Future = CallFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| Error::from_box(e.into()))
     }
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
@@ -81,6 +87,6 @@ where
             // Chosen by another stack above this one: here the layers' own policy rules.
             request.extensions_mut().remove::<Selected>();
         }
-        self.inner.call(request)
+        CallFuture::new(self.inner.call(request))
     }
 }

@@ -95,9 +95,25 @@ impl Destination {
         self
     }
 
-    /// The smallest margin kept for the way back, whatever the measured round trips.
+    /// The smallest margin kept for the way back, whatever the measured round trips (default
+    /// [`DEFAULT_MARGIN_FLOOR`](Self::DEFAULT_MARGIN_FLOOR)).
     pub fn margin_floor(mut self, floor: Duration) -> Self {
-        self.margin = Arc::new(Margin::new(floor));
+        self.margin = Arc::new(Margin::new(floor).with_ceiling(self.margin.ceiling()));
+        self
+    }
+
+    /// The largest margin kept for the way back, whatever the measured round trips (default
+    /// [`Margin::DEFAULT_CEILING`]; never below the floor).
+    pub fn margin_ceiling(mut self, ceiling: Duration) -> Self {
+        self.margin = Arc::new(Margin::new(self.margin.floor()).with_ceiling(ceiling));
+        self
+    }
+
+    /// Keeps exactly `margin` for the way back instead of learning it: for a peer whose
+    /// answers do not report their processing time (`Server-Timing`, which backstop servers
+    /// send), or a link whose round trip is known.
+    pub fn fixed_margin(mut self, margin: Duration) -> Self {
+        self.margin = Arc::new(Margin::new(margin).with_ceiling(margin));
         self
     }
 
@@ -185,6 +201,13 @@ pub struct ClientStack {
     journal: Option<IntentJournal>,
 }
 
+/// The service [`ClientStack::http`] makes: the whole stack over a pooled hyper-util client,
+/// for requests with bodies of type `B`. Cheap to clone (clones share the connection pool and
+/// the destination's state); answers `http::Response<hyper::body::Incoming>` or a typed
+/// [`Error`](super::Error).
+pub type HttpService<B = http_body_util::Full<bytes::Bytes>> =
+    ClientService<super::connect::HttpClient<super::replay::ReplayBody<B>>>;
+
 /// The service a [`ClientStack`] makes of a transport `S`.
 pub type ClientService<S> = SelectMethod<
     IdempotencyKeyService<SetDeadline<Retry<Hedge<AttemptTimeout<Breaker<TransparentRetry<S>>>>>>>,
@@ -206,6 +229,51 @@ impl ClientStack {
             #[cfg(feature = "sqlite")]
             journal: None,
         }
+    }
+
+    /// The stack around `transport` (a tonic `Channel`, a hyper-util client, any tower
+    /// service of `http::Request`s): the same as its [`Layer`] impl, without naming tower's
+    /// trait.
+    pub fn layer<S: Clone>(&self, transport: S) -> ClientService<S> {
+        <Self as Layer<S>>::layer(self, transport)
+    }
+
+    /// The stack over a pooled HTTP/1.1 client ([`connect::pooled`](super::connect::pooled)),
+    /// for requests whose body is `B` (`Full<Bytes>`, axum's `Body`, ...): the type to keep in
+    /// a server's state is [`HttpService<B>`].
+    ///
+    /// ```
+    /// use backstop::client::{ClientStack, Destination, HttpService};
+    /// use backstop::policy::{Idempotency, MethodPolicy};
+    ///
+    /// #[derive(Clone)]
+    /// struct AppState {
+    ///     backend: HttpService,
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let policy = MethodPolicy::builder("backend", Idempotency::Safe).build();
+    /// let stack = ClientStack::builder(&Destination::new("backend"), policy).build().unwrap();
+    /// let state = AppState { backend: stack.http() };
+    /// # let _ = state;
+    /// # }
+    /// ```
+    pub fn http<B>(&self) -> HttpService<B>
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<tower::BoxError>,
+    {
+        self.layer(super::connect::pooled(false))
+    }
+
+    /// [`http`](Self::http) over HTTP/2 with prior knowledge, as gRPC peers speak it.
+    pub fn http2<B>(&self) -> HttpService<B>
+    where
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<tower::BoxError>,
+    {
+        self.layer(super::connect::pooled(true))
     }
 
     /// The method policies the stack runs by.
@@ -383,7 +451,7 @@ impl ClientStackBuilder {
 mod tests {
     use super::*;
     use crate::policy::KEY_TTL_PAYMENTS;
-    use crate::retry::{RetryError, StopReason, StormLevel};
+    use crate::retry::{StopReason, StormLevel};
     use crate::status::Code;
 
     /// One `GET` with an empty body through the stack of `policy` to `dest` over `transport`.
@@ -654,9 +722,15 @@ mod tests {
                 sent.push(values);
                 let status = if sent.len() == 1 { 503 } else { 200 };
                 async move {
-                    // Each attempt takes 100 ms: the second starts with less left.
+                    // Each attempt takes 100 ms, 60 of them the server's own work: the second
+                    // starts with less left.
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    Ok::<_, std::io::Error>(Response::builder().status(status).body(()).unwrap())
+                    let response = Response::builder()
+                        .status(status)
+                        .header("server-timing", "backstop;dur=60")
+                        .body(())
+                        .unwrap();
+                    Ok::<_, std::io::Error>(response)
                 }
             })
         };
@@ -670,11 +744,11 @@ mod tests {
         assert_eq!(sent.len(), 2);
         // First attempt: 2 s minus the 50 ms floor (nothing observed yet).
         assert_eq!(sent[0], [Duration::from_millis(1950)]);
-        // Second: after 100 ms and a backoff, minus the margin learnt from the first attempt
-        // (2 x 100 ms + 5 ms).
+        // Second: after 100 ms and a backoff, minus the margin learnt from the first attempt's
+        // network share (2 x (100 - 60) ms + 5 ms).
         assert_eq!(sent[1].len(), 1, "{sent:?}");
         assert!(
-            sent[1][0] < Duration::from_millis(2000 - 100 - 205),
+            sent[1][0] < Duration::from_millis(2000 - 100 - 85),
             "{sent:?}"
         );
     }
@@ -723,7 +797,8 @@ mod tests {
         // The destination's tail is known (until it is, nothing is cut short).
         let psp = Destination::new("psp");
         for _ in 0..AttemptLimit::MIN_SAMPLES {
-            psp.margin().observe(Duration::from_millis(10));
+            psp.margin()
+                .observe_attempt(Duration::from_millis(10), None);
         }
         let started = Instant::now();
         let response = call(&psp).await.unwrap();
@@ -776,7 +851,8 @@ mod tests {
         let dest = Destination::new("psp");
         for _ in 0..HedgePolicy::MIN_SAMPLES.max(AttemptLimit::MIN_SAMPLES) {
             dest.latencies.record(Duration::from_millis(10));
-            dest.margin().observe(Duration::from_millis(10));
+            dest.margin()
+                .observe_attempt(Duration::from_millis(10), None);
         }
         let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
             .timeout(Duration::from_secs(4))
@@ -929,7 +1005,7 @@ mod tests {
                         .get::<RetryStopped>()
                         .map(|s| s.reason),
                 ),
-                Err(e) => stops.extend(e.downcast_ref::<RetryError>().map(|e| e.reason)),
+                Err(e) => stops.extend(e.reason()),
             }
             tokio::time::advance(Duration::from_millis(10)).await;
         }
@@ -1024,7 +1100,7 @@ mod tests {
                         .extensions()
                         .get::<RetryStopped>()
                         .map(|s| s.reason),
-                    Err(e) => e.downcast_ref::<RetryError>().map(|e| e.reason),
+                    Err(e) => e.reason(),
                 };
                 if reason == Some(StopReason::Throttled) {
                     throttled += 1;

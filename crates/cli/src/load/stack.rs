@@ -37,8 +37,8 @@ use http::{HeaderValue, Request, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
+use tower::ServiceExt;
 use tower::util::MapRequest;
-use tower::{Layer, ServiceExt};
 
 use super::logical::Logical;
 use super::report::{AttemptOutcome, AttemptRecord, LogicalRecord};

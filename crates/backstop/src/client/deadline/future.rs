@@ -5,11 +5,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
+use http::Response;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Timeout};
 use tower::BoxError;
 
-use crate::deadline::{Deadline, DeadlineExceeded, Margin};
+use crate::deadline::{Deadline, DeadlineExceeded, Margin, server_timing};
 
 pin_project! {
     /// The logical call, cut off at its deadline with [`DeadlineExceeded`] (unless a layer
@@ -66,7 +67,8 @@ where
 }
 
 pin_project! {
-    /// One attempt: its duration feeds the peer's margin; refused when no budget was left.
+    /// One attempt: its duration, less the server's own reported processing time, feeds the
+    /// peer's margin; refused when no budget was left.
     #[derive(Debug)]
     pub struct AttemptFuture<F> {
         #[pin]
@@ -101,12 +103,12 @@ impl<F> AttemptFuture<F> {
     }
 }
 
-impl<F, T, E> Future for AttemptFuture<F>
+impl<F, B, E> Future for AttemptFuture<F>
 where
-    F: Future<Output = Result<T, E>>,
+    F: Future<Output = Result<Response<B>, E>>,
     E: Into<BoxError>,
 {
-    type Output = Result<T, BoxError>;
+    type Output = Result<Response<B>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
@@ -117,8 +119,13 @@ where
                 margin,
             } => {
                 let result = ready!(future.poll(cx));
-                if let (Ok(_), Some(margin)) = (&result, margin) {
-                    margin.observe(started.elapsed());
+                if let (Ok(response), Some(margin)) = (&result, margin) {
+                    // Only the network's share: the time the server says it held the request
+                    // is its work, which the next call's budget must not be cut for. An
+                    // answer that does not say teaches nothing (the floor, or a configured
+                    // margin, stands).
+                    let held = server_timing::from_headers(response.headers());
+                    margin.observe_attempt(started.elapsed(), held);
                 }
                 Poll::Ready(result.map_err(Into::into))
             }

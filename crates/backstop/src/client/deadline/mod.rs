@@ -2,14 +2,24 @@
 //!
 //! Two services, on both sides of the retry layer:
 //!
-//! - [`SetDeadline`] (above retry) gives the logical call its one [`Deadline`]: the one the
-//!   caller put in the request's extensions (for a hop, the incoming request's deadline), else
-//!   `now + default timeout`. Every attempt, retry and hedge shares it, and the whole call is cut
-//!   off when it passes.
+//! - [`SetDeadline`] (above retry) gives the logical call its one [`Deadline`]: the earliest
+//!   of a `Deadline` the caller put in the request's extensions, the deadline the calling task
+//!   runs under ([`Deadline::current`]: inside a handler behind the server stack, the incoming
+//!   request's) and `now + the method's timeout` (which caps the others, as gRPC's service
+//!   config timeout does). So a handler that calls another service the natural way,
+//!   `client.oneshot(request)`, forwards what is left of its own budget; it never starts a
+//!   fresh one. Every attempt, retry and hedge shares that deadline, and the whole call is cut
+//!   off when it passes. Work that leaves the handler's task keeps the deadline with
+//!   [`deadline::carry`](crate::deadline::carry).
 //! - [`AttemptTimeout`] (below retry) sends each attempt with `grpc-timeout` = what is left of
-//!   that deadline minus the peer's [`Margin`] (`max(floor, 2 x RTT_p99 + 5 ms)`, learned from
-//!   the durations of this destination's attempts), so the server gives up before the client
-//!   does and its answer can still travel back. An attempt that would start with no more than
+//!   that deadline minus the peer's [`Margin`] (`2 x RTT_p99 + 5 ms` within the destination's
+//!   floor and ceiling), so the server gives up before the client does and its answer can
+//!   still travel back. The round trips are what the server did not spend: each attempt's
+//!   duration minus the processing time the server reports in
+//!   [`Server-Timing`](crate::deadline::server_timing) (backstop servers do). A server that
+//!   takes 300 ms therefore costs the next call's budget nothing; an answer without the header
+//!   teaches the margin nothing, and the destination's floor (or a margin fixed with
+//!   [`Destination::fixed_margin`](crate::client::Destination::fixed_margin)) stands. An attempt that would start with no more than
 //!   the margin left fails at once with
 //!   [`DeadlineExceeded`](crate::deadline::DeadlineExceeded) and is not sent.
 //!
@@ -77,13 +87,16 @@ where
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
         // Under a client stack serving several methods, the call's own method's timeout.
-        let default = match request.extensions().get::<Selected>() {
+        let timeout = match request.extensions().get::<Selected>() {
             Some(selected) => selected.0.timeout,
             None => self.default,
         };
-        let deadline = *request
-            .extensions_mut()
-            .get_or_insert_with(|| Deadline::after(default));
+        let deadline = call_deadline(
+            request.extensions().get::<Deadline>().copied(),
+            Deadline::current(),
+            timeout,
+        );
+        request.extensions_mut().insert(deadline);
         let future = self.inner.call(request);
         if self.timed {
             ResponseFuture::timed(future, deadline)
@@ -91,6 +104,20 @@ where
             ResponseFuture::untimed(future)
         }
     }
+}
+
+/// The deadline of a call: the earliest of the one the caller set on the request, the one the
+/// caller's task runs under (the request it is handling) and the method's timeout from now.
+/// As gRPC does, a method's timeout caps a longer deadline; nothing ever extends one.
+fn call_deadline(
+    explicit: Option<Deadline>,
+    inherited: Option<Deadline>,
+    timeout: Duration,
+) -> Deadline {
+    [explicit, inherited]
+        .into_iter()
+        .flatten()
+        .fold(Deadline::after(timeout), Ord::min)
 }
 
 /// Sends each attempt with the remaining budget minus the peer's margin, or not at all.
@@ -108,9 +135,9 @@ impl<S> AttemptTimeout<S> {
     }
 }
 
-impl<S, B> Service<Request<B>> for AttemptTimeout<S>
+impl<S, B, RB> Service<Request<B>> for AttemptTimeout<S>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>, Response = http::Response<RB>>,
     S::Error: Into<BoxError>,
 {
     type Response = S::Response;
@@ -170,18 +197,68 @@ mod tests {
             "a per-attempt budget must not be HPACK-indexed"
         );
         advance(40 * MS).await;
-        send.send_response(Response::new(()));
+        send.send_response(held_for(30));
         call.await.unwrap();
 
-        // The observed 40 ms attempt raises the margin to 2 x 40 + 5 = 85 ms.
-        assert_eq!(margin.current(), 85 * MS);
+        // The 40 ms attempt, 30 of them the server's own work, raises the margin to
+        // 2 x 10 + 5 = 25 ms.
+        assert_eq!(margin.current(), 25 * MS);
         let mut request = Request::new(());
         request.extensions_mut().insert(deadline);
         let call = svc.ready().await.unwrap().call(request);
         let (sent, send) = handle.next_request().await.unwrap();
         let budget =
             decode_grpc_timeout(sent.headers()[&GRPC_TIMEOUT_HEADER].to_str().unwrap()).unwrap();
-        assert_eq!(budget, (1000 - 40 - 85) * MS);
+        assert_eq!(budget, (1000 - 40 - 25) * MS);
+        send.send_response(Response::new(()));
+        call.await.unwrap();
+    }
+
+    /// An answer saying how long the server worked on it.
+    fn held_for(ms: u32) -> Response<()> {
+        let mut response = Response::new(());
+        response.headers_mut().insert(
+            &crate::deadline::server_timing::SERVER_TIMING,
+            crate::deadline::server_timing::header_value(ms * MS),
+        );
+        response
+    }
+
+    /// A backend that takes 300 ms per answer costs later calls nothing: the margin learns
+    /// the round trip, not the work. A peer that does not report its work teaches nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_server_does_not_shrink_the_next_calls_budget() {
+        let margin = Arc::new(Margin::new(5 * MS));
+        let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
+        let mut svc = AttemptTimeout::new(svc, margin.clone());
+        handle.allow(100);
+        for i in 0..40 {
+            let mut request = Request::new(());
+            request
+                .extensions_mut()
+                .insert(Deadline::after(Duration::from_millis(500)));
+            let call = svc.ready().await.unwrap().call(request);
+            let (_, send) = handle.next_request().await.unwrap();
+            advance(301 * MS).await;
+            // Half of them say how long they worked; the others say nothing.
+            send.send_response(if i % 2 == 0 {
+                held_for(300)
+            } else {
+                Response::new(())
+            });
+            call.await.unwrap();
+        }
+        assert_eq!(margin.current(), 7 * MS);
+
+        let mut request = Request::new(());
+        request
+            .extensions_mut()
+            .insert(Deadline::after(Duration::from_millis(500)));
+        let call = svc.ready().await.unwrap().call(request);
+        let (sent, send) = handle.next_request().await.unwrap();
+        let budget =
+            decode_grpc_timeout(sent.headers()[&GRPC_TIMEOUT_HEADER].to_str().unwrap()).unwrap();
+        assert_eq!(budget, 493 * MS, "a 500 ms budget minus 2 x 1 ms + 5 ms");
         send.send_response(Response::new(()));
         call.await.unwrap();
     }

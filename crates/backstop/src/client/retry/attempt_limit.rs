@@ -68,10 +68,9 @@ impl AttemptLimit {
     }
 
     /// How long an attempt starting with `remaining` of the call's budget is given, measured
-    /// against `margin`'s round trips.
+    /// against the p99 of `margin`'s whole attempt durations.
     pub(crate) fn limit_by(&self, margin: &Margin, remaining: Duration) -> Option<Duration> {
-        let known = margin.samples() >= Self::MIN_SAMPLES;
-        self.limit(known.then(|| margin.rtt_p99()), remaining)
+        self.limit(margin.attempt_p99(Self::MIN_SAMPLES), remaining)
     }
 }
 
@@ -135,10 +134,10 @@ mod tests {
         assert_eq!(limit.limit(None, 60 * S), None);
         let margin = Margin::new(MS);
         for _ in 1..AttemptLimit::MIN_SAMPLES {
-            margin.observe(3 * MS);
+            margin.observe_attempt(3 * MS, None);
         }
         assert_eq!(limit.limit_by(&margin, 10 * S), None);
-        margin.observe(3 * MS);
+        margin.observe_attempt(3 * MS, None);
         assert_eq!(limit.limit_by(&margin, 10 * S), Some(5 * S));
     }
 }

@@ -435,7 +435,7 @@ async fn a_call_clones_the_service_only_for_a_second_attempt() {
 fn measured() -> Arc<Margin> {
     let margin = Arc::new(Margin::new(MS));
     for _ in 0..AttemptLimit::MIN_SAMPLES {
-        margin.observe(MS);
+        margin.observe_attempt(MS, None);
     }
     margin
 }
@@ -485,7 +485,7 @@ async fn the_attempt_limit_leaves_a_destination_slow_for_the_deadline_alone() {
     for (p99, abandoned) in [(40 * MS, true), (60 * MS, false)] {
         let (svc, mut handle, margin) = limited(Idempotency::Safe, 3);
         for _ in 0..AttemptLimit::MIN_SAMPLES {
-            margin.observe(p99);
+            margin.observe_attempt(p99, None);
         }
         handle.allow(2);
         let started = Instant::now();

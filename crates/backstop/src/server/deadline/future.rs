@@ -9,6 +9,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep, sleep_until};
 
 use crate::deadline::Deadline;
+use crate::deadline::server_timing::{self, SERVER_TIMING};
 use crate::server::body::ResponseBody;
 use crate::server::problem::{Problem, Protocol};
 use crate::status::{Code, Status, problem};
@@ -29,7 +30,8 @@ pin_project! {
         Running {
             #[pin]
             inner: F,
-            deadline: Instant,
+            deadline: Deadline,
+            arrived: Instant,
             protocol: Protocol,
             // Made on the first poll that finds the inner future pending: a request answered
             // at once never touches the timer.
@@ -44,11 +46,17 @@ pin_project! {
 }
 
 impl<F, B> ResponseFuture<F, B> {
-    pub(super) fn running(inner: F, deadline: Deadline, protocol: Protocol) -> Self {
+    pub(super) fn running(
+        inner: F,
+        deadline: Deadline,
+        arrived: Instant,
+        protocol: Protocol,
+    ) -> Self {
         Self {
             kind: Kind::Running {
                 inner,
-                deadline: deadline.instant(),
+                deadline,
+                arrived,
                 protocol,
                 sleep: None,
             },
@@ -76,14 +84,21 @@ where
             KindProj::Running {
                 inner,
                 deadline,
+                arrived,
                 protocol,
                 mut sleep,
             } => {
-                if let Poll::Ready(result) = inner.poll(cx) {
-                    return Poll::Ready(result.map(|response| response.map(ResponseBody::inner)));
+                // The handler and every layer below see the request's deadline as
+                // `Deadline::current()`: a client call made there sends what is left of it.
+                if let Poll::Ready(result) = deadline.enter(|| inner.poll(cx)) {
+                    let arrived = *arrived;
+                    return Poll::Ready(result.map(|mut response| {
+                        stamp(&mut response, arrived);
+                        response.map(ResponseBody::inner)
+                    }));
                 }
                 if sleep.is_none() {
-                    sleep.set(Some(sleep_until(*deadline)));
+                    sleep.set(Some(sleep_until(deadline.instant())));
                 }
                 if let Some(sleep) = sleep.as_pin_mut() {
                     std::task::ready!(sleep.poll(cx));
@@ -91,9 +106,11 @@ where
                 // Drop the inner future now, before answering: its cleanup (an idempotency
                 // record marked failed, a gate permit returned) happens before the client
                 // can see the 504 and retry.
-                let protocol = *protocol;
+                let (protocol, arrived) = (*protocol, *arrived);
                 kind.set(Kind::Done);
-                Poll::Ready(Ok(deadline_exceeded(protocol)))
+                let mut response = deadline_exceeded(protocol);
+                stamp(&mut response, arrived);
+                Poll::Ready(Ok(response))
             }
             KindProj::Rejected { response } => match response.take() {
                 Some(response) => Poll::Ready(Ok(response)),
@@ -102,6 +119,25 @@ where
             KindProj::Done => panic!("ResponseFuture polled after completion"),
         }
     }
+}
+
+/// Says how long the server held the request, so the caller's margin can leave it out.
+/// The handler's own `Server-Timing` metrics are kept; a `backstop` entry from further in (an
+/// answer relayed from another backstop server) is replaced, since it timed another hop.
+fn stamp<B>(response: &mut Response<B>, arrived: Instant) {
+    let ours = server_timing::header_value(arrived.elapsed());
+    let headers = response.headers_mut();
+    if let http::header::Entry::Occupied(entry) = headers.entry(&SERVER_TIMING) {
+        let kept: Vec<_> = entry
+            .remove_entry_mult()
+            .1
+            .filter(|value| !server_timing::names_ours(value.as_bytes()))
+            .collect();
+        for value in kept {
+            headers.append(&SERVER_TIMING, value);
+        }
+    }
+    headers.append(&SERVER_TIMING, ours);
 }
 
 fn deadline_exceeded<B>(protocol: Protocol) -> Response<ResponseBody<B>> {

@@ -4,7 +4,15 @@
 //! callers send it too, as grpc-gateway does). [`DeadlineLayer`] converts it into an absolute
 //! [`Deadline`] on the local monotonic clock *in `call`*, before any other layer, so that queueing,
 //! authentication and decoding are paid out of the caller's budget. The deadline is
-//! stored as a request extension for the layers and the handler below.
+//! stored as a request extension for the layers and the handler below, and is the task's
+//! [`Deadline::current`] while they run: a handler that calls another service through the
+//! [client stack](crate::client::ClientStack) forwards what is left of it without a line of
+//! code (work it spawns keeps it with [`deadline::carry`](crate::deadline::carry)).
+//!
+//! Every answer says how long the server held the request, in
+//! `Server-Timing: backstop;dur=<ms>` ([`server_timing`](crate::deadline::server_timing)): the
+//! calling client subtracts it from the attempt's duration to learn the network's share of its
+//! margin, not the server's work.
 //!
 //! - no header: the method's [`MethodPolicy::timeout`](crate::policy::MethodPolicy::timeout)
 //!   when the layer has the methods' [policies](DeadlineLayer::policies), else a configured
@@ -36,6 +44,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
+use tokio::time::Instant;
 use tower_service::Service;
 
 use self::future::ResponseFuture;
@@ -110,9 +119,10 @@ where
         let protocol = Protocol::of(request.headers());
         match self.budget(&request) {
             Ok(budget) => {
-                let deadline = Deadline::after(budget);
+                let arrived = Instant::now();
+                let deadline = Deadline::after_at(arrived, budget);
                 request.extensions_mut().insert(deadline);
-                ResponseFuture::running(self.inner.call(request), deadline, protocol)
+                ResponseFuture::running(self.inner.call(request), deadline, arrived, protocol)
             }
             Err(status) => {
                 ResponseFuture::rejected(Problem::from_status(&status).into_response_for(protocol))

@@ -40,7 +40,12 @@
 //! # }
 //! ```
 
+pub mod server_timing;
+
 use crate::sample_window::SampleWindow;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -123,7 +128,11 @@ pub enum GrpcTimeoutError {
 impl Deadline {
     /// A deadline `budget` from now. A budget too large for the clock is clamped to about 30 years.
     pub fn after(budget: Duration) -> Self {
-        let now = Instant::now();
+        Self::after_at(Instant::now(), budget)
+    }
+
+    /// [`after`](Self::after) as of `now`.
+    pub fn after_at(now: Instant, budget: Duration) -> Self {
         let end = now.checked_add(budget).unwrap_or_else(|| now + FAR_FUTURE);
         Self { end }
     }
@@ -178,16 +187,31 @@ impl Deadline {
         })
     }
 
-    /// Runs `fut` with this deadline as the task's [`Deadline::current`]: code deep below (a
-    /// store waiting for a database connection) can bound its waits by the request's deadline
-    /// without every signature carrying it.
-    pub async fn scope<F: std::future::Future>(self, fut: F) -> F::Output {
-        CURRENT.scope(self, fut).await
+    /// Runs `fut` with this deadline as its [`Deadline::current`], wherever it is polled: code
+    /// deep below (a client call, a store waiting for a database connection) bounds its waits by
+    /// the request's deadline without every signature carrying it.
+    ///
+    /// The server stack already does this for every request's handler; call it for work that
+    /// starts from a deadline of its own (a job taken from a queue with the deadline it was
+    /// sent with). To hand the current deadline to a spawned task, see [`carry`].
+    pub fn scope<F: Future>(self, fut: F) -> Scoped<F> {
+        Scoped {
+            deadline: Some(self),
+            inner: fut,
+        }
     }
 
-    /// The deadline set by the innermost enclosing [`Deadline::scope`], if any.
+    /// The deadline of the request the current task works for: the one the server stack read
+    /// from the request being handled, or the innermost enclosing [`Deadline::scope`]. `None`
+    /// outside any (a background task, or one spawned without [`carry`]).
     pub fn current() -> Option<Deadline> {
         CURRENT.try_with(|d| *d).ok()
+    }
+
+    /// Runs `f` with this deadline as the current one: for a `poll` that scopes its inner
+    /// future without boxing it.
+    pub(crate) fn enter<R>(self, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self, f)
     }
 
     /// The remaining budget as a `grpc-timeout` value, or an error when nothing is left.
@@ -200,6 +224,70 @@ impl Deadline {
             });
         }
         Ok(encode_grpc_timeout(remaining))
+    }
+}
+
+/// Makes `fut` run under the current task's [`Deadline`] (if it has one) wherever it is
+/// polled: the one line that keeps the deadline when work leaves the request's task.
+///
+/// A spawned task does not inherit task-locals, so a client call made from it would otherwise
+/// start a fresh budget:
+///
+/// ```
+/// use std::time::Duration;
+/// use backstop::deadline::{self, Deadline};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// # let request_deadline = Deadline::after(Duration::from_millis(300));
+/// # request_deadline.scope(async {
+/// // In a handler, where the server stack set the request's deadline:
+/// let background = tokio::spawn(deadline::carry(async {
+///     // Calls made here send what is left of the request's budget.
+///     Deadline::current()
+/// }));
+/// assert_eq!(background.await.unwrap(), Deadline::current());
+///
+/// // Through a channel to a worker: send the deadline with the job, scope the work with it.
+/// let (jobs, mut queue) = tokio::sync::mpsc::channel::<(u32, Option<Deadline>)>(8);
+/// jobs.send((42, Deadline::current())).await.unwrap();
+/// let (job, deadline) = queue.recv().await.unwrap();
+/// let work = async move { (job, Deadline::current()) };
+/// let done = match deadline {
+///     Some(deadline) => deadline.scope(work).await,
+///     None => work.await,
+/// };
+/// assert_eq!(done.1, Some(request_deadline));
+/// # }).await;
+/// # }
+/// ```
+pub fn carry<F: Future>(fut: F) -> Scoped<F> {
+    Scoped {
+        deadline: Deadline::current(),
+        inner: fut,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A future run under a deadline: from [`Deadline::scope`] or [`carry`].
+    #[derive(Debug)]
+    #[must_use = "futures do nothing unless polled"]
+    pub struct Scoped<F> {
+        deadline: Option<Deadline>,
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: Future> Future for Scoped<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        match *this.deadline {
+            Some(deadline) => deadline.enter(|| this.inner.poll(cx)),
+            None => this.inner.poll(cx),
+        }
     }
 }
 
@@ -293,10 +381,10 @@ pub fn decode_grpc_timeout(value: &str) -> Result<Duration, GrpcTimeoutError> {
 /// It keeps a fixed ring of the most recent round-trip samples; `current()` takes the p99 of
 /// that window. Memory is fixed at construction.
 ///
-/// The margin never exceeds a ceiling ([`Margin::DEFAULT_CEILING`] unless set): a client that
-/// learns round trips from whole attempt durations also learns the server's own work, and a
-/// slow server would otherwise grow the margin past the call's whole budget, so that no attempt
-/// is ever sent. The ceiling is the longest way back worth keeping time for.
+/// The margin never exceeds a ceiling ([`Margin::DEFAULT_CEILING`] unless set): the longest
+/// way back worth keeping time for. The samples must be round trips, not whole call durations:
+/// the client stack feeds it each attempt's duration minus the processing time the server
+/// reports ([`server_timing`]), so a slow server does not grow it.
 ///
 /// ```
 /// use std::time::Duration;
@@ -313,6 +401,9 @@ pub struct Margin {
     floor: Duration,
     ceiling: Duration,
     window: SampleWindow,
+    /// Whole attempt durations, server work included: the peer's tail, which says when an
+    /// attempt has gone unanswered for too long (not what the way back needs).
+    attempts: SampleWindow,
 }
 
 impl Margin {
@@ -334,6 +425,7 @@ impl Margin {
             floor,
             ceiling: Self::DEFAULT_CEILING.max(floor),
             window: SampleWindow::new(window),
+            attempts: SampleWindow::new(window),
         }
     }
 
@@ -342,6 +434,16 @@ impl Margin {
     pub fn with_ceiling(mut self, ceiling: Duration) -> Self {
         self.ceiling = ceiling.max(self.floor);
         self
+    }
+
+    /// The smallest margin returned.
+    pub fn floor(&self) -> Duration {
+        self.floor
+    }
+
+    /// The largest margin returned.
+    pub fn ceiling(&self) -> Duration {
+        self.ceiling
     }
 
     /// Records one round-trip time to the peer.
@@ -358,6 +460,22 @@ impl Margin {
     /// How many round trips the window holds (at most its size).
     pub fn samples(&self) -> usize {
         self.window.len()
+    }
+
+    /// Records one answered attempt: `total` from send to answer, of which the peer says it
+    /// spent `held` on its own work (`None` when it does not say). The round trip is what the
+    /// peer did not spend; an attempt whose share is unknown records no round trip.
+    pub fn observe_attempt(&self, total: Duration, held: Option<Duration>) {
+        self.attempts.record(total);
+        if let Some(held) = held {
+            self.observe(total.saturating_sub(held));
+        }
+    }
+
+    /// Nearest-rank p99 of whole attempt durations (the peer's work included), once `min`
+    /// attempts were observed with [`observe_attempt`](Self::observe_attempt).
+    pub fn attempt_p99(&self, min: usize) -> Option<Duration> {
+        self.attempts.quantile(0.99, min.max(1))
     }
 
     /// The margin to keep: `2 x RTT_p99 + 5 ms`, within `[floor, ceiling]`.

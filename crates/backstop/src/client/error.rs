@@ -1,0 +1,287 @@
+//! [`Error`]: why a call through the client stack got no answer, in a form a handler can use.
+//!
+//! A call that ends on an answer from the peer (a 503 after three attempts, a 400 at once)
+//! returns that answer: the stack adds a [`RetryStopped`](super::retry::RetryStopped) extension
+//! saying why it sent no further attempt. A call that ends with no answer to show (its deadline
+//! passed, the peer could not be reached, the circuit is open, the retry budget or the storm
+//! alarm stopped it) fails with an [`Error`]: the [`Status`] to tell the caller, the
+//! [`StopReason`], the attempts sent and the last attempt's own status.
+//!
+//! A handler turns it into the right answer for its own caller in one step:
+//!
+//! | what happened | [`Error::status`] | HTTP (problem+json) | gRPC |
+//! |---|---|---|---|
+//! | the deadline passed, or too little of it was left to send | `DEADLINE_EXCEEDED`, `deadline_exceeded` | 504 | `DEADLINE_EXCEEDED` |
+//! | the circuit is open | `UNAVAILABLE`, `circuit_open` | 503 + `Retry-After` (when the breaker probes again) | `UNAVAILABLE` + `grpc-retry-pushback-ms` |
+//! | the peer is unreachable, or retries stopped on it (budget, storm, throttle, attempts) | `UNAVAILABLE`, `unavailable` | 503 + `Retry-After` | `UNAVAILABLE` + pushback |
+//!
+//! The `Retry-After` of a 503 is the peer's own pushback when its last answer gave one, the
+//! breaker's time to its next probe when the circuit is open, and otherwise
+//! [`Error::DEFAULT_RETRY_AFTER`]: an unreachable peer is not "retry at once".
+//!
+//! - with the `axum` feature, `Error` (like [`Status`] and
+//!   [`Problem`](crate::server::problem::Problem)) is an `axum::response::IntoResponse`, so a
+//!   handler returns `Result<_, backstop::client::Error>` and uses `?`;
+//! - with the `tonic` feature, `tonic::Status: From<Error>`, so a tonic method uses `?` too;
+//! - otherwise [`Error::status`] is the [`Status`] the server layers answer with
+//!   ([`Problem::from_status`](crate::server::problem::Problem::from_status)).
+//!
+//! ```
+//! use std::time::Duration;
+//! use backstop::client::{ClientStack, Destination, Error};
+//! use backstop::policy::{Idempotency, MethodPolicy};
+//! use backstop::retry::StopReason;
+//! use backstop::status::Code;
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Full;
+//! use tower::{ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! // A peer that never answers.
+//! let silent = service_fn(|_: Request<_>| async {
+//!     std::future::pending::<Result<Response<()>, std::io::Error>>().await
+//! });
+//! let policy = MethodPolicy::builder("Get", Idempotency::Safe)
+//!     .timeout(Duration::from_millis(300))
+//!     .build();
+//! let client = ClientStack::builder(&Destination::new("silent"), policy).build().unwrap().layer(silent);
+//!
+//! let request = Request::get("http://peer/v1/thing").body(Full::new(Bytes::new())).unwrap();
+//! let error: Error = client.oneshot(request).await.unwrap_err();
+//! assert_eq!(error.status().code(), Code::DeadlineExceeded);
+//! assert_eq!(error.status().http_status(), 504);
+//! assert_eq!(error.reason(), Some(StopReason::Deadline));
+//! # }
+//! ```
+
+use std::fmt;
+use std::time::Duration;
+
+use tower::BoxError;
+
+use super::classify::error_status;
+use crate::retry::{RetryError, StopReason};
+use crate::status::{Code, Status, problem};
+
+/// A call through the client stack that got no answer (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Error {
+    status: Status,
+    last: Status,
+    reason: Option<StopReason>,
+    attempts: u32,
+    source: BoxError,
+}
+
+impl Error {
+    /// The `Retry-After` of a 503 when nothing better is known: an unreachable peer is not
+    /// worth calling again at once.
+    pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+    /// Reads what a layer of the stack failed with.
+    pub fn from_box(error: BoxError) -> Self {
+        let error = match error.downcast::<Error>() {
+            Ok(error) => return *error,
+            Err(error) => error,
+        };
+        let (last, reason, attempts) = match error.downcast_ref::<RetryError>() {
+            Some(stopped) => (stopped.last.clone(), Some(stopped.reason), stopped.attempts),
+            // Refused before any attempt (no budget left to send one), or failed below the
+            // retry layer in a stack without one.
+            None => {
+                let status = error_status(&*error);
+                let refused = status.code() == Code::DeadlineExceeded
+                    || status.problem() == problem::CIRCUIT_OPEN;
+                (status, None, u32::from(!refused))
+            }
+        };
+        Self {
+            status: for_caller(&last),
+            last,
+            reason,
+            attempts,
+            source: error,
+        }
+    }
+
+    /// What to tell this call's own caller: 504 `DEADLINE_EXCEEDED` when its deadline is
+    /// gone, else 503 `UNAVAILABLE` with a `Retry-After` (see the [module docs](self)).
+    pub fn status(&self) -> &Status {
+        &self.status
+    }
+
+    /// The status of the last attempt as the stack read it (a transport error, an open
+    /// circuit, a refusal for lack of budget).
+    pub fn last(&self) -> &Status {
+        &self.last
+    }
+
+    /// Why no further attempt was sent, when the retry layer ran the call.
+    pub fn reason(&self) -> Option<StopReason> {
+        self.reason
+    }
+
+    /// Attempts sent, first included: 0 when none was (the deadline left no time for one, or
+    /// the circuit was open).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// Whether the call ran out of time: its deadline passed, or what was left could not
+    /// cover a round trip.
+    pub fn is_deadline(&self) -> bool {
+        self.status.code() == Code::DeadlineExceeded
+    }
+
+    /// Whether the destination's circuit breaker refused the call.
+    pub fn is_circuit_open(&self) -> bool {
+        self.reason == Some(StopReason::CircuitOpen) || self.last.problem() == problem::CIRCUIT_OPEN
+    }
+
+    /// The error as the layer below reported it.
+    pub fn into_source(self) -> BoxError {
+        self.source
+    }
+}
+
+/// The answer for the caller of a call whose last attempt ended in `last`.
+fn for_caller(last: &Status) -> Status {
+    if last.code() == Code::DeadlineExceeded {
+        return Status::new(
+            Code::DeadlineExceeded,
+            "the deadline passed before the service called answered",
+        )
+        .with_problem(problem::DEADLINE_EXCEEDED);
+    }
+    let retry_after = last
+        .pushback()
+        .filter(|wait| *wait != Duration::MAX)
+        .unwrap_or(Error::DEFAULT_RETRY_AFTER)
+        .max(Duration::from_secs(1));
+    let (problem, message) = if last.problem() == problem::CIRCUIT_OPEN {
+        (
+            problem::CIRCUIT_OPEN,
+            "the service called is failing; its circuit is open",
+        )
+    } else {
+        (
+            Code::Unavailable.problem(),
+            "the service called is unavailable",
+        )
+    };
+    Status::new(Code::Unavailable, message)
+        .with_problem(problem)
+        .with_pushback(retry_after)
+}
+
+impl From<BoxError> for Error {
+    fn from(error: BoxError) -> Self {
+        Self::from_box(error)
+    }
+}
+
+impl From<Error> for Status {
+    fn from(error: Error) -> Self {
+        error.status
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "call failed after {} attempt(s)", self.attempts)?;
+        if let Some(reason) = self.reason {
+            write!(f, ", stopped: {reason}")?;
+        }
+        write!(f, "; {}", self.last)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::breaker::CircuitOpen;
+    use crate::deadline::DeadlineExceeded;
+
+    fn boxed(e: impl std::error::Error + Send + Sync + 'static) -> BoxError {
+        Box::new(e)
+    }
+
+    #[test]
+    fn a_deadline_stop_is_a_504_for_the_caller() {
+        let stopped = RetryError {
+            last: Status::from(DeadlineExceeded::PASSED),
+            attempts: 2,
+            reason: StopReason::Deadline,
+        };
+        let error = Error::from_box(boxed(stopped));
+        assert!(error.is_deadline());
+        assert_eq!(error.status().http_status(), 504);
+        assert_eq!(error.status().problem(), problem::DEADLINE_EXCEEDED);
+        assert_eq!(
+            (error.attempts(), error.reason()),
+            (2, Some(StopReason::Deadline))
+        );
+    }
+
+    #[test]
+    fn a_call_refused_for_lack_of_budget_sent_nothing_and_is_a_504() {
+        let refused = DeadlineExceeded {
+            remaining: Duration::from_millis(3),
+            margin: Duration::from_millis(5),
+        };
+        let error = Error::from_box(boxed(refused));
+        assert_eq!(error.status().http_status(), 504);
+        assert_eq!(error.attempts(), 0);
+    }
+
+    #[test]
+    fn a_dead_peer_is_a_503_with_retry_after() {
+        let stopped = RetryError {
+            last: Status::new(Code::Unavailable, "transport error: connection refused"),
+            attempts: 3,
+            reason: StopReason::MaxAttempts,
+        };
+        let error = Error::from_box(boxed(stopped));
+        assert_eq!(error.status().http_status(), 503);
+        assert_eq!(error.status().pushback(), Some(Error::DEFAULT_RETRY_AFTER));
+        assert!(!error.is_circuit_open());
+        // The peer's own pushback wins, never below a second.
+        let stopped = RetryError {
+            last: Status::new(Code::Unavailable, "").with_pushback(Duration::from_secs(7)),
+            attempts: 1,
+            reason: StopReason::Pushback,
+        };
+        let error = Error::from_box(boxed(stopped));
+        assert_eq!(error.status().pushback(), Some(Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn an_open_circuit_says_when_it_probes_again() {
+        let open = CircuitOpen {
+            retry_in: Duration::from_secs(4),
+        };
+        let error = Error::from_box(boxed(open));
+        assert!(error.is_circuit_open());
+        assert_eq!(error.attempts(), 0);
+        assert_eq!(error.status().problem(), problem::CIRCUIT_OPEN);
+        assert_eq!(error.status().http_status(), 503);
+        assert_eq!(error.status().pushback(), Some(Duration::from_secs(4)));
+    }
+
+    #[test]
+    fn an_error_read_twice_is_the_same_error() {
+        let first = Error::from_box(boxed(CircuitOpen {
+            retry_in: Duration::from_secs(2),
+        }));
+        let again = Error::from_box(Box::new(first));
+        assert!(again.is_circuit_open());
+    }
+}
