@@ -530,6 +530,30 @@ impl fmt::Display for Status {
 
 impl std::error::Error for Status {}
 
+/// A tonic method answers a [`Status`] with its code, message and pushback
+/// (`grpc-retry-pushback-ms`, or `-1` for "do not retry").
+#[cfg(feature = "tonic")]
+impl From<Status> for tonic::Status {
+    fn from(status: Status) -> Self {
+        let mut answer = tonic::Status::new(
+            tonic::Code::from_i32(status.code().as_i32()),
+            status.message().to_owned(),
+        );
+        let pushback = if status.no_retry() {
+            Some(tonic::metadata::MetadataValue::from_static("-1"))
+        } else {
+            status.pushback().map(|wait| {
+                let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1);
+                tonic::metadata::MetadataValue::from(ms)
+            })
+        };
+        if let Some(value) = pushback {
+            answer.metadata_mut().insert(GRPC_RETRY_PUSHBACK_MS, value);
+        }
+        answer
+    }
+}
+
 impl From<DeadlineExceeded> for Status {
     fn from(e: DeadlineExceeded) -> Self {
         Status::new(Code::DeadlineExceeded, e.to_string()).with_problem(problem::DEADLINE_EXCEEDED)

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-const EXAMPLES: [&str; 4] = [
+const EXAMPLES: [&str; 5] = [
+    "two_hop",
     "axum_server",
     "tonic_server",
     "tonic_client",
@@ -131,6 +132,22 @@ async fn hyper_client() {
         &[
             "caller got: 201 Created",
             "previous_attempts: Some(\"1\")",
+            "ok: ",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn two_hop() {
+    run(
+        "two_hop",
+        &[
+            "504 Gateway Timeout \"deadline_exceeded\"",
+            "201 Created replayed=true; backend ran 2 charges",
+            "503 Service Unavailable \"unavailable\" Retry-After: Some(",
+            "caller gave 500 ms: 201 Created",
+            "gRPC caller gave 100 ms: DeadlineExceeded",
             "ok: ",
         ],
     )

@@ -7,6 +7,10 @@
 //! alarm stopped it) fails with an [`Error`]: the [`Status`] to tell the caller, the
 //! [`StopReason`], the attempts sent and the last attempt's own status.
 //!
+//! A handler that must turn a peer's refusal into an answer of its own (a tonic method; an
+//! HTTP handler may relay the answer as it is) reads it as an `Error` too, with
+//! [`Error::for_status`].
+//!
 //! A handler turns it into the right answer for its own caller in one step:
 //!
 //! | what happened | [`Error::status`] | HTTP (problem+json) | gRPC |
@@ -14,6 +18,7 @@
 //! | the deadline passed, or too little of it was left to send | `DEADLINE_EXCEEDED`, `deadline_exceeded` | 504 | `DEADLINE_EXCEEDED` |
 //! | the circuit is open | `UNAVAILABLE`, `circuit_open` | 503 + `Retry-After` (when the breaker probes again) | `UNAVAILABLE` + `grpc-retry-pushback-ms` |
 //! | the peer is unreachable, or retries stopped on it (budget, storm, throttle, attempts) | `UNAVAILABLE`, `unavailable` | 503 + `Retry-After` | `UNAVAILABLE` + pushback |
+//! | the peer answered another refusal ([`Error::for_status`]) | the peer's | the peer's | the peer's |
 //!
 //! The `Retry-After` of a 503 is the peer's own pushback when its last answer gave one, the
 //! breaker's time to its next probe when the circuit is open, and otherwise
@@ -61,7 +66,10 @@ use std::time::Duration;
 
 use tower::BoxError;
 
-use super::classify::error_status;
+use http::Response;
+
+use super::classify::{classify_head, error_status};
+use super::retry::RetryStopped;
 use crate::retry::{RetryError, StopReason};
 use crate::status::{Code, Status, problem};
 
@@ -106,6 +114,35 @@ impl Error {
         }
     }
 
+    /// The answer itself when it is a success, else the failure it reports as an [`Error`]
+    /// (how many attempts the stack sent and why it stopped, from the answer's
+    /// [`RetryStopped`]): for a handler that must turn a peer's refusal into a status of its
+    /// own, as a tonic method does, where an HTTP handler might relay the answer as it is.
+    ///
+    /// ```
+    /// use backstop::client::Error;
+    /// use http::Response;
+    ///
+    /// let refused = Response::builder().status(503).header("retry-after", "4").body(()).unwrap();
+    /// let error = Error::for_status(refused).unwrap_err();
+    /// assert_eq!(error.status().http_status(), 503);
+    /// assert_eq!(error.status().pushback(), Some(std::time::Duration::from_secs(4)));
+    /// assert!(Error::for_status(Response::new(())).is_ok());
+    /// ```
+    pub fn for_status<B>(response: Response<B>) -> Result<Response<B>, Error> {
+        let Some(last) = classify_head(response.status(), response.headers()) else {
+            return Ok(response);
+        };
+        let stopped = response.extensions().get::<RetryStopped>().copied();
+        Err(Self {
+            status: for_caller(&last),
+            source: Box::new(last.clone()),
+            last,
+            reason: stopped.map(|s| s.reason),
+            attempts: stopped.map_or(1, |s| s.attempts),
+        })
+    }
+
     /// What to tell this call's own caller: 504 `DEADLINE_EXCEEDED` when its deadline is
     /// gone, else 503 `UNAVAILABLE` with a `Retry-After` (see the [module docs](self)).
     pub fn status(&self) -> &Status {
@@ -146,8 +183,13 @@ impl Error {
     }
 }
 
-/// The answer for the caller of a call whose last attempt ended in `last`.
+/// The answer for the caller of a call whose last attempt ended in `last`: a timeout is this
+/// hop's timeout too, an unavailable peer makes this hop unavailable (with a `Retry-After`),
+/// and any other refusal the peer answered is passed on as it is.
 fn for_caller(last: &Status) -> Status {
+    if !matches!(last.code(), Code::DeadlineExceeded | Code::Unavailable) {
+        return last.clone();
+    }
     if last.code() == Code::DeadlineExceeded {
         return Status::new(
             Code::DeadlineExceeded,
@@ -185,6 +227,23 @@ impl From<BoxError> for Error {
 impl From<Error> for Status {
     fn from(error: Error) -> Self {
         error.status
+    }
+}
+
+/// An axum handler returns the error as the answer its own caller should get (see the
+/// [module docs](self)).
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for Error {
+    fn into_response(self) -> axum_core::response::Response {
+        self.status.into_response()
+    }
+}
+
+/// A tonic method answers the error as the status its own caller should get.
+#[cfg(feature = "tonic")]
+impl From<Error> for tonic::Status {
+    fn from(error: Error) -> Self {
+        error.status.into()
     }
 }
 

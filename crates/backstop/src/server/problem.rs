@@ -14,7 +14,7 @@
 //! let status = Status::new(Code::Unavailable, "server at capacity")
 //!     .with_problem("overloaded")
 //!     .with_pushback(Duration::from_millis(1500));
-//! let response: http::Response<bytes::Bytes> = Problem::from_status(&status).into_response();
+//! let response: http::Response<bytes::Bytes> = Problem::from_status(&status).into_http_response();
 //! assert_eq!(response.status(), 503);
 //! assert_eq!(response.headers()["retry-after"], "2");
 //! assert_eq!(response.headers()["content-type"], "application/problem+json");
@@ -314,7 +314,7 @@ impl Problem {
     /// Any body type made from bytes will do: `axum::body::Body`, `Full<Bytes>`, or, as the
     /// server layers answer, [`ResponseBody<B>`](super::body::ResponseBody) for any inner
     /// body `B`.
-    pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
+    pub fn into_http_response<B: From<Bytes>>(self) -> Response<B> {
         let body = self.to_json();
         let mut response = Response::new(B::from(body));
         // Carried to the metrics layer: an HTTP status alone cannot tell a 409 conflict from a
@@ -334,11 +334,11 @@ impl Problem {
 }
 
 impl Problem {
-    /// The answer in the request's protocol: [`Problem::into_response`] for HTTP,
+    /// The answer in the request's protocol: [`Problem::into_http_response`] for HTTP,
     /// [`Problem::into_grpc_response`] for gRPC.
     pub fn into_response_for<B: From<Bytes>>(self, protocol: Protocol) -> Response<B> {
         match protocol {
-            Protocol::Http => self.into_response(),
+            Protocol::Http => self.into_http_response(),
             Protocol::Grpc => self.into_grpc_response(),
         }
     }
@@ -392,6 +392,23 @@ fn pushback_ms(wait: Duration) -> u64 {
     u64::try_from(ms).unwrap_or(u64::MAX).max(1)
 }
 
+/// An axum handler returns a `Problem` (or `Result<_, Problem>`) as it is.
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for Problem {
+    fn into_response(self) -> axum_core::response::Response {
+        self.into_http_response()
+    }
+}
+
+/// An axum handler returns a [`Status`] as its problem+json answer, with `Retry-After` when it
+/// carries pushback.
+#[cfg(feature = "axum")]
+impl axum_core::response::IntoResponse for Status {
+    fn into_response(self) -> axum_core::response::Response {
+        Problem::from_status(&self).into_http_response()
+    }
+}
+
 impl From<&Status> for Problem {
     fn from(status: &Status) -> Self {
         Self::from_status(status)
@@ -413,7 +430,7 @@ mod tests {
             Problem::new(StatusCode::CONFLICT, "idempotency_key_reused")
                 .detail("the key was used with other parameters")
                 .with("fingerprint_prefix", "0a1b2c3d")
-                .into_response();
+                .into_http_response();
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[header::CONTENT_TYPE], CONTENT_TYPE);
         assert!(response.headers().get(header::RETRY_AFTER).is_none());
@@ -429,7 +446,7 @@ mod tests {
     #[test]
     fn conflicts_are_fatal_and_in_progress_is_retryable() {
         let outcome = |p: Problem| {
-            let response: Response<Bytes> = p.into_response();
+            let response: Response<Bytes> = p.into_http_response();
             *response.extensions().get::<Outcome>().unwrap()
         };
         // Same order with another key, key reused: conflicts, retrying cannot help.
@@ -463,7 +480,7 @@ mod tests {
         let status = Status::new(Code::ResourceExhausted, "tenant over quota")
             .with_problem("rate_limited")
             .with_pushback(Duration::from_millis(10));
-        let response: Response<Bytes> = Problem::from_status(&status).into_response();
+        let response: Response<Bytes> = Problem::from_status(&status).into_http_response();
         assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
         // Never "Retry-After: 0": at least one second.
         assert_eq!(response.headers()[header::RETRY_AFTER], "1");
@@ -479,7 +496,7 @@ mod tests {
         assert!(status.no_retry());
         let grpc: Response<Bytes> = Problem::from_status(&status).into_grpc_response();
         assert_eq!(grpc.headers()[GRPC_PUSHBACK], "-1");
-        let http: Response<Bytes> = Problem::from_status(&status).into_response();
+        let http: Response<Bytes> = Problem::from_status(&status).into_http_response();
         assert_eq!(http.headers()[header::RETRY_AFTER], "45");
         // The client reads a negative pushback as "do not retry".
         #[cfg(feature = "client")]
@@ -498,7 +515,7 @@ mod tests {
         let response: Response<Bytes> = Problem::new(StatusCode::BAD_REQUEST, "invalid_body")
             .with("status", 200)
             .with("code", "ok")
-            .into_response();
+            .into_http_response();
         let doc = json(&response);
         assert_eq!(doc["status"], 400);
         assert_eq!(doc["code"], "invalid_body");

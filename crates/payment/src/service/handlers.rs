@@ -84,7 +84,7 @@ fn created(intent: &Intent) -> Response {
 }
 
 fn problem(p: Problem) -> Response {
-    p.into_response::<Body>()
+    p.into_http_response::<Body>()
 }
 
 /// 504 with `"status": "unknown"` and `Retry-After`: the charge may or may not have happened.

@@ -89,7 +89,7 @@ where
                 code,
             )
             .detail(detail)
-            .into_response()))),
+            .into_http_response()))),
             None => Either::Right(self.inner.call(request)),
         }
     }

@@ -727,7 +727,7 @@ fn bad_request<B: From<Bytes>>(
 fn too_large<B: From<Bytes>>(max: usize) -> Response<B> {
     Problem::new(StatusCode::PAYLOAD_TOO_LARGE, problem::BODY_TOO_LARGE)
         .detail(format!("the request body exceeds {max} bytes"))
-        .into_response()
+        .into_http_response()
 }
 
 fn deadline_exceeded<B: From<Bytes>>(protocol: Protocol) -> Response<B> {

@@ -95,7 +95,7 @@ fn conflict_is_fatal_and_in_progress_is_retryable() {
         let (_, m) = with_metrics(|| async move {
             let svc = layer().layer(service_fn(move |_req: Request<Bytes>| {
                 let problem = problem.clone();
-                async move { Ok::<_, Infallible>(problem.into_response::<Bytes>()) }
+                async move { Ok::<_, Infallible>(problem.into_http_response::<Bytes>()) }
             }));
             svc.oneshot(request(Method::POST, "/v1/payments"))
                 .await
