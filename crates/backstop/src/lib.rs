@@ -12,7 +12,10 @@
 //! - The deadline is absolute on the receiver's monotonic clock, carried on the wire as the
 //!   remaining budget (`grpc-timeout`, for HTTP too), and every hop forwards a
 //!   [`child`](deadline::Deadline::child) that leaves a margin for the way back. All attempts
-//!   share it: a retry never extends it.
+//!   share it: a retry never extends it. The server stack runs each handler under its
+//!   request's deadline ([`Deadline::current`]) and the client stack sends what is left of it,
+//!   so a handler that calls another service the natural way forwards a shrinking budget
+//!   without a line of code (`examples/two_hop.rs`).
 //! - Retries are bounded by a [`RetryBudget`](retry::RetryBudget) (a ratio of logical
 //!   requests), not only by a count per call, so a failing dependency sees at most
 //!   `1 + ratio` times its normal load; every stop carries a reason.
@@ -102,6 +105,10 @@
 //!   `traceparent`, so one trace crosses every hop. The application installs the
 //!   `tracing-opentelemetry` layer and an exporter; without them the spans cost what any
 //!   disabled `tracing` span costs.
+//! - `axum`: `axum::response::IntoResponse` for [`Status`], the server's `Problem` and the
+//!   client's `Error`, so an axum handler returns them, or uses `?` on a client call.
+//! - `tonic`: `tonic::Status` from [`Status`] and the client's `Error`, for `?` in a tonic
+//!   method.
 //! - `conformance`: the suite every store runs (`idempotency::conformance` and the
 //!   `store_conformance!` macro), for testing a store of one's own against the same cases.
 //!

@@ -31,7 +31,8 @@ pin_project! {
             #[pin]
             inner: F,
             deadline: Deadline,
-            arrived: Instant,
+            // When the request arrived, if answers say how long the server held them.
+            arrived: Option<Instant>,
             protocol: Protocol,
             // Made on the first poll that finds the inner future pending: a request answered
             // at once never touches the timer.
@@ -49,7 +50,7 @@ impl<F, B> ResponseFuture<F, B> {
     pub(super) fn running(
         inner: F,
         deadline: Deadline,
-        arrived: Instant,
+        arrived: Option<Instant>,
         protocol: Protocol,
     ) -> Self {
         Self {
@@ -123,9 +124,9 @@ where
 
 /// Says how long the server held the request, so the caller's margin can leave it out.
 /// The handler's own `Server-Timing` metrics are kept; a `backstop` entry from further in (an
-/// answer relayed from another backstop server) is replaced, since it timed another hop.
-fn stamp<B>(response: &mut Response<B>, arrived: Instant) {
-    let ours = server_timing::header_value(arrived.elapsed());
+/// answer relayed from another backstop server) is dropped, since it timed another hop, even
+/// when this server does not say its own time.
+fn stamp<B>(response: &mut Response<B>, arrived: Option<Instant>) {
     let headers = response.headers_mut();
     if let http::header::Entry::Occupied(entry) = headers.entry(&SERVER_TIMING) {
         let kept: Vec<_> = entry
@@ -137,7 +138,12 @@ fn stamp<B>(response: &mut Response<B>, arrived: Instant) {
             headers.append(&SERVER_TIMING, value);
         }
     }
-    headers.append(&SERVER_TIMING, ours);
+    if let Some(arrived) = arrived {
+        headers.append(
+            &SERVER_TIMING,
+            server_timing::header_value(arrived.elapsed()),
+        );
+    }
 }
 
 fn deadline_exceeded<B>(protocol: Protocol) -> Response<ResponseBody<B>> {

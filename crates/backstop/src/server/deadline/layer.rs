@@ -15,6 +15,7 @@ pub struct DeadlineLayer {
     default: Duration,
     max: Duration,
     policies: Option<PolicyLookup>,
+    server_timing: bool,
 }
 
 impl DeadlineLayer {
@@ -25,6 +26,7 @@ impl DeadlineLayer {
             default,
             max: DEFAULT_MAX_TIMEOUT,
             policies: None,
+            server_timing: true,
         }
     }
 
@@ -55,6 +57,15 @@ impl DeadlineLayer {
         self
     }
 
+    /// Whether answers say how long the server held them (`Server-Timing: backstop;dur=..`,
+    /// on by default): the calling client stack learns its margin from the rest of the
+    /// attempt's time. Turn it off for callers that must not learn processing times (its
+    /// clients then keep their margin floor, or a margin they fix).
+    pub fn server_timing(mut self, on: bool) -> Self {
+        self.server_timing = on;
+        self
+    }
+
     /// The budget of a request without `grpc-timeout` whose method no
     /// [policies](Self::policies) name.
     pub fn default_timeout(&self) -> Duration {
@@ -80,6 +91,7 @@ impl<S> Layer<S> for DeadlineLayer {
     fn layer(&self, inner: S) -> Self::Service {
         let mut service = DeadlineService::new(inner, self.default, self.max);
         service.policies = self.policies.clone();
+        service.server_timing = self.server_timing;
         service
     }
 }

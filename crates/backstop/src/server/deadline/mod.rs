@@ -69,6 +69,7 @@ pub struct DeadlineService<S> {
     default: Duration,
     max: Duration,
     policies: Option<crate::server::select::PolicyLookup>,
+    server_timing: bool,
 }
 
 impl<S> DeadlineService<S> {
@@ -79,6 +80,7 @@ impl<S> DeadlineService<S> {
             default: default.min(max),
             max,
             policies: None,
+            server_timing: true,
         }
     }
 
@@ -122,7 +124,8 @@ where
                 let arrived = Instant::now();
                 let deadline = Deadline::after_at(arrived, budget);
                 request.extensions_mut().insert(deadline);
-                ResponseFuture::running(self.inner.call(request), deadline, arrived, protocol)
+                let stamp = self.server_timing.then_some(arrived);
+                ResponseFuture::running(self.inner.call(request), deadline, stamp, protocol)
             }
             Err(status) => {
                 ResponseFuture::rejected(Problem::from_status(&status).into_response_for(protocol))

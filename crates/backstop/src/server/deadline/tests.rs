@@ -257,3 +257,67 @@ async fn absent_header_gets_the_methods_timeout_from_the_policies() {
     // ...and never over what the caller sent.
     assert_eq!(budget("/v1/payments", Some("250m")).await, "250");
 }
+
+/// The handler runs under the request's deadline, keyed or not, and across its awaits: a
+/// client call deep inside it finds the budget without being handed it.
+#[tokio::test(start_paused = true)]
+async fn the_handler_runs_under_the_requests_deadline() {
+    let svc = DeadlineLayer::default().layer(service_fn(|req: Request<Bytes>| async move {
+        let set = *req.extensions().get::<Deadline>().unwrap();
+        sleep(Duration::from_millis(40)).await;
+        assert_eq!(Deadline::current(), Some(set));
+        let ms = Deadline::current().unwrap().remaining().as_millis();
+        Ok::<_, Infallible>(Response::new(Bytes::from(ms.to_string())))
+    }));
+    let res = flat(svc.oneshot(request(Some("250m"))).await.unwrap());
+    assert_eq!(res.body(), "210");
+    assert_eq!(Deadline::current(), None, "the scope ends with the request");
+}
+
+/// Every answer, a 504 too, says how long the server held the request, unless turned off.
+#[tokio::test(start_paused = true)]
+async fn answers_say_how_long_the_server_held_them() {
+    use crate::deadline::server_timing::{SERVER_TIMING, from_headers};
+    let slow = || {
+        service_fn(|_: Request<Bytes>| async {
+            sleep(Duration::from_millis(30)).await;
+            let mut res = Response::new(Bytes::new());
+            // The handler's own metric is kept; a relayed `backstop` entry is replaced.
+            res.headers_mut()
+                .append(&SERVER_TIMING, "db;dur=12".parse().unwrap());
+            res.headers_mut()
+                .append(&SERVER_TIMING, "backstop;dur=9000".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        })
+    };
+    let res = flat(
+        DeadlineLayer::default()
+            .layer(slow())
+            .oneshot(request(None))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(from_headers(res.headers()), Some(Duration::from_millis(30)));
+    let values: Vec<_> = res.headers().get_all(&SERVER_TIMING).iter().collect();
+    assert_eq!(values.len(), 2);
+    assert_eq!(values[0], "db;dur=12");
+
+    let late = flat(
+        DeadlineLayer::default()
+            .layer(slow())
+            .oneshot(request(Some("10m")))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(late.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(
+        from_headers(late.headers()),
+        Some(Duration::from_millis(10))
+    );
+
+    let off = DeadlineLayer::default().server_timing(false).layer(slow());
+    let res = flat(off.oneshot(request(None)).await.unwrap());
+    assert_eq!(from_headers(res.headers()), None);
+    let values: Vec<_> = res.headers().get_all(&SERVER_TIMING).iter().collect();
+    assert_eq!(values, ["db;dur=12"]);
+}
