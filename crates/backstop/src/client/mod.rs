@@ -106,4 +106,6 @@ pub mod transparent;
 
 pub use self::observer::AttemptObserver;
 pub use self::select::SelectMethod;
-pub use self::stack::{ClientService, ClientStack, ClientStackBuilder, Destination, StackError};
+pub use self::stack::{
+    ClientService, ClientStack, ClientStackBuilder, Destination, StackError, Throttling,
+};

@@ -107,6 +107,7 @@ pub struct MethodPolicy {
     backoff: Backoff,
     hedging: bool,
     min_hedge_delay: Duration,
+    hedge_delay: Option<Duration>,
     key_ttl: Option<Duration>,
     rate_class: String,
     buffer_body: bool,
@@ -200,6 +201,7 @@ impl MethodPolicy {
                 backoff: Backoff::default(),
                 hedging: false,
                 min_hedge_delay: Duration::ZERO,
+                hedge_delay: None,
                 key_ttl: None,
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
                 buffer_body: false,
@@ -263,6 +265,12 @@ impl MethodPolicy {
     /// The earliest a hedge is sent, whatever the destination's p95 says.
     pub fn min_hedge_delay(&self) -> Duration {
         self.min_hedge_delay
+    }
+
+    /// The fixed delay after which a slow attempt is hedged (a gRPC `hedgingDelay`), or
+    /// `None` to hedge at the destination's rolling p95.
+    pub fn hedge_delay(&self) -> Option<Duration> {
+        self.hedge_delay
     }
 
     /// How long idempotency keys are kept.
@@ -360,9 +368,16 @@ impl MethodPolicyBuilder {
         self
     }
 
-    /// Never hedges sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
+    /// Never hedges sooner than `delay`, whatever the p95.
     pub fn min_hedge_delay(mut self, delay: Duration) -> Self {
         self.policy.min_hedge_delay = delay;
+        self
+    }
+
+    /// Hedges a slow attempt after exactly `delay` (a gRPC `hedgingDelay`) instead of at the
+    /// destination's rolling p95: from the first call, without waiting for latency samples.
+    pub fn hedge_delay(mut self, delay: Duration) -> Self {
+        self.policy.hedge_delay = Some(delay);
         self
     }
 

@@ -248,6 +248,8 @@ impl fmt::Display for MethodPolicies {
                 };
                 let hedging = if !c.hedging {
                     "no".to_owned()
+                } else if let Some(delay) = c.hedge_delay {
+                    format!("={}", human(delay))
                 } else if c.min_hedge_delay.is_zero() {
                     "p95".to_owned()
                 } else {

@@ -18,6 +18,28 @@
 //! A request whose body cannot be replayed (over the cap) is not hedged. Only the answers of
 //! successful attempts feed the latency window, so failures do not lower the hedge delay.
 //!
+//! # When the hedge is sent
+//!
+//! By default at the destination's rolling p95 ([`HedgePolicy::new`]), which has to be
+//! measured first: until [`HedgePolicy::MIN_SAMPLES`] successful answers are in the window no
+//! attempt is hedged, so a fresh client (or a destination with little traffic) runs unhedged
+//! for its first calls. [`HedgePolicy::min_delay`] puts a floor under the p95. A fixed delay
+//! ([`HedgePolicy::fixed_delay`], a gRPC `hedgingDelay` read from a
+//! [service config](crate::client::service_config)) is the delay itself: the hedge goes out
+//! exactly that long after its attempt, from the first call on, whatever the p95.
+//!
+//! # Keyed hedges and a shared store
+//!
+//! The hedge of a `Keyed` call carries the same idempotency key, so when the server's
+//! instances share one idempotency store it finds the first attempt's claim and waits on it
+//! (for the first attempt's answer, or for its lease to lapse) instead of running the handler
+//! again. That is what makes it safe, and it is also its limit: such a hedge only helps when
+//! the first attempt is slow before it claims the key (a slow connection, a queue, a stalled
+//! instance that never got to the claim). A tail that starts after the claim (a slow database
+//! write, a slow downstream call inside the handler) holds the claim for as long as it lasts,
+//! and the hedge waits it out with it. `Safe` methods, which need no claim, are hedged for the
+//! whole of their latency.
+//!
 //! The hedge's request carries a [`Hedged`] extension. Its `grpc-previous-rpc-attempts` is one
 //! above the attempt it races, the value the next retry would carry too, so a service below
 //! the stack that observes what is sent (a recording transport) needs the marker to tell the

@@ -251,3 +251,64 @@ async fn hedges_leave_half_the_burst_to_retries() {
     assert_eq!(sent.load(Ordering::SeqCst), 5 + 3);
     assert!(budget.available() >= 2.0, "{}", budget.available());
 }
+
+/// A fixed delay (a gRPC `hedgingDelay`) is the delay: the hedge goes out after exactly that
+/// long, from the first call (no latency samples needed) and whatever the p95 says.
+#[tokio::test(start_paused = true)]
+async fn a_fixed_delay_hedges_after_exactly_that_delay() {
+    for policy in [
+        HedgePolicy::new(RetryBudget::new(0.1, 5).unwrap(), "psp", "GetCharge"),
+        // p95 = 100 ms and a 300 ms floor: both ignored.
+        warmed(&RetryBudget::new(0.1, 5).unwrap()).min_delay(300 * MS),
+    ] {
+        let policy = policy.fixed_delay(Some(30 * MS));
+        assert_eq!(policy.delay(), Some(30 * MS));
+        assert_eq!(policy.min_hedge_delay(), 30 * MS);
+        let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let svc = {
+            let sent = sent.clone();
+            tower::service_fn(move |_r: Request<Body>| {
+                let first = {
+                    let mut sent = sent.lock().unwrap();
+                    sent.push(Instant::now());
+                    sent.len() == 1
+                };
+                async move {
+                    if first {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    Ok::<_, BoxError>(Response::new("ok"))
+                }
+            })
+        };
+        let start = Instant::now();
+        Hedge::new(svc, policy)
+            .oneshot(request(&HedgeAllowance::default()))
+            .await
+            .unwrap();
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent.len(), 2);
+        assert_eq!(sent[1] - sent[0], 30 * MS);
+        assert_eq!(start.elapsed(), 30 * MS);
+    }
+}
+
+/// With gRPC's retry throttling, no hedge is sent once failures have taken half its tokens,
+/// and a hedge takes none of them.
+#[tokio::test(start_paused = true)]
+async fn no_hedge_while_the_grpc_throttle_is_at_half() {
+    use crate::retry::RetryThrottle;
+
+    let throttle = RetryThrottle::new(4, 0.5).unwrap();
+    let policy = HedgePolicy::new(RetryBudget::unlimited(), "psp", "GetCharge")
+        .fixed_delay(Some(10 * MS))
+        .retry_throttle(Some(throttle.clone()));
+    let now = Instant::now();
+    assert!(policy.try_hedge_at(now));
+    assert_eq!(throttle.tokens(), 4.0, "a hedge takes no token");
+    assert!(throttle.record_failure());
+    assert!(!throttle.record_failure(), "2 of 4 left");
+    assert!(!policy.try_hedge_at(now));
+    throttle.record_success();
+    assert!(policy.try_hedge_at(now));
+}
