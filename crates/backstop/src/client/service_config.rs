@@ -13,7 +13,7 @@
 //! | `initialBackoff`, `maxBackoff`, `backoffMultiplier` | [`Backoff`] base, cap and multiplier, full jitter (gRPC's own) |
 //! | `retryableStatusCodes` (names or numbers) | [`MethodPolicy::retryable`] |
 //! | `hedgingPolicy.hedgingDelay` | [`MethodPolicy::hedge_delay`]: a slow attempt is hedged after exactly this delay (`0s` when absent), from the first call, not at the p95 |
-//! | `hedgingPolicy.maxAttempts` | must be 2: backstop sends one hedge per call at most, and refuses a config asking for more (see [`HedgeSpec`]) |
+//! | `hedgingPolicy.maxAttempts` (values above 5 are read as 5, as gRPC does) | [`MethodPolicy::max_hedges`], one less: up to that many hedges, each `hedgingDelay` after the one before, while no final answer has come, each paid for from the budget or held back by the retry throttling (see [`HedgeSpec`]) |
 //! | `retryThrottling {maxTokens, tokenRatio}` | gRPC's token bucket, [`RetryThrottle`] from [`ServiceConfig::retry_throttle`], for [`Throttling::Grpc`]; or backstop's [`RetryBudget`] from [`ServiceConfig::budget`] (ratio `tokenRatio`, burst `maxTokens / 2`), for [`Throttling::Budget`] |
 //! | `timeout` | [`MethodPolicy::timeout`]: a cap on the call's deadline. The stack sends the earliest of the caller's deadline, the one inherited from the request being served, and this timeout, as gRPC takes the earlier of the caller's deadline and the config's `timeout`; [`DEFAULT_TIMEOUT`](crate::policy::DEFAULT_TIMEOUT) when absent |
 //!
@@ -85,8 +85,6 @@ use crate::status::Code;
 
 /// Largest `maxTokens` gRPC accepts.
 const MAX_TOKENS: u32 = crate::retry::retry_throttle::MAX_TOKENS;
-/// Attempts of a hedged call: the first and its one hedge.
-const MAX_HEDGED_ATTEMPTS: u32 = 2;
 /// Longest service config read, in bytes.
 pub const MAX_CONFIG_LEN: usize = 1024 * 1024;
 
@@ -148,16 +146,15 @@ pub struct RetrySpec {
 
 /// A validated `hedgingPolicy`.
 ///
-/// backstop sends at most one hedge per call, so `maxAttempts` must be 2: a config asking for
-/// more is refused, naming the field, rather than run with fewer hedges than it says. The
-/// hedge layer races two attempts, paid from the destination's retry budget (or held back by
-/// its gRPC retry throttling), and the worst-case load a call can put on a slow destination
-/// (`1 + ratio`, the budget's bound) is stated for one hedge; a slow destination is usually
-/// slow because it is loaded, and more copies would add to that load what they save in
-/// latency.
+/// The call's first attempt and `max_attempts - 1` hedges, sent `delay` apart while no final
+/// answer has come (a failure that leaves the race open sends the next hedge at once, as gRPC
+/// does). Each hedge is paid for from the destination's retry budget, or held back by its gRPC
+/// retry throttling, so more hedges per call do not mean more load than the budget allows: a
+/// slow destination is usually slow because it is loaded, and copies add to that load what
+/// they save in latency.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HedgeSpec {
-    /// Attempts, the hedge included: 2.
+    /// Attempts, the hedges included: 2 to 5 (values above 5 are read as 5, as gRPC does).
     pub max_attempts: u32,
     /// How long after an attempt its hedge is sent, if no answer came.
     pub delay: Duration,
@@ -321,7 +318,8 @@ impl ServiceConfig {
 
 impl MethodConfig {
     /// `policy` with what this entry sets: its `timeout`; its `retryPolicy`'s attempts,
-    /// backoff and retryable codes; a hedge after exactly its `hedgingDelay`. The idempotency
+    /// backoff and retryable codes; its `hedgingPolicy`'s hedges, each after exactly its
+    /// `hedgingDelay`. The idempotency
     /// class stays the policy's, so [`MethodPolicy::validate`] still refuses hedging or
     /// retrying an `Unsafe` method.
     pub fn apply(&self, mut policy: MethodPolicyBuilder) -> MethodPolicyBuilder {
@@ -335,7 +333,10 @@ impl MethodConfig {
                 .retryable(retry.retryable.iter().copied());
         }
         if let Some(hedge) = &self.hedging {
-            policy = policy.hedging(true).hedge_delay(hedge.delay);
+            policy = policy
+                .hedging(true)
+                .hedge_delay(hedge.delay)
+                .max_hedges(hedge.max_attempts - 1);
         }
         policy
     }
@@ -436,15 +437,6 @@ fn retry(at: &str, raw: RawRetry) -> Result<RetrySpec, ConfigError> {
 fn hedge(at: &str, raw: RawHedge) -> Result<HedgeSpec, ConfigError> {
     let field = |f: &str| format!("{at}.{f}");
     let max_attempts = attempts(&field("maxAttempts"), raw.max_attempts.as_ref())?;
-    if max_attempts > MAX_HEDGED_ATTEMPTS {
-        return Err(invalid(
-            field("maxAttempts"),
-            format!(
-                "must be {MAX_HEDGED_ATTEMPTS}, got {max_attempts}: backstop sends at most one \
-                 hedge per call"
-            ),
-        ));
-    }
     let delay = raw
         .hedging_delay
         .as_deref()
@@ -580,7 +572,7 @@ mod tests {
                 {{"name": [{{"service": "p.Payment", "method": "Charge"}}], "timeout": "1.5s",
                   "retryPolicy": {{ {RETRY} }} }},
                 {{"name": [{{"service": "p.Payment"}}],
-                  "hedgingPolicy": {{"maxAttempts": 2, "hedgingDelay": "0.05s",
+                  "hedgingPolicy": {{"maxAttempts": 9, "hedgingDelay": "0.05s",
                                      "nonFatalStatusCodes": [14, "unavailable"]}} }},
                 {{"name": [{{}}], "timeout": "10s"}}
               ],
@@ -598,7 +590,7 @@ mod tests {
 
         let get = config.method("p.Payment", "GetCharge").unwrap();
         let hedge = get.hedging.as_ref().unwrap();
-        assert_eq!(hedge.max_attempts, 2);
+        assert_eq!(hedge.max_attempts, 5, "values above 5 read as 5");
         assert_eq!(hedge.delay, Duration::from_millis(50));
         assert_eq!(hedge.non_fatal, [Code::Unavailable]);
 
@@ -722,38 +714,28 @@ mod tests {
         assert_eq!(gaps("1.5").await, [ms(100), ms(150), ms(225)]);
     }
 
-    /// A `hedgingPolicy.maxAttempts` above 2 asks for more hedges than backstop sends: the
-    /// config is refused, naming the field, rather than run with one hedge.
+    /// `hedgingPolicy.maxAttempts` N is N - 1 hedges (values above 5 read as 5), each after
+    /// exactly `hedgingDelay`.
     #[test]
-    fn more_than_one_hedge_is_refused_naming_the_field() {
-        for n in [3, 5, 9] {
+    fn hedged_attempts_become_hedges_after_the_delay() {
+        for (n, hedges) in [(2, 1), (3, 2), (5, 4), (9, 4)] {
             let json = format!(
                 r#"{{"methodConfig": [{{"name": [{{"service": "p.S"}}],
                     "hedgingPolicy": {{"maxAttempts": {n}, "hedgingDelay": "0.1s"}}}}]}}"#
             );
-            match err(&json) {
-                ConfigError::Invalid { field, reason } => {
-                    assert_eq!(field, "methodConfig[0].hedgingPolicy.maxAttempts");
-                    assert!(reason.contains("one hedge"), "{reason}");
-                }
-                other => panic!("{n}: {other:?}"),
-            }
+            let config = ServiceConfig::from_json(&json).unwrap();
+            let policies = config.policies().unwrap();
+            let hedged = policies.for_path("/p.S/M");
+            assert!(hedged.hedging());
+            assert_eq!(hedged.max_hedges(), hedges, "maxAttempts {n}");
+            // The delay is the delay, not a floor under the p95.
+            assert_eq!(hedged.hedge_delay(), Some(Duration::from_millis(100)));
+            assert_eq!(
+                hedged.max_attempts(),
+                1,
+                "no retryPolicy: the hedges are the attempts"
+            );
         }
-        let config = ServiceConfig::from_json(
-            r#"{"methodConfig": [{"name": [{"service": "p.S"}],
-                "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.1s"}}]}"#,
-        )
-        .unwrap();
-        let policies = config.policies().unwrap();
-        let hedged = policies.for_path("/p.S/M");
-        assert!(hedged.hedging());
-        // The delay is the delay, not a floor under the p95.
-        assert_eq!(hedged.hedge_delay(), Some(Duration::from_millis(100)));
-        assert_eq!(
-            hedged.max_attempts(),
-            1,
-            "no retryPolicy: one attempt and its hedge"
-        );
         // Without `hedgingDelay`, gRPC sends the hedge at once.
         let config = ServiceConfig::from_json(
             r#"{"methodConfig": [{"name": [{"service": "p.S"}],
@@ -964,16 +946,21 @@ mod tests {
         }
 
         #[test]
-        fn any_hedged_attempt_count_but_two_is_refused(n in 0u64..1_000_000) {
+        fn any_hedged_attempt_count_is_rejected_or_capped(n in 0u64..1_000_000) {
             let json = format!(r#"{{"methodConfig":[{{"hedgingPolicy":{{"maxAttempts":{n}}}}}]}}"#);
             match ServiceConfig::from_json(&json) {
                 Ok(c) => {
-                    prop_assert_eq!(n, 2, "one hedge at most");
+                    prop_assert!(n >= 2);
                     let h = c.methods[0].hedging.as_ref().unwrap();
-                    prop_assert_eq!(h.max_attempts, 2);
+                    prop_assert_eq!(h.max_attempts, (n as u32).min(5));
+                    let policy = c.methods[0]
+                        .apply(MethodPolicy::builder("M", Idempotency::Safe))
+                        .build();
+                    prop_assert_eq!(policy.max_hedges(), h.max_attempts - 1);
+                    prop_assert_eq!(policy.validate(), Ok(()));
                 }
                 Err(ConfigError::Invalid { field, .. }) => {
-                    prop_assert_ne!(n, 2);
+                    prop_assert!(n < 2);
                     prop_assert_eq!(field, "methodConfig[0].hedgingPolicy.maxAttempts");
                 }
                 Err(other) => prop_assert!(false, "{other:?}"),

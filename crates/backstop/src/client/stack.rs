@@ -216,7 +216,8 @@ pub enum StackError {
 ///    timeout unless the caller set one;
 /// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons, an
 ///    attempt left unanswered past the destination's [`AttemptLimit`] abandoned for the next;
-/// 4. [hedge](super::hedge): one extra attempt after the p95 (`Safe`/`Keyed`, if enabled);
+/// 4. [hedge](super::hedge): an extra attempt after the p95 or the method's fixed hedge
+///    delay, one unless the method allows more (`Safe`/`Keyed`, if enabled);
 /// 5. [attempt timeout](super::deadline::AttemptTimeout): `grpc-timeout` minus the margin;
 /// 6. [circuit breaker](super::breaker);
 /// 7. [transparent retry](super::transparent): once, for attempts that never left;
@@ -398,11 +399,16 @@ impl ClientStackBuilder {
                 .retry_throttle(d.retry_throttle.clone())
                 .min_delay(policy.min_hedge_delay())
                 .fixed_delay(policy.hedge_delay())
+                .hedges(policy.max_hedges())
         });
-        // A stranded attempt of a hedged call is first overtaken by its hedge.
+        // A stranded attempt of a hedged call is first overtaken by its hedges.
         let limit = d.attempt_limit.map(|limit| {
             let limit = match &hedge {
-                Some(hedge) => limit.at_least(hedge.min_hedge_delay().saturating_mul(2)),
+                Some(hedge) => limit.at_least(
+                    hedge
+                        .min_hedge_delay()
+                        .saturating_mul(hedge.max_hedges().saturating_add(1)),
+                ),
                 None => limit,
             };
             (limit, d.margin.clone())
@@ -639,8 +645,9 @@ mod tests {
         assert!(seen["/p.Payment/Charge"].iter().all(|(keyed, _)| *keyed));
     }
 
-    /// A gRPC config's `hedgingDelay` is the delay: with a cold latency window (no p95 yet) a
-    /// call whose attempts hang is hedged after exactly 100 ms, once.
+    /// A gRPC config's `hedgingDelay` is the delay and its `maxAttempts` the attempts: with a
+    /// cold latency window (no p95 yet) a call whose attempts hang is hedged three times,
+    /// exactly 100 ms apart.
     #[tokio::test(start_paused = true)]
     async fn a_config_hedges_after_its_hedging_delay_from_the_first_call() {
         use crate::client::service_config::ServiceConfig;
@@ -662,7 +669,7 @@ mod tests {
         };
         let config = ServiceConfig::from_json(
             r#"{"methodConfig": [{"name": [{"service": "p.S"}], "timeout": "2s",
-                "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.1s"}}]}"#,
+                "hedgingPolicy": {"maxAttempts": 4, "hedgingDelay": "0.1s"}}]}"#,
         )
         .unwrap();
         let dest = Destination::new("s").attempt_limit(None);
@@ -675,8 +682,8 @@ mod tests {
             .unwrap();
         assert!(svc.oneshot(request).await.is_err());
         let sent = sent.lock().unwrap();
-        assert_eq!(sent.len(), 2);
-        assert_eq!(sent[1] - sent[0], Duration::from_millis(100));
+        let gaps: Vec<Duration> = sent.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(gaps, [Duration::from_millis(100); 3]);
     }
 
     /// Each attempt leaves with one `grpc-timeout`, its own remaining budget minus the margin,

@@ -108,6 +108,7 @@ pub struct MethodPolicy {
     hedging: bool,
     min_hedge_delay: Duration,
     hedge_delay: Option<Duration>,
+    max_hedges: u32,
     key_ttl: Option<Duration>,
     rate_class: String,
     buffer_body: bool,
@@ -137,6 +138,15 @@ pub enum InvalidPolicy {
     HedgingUnsafe {
         /// The method.
         method: String,
+    },
+    /// Hedges per call must be between 1 and one less than [`MAX_ATTEMPTS_CAP`]: the first
+    /// attempt and its hedges are attempts too.
+    #[error("method {method}: max_hedges {max_hedges} is outside 1..={}", MAX_ATTEMPTS_CAP - 1)]
+    MaxHedges {
+        /// The method.
+        method: String,
+        /// The value given.
+        max_hedges: u32,
     },
     /// Attempts must be between 1 and [`MAX_ATTEMPTS_CAP`].
     #[error("method {method}: max_attempts {max_attempts} is outside 1..={MAX_ATTEMPTS_CAP}")]
@@ -202,6 +212,7 @@ impl MethodPolicy {
                 hedging: false,
                 min_hedge_delay: Duration::ZERO,
                 hedge_delay: None,
+                max_hedges: 1,
                 key_ttl: None,
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
                 buffer_body: false,
@@ -257,7 +268,8 @@ impl MethodPolicy {
         &self.backoff
     }
 
-    /// Whether a slow attempt may be hedged (at most one extra copy per call).
+    /// Whether a slow attempt may be hedged (at most [`max_hedges`](Self::max_hedges) copies
+    /// per call).
     pub fn hedging(&self) -> bool {
         self.hedging
     }
@@ -271,6 +283,11 @@ impl MethodPolicy {
     /// `None` to hedge at the destination's rolling p95.
     pub fn hedge_delay(&self) -> Option<Duration> {
         self.hedge_delay
+    }
+
+    /// The most hedges a call may send when [hedging](Self::hedging) (1 unless set).
+    pub fn max_hedges(&self) -> u32 {
+        self.max_hedges
     }
 
     /// How long idempotency keys are kept.
@@ -305,6 +322,12 @@ impl MethodPolicy {
         }
         if self.timeout.is_zero() {
             return Err(InvalidPolicy::ZeroTimeout { method: method() });
+        }
+        if !(1..MAX_ATTEMPTS_CAP).contains(&self.max_hedges) {
+            return Err(InvalidPolicy::MaxHedges {
+                method: method(),
+                max_hedges: self.max_hedges,
+            });
         }
         if self.hedging && self.idempotency == Idempotency::Unsafe {
             return Err(InvalidPolicy::HedgingUnsafe { method: method() });
@@ -381,6 +404,16 @@ impl MethodPolicyBuilder {
         self
     }
 
+    /// At most `hedges` hedges per call, each `hedge_delay` (or the p95) after the one
+    /// before (default 1; at most `MAX_ATTEMPTS_CAP - 1`, checked by
+    /// [`validate`](MethodPolicy::validate)). A gRPC `hedgingPolicy.maxAttempts` of N is
+    /// N - 1 hedges. Each is paid for like a retry, so the budget (or gRPC's retry
+    /// throttling) still bounds what they add to the destination's load.
+    pub fn max_hedges(mut self, hedges: u32) -> Self {
+        self.policy.max_hedges = hedges;
+        self
+    }
+
     /// How long idempotency keys are kept (required for `Keyed`).
     pub fn key_ttl(mut self, ttl: Duration) -> Self {
         self.policy.key_ttl = Some(ttl);
@@ -454,6 +487,30 @@ mod tests {
         assert_eq!(unsafe_.max_attempts(), 1);
         assert!(unsafe_.retryable().is_empty());
         assert_eq!(keyed("Charge").build().validate(), Ok(()));
+    }
+
+    #[test]
+    fn hedges_per_call_stay_under_the_attempts_cap() {
+        for n in [0, MAX_ATTEMPTS_CAP, 100] {
+            let p = MethodPolicy::builder("Get", Idempotency::Safe)
+                .hedging(true)
+                .max_hedges(n)
+                .build();
+            assert_eq!(
+                p.validate(),
+                Err(InvalidPolicy::MaxHedges {
+                    method: "Get".into(),
+                    max_hedges: n
+                })
+            );
+        }
+        for n in 1..MAX_ATTEMPTS_CAP {
+            let p = MethodPolicy::builder("Get", Idempotency::Safe)
+                .hedging(true)
+                .max_hedges(n)
+                .build();
+            assert_eq!((p.validate(), p.max_hedges()), (Ok(()), n));
+        }
     }
 
     #[test]

@@ -255,6 +255,11 @@ impl fmt::Display for MethodPolicies {
                 } else {
                     format!(">={}", human(c.min_hedge_delay))
                 };
+                let hedging = match c.max_hedges {
+                    1 => hedging,
+                    n if c.hedging => format!("{hedging} x{n}"),
+                    _ => hedging,
+                };
                 [
                     key.to_string(),
                     c.name.clone(),

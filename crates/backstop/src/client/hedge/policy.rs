@@ -22,6 +22,7 @@ pub struct HedgePolicy {
     quantile: f64,
     min_delay: Duration,
     fixed_delay: Option<Duration>,
+    max_hedges: u32,
     pub(super) service: SharedString,
     pub(super) method: SharedString,
 }
@@ -47,6 +48,7 @@ impl HedgePolicy {
             quantile: 0.95,
             min_delay: Duration::ZERO,
             fixed_delay: None,
+            max_hedges: 1,
             service: service.into(),
             method: method.into(),
         }
@@ -77,6 +79,20 @@ impl HedgePolicy {
     pub fn fixed_delay(mut self, delay: Option<Duration>) -> Self {
         self.fixed_delay = delay;
         self
+    }
+
+    /// Sends up to `hedges` hedges per call (default 1, at least 1), each a delay after the one
+    /// before, while no final answer has come; a failure that leaves the race open sends the
+    /// next one at once. The call's [`HedgeAllowance`](super::HedgeAllowance) counts them
+    /// across its attempts, and each is paid for like the first.
+    pub fn hedges(mut self, hedges: u32) -> Self {
+        self.max_hedges = hedges.max(1);
+        self
+    }
+
+    /// The most hedges a call may send.
+    pub fn max_hedges(&self) -> u32 {
+        self.max_hedges
     }
 
     /// The shortest delay before a hedge: the fixed delay if set, else the floor under the p95.
