@@ -386,8 +386,9 @@ where
         }
         () = tokio::time::sleep(delay) => {}
     }
-    // Handed to the allowance when the race is over, or dropped unfinished.
-    let mut log = RaceLog::new(allowance.as_ref(), started);
+    // Started with the first hedge; handed to the allowance when the race is over, or
+    // dropped unfinished.
+    let mut log = None;
     let mut legs: FuturesUnordered<LegFuture<ResB>> = FuturesUnordered::new();
     legs.push(Box::pin(
         async move { (Side::Primary, started, primary.await) },
@@ -430,6 +431,9 @@ where
                     HeaderValue::from(previous.saturating_add(sent)),
                 );
                 request.extensions_mut().insert(Hedged);
+                if log.is_none() {
+                    log = RaceLog::new(allowance.as_ref(), started);
+                }
                 hedge_sent(&mut log, now);
                 let side = Side::Hedge(sent as usize - 1);
                 let svc = svc.clone();
