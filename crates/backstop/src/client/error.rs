@@ -74,8 +74,13 @@ use crate::retry::{RetryError, StopReason};
 use crate::status::{Code, Status, problem};
 
 /// A call through the client stack that got no answer (see the [module docs](self)).
+///
+/// One pointer wide, so that `Result<Response, Error>` stays small on every call's path.
 #[derive(Debug)]
-pub struct Error {
+pub struct Error(Box<Inner>);
+
+#[derive(Debug)]
+struct Inner {
     status: Status,
     last: Status,
     reason: Option<StopReason>,
@@ -105,13 +110,13 @@ impl Error {
                 (status, None, u32::from(!refused))
             }
         };
-        Self {
+        Self(Box::new(Inner {
             status: for_caller(&last),
             last,
             reason,
             attempts,
             source: error,
-        }
+        }))
     }
 
     /// The answer itself when it is a success, else the failure it reports as an [`Error`]
@@ -134,52 +139,53 @@ impl Error {
             return Ok(response);
         };
         let stopped = response.extensions().get::<RetryStopped>().copied();
-        Err(Self {
+        Err(Self(Box::new(Inner {
             status: for_caller(&last),
             source: Box::new(last.clone()),
             last,
             reason: stopped.map(|s| s.reason),
             attempts: stopped.map_or(1, |s| s.attempts),
-        })
+        })))
     }
 
     /// What to tell this call's own caller: 504 `DEADLINE_EXCEEDED` when its deadline is
     /// gone, else 503 `UNAVAILABLE` with a `Retry-After` (see the [module docs](self)).
     pub fn status(&self) -> &Status {
-        &self.status
+        &self.0.status
     }
 
     /// The status of the last attempt as the stack read it (a transport error, an open
     /// circuit, a refusal for lack of budget).
     pub fn last(&self) -> &Status {
-        &self.last
+        &self.0.last
     }
 
     /// Why no further attempt was sent, when the retry layer ran the call.
     pub fn reason(&self) -> Option<StopReason> {
-        self.reason
+        self.0.reason
     }
 
     /// Attempts sent, first included: 0 when none was (the deadline left no time for one, or
     /// the circuit was open).
     pub fn attempts(&self) -> u32 {
-        self.attempts
+        self.0.attempts
     }
 
     /// Whether the call ran out of time: its deadline passed, or what was left could not
     /// cover a round trip.
     pub fn is_deadline(&self) -> bool {
-        self.status.code() == Code::DeadlineExceeded
+        self.0.status.code() == Code::DeadlineExceeded
     }
 
     /// Whether the destination's circuit breaker refused the call.
     pub fn is_circuit_open(&self) -> bool {
-        self.reason == Some(StopReason::CircuitOpen) || self.last.problem() == problem::CIRCUIT_OPEN
+        self.0.reason == Some(StopReason::CircuitOpen)
+            || self.0.last.problem() == problem::CIRCUIT_OPEN
     }
 
     /// The error as the layer below reported it.
     pub fn into_source(self) -> BoxError {
-        self.source
+        self.0.source
     }
 }
 
@@ -226,7 +232,7 @@ impl From<BoxError> for Error {
 
 impl From<Error> for Status {
     fn from(error: Error) -> Self {
-        error.status
+        error.0.status
     }
 }
 
@@ -235,7 +241,7 @@ impl From<Error> for Status {
 #[cfg(feature = "axum")]
 impl axum_core::response::IntoResponse for Error {
     fn into_response(self) -> axum_core::response::Response {
-        self.status.into_response()
+        self.0.status.into_response()
     }
 }
 
@@ -243,23 +249,23 @@ impl axum_core::response::IntoResponse for Error {
 #[cfg(feature = "tonic")]
 impl From<Error> for tonic::Status {
     fn from(error: Error) -> Self {
-        error.status.into()
+        error.0.status.into()
     }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "call failed after {} attempt(s)", self.attempts)?;
-        if let Some(reason) = self.reason {
+        write!(f, "call failed after {} attempt(s)", self.0.attempts)?;
+        if let Some(reason) = self.0.reason {
             write!(f, ", stopped: {reason}")?;
         }
-        write!(f, "; {}", self.last)
+        write!(f, "; {}", self.0.last)
     }
 }
 
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.source)
+        Some(&*self.0.source)
     }
 }
 

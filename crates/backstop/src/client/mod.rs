@@ -26,8 +26,8 @@
 //!    `max(1 s, 10 x RTT_p99)`, by default) is abandoned for the next one, so an attempt
 //!    stranded on a connection that went away costs half the deadline, not all of it, even
 //!    without hedging.
-//! 4. [`hedge`]: at most one extra attempt after the rolling p95 (`Safe`/`Keyed` methods
-//!    only), paid from the same budget. Below retry, so a hedge is part of one attempt.
+//! 4. [`hedge`]: an extra attempt after the rolling p95 or a fixed delay, one unless the
+//!    method allows more (`Safe`/`Keyed` methods only), paid from the same budget. Below retry, so a hedge is part of one attempt.
 //! 5. [`deadline`] ([`AttemptTimeout`](deadline::AttemptTimeout)): each attempt (hedges too)
 //!    carries `grpc-timeout` = remaining - margin, or is not sent at all.
 //! 6. [`breaker`]: per destination; open means attempts fail at once (`circuit_open`). Below
@@ -110,4 +110,5 @@ pub use self::observer::AttemptObserver;
 pub use self::select::SelectMethod;
 pub use self::stack::{
     ClientService, ClientStack, ClientStackBuilder, Destination, HttpService, StackError,
+    Throttling,
 };

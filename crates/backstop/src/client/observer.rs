@@ -463,6 +463,50 @@ mod tests {
         assert_eq!(ends, [ended(Outcome::Ok, 1, None)]);
     }
 
+    /// With two hedges allowed, each send is told with its own number: the two cancelled and
+    /// the one that answered.
+    #[tokio::test(start_paused = true)]
+    async fn every_hedge_of_a_call_is_told() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let transport = {
+            let calls = calls.clone();
+            service_fn(move |_r: Request<_>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    // The first two stall; the second hedge answers.
+                    let wait = if n < 2 { 10_000 } else { 5 };
+                    tokio::time::sleep(Duration::from_millis(wait)).await;
+                    Ok::<_, io::Error>(Response::builder().status(200).body(()).unwrap())
+                }
+            })
+        };
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp");
+        let policy = get_charge()
+            .hedging(true)
+            .hedge_delay(Duration::from_millis(10))
+            .max_hedges(2)
+            .build();
+        let client = ClientStack::builder(&dest, policy)
+            .observer(recorder.clone())
+            .build()
+            .unwrap()
+            .layer(transport);
+        let response = client.oneshot(request()).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [
+                sent(1, AttemptKind::First, Outcome::Cancelled, None),
+                sent(2, AttemptKind::Hedge, Outcome::Cancelled, None),
+                sent(3, AttemptKind::Hedge, Outcome::Ok, Some(Code::Ok)),
+            ]
+        );
+        assert_eq!(ends, [ended(Outcome::Ok, 1, None)]);
+    }
+
     /// An attempt whose connection was refused never reached the server: it is sent again at
     /// once, told as a transparent re-send with the same number, and counts as one attempt.
     #[tokio::test(start_paused = true)]

@@ -20,7 +20,8 @@ use crate::policy::{Idempotency, MethodPolicies};
 pub(crate) struct Resolved {
     /// Whether the key layer gives its calls a key (`Keyed`).
     pub(crate) idempotency: Idempotency,
-    /// The deadline of a call whose caller set none.
+    /// The method's timeout: the deadline of a call whose caller set none, and the cap on one
+    /// it did.
     pub(crate) timeout: Duration,
     /// Attempts, backoff, eligibility, attempt limit.
     pub(crate) retry: Arc<RetryConfig>,

@@ -12,10 +12,27 @@
 //! | `retryPolicy.maxAttempts` (values above 5 are read as 5, as gRPC does) | [`MethodPolicy::max_attempts`] |
 //! | `initialBackoff`, `maxBackoff`, `backoffMultiplier` | [`Backoff`] base, cap and multiplier, full jitter (gRPC's own) |
 //! | `retryableStatusCodes` (names or numbers) | [`MethodPolicy::retryable`] |
-//! | `hedgingPolicy.hedgingDelay` | [`MethodPolicy::hedging`], no sooner than the delay |
-//! | `hedgingPolicy.maxAttempts` | read, but backstop sends one hedge at most (see [`HedgeSpec`]) |
-//! | `retryThrottling {maxTokens, tokenRatio}` | [`RetryBudget`]: ratio `tokenRatio`, burst `maxTokens / 2` (gRPC stops retrying below half the tokens) |
-//! | `timeout` | [`MethodPolicy::timeout`], the call's deadline when the caller sets none ([`DEFAULT_TIMEOUT`](crate::policy::DEFAULT_TIMEOUT) when absent) |
+//! | `hedgingPolicy.hedgingDelay` | [`MethodPolicy::hedge_delay`]: a slow attempt is hedged after exactly this delay (`0s` when absent), from the first call, not at the p95 |
+//! | `hedgingPolicy.maxAttempts` (values above 5 are read as 5, as gRPC does) | [`MethodPolicy::max_hedges`], one less: up to that many hedges, each `hedgingDelay` after the one before, while no final answer has come, each paid for from the budget or held back by the retry throttling (see [`HedgeSpec`]) |
+//! | `retryThrottling {maxTokens, tokenRatio}` | gRPC's token bucket, [`RetryThrottle`] from [`ServiceConfig::retry_throttle`], for [`Throttling::Grpc`]; or backstop's [`RetryBudget`] from [`ServiceConfig::budget`] (ratio `tokenRatio`, burst `maxTokens / 2`), for [`Throttling::Budget`] |
+//! | `timeout` | [`MethodPolicy::timeout`]: a cap on the call's deadline. The stack sends the earliest of the caller's deadline, the one inherited from the request being served, and this timeout, as gRPC takes the earlier of the caller's deadline and the config's `timeout`; [`DEFAULT_TIMEOUT`](crate::policy::DEFAULT_TIMEOUT) when absent |
+//!
+//! `retryThrottling` is read two ways because the two limits differ (see [`Throttling`]):
+//! gRPC's bucket stops retries once failures have taken half its tokens and lets them through
+//! again as successes come back, so a client using it sends the attempts a gRPC client with
+//! the same config would; backstop's budget bounds retries to a share of the logical requests,
+//! so a destination down for everyone never sees more than `1 + tokenRatio` times its load.
+//! For gRPC's attempt counts, also leave out what gRPC does not have: the destination's storm
+//! alarm, circuit breaker and attempt limit ([`Destination::storm_alarm`],
+//! [`Destination::breaker`], [`Destination::attempt_limit`] with `None`).
+//!
+//! Hedging as the config asks needs no warm-up: with a `hedgingDelay` the hedge goes out after
+//! that delay from the first call on. (A policy that hedges at the destination's p95 instead
+//! sends none until [`HedgePolicy::MIN_SAMPLES`](crate::client::hedge::HedgePolicy::MIN_SAMPLES)
+//! answers have been measured.) A hedge of a `Keyed` method, with the policy applied through
+//! [`MethodConfig::apply`], carries the first attempt's key: against a store shared by the
+//! server's instances it waits on the first attempt's claim, so it cannot cut a slow tail that
+//! starts after the claim was taken (see [`client::hedge`](crate::client::hedge)).
 //!
 //! A method a config names is taken to be safe to repeat ([`Idempotency::Safe`]), as gRPC
 //! assumes of every method it retries or hedges; one without a `retryPolicy` is sent once.
@@ -50,6 +67,7 @@
 //! // Not named: sent once.
 //! assert_eq!(policies.for_path("/payment.v1.Payment/Charge").max_attempts(), 1);
 //! assert_eq!(config.budget().unwrap().burst(), 5);
+//! assert_eq!(config.retry_throttle().unwrap().max_tokens(), 10);
 //! ```
 
 use std::time::Duration;
@@ -57,14 +75,16 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
+#[cfg(doc)]
+use super::{Destination, Throttling};
 use crate::policy::{
     Idempotency, MAX_ATTEMPTS_CAP, MethodPolicies, MethodPolicy, MethodPolicyBuilder,
 };
-use crate::retry::{Backoff, BackoffError, Jitter, RetryBudget};
+use crate::retry::{Backoff, BackoffError, Jitter, RetryBudget, RetryThrottle};
 use crate::status::Code;
 
 /// Largest `maxTokens` gRPC accepts.
-const MAX_TOKENS: u32 = 1000;
+const MAX_TOKENS: u32 = crate::retry::retry_throttle::MAX_TOKENS;
 /// Longest service config read, in bytes.
 pub const MAX_CONFIG_LEN: usize = 1024 * 1024;
 
@@ -126,17 +146,17 @@ pub struct RetrySpec {
 
 /// A validated `hedgingPolicy`.
 ///
-/// backstop sends at most one hedge per call, so a `maxAttempts` above 2 is read as 2. The
-/// hedge layer races two attempts, paid from the destination's retry budget, and the
-/// worst-case load a call can put on a slow destination (`1 + ratio`, the budget's bound) is
-/// stated for one hedge; a slow destination is usually slow because it is loaded, and more
-/// copies would add to that load what they save in latency.
+/// The call's first attempt and `max_attempts - 1` hedges, sent `delay` apart while no final
+/// answer has come (a failure that leaves the race open sends the next hedge at once, as gRPC
+/// does). Each hedge is paid for from the destination's retry budget, or held back by its gRPC
+/// retry throttling, so more hedges per call do not mean more load than the budget allows: a
+/// slow destination is usually slow because it is loaded, and copies add to that load what
+/// they save in latency.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HedgeSpec {
-    /// Attempts the config asks for (2 to 5, as gRPC caps them); one hedge is sent at most
-    /// whatever it says.
+    /// Attempts, the hedges included: 2 to 5 (values above 5 are read as 5, as gRPC does).
     pub max_attempts: u32,
-    /// The earliest a hedge is sent.
+    /// How long after an attempt its hedge is sent, if no answer came.
     pub delay: Duration,
     /// Codes after which the other attempt is still awaited.
     pub non_fatal: Vec<Code>,
@@ -147,7 +167,7 @@ pub struct HedgeSpec {
 pub struct MethodConfig {
     /// The calls it applies to.
     pub names: Vec<MethodName>,
-    /// Default deadline.
+    /// The longest a call may take: caps the caller's deadline.
     pub timeout: Option<Duration>,
     /// Retries, if configured.
     pub retry: Option<RetrySpec>,
@@ -272,8 +292,9 @@ impl ServiceConfig {
         Ok(table)
     }
 
-    /// The retry budget `retryThrottling` describes, or the default budget (ratio 0.1, burst
-    /// 20) when it is absent.
+    /// `retryThrottling` read as backstop's retry budget ([`Throttling::Budget`]): ratio
+    /// `tokenRatio`, burst `maxTokens / 2`; the default budget (ratio 0.1, burst 20) when it
+    /// is absent.
     pub fn budget(&self) -> Result<RetryBudget, ConfigError> {
         match self.throttling {
             None => Ok(RetryBudget::default()),
@@ -281,11 +302,24 @@ impl ServiceConfig {
                 .map_err(|e| invalid("retryThrottling.tokenRatio", e.to_string())),
         }
     }
+
+    /// `retryThrottling` read as gRPC reads it ([`Throttling::Grpc`]): a token bucket of
+    /// `maxTokens` that every failed attempt with a retried code drains by one and every
+    /// success refills by `tokenRatio`, retries and hedges sent only while more than half of
+    /// it is left. `None` when the config has no `retryThrottling` (gRPC then limits retries
+    /// by `maxAttempts` alone).
+    pub fn retry_throttle(&self) -> Option<RetryThrottle> {
+        self.throttling.map(|(max_tokens, ratio)| {
+            RetryThrottle::new(max_tokens, ratio)
+                .expect("retryThrottling is validated by RetryThrottle::new when read")
+        })
+    }
 }
 
 impl MethodConfig {
     /// `policy` with what this entry sets: its `timeout`; its `retryPolicy`'s attempts,
-    /// backoff and retryable codes; hedging no sooner than its `hedgingDelay`. The idempotency
+    /// backoff and retryable codes; its `hedgingPolicy`'s hedges, each after exactly its
+    /// `hedgingDelay`. The idempotency
     /// class stays the policy's, so [`MethodPolicy::validate`] still refuses hedging or
     /// retrying an `Unsafe` method.
     pub fn apply(&self, mut policy: MethodPolicyBuilder) -> MethodPolicyBuilder {
@@ -299,7 +333,10 @@ impl MethodConfig {
                 .retryable(retry.retryable.iter().copied());
         }
         if let Some(hedge) = &self.hedging {
-            policy = policy.hedging(true).min_hedge_delay(hedge.delay);
+            policy = policy
+                .hedging(true)
+                .hedge_delay(hedge.delay)
+                .max_hedges(hedge.max_attempts - 1);
         }
         policy
     }
@@ -431,10 +468,12 @@ fn throttling(raw: RawThrottling) -> Result<(u32, f64), ConfigError> {
     let ratio = raw.token_ratio.ok_or(ConfigError::Missing {
         field: "retryThrottling.tokenRatio".into(),
     })?;
-    if !(ratio > 0.0 && ratio <= 1.0) {
+    // gRPC reads the ratio to the thousandth and refuses what rounds to nothing.
+    if !(0.001..=1.0).contains(&ratio) || RetryThrottle::new(max_tokens, ratio).is_err() {
         return Err(invalid(
             "retryThrottling.tokenRatio",
-            "must be in (0, 1]: more than one retry per request would multiply load",
+            "must be in [0.001, 1]: tokens are counted in thousandths, and more than one retry \
+             per request would multiply load",
         ));
     }
     Ok((max_tokens, ratio))
@@ -560,6 +599,9 @@ mod tests {
 
         let budget = config.budget().unwrap();
         assert_eq!((budget.ratio(), budget.burst()), (0.2, 5));
+        let throttle = config.retry_throttle().unwrap();
+        assert_eq!((throttle.max_tokens(), throttle.token_ratio()), (10, 0.2));
+        assert_eq!(throttle.tokens(), 10.0, "gRPC's bucket starts full");
         let policies = config.policies().unwrap();
         let policy = policies.for_path("/p.Payment/Charge");
         assert_eq!(policy.retryable(), [Code::Unavailable]);
@@ -596,7 +638,7 @@ mod tests {
         assert_eq!(get.name(), "p.Payment");
         assert_eq!(get.timeout(), Duration::from_secs(3));
         assert!(get.hedging());
-        assert_eq!(get.min_hedge_delay(), Duration::from_millis(50));
+        assert_eq!(get.hedge_delay(), Some(Duration::from_millis(50)));
         assert_eq!(
             get.max_attempts(),
             1,
@@ -672,22 +714,66 @@ mod tests {
         assert_eq!(gaps("1.5").await, [ms(100), ms(150), ms(225)]);
     }
 
-    /// A `hedgingPolicy.maxAttempts` above 2 is read as one hedge (see [`HedgeSpec`]): the
-    /// config keeps the number it asked for, the policy hedges once.
+    /// `hedgingPolicy.maxAttempts` N is N - 1 hedges (values above 5 read as 5), each after
+    /// exactly `hedgingDelay`.
     #[test]
-    fn more_than_one_hedge_is_read_as_one() {
+    fn hedged_attempts_become_hedges_after_the_delay() {
+        for (n, hedges) in [(2, 1), (3, 2), (5, 4), (9, 4)] {
+            let json = format!(
+                r#"{{"methodConfig": [{{"name": [{{"service": "p.S"}}],
+                    "hedgingPolicy": {{"maxAttempts": {n}, "hedgingDelay": "0.1s"}}}}]}}"#
+            );
+            let config = ServiceConfig::from_json(&json).unwrap();
+            let policies = config.policies().unwrap();
+            let hedged = policies.for_path("/p.S/M");
+            assert!(hedged.hedging());
+            assert_eq!(hedged.max_hedges(), hedges, "maxAttempts {n}");
+            // The delay is the delay, not a floor under the p95.
+            assert_eq!(hedged.hedge_delay(), Some(Duration::from_millis(100)));
+            assert_eq!(
+                hedged.max_attempts(),
+                1,
+                "no retryPolicy: the hedges are the attempts"
+            );
+        }
+        // Without `hedgingDelay`, gRPC sends the hedge at once.
         let config = ServiceConfig::from_json(
             r#"{"methodConfig": [{"name": [{"service": "p.S"}],
-                "hedgingPolicy": {"maxAttempts": 4, "hedgingDelay": "0.1s"}}]}"#,
+                "hedgingPolicy": {"maxAttempts": 2}}]}"#,
         )
         .unwrap();
-        assert_eq!(config.methods[0].hedging.as_ref().unwrap().max_attempts, 4);
         let policies = config.policies().unwrap();
-        let hedged = policies.for_path("/p.S/M");
-        assert!(hedged.hedging());
-        assert_eq!(hedged.min_hedge_delay(), Duration::from_millis(100));
-        // The policy carries no hedge count: the client stack sends one hedge per call.
-        assert_eq!(hedged.max_attempts(), 1);
+        assert_eq!(
+            policies.for_path("/p.S/M").hedge_delay(),
+            Some(Duration::ZERO)
+        );
+    }
+
+    /// `timeout` becomes the method's timeout, which the client stack uses as a cap on the
+    /// caller's deadline; `retryThrottling` is read both as gRPC's bucket and as a budget.
+    #[test]
+    fn timeout_and_throttling_map_onto_their_mechanisms() {
+        let config = ServiceConfig::from_json(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "p.S"}}], "timeout": "0.25s",
+                "retryPolicy": {{ {RETRY} }} }}],
+              "retryThrottling": {{"maxTokens": 7, "tokenRatio": 0.25}} }}"#
+        ))
+        .unwrap();
+        let policies = config.policies().unwrap();
+        assert_eq!(
+            policies.for_path("/p.S/M").timeout(),
+            Duration::from_millis(250)
+        );
+        let throttle = config.retry_throttle().unwrap();
+        assert_eq!((throttle.max_tokens(), throttle.token_ratio()), (7, 0.25));
+        // 7 tokens, half is 3.5: the fourth failure leaves 3 and stops retries.
+        for _ in 0..3 {
+            assert!(throttle.record_failure());
+        }
+        assert!(!throttle.record_failure());
+        assert_eq!(config.budget().unwrap().burst(), 4);
+        let none = ServiceConfig::from_json(r#"{"methodConfig": []}"#).unwrap();
+        assert!(none.retry_throttle().is_none());
     }
 
     #[test]
@@ -812,6 +898,7 @@ mod tests {
             r#"{"maxTokens": 0, "tokenRatio": 0.1}"#,
             r#"{"maxTokens": 1001, "tokenRatio": 0.1}"#,
             r#"{"maxTokens": 10, "tokenRatio": 0}"#,
+            r#"{"maxTokens": 10, "tokenRatio": 0.0005}"#,
             r#"{"maxTokens": 10, "tokenRatio": 1.5}"#,
         ] {
             let json = format!(r#"{{"retryThrottling": {throttle}}}"#);
@@ -859,15 +946,24 @@ mod tests {
         }
 
         #[test]
-        fn any_attempt_count_is_rejected_or_capped(n in 0u64..1_000_000) {
+        fn any_hedged_attempt_count_is_rejected_or_capped(n in 0u64..1_000_000) {
             let json = format!(r#"{{"methodConfig":[{{"hedgingPolicy":{{"maxAttempts":{n}}}}}]}}"#);
             match ServiceConfig::from_json(&json) {
                 Ok(c) => {
                     prop_assert!(n >= 2);
                     let h = c.methods[0].hedging.as_ref().unwrap();
                     prop_assert_eq!(h.max_attempts, (n as u32).min(5));
+                    let policy = c.methods[0]
+                        .apply(MethodPolicy::builder("M", Idempotency::Safe))
+                        .build();
+                    prop_assert_eq!(policy.max_hedges(), h.max_attempts - 1);
+                    prop_assert_eq!(policy.validate(), Ok(()));
                 }
-                Err(_) => prop_assert!(n < 2),
+                Err(ConfigError::Invalid { field, .. }) => {
+                    prop_assert!(n < 2);
+                    prop_assert_eq!(field, "methodConfig[0].hedgingPolicy.maxAttempts");
+                }
+                Err(other) => prop_assert!(false, "{other:?}"),
             }
         }
     }

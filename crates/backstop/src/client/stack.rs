@@ -20,8 +20,30 @@ use super::transparent::TransparentRetry;
 use crate::deadline::Margin;
 use crate::policy::{Idempotency, InvalidPolicy, MethodPolicies, MethodPolicy};
 use crate::retry::{
-    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
+    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, RetryThrottle, StormAlarm, StormConfig,
 };
+
+/// What limits a destination's retries and hedges (and transparent re-sends, which the budget
+/// pays for): backstop's retry budget, or gRPC's retry throttling.
+///
+/// Both read a service config's `retryThrottling {maxTokens, tokenRatio}`; they differ in what
+/// they bound. The budget bounds the load: at most `ratio` retries per logical request plus a
+/// burst, whatever fails, so a destination down for everyone sees at most `1 + ratio` times
+/// its traffic. gRPC's bucket bounds by the answers: retries stop once failures have taken
+/// half the tokens and resume as successes give them back, so a mostly healthy destination may
+/// see a retry for every failure. Pick [`Grpc`](Throttling::Grpc) to send the attempts a gRPC
+/// client with the same config would; [`Budget`](Throttling::Budget) is the default.
+#[derive(Debug, Clone)]
+pub enum Throttling {
+    /// backstop's [`RetryBudget`]: one deposit per logical request, one token per retry,
+    /// hedge or transparent re-send.
+    Budget(RetryBudget),
+    /// gRPC's [`RetryThrottle`]: a token per failed attempt, `tokenRatio` back per success,
+    /// retries and hedges only above half the tokens. Transparent re-sends are not limited
+    /// by it (gRPC does not count them either); the destination's budget is then
+    /// [`RetryBudget::unlimited`].
+    Grpc(RetryThrottle),
+}
 
 /// What every method calling one destination shares: its name, its retry budget (retries,
 /// hedges and transparent retries all spend it), its storm alarm (retries and hedges stop
@@ -35,6 +57,7 @@ pub struct Destination {
     budget: RetryBudget,
     storm: Option<StormAlarm>,
     throttle: Option<AdaptiveThrottle>,
+    retry_throttle: Option<RetryThrottle>,
     margin: Arc<Margin>,
     breaker: Option<CircuitBreaker>,
     latencies: Arc<LatencyWindow>,
@@ -59,6 +82,7 @@ impl Destination {
                 StormConfig::default(),
             )),
             throttle: None,
+            retry_throttle: None,
             name,
             budget: RetryBudget::default(),
             margin: Arc::new(Margin::new(Self::DEFAULT_MARGIN_FLOOR)),
@@ -71,9 +95,25 @@ impl Destination {
         }
     }
 
-    /// The retry budget (e.g. one from a service config's `retryThrottling`).
-    pub fn budget(mut self, budget: RetryBudget) -> Self {
-        self.budget = budget;
+    /// The retry budget (e.g. one from a service config's `retryThrottling`): the same as
+    /// `throttling(Throttling::Budget(budget))`.
+    pub fn budget(self, budget: RetryBudget) -> Self {
+        self.throttling(Throttling::Budget(budget))
+    }
+
+    /// What limits the retries and hedges: backstop's budget (the default, ratio 0.1 and
+    /// burst 20) or gRPC's retry throttling (see [`Throttling`]).
+    pub fn throttling(mut self, throttling: Throttling) -> Self {
+        match throttling {
+            Throttling::Budget(budget) => {
+                self.budget = budget;
+                self.retry_throttle = None;
+            }
+            Throttling::Grpc(throttle) => {
+                self.budget = RetryBudget::unlimited();
+                self.retry_throttle = Some(throttle);
+            }
+        }
         self
     }
 
@@ -141,6 +181,11 @@ impl Destination {
         &self.budget
     }
 
+    /// gRPC's retry throttling, if chosen ([`Throttling::Grpc`]).
+    pub fn retry_throttle(&self) -> Option<&RetryThrottle> {
+        self.retry_throttle.as_ref()
+    }
+
     /// The storm alarm, if any.
     pub fn storm(&self) -> Option<&StormAlarm> {
         self.storm.as_ref()
@@ -183,11 +228,13 @@ pub enum StackError {
 ///
 /// 0. [select](super::SelectMethod): the call's method policy, by path (skipped with one);
 /// 1. [logical request](super::idempotency): the idempotency key (`Keyed` methods), once;
-/// 2. [deadline](super::deadline::SetDeadline): one deadline for the call, the method's
-///    timeout unless the caller set one;
+/// 2. [deadline](super::deadline::SetDeadline): one deadline for the call, the earliest of
+///    the caller's, the one its task runs under (the request a handler serves) and the
+///    method's timeout;
 /// 3. [retry](super::retry): attempts by the policy, with replay, budget and stop reasons, an
 ///    attempt left unanswered past the destination's [`AttemptLimit`] abandoned for the next;
-/// 4. [hedge](super::hedge): one extra attempt after the p95 (`Safe`/`Keyed`, if enabled);
+/// 4. [hedge](super::hedge): an extra attempt after the p95 or the method's fixed hedge
+///    delay, one unless the method allows more (`Safe`/`Keyed`, if enabled);
 /// 5. [attempt timeout](super::deadline::AttemptTimeout): `grpc-timeout` minus the margin;
 /// 6. [circuit breaker](super::breaker);
 /// 7. [transparent retry](super::transparent): once, for attempts that never left;
@@ -412,17 +459,25 @@ impl ClientStackBuilder {
             .budget(d.budget.clone())
             .storm_alarm(d.storm.clone())
             .throttle(d.throttle.clone())
+            .retry_throttle(d.retry_throttle.clone())
             .build()?;
         let hedge = policy.hedging().then(|| {
             HedgePolicy::new(d.budget.clone(), service, method)
                 .latencies(d.latencies.clone())
                 .storm_alarm(d.storm.clone())
+                .retry_throttle(d.retry_throttle.clone())
                 .min_delay(policy.min_hedge_delay())
+                .fixed_delay(policy.hedge_delay())
+                .hedges(policy.max_hedges())
         });
-        // A stranded attempt of a hedged call is first overtaken by its hedge.
+        // A stranded attempt of a hedged call is first overtaken by its hedges.
         let limit = d.attempt_limit.map(|limit| {
             let limit = match &hedge {
-                Some(hedge) => limit.at_least(hedge.min_hedge_delay().saturating_mul(2)),
+                Some(hedge) => limit.at_least(
+                    hedge
+                        .min_hedge_delay()
+                        .saturating_mul(hedge.max_hedges().saturating_add(1)),
+                ),
                 None => limit,
             };
             (limit, d.margin.clone())
@@ -659,20 +714,22 @@ mod tests {
         assert!(seen["/p.Payment/Charge"].iter().all(|(keyed, _)| *keyed));
     }
 
-    /// A gRPC config asking for four hedged attempts gets one hedge per call: a call whose
-    /// attempts all hang is sent twice, not four times.
+    /// A gRPC config's `hedgingDelay` is the delay and its `maxAttempts` the attempts: with a
+    /// cold latency window (no p95 yet) a call whose attempts hang is hedged three times,
+    /// exactly 100 ms apart.
     #[tokio::test(start_paused = true)]
-    async fn a_config_asking_for_more_hedges_gets_one() {
+    async fn a_config_hedges_after_its_hedging_delay_from_the_first_call() {
         use crate::client::service_config::ServiceConfig;
         use http::{Request, Response};
-        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Mutex;
+        use tokio::time::Instant;
         use tower::{ServiceExt, service_fn};
 
-        let sent = Arc::new(AtomicUsize::new(0));
+        let sent = Arc::new(Mutex::new(Vec::new()));
         let transport = {
             let sent = sent.clone();
             service_fn(move |_r: Request<_>| {
-                sent.fetch_add(1, Ordering::SeqCst);
+                sent.lock().unwrap().push(Instant::now());
                 async move {
                     std::future::pending::<()>().await;
                     Ok::<_, std::io::Error>(Response::builder().status(200).body(()).unwrap())
@@ -685,9 +742,6 @@ mod tests {
         )
         .unwrap();
         let dest = Destination::new("s").attempt_limit(None);
-        for _ in 0..HedgePolicy::MIN_SAMPLES {
-            dest.latencies.record(Duration::from_millis(10));
-        }
         let svc = ClientStack::builder(&dest, config.policies().unwrap())
             .build()
             .unwrap()
@@ -696,7 +750,9 @@ mod tests {
             .body(http_body_util::Full::new(bytes::Bytes::new()))
             .unwrap();
         assert!(svc.oneshot(request).await.is_err());
-        assert_eq!(sent.load(Ordering::SeqCst), 2);
+        let sent = sent.lock().unwrap();
+        let gaps: Vec<Duration> = sent.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(gaps, [Duration::from_millis(100); 3]);
     }
 
     /// Each attempt leaves with one `grpc-timeout`, its own remaining budget minus the margin,

@@ -107,6 +107,8 @@ pub struct MethodPolicy {
     backoff: Backoff,
     hedging: bool,
     min_hedge_delay: Duration,
+    hedge_delay: Option<Duration>,
+    max_hedges: u32,
     key_ttl: Option<Duration>,
     rate_class: String,
     buffer_body: bool,
@@ -136,6 +138,15 @@ pub enum InvalidPolicy {
     HedgingUnsafe {
         /// The method.
         method: String,
+    },
+    /// Hedges per call must be between 1 and one less than [`MAX_ATTEMPTS_CAP`]: the first
+    /// attempt and its hedges are attempts too.
+    #[error("method {method}: max_hedges {max_hedges} is outside 1..={}", MAX_ATTEMPTS_CAP - 1)]
+    MaxHedges {
+        /// The method.
+        method: String,
+        /// The value given.
+        max_hedges: u32,
     },
     /// Attempts must be between 1 and [`MAX_ATTEMPTS_CAP`].
     #[error("method {method}: max_attempts {max_attempts} is outside 1..={MAX_ATTEMPTS_CAP}")]
@@ -200,6 +211,8 @@ impl MethodPolicy {
                 backoff: Backoff::default(),
                 hedging: false,
                 min_hedge_delay: Duration::ZERO,
+                hedge_delay: None,
+                max_hedges: 1,
                 key_ttl: None,
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
                 buffer_body: false,
@@ -255,7 +268,8 @@ impl MethodPolicy {
         &self.backoff
     }
 
-    /// Whether a slow attempt may be hedged (at most one extra copy per call).
+    /// Whether a slow attempt may be hedged (at most [`max_hedges`](Self::max_hedges) copies
+    /// per call).
     pub fn hedging(&self) -> bool {
         self.hedging
     }
@@ -263,6 +277,17 @@ impl MethodPolicy {
     /// The earliest a hedge is sent, whatever the destination's p95 says.
     pub fn min_hedge_delay(&self) -> Duration {
         self.min_hedge_delay
+    }
+
+    /// The fixed delay after which a slow attempt is hedged (a gRPC `hedgingDelay`), or
+    /// `None` to hedge at the destination's rolling p95.
+    pub fn hedge_delay(&self) -> Option<Duration> {
+        self.hedge_delay
+    }
+
+    /// The most hedges a call may send when [hedging](Self::hedging) (1 unless set).
+    pub fn max_hedges(&self) -> u32 {
+        self.max_hedges
     }
 
     /// How long idempotency keys are kept.
@@ -297,6 +322,12 @@ impl MethodPolicy {
         }
         if self.timeout.is_zero() {
             return Err(InvalidPolicy::ZeroTimeout { method: method() });
+        }
+        if !(1..MAX_ATTEMPTS_CAP).contains(&self.max_hedges) {
+            return Err(InvalidPolicy::MaxHedges {
+                method: method(),
+                max_hedges: self.max_hedges,
+            });
         }
         if self.hedging && self.idempotency == Idempotency::Unsafe {
             return Err(InvalidPolicy::HedgingUnsafe { method: method() });
@@ -360,9 +391,26 @@ impl MethodPolicyBuilder {
         self
     }
 
-    /// Never hedges sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
+    /// Never hedges sooner than `delay`, whatever the p95.
     pub fn min_hedge_delay(mut self, delay: Duration) -> Self {
         self.policy.min_hedge_delay = delay;
+        self
+    }
+
+    /// Hedges a slow attempt after exactly `delay` (a gRPC `hedgingDelay`) instead of at the
+    /// destination's rolling p95: from the first call, without waiting for latency samples.
+    pub fn hedge_delay(mut self, delay: Duration) -> Self {
+        self.policy.hedge_delay = Some(delay);
+        self
+    }
+
+    /// At most `hedges` hedges per call, each `hedge_delay` (or the p95) after the one
+    /// before (default 1; at most `MAX_ATTEMPTS_CAP - 1`, checked by
+    /// [`validate`](MethodPolicy::validate)). A gRPC `hedgingPolicy.maxAttempts` of N is
+    /// N - 1 hedges. Each is paid for like a retry, so the budget (or gRPC's retry
+    /// throttling) still bounds what they add to the destination's load.
+    pub fn max_hedges(mut self, hedges: u32) -> Self {
+        self.policy.max_hedges = hedges;
         self
     }
 
@@ -439,6 +487,30 @@ mod tests {
         assert_eq!(unsafe_.max_attempts(), 1);
         assert!(unsafe_.retryable().is_empty());
         assert_eq!(keyed("Charge").build().validate(), Ok(()));
+    }
+
+    #[test]
+    fn hedges_per_call_stay_under_the_attempts_cap() {
+        for n in [0, MAX_ATTEMPTS_CAP, 100] {
+            let p = MethodPolicy::builder("Get", Idempotency::Safe)
+                .hedging(true)
+                .max_hedges(n)
+                .build();
+            assert_eq!(
+                p.validate(),
+                Err(InvalidPolicy::MaxHedges {
+                    method: "Get".into(),
+                    max_hedges: n
+                })
+            );
+        }
+        for n in 1..MAX_ATTEMPTS_CAP {
+            let p = MethodPolicy::builder("Get", Idempotency::Safe)
+                .hedging(true)
+                .max_hedges(n)
+                .build();
+            assert_eq!((p.validate(), p.max_hedges()), (Ok(()), n));
+        }
     }
 
     #[test]

@@ -248,10 +248,17 @@ impl fmt::Display for MethodPolicies {
                 };
                 let hedging = if !c.hedging {
                     "no".to_owned()
+                } else if let Some(delay) = c.hedge_delay {
+                    format!("={}", human(delay))
                 } else if c.min_hedge_delay.is_zero() {
                     "p95".to_owned()
                 } else {
                     format!(">={}", human(c.min_hedge_delay))
+                };
+                let hedging = match c.max_hedges {
+                    1 => hedging,
+                    n if c.hedging => format!("{hedging} x{n}"),
+                    _ => hedging,
                 };
                 [
                     key.to_string(),

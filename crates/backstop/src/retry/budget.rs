@@ -104,6 +104,13 @@ impl RetryBudget {
         Ok(RetryBudget::with_units(ratio, burst))
     }
 
+    /// A budget that never runs out (ratio 1, `u32::MAX` tokens): for a destination whose
+    /// retries something else limits, such as gRPC's retry throttling
+    /// ([`RetryThrottle`](super::RetryThrottle)), so that only that limit applies.
+    pub fn unlimited() -> RetryBudget {
+        RetryBudget::with_units(1.0, u32::MAX)
+    }
+
     fn with_units(ratio: f64, burst: u32) -> RetryBudget {
         // Rounded down, so the deposits never add up to more than the ratio promises.
         let per_request = (ratio * SCALE as f64).floor() as u64;

@@ -102,7 +102,10 @@ impl RetryPolicy {
     /// - Every attempt shares `deadline` and is cut off when it passes (the attempt then
     ///   counts as `DEADLINE_EXCEEDED` and the request stops with [`StopReason::Deadline`]).
     /// - The budget gets one deposit per call of this method (one logical request) and loses
-    ///   one token per retry; no token, no retry ([`StopReason::BudgetExhausted`]).
+    ///   one token per retry; no token, no retry ([`StopReason::BudgetExhausted`]). With a
+    ///   [gRPC retry throttle](super::RetryPolicyBuilder::retry_throttle), a failure with a
+    ///   retried code also takes a token from it, a success gives back its ratio, and no retry
+    ///   follows a failure that leaves half its tokens or fewer (the same stop reason).
     /// - Fatal codes stop at once ([`StopReason::NonRetryable`]), and so does
     ///   `DEADLINE_EXCEEDED` unless the policy is [keyed](super::RetryPolicyBuilder::keyed).
     /// - Between attempts it waits the server's pushback x uniform[0.8, 1.2] (never zero) when
@@ -234,6 +237,14 @@ impl RetryPolicy {
             RetryClass::Timeout if !self.keyed => return Err(StopReason::NonRetryable),
             RetryClass::Timeout | RetryClass::Retryable | RetryClass::RetryAfterPushback => {}
         }
+        // gRPC counts a failure with a retried code before it looks at the attempts left, so
+        // a call's last failure drains the bucket too; counted the same way, the same answers
+        // send the same retries as a gRPC client would.
+        if let Some(throttle) = self.counted_throttle() {
+            if !throttle.record_failure() {
+                return Err(StopReason::BudgetExhausted);
+            }
+        }
         if attempts >= self.max_attempts {
             return Err(StopReason::MaxAttempts);
         }
@@ -266,6 +277,14 @@ impl RetryPolicy {
             return Err(StopReason::BudgetExhausted);
         }
         Ok(wait)
+    }
+
+    /// The gRPC retry throttle, when this policy's answers feed it: as in gRPC, only a method
+    /// that may be retried counts its attempts.
+    fn counted_throttle(&self) -> Option<&super::RetryThrottle> {
+        self.retry_throttle
+            .as_ref()
+            .filter(|_| self.max_attempts > 1)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -446,6 +465,9 @@ impl Attempts {
     ) {
         if let Some(throttle) = &policy.throttle {
             throttle.record_accept_at(now);
+        }
+        if let Some(throttle) = policy.counted_throttle() {
+            throttle.record_success();
         }
         self.first_answered(policy, now);
         policy.record_attempt(
@@ -1369,6 +1391,95 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(sent.load(Ordering::Relaxed), 10);
+    }
+
+    /// gRPC's retry throttling drives the retries: each failure with a retried code takes a
+    /// token, the last attempt's too; once a failure leaves half the tokens or fewer the call
+    /// stops with `budget_exhausted`; successes give back the ratio and retries resume.
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_retry_throttle_stops_retries_below_half_its_tokens() {
+        use crate::retry::RetryThrottle;
+
+        let throttle = RetryThrottle::new(10, 0.5).unwrap();
+        let policy = policy()
+            .budget(RetryBudget::new(1.0, 1_000).unwrap())
+            .retry_throttle(Some(throttle.clone()))
+            .build()
+            .unwrap();
+        let down = |_| async { Err::<(), _>(unavailable()) };
+        // 10 tokens: three failures (7 left), exhausted at max attempts.
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(1)), down)
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (3, StopReason::MaxAttempts));
+        assert_eq!(throttle.tokens(), 7.0);
+        // 7 -> 6 (retry) -> 5 (half: no retry).
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(1)), down)
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (2, StopReason::BudgetExhausted));
+        assert_eq!(throttle.tokens(), 5.0);
+        // A fatal answer is not a failure the throttle counts.
+        let fatal = |_| async { Err::<(), _>(Status::new(Code::InvalidArgument, "bad")) };
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(1)), fatal)
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason, StopReason::NonRetryable);
+        assert_eq!(throttle.tokens(), 5.0);
+        // Two successes: 6 tokens, so the next failure (5.0 left) is not retried, but after
+        // one more success it is.
+        for _ in 0..2 {
+            policy
+                .execute(Deadline::after(Duration::from_secs(1)), |_| async {
+                    Ok::<_, Status>(())
+                })
+                .await
+                .unwrap();
+        }
+        assert_eq!(throttle.tokens(), 6.0);
+        let flaky = |a: Attempt| async move {
+            if a.number == 1 {
+                Err(unavailable())
+            } else {
+                Ok(())
+            }
+        };
+        let err = policy
+            .execute(Deadline::after(Duration::from_secs(1)), flaky)
+            .await
+            .unwrap_err();
+        assert_eq!((err.attempts, err.reason), (1, StopReason::BudgetExhausted));
+        assert_eq!(throttle.tokens(), 5.0);
+        // Three successes (6.5): the failure leaves 5.5, so it is retried, and the retry's
+        // success gives back half a token.
+        for _ in 0..3 {
+            policy
+                .execute(Deadline::after(Duration::from_secs(1)), |_| async {
+                    Ok::<_, Status>(())
+                })
+                .await
+                .unwrap();
+        }
+        policy
+            .execute(Deadline::after(Duration::from_secs(1)), flaky)
+            .await
+            .unwrap();
+        assert_eq!(throttle.tokens(), 6.0);
+
+        // A method sent once says nothing to the throttle, as in gRPC.
+        let once = policy.single_attempt();
+        once.execute(Deadline::after(Duration::from_secs(1)), down)
+            .await
+            .unwrap_err();
+        once.execute(Deadline::after(Duration::from_secs(1)), |_| async {
+            Ok::<_, Status>(())
+        })
+        .await
+        .unwrap();
+        assert_eq!(throttle.tokens(), 6.0);
     }
 
     /// The bookkeeping steps run on a virtual clock with a seeded generator: no clock is read

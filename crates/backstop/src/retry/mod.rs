@@ -11,6 +11,8 @@
 //!   not `max_attempts` times.
 //! - [`StormAlarm`]: the retry ratio per destination over a sliding window; above 0.2 retries
 //!   and hedges stop ([`StopReason::Storm`]) until it falls back to 0.1.
+//! - [`RetryThrottle`] (instead of the budget, when asked for): gRPC's `retryThrottling` token
+//!   bucket, retries sent only while failures have not drained half of it.
 //! - [`AdaptiveThrottle`] (optional): attempts rejected locally, before the transport, with a
 //!   probability that grows with the share of attempts the server refused
 //!   ([`StopReason::Throttled`]).
@@ -75,6 +77,7 @@
 //! - `error`: [`RetryError`] and [`StopReason`].
 //! - [`storm`]: [`StormAlarm`], retries and hedges stopped while a destination's retry ratio
 //!   says it is down for everyone.
+//! - [`retry_throttle`]: [`RetryThrottle`], gRPC's retry throttling.
 //! - [`throttle`]: [`AdaptiveThrottle`], attempts rejected locally while the server refuses
 //!   load.
 //!
@@ -97,6 +100,7 @@ mod error;
 mod executor;
 mod metrics;
 mod policy;
+pub mod retry_throttle;
 pub mod storm;
 pub mod throttle;
 mod window;
@@ -106,5 +110,6 @@ pub use budget::{BudgetError, RetryBudget};
 pub use error::{RetryError, StopReason};
 pub use executor::{Attempt, Attempts, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
 pub use policy::{PolicyError, RetryPolicy, RetryPolicyBuilder};
+pub use retry_throttle::{RetryThrottle, RetryThrottleError};
 pub use storm::{RPC_CLIENT_STORM_ALARM, StormAlarm, StormConfig, StormConfigError, StormLevel};
 pub use throttle::{AdaptiveThrottle, ThrottleError};

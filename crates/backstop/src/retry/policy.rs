@@ -8,7 +8,7 @@ use std::time::Duration;
 use metrics::SharedString;
 
 use super::metrics::PolicyMetrics;
-use super::{AdaptiveThrottle, Backoff, RetryBudget, StormAlarm};
+use super::{AdaptiveThrottle, Backoff, RetryBudget, RetryThrottle, StormAlarm};
 use crate::policy::defaults::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MIN_ATTEMPT, MAX_ATTEMPTS_CAP};
 use crate::policy::{Idempotency, MethodPolicy};
 use crate::status::Code;
@@ -36,6 +36,7 @@ pub struct RetryPolicy {
     pub(super) budget: RetryBudget,
     pub(super) storm: Option<StormAlarm>,
     pub(super) throttle: Option<AdaptiveThrottle>,
+    pub(super) retry_throttle: Option<RetryThrottle>,
     pub(super) min_attempt: Duration,
     pub(super) keyed: bool,
     pub(super) retryable: Option<Arc<[Code]>>,
@@ -63,6 +64,7 @@ impl RetryPolicy {
             budget: None,
             storm: None,
             throttle: None,
+            retry_throttle: None,
             min_attempt: DEFAULT_MIN_ATTEMPT,
             keyed: false,
             retryable: None,
@@ -94,6 +96,11 @@ impl RetryPolicy {
     /// The destination's adaptive throttle, if any.
     pub fn throttle(&self) -> Option<&AdaptiveThrottle> {
         self.throttle.as_ref()
+    }
+
+    /// The destination's gRPC retry throttling, if any.
+    pub fn retry_throttle(&self) -> Option<&RetryThrottle> {
+        self.retry_throttle.as_ref()
     }
 
     /// The shortest time worth starting an attempt with: a retry is sent only if the deadline
@@ -143,6 +150,7 @@ pub struct RetryPolicyBuilder {
     budget: Option<RetryBudget>,
     storm: Option<StormAlarm>,
     throttle: Option<AdaptiveThrottle>,
+    retry_throttle: Option<RetryThrottle>,
     min_attempt: Duration,
     keyed: bool,
     retryable: Option<Arc<[Code]>>,
@@ -182,6 +190,18 @@ impl RetryPolicyBuilder {
     /// ([`StopReason::Throttled`](super::StopReason)).
     pub fn throttle(mut self, throttle: Option<AdaptiveThrottle>) -> Self {
         self.throttle = throttle;
+        self
+    }
+
+    /// gRPC's retry throttling, shared with every other policy calling the same destination
+    /// (default none): every attempt that fails with a retried code takes a token, every
+    /// success gives back a fraction of one, and no retry follows a failure that leaves half
+    /// the tokens or fewer ([`StopReason::BudgetExhausted`](super::StopReason)). It is
+    /// consulted beside the [budget](Self::budget); to limit retries by the bucket alone, as
+    /// gRPC does, give a budget that never runs out (see
+    /// [`Throttling`](crate::client::Throttling)).
+    pub fn retry_throttle(mut self, throttle: Option<RetryThrottle>) -> Self {
+        self.retry_throttle = throttle;
         self
     }
 
@@ -230,6 +250,7 @@ impl RetryPolicyBuilder {
             budget: self.budget.unwrap_or_default(),
             storm: self.storm,
             throttle: self.throttle,
+            retry_throttle: self.retry_throttle,
             min_attempt: self.min_attempt,
             keyed: self.keyed,
             retryable: self.retryable,

@@ -69,8 +69,9 @@ pub(crate) struct LoadArgs {
     /// Deadline of each logical request (sent as `grpc-timeout`).
     #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
     timeout: Duration,
-    /// Never hedge an attempt sooner than this, e.g. `100ms`, whatever the rolling p95 (a gRPC
-    /// `hedgingDelay`; `backstop` policy only). Unset: hedge at the p95.
+    /// Never hedge an attempt sooner than this, e.g. `100ms`, whatever the rolling p95 (a floor
+    /// under the p95, unlike a gRPC `hedgingDelay`, which is the delay itself; `backstop` policy
+    /// only). Unset: hedge at the p95.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     hedge_delay: Option<Duration>,
     /// Reject attempts locally, before they are sent, with client-side adaptive throttling

@@ -1,9 +1,13 @@
-//! Hedging: one extra attempt when the first is slower than usual.
+//! Hedging: an extra attempt when the first is slower than usual.
 //!
 //! Tail latency is mostly one slow replica or one unlucky packet. [`Hedge`] sends the attempt,
 //! and if no answer has come after the rolling p95 of the destination's recent latencies, sends
-//! one copy (through the balancer, so usually to another endpoint). The first good answer wins
-//! and the other attempt is dropped, which cancels it. At most one hedge per logical call.
+//! a copy (through the balancer, so usually to another endpoint). The first final answer wins
+//! and the other sends are dropped, which cancels them. One hedge per logical call unless the
+//! policy allows more ([`HedgePolicy::hedges`], a gRPC `hedgingPolicy.maxAttempts`): each
+//! further copy goes out a delay after the one before, or at once when a send fails in a way
+//! another attempt could still fix (as gRPC does); when every send fails, the last failure is
+//! the attempt's answer, for the retry layer to judge.
 //!
 //! Hedges are paid from the destination's [`RetryBudget`](crate::retry::RetryBudget), the same one retries use, so
 //! hedging cannot double the load on a destination that is slow because it is overloaded.
@@ -17,6 +21,28 @@
 //!
 //! A request whose body cannot be replayed (over the cap) is not hedged. Only the answers of
 //! successful attempts feed the latency window, so failures do not lower the hedge delay.
+//!
+//! # When the hedge is sent
+//!
+//! By default at the destination's rolling p95 ([`HedgePolicy::new`]), which has to be
+//! measured first: until [`HedgePolicy::MIN_SAMPLES`] successful answers are in the window no
+//! attempt is hedged, so a fresh client (or a destination with little traffic) runs unhedged
+//! for its first calls. [`HedgePolicy::min_delay`] puts a floor under the p95. A fixed delay
+//! ([`HedgePolicy::fixed_delay`], a gRPC `hedgingDelay` read from a
+//! [service config](crate::client::service_config)) is the delay itself: the hedge goes out
+//! exactly that long after its attempt, from the first call on, whatever the p95.
+//!
+//! # Keyed hedges and a shared store
+//!
+//! The hedge of a `Keyed` call carries the same idempotency key, so when the server's
+//! instances share one idempotency store it finds the first attempt's claim and waits on it
+//! (for the first attempt's answer, or for its lease to lapse) instead of running the handler
+//! again. That is what makes it safe, and it is also its limit: such a hedge only helps when
+//! the first attempt is slow before it claims the key (a slow connection, a queue, a stalled
+//! instance that never got to the claim). A tail that starts after the claim (a slow database
+//! write, a slow downstream call inside the handler) holds the claim for as long as it lasts,
+//! and the hedge waits it out with it. `Safe` methods, which need no claim, are hedged for the
+//! whole of their latency.
 //!
 //! The hedge's request carries a [`Hedged`] extension. Its `grpc-previous-rpc-attempts` is one
 //! above the attempt it races, the value the next retry would carry too, so a service below
@@ -33,12 +59,15 @@ pub use self::latency::LatencyWindow;
 pub use self::layer::HedgeLayer;
 pub use self::policy::HedgePolicy;
 
-use std::pin::pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tower::{BoxError, ServiceExt};
@@ -57,14 +86,16 @@ use crate::status::{Code, Outcome, RetryClass};
 /// hedged.
 pub type ResponseFuture<F, T> = LayerFuture<F, T>;
 
-/// One hedge per logical call: put in the request's extensions by the retry layer and shared by
-/// the call's attempts.
+/// The hedges of one logical call: put in the request's extensions by the retry layer and
+/// shared by the call's attempts, so that a call is hedged at most as many times as its
+/// policy allows ([`HedgePolicy::max_hedges`]), whichever of its attempts the hedges race.
 #[derive(Debug, Clone, Default)]
 pub struct HedgeAllowance(Arc<Allowance>);
 
 #[derive(Debug, Default)]
 struct Allowance {
-    taken: AtomicBool,
+    /// Hedges sent for the call so far.
+    taken: AtomicU32,
     /// Whether the call is observed: the race of its hedged attempt is then kept in `race`.
     observed: bool,
     /// The race of the attempt that was hedged, once it is over, until the retry layer takes it
@@ -73,9 +104,19 @@ struct Allowance {
 }
 
 impl HedgeAllowance {
-    /// Takes the call's one hedge; `false` if it was taken already.
+    /// Takes one hedge of a call allowed one; `false` if it was taken already.
     pub fn take(&self) -> bool {
-        !self.0.taken.swap(true, Ordering::AcqRel)
+        self.take_up_to(1)
+    }
+
+    /// Takes one hedge of a call allowed `max`; `false` once `max` were taken.
+    pub fn take_up_to(&self, max: u32) -> bool {
+        self.0
+            .taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// The allowance of a call whose hedge race, if it has one, is kept for its observer.
@@ -96,13 +137,13 @@ impl HedgeAllowance {
     }
 }
 
-/// How the two sends of a hedged attempt went, as the hedge layer saw them.
-#[derive(Debug, Clone, Copy)]
+/// How the sends of a hedged attempt went, as the hedge layer saw them.
+#[derive(Debug, Clone)]
 pub(crate) struct Race {
     /// The attempt the retry layer sent.
     pub(crate) primary: Leg,
-    /// Its copy.
-    pub(crate) hedge: Leg,
+    /// Its copies, in the order they were sent.
+    pub(crate) hedges: Vec<Leg>,
     /// Whose result was returned; `None` when the race was dropped first (cut off above).
     pub(crate) returned: Option<Side>,
 }
@@ -111,7 +152,8 @@ pub(crate) struct Race {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
     Primary,
-    Hedge,
+    /// The hedge at this index of [`Race::hedges`].
+    Hedge(usize),
 }
 
 /// One send of a hedge race.
@@ -158,21 +200,27 @@ impl Leg {
 /// A hedge race under way, handed to the call's allowance when it is over or dropped.
 struct RaceLog {
     allowance: HedgeAllowance,
-    race: Race,
+    race: Option<Race>,
 }
 
 impl RaceLog {
     /// The race of an observed call, or `None`.
-    fn new(allowance: Option<&HedgeAllowance>, started: Instant, hedged: Instant) -> Option<Self> {
+    fn new(allowance: Option<&HedgeAllowance>, started: Instant) -> Option<Self> {
         let allowance = allowance.filter(|a| a.0.observed)?.clone();
         Some(Self {
             allowance,
-            race: Race {
+            race: Some(Race {
                 primary: Leg::new(started),
-                hedge: Leg::new(hedged),
+                hedges: Vec::new(),
                 returned: None,
-            },
+            }),
         })
+    }
+
+    fn race(&mut self) -> &mut Race {
+        self.race
+            .as_mut()
+            .expect("the race is handed over on drop only")
     }
 }
 
@@ -183,7 +231,14 @@ impl Drop for RaceLog {
             .0
             .race
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(self.race);
+            .unwrap_or_else(PoisonError::into_inner) = self.race.take();
+    }
+}
+
+/// Records in `log`, if any, that a hedge was sent at `started`.
+fn hedge_sent(log: &mut Option<RaceLog>, started: Instant) {
+    if let Some(log) = log {
+        log.race().hedges.push(Leg::new(started));
     }
 }
 
@@ -196,13 +251,16 @@ fn leg_ended<B>(
     returned: bool,
 ) {
     if let Some(log) = log {
+        let race = log.race();
         let leg = match side {
-            Side::Primary => &mut log.race.primary,
-            Side::Hedge => &mut log.race.hedge,
+            Side::Primary => Some(&mut race.primary),
+            Side::Hedge(i) => race.hedges.get_mut(i),
         };
-        leg.end(result);
+        if let Some(leg) = leg {
+            leg.end(result);
+        }
         if returned {
-            log.race.returned = Some(side);
+            race.returned = Some(side);
         }
     }
 }
@@ -212,7 +270,7 @@ fn leg_ended<B>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Hedged;
 
-/// Sends a second copy of a slow attempt (see the [module docs](self)).
+/// Sends copies of a slow attempt (see the [module docs](self)).
 #[derive(Debug, Clone)]
 pub struct Hedge<S> {
     inner: S,
@@ -263,8 +321,9 @@ where
             return LayerFuture::direct(self.inner.call(request));
         };
         let started = Instant::now();
-        // Only an attempt that can be copied, once the window knows the p95, may be hedged;
-        // only then is a second handle on the service needed.
+        // Only an attempt that can be copied, once the delay is known (a fixed one, or the p95
+        // once the window has its samples), may be hedged; only then is a second handle on the
+        // service needed.
         let hedge = match (try_clone_request(&request), policy.delay()) {
             (Some(backup), Some(delay)) => Some((self.inner.clone(), backup, delay)),
             _ => None,
@@ -292,6 +351,10 @@ fn record<B>(policy: &HedgePolicy, result: &Result<Response<B>, BoxError>, start
     }
 }
 
+/// One send of the race, with the side it is and when it started.
+type LegFuture<ResB> =
+    Pin<Box<dyn Future<Output = (Side, Instant, Result<Response<ResB>, BoxError>)> + Send>>;
+
 async fn run<S, B, ResB>(
     primary: S::Future,
     hedge: Option<(S, Request<ReplayBody<B>>, Duration)>,
@@ -299,19 +362,23 @@ async fn run<S, B, ResB>(
     started: Instant,
 ) -> Result<Response<ResB>, BoxError>
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Send + 'static,
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Error: Into<BoxError>,
     S::Future: Send,
     B: Send + 'static,
     ResB: Send + 'static,
 {
-    let mut primary = pin!(async move { primary.await.map_err(Into::<BoxError>::into) });
-    let Some((svc, mut backup, delay)) = hedge else {
+    // Boxed, not pinned on the stack: it may join the race's sends, which outlive this frame's
+    // borrows.
+    let mut primary = Box::pin(async move { primary.await.map_err(Into::<BoxError>::into) });
+    let Some((svc, backup, delay)) = hedge else {
         let result = primary.await;
         record(&policy, &result, started);
         return result;
     };
     let allowance = backup.extensions().get::<HedgeAllowance>().cloned();
+    // Without a hedge sent, the attempt's own answer is the answer, whatever it is: the retry
+    // layer above decides what follows a failure.
     tokio::select! {
         result = &mut primary => {
             record(&policy, &result, started);
@@ -319,58 +386,88 @@ where
         }
         () = tokio::time::sleep(delay) => {}
     }
-    let allowed = allowance.as_ref().is_none_or(HedgeAllowance::take);
-    if !allowed || !policy.try_hedge_at(Instant::now()) {
-        let result = primary.await;
-        record(&policy, &result, started);
-        return result;
-    }
-    metrics::counter!(RPC_CLIENT_HEDGES_TOTAL,
-        label::SERVICE => policy.service.clone(), label::METHOD => policy.method.clone())
-    .increment(1);
+    // Started with the first hedge; handed to the allowance when the race is over, or
+    // dropped unfinished.
+    let mut log = None;
+    let mut legs: FuturesUnordered<LegFuture<ResB>> = FuturesUnordered::new();
+    legs.push(Box::pin(
+        async move { (Side::Primary, started, primary.await) },
+    ));
     let previous = backup
         .headers()
         .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u32>().ok())
         .unwrap_or(0);
-    backup.headers_mut().insert(
-        &GRPC_PREVIOUS_RPC_ATTEMPTS,
-        HeaderValue::from(previous.saturating_add(1)),
-    );
-    backup.extensions_mut().insert(Hedged);
-    let hedge_started = Instant::now();
-    // Handed to the allowance when the race is over, or dropped unfinished.
-    let mut log = RaceLog::new(allowance.as_ref(), started, hedge_started);
-    let mut secondary =
-        pin!(async move { svc.oneshot(backup).await.map_err(Into::<BoxError>::into) });
-    // The first final answer wins; the other attempt is dropped, which cancels it.
-    tokio::select! {
-        result = &mut primary => {
-            let last = is_final(&result);
-            leg_ended(&mut log, Side::Primary, &result, last);
-            if last {
-                record(&policy, &result, started);
-                return result;
+    let max = policy.max_hedges();
+    let mut sent = 0;
+    // When the next hedge is due; `None` once no more may be sent.
+    let mut next = Some(Instant::now());
+    // The latest failure that did not settle the race, returned if every send ends so.
+    let mut last = None;
+    loop {
+        tokio::select! {
+            // Sent before a send is awaited again: a hedge due now goes out first.
+            biased;
+            () = tokio::time::sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
+                let now = Instant::now();
+                let allowed = allowance.as_ref().is_none_or(|a| a.take_up_to(max));
+                if !allowed || !policy.try_hedge_at(now) {
+                    next = None;
+                    continue;
+                }
+                // Each hedge is a copy of the attempt's request; the body is replayable, or
+                // the attempt would not have been hedged at all.
+                let Some(mut request) = try_clone_request(&backup) else {
+                    next = None;
+                    continue;
+                };
+                sent += 1;
+                metrics::counter!(RPC_CLIENT_HEDGES_TOTAL,
+                    label::SERVICE => policy.service.clone(), label::METHOD => policy.method.clone())
+                .increment(1);
+                request.headers_mut().insert(
+                    &GRPC_PREVIOUS_RPC_ATTEMPTS,
+                    HeaderValue::from(previous.saturating_add(sent)),
+                );
+                request.extensions_mut().insert(Hedged);
+                if log.is_none() {
+                    log = RaceLog::new(allowance.as_ref(), started);
+                }
+                hedge_sent(&mut log, now);
+                let side = Side::Hedge(sent as usize - 1);
+                let svc = svc.clone();
+                legs.push(Box::pin(async move {
+                    (side, now, svc.oneshot(request).await.map_err(Into::<BoxError>::into))
+                }));
+                next = (sent < max).then(|| now + delay);
             }
-            let result = secondary.await;
-            leg_ended(&mut log, Side::Hedge, &result, true);
-            record(&policy, &result, hedge_started);
-            result
-        }
-        result = &mut secondary => {
-            let last = is_final(&result);
-            leg_ended(&mut log, Side::Hedge, &result, last);
-            if last {
-                record(&policy, &result, hedge_started);
-                return result;
+            Some((side, leg_started, result)) = legs.next() => {
+                if is_final(&result) || (legs.is_empty() && next.is_none()) {
+                    leg_ended(&mut log, side, &result, true);
+                    // The first final answer wins; dropping `legs` cancels the other sends.
+                    record(&policy, &result, leg_started);
+                    return result;
+                }
+                leg_ended(&mut log, side, &result, false);
+                last = Some((side, leg_started, result));
+                // As gRPC does, a failure that leaves the race open sends the next hedge now
+                // rather than after its delay.
+                if next.is_some() {
+                    next = Some(Instant::now());
+                }
             }
-            let result = primary.await;
-            leg_ended(&mut log, Side::Primary, &result, true);
-            record(&policy, &result, started);
-            result
+            else => break,
         }
     }
+    // Every send ended without a final answer and no hedge is left to send: the last
+    // failure is the attempt's.
+    let (side, leg_started, result) = last.expect("a send ended before the race did");
+    if let Some(log) = &mut log {
+        log.race().returned = Some(side);
+    }
+    record(&policy, &result, leg_started);
+    result
 }
 
 #[cfg(test)]

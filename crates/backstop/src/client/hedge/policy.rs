@@ -10,16 +10,19 @@ use metrics::SharedString;
 use tokio::time::Instant;
 
 use super::latency::LatencyWindow;
-use crate::retry::{RetryBudget, StormAlarm};
+use crate::retry::{RetryBudget, RetryThrottle, StormAlarm};
 
 /// How a destination is hedged.
 #[derive(Debug, Clone)]
 pub struct HedgePolicy {
     budget: RetryBudget,
     storm: Option<StormAlarm>,
+    retry_throttle: Option<RetryThrottle>,
     latencies: Arc<LatencyWindow>,
     quantile: f64,
     min_delay: Duration,
+    fixed_delay: Option<Duration>,
+    max_hedges: u32,
     pub(super) service: SharedString,
     pub(super) method: SharedString,
 }
@@ -40,9 +43,12 @@ impl HedgePolicy {
         Self {
             budget,
             storm: None,
+            retry_throttle: None,
             latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
             quantile: 0.95,
             min_delay: Duration::ZERO,
+            fixed_delay: None,
+            max_hedges: 1,
             service: service.into(),
             method: method.into(),
         }
@@ -55,15 +61,43 @@ impl HedgePolicy {
         self
     }
 
-    /// Never hedge sooner than `delay` (a gRPC `hedgingDelay`), whatever the p95.
+    /// Sends no hedge while `throttle` (the destination's gRPC retry throttling) holds half
+    /// its tokens or fewer, as gRPC holds back hedges; a hedge takes no token from it.
+    pub fn retry_throttle(mut self, throttle: Option<RetryThrottle>) -> Self {
+        self.retry_throttle = throttle;
+        self
+    }
+
+    /// Never hedge sooner than `delay`, whatever the p95.
     pub fn min_delay(mut self, delay: Duration) -> Self {
         self.min_delay = delay;
         self
     }
 
-    /// The shortest delay before a hedge.
+    /// Hedge after exactly `delay` (a gRPC `hedgingDelay`), or at the p95 with `None` (the
+    /// default). A fixed delay needs no latency samples, so it hedges from the first call.
+    pub fn fixed_delay(mut self, delay: Option<Duration>) -> Self {
+        self.fixed_delay = delay;
+        self
+    }
+
+    /// Sends up to `hedges` hedges per call (default 1, at least 1), each a delay after the one
+    /// before, while no final answer has come; a failure that leaves the race open sends the
+    /// next one at once. The call's [`HedgeAllowance`](super::HedgeAllowance) counts them
+    /// across its attempts, and each is paid for like the first.
+    pub fn hedges(mut self, hedges: u32) -> Self {
+        self.max_hedges = hedges.max(1);
+        self
+    }
+
+    /// The most hedges a call may send.
+    pub fn max_hedges(&self) -> u32 {
+        self.max_hedges
+    }
+
+    /// The shortest delay before a hedge: the fixed delay if set, else the floor under the p95.
     pub fn min_hedge_delay(&self) -> Duration {
-        self.min_delay
+        self.fixed_delay.unwrap_or(self.min_delay)
     }
 
     /// Shares a latency window (e.g. one per destination across methods).
@@ -72,8 +106,12 @@ impl HedgePolicy {
         self
     }
 
-    /// The delay after which an attempt is hedged, once the window has enough samples.
+    /// The delay after which an attempt is hedged: the fixed delay if set, else the p95 (no
+    /// sooner than the floor) once the window holds [`MIN_SAMPLES`](Self::MIN_SAMPLES).
     pub fn delay(&self) -> Option<Duration> {
+        if let Some(delay) = self.fixed_delay {
+            return Some(delay);
+        }
         self.latencies
             .quantile(self.quantile)
             .map(|d| d.max(self.min_delay))
@@ -94,13 +132,18 @@ impl HedgePolicy {
     /// it is not counted in the storm alarm's retry ratio (hedging at the p95 would otherwise
     /// take half of its margin in calm weather), but none is sent while the alarm is tripped;
     /// and it takes a token from the retry budget only while the budget holds at least half
-    /// its burst, leaving the rest to retries (taken when `true`).
+    /// its burst, leaving the rest to retries (taken when `true`); with a gRPC retry
+    /// throttle, only while that holds more than half its tokens.
     pub fn try_hedge_at(&self, now: Instant) -> bool {
         let storming = self
             .storm
             .as_ref()
             .is_some_and(|s| s.level_at(now) == crate::retry::StormLevel::Tripped);
-        !storming && hedge_token(&self.budget)
+        let throttled = self
+            .retry_throttle
+            .as_ref()
+            .is_some_and(|t| !t.allows_retry());
+        !storming && !throttled && hedge_token(&self.budget)
     }
 }
 

@@ -251,3 +251,166 @@ async fn hedges_leave_half_the_burst_to_retries() {
     assert_eq!(sent.load(Ordering::SeqCst), 5 + 3);
     assert!(budget.available() >= 2.0, "{}", budget.available());
 }
+
+/// A fixed delay (a gRPC `hedgingDelay`) is the delay: the hedge goes out after exactly that
+/// long, from the first call (no latency samples needed) and whatever the p95 says.
+#[tokio::test(start_paused = true)]
+async fn a_fixed_delay_hedges_after_exactly_that_delay() {
+    for policy in [
+        HedgePolicy::new(RetryBudget::new(0.1, 5).unwrap(), "psp", "GetCharge"),
+        // p95 = 100 ms and a 300 ms floor: both ignored.
+        warmed(&RetryBudget::new(0.1, 5).unwrap()).min_delay(300 * MS),
+    ] {
+        let policy = policy.fixed_delay(Some(30 * MS));
+        assert_eq!(policy.delay(), Some(30 * MS));
+        assert_eq!(policy.min_hedge_delay(), 30 * MS);
+        let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let svc = {
+            let sent = sent.clone();
+            tower::service_fn(move |_r: Request<Body>| {
+                let first = {
+                    let mut sent = sent.lock().unwrap();
+                    sent.push(Instant::now());
+                    sent.len() == 1
+                };
+                async move {
+                    if first {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    Ok::<_, BoxError>(Response::new("ok"))
+                }
+            })
+        };
+        let start = Instant::now();
+        Hedge::new(svc, policy)
+            .oneshot(request(&HedgeAllowance::default()))
+            .await
+            .unwrap();
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent.len(), 2);
+        assert_eq!(sent[1] - sent[0], 30 * MS);
+        assert_eq!(start.elapsed(), 30 * MS);
+    }
+}
+
+/// With gRPC's retry throttling, no hedge is sent once failures have taken half its tokens,
+/// and a hedge takes none of them.
+#[tokio::test(start_paused = true)]
+async fn no_hedge_while_the_grpc_throttle_is_at_half() {
+    use crate::retry::RetryThrottle;
+
+    let throttle = RetryThrottle::new(4, 0.5).unwrap();
+    let policy = HedgePolicy::new(RetryBudget::unlimited(), "psp", "GetCharge")
+        .fixed_delay(Some(10 * MS))
+        .retry_throttle(Some(throttle.clone()));
+    let now = Instant::now();
+    assert!(policy.try_hedge_at(now));
+    assert_eq!(throttle.tokens(), 4.0, "a hedge takes no token");
+    assert!(throttle.record_failure());
+    assert!(!throttle.record_failure(), "2 of 4 left");
+    assert!(!policy.try_hedge_at(now));
+    throttle.record_success();
+    assert!(policy.try_hedge_at(now));
+}
+
+/// A transport whose every send answers `status` after `after` (the first send after
+/// `first`), recording when each was sent and its `grpc-previous-rpc-attempts`.
+#[allow(clippy::type_complexity)]
+fn timed(
+    first: Duration,
+    after: Duration,
+    status: u16,
+) -> (
+    impl tower_service::Service<
+        Request<Body>,
+        Response = Response<&'static str>,
+        Error = BoxError,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static,
+    Arc<std::sync::Mutex<Vec<(Instant, Option<String>)>>>,
+) {
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let svc = {
+        let sent = sent.clone();
+        tower::service_fn(move |r: Request<Body>| {
+            let n = {
+                let mut sent = sent.lock().unwrap();
+                sent.push((
+                    Instant::now(),
+                    r.headers()
+                        .get(&GRPC_PREVIOUS_RPC_ATTEMPTS)
+                        .map(|v| v.to_str().unwrap().to_owned()),
+                ));
+                sent.len()
+            };
+            async move {
+                tokio::time::sleep(if n == 1 { first } else { after }).await;
+                Ok::<_, BoxError>(Response::builder().status(status).body("answer").unwrap())
+            }
+        })
+    };
+    (svc, sent)
+}
+
+/// Up to `max_hedges` copies, each a delay after the one before, each paid for; the first
+/// final answer wins.
+#[tokio::test(start_paused = true)]
+async fn up_to_max_hedges_go_out_a_delay_apart() {
+    let budget = RetryBudget::new(0.1, 10).unwrap();
+    let policy = HedgePolicy::new(budget.clone(), "psp", "GetCharge")
+        .fixed_delay(Some(10 * MS))
+        .hedges(3);
+    let (svc, sent) = timed(Duration::from_secs(1), Duration::from_secs(1), 200);
+    let start = Instant::now();
+    let allowance = HedgeAllowance::default();
+    Hedge::new(svc, policy)
+        .oneshot(request(&allowance))
+        .await
+        .unwrap();
+    // The first send answers first, at 1 s.
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    let sent = sent.lock().unwrap();
+    let at: Vec<Duration> = sent.iter().map(|(t, _)| *t - start).collect();
+    assert_eq!(at, [Duration::ZERO, 10 * MS, 20 * MS, 30 * MS]);
+    let previous: Vec<Option<&str>> = sent.iter().map(|(_, p)| p.as_deref()).collect();
+    assert_eq!(previous, [None, Some("1"), Some("2"), Some("3")]);
+    assert_eq!(budget.available(), 7.0, "one token per hedge");
+    assert!(!allowance.take_up_to(3), "the call's hedges are spent");
+}
+
+/// A failure that leaves the race open sends the next hedge at once, as gRPC does; when every
+/// send fails, the last failure is the attempt's answer.
+#[tokio::test(start_paused = true)]
+async fn a_failed_send_brings_the_next_hedge_forward() {
+    let policy = HedgePolicy::new(RetryBudget::new(0.1, 10).unwrap(), "psp", "GetCharge")
+        .fixed_delay(Some(100 * MS))
+        .hedges(2);
+    // Every send fails with 503: the first after 150 ms, the others after 20 ms.
+    let (svc, sent) = timed(150 * MS, 20 * MS, 503);
+    let start = Instant::now();
+    let response = Hedge::new(svc, policy)
+        .oneshot(request(&HedgeAllowance::default()))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    let sent = sent.lock().unwrap();
+    let at: Vec<Duration> = sent.iter().map(|(t, _)| *t - start).collect();
+    // Hedge 1 at 100 ms fails at 120 ms: hedge 2 goes out then, not at 200 ms.
+    assert_eq!(at, [Duration::ZERO, 100 * MS, 120 * MS]);
+    // Hedge 2 fails at 140 ms, the primary last, at 150 ms: the race ends with it.
+    assert_eq!(start.elapsed(), 150 * MS);
+}
+
+#[test]
+fn an_allowance_counts_the_hedges_of_a_call() {
+    let allowance = HedgeAllowance::default();
+    assert!(allowance.take_up_to(2));
+    assert!(
+        !allowance.clone().take(),
+        "one taken: a call allowed one has none left"
+    );
+    assert!(allowance.take_up_to(2));
+    assert!(!allowance.take_up_to(2));
+}

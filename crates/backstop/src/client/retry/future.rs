@@ -586,15 +586,16 @@ impl Told<'_> {
             }
             return;
         };
-        let legs = [
-            (Side::Primary, race.primary, number, kind),
+        let hedges = race.hedges.iter().enumerate().map(|(i, leg)| {
+            let nth = u32::try_from(i).unwrap_or(u32::MAX).saturating_add(1);
             (
-                Side::Hedge,
-                race.hedge,
-                number.saturating_add(1),
+                Side::Hedge(i),
+                *leg,
+                number.saturating_add(nth),
                 AttemptKind::Hedge,
-            ),
-        ];
+            )
+        });
+        let legs = std::iter::once((Side::Primary, race.primary, number, kind)).chain(hedges);
         for (side, leg, number, kind) in legs {
             let ended = if race.returned == Some(side) {
                 // Its result is the one the retry layer read.
@@ -606,10 +607,10 @@ impl Told<'_> {
                 end.sent
                     .then_some((end.outcome, Some(end.code), end.duration))
             } else if race.returned.is_some() {
-                // The other one answered first: this one was dropped, unanswered.
+                // Another one answered first: this one was dropped, unanswered.
                 Some((Classified::Cancelled, None, leg.started.elapsed()))
             } else {
-                // Both were still running when the attempt was ended from here.
+                // All were still running when the attempt was ended from here.
                 seen.map(|(outcome, code)| (outcome, Some(code), leg.started.elapsed()))
             };
             if let Some(ended) = ended {

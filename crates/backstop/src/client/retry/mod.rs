@@ -170,8 +170,8 @@ impl<S> Retry<S> {
     }
 
     /// Whether a [hedge layer](super::hedge::Hedge) below may hedge this call's attempts
-    /// (default `true`): the call then carries the [`HedgeAllowance`] that limits it to one
-    /// hedge. Without one below, `false` saves the allowance.
+    /// (default `true`): the call then carries the [`HedgeAllowance`] that counts its hedges
+    /// against the hedge policy's limit. Without one below, `false` saves the allowance.
     pub fn hedged(mut self, hedged: bool) -> Self {
         if let Some(config) = Arc::get_mut(&mut self.config) {
             config.hedged = hedged;
