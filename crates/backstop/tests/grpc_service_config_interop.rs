@@ -11,6 +11,9 @@
 //! `.ci/run` installs `grpcio` and sets `BACKSTOP_REQUIRE_INTEROP=1`: there a missing
 //! `python3` or `grpcio` fails the test. Elsewhere it is reported loudly and the test passes.
 
+#[path = "support/python.rs"]
+mod python;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -31,6 +34,8 @@ use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
 use tower::{Service, ServiceExt, service_fn};
+
+use python::python_ready;
 
 const METHOD: &str = "/flaky.Flaky/Call";
 /// Logical calls per client.
@@ -186,32 +191,6 @@ async fn grpcio_ratio(json: &str) -> f64 {
     sent as f64 / f64::from(CALLS)
 }
 
-/// Whether `python3` with `grpcio` is here; panics when it must be.
-async fn python_ready() -> bool {
-    let probe = Command::new("python3")
-        .args(["-c", "import grpc"])
-        .stdin(Stdio::null())
-        .output()
-        .await;
-    let ready = matches!(&probe, Ok(out) if out.status.success());
-    if !ready {
-        let why = match &probe {
-            Ok(out) => String::from_utf8_lossy(&out.stderr).into_owned(),
-            Err(e) => e.to_string(),
-        };
-        let required = std::env::var_os("BACKSTOP_REQUIRE_INTEROP").is_some_and(|v| v == "1");
-        assert!(
-            !required,
-            "the service config interop test needs python3 with grpcio: {why}"
-        );
-        eprintln!(
-            "\n!!! SKIPPED service config interop: python3 with grpcio is missing ({why}).\n\
-             !!! pip install grpcio==1.85.1 to run it.\n"
-        );
-    }
-    ready
-}
-
 /// Asserts that the two ratios are within 2 % of each other.
 fn assert_close(what: &str, backstop: f64, grpcio: f64) {
     eprintln!("{what}: backstop {backstop:.4} vs grpcio {grpcio:.4} attempts per call");
@@ -223,7 +202,7 @@ fn assert_close(what: &str, backstop: f64, grpcio: f64) {
 
 #[tokio::test]
 async fn a_retry_policy_sends_as_many_attempts_as_grpcio() {
-    if !python_ready().await {
+    if !python_ready("grpc", "the service config interop test", "grpcio==1.85.1").await {
         return;
     }
     // No retryThrottling: gRPC limits retries by maxAttempts alone, so the budget must not.
@@ -236,7 +215,7 @@ async fn a_retry_policy_sends_as_many_attempts_as_grpcio() {
 
 #[tokio::test]
 async fn retry_throttling_holds_back_as_many_retries_as_grpcio() {
-    if !python_ready().await {
+    if !python_ready("grpc", "the service config interop test", "grpcio==1.85.1").await {
         return;
     }
     let config = ServiceConfig::from_json(THROTTLED).unwrap();

@@ -6,6 +6,8 @@
 //! `python3` or `grpcio` fails the test. Elsewhere it is reported loudly and the test passes,
 //! so a machine without Python can still run `cargo test`.
 
+#[path = "../../backstop/tests/support/python.rs"]
+mod python;
 mod support;
 
 use std::path::PathBuf;
@@ -15,37 +17,12 @@ use std::time::Duration;
 
 use backstop_payment::grpc::proto::ChargeRequest;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;
+use python::python_ready;
 use support::Harness;
 use tokio::process::Command;
 
 fn manifest_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Whether `python3` with `grpcio` and `grpcio-tools` is here; panics when it must be.
-async fn python_ready() -> bool {
-    let probe = Command::new("python3")
-        .args(["-c", "import grpc, grpc_tools"])
-        .stdin(Stdio::null())
-        .output()
-        .await;
-    let ready = matches!(&probe, Ok(out) if out.status.success());
-    if !ready {
-        let why = match &probe {
-            Ok(out) => String::from_utf8_lossy(&out.stderr).into_owned(),
-            Err(e) => e.to_string(),
-        };
-        let required = std::env::var_os("BACKSTOP_REQUIRE_INTEROP").is_some_and(|v| v == "1");
-        assert!(
-            !required,
-            "gRPC interop needs python3 with grpcio and grpcio-tools: {why}"
-        );
-        eprintln!(
-            "\n!!! SKIPPED gRPC interop: python3 with grpcio and grpcio-tools is missing ({why}).\n\
-             !!! pip install grpcio==1.85.1 grpcio-tools==1.85.1 to run it.\n"
-        );
-    }
-    ready
 }
 
 /// Runs the script with `args`; panics with its output unless it exits 0.
@@ -80,7 +57,13 @@ async fn run_script(h: &Harness, args: &[&str]) -> String {
 
 #[tokio::test]
 async fn grpcio_client_charges_with_deadlines_and_metadata() {
-    if !python_ready().await {
+    if !python_ready(
+        "grpc, grpc_tools",
+        "gRPC interop",
+        "grpcio==1.85.1 grpcio-tools==1.85.1",
+    )
+    .await
+    {
         return;
     }
     let h = Harness::start().await;
@@ -92,7 +75,13 @@ async fn grpcio_client_charges_with_deadlines_and_metadata() {
 
 #[tokio::test]
 async fn grpcio_retry_policy_honours_our_pushback() {
-    if !python_ready().await {
+    if !python_ready(
+        "grpc, grpc_tools",
+        "gRPC interop",
+        "grpcio==1.85.1 grpcio-tools==1.85.1",
+    )
+    .await
+    {
         return;
     }
     let h = Arc::new(Harness::start_with(|c| c.lease = Duration::from_secs(1)).await);

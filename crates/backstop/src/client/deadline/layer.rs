@@ -13,7 +13,9 @@ pub struct DeadlineLayer {
 }
 
 impl DeadlineLayer {
-    /// Calls that carry no [`Deadline`](crate::deadline::Deadline) extension get `default`.
+    /// Calls get `default` from now, or the earlier deadline they carry (a
+    /// [`Deadline`](crate::deadline::Deadline) extension) or run under
+    /// ([`Deadline::current`](crate::deadline::Deadline::current)).
     pub fn new(default: Duration) -> Self {
         Self { default }
     }

@@ -19,8 +19,8 @@
 //!   [`Server-Timing`](crate::deadline::server_timing) (backstop servers do). A server that
 //!   takes 300 ms therefore costs the next call's budget nothing; an answer without the header
 //!   teaches the margin nothing, and the destination's floor (or a margin fixed with
-//!   [`Destination::fixed_margin`](crate::client::Destination::fixed_margin)) stands. An attempt that would start with no more than
-//!   the margin left fails at once with
+//!   [`Destination::fixed_margin`](crate::client::Destination::fixed_margin)) stands. An
+//!   attempt that would start with no more than the margin left fails at once with
 //!   [`DeadlineExceeded`](crate::deadline::DeadlineExceeded) and is not sent.
 //!
 //! HTTP requests carry `grpc-timeout` too: backstop servers read it the way gRPC servers do.
@@ -52,7 +52,9 @@ pub struct SetDeadline<S> {
 }
 
 impl<S> SetDeadline<S> {
-    /// Wraps `inner`; calls without a [`Deadline`] extension get `default` from now.
+    /// Wraps `inner`; a call's deadline is the earliest of its [`Deadline`] extension, the
+    /// task's [`Deadline::current`] and `default` from now (under a client stack, its method's
+    /// timeout instead).
     pub fn new(inner: S, default: Duration) -> Self {
         Self {
             inner,
