@@ -451,6 +451,15 @@ impl Status {
         self
     }
 
+    /// Counts this status as a refusal made before any work was done: its
+    /// [`outcome`](Status::outcome) is [`Outcome::Rejected`], whatever its code. For a call the
+    /// client itself refused to send (an open circuit, too little of the deadline left, adaptive
+    /// throttling), as for a server's admission refusals.
+    pub fn as_rejected(mut self) -> Self {
+        self.rejected = true;
+        self
+    }
+
     /// Asks the caller not to retry this request at all (a server shedding hard). gRPC answers
     /// carry it as a negative `grpc-retry-pushback-ms`; HTTP ones as the pushback, which should
     /// then be long.
@@ -508,7 +517,8 @@ impl Status {
     }
 
     /// The `outcome` metric label: `rejected` for admission refusals (see
-    /// [`Status::overloaded`], [`Status::rate_limited`]), else [`Outcome::of_code`].
+    /// [`Status::overloaded`], [`Status::rate_limited`], [`Status::as_rejected`]), else
+    /// [`Outcome::of_code`].
     pub fn outcome(&self) -> Outcome {
         if self.rejected {
             Outcome::Rejected

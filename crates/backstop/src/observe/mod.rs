@@ -34,16 +34,19 @@ pub mod trace_context;
 
 /// Client: logical requests (one per user intent, whatever the attempts).
 pub const RPC_CLIENT_REQUESTS_TOTAL: &str = "rpc_client_requests_total";
-/// Client: attempts, labelled `attempt` and `outcome`.
+/// Client: attempts sent, labelled `attempt` and `outcome`. An attempt refused locally before
+/// it was sent (open circuit, too little time left for the margin, adaptive throttling) is
+/// none: such a request counts under [`RPC_CLIENT_RETRY_STOPS_TOTAL`] with its reason.
 pub const RPC_CLIENT_ATTEMPTS_TOTAL: &str = "rpc_client_attempts_total";
-/// Client: retries (attempts after the first, hedges excluded).
+/// Client: retries sent (attempts after the first, hedges excluded).
 pub const RPC_CLIENT_RETRIES_TOTAL: &str = "rpc_client_retries_total";
 /// Client: hedged attempts.
 pub const RPC_CLIENT_HEDGES_TOTAL: &str = "rpc_client_hedges_total";
 /// Client: duration of each attempt in seconds, labelled `attempt`.
 pub const RPC_CLIENT_ATTEMPT_DURATION_SECONDS: &str = "rpc_client_attempt_duration_seconds";
 /// Client: logical requests that failed, by why no further attempt was made, labelled `reason`
-/// (one of [`StopReason::as_str`](crate::retry::StopReason::as_str)).
+/// (one of [`StopReason::as_str`](crate::retry::StopReason::as_str)); a request refused before
+/// its first send counts here (`circuit_open`, `deadline`, `throttled`) and under no attempt.
 pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
 /// Gauge: the storm alarm per destination, labelled `service` and `level` (`warning`,
 /// `tripped`): 1 while at or above that level, else 0.
