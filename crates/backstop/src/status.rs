@@ -518,10 +518,11 @@ impl Status {
         };
         Some(match pushback(headers) {
             Some(wait) => status.with_pushback(wait),
-            None if status.code == Code::Aborted && http == StatusCode::CONFLICT => {
-                Status::new(Code::FailedPrecondition, status.message)
-                    .with_http_status(StatusCode::CONFLICT)
-            }
+            None if status.code == Code::Aborted && http == StatusCode::CONFLICT => Status {
+                code: Code::FailedPrecondition,
+                problem: Code::FailedPrecondition.problem(),
+                ..status
+            },
             None => status,
         })
     }
