@@ -33,11 +33,11 @@ static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 fn install_recorder() {
     static INSTALLED: std::sync::Once = std::sync::Once::new();
     INSTALLED.call_once(|| {
-        let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
-            .set_buckets(backstop::observe::LATENCY_BUCKETS_SECONDS)
-            .expect("buckets")
-            .install_recorder()
-            .expect("no other recorder");
+        let handle = backstop::observe::with_duration_buckets(
+            metrics_exporter_prometheus::PrometheusBuilder::new(),
+        )
+        .install_recorder()
+        .expect("no other recorder");
         // As `backstop serve` does every 5 s: drains the histograms' sample buffers.
         std::thread::spawn(move || {
             loop {

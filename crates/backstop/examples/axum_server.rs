@@ -7,7 +7,9 @@
 //!   (`Idempotent-Replayed: true`): the customer is charged once;
 //! - the same route without a key is refused with 400 before the handler runs;
 //! - while the gate is full, a request is refused with 503 and `Retry-After` instead of
-//!   joining a pile-up.
+//!   joining a pile-up;
+//! - `/metrics` renders what the stack recorded for Prometheus, its durations as histograms
+//!   (`observe::with_duration_buckets`; the exporter's default would be summaries).
 use std::error::Error;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -58,6 +60,12 @@ async fn report(State(app): State<App>) -> &'static str {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
+    // The process's metrics recorder: the library's durations as histograms over its buckets.
+    let metrics = backstop::observe::with_duration_buckets(
+        metrics_exporter_prometheus::PrometheusBuilder::new(),
+    )
+    .install_recorder()?;
+    backstop::observe::describe_metrics();
     // The service's methods, described once: POST /v1/payments needs an `Idempotency-Key`
     // and its answers are kept 7 days; anything else is sent once and never replayed.
     let pay_policy = MethodPolicy::builder("Pay", Idempotency::Keyed)
@@ -76,7 +84,12 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .route("/v1/payments", post(pay))
         .route("/v1/report", get(report))
         .with_state(state.clone())
-        .layer(stack.into_layer());
+        .layer(stack.into_layer())
+        // Outside the stack: scraping is not a request of the service.
+        .route(
+            "/metrics",
+            get(move || std::future::ready(metrics.render())),
+        );
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
@@ -141,6 +154,22 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let slow = slow.await??;
     println!("slow report: {}", slow.status());
     check(slow.status() == StatusCode::OK, "the slow request finishes")?;
+
+    let exposition = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let buckets = exposition
+        .lines()
+        .filter(|line| line.starts_with("rpc_server_duration_seconds_bucket{"))
+        .count();
+    println!("metrics:     rpc_server_duration_seconds in {buckets} histogram buckets");
+    check(
+        exposition.contains("# TYPE rpc_server_duration_seconds histogram") && buckets > 0,
+        "request durations are rendered as a histogram",
+    )?;
 
     println!("ok: one charge for two calls, 400 without a key, 503 + Retry-After when full");
     Ok(())

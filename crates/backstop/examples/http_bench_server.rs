@@ -60,9 +60,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mode = args.next().unwrap_or_else(|| "bare".into());
     let db = args.next().unwrap_or_else(|| "bench-http.db".into());
     // Record metrics for real, as a served process would.
-    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .set_buckets(backstop::observe::LATENCY_BUCKETS_SECONDS)?
-        .install_recorder()?;
+    let handle = backstop::observe::with_duration_buckets(
+        metrics_exporter_prometheus::PrometheusBuilder::new(),
+    )
+    .install_recorder()?;
     // As `backstop serve` does every 5 s: drains the histograms' sample buffers.
     std::thread::spawn(move || {
         loop {

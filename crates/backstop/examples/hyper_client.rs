@@ -6,7 +6,8 @@
 //! the server saw of each attempt and exits. The caller sees one answer, 201; the server saw
 //! two attempts carrying the same `Idempotency-Key` (so a server with the idempotency layer
 //! charges once), the second numbered by `grpc-previous-rpc-attempts`, each with the budget
-//! left in `grpc-timeout`.
+//! left in `grpc-timeout`. The client's metrics, as Prometheus would scrape them, count both
+//! attempts and render their durations as a histogram (`observe::with_duration_buckets`).
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -59,6 +60,11 @@ async fn create_payment(
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
+    // The process's metrics recorder: the library's durations as histograms over its buckets.
+    let metrics = backstop::observe::with_duration_buckets(
+        metrics_exporter_prometheus::PrometheusBuilder::new(),
+    )
+    .install_recorder()?;
     let seen = Seen::default();
     let app = Router::new()
         .route("/v1/payments", post(create_payment))
@@ -115,6 +121,16 @@ async fn main() -> Result<(), BoxError> {
     check(
         budget(&seen[1]) < budget(&seen[0]) && budget(&seen[1]).is_some(),
         "the retry has less budget left than the first attempt",
+    )?;
+    let exposition = metrics.render();
+    let attempts: Vec<&str> = exposition
+        .lines()
+        .filter(|line| line.starts_with("rpc_client_attempts_total{"))
+        .collect();
+    println!("metrics: {}", attempts.join(", "));
+    check(
+        exposition.contains("# TYPE rpc_client_attempt_duration_seconds histogram"),
+        "attempt durations are rendered as a histogram",
     )?;
 
     println!("ok: one call, two attempts with one key and a shrinking budget, 201 for the caller");

@@ -202,9 +202,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_default();
     let calls: u64 = args.next().and_then(|n| n.parse().ok()).unwrap_or(10_000);
-    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .set_buckets(backstop::observe::LATENCY_BUCKETS_SECONDS)?
-        .install_recorder()?;
+    let metrics = backstop::observe::with_duration_buckets(
+        metrics_exporter_prometheus::PrometheusBuilder::new(),
+    )
+    .install_recorder()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

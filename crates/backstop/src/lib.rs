@@ -111,6 +111,9 @@
 //!   method.
 //! - `conformance`: the suite every store runs (`idempotency::conformance` and the
 //!   `store_conformance!` macro), for testing a store of one's own against the same cases.
+//! - `prometheus`: `observe::with_duration_buckets`, which makes a `metrics-exporter-prometheus`
+//!   recorder render the library's durations as histograms (its default is summaries, which
+//!   cannot be added up across instances).
 //!
 //! The defaults are what a service using both sides and one machine's storage needs, so that
 //! adding the crate is enough to start. A client-only or server-only crate turns them off

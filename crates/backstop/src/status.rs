@@ -30,14 +30,23 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use http::StatusCode;
+use http::{HeaderMap, HeaderName, StatusCode};
 
+use crate::admission::RetryAfter;
 use crate::deadline::DeadlineExceeded;
 
 /// gRPC response metadata key carrying the server's pushback in milliseconds.
 pub const GRPC_RETRY_PUSHBACK_MS: &str = "grpc-retry-pushback-ms";
+
+// Typed header names: looking a `&str` up in a `HeaderMap` parses it first, on every answer.
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+static GRPC_RETRY_PUSHBACK_MS_NAME: HeaderName = HeaderName::from_static(GRPC_RETRY_PUSHBACK_MS);
+
+/// Longest `grpc-message` kept in a status read from an answer, in bytes.
+const MAX_MESSAGE: usize = 256;
 
 /// HTTP 499 "client closed request" (nginx), the grpc-gateway mapping of `CANCELLED`.
 const CLIENT_CLOSED_REQUEST: u16 = 499;
@@ -187,13 +196,34 @@ impl Outcome {
     }
 
     /// The outcome of an HTTP response seen only by its status: 2xx/3xx ok, 429 rejected,
-    /// otherwise by the class of [`Code::from_http`]. A layer that knows it refused the request
-    /// itself (for example a 503 from the gate) should report [`Outcome::Rejected`] directly.
+    /// otherwise by the class of [`Code::from_http`] (409 as `ABORTED`, in progress). A layer
+    /// that knows it refused the request itself (for example a 503 from the gate) should report
+    /// [`Outcome::Rejected`] directly. An answer's outcome is [`Outcome::of_head`], which also
+    /// reads `grpc-status` and the pushback its headers carry.
     pub fn from_http(status: StatusCode) -> Outcome {
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Outcome::Rejected;
         }
         Outcome::of_code(Code::from_http(status))
+    }
+
+    /// The outcome of an answer, read from its head as [`Status::from_head`] reads it: `ok`
+    /// for a success, else the outcome of the failure. The one reading of an answer that the
+    /// client (its `rpc_attempt` events and attempt metrics) and the server (its request
+    /// metrics and `rpc_server_request` events) share, so that both say the same of it: a 409
+    /// with a pushback (in progress) is `retryable`, a bare 409 (a conflict) `fatal`.
+    ///
+    /// ```
+    /// use backstop::status::Outcome;
+    /// use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
+    ///
+    /// let mut in_progress = HeaderMap::new();
+    /// in_progress.insert(RETRY_AFTER, "1".parse().unwrap());
+    /// assert_eq!(Outcome::of_head(StatusCode::CONFLICT, &in_progress), Outcome::Retryable);
+    /// assert_eq!(Outcome::of_head(StatusCode::CONFLICT, &HeaderMap::new()), Outcome::Fatal);
+    /// ```
+    pub fn of_head(http: StatusCode, headers: &HeaderMap) -> Outcome {
+        Status::from_head(http, headers).map_or(Outcome::Ok, |status| status.outcome())
     }
 
     /// The outcome for a code: `Ok` is ok, `CANCELLED` (the caller went away) cancelled;
@@ -445,9 +475,70 @@ impl Status {
         .with_http_status(status)
     }
 
+    /// The failure an answer reports, read from its head (status and headers), or `None` for
+    /// a success:
+    ///
+    /// - a `grpc-status` header wins (a gRPC *trailers-only* answer, which is how servers
+    ///   answer errors before any message, carries it in the headers), with `grpc-message`;
+    ///   a gRPC answer with HTTP 200 and no `grpc-status` header carries its status in
+    ///   trailers, after the body: read from its head, it is a success;
+    /// - otherwise the HTTP status, by [`Status::from_http`];
+    /// - the pushback, by [`pushback`]. A 409 without one is a definitive conflict (key
+    ///   reused, order exists), `FAILED_PRECONDITION` and fatal; "in progress" always says
+    ///   when to come back.
+    ///
+    /// The client's default classifier
+    /// ([`classify_head`](crate::client::classify::classify_head)) and the server's request
+    /// metrics both read answers through it.
+    pub fn from_head(http: StatusCode, headers: &HeaderMap) -> Option<Status> {
+        let status = match headers.get(&GRPC_STATUS) {
+            Some(value) => {
+                let code = value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<i32>().ok())
+                    .map_or(Code::Unknown, Code::from_i32);
+                if code == Code::Ok {
+                    return None;
+                }
+                let message = headers
+                    .get(&GRPC_MESSAGE)
+                    .and_then(|m| m.to_str().ok())
+                    .map_or_else(String::new, |m| {
+                        m.chars().take(MAX_MESSAGE).collect::<String>()
+                    });
+                Status::new(code, message)
+            }
+            None => {
+                if http.is_success() || http.is_redirection() || http.is_informational() {
+                    return None;
+                }
+                Status::from_http(http)
+            }
+        };
+        Some(match pushback(headers) {
+            Some(wait) => status.with_pushback(wait),
+            None if status.code == Code::Aborted && http == StatusCode::CONFLICT => Status {
+                code: Code::FailedPrecondition,
+                problem: Code::FailedPrecondition.problem(),
+                ..status
+            },
+            None => status,
+        })
+    }
+
     /// Sets the pushback: how long the caller should wait before retrying.
     pub fn with_pushback(mut self, pushback: Duration) -> Self {
         self.pushback = Some(pushback);
+        self
+    }
+
+    /// Counts this status as a refusal made before any work was done: its
+    /// [`outcome`](Status::outcome) is [`Outcome::Rejected`], whatever its code. For a call the
+    /// client itself refused to send (an open circuit, too little of the deadline left, adaptive
+    /// throttling), as for a server's admission refusals.
+    pub fn as_rejected(mut self) -> Self {
+        self.rejected = true;
         self
     }
 
@@ -508,7 +599,8 @@ impl Status {
     }
 
     /// The `outcome` metric label: `rejected` for admission refusals (see
-    /// [`Status::overloaded`], [`Status::rate_limited`]), else [`Outcome::of_code`].
+    /// [`Status::overloaded`], [`Status::rate_limited`], [`Status::as_rejected`]), else
+    /// [`Outcome::of_code`].
     pub fn outcome(&self) -> Outcome {
         if self.rejected {
             Outcome::Rejected
@@ -552,6 +644,28 @@ impl From<Status> for tonic::Status {
         }
         answer
     }
+}
+
+/// The pushback an answer's headers ask for: `grpc-retry-pushback-ms` (milliseconds), else
+/// `Retry-After` (seconds or an HTTP-date). `Some(Duration::MAX)` for a value that is negative
+/// or cannot be read: the server said something other than "retry after", so do not retry
+/// (gRPC A6).
+pub fn pushback(headers: &HeaderMap) -> Option<Duration> {
+    if let Some(value) = headers.get(&GRPC_RETRY_PUSHBACK_MS_NAME) {
+        let ms = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<i64>().ok());
+        return Some(match ms {
+            Some(ms) if ms >= 0 => Duration::from_millis(ms.unsigned_abs()),
+            _ => Duration::MAX,
+        });
+    }
+    let value = headers.get(http::header::RETRY_AFTER)?;
+    Some(
+        RetryAfter::parse_bytes(value.as_bytes(), SystemTime::now())
+            .map_or(Duration::MAX, |r| r.duration()),
+    )
 }
 
 impl From<DeadlineExceeded> for Status {

@@ -92,6 +92,7 @@ async fn axum_server() {
             "idempotent-replayed: true",
             "no key:      400",
             "gate full:   503",
+            "metrics:     rpc_server_duration_seconds in ",
             "ok: ",
         ],
     )
@@ -132,6 +133,8 @@ async fn hyper_client() {
         &[
             "caller got: 201 Created",
             "previous_attempts: Some(\"1\")",
+            "attempt=\"1\",outcome=\"retryable\"} 1",
+            "attempt=\"2\",outcome=\"ok\"} 1",
             "ok: ",
         ],
     )

@@ -1,7 +1,8 @@
 //! Reading an attempt's result as a [`Status`]: HTTP status, `grpc-status`, pushback.
 //!
-//! The classification table itself lives in [`crate::status`]; this module only finds the code
-//! and the pushback in a response or an error:
+//! The classification table itself lives in [`crate::status`], and so does the reading of an
+//! answer's head ([`Status::from_head`], which the server's request metrics use too); this
+//! module applies them to a response or an error:
 //!
 //! - a `grpc-status` header wins (a gRPC *trailers-only* response, which is how servers answer
 //!   errors before any message, carries it in the headers), with `grpc-message`;
@@ -17,27 +18,18 @@
 //!   `UNAVAILABLE`.
 
 use std::error::Error as StdError;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use http::{HeaderMap, HeaderName, Response, StatusCode};
+use http::{HeaderMap, Response, StatusCode};
 
 use super::circuit_open::CircuitOpen;
-use crate::admission::RetryAfter;
 use crate::deadline::DeadlineExceeded;
-use crate::status::{Code, GRPC_RETRY_PUSHBACK_MS, Status, problem};
+use crate::status::{Code, Status, problem};
 
 /// Header carrying a gRPC status code.
 pub const GRPC_STATUS: &str = "grpc-status";
 /// Header carrying a gRPC status message (percent-encoded on the wire).
 pub const GRPC_MESSAGE: &str = "grpc-message";
-/// Longest `grpc-message` kept in a status, in bytes.
-const MAX_MESSAGE: usize = 256;
-
-// The same names as typed header names: looking a `&str` up in a `HeaderMap` parses it first,
-// on every response.
-static GRPC_STATUS_NAME: HeaderName = HeaderName::from_static(GRPC_STATUS);
-static GRPC_MESSAGE_NAME: HeaderName = HeaderName::from_static(GRPC_MESSAGE);
-static GRPC_RETRY_PUSHBACK_MS_NAME: HeaderName = HeaderName::from_static(GRPC_RETRY_PUSHBACK_MS);
 
 /// Reads an attempt's response head (status and headers) as a failure, or `None` for a
 /// success. [`classify_head`] is the default; a destination whose answers mean something else
@@ -49,63 +41,18 @@ pub fn response_status<B>(response: &Response<B>) -> Option<Status> {
     classify_head(response.status(), response.headers())
 }
 
-/// The default [`Classifier`]: `grpc-status` first, else the HTTP status (module docs).
+/// The default [`Classifier`]: `grpc-status` first, else the HTTP status (module docs). It is
+/// [`Status::from_head`], the reading the server's request metrics use too, so that a client
+/// and a server say the same of one answer.
 pub fn classify_head(http: StatusCode, headers: &HeaderMap) -> Option<Status> {
-    let status = match headers.get(&GRPC_STATUS_NAME) {
-        Some(value) => {
-            let code = value
-                .to_str()
-                .ok()
-                .and_then(|v| v.trim().parse::<i32>().ok())
-                .map_or(Code::Unknown, Code::from_i32);
-            if code == Code::Ok {
-                return None;
-            }
-            let message = headers
-                .get(&GRPC_MESSAGE_NAME)
-                .and_then(|m| m.to_str().ok())
-                .map_or_else(String::new, |m| {
-                    m.chars().take(MAX_MESSAGE).collect::<String>()
-                });
-            Status::new(code, message)
-        }
-        None => {
-            if http.is_success() || http.is_redirection() || http.is_informational() {
-                return None;
-            }
-            Status::from_http(http)
-        }
-    };
-    let status = match pushback(headers) {
-        Some(wait) => status.with_pushback(wait),
-        None if status.code() == Code::Aborted && http == StatusCode::CONFLICT => {
-            // "In progress" always says when to come back; a bare 409 is a conflict.
-            Status::new(Code::FailedPrecondition, status.message().to_owned())
-                .with_http_status(StatusCode::CONFLICT)
-        }
-        None => status,
-    };
-    Some(status)
+    Status::from_head(http, headers)
 }
 
 /// The pushback a response asks for. `Some(Duration::MAX)` for a value that is negative or
-/// cannot be read: the server said something other than "retry after", so do not retry.
+/// cannot be read: the server said something other than "retry after", so do not retry
+/// ([`status::pushback`](crate::status::pushback)).
 pub fn pushback(headers: &HeaderMap) -> Option<Duration> {
-    if let Some(value) = headers.get(&GRPC_RETRY_PUSHBACK_MS_NAME) {
-        let ms = value
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse::<i64>().ok());
-        return Some(match ms {
-            Some(ms) if ms >= 0 => Duration::from_millis(ms.unsigned_abs()),
-            _ => Duration::MAX,
-        });
-    }
-    let value = headers.get(http::header::RETRY_AFTER)?;
-    Some(
-        RetryAfter::parse_bytes(value.as_bytes(), SystemTime::now())
-            .map_or(Duration::MAX, |r| r.duration()),
-    )
+    crate::status::pushback(headers)
 }
 
 /// The status of an attempt that ended in an error instead of a response.
@@ -146,7 +93,7 @@ pub(crate) fn is_failure_of_destination(status: &Status) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::RetryClass;
+    use crate::status::{GRPC_RETRY_PUSHBACK_MS, RetryClass};
 
     fn response(status: u16, headers: &[(&str, &str)]) -> Response<()> {
         let mut builder = Response::builder().status(status);

@@ -156,10 +156,13 @@ pub struct CallEnd<'a> {
     pub destination: &'a str,
     /// The method policy's name (the `method` metric label).
     pub method: &'a str,
-    /// [`Outcome::Ok`], or the outcome of the failure the call ended on.
+    /// [`Outcome::Ok`], or the outcome of the last attempt sent when the call failed;
+    /// [`Outcome::Rejected`] when the stack refused to send any (an open circuit, too little
+    /// time left for the margin, adaptive throttling).
     pub outcome: Outcome,
-    /// The attempts the retry layer made, the first included (a hedge and a transparent re-send
-    /// are part of the attempt they copy; an attempt refused before it was sent counts).
+    /// The attempts the retry layer sent, the first included (a hedge and a transparent
+    /// re-send are part of the attempt they copy; an attempt refused before it was sent is no
+    /// attempt, so a call refused outright made 0).
     pub attempts: u32,
     /// Why no further attempt was made, when the call did not succeed; `None` on success, or
     /// when it failed before any attempt could be made (its body could not be read).
@@ -170,17 +173,26 @@ pub struct CallEnd<'a> {
     pub extensions: &'a Extensions,
 }
 
-/// Whether an attempt's `error` says it was refused before it was sent: by an open circuit, or
-/// for lack of time to send it within the deadline's margin. Such an attempt is no send.
-pub(crate) fn refused_locally(error: &(dyn StdError + 'static)) -> bool {
+/// Why an attempt's `error` says it was refused before it was sent, if it does: an open
+/// circuit ([`StopReason::CircuitOpen`]), or too little time to send it within the deadline's
+/// margin ([`StopReason::Deadline`]). Such an attempt is no send, and no attempt.
+pub(crate) fn refusal(error: &(dyn StdError + 'static)) -> Option<StopReason> {
     let mut cause = Some(error);
     while let Some(e) = cause {
-        if e.is::<CircuitOpen>() || e.is::<DeadlineExceeded>() {
-            return true;
+        if e.is::<CircuitOpen>() {
+            return Some(StopReason::CircuitOpen);
+        }
+        if e.is::<DeadlineExceeded>() {
+            return Some(StopReason::Deadline);
         }
         cause = e.source();
     }
-    false
+    None
+}
+
+/// Whether an attempt's `error` says it was refused before it was sent (see [`refusal`]).
+pub(crate) fn refused_locally(error: &(dyn StdError + 'static)) -> bool {
+    refusal(error).is_some()
 }
 
 /// The stack's observer, as its layers hold it.
@@ -643,7 +655,161 @@ mod tests {
         assert_eq!(sends, []);
         assert_eq!(
             ends,
+            [ended(Outcome::Rejected, 0, Some(StopReason::CircuitOpen))]
+        );
+    }
+
+    /// A breaker open after `failures` failed requests.
+    fn open_breaker(failures: u32) -> crate::client::breaker::CircuitBreaker {
+        use crate::client::breaker::{BreakerConfig, CircuitBreaker};
+        let breaker = CircuitBreaker::new(BreakerConfig {
+            failure_ratio: 0.01,
+            min_requests: failures.max(1),
+            ..Default::default()
+        })
+        .unwrap();
+        for _ in 0..failures {
+            breaker.try_acquire().unwrap().record(false);
+        }
+        breaker
+    }
+
+    /// A call the stack refuses to send at all (less of its deadline left than the peer's
+    /// margin, an open circuit, adaptive throttling) is no attempt: the observer is told no
+    /// send, `rpc_client_attempts_total` and the attempt durations count nothing and no
+    /// `rpc_attempt` is logged. The call is counted, ends `rejected` after 0 attempts with its
+    /// stop reason, and the stop is counted and logged with that reason.
+    #[test]
+    fn a_call_refused_before_any_send_is_no_attempt() {
+        use crate::observe::{
+            RPC_CLIENT_ATTEMPT_DURATION_SECONDS, RPC_CLIENT_ATTEMPTS_TOTAL,
+            RPC_CLIENT_REQUESTS_TOTAL, RPC_CLIENT_RETRIES_TOTAL, RPC_CLIENT_RETRY_STOPS_TOTAL,
+        };
+        use crate::retry::AdaptiveThrottle;
+        use crate::server::testing::{with_logs, with_metrics};
+
+        let throttled = || {
+            // The server refused 100 attempts: the next is refused with probability 100/101.
+            let throttle = AdaptiveThrottle::default().seeded(1);
+            for _ in 0..100 {
+                throttle.record_request();
+            }
+            Destination::new("psp").throttle(Some(throttle))
+        };
+        let cases = [
+            (
+                // A margin above the whole 2 s deadline.
+                Destination::new("psp").margin_floor(Duration::from_secs(3)),
+                StopReason::Deadline,
+            ),
+            (
+                Destination::new("psp").breaker(Some(open_breaker(4))),
+                StopReason::CircuitOpen,
+            ),
+            (throttled(), StopReason::Throttled),
+        ];
+        for (dest, reason) in cases {
+            let recorder = Arc::new(Recorder::default());
+            let ((result, metrics), logs) = with_logs(|| {
+                with_metrics(|| async {
+                    let client = ClientStack::builder(&dest, get_charge().build())
+                        .observer(recorder.clone())
+                        .build()
+                        .unwrap()
+                        .layer(answers(&[]));
+                    client.oneshot(request()).await
+                })
+            });
+            let error = result.unwrap_err();
+            assert_eq!((error.attempts(), error.reason()), (0, Some(reason)));
+            assert_eq!(error.last().outcome(), Outcome::Rejected, "{reason}");
+            let (sends, ends) = recorder.take();
+            assert_eq!(sends, [], "{reason}");
+            assert_eq!(ends, [ended(Outcome::Rejected, 0, Some(reason))]);
+
+            let who = [("service", "psp"), ("method", "GetCharge")];
+            assert_eq!(metrics.counter(RPC_CLIENT_REQUESTS_TOTAL, &who), 1);
+            assert_eq!(metrics.counter(RPC_CLIENT_ATTEMPTS_TOTAL, &who), 0);
+            assert_eq!(metrics.counter(RPC_CLIENT_RETRIES_TOTAL, &who), 0);
+            assert_eq!(
+                metrics.samples(RPC_CLIENT_ATTEMPT_DURATION_SECONDS, &who),
+                0
+            );
+            let stop = [who[0], who[1], ("reason", reason.as_str())];
+            assert_eq!(metrics.counter(RPC_CLIENT_RETRY_STOPS_TOTAL, &stop), 1);
+
+            let events: Vec<_> = logs
+                .iter()
+                .filter_map(|line| line.get("event")?.as_str())
+                .filter(|event| event.starts_with("rpc_"))
+                .collect();
+            assert_eq!(events, ["rpc_retry_stopped"], "{reason}");
+            let stopped_line = logs
+                .iter()
+                .find(|line| line["event"] == "rpc_retry_stopped")
+                .unwrap();
+            assert_eq!(stopped_line["reason"], reason.as_str());
+            assert_eq!(stopped_line["attempts"], 0);
+        }
+    }
+
+    /// A retry the stack refuses to send (the first attempt's 503 opened the circuit) is no
+    /// attempt either: one send, counted and logged once; the call ends on that answer
+    /// (`retryable`, which the caller gets back marked with the stop) after 1 attempt, stopped
+    /// by `circuit_open`, and no retry is counted.
+    #[test]
+    fn a_retry_refused_by_an_open_circuit_is_no_attempt() {
+        use crate::client::retry::RetryStopped;
+        use crate::observe::{
+            RPC_CLIENT_ATTEMPTS_TOTAL, RPC_CLIENT_RETRIES_TOTAL, RPC_CLIENT_RETRY_STOPS_TOTAL,
+        };
+        use crate::server::testing::{with_logs, with_metrics};
+
+        let recorder = Arc::new(Recorder::default());
+        let dest = Destination::new("psp").breaker(Some(open_breaker(0)));
+        let ((result, metrics), logs) = with_logs(|| {
+            with_metrics(|| async {
+                let client = ClientStack::builder(&dest, get_charge().build())
+                    .observer(recorder.clone())
+                    .build()
+                    .unwrap()
+                    .layer(answers(&[503, 503]));
+                client.oneshot(request()).await
+            })
+        });
+        let response = result.unwrap();
+        assert_eq!(response.status(), 503);
+        let stopped = response.extensions().get::<RetryStopped>().unwrap();
+        assert_eq!(
+            (stopped.reason, stopped.attempts),
+            (StopReason::CircuitOpen, 1)
+        );
+        let (sends, ends) = recorder.take();
+        assert_eq!(
+            sends,
+            [sent(
+                1,
+                AttemptKind::First,
+                Outcome::Retryable,
+                Some(Code::Unavailable)
+            )]
+        );
+        assert_eq!(
+            ends,
             [ended(Outcome::Retryable, 1, Some(StopReason::CircuitOpen))]
         );
+        let who = [("service", "psp"), ("method", "GetCharge")];
+        let first = [who[0], who[1], ("attempt", "1"), ("outcome", "retryable")];
+        assert_eq!(metrics.counter(RPC_CLIENT_ATTEMPTS_TOTAL, &first), 1);
+        assert_eq!(metrics.counter(RPC_CLIENT_ATTEMPTS_TOTAL, &who), 1);
+        assert_eq!(metrics.counter(RPC_CLIENT_RETRIES_TOTAL, &who), 0);
+        let stop = [who[0], who[1], ("reason", "circuit_open")];
+        assert_eq!(metrics.counter(RPC_CLIENT_RETRY_STOPS_TOTAL, &stop), 1);
+        let attempts: Vec<_> = logs
+            .iter()
+            .filter(|line| line["event"] == "rpc_attempt")
+            .map(|line| (line["attempt"].clone(), line["outcome"].clone()))
+            .collect();
+        assert_eq!(attempts, [(1.into(), "retryable".into())]);
     }
 }

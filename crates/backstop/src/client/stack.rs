@@ -1185,11 +1185,17 @@ mod tests {
             "{sent} of 1,000 sent to a server shedding everything"
         );
         assert!(throttle.reject_probability() > 0.9);
-        let rejected = Recorded::of(&recorder).counter(
+        // A local rejection is no attempt: counted as a stop, never as an attempt.
+        let recorded = Recorded::of(&recorder);
+        let stops = recorded.counter(
+            crate::observe::RPC_CLIENT_RETRY_STOPS_TOTAL,
+            &[("service", "psp"), ("reason", "throttled")],
+        );
+        assert_eq!(stops, throttled);
+        let rejected = recorded.counter(
             crate::observe::RPC_CLIENT_ATTEMPTS_TOTAL,
             &[("service", "psp"), ("outcome", "rejected")],
         );
-        // Only the local rejections: the server's 503s are counted as `retryable`.
-        assert_eq!(rejected, throttled);
+        assert_eq!(rejected, 0);
     }
 }

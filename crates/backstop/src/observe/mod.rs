@@ -23,6 +23,29 @@
 //! assert_eq!(observe::attempt_label(2), "2");
 //! assert_eq!(observe::attempt_label(9), "6+");
 //! ```
+//!
+//! # Durations are histograms
+//!
+//! Every duration the library records ([`DURATION_METRICS`]: attempt, request and queue
+//! times, in seconds) is meant to be exported as a histogram over
+//! [`LATENCY_BUCKETS_SECONDS`]: bucket counts add up across instances, quantile summaries do
+//! not, and dashboards and alerts (`histogram_quantile` over `_bucket` series) expect them. A
+//! library cannot choose this: `metrics` leaves how a histogram is rendered to the recorder,
+//! and `metrics-exporter-prometheus` renders summaries unless told buckets. With the
+//! `prometheus` feature, one call on the builder does it, for these metrics only (the
+//! application's own histograms keep its settings):
+//!
+//! ```
+//! # #[cfg(feature = "prometheus")] {
+//! use metrics_exporter_prometheus::PrometheusBuilder;
+//!
+//! let recorder = backstop::observe::with_duration_buckets(PrometheusBuilder::new())
+//!     .build_recorder();
+//! # let _ = recorder;
+//! # }
+//! ```
+//!
+//! A recorder of another kind takes [`DURATION_METRICS`] and [`LATENCY_BUCKETS_SECONDS`].
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
@@ -34,16 +57,19 @@ pub mod trace_context;
 
 /// Client: logical requests (one per user intent, whatever the attempts).
 pub const RPC_CLIENT_REQUESTS_TOTAL: &str = "rpc_client_requests_total";
-/// Client: attempts, labelled `attempt` and `outcome`.
+/// Client: attempts sent, labelled `attempt` and `outcome`. An attempt refused locally before
+/// it was sent (open circuit, too little time left for the margin, adaptive throttling) is
+/// none: such a request counts under [`RPC_CLIENT_RETRY_STOPS_TOTAL`] with its reason.
 pub const RPC_CLIENT_ATTEMPTS_TOTAL: &str = "rpc_client_attempts_total";
-/// Client: retries (attempts after the first, hedges excluded).
+/// Client: retries sent (attempts after the first, hedges excluded).
 pub const RPC_CLIENT_RETRIES_TOTAL: &str = "rpc_client_retries_total";
 /// Client: hedged attempts.
 pub const RPC_CLIENT_HEDGES_TOTAL: &str = "rpc_client_hedges_total";
 /// Client: duration of each attempt in seconds, labelled `attempt`.
 pub const RPC_CLIENT_ATTEMPT_DURATION_SECONDS: &str = "rpc_client_attempt_duration_seconds";
 /// Client: logical requests that failed, by why no further attempt was made, labelled `reason`
-/// (one of [`StopReason::as_str`](crate::retry::StopReason::as_str)).
+/// (one of [`StopReason::as_str`](crate::retry::StopReason::as_str)); a request refused before
+/// its first send counts here (`circuit_open`, `deadline`, `throttled`) and under no attempt.
 pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
 /// Gauge: the storm alarm per destination, labelled `service` and `level` (`warning`,
 /// `tripped`): 1 while at or above that level, else 0.
@@ -93,6 +119,43 @@ pub const RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL: &str = "rate_limit_redis_unavailab
 pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
     0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
+
+/// Every histogram the library records: durations in seconds, each to be exported as a
+/// histogram over [`LATENCY_BUCKETS_SECONDS`] (see [Durations are histograms](self#durations-are-histograms)).
+pub const DURATION_METRICS: [&str; 3] = [
+    RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
+    RPC_SERVER_DURATION_SECONDS,
+    RPC_SERVER_QUEUE_DELAY_SECONDS,
+];
+
+/// `builder` set to render every metric of [`DURATION_METRICS`] as a histogram over
+/// [`LATENCY_BUCKETS_SECONDS`] rather than as the exporter's default quantile summary; other
+/// metrics keep the builder's settings. Call it before building or installing the recorder:
+///
+/// ```
+/// use metrics_exporter_prometheus::PrometheusBuilder;
+///
+/// let recorder = backstop::observe::with_duration_buckets(PrometheusBuilder::new())
+///     .build_recorder();
+/// # let _ = recorder;
+/// ```
+///
+/// Buckets a builder sets for every histogram ([`set_buckets`]) take precedence, as the
+/// exporter rules.
+///
+/// [`set_buckets`]: metrics_exporter_prometheus::PrometheusBuilder::set_buckets
+#[cfg(feature = "prometheus")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus")))]
+pub fn with_duration_buckets(
+    builder: metrics_exporter_prometheus::PrometheusBuilder,
+) -> metrics_exporter_prometheus::PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    DURATION_METRICS.iter().fold(builder, |builder, name| {
+        builder
+            .set_buckets_for_metric(Matcher::Full((*name).to_owned()), LATENCY_BUCKETS_SECONDS)
+            .expect("LATENCY_BUCKETS_SECONDS is not empty")
+    })
+}
 
 /// Label names.
 pub mod label {
@@ -425,6 +488,59 @@ mod tests {
         want.push((RPC_CLIENT_STORM_ALARM.to_owned(), "gauge", None));
         want.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(got, want);
+    }
+
+    /// Every histogram described is in [`DURATION_METRICS`], so that no duration the library
+    /// adds is left a summary.
+    #[test]
+    fn every_histogram_is_a_duration_metric() {
+        let recorder = Descriptions::default();
+        metrics::with_local_recorder(&recorder, describe_metrics);
+        let mut histograms: Vec<String> = recorder
+            .0
+            .into_inner()
+            .unwrap()
+            .into_iter()
+            .filter(|(_, kind, _)| *kind == "histogram")
+            .map(|(name, _, _)| name)
+            .collect();
+        histograms.sort();
+        let mut durations = DURATION_METRICS.map(str::to_owned).to_vec();
+        durations.sort();
+        assert_eq!(histograms, durations);
+    }
+
+    /// A Prometheus recorder set up by [`with_duration_buckets`] renders the library's
+    /// durations as histograms (`_bucket` series over [`LATENCY_BUCKETS_SECONDS`]), and leaves
+    /// any other histogram as the builder says (the exporter's default: a summary).
+    #[cfg(feature = "prometheus")]
+    #[test]
+    fn the_prometheus_builder_renders_durations_as_histograms() {
+        use metrics_exporter_prometheus::PrometheusBuilder;
+
+        let recorder = with_duration_buckets(PrometheusBuilder::new()).build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            for name in DURATION_METRICS {
+                metrics::histogram!(name, label::SERVICE => "psp").record(0.003);
+            }
+            metrics::histogram!("app_batch_size").record(12.0);
+        });
+        let text = handle.render();
+        for name in DURATION_METRICS {
+            assert!(text.contains(&format!("# TYPE {name} histogram")), "{text}");
+            assert!(
+                text.contains(&format!("{name}_bucket{{service=\"psp\",le=\"0.005\"}} 1")),
+                "{text}"
+            );
+            let buckets = text
+                .lines()
+                .filter(|l| l.starts_with(&format!("{name}_bucket")))
+                .count();
+            // One per bound, and `+Inf`.
+            assert_eq!(buckets, LATENCY_BUCKETS_SECONDS.len() + 1, "{text}");
+        }
+        assert!(text.contains("# TYPE app_batch_size summary"), "{text}");
     }
 
     #[test]

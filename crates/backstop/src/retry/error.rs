@@ -68,8 +68,11 @@ impl fmt::Display for StopReason {
 /// A logical request failed: the status of its last attempt, how many attempts were sent, and
 /// why no further attempt was made.
 ///
-/// `attempts` is 0 when the deadline had already passed before the first attempt; `last` is
-/// then a `DEADLINE_EXCEEDED` status made by the executor.
+/// `attempts` is 0 when the deadline had already passed before the first attempt (`last` is
+/// then a `DEADLINE_EXCEEDED` status made by the executor), or when the first attempt was
+/// refused locally before it was sent (`last` is then the refusal, whose outcome is
+/// `rejected`). An attempt refused after others were sent leaves `last` the status of the
+/// last one sent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("gave up after {attempts} attempt(s), reason {reason}; last status {}", .last.code())]
 pub struct RetryError {

@@ -116,7 +116,10 @@ impl RetryPolicy {
     ///
     /// Each attempt is counted in `rpc_client_attempts_total{attempt,outcome}` and logged as an
     /// `rpc_attempt` event with `call`'s fields; a stop is counted in
-    /// `rpc_client_retry_stops_total{reason}` and logged as `rpc_retry_stopped`.
+    /// `rpc_client_retry_stops_total{reason}` and logged as `rpc_retry_stopped`. An attempt
+    /// adaptive throttling refuses is not sent, so it is no attempt: only the stop
+    /// (`throttled`) is counted and logged, and a request refused before its first attempt
+    /// fails with outcome `rejected`.
     ///
     /// ```
     /// use std::time::Duration;
@@ -305,6 +308,10 @@ impl RetryPolicy {
             outcome,
             elapsed.as_secs_f64(),
         );
+        if number > 1 {
+            // A retry is counted once sent: one decided on but then refused is none.
+            self.metrics.retry(&self.service, &self.method);
+        }
         tracing::info!(
             name: event::RPC_ATTEMPT,
             event = event::RPC_ATTEMPT,
@@ -323,10 +330,6 @@ impl RetryPolicy {
             "{}",
             event::RPC_ATTEMPT
         );
-    }
-
-    fn record_retry(&self) {
-        self.metrics.retry(&self.service, &self.method);
     }
 
     fn stop(
@@ -403,23 +406,13 @@ impl Attempts {
             return Err(policy.stop(call, last, self.number, StopReason::Deadline));
         }
         if policy.throttle.as_ref().is_some_and(|t| !t.admit_at(now)) {
-            // Rejected locally: never sent, so not counted as an attempt made.
+            // Rejected locally: never sent, so not an attempt.
             let status = Status::new(
                 Code::Unavailable,
                 "rejected locally by adaptive throttling: the server is refusing load",
             )
             .with_problem(THROTTLED_PROBLEM);
-            policy.record_attempt(
-                call,
-                self.number + 1,
-                Outcome::Rejected,
-                status.code().as_str(),
-                Some(StopReason::Throttled),
-                remaining,
-                Duration::ZERO,
-            );
-            let last = self.last.take().unwrap_or(status);
-            return Err(policy.stop(call, last, self.number, StopReason::Throttled));
+            return Err(self.stop_unsent(policy, call, status, StopReason::Throttled));
         }
         self.number += 1;
         Ok((
@@ -522,28 +515,35 @@ impl Attempts {
         self.finish(policy, call, status, true, remaining, elapsed, now, rng)
     }
 
-    /// The attempt could not run for lack of time (e.g. refused before it was sent because
-    /// less than the peer's margin was left): the request stops on the deadline, as if cut off.
+    /// The attempt just started was refused before it was sent, by a layer below the caller
+    /// (an open circuit: [`StopReason::CircuitOpen`]; less of the deadline left than the
+    /// peer's margin: [`StopReason::Deadline`]). A refusal is no attempt: it is taken back from
+    /// the count, neither counted in `rpc_client_attempts_total` nor logged as `rpc_attempt`,
+    /// and the request stops with `reason` (`rpc_client_retry_stops_total`,
+    /// `rpc_retry_stopped`), spending nothing more.
     #[cfg_attr(not(feature = "client"), allow(dead_code))]
-    pub(crate) fn out_of_time(
+    pub(crate) fn refused(
         &mut self,
         policy: &RetryPolicy,
         call: &CallInfo<'_>,
-        status: Status,
-        remaining: Duration,
-        elapsed: Duration,
-    ) -> Result<Duration, RetryError> {
-        let now = Instant::now();
-        self.finish(
-            policy,
-            call,
-            status,
-            true,
-            remaining,
-            elapsed,
-            now,
-            &mut rand::rng(),
-        )
+        refusal: Status,
+        reason: StopReason,
+    ) -> RetryError {
+        self.number = self.number.saturating_sub(1);
+        self.stop_unsent(policy, call, refusal, reason)
+    }
+
+    /// Stops the request on an attempt that was not sent: the error reports the status of the
+    /// last attempt sent, or `refusal` (outcome `rejected`) when none was.
+    fn stop_unsent(
+        &mut self,
+        policy: &RetryPolicy,
+        call: &CallInfo<'_>,
+        refusal: Status,
+        reason: StopReason,
+    ) -> RetryError {
+        let last = self.last.take().unwrap_or_else(|| refusal.as_rejected());
+        policy.stop(call, last, self.number, reason)
     }
 
     /// The attempt failed with `status`: the wait before the next one, or why there is none.
@@ -634,7 +634,6 @@ impl Attempts {
             }
             Ok(Wait::Pushback(delay)) => delay,
         };
-        policy.record_retry();
         self.last = Some(status);
         Ok(wait)
     }
@@ -1345,13 +1344,16 @@ mod tests {
     }
 
     /// Issue 15, item 5: an attempt the adaptive throttle rejects is never made: the call
-    /// ends with `throttled` and zero attempts, counted with outcome `rejected`.
+    /// ends with `throttled`, zero attempts and outcome `rejected`; it is counted as a logical
+    /// request and a stop, never as an attempt (nor logged as one).
     #[tokio::test(start_paused = true)]
     async fn a_throttled_attempt_is_not_sent() {
         use crate::retry::AdaptiveThrottle;
 
         let counters = Counters::default();
         let _metrics = metrics::set_default_local_recorder(&counters);
+        let events = Events::default();
+        let _tracing = tracing::subscriber::set_default(events.clone());
         let throttle = AdaptiveThrottle::default();
         // The server refused 100 attempts: the next is rejected with probability 100/101.
         for _ in 0..100 {
@@ -1370,12 +1372,21 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!((err.attempts, err.reason), (0, StopReason::Throttled));
+        assert_eq!(err.last.outcome(), Outcome::Rejected);
         assert_eq!(sent.load(Ordering::Relaxed), 0);
         let who = [("service", "psp"), ("method", "Charge")];
-        let rejected = [who[0], who[1], ("attempt", "1"), ("outcome", "rejected")];
-        assert_eq!(counters.get(RPC_CLIENT_ATTEMPTS_TOTAL, &rejected), 1);
+        assert_eq!(counters.get(RPC_CLIENT_REQUESTS_TOTAL, &who), 1);
+        assert_eq!(counters.get(RPC_CLIENT_ATTEMPTS_TOTAL, &who), 0);
         let stop = [who[0], who[1], ("reason", "throttled")];
         assert_eq!(counters.get(RPC_CLIENT_RETRY_STOPS_TOTAL, &stop), 1);
+        let logged: Vec<String> = events
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e.get("event").cloned())
+            .collect();
+        assert_eq!(logged, ["rpc_retry_stopped"]);
 
         // Accepted answers bring the probability back to zero: every call goes out.
         for _ in 0..100 {

@@ -93,6 +93,13 @@
 //! as a tracing event with `event = "rpc_attempt"` and the fields `method`, `idempotency_key`,
 //! `attempt`, `outcome`, `code`, `deadline_remaining_ms` (at send time), `peer`, `trace_id`; a
 //! stop as `event = "rpc_retry_stopped"` with its `reason`.
+//!
+//! An attempt is a send. One refused locally before it was sent (adaptive throttling, an open
+//! circuit, less of the deadline left than the peer's margin) is none: it is not counted in
+//! the attempt metrics, the retries or the `rpc_attempt` events. The logical request still
+//! counts, and its stop is counted and logged with the reason (`throttled`, `circuit_open`,
+//! `deadline`); a request refused before its first send fails with outcome `rejected` and
+//! `attempts` 0.
 
 mod backoff;
 pub mod budget;

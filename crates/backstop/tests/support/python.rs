@@ -8,7 +8,7 @@ use tokio::process::Command;
 /// Whether `python3` imports `modules` (`"grpc, grpc_tools"`). When it does not, the test is
 /// skipped with a message naming `what` needs them and the `pip install` line, or fails when
 /// `BACKSTOP_REQUIRE_INTEROP=1` (as CI sets it).
-pub async fn python_ready(modules: &str, what: &str, install: &str) -> bool {
+pub(crate) async fn python_ready(modules: &str, what: &str, install: &str) -> bool {
     let probe = Command::new("python3")
         .args(["-c", &format!("import {modules}")])
         .stdin(Stdio::null())

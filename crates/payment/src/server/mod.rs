@@ -29,7 +29,7 @@ use backstop::db::sqlite::{Db, Error as DbError, SqliteOptions};
 use backstop::idempotency::Sweeper;
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
-use backstop::observe::LATENCY_BUCKETS_SECONDS;
+use backstop::observe;
 use backstop::retry::RetryBudget;
 use backstop::server::listen::{ListenConfig, Listener};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -103,13 +103,11 @@ pub enum ServeError {
     Serve(#[source] std::io::Error),
 }
 
-/// The Prometheus exporter's settings: the duration metrics as histograms over
-/// [`LATENCY_BUCKETS_SECONDS`] (the exporter's default would render quantile summaries, which
-/// cannot be added up across instances and cost a sketch update per sample).
+/// The Prometheus exporter's settings: the library's duration metrics as histograms over its
+/// buckets (the exporter's default would render quantile summaries, which cannot be added up
+/// across instances and cost a sketch update per sample).
 fn prometheus_builder() -> PrometheusBuilder {
-    PrometheusBuilder::new()
-        .set_buckets(LATENCY_BUCKETS_SECONDS)
-        .expect("the bucket list is not empty")
+    observe::with_duration_buckets(PrometheusBuilder::new())
 }
 
 /// The process-wide Prometheus handle: installs the recorder on first use. If another global

@@ -23,9 +23,7 @@ use tower_service::Service;
 use super::{Config, GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
 use crate::client::classify::error_status;
 use crate::client::hedge::{HedgeAllowance, Side};
-use crate::client::observer::{
-    AttemptEvent, AttemptKind, AttemptObserver, CallEnd, refused_locally,
-};
+use crate::client::observer::{AttemptEvent, AttemptKind, AttemptObserver, CallEnd, refusal};
 use crate::client::replay::{Buffered, Buffering, Replay, ReplayBody, ResendBy};
 use crate::client::transparent::ResendRequested;
 use crate::deadline::{Deadline, DeadlineExceeded};
@@ -342,16 +340,17 @@ where
                         Ok(never_sent) => never_sent.into_source(),
                         Err(e) => e,
                     };
-                    *this.last = None;
                     let status = error_status(&*e);
-                    let sent = tell.observed() && on_wire && !refused_locally(&*e);
-                    tell.attempt(this.deadline, &current, sent.then(|| seen(&status)));
-                    if e.is::<DeadlineExceeded>() {
-                        // Refused before sending (less than the peer's margin left): a later
-                        // attempt would have even less, so stop on the deadline, spending
-                        // nothing.
-                        attempts.out_of_time(policy, &call, status, remaining, elapsed)
+                    if let Some(reason) = refusal(&*e) {
+                        // Refused before sending (an open circuit, or less than the peer's
+                        // margin left): no attempt, and nothing a later one would change, so
+                        // stop, spending nothing. The last answer, if any, stays the call's.
+                        tell.attempt(this.deadline, &current, None);
+                        Err(attempts.refused(policy, &call, status, reason))
                     } else {
+                        *this.last = None;
+                        let sent = tell.observed() && on_wire;
+                        tell.attempt(this.deadline, &current, sent.then(|| seen(&status)));
                         attempts.failed(policy, &call, status, remaining, elapsed)
                     }
                 }

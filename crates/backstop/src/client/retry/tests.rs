@@ -241,7 +241,8 @@ async fn a_destination_can_read_its_answers_its_own_way() {
 }
 
 /// An attempt the attempt-timeout layer refuses (less than the margin left) is not retried:
-/// the call stops on the deadline and spends no budget on sends that cannot happen.
+/// the call stops on the deadline and spends no budget on sends that cannot happen. Not sent,
+/// it is no attempt: the call fails `rejected` after 0 attempts.
 #[tokio::test(start_paused = true)]
 async fn an_attempt_refused_for_lack_of_time_stops_on_the_deadline() {
     use crate::client::deadline::AttemptTimeout;
@@ -258,7 +259,8 @@ async fn an_attempt_refused_for_lack_of_time_stops_on_the_deadline() {
     let err = svc.oneshot(request("{}", Some("k-1"))).await.unwrap_err();
     let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
     assert_eq!(stopped.reason, StopReason::Deadline);
-    assert_eq!(stopped.attempts, 1);
+    assert_eq!(stopped.attempts, 0);
+    assert_eq!(stopped.last.outcome(), crate::status::Outcome::Rejected);
     assert!((budget.available() - 20.0).abs() < 1e-9, "no token spent");
     assert!(handle.next_request().await.is_none(), "nothing was sent");
 }

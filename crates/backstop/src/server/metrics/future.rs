@@ -57,14 +57,12 @@ where
                 let outcome = if extensions.get::<Rejected>().is_some() {
                     Outcome::Rejected
                 } else {
-                    // A problem answer says its own outcome; a status alone is ambiguous (409).
+                    // A problem answer says its own outcome; any other is read as the client
+                    // reads it, so that both say the same of it.
                     extensions
                         .get::<Outcome>()
                         .copied()
-                        .unwrap_or_else(|| match grpc_code {
-                            Some(code) => Outcome::of_code(code),
-                            None => outcome_of(response.status()),
-                        })
+                        .unwrap_or_else(|| Outcome::of_head(response.status(), response.headers()))
                 };
                 this.record.finish(response.status(), grpc_code, outcome);
             }
@@ -76,11 +74,6 @@ where
         }
         Poll::Ready(result)
     }
-}
-
-/// The outcome label of an HTTP status.
-pub(crate) fn outcome_of(status: StatusCode) -> Outcome {
-    Outcome::from_http(status)
 }
 
 /// Request headers read only for the log event.

@@ -4,11 +4,13 @@
 //! the ones refused by the layers below it. Per request it records:
 //!
 //! - `rpc_server_requests_total{service,method,outcome}`: `outcome` is one of `ok`, `retryable`,
-//!   `fatal`, `timeout`, `rejected`, `cancelled`, derived from the HTTP status through
-//!   [`status`](crate::status); a response carrying the [`Rejected`] extension (set by the rate
-//!   limiter and the gate) counts as `rejected`;
-//!   a gRPC answer with `grpc-status` in its head (trailers-only: every gRPC error) counts by
-//!   its code;
+//!   `fatal`, `timeout`, `rejected`, `cancelled`, read from the answer's head by
+//!   [`Outcome::of_head`], as the client reads the same answer (its `grpc-status` if it has
+//!   one, as every trailers-only gRPC error does, else its HTTP status; a 409 with a pushback
+//!   is `retryable`, a bare 409 `fatal`). What the server alone knows comes first: a response
+//!   carrying the [`Rejected`] extension (set by the rate limiter and the gate) counts as
+//!   `rejected` (its caller sees a 503's `retryable`), and a problem answer as its own
+//!   outcome says;
 //! - `rpc_server_duration_seconds{service,method,outcome}` (histogram);
 //! - `rpc_server_inflight{service,method}` (gauge);
 //! - one `tracing` event `rpc_server_request` with `service`, `method`, `status`, `outcome`,

@@ -448,3 +448,234 @@ fn unmatched_requests_are_counted_under_one_label() {
     assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &labels), 3);
     assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &[]), 3);
 }
+
+/// The client and the server say the same of one answer: the same outcome in the client's
+/// attempt metrics and `rpc_attempt` event as in the server's request metrics and
+/// `rpc_server_request` event, for plain HTTP answers, trailers-only gRPC answers and the
+/// server's own problem answers.
+#[cfg(feature = "client")]
+mod one_reading_of_an_answer {
+    use std::sync::Arc;
+
+    use http::HeaderMap;
+    use http_body_util::Full;
+
+    use super::*;
+    use crate::client::{ClientStack, Destination};
+    use crate::policy::{Idempotency, MethodPolicy};
+    use crate::server::problem::Problem;
+    use crate::status::{Code, Status, problem};
+
+    type Answer = Arc<dyn Fn() -> Response<Bytes> + Send + Sync>;
+
+    fn plain(status: u16, headers: &'static [(&'static str, &'static str)]) -> Answer {
+        Arc::new(move || {
+            let mut response = Response::builder().status(status);
+            for (name, value) in headers {
+                response = response.header(*name, *value);
+            }
+            response.body(Bytes::new()).unwrap()
+        })
+    }
+
+    fn grpc(code: &'static str, headers: &'static [(&'static str, &'static str)]) -> Answer {
+        Arc::new(move || {
+            let mut response = Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", code);
+            for (name, value) in headers {
+                response = response.header(*name, *value);
+            }
+            response.body(Bytes::new()).unwrap()
+        })
+    }
+
+    fn problem_http(status: fn() -> Status) -> Answer {
+        Arc::new(move || Problem::from_status(&status()).into_http_response())
+    }
+
+    fn problem_grpc(status: fn() -> Status) -> Answer {
+        Arc::new(move || Problem::from_status(&status()).into_grpc_response())
+    }
+
+    fn in_progress() -> Status {
+        Status::new(Code::Aborted, "another request with this key is running")
+            .with_problem(problem::REQUEST_IN_PROGRESS)
+            .with_pushback(Duration::from_secs(1))
+    }
+
+    fn key_reused() -> Status {
+        Status::new(Code::FailedPrecondition, "key reused with other parameters")
+            .with_problem(problem::IDEMPOTENCY_KEY_REUSED)
+            .with_http_status(StatusCode::CONFLICT)
+    }
+
+    fn too_late() -> Status {
+        Status::new(Code::DeadlineExceeded, "deadline exceeded")
+    }
+
+    fn invalid() -> Status {
+        Status::new(Code::InvalidArgument, "amount must be positive")
+    }
+
+    fn quota() -> Status {
+        Status::rate_limited(Duration::from_secs(1))
+    }
+
+    /// The one outcome `name` was counted under, with labels `who`.
+    fn counted(
+        m: &crate::server::testing::Recorded,
+        name: &str,
+        who: [(&str, &str); 2],
+    ) -> Outcome {
+        let found: Vec<_> = Outcome::ALL
+            .into_iter()
+            .filter(|o| m.counter(name, &[who[0], who[1], ("outcome", o.as_str())]) > 0)
+            .collect();
+        assert_eq!(found.len(), 1, "{name}: {found:?}");
+        found[0]
+    }
+
+    /// The outcome field of the one `event` logged.
+    fn logged(logs: &[serde_json::Value], event: &str) -> String {
+        let lines: Vec<_> = logs
+            .iter()
+            .filter(|line| line["message"] == event || line["event"] == event)
+            .collect();
+        assert_eq!(lines.len(), 1, "{event}: {lines:?}");
+        lines[0]["outcome"].as_str().unwrap().to_owned()
+    }
+
+    /// The outcome the server's metrics and log give `answer`.
+    fn on_the_server(answer: &Answer) -> (Outcome, String) {
+        let answer = answer.clone();
+        let ((_, m), logs) = with_logs(|| {
+            with_metrics(|| async move {
+                let svc = layer().layer(service_fn(move |_req: Request<Bytes>| {
+                    let response = answer();
+                    async move { Ok::<_, Infallible>(response) }
+                }));
+                svc.oneshot(request(Method::POST, "/v1/payments"))
+                    .await
+                    .unwrap()
+            })
+        });
+        let who = [("service", "payments"), ("method", "POST /v1/payments")];
+        (
+            counted(&m, RPC_SERVER_REQUESTS_TOTAL, who),
+            logged(&logs, "rpc_server_request"),
+        )
+    }
+
+    /// The outcome the client's metrics and log give `answer` to its one attempt.
+    fn on_the_client(answer: &Answer) -> (Outcome, String) {
+        let answer = answer.clone();
+        let ((_, m), logs) = with_logs(|| {
+            with_metrics(|| async move {
+                let dest = Destination::new("psp").breaker(None).storm_alarm(None);
+                let charge = MethodPolicy::builder("Charge", Idempotency::Safe)
+                    .max_attempts(1)
+                    .build();
+                let client =
+                    ClientStack::builder(&dest, charge)
+                        .build()
+                        .unwrap()
+                        .layer(service_fn(move |_req| {
+                            let response = answer().map(|_| ());
+                            async move { Ok::<_, std::io::Error>(response) }
+                        }));
+                let request = Request::post("http://psp/v1/payments")
+                    .body(Full::new(Bytes::new()))
+                    .unwrap();
+                client.oneshot(request).await
+            })
+        });
+        let who = [("service", "psp"), ("method", "Charge")];
+        (
+            counted(&m, RPC_CLIENT_ATTEMPTS_TOTAL, who),
+            logged(&logs, "rpc_attempt"),
+        )
+    }
+
+    #[test]
+    fn the_client_and_the_server_give_an_answer_the_same_outcome() {
+        use Outcome::*;
+        let cases: Vec<(&str, Answer, Outcome)> = vec![
+            ("200", plain(200, &[]), Ok),
+            ("201", plain(201, &[]), Ok),
+            ("400", plain(400, &[]), Fatal),
+            ("404", plain(404, &[]), Fatal),
+            ("409 conflict", plain(409, &[]), Fatal),
+            (
+                "409 in progress",
+                plain(409, &[("retry-after", "1")]),
+                Retryable,
+            ),
+            (
+                "409 in progress (gRPC pushback)",
+                plain(409, &[("grpc-retry-pushback-ms", "250")]),
+                Retryable,
+            ),
+            ("429", plain(429, &[]), Rejected),
+            (
+                "429 retry-after",
+                plain(429, &[("retry-after", "2")]),
+                Rejected,
+            ),
+            ("499", plain(499, &[]), Cancelled),
+            ("500", plain(500, &[]), Fatal),
+            ("502", plain(502, &[]), Retryable),
+            ("503", plain(503, &[]), Retryable),
+            (
+                "503 retry-after",
+                plain(503, &[("retry-after", "2")]),
+                Retryable,
+            ),
+            ("504", plain(504, &[]), Timeout),
+            ("grpc OK", grpc("0", &[]), Ok),
+            ("grpc UNAVAILABLE", grpc("14", &[]), Retryable),
+            ("grpc ABORTED", grpc("10", &[]), Retryable),
+            ("grpc ALREADY_EXISTS", grpc("6", &[]), Fatal),
+            ("grpc DEADLINE_EXCEEDED", grpc("4", &[]), Timeout),
+            (
+                "grpc RESOURCE_EXHAUSTED",
+                grpc("8", &[("grpc-retry-pushback-ms", "100")]),
+                Rejected,
+            ),
+            ("grpc garbled", grpc("x", &[]), Fatal),
+            ("problem in progress", problem_http(in_progress), Retryable),
+            ("problem key reused", problem_http(key_reused), Fatal),
+            ("problem deadline", problem_http(too_late), Timeout),
+            ("problem invalid", problem_http(invalid), Fatal),
+            ("problem quota", problem_http(quota), Rejected),
+            (
+                "grpc problem in progress",
+                problem_grpc(in_progress),
+                Retryable,
+            ),
+            ("grpc problem key reused", problem_grpc(key_reused), Fatal),
+            ("grpc problem deadline", problem_grpc(too_late), Timeout),
+            ("grpc problem quota", problem_grpc(quota), Rejected),
+        ];
+        for (name, answer, outcome) in cases {
+            let want = (outcome, outcome.as_str().to_owned());
+            assert_eq!(on_the_server(&answer), want, "server: {name}");
+            assert_eq!(on_the_client(&answer), want, "client: {name}");
+            let head = answer();
+            assert_eq!(
+                Outcome::of_head(head.status(), head.headers()),
+                outcome,
+                "{name}"
+            );
+        }
+        // What the server alone knows: it refused the request itself. Its caller sees a 503
+        // asking to come back later.
+        let overloaded = problem_http(|| Status::overloaded(Duration::from_secs(1)));
+        assert_eq!(on_the_server(&overloaded).0, Rejected);
+        assert_eq!(on_the_client(&overloaded).0, Retryable);
+        assert_eq!(
+            Outcome::of_head(StatusCode::CONFLICT, &HeaderMap::new()),
+            Fatal
+        );
+    }
+}
