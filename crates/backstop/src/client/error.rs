@@ -1,65 +1,4 @@
 //! [`Error`]: why a call through the client stack got no answer, in a form a handler can use.
-//!
-//! A call that ends on an answer from the peer (a 503 after three attempts, a 400 at once)
-//! returns that answer: the stack adds a [`RetryStopped`](super::retry::RetryStopped) extension
-//! saying why it sent no further attempt. A call that ends with no answer to show (its deadline
-//! passed, the peer could not be reached, the circuit is open, the retry budget or the storm
-//! alarm stopped it) fails with an [`Error`]: the [`Status`] to tell the caller, the
-//! [`StopReason`], the attempts sent and the last attempt's own status.
-//!
-//! A handler that must turn a peer's refusal into an answer of its own (a tonic method; an
-//! HTTP handler may relay the answer as it is) reads it as an `Error` too, with
-//! [`Error::for_status`].
-//!
-//! A handler turns it into the right answer for its own caller in one step:
-//!
-//! | what happened | [`Error::status`] | HTTP (problem+json) | gRPC |
-//! |---|---|---|---|
-//! | the deadline passed, or too little of it was left to send | `DEADLINE_EXCEEDED`, `deadline_exceeded` | 504 | `DEADLINE_EXCEEDED` |
-//! | the circuit is open | `UNAVAILABLE`, `circuit_open` | 503 + `Retry-After` (when the breaker probes again) | `UNAVAILABLE` + `grpc-retry-pushback-ms` |
-//! | the peer is unreachable, or retries stopped on it (budget, storm, throttle, attempts) | `UNAVAILABLE`, `unavailable` | 503 + `Retry-After` | `UNAVAILABLE` + pushback |
-//! | the peer answered another refusal ([`Error::for_status`]) | the peer's | the peer's | the peer's |
-//!
-//! The `Retry-After` of a 503 is the peer's own pushback when its last answer gave one, the
-//! breaker's time to its next probe when the circuit is open, and otherwise
-//! [`Error::DEFAULT_RETRY_AFTER`]: an unreachable peer is not "retry at once".
-//!
-//! - with the `axum` feature, `Error` (like [`Status`] and
-//!   [`Problem`](crate::server::problem::Problem)) is an `axum::response::IntoResponse`, so a
-//!   handler returns `Result<_, backstop::client::Error>` and uses `?`;
-//! - with the `tonic` feature, `tonic::Status: From<Error>`, so a tonic method uses `?` too;
-//! - otherwise [`Error::status`] is the [`Status`] the server layers answer with
-//!   ([`Problem::from_status`](crate::server::problem::Problem::from_status)).
-//!
-//! ```
-//! use std::time::Duration;
-//! use backstop::client::{ClientStack, Destination, Error};
-//! use backstop::policy::{Idempotency, MethodPolicy};
-//! use backstop::retry::StopReason;
-//! use backstop::status::Code;
-//! use bytes::Bytes;
-//! use http::{Request, Response};
-//! use http_body_util::Full;
-//! use tower::{ServiceExt, service_fn};
-//!
-//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
-//! # async fn main() {
-//! // A peer that never answers.
-//! let silent = service_fn(|_: Request<_>| async {
-//!     std::future::pending::<Result<Response<()>, std::io::Error>>().await
-//! });
-//! let policy = MethodPolicy::builder("Get", Idempotency::Safe)
-//!     .timeout(Duration::from_millis(300))
-//!     .build();
-//! let client = ClientStack::builder(&Destination::new("silent"), policy).build().unwrap().layer(silent);
-//!
-//! let request = Request::get("http://peer/v1/thing").body(Full::new(Bytes::new())).unwrap();
-//! let error: Error = client.oneshot(request).await.unwrap_err();
-//! assert_eq!(error.status().code(), Code::DeadlineExceeded);
-//! assert_eq!(error.status().http_status(), 504);
-//! assert_eq!(error.reason(), Some(StopReason::Deadline));
-//! # }
-//! ```
 
 use std::fmt;
 use std::time::Duration;
@@ -73,7 +12,68 @@ use super::retry::RetryStopped;
 use crate::retry::{RetryError, StopReason};
 use crate::status::{Code, Status, problem};
 
-/// A call through the client stack that got no answer (see the [module docs](self)).
+/// Why a call through the client stack got no answer, in a form a handler can use.
+///
+/// A call that ends on an answer from the peer (a 503 after three attempts, a 400 at once)
+/// returns that answer: the stack adds a [`RetryStopped`](super::retry::RetryStopped) extension
+/// saying why it sent no further attempt. A call that ends with no answer to show (its deadline
+/// passed, the peer could not be reached, the circuit is open, the retry budget or the storm
+/// alarm stopped it) fails with an [`Error`]: the [`Status`] to tell the caller, the
+/// [`StopReason`], the attempts sent and the last attempt's own status.
+///
+/// A handler that must turn a peer's refusal into an answer of its own (a tonic method; an
+/// HTTP handler may relay the answer as it is) reads it as an `Error` too, with
+/// [`Error::for_status`].
+///
+/// A handler turns it into the right answer for its own caller in one step:
+///
+/// | what happened | [`Error::status`] | HTTP (problem+json) | gRPC |
+/// |---|---|---|---|
+/// | the deadline passed, or too little of it was left to send | `DEADLINE_EXCEEDED`, `deadline_exceeded` | 504 | `DEADLINE_EXCEEDED` |
+/// | the circuit is open | `UNAVAILABLE`, `circuit_open` | 503 + `Retry-After` (when the breaker probes again) | `UNAVAILABLE` + `grpc-retry-pushback-ms` |
+/// | the peer is unreachable, or retries stopped on it (budget, storm, throttle, attempts) | `UNAVAILABLE`, `unavailable` | 503 + `Retry-After` | `UNAVAILABLE` + pushback |
+/// | the peer answered another refusal ([`Error::for_status`]) | the peer's | the peer's | the peer's |
+///
+/// The `Retry-After` of a 503 is the peer's own pushback when its last answer gave one, the
+/// breaker's time to its next probe when the circuit is open, and otherwise
+/// [`Error::DEFAULT_RETRY_AFTER`]: an unreachable peer is not "retry at once".
+///
+/// - with the `axum` feature, `Error` (like [`Status`] and
+///   [`Problem`](crate::server::problem::Problem)) is an `axum::response::IntoResponse`, so a
+///   handler returns `Result<_, backstop::client::Error>` and uses `?`;
+/// - with the `tonic` feature, `tonic::Status: From<Error>`, so a tonic method uses `?` too;
+/// - otherwise [`Error::status`] is the [`Status`] the server layers answer with
+///   ([`Problem::from_status`](crate::server::problem::Problem::from_status)).
+///
+/// ```
+/// use std::time::Duration;
+/// use backstop::client::{ClientStack, Destination, Error};
+/// use backstop::policy::{Idempotency, MethodPolicy};
+/// use backstop::retry::StopReason;
+/// use backstop::status::Code;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// // A peer that never answers.
+/// let silent = service_fn(|_: Request<_>| async {
+///     std::future::pending::<Result<Response<()>, std::io::Error>>().await
+/// });
+/// let policy = MethodPolicy::builder("Get", Idempotency::Safe)
+///     .timeout(Duration::from_millis(300))
+///     .build();
+/// let client = ClientStack::builder(&Destination::new("silent"), policy).build().unwrap().layer(silent);
+///
+/// let request = Request::get("http://peer/v1/thing").body(Full::new(Bytes::new())).unwrap();
+/// let error: Error = client.oneshot(request).await.unwrap_err();
+/// assert_eq!(error.status().code(), Code::DeadlineExceeded);
+/// assert_eq!(error.status().http_status(), 504);
+/// assert_eq!(error.reason(), Some(StopReason::Deadline));
+/// # }
+/// ```
 ///
 /// One pointer wide, so that `Result<Response, Error>` stays small on every call's path.
 #[derive(Debug)]
@@ -149,7 +149,7 @@ impl Error {
     }
 
     /// What to tell this call's own caller: 504 `DEADLINE_EXCEEDED` when its deadline is
-    /// gone, else 503 `UNAVAILABLE` with a `Retry-After` (see the [module docs](self)).
+    /// gone, else 503 `UNAVAILABLE` with a `Retry-After` (see [`Error`]).
     pub fn status(&self) -> &Status {
         &self.0.status
     }
@@ -236,8 +236,8 @@ impl From<Error> for Status {
     }
 }
 
-/// An axum handler returns the error as the answer its own caller should get (see the
-/// [module docs](self)).
+/// An axum handler returns the error as the answer its own caller should get (see
+/// [`Error`]).
 #[cfg(feature = "axum")]
 impl axum_core::response::IntoResponse for Error {
     fn into_response(self) -> axum_core::response::Response {
