@@ -127,22 +127,26 @@ where
 /// answer relayed from another backstop server) is dropped, since it timed another hop, even
 /// when this server does not say its own time.
 fn stamp<B>(response: &mut Response<B>, arrived: Option<Instant>) {
+    let ours = arrived.map(|arrived| server_timing::header_value(arrived.elapsed()));
     let headers = response.headers_mut();
-    if let http::header::Entry::Occupied(entry) = headers.entry(&SERVER_TIMING) {
-        let kept: Vec<_> = entry
-            .remove_entry_mult()
-            .1
-            .filter(|value| !server_timing::names_ours(value.as_bytes()))
-            .collect();
-        for value in kept {
-            headers.append(&SERVER_TIMING, value);
+    match headers.entry(&SERVER_TIMING) {
+        // The usual case: one lookup of the name, for the insert too.
+        http::header::Entry::Vacant(entry) => {
+            if let Some(ours) = ours {
+                entry.insert(ours);
+            }
         }
-    }
-    if let Some(arrived) = arrived {
-        headers.append(
-            &SERVER_TIMING,
-            server_timing::header_value(arrived.elapsed()),
-        );
+        http::header::Entry::Occupied(entry) => {
+            let kept: Vec<_> = entry
+                .remove_entry_mult()
+                .1
+                .filter(|value| !server_timing::names_ours(value.as_bytes()))
+                .chain(ours)
+                .collect();
+            for value in kept {
+                headers.append(&SERVER_TIMING, value);
+            }
+        }
     }
 }
 
