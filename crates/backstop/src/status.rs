@@ -66,6 +66,10 @@ pub mod problem {
     pub const INVALID_IDEMPOTENCY_KEY: &str = "invalid_idempotency_key";
     /// The `grpc-timeout` header is malformed (400).
     pub const INVALID_GRPC_TIMEOUT: &str = "invalid_grpc_timeout";
+    /// A retry found the key's earlier run stopped before it answered, on a route that does
+    /// not repeat an effect that may have happened: the outcome is unknown (500, stored and
+    /// replayed; not retryable).
+    pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
     /// The same order was submitted under another idempotency key (409).
     pub const ORDER_CONFLICT: &str = "order_conflict";
     /// The server itself is over capacity (503 + Retry-After).

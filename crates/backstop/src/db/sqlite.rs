@@ -180,6 +180,9 @@ enum BatchEnd<'a> {
 trait Job: Send {
     /// Whether the job needs its own SAVEPOINT to be rolled back alone.
     fn savepoint(&self) -> bool;
+    /// Whether the job's caller needs its writes durable when answered (else they become
+    /// durable with the next synced commit).
+    fn synced(&self) -> bool;
     /// Runs the job on the writer connection; `true` when it succeeded.
     fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Reply>);
     /// Fails the job without running it.
@@ -195,6 +198,7 @@ struct WriteJob<F, T> {
     f: F,
     tx: oneshot::Sender<Result<T, Error>>,
     savepoint: bool,
+    synced: bool,
 }
 
 struct Done<T> {
@@ -217,6 +221,10 @@ where
 {
     fn savepoint(&self) -> bool {
         self.savepoint
+    }
+
+    fn synced(&self) -> bool {
+        self.synced
     }
 
     fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Reply>) {
@@ -253,6 +261,10 @@ impl<T: Send + 'static> Reply for Done<T> {
 pub struct DbStats {
     /// Transactions committed by the writer.
     pub transactions: u64,
+    /// Of those, the ones committed with a sync (`synchronous` as configured): with
+    /// [`Synchronous::Full`], each is one fsync of the WAL. The others held only
+    /// [deferred](Db::write_deferred) jobs.
+    pub synced: u64,
     /// Write jobs committed by the writer.
     pub jobs: u64,
 }
@@ -260,6 +272,7 @@ pub struct DbStats {
 #[derive(Default)]
 struct Counters {
     transactions: AtomicU64,
+    synced: AtomicU64,
     jobs: AtomicU64,
 }
 
@@ -360,12 +373,19 @@ impl Db {
         } else {
             None
         };
+        let synchronous = options.synchronous;
         let (jobs, rx) = mpsc::channel(max_batch.saturating_mul(4).max(64));
         let counters = Arc::new(Counters::default());
         let writer_counters = Arc::clone(&counters);
         std::thread::Builder::new()
             .name("backstop-sqlite-writer".into())
-            .spawn(move || writer_loop(conn, rx, max_batch, &writer_counters, commits))
+            .spawn(move || {
+                let sync = SyncMode {
+                    configured: synchronous,
+                    at_configured: true,
+                };
+                writer_loop(conn, rx, max_batch, &writer_counters, commits, sync)
+            })
             .map_err(Error::Spawn)?;
 
         let slots = options.read_connections.max(1);
@@ -390,6 +410,7 @@ impl Db {
     pub fn stats(&self) -> DbStats {
         DbStats {
             transactions: self.inner.counters.transactions.load(Ordering::Relaxed),
+            synced: self.inner.counters.synced.load(Ordering::Relaxed),
             jobs: self.inner.counters.jobs.load(Ordering::Relaxed),
         }
     }
@@ -416,7 +437,24 @@ impl Db {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
-        self.submit(f, true).await
+        self.submit(f, true, true).await
+    }
+
+    /// [`write`](Self::write) for a job whose caller does not need it durable when answered:
+    /// it commits like any job (visible to every later read and write), but a batch made only
+    /// of such jobs commits without a sync, and they become durable with the next synced
+    /// commit (a later [`write`](Self::write) of anyone's, or a checkpoint). A crash may lose
+    /// them; it never loses a synced commit made after them, because the WAL is synced as a
+    /// whole, in order.
+    ///
+    /// The idempotency store claims this way for routes whose handler commits a phase before
+    /// its effect: the claim becomes durable with that phase, one sync for both.
+    pub async fn write_deferred<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.submit(f, true, false).await
     }
 
     /// [`write`](Self::write) for a job that changes the database with one statement at most
@@ -428,10 +466,19 @@ impl Db {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
     {
-        self.submit(f, false).await
+        self.submit(f, false, true).await
     }
 
-    async fn submit<T, F>(&self, f: F, savepoint: bool) -> Result<T, Error>
+    /// [`write_statement`](Self::write_statement), [deferred](Self::write_deferred).
+    pub(crate) async fn write_statement_deferred<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.submit(f, false, false).await
+    }
+
+    async fn submit<T, F>(&self, f: F, savepoint: bool, synced: bool) -> Result<T, Error>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
         T: Send + 'static,
@@ -439,7 +486,12 @@ impl Db {
         let (tx, rx) = oneshot::channel();
         self.inner
             .jobs
-            .send(Box::new(WriteJob { f, tx, savepoint }))
+            .send(Box::new(WriteJob {
+                f,
+                tx,
+                savepoint,
+                synced,
+            }))
             .await
             .map_err(|_| Error::Closed)?;
         rx.await.map_err(|_| Error::Closed)?
@@ -561,12 +613,47 @@ fn checkpoint_loop(conn: &Connection, commits: &std::sync::mpsc::Receiver<()>) {
     }
 }
 
+/// How the writer syncs its commits: `synchronous` as configured for batches with a job that
+/// needs it, `NORMAL` (no sync in WAL mode) for batches of [deferred](Db::write_deferred) jobs
+/// only. The pragma is changed between transactions, only when the batch's need differs from
+/// the last one's.
+struct SyncMode {
+    configured: Synchronous,
+    /// Whether the connection is set to `configured` now (else to `NORMAL`).
+    at_configured: bool,
+}
+
+impl SyncMode {
+    /// Sets the connection up for a batch that does (or does not) need a synced commit;
+    /// whether its commit counts as synced.
+    fn prepare(&mut self, conn: &Connection, synced: bool) -> bool {
+        if self.configured == Synchronous::Normal {
+            return false;
+        }
+        if synced != self.at_configured {
+            let value = if synced {
+                self.configured.pragma_value()
+            } else {
+                Synchronous::Normal.pragma_value()
+            };
+            match conn.pragma_update(None, "synchronous", value) {
+                Ok(()) => self.at_configured = synced,
+                // Left as it was: at worst a deferred batch is synced, never the reverse
+                // (the connection only leaves `configured` through this call succeeding).
+                Err(e) => tracing::warn!(error = %e, "sqlite synchronous pragma failed"),
+            }
+        }
+        self.at_configured
+    }
+}
+
 fn writer_loop(
     conn: Connection,
     mut rx: mpsc::Receiver<Box<dyn Job>>,
     max_batch: usize,
     counters: &Counters,
     commits: Option<std::sync::mpsc::SyncSender<()>>,
+    mut sync: SyncMode,
 ) {
     let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(max_batch);
     let mut replies: Vec<Box<dyn Reply>> = Vec::with_capacity(max_batch);
@@ -580,7 +667,8 @@ fn writer_loop(
                 Err(_) => break,
             }
         }
-        run_batch(&conn, &mut batch, &mut replies, counters);
+        let synced = sync.prepare(&conn, batch.iter().any(|job| job.synced()));
+        run_batch(&conn, &mut batch, &mut replies, counters, synced);
         if let Some(commits) = &commits {
             // Full: a checkpoint is already asked for.
             let _ = commits.try_send(());
@@ -603,6 +691,7 @@ fn run_batch(
     batch: &mut Vec<Box<dyn Job>>,
     replies: &mut Vec<Box<dyn Reply>>,
     counters: &Counters,
+    synced: bool,
 ) {
     tracing::trace!(jobs = batch.len(), "sqlite write batch");
     let mut queue = std::mem::take(batch).into_iter();
@@ -642,6 +731,9 @@ fn run_batch(
         match exec(conn, "COMMIT") {
             Ok(()) => {
                 counters.transactions.fetch_add(1, Ordering::Relaxed);
+                if synced {
+                    counters.synced.fetch_add(1, Ordering::Relaxed);
+                }
                 counters
                     .jobs
                     .fetch_add(replies.len() as u64, Ordering::Relaxed);

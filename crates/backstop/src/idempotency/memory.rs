@@ -9,10 +9,16 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::protocol::{self, ClaimRule};
 use super::store::duration_ms;
+use super::store::{BoxError, Ending, PriorRun, RecoveryPoint, Resume};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
+
+/// The writes a phase commits with a [`MemoryStore`] record: a closure run under the record's
+/// lock, only while the lease holds it. An error writes nothing of the phase (the closure must
+/// not have changed anything before failing).
+pub type MemoryWrites<T> = Box<dyn FnOnce() -> Result<T, BoxError> + Send>;
 
 /// The [`Store`] in sharded `Mutex<HashMap>`s: every operation is one short critical section on
 /// the shard that holds its key, so the claim's insert-or-inspect-or-take-over is atomic exactly
@@ -158,6 +164,7 @@ struct Slot {
     response: Option<StoredResponse>,
     created_at_ms: i64,
     expires_at_ms: i64,
+    point: Option<RecoveryPoint>,
 }
 
 impl Slot {
@@ -171,6 +178,7 @@ impl Slot {
             response: self.response.clone(),
             created_at_ms: self.created_at_ms,
             expires_at_ms: self.expires_at_ms,
+            point: self.point.clone(),
         }
     }
 
@@ -225,11 +233,13 @@ impl MemoryStore {
         let hash = lookup.hash;
         let lease_until = req.lease_until_ms();
         let expires_at = req.expires_at_ms();
-        let lease = |id: &Id, lease_until_ms| Lease {
+        let lease = |id: &Id, lease_until_ms, created_at_ms, resume| Lease {
             scope: id.scope.clone(),
             key: id.key.clone(),
             lease_until_ms,
             ttl: req.ttl,
+            created_at_ms,
+            resume,
         };
         // The request's own strings become the record's id: a fresh claim copies them only
         // into its lease.
@@ -240,7 +250,7 @@ impl MemoryStore {
         });
         let mut occupied = match entry {
             Entry::Vacant(vacant) => {
-                let lease = lease(vacant.key(), lease_until);
+                let lease = lease(vacant.key(), lease_until, req.now_ms, None);
                 vacant.insert(Slot {
                     fingerprint: req.fingerprint,
                     status: RecordStatus::Running,
@@ -248,6 +258,7 @@ impl MemoryStore {
                     response: None,
                     created_at_ms: req.now_ms,
                     expires_at_ms: expires_at,
+                    point: None,
                 });
                 return Claim::Claimed(lease);
             }
@@ -272,7 +283,19 @@ impl MemoryStore {
                 Claim::in_progress(lease_until_ms, req.now_ms)
             }
             ClaimRule::TakeOver { lease_until_ms } | ClaimRule::Insert { lease_until_ms } => {
-                let lease = lease(occupied.key(), lease_until_ms);
+                let resume = Resume {
+                    prior: match rec.status {
+                        RecordStatus::Failed => PriorRun::Failed,
+                        _ => PriorRun::Abandoned,
+                    },
+                    point: rec.point.clone(),
+                };
+                let lease = lease(
+                    occupied.key(),
+                    lease_until_ms,
+                    rec.created_at_ms,
+                    Some(resume),
+                );
                 let rec = occupied.get_mut();
                 rec.status = RecordStatus::Running;
                 rec.lease_until_ms = lease_until_ms;
@@ -283,33 +306,59 @@ impl MemoryStore {
         }
     }
 
-    fn finish(
+    /// Ends the record as `ending` says if `lease` holds it, running `writes` first under the
+    /// same lock (nothing changes if they fail).
+    fn end(
         &self,
         lease: &Lease,
-        status: RecordStatus,
-        response: Option<StoredResponse>,
+        ending: Ending,
         now_ms: i64,
+        writes: Option<MemoryWrites<()>>,
     ) -> Result<(), StoreError> {
+        let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
+        let Some(rec) = records
+            .get_mut(&lookup as &dyn IdRef)
+            .filter(|rec| protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms))
+        else {
+            return Err(StoreError::lease_lost(lease));
+        };
+        if let Some(writes) = writes {
+            writes().map_err(|source| StoreError::PhaseWrites {
+                phase: "finish".to_owned(),
+                source,
+            })?;
+        }
+        let (status, response) = match ending {
+            Ending::Complete(response) => (RecordStatus::Succeeded, Some(response)),
+            Ending::Fail => (RecordStatus::Failed, None),
+            Ending::Release => {
+                records.remove(&lookup as &dyn IdRef);
+                return Ok(());
+            }
+        };
+        rec.status = status;
+        rec.response = response;
+        rec.expires_at_ms = rec
+            .expires_at_ms
+            .max(now_ms.saturating_add(duration_ms(lease.ttl)));
+        Ok(())
+    }
+
+    fn commit_phase_now<T>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: MemoryWrites<T>,
+    ) -> Result<T, StoreError> {
         let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
         match records.get_mut(&lookup as &dyn IdRef) {
             Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
-                rec.status = status;
-                rec.response = response;
-                rec.expires_at_ms = rec
-                    .expires_at_ms
-                    .max(now_ms.saturating_add(duration_ms(lease.ttl)));
-                Ok(())
-            }
-            _ => Err(StoreError::lease_lost(lease)),
-        }
-    }
-
-    fn release_now(&self, lease: &Lease) -> Result<(), StoreError> {
-        let (mut records, lookup) = self.locate(&lease.scope, lease.key.as_str());
-        match records.get(&lookup as &dyn IdRef) {
-            Some(rec) if protocol::holds(rec.status, rec.lease_until_ms, lease.lease_until_ms) => {
-                records.remove(&lookup as &dyn IdRef);
-                Ok(())
+                let out = writes().map_err(|source| StoreError::PhaseWrites {
+                    phase: point.phase.clone(),
+                    source,
+                })?;
+                rec.point = Some(point);
+                Ok(out)
             }
             _ => Err(StoreError::lease_lost(lease)),
         }
@@ -322,6 +371,26 @@ fn lock(map: &Mutex<Map>) -> MutexGuard<'_, Map> {
 }
 
 impl Store for MemoryStore {
+    type Writes<T: Send + 'static> = MemoryWrites<T>;
+
+    fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: MemoryWrites<T>,
+    ) -> impl Future<Output = Result<T, StoreError>> + Send {
+        std::future::ready(self.commit_phase_now(lease, point, writes))
+    }
+
+    fn finish(
+        &self,
+        lease: &Lease,
+        ending: Ending,
+        now_ms: i64,
+        writes: MemoryWrites<()>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        std::future::ready(self.end(lease, ending, now_ms, Some(writes)))
+    }
     fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send {
         std::future::ready(Ok(self.claim_now(req)))
     }
@@ -332,7 +401,7 @@ impl Store for MemoryStore {
         response: StoredResponse,
         now_ms: i64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        std::future::ready(self.finish(lease, RecordStatus::Succeeded, Some(response), now_ms))
+        std::future::ready(self.end(lease, Ending::Complete(response), now_ms, None))
     }
 
     fn fail(
@@ -340,11 +409,11 @@ impl Store for MemoryStore {
         lease: &Lease,
         now_ms: i64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        std::future::ready(self.finish(lease, RecordStatus::Failed, None, now_ms))
+        std::future::ready(self.end(lease, Ending::Fail, now_ms, None))
     }
 
     fn release(&self, lease: &Lease) -> impl Future<Output = Result<(), StoreError>> + Send {
-        std::future::ready(self.release_now(lease))
+        std::future::ready(self.end(lease, Ending::Release, 0, None))
     }
 
     fn get(

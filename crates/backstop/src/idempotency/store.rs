@@ -36,13 +36,15 @@ impl ClaimRequest {
         self.now_ms.saturating_add(duration_ms(self.ttl))
     }
 
-    /// The lease a claim by this request holds, ending at `lease_until_ms`.
+    /// The lease a fresh claim by this request holds, ending at `lease_until_ms`.
     pub fn lease_at(&self, lease_until_ms: i64) -> Lease {
         Lease {
             scope: self.scope.clone(),
             key: self.key.clone(),
             lease_until_ms,
             ttl: self.ttl,
+            created_at_ms: self.now_ms,
+            resume: None,
         }
     }
 }
@@ -104,8 +106,77 @@ pub struct Lease {
     pub lease_until_ms: i64,
     /// The claim's TTL: completing or failing keeps the record at least this long from then on.
     pub ttl: Duration,
+    /// When the key was first claimed (unix epoch ms): the same for every run of the key while
+    /// its record lives, so it tells one use of a key from a later reuse after expiry.
+    pub created_at_ms: i64,
+    /// Set when this claim took the key over from an earlier run: how that run ended and the
+    /// last phase it committed.
+    pub resume: Option<Resume>,
 }
 
+impl Lease {
+    /// A key for the downstream effect of this record: the same for every run of the key
+    /// (a takeover resends the same one, so a downstream that deduplicates by it applies the
+    /// effect once), different for another scope, another key, or the same key reused after
+    /// its record expired. 32 hex digits of SHA-256 over scope, key and first-claim time.
+    pub fn effect_key(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        hash.update(self.scope.as_bytes());
+        hash.update([0]);
+        hash.update(self.key.as_str().as_bytes());
+        hash.update([0]);
+        hash.update(self.created_at_ms.to_be_bytes());
+        let digest = hash.finalize();
+        let mut out = String::with_capacity(32);
+        for byte in &digest[..16] {
+            out.push_str(&format!("{byte:02x}"));
+        }
+        out
+    }
+}
+
+/// Where a keyed request's handler got to: the name of the last phase it committed and what
+/// that phase recorded (Brandur Leach's "recovery point"). Written with the phase's own writes,
+/// in one transaction, by [`Store::commit_phase`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryPoint {
+    /// The phase's name, chosen by the handler (`"intent_created"`).
+    pub phase: String,
+    /// What the phase recorded for a successor to resume from (an id, a small document).
+    pub data: Bytes,
+}
+
+/// What a claim that took a key over learns about the run before it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resume {
+    /// How that run ended.
+    pub prior: PriorRun,
+    /// The last phase it committed, if any: nothing before it needs doing again, and its
+    /// effect (if it had one after that phase) may or may not have happened.
+    pub point: Option<RecoveryPoint>,
+}
+
+/// How the run before a takeover ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PriorRun {
+    /// It answered a retryable failure ([`Store::fail`]): it said it may run again.
+    Failed,
+    /// Its lease ended while it was running: it died or overran, and it may have performed its
+    /// effect or not.
+    Abandoned,
+}
+
+/// How a [`Store::finish`] ends a record, together with the handler's last writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending {
+    /// [`Store::complete`] with this response.
+    Complete(StoredResponse),
+    /// [`Store::fail`].
+    Fail,
+    /// [`Store::release`].
+    Release,
+}
 /// A response kept for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
@@ -168,6 +239,8 @@ pub struct Record {
     pub created_at_ms: i64,
     /// When the record may be swept, unix epoch ms.
     pub expires_at_ms: i64,
+    /// The last phase the record's handler committed, if any.
+    pub point: Option<RecoveryPoint>,
 }
 
 impl Record {
@@ -228,6 +301,15 @@ pub enum StoreError {
     #[cfg(feature = "postgres")]
     #[error("PostgreSQL idempotency store failed")]
     Postgres(#[source] crate::db::postgres::Error),
+    /// A phase's own writes (the application's) failed: nothing of the phase was written.
+    #[error("the writes of phase {phase} failed")]
+    PhaseWrites {
+        /// The phase.
+        phase: String,
+        /// What failed.
+        #[source]
+        source: BoxError,
+    },
     /// A store implemented outside this crate failed: such a store has no variant of its own,
     /// so it reports its failures through this one (inspect with `source()` and downcast). The
     /// stores of this crate never use it.
@@ -266,9 +348,55 @@ impl StoreError {
 ///
 /// All times are unix epoch milliseconds passed in by the caller, so tests control time.
 /// Every backend runs the same conformance suite (`backstop::store_conformance!`).
+///
+/// # Phases
+///
+/// A handler's own writes can share the record's transactions ("atomic phases"):
+/// [`commit_phase`](Store::commit_phase) commits the writes a handler makes before its effect
+/// together with a [`RecoveryPoint`] on the record, and [`finish`](Store::finish) the writes it
+/// makes after its effect together with the record's end. Each is fenced by the lease: a run
+/// that lost its key writes nothing. The writes come in the backend's own form
+/// ([`Store::Writes`]: a closure on the SQLite connection, on the PostgreSQL client, ...).
 pub trait Store: Clone + Send + Sync + 'static {
+    /// The application's writes a phase commits with the record, in this backend's form,
+    /// answering `T`.
+    type Writes<T: Send + 'static>: Send + 'static;
+
     /// Claims `req.key` in `req.scope`; see [`Claim`].
     fn claim(&self, req: ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// [`claim`](Store::claim), answered once committed but not yet durable: it becomes
+    /// durable with the next durable commit, which a handler's first
+    /// [`commit_phase`](Store::commit_phase) is. For routes whose handlers commit a phase
+    /// before their effect, so a claim and the first phase cost one sync. A crash before that
+    /// loses the claim, and nothing depended on it. By default, a durable claim.
+    fn claim_deferred(
+        &self,
+        req: ClaimRequest,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        self.claim(req)
+    }
+
+    /// Runs `writes` and records `point` on the record, in one durable transaction, if `lease`
+    /// still holds it (else [`StoreError::LeaseLost`] and nothing is written). If `writes`
+    /// fail, nothing is written ([`StoreError::PhaseWrites`]).
+    fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: Self::Writes<T>,
+    ) -> impl Future<Output = Result<T, StoreError>> + Send;
+
+    /// Ends the record as `ending` says ([`complete`](Store::complete), [`fail`](Store::fail)
+    /// or [`release`](Store::release)) and runs `writes`, in one durable transaction, if
+    /// `lease` still holds it; else nothing is written.
+    fn finish(
+        &self,
+        lease: &Lease,
+        ending: Ending,
+        now_ms: i64,
+        writes: Self::Writes<()>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Stores `response` and marks the record `succeeded`, if `lease` still holds it
     /// (else [`StoreError::LeaseLost`]). The record is then kept at least `lease.ttl` past

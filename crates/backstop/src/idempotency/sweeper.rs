@@ -222,6 +222,24 @@ mod tests {
     struct SlowSweeps(MemoryStore);
 
     impl Store for SlowSweeps {
+        type Writes<T: Send + 'static> = crate::idempotency::memory::MemoryWrites<T>;
+        async fn commit_phase<T: Send + 'static>(
+            &self,
+            lease: &Lease,
+            point: crate::idempotency::RecoveryPoint,
+            writes: Self::Writes<T>,
+        ) -> Result<T, StoreError> {
+            self.0.commit_phase(lease, point, writes).await
+        }
+        async fn finish(
+            &self,
+            lease: &Lease,
+            ending: crate::idempotency::Ending,
+            now_ms: i64,
+            writes: Self::Writes<()>,
+        ) -> Result<(), StoreError> {
+            self.0.finish(lease, ending, now_ms, writes).await
+        }
         async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
             self.0.claim(req).await
         }

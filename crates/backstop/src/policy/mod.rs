@@ -96,6 +96,37 @@ impl fmt::Display for Idempotency {
     }
 }
 
+/// What a keyed method's server does when a retry finds the key's previous run abandoned (its
+/// lease ended while it ran: the holder died or overran), so its effect may or may not have
+/// happened. A run that answered a retryable failure said it may run again; this is only
+/// about runs that never answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Takeover {
+    /// Answer a definite `outcome_unknown` problem (stored: every later retry gets it too)
+    /// without running anything. The default: never runs a possibly-done effect twice.
+    #[default]
+    Refuse,
+    /// Run the handler, which learns that it resumes and from which committed phase
+    /// (`server::idempotency::Phases`), so it can ask the downstream for the effect instead of
+    /// repeating it. For handlers that commit a phase before their effect; their claims are
+    /// made durable by that phase's commit (one sync for both).
+    Resume,
+    /// Run the handler again from the start: only for methods whose effect is safe to repeat
+    /// (it is itself idempotent downstream, by the effect key).
+    Rerun,
+}
+
+impl Takeover {
+    /// Lower-case name: `refuse`, `resume`, `rerun`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Takeover::Refuse => "refuse",
+            Takeover::Resume => "resume",
+            Takeover::Rerun => "rerun",
+        }
+    }
+}
+
 /// The failure behaviour of one method. Build with [`MethodPolicy::builder`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MethodPolicy {
@@ -112,6 +143,7 @@ pub struct MethodPolicy {
     key_ttl: Option<Duration>,
     rate_class: String,
     buffer_body: bool,
+    takeover: Takeover,
 }
 
 /// Builder for [`MethodPolicy`]; check the result with [`MethodPolicy::validate`].
@@ -216,6 +248,7 @@ impl MethodPolicy {
                 key_ttl: None,
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
                 buffer_body: false,
+                takeover: Takeover::Refuse,
             },
         }
     }
@@ -293,6 +326,11 @@ impl MethodPolicy {
     /// How long idempotency keys are kept.
     pub fn key_ttl(&self) -> Option<Duration> {
         self.key_ttl
+    }
+
+    /// What a retry does when it finds the key's previous run abandoned (`Keyed` methods).
+    pub fn takeover(&self) -> Takeover {
+        self.takeover
     }
 
     /// The rate-limit class: the server's rate limit spends the caller's tokens in this
@@ -417,6 +455,13 @@ impl MethodPolicyBuilder {
     /// How long idempotency keys are kept (required for `Keyed`).
     pub fn key_ttl(mut self, ttl: Duration) -> Self {
         self.policy.key_ttl = Some(ttl);
+        self
+    }
+
+    /// What a retry does when it finds the key's previous run abandoned (default
+    /// [`Takeover::Refuse`]; `Keyed` methods only).
+    pub fn takeover(mut self, takeover: Takeover) -> Self {
+        self.policy.takeover = takeover;
         self
     }
 

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use backstop::idempotency::{
-    Claim, ClaimRequest, IdempotencyKey, Lease, Record, Store, StoreError, StoredResponse,
+    Claim, ClaimRequest, Ending, IdempotencyKey, Lease, Record, RecoveryPoint, Store, StoreError,
+    StoredResponse,
 };
 use tokio::sync::Notify;
 
@@ -70,13 +71,47 @@ impl<St> OpenLeases<St> {
     }
 }
 
-impl<St: Store> Store for OpenLeases<St> {
-    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
-        let claim = self.inner.claim(req).await?;
+impl<St: Store> OpenLeases<St> {
+    fn count_claim(&self, claim: &Claim) {
         if matches!(claim, Claim::Claimed(_)) {
             self.count.open.fetch_add(1, Ordering::AcqRel);
         }
+    }
+}
+
+impl<St: Store> Store for OpenLeases<St> {
+    type Writes<T: Send + 'static> = St::Writes<T>;
+
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let claim = self.inner.claim(req).await?;
+        self.count_claim(&claim);
         Ok(claim)
+    }
+
+    async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let claim = self.inner.claim_deferred(req).await?;
+        self.count_claim(&claim);
+        Ok(claim)
+    }
+
+    async fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: St::Writes<T>,
+    ) -> Result<T, StoreError> {
+        self.inner.commit_phase(lease, point, writes).await
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        ending: Ending,
+        now_ms: i64,
+        writes: St::Writes<()>,
+    ) -> Result<(), StoreError> {
+        let _settling = Settling(&self.count);
+        self.inner.finish(lease, ending, now_ms, writes).await
     }
 
     async fn complete(

@@ -1,9 +1,10 @@
 //! [`PaymentStore`]: the idempotency store of whichever backend `--store` names.
 
-use backstop::idempotency::postgres::PostgresStore;
-use backstop::idempotency::sqlite::SqliteStore;
+use backstop::idempotency::postgres::{PostgresStore, PostgresWrites};
+use backstop::idempotency::sqlite::{SqliteStore, SqliteWrites};
 use backstop::idempotency::{
-    Claim, ClaimRequest, IdempotencyKey, Lease, Record, Store, StoreError, StoredResponse,
+    Claim, ClaimRequest, Ending, IdempotencyKey, Lease, Record, RecoveryPoint, Store, StoreError,
+    StoredResponse,
 };
 
 /// The idempotency store the service runs on: SQLite (one instance) or PostgreSQL (shared by
@@ -16,11 +17,59 @@ pub enum PaymentStore {
     Postgres(PostgresStore),
 }
 
+/// The writes of a phase, in the form of each backend: the store runs the one of its own.
+pub struct PaymentWrites<T> {
+    /// On the SQLite writer's connection.
+    pub sqlite: SqliteWrites<T>,
+    /// On a PostgreSQL connection.
+    pub postgres: PostgresWrites<T>,
+}
+
+impl<T> std::fmt::Debug for PaymentWrites<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PaymentWrites").finish_non_exhaustive()
+    }
+}
+
 impl Store for PaymentStore {
+    type Writes<T: Send + 'static> = PaymentWrites<T>;
+
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         match self {
             PaymentStore::Sqlite(s) => s.claim(req).await,
             PaymentStore::Postgres(s) => s.claim(req).await,
+        }
+    }
+
+    async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        match self {
+            PaymentStore::Sqlite(s) => s.claim_deferred(req).await,
+            PaymentStore::Postgres(s) => s.claim_deferred(req).await,
+        }
+    }
+
+    async fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: PaymentWrites<T>,
+    ) -> Result<T, StoreError> {
+        match self {
+            PaymentStore::Sqlite(s) => s.commit_phase(lease, point, writes.sqlite).await,
+            PaymentStore::Postgres(s) => s.commit_phase(lease, point, writes.postgres).await,
+        }
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        ending: Ending,
+        now_ms: i64,
+        writes: PaymentWrites<()>,
+    ) -> Result<(), StoreError> {
+        match self {
+            PaymentStore::Sqlite(s) => s.finish(lease, ending, now_ms, writes.sqlite).await,
+            PaymentStore::Postgres(s) => s.finish(lease, ending, now_ms, writes.postgres).await,
         }
     }
 

@@ -78,11 +78,17 @@ pub(super) struct ClaimRow {
     pub(super) http_status: Option<i32>,
     pub(super) body: Option<Vec<u8>>,
     pub(super) headers: Option<String>,
+    /// When the key was first claimed.
+    pub(super) created_at: Option<i64>,
+    /// The record's recovery point.
+    pub(super) phase: Option<String>,
+    pub(super) phase_data: Option<Vec<u8>>,
 }
 
 impl ClaimRow {
     /// From `taken, lease_until, fingerprint, status, http_status, response_body,
-    /// response_headers` starting at column `at`.
+    /// response_headers, created_at, phase, phase_data` starting at column `at`. A taken row's
+    /// `status` is the record's status before the takeover (`None` for a fresh insert).
     fn read(row: &Row, at: usize) -> Result<ClaimRow, tokio_postgres::Error> {
         Ok(ClaimRow {
             taken: row.try_get(at)?,
@@ -92,6 +98,9 @@ impl ClaimRow {
             http_status: row.try_get(at + 4)?,
             body: row.try_get(at + 5)?,
             headers: row.try_get(at + 6)?,
+            created_at: row.try_get(at + 7)?,
+            phase: row.try_get(at + 8)?,
+            phase_data: row.try_get(at + 9)?,
         })
     }
 }
@@ -324,7 +333,7 @@ fn change_many<'a>(
     })
 }
 
-async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_postgres::Error> {
+pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_postgres::Error> {
     match op {
         Op::Claim {
             scope,

@@ -70,8 +70,8 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use self::batch::{ClaimRow, Op, Outcome};
-use self::sql::{GET_SQL, SWEEP_SQL};
-use super::store::duration_ms;
+use self::sql::{GET_SQL, PHASE_SQL, SWEEP_SQL};
+use super::store::{Ending, PriorRun, RecoveryPoint, Resume, duration_ms};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
@@ -84,6 +84,19 @@ pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 
 /// The `idempotency_key` table and its expiry index.
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
+
+/// Name under which [`MIGRATION_V2`] is recorded.
+pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2_phases";
+
+/// The recovery point of a record: the last phase its handler committed and what it recorded.
+pub const MIGRATION_V2: &str = "ALTER TABLE idempotency_key \
+ADD COLUMN IF NOT EXISTS phase TEXT, ADD COLUMN IF NOT EXISTS phase_data BYTEA;";
+
+/// The writes a phase commits with a [`PostgresStore`] record: a closure given the pooled
+/// connection inside the record's transaction (after the lease was checked). An error rolls
+/// back the whole phase. It must not run `BEGIN`/`COMMIT`/`ROLLBACK` (savepoints are fine).
+pub type PostgresWrites<T> =
+    Box<dyn for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>> + Send>;
 
 /// How many times a claim runs again when the record changed under it (released, swept, or
 /// freed between its statement's snapshot and its row lock). Each retry needs another writer to
@@ -173,6 +186,7 @@ impl PostgresStore {
     /// migration and starts the writers.
     pub async fn new(pool: Pool, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
         migrate(&pool, MIGRATION_NAME, MIGRATION).await?;
+        migrate(&pool, MIGRATION_V2_NAME, MIGRATION_V2).await?;
         let max_batch = if options.group_commit {
             options.max_batch
         } else {
@@ -297,7 +311,24 @@ fn decide(
     let lease_until = row.lease_until;
     if row.taken {
         let lease_until = lease_until.ok_or_else(|| corrupt(scope, key, "lease_until"))?;
-        return Ok(Some(Claim::Claimed(req.lease_at(lease_until))));
+        let lease = req.lease_at(lease_until);
+        // A taken row's status is the record's before the takeover: none for a fresh insert.
+        let prior = match row.status.as_deref().map(RecordStatus::parse) {
+            None => return Ok(Some(Claim::Claimed(lease))),
+            Some(Some(RecordStatus::Failed)) => PriorRun::Failed,
+            Some(Some(RecordStatus::Running)) => PriorRun::Abandoned,
+            Some(_) => return Err(corrupt(scope, key, "status")),
+        };
+        return Ok(Some(Claim::Claimed(Lease {
+            created_at_ms: row
+                .created_at
+                .ok_or_else(|| corrupt(scope, key, "created_at"))?,
+            resume: Some(Resume {
+                prior,
+                point: point_of(row.phase, row.phase_data),
+            }),
+            ..lease
+        })));
     }
     // The record vanished between the conflict and the read (released or swept): claim again.
     let Some(stored) = row.fingerprint else {
@@ -329,12 +360,187 @@ fn decide(
     }
 }
 
+fn point_of(phase: Option<String>, data: Option<Vec<u8>>) -> Option<RecoveryPoint> {
+    phase.map(|phase| RecoveryPoint {
+        phase,
+        data: Bytes::from(data.unwrap_or_default()),
+    })
+}
+
+/// Why a phase transaction rolled back.
+enum Abort {
+    LeaseLost,
+    Writes(tokio_postgres::Error),
+    Store(tokio_postgres::Error),
+}
+
+impl PostgresStore {
+    /// Runs `body` inside `BEGIN ... COMMIT` (`begin` opens it) on a pooled connection, on a
+    /// task of its own: a caller that goes away mid-transaction cannot leave a connection
+    /// inside an open transaction in the pool. Rolled back on any error.
+    async fn transaction<T: Send + 'static>(
+        &self,
+        begin: &'static str,
+        body: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, Abort>> + Send + 'static,
+    ) -> Result<Result<T, Abort>, StoreError> {
+        let pool = self.pool.clone();
+        let until = self.operation_deadline().max(Instant::now() + self.timeout);
+        let task = tokio::spawn(async move {
+            db::with_client(&pool, until, move |c| {
+                Box::pin(async move {
+                    c.batch_execute(begin).await?;
+                    let out = body(c).await;
+                    match &out {
+                        Ok(_) => c.batch_execute("COMMIT").await?,
+                        Err(_) => c.batch_execute("ROLLBACK").await?,
+                    }
+                    Ok(out)
+                })
+            })
+            .await
+        });
+        match task.await {
+            Ok(result) => Ok(result?),
+            Err(e) => Err(StoreError::Backend(Box::new(e))),
+        }
+    }
+}
+
+fn abort_error(abort: Abort, lease: &Lease, phase: &str) -> StoreError {
+    match abort {
+        Abort::LeaseLost => StoreError::lease_lost(lease),
+        Abort::Writes(source) => StoreError::PhaseWrites {
+            phase: phase.to_owned(),
+            source: Box::new(source),
+        },
+        Abort::Store(e) => StoreError::from(db::Error::from(e)),
+    }
+}
+
 fn headers_json(headers: &[(String, String)]) -> String {
     // Serializing strings to JSON cannot fail.
     serde_json::to_string(headers).unwrap_or_else(|_| "[]".to_owned())
 }
 
 impl Store for PostgresStore {
+    type Writes<T: Send + 'static> = PostgresWrites<T>;
+
+    async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        let fingerprint = req.fingerprint.to_hex();
+        for _ in 0..CLAIM_ATTEMPTS {
+            let op = Op::Claim {
+                scope: req.scope.clone(),
+                key: req.key.as_str().to_owned(),
+                fingerprint: fingerprint.clone(),
+                lease_until: req.lease_until_ms(),
+                now: req.now_ms,
+                expires_at: req.expires_at_ms(),
+            };
+            // Committed without waiting for the WAL flush: the handler's first phase, which
+            // waits for it, makes the claim durable too.
+            let found = self
+                .transaction("BEGIN; SET LOCAL synchronous_commit = off", move |c| {
+                    Box::pin(async move {
+                        match batch::run_one(c, &op).await.map_err(Abort::Store)? {
+                            Outcome::Claim(row) => Ok(row),
+                            Outcome::Changed(_) => Ok(ClaimRow::default()),
+                        }
+                    })
+                })
+                .await?;
+            let row = match found {
+                Ok(row) => row,
+                Err(Abort::Store(e)) | Err(Abort::Writes(e)) => {
+                    return Err(StoreError::from(db::Error::from(e)));
+                }
+                Err(Abort::LeaseLost) => ClaimRow::default(),
+            };
+            if let Some(claim) = decide(&req, &fingerprint, row)? {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::Contended {
+            scope: req.scope,
+            key: req.key,
+        })
+    }
+
+    async fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: PostgresWrites<T>,
+    ) -> Result<T, StoreError> {
+        let (scope, key, token) = (
+            lease.scope.clone(),
+            lease.key.to_string(),
+            lease.lease_until_ms,
+        );
+        let phase = point.phase.clone();
+        let outcome = self
+            .transaction("BEGIN", move |c| {
+                Box::pin(async move {
+                    let stmt = c.prepare_cached(PHASE_SQL).await.map_err(Abort::Store)?;
+                    let data: &[u8] = &point.data;
+                    let marked = c
+                        .execute(&stmt, &[&scope, &key, &token, &point.phase, &data])
+                        .await
+                        .map_err(Abort::Store)?;
+                    if marked != 1 {
+                        return Err(Abort::LeaseLost);
+                    }
+                    writes(c).await.map_err(Abort::Writes)
+                })
+            })
+            .await?;
+        outcome.map_err(|abort| abort_error(abort, lease, &phase))
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        ending: Ending,
+        now_ms: i64,
+        writes: PostgresWrites<()>,
+    ) -> Result<(), StoreError> {
+        let (scope, key, token) = (
+            lease.scope.clone(),
+            lease.key.to_string(),
+            lease.lease_until_ms,
+        );
+        let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
+        let op = match ending {
+            Ending::Complete(response) => Op::Complete {
+                scope,
+                key,
+                token,
+                http_status: i32::from(response.status),
+                headers: headers_json(&response.headers),
+                body: response.body,
+                keep_until,
+            },
+            Ending::Fail => Op::Fail {
+                scope,
+                key,
+                token,
+                keep_until,
+            },
+            Ending::Release => Op::Release { scope, key, token },
+        };
+        let outcome = self
+            .transaction("BEGIN", move |c| {
+                Box::pin(async move {
+                    match batch::run_one(c, &op).await.map_err(Abort::Store)? {
+                        Outcome::Changed(1) => {}
+                        _ => return Err(Abort::LeaseLost),
+                    }
+                    writes(c).await.map_err(Abort::Writes)
+                })
+            })
+            .await?;
+        outcome.map_err(|abort| abort_error(abort, lease, "finish"))
+    }
+
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let start = self.start_by();
         let fingerprint = req.fingerprint.to_hex();
@@ -443,6 +649,7 @@ impl Store for PostgresStore {
             response,
             created_at_ms: row.try_get(6)?,
             expires_at_ms: row.try_get(7)?,
+            point: point_of(row.try_get(8)?, row.try_get(9)?),
         }))
     }
 

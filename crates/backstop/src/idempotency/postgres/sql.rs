@@ -19,13 +19,20 @@ WITH taken AS ( \
     http_status = NULL, response_body = NULL, response_headers = NULL \
   WHERE k.fingerprint = EXCLUDED.fingerprint \
     AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
-  RETURNING k.lease_until) \
-SELECT true, lease_until, NULL::text, NULL::text, NULL::integer, NULL::bytea, NULL::text \
-  FROM taken \
+  RETURNING k.lease_until, k.created_at, k.phase, k.phase_data, \
+    (SELECT o.status FROM idempotency_key o WHERE o.scope = k.scope AND o.key = k.key) AS prior) \
+SELECT true, lease_until, NULL::text, prior, NULL::integer, NULL::bytea, NULL::text, \
+  created_at, phase, phase_data FROM taken \
 UNION ALL \
-SELECT false, lease_until, fingerprint, status, http_status, response_body, response_headers \
+SELECT false, lease_until, fingerprint, status, http_status, response_body, response_headers, \
+  created_at, phase, phase_data \
   FROM idempotency_key \
   WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
+
+/// Records a phase's recovery point, if the lease still holds the record.
+pub(super) const PHASE_SQL: &str = "\
+UPDATE idempotency_key SET phase = $4, phase_data = $5 \
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Store the response, if the lease (fencing token) still holds the record.
 pub(super) const COMPLETE_SQL: &str = "\
@@ -77,13 +84,14 @@ taken AS ( \
     http_status = NULL, response_body = NULL, response_headers = NULL \
   WHERE k.fingerprint = EXCLUDED.fingerprint \
     AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
-  RETURNING k.scope, k.key, k.lease_until) \
-SELECT scope, key, true, lease_until, NULL::text, NULL::text, NULL::integer, NULL::bytea, \
-  NULL::text \
+  RETURNING k.scope, k.key, k.lease_until, k.created_at, k.phase, k.phase_data, \
+    (SELECT o.status FROM idempotency_key o WHERE o.scope = k.scope AND o.key = k.key) AS prior) \
+SELECT scope, key, true, lease_until, NULL::text, prior, NULL::integer, NULL::bytea, \
+  NULL::text, created_at, phase, phase_data \
 FROM taken \
 UNION ALL \
 SELECT k.scope, k.key, false, k.lease_until, k.fingerprint, k.status, k.http_status, \
-  k.response_body, k.response_headers \
+  k.response_body, k.response_headers, k.created_at, k.phase, k.phase_data \
 FROM input i JOIN idempotency_key k ON k.scope = i.scope AND k.key = i.key";
 
 /// [`COMPLETE_SQL`] for many records; returns the `ord` of each input that was applied.
@@ -113,7 +121,8 @@ RETURNING u.ord";
 
 /// A record, for `get`.
 pub(super) const GET_SQL: &str = "SELECT fingerprint, status, lease_until, http_status, response_body, \
-     response_headers, created_at, expires_at FROM idempotency_key WHERE scope = $1 AND key = $2";
+     response_headers, created_at, expires_at, phase, phase_data FROM idempotency_key \
+     WHERE scope = $1 AND key = $2";
 
 /// Expired records, up to `$2`, never a running one whose lease is live; rows other
 /// sweepers hold are skipped rather than waited for.
@@ -150,8 +159,9 @@ mod tests {
         );
         client
             .batch_execute(&format!(
-                "CREATE SCHEMA {schema}; SET search_path = {schema}; {}",
-                super::super::MIGRATION
+                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} {}",
+                super::super::MIGRATION,
+                super::super::MIGRATION_V2
             ))
             .await
             .expect("create table");

@@ -45,6 +45,7 @@ use rusqlite::types::ValueRef;
 use rusqlite::{OptionalExtension, Row, params};
 
 use super::store::duration_ms;
+use super::store::{Ending, PriorRun, RecoveryPoint, Resume};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
@@ -56,6 +57,66 @@ pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 
 /// The `idempotency_key` table and its expiry index.
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
+
+/// Name under which [`MIGRATION_V2`] is recorded.
+pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2_phases";
+
+/// The recovery point of a record: the last phase its handler committed and what it recorded.
+pub const MIGRATION_V2: &str = "ALTER TABLE idempotency_key ADD COLUMN phase TEXT; \
+ALTER TABLE idempotency_key ADD COLUMN phase_data BLOB;";
+
+/// The writes a phase commits with a [`SqliteStore`] record: a closure run on the writer's
+/// connection inside the record's transaction (after the lease was checked). An error rolls
+/// back the whole phase. It must not run `BEGIN`/`COMMIT`/`ROLLBACK` (savepoints are fine).
+pub type SqliteWrites<T> = Box<dyn FnOnce(&rusqlite::Connection) -> rusqlite::Result<T> + Send>;
+
+/// Stores the response, if the lease (fencing token `?3`) still holds the record.
+const COMPLETE_SQL: &str = "UPDATE idempotency_key SET status = 'succeeded', http_status = ?4, \
+     response_body = ?5, response_headers = ?6, expires_at = MAX(expires_at, ?7) \
+     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3";
+
+/// Marks the record failed, if the lease still holds it.
+const FAIL_SQL: &str = "UPDATE idempotency_key SET status = 'failed', \
+     expires_at = MAX(expires_at, ?4) \
+     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3";
+
+/// Forgets the key, if the lease still holds the record.
+const RELEASE_SQL: &str = "DELETE FROM idempotency_key \
+     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3";
+
+/// Why a phase job rolled back, carried out of the writer as a `rusqlite` user error.
+#[derive(Debug, thiserror::Error)]
+enum PhaseAbort {
+    #[error("the lease no longer holds the record")]
+    LeaseLost,
+    #[error("the phase's writes failed")]
+    Writes(#[source] rusqlite::Error),
+}
+
+impl PhaseAbort {
+    fn into_sqlite(self) -> rusqlite::Error {
+        rusqlite::Error::ToSqlConversionFailure(Box::new(self))
+    }
+
+    /// The store error of a phase job's failure.
+    fn store_error(error: crate::db::sqlite::Error, lease: &Lease, phase: &str) -> StoreError {
+        if let crate::db::sqlite::Error::Sqlite(rusqlite::Error::ToSqlConversionFailure(inner)) =
+            &error
+        {
+            match inner.downcast_ref::<PhaseAbort>() {
+                Some(PhaseAbort::LeaseLost) => return StoreError::lease_lost(lease),
+                Some(PhaseAbort::Writes(_)) => {
+                    return StoreError::PhaseWrites {
+                        phase: phase.to_owned(),
+                        source: Box::new(error),
+                    };
+                }
+                None => {}
+            }
+        }
+        StoreError::Sqlite(error)
+    }
+}
 
 /// The [`Store`] on SQLite: claims, completions, failures, releases and sweeps go through the
 /// group-commit writer of a [`Db`]; `get` reads on the read pool.
@@ -76,6 +137,7 @@ impl SqliteStore {
     /// A store on an existing [`Db`] (shared with the application); applies the migration.
     pub async fn new(db: Db) -> Result<SqliteStore, StoreError> {
         db.migrate(MIGRATION_NAME, MIGRATION).await?;
+        db.migrate(MIGRATION_V2_NAME, MIGRATION_V2).await?;
         Ok(SqliteStore { db })
     }
 
@@ -88,6 +150,12 @@ impl SqliteStore {
 /// What the claim job found, decided inside the write transaction.
 enum Found {
     Claimed(i64),
+    TakenOver {
+        lease_until: i64,
+        created_at: i64,
+        prior: PriorRun,
+        point: Option<RecoveryPoint>,
+    },
     Conflict(String),
     Replay(Row6),
     InProgress(i64),
@@ -146,8 +214,20 @@ fn headers_json(headers: &[(String, String)]) -> String {
     serde_json::to_string(headers).unwrap_or_else(|_| "[]".to_owned())
 }
 
-impl Store for SqliteStore {
-    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+/// The recovery point in `phase, phase_data` columns starting at `at`.
+fn point_columns(row: &Row<'_>, at: usize) -> rusqlite::Result<Option<RecoveryPoint>> {
+    let phase: Option<String> = row.get(at)?;
+    Ok(match phase {
+        Some(phase) => Some(RecoveryPoint {
+            phase,
+            data: Bytes::from(bytes_column(row, at + 1)?.unwrap_or_default()),
+        }),
+        None => None,
+    })
+}
+
+impl SqliteStore {
+    async fn claim_with(&self, req: ClaimRequest, deferred: bool) -> Result<Claim, StoreError> {
         let scope = req.scope.clone();
         let key = req.key.as_str().to_owned();
         let fp = req.fingerprint.to_hex();
@@ -156,74 +236,96 @@ impl Store for SqliteStore {
         let expires_at = req.expires_at_ms();
         // At most one statement changes the row (the INSERT, or else the takeover UPDATE), so
         // the job needs no savepoint; so do the other jobs here, each one statement.
-        let found = self
-            .db
-            .write_statement(move |conn| {
-                let inserted = conn
-                    .prepare_cached(
-                        "INSERT INTO idempotency_key \
+        let job = move |conn: &rusqlite::Connection| {
+            let inserted = conn
+                .prepare_cached(
+                    "INSERT INTO idempotency_key \
                          (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
                          VALUES (?1, ?2, ?3, 'running', ?4, ?5, ?6) \
                          ON CONFLICT (scope, key) DO NOTHING",
-                    )?
-                    .execute(params![scope, key, fp, lease_until, now, expires_at])?;
-                if inserted == 1 {
-                    return Ok(Found::Claimed(lease_until));
-                }
-                let (fp0, status, lease0, row) = conn
-                    .prepare_cached(
-                        "SELECT fingerprint, status, lease_until, http_status, response_body, \
+                )?
+                .execute(params![scope, key, fp, lease_until, now, expires_at])?;
+            if inserted == 1 {
+                return Ok(Found::Claimed(lease_until));
+            }
+            let (fp0, status, lease0, row) = conn
+                .prepare_cached(
+                    "SELECT fingerprint, status, lease_until, http_status, response_body, \
                          response_headers FROM idempotency_key WHERE scope = ?1 AND key = ?2",
-                    )?
-                    .query_row(params![scope, key], |r| {
-                        Ok((
-                            r.get::<_, String>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, i64>(2)?,
-                            Row6 {
-                                status: r.get(3)?,
-                                body: bytes_column(r, 4)?,
-                                headers: r.get(5)?,
-                            },
-                        ))
-                    })?;
-                if fp0 != fp {
-                    return Ok(Found::Conflict(fp0));
+                )?
+                .query_row(params![scope, key], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, i64>(2)?,
+                        Row6 {
+                            status: r.get(3)?,
+                            body: bytes_column(r, 4)?,
+                            headers: r.get(5)?,
+                        },
+                    ))
+                })?;
+            if fp0 != fp {
+                return Ok(Found::Conflict(fp0));
+            }
+            let prior = match RecordStatus::parse(&status) {
+                None => return Ok(Found::BadStatus),
+                Some(RecordStatus::Succeeded) => return Ok(Found::Replay(row)),
+                Some(RecordStatus::Running) if lease0 > now => {
+                    return Ok(Found::InProgress(lease0));
                 }
-                match RecordStatus::parse(&status) {
-                    None => return Ok(Found::BadStatus),
-                    Some(RecordStatus::Succeeded) => return Ok(Found::Replay(row)),
-                    Some(RecordStatus::Running) if lease0 > now => {
-                        return Ok(Found::InProgress(lease0));
-                    }
-                    Some(RecordStatus::Running | RecordStatus::Failed) => {}
-                }
-                // Failed, or the lease ended: one conditional UPDATE decides the takeover. The
-                // new lease_until is the fencing token, so it must move strictly forward.
-                let taken = conn
-                    .prepare_cached(
-                        "UPDATE idempotency_key SET status = 'running', \
+                Some(RecordStatus::Running) => PriorRun::Abandoned,
+                Some(RecordStatus::Failed) => PriorRun::Failed,
+            };
+            // Failed, or the lease ended: one conditional UPDATE decides the takeover. The
+            // new lease_until is the fencing token, so it must move strictly forward.
+            let taken = conn
+                .prepare_cached(
+                    "UPDATE idempotency_key SET status = 'running', \
                          lease_until = MAX(?3, lease_until + 1), \
                          expires_at = MAX(expires_at, ?5), \
                          http_status = NULL, response_body = NULL, response_headers = NULL \
                          WHERE scope = ?1 AND key = ?2 AND fingerprint = ?6 \
                          AND (status = 'failed' OR (status = 'running' AND lease_until <= ?4)) \
-                         RETURNING lease_until",
-                    )?
-                    .query_row(params![scope, key, lease_until, now, expires_at, fp], |r| {
-                        r.get::<_, i64>(0)
-                    })
-                    .optional()?;
-                Ok(match taken {
-                    Some(l) => Found::Claimed(l),
-                    None => Found::InProgress(lease_until),
+                         RETURNING lease_until, created_at, phase, phase_data",
+                )?
+                .query_row(params![scope, key, lease_until, now, expires_at, fp], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        point_columns(r, 2)?,
+                    ))
                 })
+                .optional()?;
+            Ok(match taken {
+                Some((lease_until, created_at, point)) => Found::TakenOver {
+                    lease_until,
+                    created_at,
+                    prior,
+                    point,
+                },
+                None => Found::InProgress(lease_until),
             })
-            .await?;
+        };
+        let found = if deferred {
+            self.db.write_statement_deferred(job).await?
+        } else {
+            self.db.write_statement(job).await?
+        };
         let scope = &req.scope;
         let key = req.key.as_str();
         Ok(match found {
             Found::Claimed(l) => Claim::Claimed(req.lease_at(l)),
+            Found::TakenOver {
+                lease_until,
+                created_at,
+                prior,
+                point,
+            } => Claim::Claimed(Lease {
+                created_at_ms: created_at,
+                resume: Some(Resume { prior, point }),
+                ..req.lease_at(lease_until)
+            }),
             Found::InProgress(l) => Claim::in_progress(l, now),
             Found::Conflict(fp0) => Claim::Conflict {
                 fingerprint_prefix: Fingerprint::from_hex(&fp0)
@@ -233,6 +335,90 @@ impl Store for SqliteStore {
             Found::Replay(row) => Claim::Replay(response_from(scope, key, row)?),
             Found::BadStatus => return Err(corrupt(scope, key, "status")),
         })
+    }
+}
+
+impl Store for SqliteStore {
+    type Writes<T: Send + 'static> = SqliteWrites<T>;
+
+    async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        self.claim_with(req, false).await
+    }
+
+    async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
+        self.claim_with(req, true).await
+    }
+
+    async fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: RecoveryPoint,
+        writes: SqliteWrites<T>,
+    ) -> Result<T, StoreError> {
+        let (scope, key, token) = (
+            lease.scope.clone(),
+            lease.key.to_string(),
+            lease.lease_until_ms,
+        );
+        let phase = point.phase.clone();
+        self.db
+            .write(move |conn| {
+                let marked = conn
+                    .prepare_cached(
+                        "UPDATE idempotency_key SET phase = ?4, phase_data = ?5 \
+                         WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3",
+                    )?
+                    .execute(params![scope, key, token, point.phase, &point.data[..]])?;
+                if marked != 1 {
+                    return Err(PhaseAbort::LeaseLost.into_sqlite());
+                }
+                writes(conn).map_err(|e| PhaseAbort::Writes(e).into_sqlite())
+            })
+            .await
+            .map_err(|e| PhaseAbort::store_error(e, lease, &phase))
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        ending: Ending,
+        now_ms: i64,
+        writes: SqliteWrites<()>,
+    ) -> Result<(), StoreError> {
+        let (scope, key, token) = (
+            lease.scope.clone(),
+            lease.key.to_string(),
+            lease.lease_until_ms,
+        );
+        let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
+        self.db
+            .write(move |conn| {
+                let ended = match &ending {
+                    Ending::Complete(response) => {
+                        conn.prepare_cached(COMPLETE_SQL)?.execute(params![
+                            scope,
+                            key,
+                            token,
+                            response.status,
+                            &response.body[..],
+                            headers_json(&response.headers),
+                            keep_until
+                        ])?
+                    }
+                    Ending::Fail => conn
+                        .prepare_cached(FAIL_SQL)?
+                        .execute(params![scope, key, token, keep_until])?,
+                    Ending::Release => conn
+                        .prepare_cached(RELEASE_SQL)?
+                        .execute(params![scope, key, token])?,
+                };
+                if ended != 1 {
+                    return Err(PhaseAbort::LeaseLost.into_sqlite());
+                }
+                writes(conn).map_err(|e| PhaseAbort::Writes(e).into_sqlite())
+            })
+            .await
+            .map_err(|e| PhaseAbort::store_error(e, lease, "finish"))
     }
 
     async fn complete(
@@ -251,12 +437,7 @@ impl Store for SqliteStore {
         let updated = self
             .db
             .write_statement(move |conn| {
-                conn.prepare_cached(
-                    "UPDATE idempotency_key SET status = 'succeeded', http_status = ?4, \
-                     response_body = ?5, response_headers = ?6, expires_at = MAX(expires_at, ?7) \
-                     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3",
-                )?
-                .execute(params![
+                conn.prepare_cached(COMPLETE_SQL)?.execute(params![
                     scope,
                     key,
                     token,
@@ -284,12 +465,8 @@ impl Store for SqliteStore {
         let updated = self
             .db
             .write_statement(move |conn| {
-                conn.prepare_cached(
-                    "UPDATE idempotency_key SET status = 'failed', \
-                     expires_at = MAX(expires_at, ?4) \
-                     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3",
-                )?
-                .execute(params![scope, key, token, keep_until])
+                conn.prepare_cached(FAIL_SQL)?
+                    .execute(params![scope, key, token, keep_until])
             })
             .await?;
         if updated == 1 {
@@ -308,11 +485,8 @@ impl Store for SqliteStore {
         let deleted = self
             .db
             .write_statement(move |conn| {
-                conn.prepare_cached(
-                    "DELETE FROM idempotency_key \
-                     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3",
-                )?
-                .execute(params![scope, key, token])
+                conn.prepare_cached(RELEASE_SQL)?
+                    .execute(params![scope, key, token])
             })
             .await?;
         if deleted == 1 {
@@ -329,7 +503,7 @@ impl Store for SqliteStore {
             .read(move |conn| {
                 conn.prepare_cached(
                     "SELECT fingerprint, status, lease_until, http_status, response_body, \
-                     response_headers, created_at, expires_at \
+                     response_headers, created_at, expires_at, phase, phase_data \
                      FROM idempotency_key WHERE scope = ?1 AND key = ?2",
                 )?
                 .query_row(params![s, k], |r| {
@@ -344,12 +518,14 @@ impl Store for SqliteStore {
                         },
                         r.get::<_, i64>(6)?,
                         r.get::<_, i64>(7)?,
+                        point_columns(r, 8)?,
                     ))
                 })
                 .optional()
             })
             .await?;
-        let Some((fp, status, lease_until_ms, raw, created_at_ms, expires_at_ms)) = row else {
+        let Some((fp, status, lease_until_ms, raw, created_at_ms, expires_at_ms, point)) = row
+        else {
             return Ok(None);
         };
         let k = key.as_str();
@@ -369,6 +545,7 @@ impl Store for SqliteStore {
             response,
             created_at_ms,
             expires_at_ms,
+            point,
         }))
     }
 
@@ -544,6 +721,8 @@ mod tests {
                 "response_headers",
                 "created_at",
                 "expires_at",
+                "phase",
+                "phase_data",
             ]
         );
     }

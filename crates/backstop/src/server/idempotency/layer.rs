@@ -9,7 +9,7 @@ use super::settled::Settled;
 use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
-use crate::policy::MethodPolicies;
+use crate::policy::{MethodPolicies, Takeover};
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
 use crate::server::select::{MatchedPathFn, PolicyLookup};
 
@@ -223,7 +223,7 @@ impl<St> Shared<St> {
             let route = policy
                 .key_ttl()
                 .map_or_else(KeyedRoute::sync, KeyedRoute::new);
-            route.lease(self.lease)
+            route.lease(self.lease).takeover(policy.takeover())
         })
     }
 
@@ -269,7 +269,19 @@ impl KeyedRoute {
         Self {
             ttl,
             lease: super::DEFAULT_LEASE,
+            takeover: Takeover::Refuse,
         }
+    }
+
+    /// What a retry does with an abandoned run (default [`Takeover::Refuse`]).
+    pub(crate) fn takeover(mut self, takeover: Takeover) -> Self {
+        self.takeover = takeover;
+        self
+    }
+
+    /// What a retry does with an abandoned run of this route.
+    pub fn takeover_policy(&self) -> Takeover {
+        self.takeover
     }
 
     /// A keyed method with no key TTL of its own: records kept as long as a synchronous

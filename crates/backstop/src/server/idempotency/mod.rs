@@ -83,10 +83,12 @@ pub mod coverage;
 pub mod future;
 pub mod intake;
 mod layer;
+mod phases;
 mod settled;
 
 pub use self::intake::IntakeLayer;
 pub use self::layer::IdempotencyLayer;
+pub use self::phases::Phases;
 pub use crate::server::body::{RequestBody, ResponseBody};
 pub use crate::server::select::MatchedPathFn;
 
@@ -112,8 +114,10 @@ use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::protocol;
 use crate::idempotency::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Store, StoreError, StoredResponse,
+    Claim, ClaimRequest, Ending, Fingerprint, IdempotencyKey, Lease, PriorRun, Store, StoreError,
+    StoredResponse,
 };
+use crate::policy::Takeover;
 use crate::status::{Code, Status, problem};
 
 /// The request header carrying the key.
@@ -150,6 +154,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct KeyedRoute {
     ttl: Duration,
     lease: Duration,
+    takeover: Takeover,
 }
 
 /// Deduplicates requests on keyed routes; see the [module docs](self).
@@ -273,7 +278,10 @@ where
         ttl: route.ttl,
         now_ms: shared.clock.now_ms(),
     };
-    let claim = match ClaimInFlight::new(shared.clone(), claim).await {
+    // A route whose handler commits a phase before its effect claims without waiting for a
+    // sync: that phase's commit makes the claim durable too.
+    let deferred = route.takeover != Takeover::Refuse;
+    let claim = match ClaimInFlight::new(shared.clone(), claim, deferred).await {
         Ok(claim) => claim,
         // The request's own budget ran out before the store was reached: its deadline, not a
         // store failure (nothing was written).
@@ -316,11 +324,25 @@ where
     };
 
     // From here on the record is ours: it must end completed, failed or released.
+    if lease
+        .resume
+        .as_ref()
+        .is_some_and(|resume| resume.prior == PriorRun::Abandoned)
+        && route.takeover == Takeover::Refuse
+    {
+        return Ok(outcome_unknown(&shared, &lease, protocol).await);
+    }
+    let phases = Phases::new(shared.store.clone(), lease.clone());
     head.extensions.insert(key);
     head.extensions.insert(lease.clone());
+    head.extensions.insert(phases.clone());
     let mut guard = FailOnDrop {
         shared: &shared,
         lease: Some(&lease),
+        // A run cut off mid-handler may have performed its effect: on a route that refuses to
+        // repeat one, its record stays running, and a retry learns `outcome_unknown` when the
+        // lease ends.
+        abandon: route.takeover == Takeover::Refuse,
     };
     let result = inner
         .call(Request::from_parts(head, RequestBody::buffered(body)))
@@ -329,7 +351,7 @@ where
     let response = match result {
         Ok(response) => response,
         Err(error) => {
-            fail(&shared, &lease).await;
+            end(&shared, &lease, &phases, Ending::Fail).await;
             guard.disarm();
             return Err(error);
         }
@@ -345,6 +367,13 @@ where
         },
         Protocol::Http => after(&response),
     };
+    // A handler that commits its phases before its effect and answered without one did
+    // nothing: whatever it answered, the key stays unused.
+    let nothing_done = route.takeover == Takeover::Resume && !phases.began();
+    let decision = match decision {
+        After::Fail if nothing_done => After::Release,
+        decision => decision,
+    };
     match decision {
         After::Complete => {
             let (parts, body) = response.into_parts();
@@ -357,7 +386,7 @@ where
             let (trailers, body) = match collected {
                 Some(collected) => collected,
                 None => {
-                    fail(&shared, &lease).await;
+                    end(&shared, &lease, &phases, Ending::Fail).await;
                     guard.disarm();
                     let status = Status::new(Code::Internal, "the response body failed");
                     return Ok(Problem::from_status(&status).into_response_for(protocol));
@@ -369,10 +398,11 @@ where
                     .and_then(grpc_status)
                     .unwrap_or(Code::Unknown);
                 if code != Code::Ok {
-                    match after_code(code) {
-                        After::Fail => fail(&shared, &lease).await,
-                        _ => release(&shared, &lease).await,
-                    }
+                    let ending = match after_code(code) {
+                        After::Fail if !nothing_done => Ending::Fail,
+                        _ => Ending::Release,
+                    };
+                    end(&shared, &lease, &phases, ending).await;
                     guard.disarm();
                     return Ok(Response::from_parts(
                         parts,
@@ -396,14 +426,7 @@ where
             // The guard stays armed: if this future is dropped mid-complete, the answer never
             // reached the client, and the fencing token makes the guard's `fail` a no-op
             // (`LeaseLost`) should the completion have been written after all.
-            if let Err(error) = shared
-                .store
-                .complete(&lease, stored, shared.clock.now_ms())
-                .await
-            {
-                tracing::error!(target: "backstop::server", %error, "idempotency complete failed");
-            }
-            shared.settled.settle(&lease.scope, &lease.key);
+            end(&shared, &lease, &phases, Ending::Complete(stored)).await;
             guard.disarm();
             Ok(Response::from_parts(
                 parts,
@@ -411,16 +434,75 @@ where
             ))
         }
         After::Fail => {
-            fail(&shared, &lease).await;
+            end(&shared, &lease, &phases, Ending::Fail).await;
             guard.disarm();
             Ok(response.map(ResponseBody::inner))
         }
         After::Release => {
-            release(&shared, &lease).await;
+            end(&shared, &lease, &phases, Ending::Release).await;
             guard.disarm();
             Ok(response.map(ResponseBody::inner))
         }
     }
+}
+
+/// Ends the record as `ending` says, with the writes the handler gave
+/// [`Phases::on_finish`] in the same transaction, and wakes this instance's waiters.
+async fn end<St: Store>(shared: &Shared<St>, lease: &Lease, phases: &Phases<St>, ending: Ending) {
+    let now_ms = shared.clock.now_ms();
+    let what = match &ending {
+        Ending::Complete(_) => "complete",
+        Ending::Fail => "fail",
+        Ending::Release => "release",
+    };
+    let result = match (phases.take_finish(), ending) {
+        (Some(writes), ending) => shared.store.finish(lease, ending, now_ms, writes).await,
+        (None, Ending::Complete(stored)) => shared.store.complete(lease, stored, now_ms).await,
+        (None, Ending::Fail) => shared.store.fail(lease, now_ms).await,
+        (None, Ending::Release) => shared.store.release(lease).await,
+    };
+    if let Err(error) = result {
+        tracing::error!(target: "backstop::server", %error, what, "idempotency record not ended");
+    }
+    shared.settled.settle(&lease.scope, &lease.key);
+}
+
+/// The answer to a retry that took over a run which never answered, on a route that refuses
+/// to repeat an effect that may have happened: stored as the key's answer, so every later
+/// retry gets it too, and nothing runs.
+async fn outcome_unknown<St: Store, B: From<Bytes>>(
+    shared: &Shared<St>,
+    lease: &Lease,
+    protocol: Protocol,
+) -> Response<B> {
+    let status = Status::new(
+        Code::Unknown,
+        "an earlier attempt with this Idempotency-Key stopped before it answered; whether its \
+         effect happened is unknown, and it is not run again",
+    )
+    .with_problem(problem::OUTCOME_UNKNOWN);
+    let response: Response<Bytes> = Problem::from_status(&status).into_response_for(protocol);
+    let (parts, body) = response.into_parts();
+    let stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers: stored_headers(&parts.headers, &shared.stored_headers),
+        body: body.clone(),
+    };
+    if let Err(error) = shared
+        .store
+        .complete(lease, stored, shared.clock.now_ms())
+        .await
+    {
+        tracing::error!(target: "backstop::server", %error, "idempotency complete failed");
+    }
+    shared.settled.settle(&lease.scope, &lease.key);
+    tracing::warn!(
+        target: "backstop::server",
+        scope = %lease.scope,
+        key = %lease.key,
+        "abandoned run taken over: answered outcome_unknown"
+    );
+    Response::from_parts(parts, B::from(body))
 }
 
 /// What a keyed request brings to its claim: its key, its fingerprint and its whole body.
@@ -555,11 +637,16 @@ struct ClaimInFlight<St: Store> {
 }
 
 impl<St: Store> ClaimInFlight<St> {
-    fn new(shared: Arc<Shared<St>>, request: ClaimRequest) -> Self {
+    fn new(shared: Arc<Shared<St>>, request: ClaimRequest, deferred: bool) -> Self {
         let store = shared.store.clone();
+        let claim: PendingClaim = if deferred {
+            Box::pin(async move { store.claim_deferred(request).await })
+        } else {
+            Box::pin(async move { store.claim(request).await })
+        };
         Self {
             shared,
-            claim: Some(Box::pin(async move { store.claim(request).await })),
+            claim: Some(claim),
         }
     }
 }
@@ -653,10 +740,12 @@ async fn fail<St: Store>(shared: &Shared<St>, lease: &Lease) {
     shared.settled.settle(&lease.scope, &lease.key);
 }
 
-/// Marks the record failed if the flow is dropped while it owns the lease.
+/// Marks the record failed if the flow is dropped while it owns the lease (or, with
+/// `abandon`, leaves it running for its lease to end).
 struct FailOnDrop<'a, St: Store> {
     shared: &'a Arc<Shared<St>>,
     lease: Option<&'a Lease>,
+    abandon: bool,
 }
 
 impl<St: Store> FailOnDrop<'_, St> {
@@ -670,6 +759,9 @@ impl<St: Store> Drop for FailOnDrop<'_, St> {
         let Some(lease) = self.lease.take() else {
             return;
         };
+        if self.abandon {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };

@@ -409,7 +409,7 @@ async fn inner_error_marks_the_record_failed() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn dropped_request_fails_its_record_so_a_retry_can_run() {
+async fn dropped_request_leaves_its_record_running_on_a_route_that_refuses_a_repeat() {
     let store = MemoryStore::new();
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
@@ -417,6 +417,40 @@ async fn dropped_request_fails_its_record_so_a_retry_can_run() {
         counted.fetch_add(1, Ordering::SeqCst);
         std::future::pending::<Result<Response<Body>, Infallible>>()
     }));
+    let running = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    running.abort();
+    let _ = running.await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    // The handler may have performed its effect: the key is neither failed nor freed.
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Running)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropped_request_fails_its_record_so_a_retry_can_run_where_repeats_are_safe() {
+    use crate::policy::{KEY_TTL_PAYMENTS, MethodPolicies, Takeover};
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let rerun = MethodPolicy::builder("Keyed", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .takeover(Takeover::Rerun)
+        .build();
+    let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .route(Method::POST, "/v1/payments", rerun);
+    let svc = IdempotencyLayer::new(store.clone())
+        .policies(policies)
+        .layer(service_fn(move |_req: Request<In>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Result<Response<Body>, Infallible>>()
+        }));
     let running = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
     while calls.load(Ordering::SeqCst) == 0 {
         tokio::task::yield_now().await;
@@ -529,6 +563,24 @@ struct WriterStore {
 }
 
 impl Store for WriterStore {
+    type Writes<T: Send + 'static> = crate::idempotency::memory::MemoryWrites<T>;
+    async fn commit_phase<T: Send + 'static>(
+        &self,
+        lease: &Lease,
+        point: crate::idempotency::RecoveryPoint,
+        writes: Self::Writes<T>,
+    ) -> Result<T, crate::idempotency::StoreError> {
+        self.inner.commit_phase(lease, point, writes).await
+    }
+    async fn finish(
+        &self,
+        lease: &Lease,
+        ending: crate::idempotency::Ending,
+        now_ms: i64,
+        writes: Self::Writes<()>,
+    ) -> Result<(), crate::idempotency::StoreError> {
+        self.inner.finish(lease, ending, now_ms, writes).await
+    }
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, crate::idempotency::StoreError> {
         let (inner, commit) = (self.inner.clone(), self.commit.clone());
         let writer = tokio::spawn(async move {
