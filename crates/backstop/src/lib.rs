@@ -54,7 +54,7 @@
 //!   `Unsafe`; timeout, retryable codes, attempts, backoff, hedging, key TTL, rate class),
 //!   the [`MethodPolicies`](policy::MethodPolicies) table that finds a call's policy by its
 //!   gRPC path or HTTP route, validated at start-up; every default in
-//!   [`policy::defaults`], each defined once.
+//!   [`policy::defaults`], each defined once (the backoff's beside it, in [`retry`]).
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
 //!   [`RetryBudget`](retry::RetryBudget), and the executor
 //!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
