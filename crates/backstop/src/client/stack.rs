@@ -8,7 +8,7 @@ use tower_layer::Layer;
 use super::breaker::{Breaker, BreakerConfig, CircuitBreaker};
 use super::classify::{Classifier, classify_head};
 use super::deadline::{AttemptTimeout, SetDeadline};
-use super::hedge::{Hedge, HedgePolicy, LatencyWindow};
+use super::hedge::Hedge;
 use super::idempotency::IdempotencyKeyService;
 #[cfg(feature = "sqlite")]
 use super::idempotency::IntentJournal;
@@ -18,6 +18,7 @@ use super::retry::{AttemptLimit, Config as RetryConfig, Retry};
 use super::select::{MethodTable, Resolved, SelectMethod};
 use super::transparent::TransparentRetry;
 use crate::deadline::Margin;
+use crate::hedge::{HedgePolicy, LatencyWindow};
 use crate::policy::{Idempotency, InvalidPolicy, MethodPolicies, MethodPolicy};
 use crate::retry::{
     AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, RetryThrottle, StormAlarm, StormConfig,

@@ -12,8 +12,8 @@ use std::time::Duration;
 use backstop::admission::{
     AdmissionQueue, FixedLimit, Gradient2, Limit, Pushback, QueueConfig, SlowStart, Ticket,
 };
-use backstop::client::hedge::{HedgePolicy, LatencyWindow};
 use backstop::deadline::Deadline;
+use backstop::hedge::{HedgePolicy, LatencyWindow};
 use backstop::retry::{
     AdaptiveThrottle, Attempts, Backoff, CallInfo, RetryBudget, RetryError, RetryPolicy,
     StormAlarm, StormConfig,
