@@ -32,7 +32,7 @@
 //! | concept | primitive | client layer | server layer |
 //! |---|---|---|---|
 //! | deadline | [`deadline`] | `client::deadline` | `server::deadline` |
-//! | retry, hedging | [`retry`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent` | pushback from [`admission`] |
+//! | retry, hedging | [`retry`], [`hedge`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent` | pushback from [`admission`] |
 //! | idempotency | [`idempotency`] (stores on [`db`]) | `client::idempotency` (key, intent journal) | `server::idempotency` |
 //! | concurrency limit | [`admission::Gate`] | | `server::concurrency` |
 //! | quota | [`admission::KeyedTokenBucket`], `admission::redis` | | `server::rate_limit` |
@@ -54,11 +54,14 @@
 //!   `Unsafe`; timeout, retryable codes, attempts, backoff, hedging, key TTL, rate class),
 //!   the [`MethodPolicies`](policy::MethodPolicies) table that finds a call's policy by its
 //!   gRPC path or HTTP route, validated at start-up; every default in
-//!   [`policy::defaults`], each defined once.
+//!   [`policy::defaults`], each defined once (the backoff's beside it, in [`retry`]).
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
 //!   [`RetryBudget`](retry::RetryBudget), and the executor
 //!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
 //!   deadline.
+//! - [`hedge`]: [`HedgePolicy`](hedge::HedgePolicy) (when a slow attempt gets a hedge, and
+//!   what the hedge may spend) and the [`LatencyWindow`](hedge::LatencyWindow) its delay is
+//!   read from; the layer that sends hedges is `client::hedge`.
 //! - [`idempotency`]: keys, fingerprints (SHA-256 over RFC 8785 canonical JSON), the
 //!   [`Store`](idempotency::Store) trait with memory, SQLite and PostgreSQL backends, the
 //!   sweeper and the conformance suite every backend runs.
@@ -79,8 +82,8 @@
 //!
 //! # Feature flags
 //!
-//! The primitives ([`deadline`], [`status`], [`policy`], [`retry`], [`admission`], the
-//! [`Store`](idempotency::Store) trait and its memory store, [`observe`], [`clock`]) need no
+//! The primitives ([`deadline`], [`status`], [`policy`], [`retry`], [`hedge`], [`admission`],
+//! the [`Store`](idempotency::Store) trait and its memory store, [`observe`], [`clock`]) need no
 //! feature. The rest is behind one each, so a crate takes only the drivers and the hyper parts
 //! it uses:
 //!
@@ -213,6 +216,7 @@ pub mod client;
 pub mod clock;
 pub mod db;
 pub mod deadline;
+pub mod hedge;
 pub mod idempotency;
 pub mod observe;
 pub mod policy;

@@ -217,8 +217,8 @@ mod tests {
     use tower::{ServiceExt, service_fn};
 
     use super::*;
-    use crate::client::hedge::HedgePolicy;
     use crate::client::{ClientStack, Destination};
+    use crate::hedge::HedgePolicy;
     use crate::policy::{Idempotency, MethodPolicy};
     use crate::retry::RetryBudget;
 

@@ -11,8 +11,8 @@ use tower_service::Service;
 
 use super::error::Error;
 use super::future::CallFuture;
-use super::hedge::policy::HedgePolicy;
 use super::retry::config::Config as RetryConfig;
+use crate::hedge::HedgePolicy;
 use crate::policy::{Idempotency, MethodPolicies};
 
 /// One method's policy as the client layers run it.

@@ -28,7 +28,7 @@
 //!
 //! Hedging as the config asks needs no warm-up: with a `hedgingDelay` the hedge goes out after
 //! that delay from the first call on. (A policy that hedges at the destination's p95 instead
-//! sends none until [`HedgePolicy::MIN_SAMPLES`](crate::client::hedge::HedgePolicy::MIN_SAMPLES)
+//! sends none until [`HedgePolicy::MIN_SAMPLES`](crate::hedge::HedgePolicy::MIN_SAMPLES)
 //! answers have been measured.) A hedge of a `Keyed` method, with the policy applied through
 //! [`MethodConfig::apply`], carries the first attempt's key: against a store shared by the
 //! server's instances it waits on the first attempt's claim, so it cannot cut a slow tail that

@@ -1,13 +1,19 @@
-//! Every default of a method policy, each defined here and nowhere else.
+//! Every default of a method policy, each defined here and nowhere else, the backoff's
+//! excepted.
 //!
-//! The client stack, the retry executor, the backoff, the gRPC service-config reader and the
-//! server's deadline layer all read these constants; none keeps a value of its own. A layer
-//! that needs a value nobody configured takes it from here, so the value a call runs with can
-//! always be looked up.
+//! The client stack, the retry executor, the gRPC service-config reader and the server's
+//! deadline layer all read these constants; none keeps a value of its own. A layer that needs a
+//! value nobody configured takes it from here, so the value a call runs with can always be
+//! looked up.
+//!
+//! A policy's backoff is a [`Backoff`](crate::retry::Backoff), whose defaults (base, cap,
+//! floor, multiplier, jitter) are defined once beside it in [`retry`](crate::retry), as is
+//! the shortest attempt worth starting
+//! ([`DEFAULT_MIN_ATTEMPT`](crate::retry::DEFAULT_MIN_ATTEMPT)), a setting of the retry
+//! policy alone: this module stays plain data that needs nothing of `retry`.
 
 use std::time::Duration;
 
-use crate::retry::Jitter;
 use crate::status::Code;
 
 /// Budget of a logical request when neither its caller (an incoming deadline, a `Deadline`
@@ -29,27 +35,6 @@ pub const MAX_ATTEMPTS_CAP: u32 = 5;
 /// method retries none): the server said "not now", nothing ran.
 pub const DEFAULT_RETRYABLE: &[Code] = &[Code::Unavailable];
 
-/// The first retry's backoff ceiling.
-pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(50);
-
-/// The largest backoff delay.
-pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(2);
-
-/// The smallest backoff delay: full jitter never degenerates into "retry at once".
-pub const DEFAULT_BACKOFF_FLOOR: Duration = Duration::from_millis(10);
-
-/// How much each retry's backoff ceiling grows over the one before (gRPC's
-/// `backoffMultiplier`).
-pub const DEFAULT_BACKOFF_MULTIPLIER: f64 = 2.0;
-
-/// Where below the ceiling a backoff delay is drawn: anywhere from the floor, which spreads a
-/// fleet's retries the most.
-pub const DEFAULT_JITTER: Jitter = Jitter::Full;
-
-/// The shortest time worth starting an attempt with: a retry is sent only if the deadline
-/// leaves at least its backoff plus this.
-pub const DEFAULT_MIN_ATTEMPT: Duration = Duration::from_millis(20);
-
 /// Idempotency key TTL for synchronous APIs.
 pub const KEY_TTL_SYNC: Duration = Duration::from_secs(24 * 3_600);
 
@@ -66,26 +51,30 @@ pub const DEFAULT_RATE_CLASS: &str = "default";
 mod tests {
     use std::path::{Path, PathBuf};
 
-    /// The names a default goes by. A second definition of any of them, with the same value or
-    /// another, is what this module exists to prevent.
-    const NAMES: [&str; 16] = [
-        "DEFAULT_TIMEOUT",
-        "DEFAULT_MAX_ATTEMPTS",
-        "MAX_ATTEMPTS",
-        "MAX_ATTEMPTS_CAP",
-        "MAX_ATTEMPTS_LIMIT",
-        "DEFAULT_RETRYABLE",
-        "DEFAULT_BACKOFF_BASE",
-        "DEFAULT_BACKOFF_CAP",
-        "DEFAULT_BACKOFF_FLOOR",
-        "DEFAULT_BACKOFF_MULTIPLIER",
-        "DEFAULT_JITTER",
-        "DEFAULT_MIN_ATTEMPT",
-        "KEY_TTL_SYNC",
-        "KEY_TTL_PAYMENTS",
-        "KEY_TTL_ASYNC",
-        "DEFAULT_RATE_CLASS",
+    /// The names a default goes by, and the file (under `src/`) that defines it. A second
+    /// definition of any of them, with the same value or another, is what this module exists
+    /// to prevent.
+    const NAMES: [(&str, &str); 16] = [
+        ("DEFAULT_TIMEOUT", HERE),
+        ("DEFAULT_MAX_ATTEMPTS", HERE),
+        ("MAX_ATTEMPTS", HERE),
+        ("MAX_ATTEMPTS_CAP", HERE),
+        ("MAX_ATTEMPTS_LIMIT", HERE),
+        ("DEFAULT_RETRYABLE", HERE),
+        ("DEFAULT_BACKOFF_BASE", BACKOFF),
+        ("DEFAULT_BACKOFF_CAP", BACKOFF),
+        ("DEFAULT_BACKOFF_FLOOR", BACKOFF),
+        ("DEFAULT_BACKOFF_MULTIPLIER", BACKOFF),
+        ("DEFAULT_JITTER", BACKOFF),
+        ("DEFAULT_MIN_ATTEMPT", RETRY_POLICY),
+        ("KEY_TTL_SYNC", HERE),
+        ("KEY_TTL_PAYMENTS", HERE),
+        ("KEY_TTL_ASYNC", HERE),
+        ("DEFAULT_RATE_CLASS", HERE),
     ];
+    const HERE: &str = "policy/defaults.rs";
+    const BACKOFF: &str = "retry/backoff.rs";
+    const RETRY_POLICY: &str = "retry/policy.rs";
 
     fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap() {
@@ -98,15 +87,14 @@ mod tests {
         }
     }
 
-    /// Each default is a `const` in this file and in no other source file of the crate
+    /// Each default is a `const` in its home file and in no other source file of the crate
     /// (`admission/` excepted: its `DEFAULT_TIMEOUT` is how long a Redis round trip may take,
     /// not a request's budget).
     #[test]
-    fn each_default_is_defined_once_here() {
+    fn each_default_is_defined_once_in_its_home() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut files = Vec::new();
         sources(&src, &mut files);
-        let here = src.join("policy").join("defaults.rs");
         let admission = src.join("admission");
         let mut found = Vec::new();
         for file in &files {
@@ -116,7 +104,7 @@ mod tests {
             let text = std::fs::read_to_string(file).unwrap();
             for line in text.lines() {
                 let line = line.trim_start();
-                for name in NAMES {
+                for (name, _) in NAMES {
                     let defines = ["const ", "static "].iter().any(|kw| {
                         line.split(kw)
                             .nth(1)
@@ -128,19 +116,26 @@ mod tests {
                 }
             }
         }
-        for name in NAMES {
+        for (name, home) in NAMES {
+            let home = src.join(home);
             let places: Vec<_> = found.iter().filter(|(_, n)| *n == name).collect();
-            let elsewhere: Vec<_> = places.iter().filter(|(f, _)| *f != here).collect();
+            let elsewhere: Vec<_> = places.iter().filter(|(f, _)| *f != home).collect();
             assert!(
                 elsewhere.is_empty(),
                 "{name} is also defined in {elsewhere:?}"
             );
         }
-        // The scan sees this file's definitions (it would pass vacuously otherwise).
-        assert!(
-            found
-                .iter()
-                .any(|(f, n)| *f == here && *n == "DEFAULT_TIMEOUT")
-        );
+        // The scan sees each home's definitions (it would pass vacuously otherwise).
+        for (name, home) in [
+            ("DEFAULT_TIMEOUT", HERE),
+            ("DEFAULT_JITTER", BACKOFF),
+            ("DEFAULT_MIN_ATTEMPT", RETRY_POLICY),
+        ] {
+            let home = src.join(home);
+            assert!(
+                found.iter().any(|(f, n)| *f == home && *n == name),
+                "{name}"
+            );
+        }
     }
 }

@@ -47,10 +47,25 @@ use std::time::Duration;
 
 use rand::{Rng, RngExt};
 
-use crate::policy::defaults::{
-    DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP, DEFAULT_BACKOFF_FLOOR, DEFAULT_BACKOFF_MULTIPLIER,
-    DEFAULT_JITTER,
-};
+// The defaults of every backoff nobody configured, a method policy's included: defined here,
+// beside the type, so that `policy` stays plain data that needs nothing of `retry`.
+
+/// The first retry's backoff ceiling.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(50);
+
+/// The largest backoff delay.
+pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(2);
+
+/// The smallest backoff delay: full jitter never degenerates into "retry at once".
+pub const DEFAULT_BACKOFF_FLOOR: Duration = Duration::from_millis(10);
+
+/// How much each retry's backoff ceiling grows over the one before (gRPC's
+/// `backoffMultiplier`).
+pub const DEFAULT_BACKOFF_MULTIPLIER: f64 = 2.0;
+
+/// Where below the ceiling a backoff delay is drawn: anywhere from the floor, which spreads a
+/// fleet's retries the most.
+pub const DEFAULT_JITTER: Jitter = Jitter::Full;
 
 /// How a delay is drawn below the exponential ceiling `min(cap, base x multiplier^i)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,7 +74,7 @@ pub enum Jitter {
     /// tests and single clients, since a fleet using it retries in lockstep.
     None,
     /// Uniform in `[floor, ceiling]`. Spreads retries the most; the default
-    /// ([`DEFAULT_JITTER`](crate::policy::defaults::DEFAULT_JITTER)).
+    /// ([`DEFAULT_JITTER`]).
     Full,
     /// Uniform in `[ceiling / 2, ceiling]` (raised to the floor): always waits at least half the
     /// ceiling, at the price of less spread.
@@ -116,9 +131,8 @@ pub enum BackoffError {
 
 /// Exponential backoff: `base x multiplier^i`, bounded by `cap`, jittered, never below `floor`.
 ///
-/// Every delay lies in `[floor, cap]`. The defaults, from
-/// [`policy::defaults`](crate::policy::defaults), are base 50 ms, cap 2 s, multiplier 2,
-/// [`Jitter::Full`], floor 10 ms.
+/// Every delay lies in `[floor, cap]`. The defaults, [`DEFAULT_BACKOFF_BASE`] and the
+/// constants beside it, are base 50 ms, cap 2 s, multiplier 2, [`Jitter::Full`], floor 10 ms.
 #[derive(Debug, Clone, Copy)]
 pub struct Backoff {
     base: Duration,

@@ -67,10 +67,10 @@
 //!
 //! # Layout
 //!
-//! - `backoff`: [`Backoff`] and [`Jitter`]; [`BackoffSession`], one request's delays as a
-//!   tower backoff.
+//! - `backoff`: [`Backoff`] and [`Jitter`], with their defaults ([`DEFAULT_BACKOFF_BASE`] and
+//!   the constants beside it); [`BackoffSession`], one request's delays as a tower backoff.
 //! - [`budget`]: [`RetryBudget`], with the reasoning behind budgets.
-//! - `policy`: [`RetryPolicy`] and its builder.
+//! - `policy`: [`RetryPolicy`] and its builder, and [`DEFAULT_MIN_ATTEMPT`].
 //! - `executor`: [`RetryPolicy::execute`], [`Attempt`], [`CallInfo`], and [`Attempts`], the
 //!   bookkeeping of one request for a caller that runs its attempts itself (on a virtual clock
 //!   too: its `..._at` steps read no clock).
@@ -112,11 +112,14 @@ pub mod storm;
 pub mod throttle;
 mod window;
 
-pub use backoff::{Backoff, BackoffError, BackoffSession, Jitter};
+pub use backoff::{
+    Backoff, BackoffError, BackoffSession, DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_CAP,
+    DEFAULT_BACKOFF_FLOOR, DEFAULT_BACKOFF_MULTIPLIER, DEFAULT_JITTER, Jitter,
+};
 pub use budget::{BudgetError, RetryBudget};
 pub use error::{RetryError, StopReason};
 pub use executor::{Attempt, Attempts, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
-pub use policy::{PolicyError, RetryPolicy, RetryPolicyBuilder};
+pub use policy::{DEFAULT_MIN_ATTEMPT, PolicyError, RetryPolicy, RetryPolicyBuilder};
 pub use retry_throttle::{RetryThrottle, RetryThrottleError};
 pub use storm::{RPC_CLIENT_STORM_ALARM, StormAlarm, StormConfig, StormConfigError, StormLevel};
 pub use throttle::{AdaptiveThrottle, ThrottleError};

@@ -9,9 +9,13 @@ use metrics::SharedString;
 
 use super::metrics::PolicyMetrics;
 use super::{AdaptiveThrottle, Backoff, RetryBudget, RetryThrottle, StormAlarm};
-use crate::policy::defaults::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MIN_ATTEMPT, MAX_ATTEMPTS_CAP};
-use crate::policy::{Idempotency, MethodPolicy};
+use crate::policy::{DEFAULT_MAX_ATTEMPTS, Idempotency, MAX_ATTEMPTS_CAP, MethodPolicy};
 use crate::status::Code;
+
+/// The shortest time worth starting an attempt with: a retry is sent only if the deadline
+/// leaves at least its backoff plus this. A setting of the retry policy alone, so it is
+/// defined here rather than among a method policy's defaults.
+pub const DEFAULT_MIN_ATTEMPT: Duration = Duration::from_millis(20);
 
 /// A policy that cannot be built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -47,7 +51,7 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// A builder with the [defaults](crate::policy::defaults): [`DEFAULT_MAX_ATTEMPTS`]
+    /// A builder with the defaults: [`DEFAULT_MAX_ATTEMPTS`]
     /// attempts, [`Backoff::default`], a fresh [`RetryBudget::default`],
     /// [`DEFAULT_MIN_ATTEMPT`] minimal attempt, not keyed, every retryable code.
     ///

@@ -1,6 +1,7 @@
 use tower_layer::Layer;
 
-use super::{Hedge, HedgePolicy};
+use super::Hedge;
+use crate::hedge::HedgePolicy;
 
 /// Applies [`Hedge`] with one method's [`HedgePolicy`].
 #[derive(Debug, Clone)]

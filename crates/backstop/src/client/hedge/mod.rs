@@ -19,6 +19,10 @@
 //! `Unsafe` one at build time): the copy carries the same idempotency key, so the server runs
 //! the effect once.
 //!
+//! When to hedge and what a hedge may spend is the [`HedgePolicy`] of
+//! [`backstop::hedge`](crate::hedge), with the latency window its delay is read from; this
+//! module is the layer that acts on it.
+//!
 //! A request whose body cannot be replayed (over the cap) is not hedged. Only the answers of
 //! successful attempts feed the latency window, so failures do not lower the hedge delay.
 //!
@@ -51,13 +55,9 @@
 //! observed call's hedged attempt (when each send started and how it ended) is kept in its
 //! [`HedgeAllowance`], and the retry layer tells both sends, the hedge as a hedge.
 
-mod latency;
 mod layer;
-pub(super) mod policy;
 
-pub use self::latency::LatencyWindow;
 pub use self::layer::HedgeLayer;
-pub use self::policy::HedgePolicy;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -79,6 +79,7 @@ use super::observer::refused_locally;
 use super::previous_attempts::GRPC_PREVIOUS_RPC_ATTEMPTS;
 use super::replay::{ReplayBody, try_clone_request};
 use super::select::Selected;
+use crate::hedge::HedgePolicy;
 use crate::observe::{RPC_CLIENT_HEDGES_TOTAL, label};
 use crate::status::{Code, Outcome, RetryClass};
 

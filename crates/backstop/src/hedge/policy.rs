@@ -1,7 +1,7 @@
 //! [`HedgePolicy`]: when a destination's attempts are hedged, and what a hedge may spend.
 //!
-//! Apart from the layer so that the client stack's per-method settings can hold one without
-//! depending on the layer that reads them.
+//! Apart from the client's layer so that the client stack's per-method settings and the storm
+//! simulator can hold one without depending on the layer that reads them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,8 +23,8 @@ pub struct HedgePolicy {
     min_delay: Duration,
     fixed_delay: Option<Duration>,
     max_hedges: u32,
-    pub(super) service: SharedString,
-    pub(super) method: SharedString,
+    pub(crate) service: SharedString,
+    pub(crate) method: SharedString,
 }
 
 impl HedgePolicy {
@@ -83,7 +83,8 @@ impl HedgePolicy {
 
     /// Sends up to `hedges` hedges per call (default 1, at least 1), each a delay after the one
     /// before, while no final answer has come; a failure that leaves the race open sends the
-    /// next one at once. The call's [`HedgeAllowance`](super::HedgeAllowance) counts them
+    /// next one at once. The call's
+    /// [`HedgeAllowance`](crate::client::hedge::HedgeAllowance) counts them
     /// across its attempts, and each is paid for like the first.
     pub fn hedges(mut self, hedges: u32) -> Self {
         self.max_hedges = hedges.max(1);

@@ -1,0 +1,225 @@
+//! One connection's task: serving it until it ends, is closed, goes idle or drains, and
+//! counting its requests in flight until their response bodies end.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, ready};
+
+use bytes::Buf;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use pin_project_lite::pin_project;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tower::ServiceExt;
+use tower::util::Oneshot;
+use tower_service::Service;
+
+use super::accept::Shared;
+use super::registry::{Registered, Unregister};
+use super::timeouts::{ReadWatch, head_too_slow, idle_for};
+use super::{BoxError, ConnState, ConnectionInfo};
+
+/// Why a connection task stopped polling its connection.
+enum Stop {
+    Done,
+    Close,
+    Idle,
+    Drain,
+}
+
+pub(super) async fn serve_connection<S, B>(
+    shared: Arc<Shared>,
+    registered: Registered,
+    stream: TcpStream,
+    peer: SocketAddr,
+    service: S,
+    mut drain: watch::Receiver<bool>,
+) where
+    S: Service<Request<Incoming>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let _registered = Unregister {
+        shared: &shared,
+        id: registered.id,
+    };
+    let conn_state = registered.conn;
+    // Small request/response exchanges: do not wait to fill a segment.
+    let _ = stream.set_nodelay(true);
+    let service = ConnService {
+        inner: service,
+        info: ConnectionInfo {
+            peer,
+            conn: Arc::clone(&conn_state),
+        },
+    };
+    let io = ReadWatch {
+        stream,
+        conn: Arc::clone(&conn_state),
+        first_read: true,
+    };
+    let conn = shared.builder.serve_connection(TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    let idle = idle_for(&conn_state, shared.config.idle_timeout);
+    let mut idle = std::pin::pin!(idle);
+    let slow_head = head_too_slow(&conn_state, shared.config.header_read_timeout);
+    let mut slow_head = std::pin::pin!(slow_head);
+    let stop = tokio::select! {
+        result = conn.as_mut() => {
+            if let Err(error) = result {
+                tracing::debug!(%peer, %error, "connection ended with an error");
+            }
+            Stop::Done
+        }
+        () = conn_state.close.notified() => Stop::Close,
+        () = &mut slow_head => Stop::Close,
+        () = &mut idle => Stop::Idle,
+        _ = drain.wait_for(|draining| *draining) => Stop::Drain,
+    };
+    match stop {
+        Stop::Done | Stop::Close => {}
+        Stop::Idle => {
+            conn.as_mut().graceful_shutdown();
+            // A peer that does not take the GOAWAY (or the close) gets as long as a request
+            // head.
+            tokio::select! {
+                _ = tokio::time::timeout(shared.config.header_read_timeout, conn.as_mut()) => {}
+                () = conn_state.close.notified() => {}
+            }
+        }
+        Stop::Drain => {
+            // An HTTP/1 connection with no request started (idle, or a head still arriving)
+            // has nothing to finish; HTTP/2 gets its GOAWAY, which tells the client which
+            // requests were taken.
+            if !conn_state.http2.load(Ordering::Relaxed)
+                && conn_state.in_flight.load(Ordering::Acquire) == 0
+            {
+                return;
+            }
+            conn.as_mut().graceful_shutdown();
+            // The listener's drain bound aborts this task if the requests take too long.
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = conn_state.close.notified() => {}
+            }
+        }
+    }
+}
+
+/// Held by each request until its response body ends or is dropped.
+struct InFlight(Arc<ConnState>);
+
+impl InFlight {
+    fn start(conn: &Arc<ConnState>) -> Self {
+        conn.in_flight.fetch_add(1, Ordering::AcqRel);
+        conn.head_since.store(0, Ordering::Release);
+        conn.started.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(conn))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The service of one connection: adds [`ConnectionInfo`] and counts requests in flight.
+#[derive(Clone)]
+struct ConnService<S> {
+    inner: S,
+    info: ConnectionInfo,
+}
+
+impl<S, B> hyper::service::Service<Request<Incoming>> for ConnService<S>
+where
+    S: Service<Request<Incoming>, Response = Response<B>> + Clone,
+{
+    type Response = Response<InFlightBody<B>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<Oneshot<S, Request<Incoming>>>;
+
+    fn call(&self, mut request: Request<Incoming>) -> Self::Future {
+        if request.version() == http::Version::HTTP_2 {
+            self.info.conn.http2.store(true, Ordering::Relaxed);
+        }
+        let in_flight = InFlight::start(&self.info.conn);
+        request.extensions_mut().insert(self.info.clone());
+        ResponseFuture {
+            inner: self.inner.clone().oneshot(request),
+            in_flight: Some(in_flight),
+        }
+    }
+}
+
+pin_project! {
+    /// Response future of [`ConnService`]: hands the in-flight mark to the body.
+    struct ResponseFuture<F> {
+        #[pin]
+        inner: F,
+        in_flight: Option<InFlight>,
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<InFlightBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let result = ready!(this.inner.poll(cx));
+        let in_flight = this.in_flight.take();
+        Poll::Ready(result.map(|response| {
+            response.map(|inner| InFlightBody {
+                inner,
+                _in_flight: in_flight,
+            })
+        }))
+    }
+}
+
+pin_project! {
+    /// A response body that keeps its request counted as in flight until it ends.
+    struct InFlightBody<B> {
+        #[pin]
+        inner: B,
+        _in_flight: Option<InFlight>,
+    }
+}
+
+impl<B: Body> Body for InFlightBody<B>
+where
+    B::Data: Buf,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests;

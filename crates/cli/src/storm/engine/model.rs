@@ -1,0 +1,170 @@
+//! What a simulation is given (the world, the clients, the server) and what it returns.
+
+use std::time::Duration;
+
+use backstop::admission::{FixedLimit, Gradient2, Limit, SlowStart};
+use backstop::retry::Backoff;
+
+use crate::storm::dist::LogNormal;
+use crate::storm::series::{Row, Totals};
+
+/// What the world does: arrivals, the server's own work, the downstream by phase.
+#[derive(Debug, Clone)]
+pub(crate) struct Model {
+    /// Simulated time; arrivals and the series stop there.
+    pub(crate) duration: Duration,
+    /// Length of one row of the series.
+    pub(crate) interval: Duration,
+    /// Logical requests per second (Poisson arrivals).
+    pub(crate) rate: f64,
+    /// The server's own part of every request, on top of the downstream call.
+    pub(crate) local: Duration,
+    /// The downstream from each phase's start on; the first starts at 0.
+    pub(crate) phases: Vec<Phase>,
+    /// Seeds arrivals, service times, jitter and the throttle.
+    pub(crate) seed: u64,
+}
+
+/// The downstream from `from` on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Phase {
+    /// When the phase starts.
+    pub(crate) from: Duration,
+    /// How the downstream answers during it.
+    pub(crate) downstream: Downstream,
+}
+
+/// How the downstream answers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Downstream {
+    /// Successfully, after a log-normal latency.
+    Latency(LogNormal),
+    /// With an error after `after` (a refused connection, a 503), which the server passes on
+    /// to its client with `pushback` as its Retry-After, if any.
+    Failing {
+        /// How long the failing call takes.
+        after: Duration,
+        /// The pushback the failure carries to the client.
+        pushback: Option<Duration>,
+    },
+}
+
+/// How clients call: the retry policy's knobs, the timeout, hedging.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientConfig {
+    /// Attempts per logical request, first included.
+    pub(crate) max_attempts: u32,
+    /// Delays between attempts.
+    pub(crate) backoff: Backoff,
+    /// Retry budget `(ratio, burst)`; `None` for no budget at all.
+    pub(crate) budget: Option<(f64, u32)>,
+    /// The library's storm alarm, with its defaults.
+    pub(crate) storm_alarm: bool,
+    /// The library's adaptive throttle, with its defaults.
+    pub(crate) throttle: bool,
+    /// The client's timeout.
+    pub(crate) timeout: Duration,
+    /// How `timeout` bounds the attempts, and what the server is told of it.
+    pub(crate) deadlines: Deadlines,
+    /// Whether a refusal's pushback (Retry-After) is waited out before the next attempt; a
+    /// client that ignores it retries on its own backoff.
+    pub(crate) honours_pushback: bool,
+    /// Hedge once at this quantile of recent latencies (through the library's hedging policy).
+    pub(crate) hedge_quantile: Option<f64>,
+}
+
+/// How a client's timeout bounds its attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deadlines {
+    /// One deadline of `timeout` for the logical request, shared by its attempts and
+    /// propagated to the server.
+    Shared,
+    /// Every attempt gets `timeout` afresh (a fixed per-attempt timeout); the server is not
+    /// told any deadline.
+    PerAttempt,
+    /// Every attempt gets `timeout` afresh and tells the server its own deadline (a fresh
+    /// `grpc-timeout` per attempt, as `backstop load --policy naive` sends).
+    PerAttemptPropagated,
+}
+
+impl Deadlines {
+    pub(super) fn per_attempt(self) -> bool {
+        self != Deadlines::Shared
+    }
+}
+
+/// The server's admission: the concurrency limit and whether waiting is bounded by the
+/// caller's deadline.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ServerConfig {
+    /// The concurrency limit (workers, or the gate in front of them).
+    pub(crate) limit: LimitKind,
+    /// The library's [`SlowStart`] around the limit, with this floor: when half the recent
+    /// requests fail the limit drops to the floor, and it ramps back up, doubling per round
+    /// trip, once they succeed again. `None`: the limit alone.
+    pub(crate) slow_start: Option<usize>,
+    /// Bound every wait by `deadline - min_service` and refuse beyond it (the library's
+    /// gate), and stop serving a request when its deadline passes (the library's deadline
+    /// layer drops the handler then, freeing its slot); otherwise an unbounded first-come
+    /// first-served queue whose requests run to the end whoever still waits for them.
+    pub(crate) deadline_aware: bool,
+    /// The least time serving a request takes.
+    pub(crate) min_service: Duration,
+    /// The pushback sent with a refusal.
+    pub(crate) retry_after: RetryAfter,
+    /// Waiters go through the library's fair queue (sojourn drops, adaptive LIFO) instead of
+    /// one first-come first-served line; only with `deadline_aware`.
+    pub(crate) fair_queue: bool,
+}
+
+/// Which library limit sizes the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LimitKind {
+    /// [`FixedLimit`].
+    Fixed(usize),
+    /// [`Gradient2`] within `min..=max`, starting at `max`.
+    Gradient2 {
+        /// Lower bound.
+        min: usize,
+        /// Upper bound and start.
+        max: usize,
+    },
+}
+
+impl LimitKind {
+    /// The limit, behind a [`SlowStart`] with floor `slow_start` if one is given.
+    pub(super) fn build(self, slow_start: Option<usize>) -> Box<dyn Limit> {
+        match (self, slow_start) {
+            (LimitKind::Fixed(n), None) => Box::new(FixedLimit::new(n)),
+            (LimitKind::Fixed(n), Some(floor)) => {
+                Box::new(SlowStart::new(FixedLimit::new(n), floor))
+            }
+            (LimitKind::Gradient2 { min, max }, None) => Box::new(Gradient2::new(min, max)),
+            (LimitKind::Gradient2 { min, max }, Some(floor)) => {
+                Box::new(SlowStart::new(Gradient2::new(min, max), floor))
+            }
+        }
+    }
+}
+
+/// What a refusal tells the client about when to come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RetryAfter {
+    /// Nothing: the client's own backoff decides (a 503 without `Retry-After`).
+    None,
+    /// The same pushback on every refusal.
+    Fixed(Duration),
+    /// What the library's gate computes by default: [`AdmissionQueue::pushback`] from the
+    /// queue ahead and the limit, jittered, and "do not retry" while the queue sheds hard.
+    /// Needs the fair queue.
+    Computed,
+}
+
+/// What one run produced: the per-interval series and the run's totals.
+#[derive(Debug, Clone)]
+pub(crate) struct Run {
+    /// One row per interval.
+    pub(crate) rows: Vec<Row>,
+    /// Counts over the whole run.
+    pub(crate) totals: Totals,
+}

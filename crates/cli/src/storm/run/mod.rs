@@ -1,0 +1,209 @@
+//! `backstop storm run`: the lab's scenarios against the real service.
+//!
+//! Each run starts its own PSP simulator (in this process, so its faults can be changed on
+//! schedule), a `backstop serve` child on a fresh SQLite file, and a `backstop load` child with
+//! `--series`; while the load runs it samples the server's `/metrics` (the gate's limit and
+//! in-flight count) and its resident memory once a second. Everything listens on loopback and
+//! every phase is bounded in time. Variants of a scenario (naive vs backstop clients, slow start
+//! on or off) run one after the other on fresh processes, so they do not share state.
+//!
+//! Scenarios:
+//! - `slowdown`: the PSP's latency goes from 100 ms to 600 ms for 20 s, then back; naive vs
+//!   backstop clients;
+//! - `overload`: the service's capacity is measured first, then offered 3x of it for 20 s;
+//! - `outage`: the PSP refuses everything for 10 s, then comes back slow (a cold start);
+//!   the time until goodput is back, with and without the client's storm alarm and the
+//!   server's slow start.
+
+mod output;
+mod plan;
+mod report;
+mod server;
+mod variant;
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use serde_json::Value;
+
+use self::output::{render, write_out};
+use self::plan::plan;
+use self::report::to_report;
+use self::variant::{measure_capacity, run_variant};
+
+/// Flags of `backstop storm run`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct RunArgs {
+    /// Which experiment to run.
+    #[arg(long, value_enum)]
+    scenario: LiveScenario,
+    /// Directory for the per-second series of each variant (CSV) and the summary (JSON);
+    /// created if missing.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Print the summary as one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Write an HTML report with charts (and the numbers as JSON and CSV) into this directory.
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
+    /// Multiplies every duration of the scenario (phases and load), e.g. 0.2 for a quick look.
+    #[arg(long, value_name = "F", default_value_t = 1.0, value_parser = parse_scale)]
+    time_scale: f64,
+}
+
+/// The experiments `storm run` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum LiveScenario {
+    /// The PSP slows from 100 ms to 600 ms for 20 s: naive vs backstop clients.
+    Slowdown,
+    /// 3x the measured capacity for 20 s.
+    Overload,
+    /// The PSP refuses everything for 10 s, then comes back with cold-start latency.
+    Outage,
+}
+
+/// One second of one variant: the load's series and the server's samples.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct Second {
+    /// Seconds from the start of the load.
+    pub(crate) t_s: f64,
+    /// First attempts sent.
+    pub(crate) originals: u64,
+    /// Retries sent.
+    pub(crate) retries: u64,
+    /// Hedged copies sent.
+    pub(crate) hedges: u64,
+    /// Logical requests that succeeded.
+    pub(crate) ok: u64,
+    /// ... refused by admission.
+    pub(crate) rejected: u64,
+    /// ... whose deadline passed.
+    pub(crate) timeout: u64,
+    /// ... that failed otherwise.
+    pub(crate) failed: u64,
+    /// p99 latency of those that succeeded, in ms.
+    pub(crate) p99_ms: Option<f64>,
+    /// The gate's limit, as the server published it.
+    pub(crate) limit: Option<f64>,
+    /// Requests holding a gate slot.
+    pub(crate) inflight: Option<f64>,
+    /// Requests waiting in the gate's queue.
+    pub(crate) queue: Option<f64>,
+    /// The server's resident memory, in MiB.
+    pub(crate) rss_mib: Option<f64>,
+}
+
+/// What one variant did.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct VariantResult {
+    /// The variant's name.
+    pub(crate) name: String,
+    /// Flags its `serve` got.
+    pub(crate) serve_flags: Vec<String>,
+    /// Flags its `load` got.
+    pub(crate) load_flags: Vec<String>,
+    /// Logical requests offered per second.
+    pub(crate) rate: f64,
+    /// The load's own summary (`backstop load --json`).
+    pub(crate) load: Value,
+    /// Logical requests that succeeded per second of load.
+    pub(crate) goodput_per_s: f64,
+    /// Attempts sent per logical request.
+    pub(crate) attempts_per_logical: f64,
+    /// Seconds from the moment the load or the dependency recovered until a whole second
+    /// served at least 90% of the offered rate (`None`: never within the run).
+    pub(crate) recovery_s: Option<f64>,
+    /// Highest resident memory of the server seen, in MiB.
+    pub(crate) peak_rss_mib: Option<f64>,
+    /// Intents left `running` once the load stopped.
+    pub(crate) intents_running: Option<u64>,
+    /// Per second.
+    pub(crate) seconds: Vec<Second>,
+}
+
+/// What a `storm run` measured.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct RunResult {
+    /// Which scenario.
+    pub(crate) scenario: LiveScenario,
+    /// Measured capacity (logical requests per second), for scenarios that offer a multiple.
+    pub(crate) capacity_per_s: Option<f64>,
+    /// What every duration of the scenario was multiplied by.
+    pub(crate) time_scale: f64,
+    /// Each variant, in order.
+    pub(crate) variants: Vec<VariantResult>,
+}
+
+/// Runs the scenario and prints (or writes) what it measured.
+pub(crate) async fn run(args: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let result = execute(args.scenario, args.time_scale).await?;
+    if let Some(dir) = &args.out {
+        write_out(dir, &result)?;
+    }
+    if let Some(dir) = &args.report {
+        crate::report::write(&to_report(&result), dir)?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&result)?);
+    } else {
+        print!("{}", render(&result));
+    }
+    Ok(())
+}
+
+/// Runs `scenario` with every duration multiplied by `scale`.
+pub(crate) async fn execute(
+    scenario: LiveScenario,
+    scale: f64,
+) -> Result<RunResult, Box<dyn std::error::Error>> {
+    let mut plan = plan(scenario);
+    plan.duration = plan.duration.mul_f64(scale);
+    plan.recovery_at = plan.recovery_at.map(|d| d.mul_f64(scale));
+    for phase in &mut plan.phases {
+        phase.at = phase.at.mul_f64(scale);
+    }
+    let work = tempfile::tempdir()?;
+    let capacity = match plan.rate {
+        Some(_) => None,
+        None => Some(measure_capacity(&plan, work.path(), scale).await?),
+    };
+    let rate = plan
+        .rate
+        .unwrap_or_else(|| capacity.unwrap_or(1.0) * plan.capacity_multiple)
+        .max(1.0);
+    let mut variants = Vec::new();
+    for (i, variant) in plan.variants.iter().enumerate() {
+        let dir = work.path().join(format!("{i}-{}", variant.name));
+        std::fs::create_dir_all(&dir)?;
+        variants.push(run_variant(&plan, variant, rate, &dir).await?);
+    }
+    Ok(RunResult {
+        scenario,
+        capacity_per_s: capacity,
+        time_scale: scale,
+        variants,
+    })
+}
+
+fn parse_scale(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !(0.01..=10.0).contains(&v) {
+        return Err(format!("the time scale must be in [0.01, 10], got {s}"));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_time_scale_is_bounded() {
+        assert!(parse_scale("0").is_err());
+        assert!(parse_scale("x").is_err());
+        assert_eq!(parse_scale("0.5"), Ok(0.5));
+    }
+}

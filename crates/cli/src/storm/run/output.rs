@@ -1,0 +1,68 @@
+//! What a run leaves behind without the report: the series and summary files of `--out`, and
+//! the table printed on the terminal.
+
+use std::path::Path;
+
+use super::RunResult;
+use super::report::scenario_name;
+
+pub(super) fn write_out(dir: &Path, result: &RunResult) -> Result<(), Box<dyn std::error::Error>> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| format!("cannot create --out {}: {e}", dir.display()))?;
+    std::fs::write(dir.join("summary.json"), serde_json::to_vec_pretty(result)?)?;
+    for variant in &result.variants {
+        let mut csv = String::from(
+            "t_s,originals,retries,hedges,ok,rejected,timeout,failed,p99_ms,limit,inflight,queue,\
+             rss_mib\n",
+        );
+        let opt = |v: Option<f64>| v.map(|v| format!("{v}")).unwrap_or_default();
+        for s in &variant.seconds {
+            csv.push_str(&format!(
+                "{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                s.t_s,
+                s.originals,
+                s.retries,
+                s.hedges,
+                s.ok,
+                s.rejected,
+                s.timeout,
+                s.failed,
+                opt(s.p99_ms),
+                opt(s.limit),
+                opt(s.inflight),
+                opt(s.queue),
+                opt(s.rss_mib),
+            ));
+        }
+        std::fs::write(dir.join(format!("{}.csv", variant.name)), csv)?;
+    }
+    Ok(())
+}
+
+pub(super) fn render(result: &RunResult) -> String {
+    let mut out = format!("scenario {}\n", scenario_name(result.scenario));
+    if let Some(capacity) = result.capacity_per_s {
+        out.push_str(&format!("measured capacity {capacity:.1}/s\n"));
+    }
+    out.push_str(&format!(
+        "{:<16} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}\n",
+        "variant", "rate/s", "goodput/s", "attempts", "not ok", "recovery", "peak RSS", "running"
+    ));
+    for v in &result.variants {
+        let logical = v.load["logical_requests"].as_u64().unwrap_or(0);
+        let not_ok = logical.saturating_sub(v.load["outcomes"]["ok"].as_u64().unwrap_or(0));
+        out.push_str(&format!(
+            "{:<16} {:>8.0} {:>10.1} {:>9.3} {:>9} {:>9} {:>10} {:>9}\n",
+            v.name,
+            v.rate,
+            v.goodput_per_s,
+            v.attempts_per_logical,
+            not_ok,
+            v.recovery_s.map_or("-".to_owned(), |s| format!("{s:.0} s")),
+            v.peak_rss_mib
+                .map_or("-".to_owned(), |m| format!("{m:.0} MiB")),
+            v.intents_running.map_or("-".to_owned(), |n| n.to_string()),
+        ));
+    }
+    out
+}
