@@ -122,31 +122,33 @@ pub async fn settle(
         .await
         .map_err(SettleError::Psp)?;
     let (merchant, id) = (intent.merchant_id.as_str(), intent.intent_id.as_str());
-    match (void.status, void.charge) {
-        (VoidStatus::Charged, Some(charge)) => {
-            state
-                .intents
-                .succeed(merchant, id, &charge.charge_id)
-                .await
-                .map_err(SettleError::Store)?;
-            tracing::info!(intent_id = %id, charge_id = %charge.charge_id, "abandoned intent settled: succeeded");
-        }
+    let charge_id = match (void.status, void.charge) {
+        (VoidStatus::Charged, Some(charge)) => Some(charge.charge_id),
         (VoidStatus::Charged, None) => {
             return Err(SettleError::Psp(Status::new(
                 backstop::status::Code::Unavailable,
                 "the PSP said charged without the charge",
             )));
         }
-        (VoidStatus::Voided, _) => {
-            state
-                .intents
-                .fail(merchant, id)
-                .await
-                .map_err(SettleError::Store)?;
-            tracing::info!(intent_id = %id, "abandoned intent settled: failed, nothing charged, order freed");
+        (VoidStatus::Voided, _) => None,
+    };
+    let settled = state
+        .intents
+        .settle(merchant, id, charge_id.as_deref())
+        .await
+        .map_err(SettleError::Store)?;
+    if let Some(settled) = settled {
+        match &charge_id {
+            Some(charge) => {
+                tracing::info!(intent_id = %id, charge_id = %charge, "abandoned intent settled: succeeded")
+            }
+            None => {
+                tracing::info!(intent_id = %id, "abandoned intent settled: failed, nothing charged, order freed")
+            }
         }
+        return Ok(settled);
     }
-    // A concurrent settlement (another instance, a GET) may have won: the stored row says.
+    // A concurrent settlement (another instance, a GET) won: the stored row says.
     state
         .intents
         .get(merchant, id)

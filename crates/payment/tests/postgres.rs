@@ -106,8 +106,8 @@ async fn instances_share_the_tables() {
     let (a, b) = (a.expect("a starts").spawn(), b.expect("b starts").spawn());
     let migrations = schema.count("backstop_migration").await;
     assert_eq!(
-        migrations, 3,
-        "idempotency_key, payment_intent and its live-order index, once each"
+        migrations, 4,
+        "idempotency_key and its phase columns, payment_intent and its live-order index, once each"
     );
 
     let post = |base: String| {
@@ -246,7 +246,13 @@ async fn intent_lookups_by_id_read_the_primary_key_not_the_merchants_intents() {
             created_at: 1_700_000_000_000 + i,
         };
         intents.create(new).await.expect("create");
-        assert!(intents.succeed("m", &id, "ch").await.expect("succeed"));
+        assert!(
+            intents
+                .settle("m", &id, Some("ch"))
+                .await
+                .expect("settle")
+                .is_some()
+        );
         assert!(intents.get("m", &id).await.expect("get").is_some());
     }
     drop(intents);

@@ -13,6 +13,7 @@ use super::proto::payment_server::Payment;
 use super::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
 use crate::intents::Intent;
 use crate::service::payments::{self, ChargeOutcome, Lookup};
+use crate::service::phases::Charging;
 use crate::service::request;
 use crate::state::AppState;
 use crate::trace;
@@ -80,10 +81,21 @@ impl Payment for PaymentService {
             ));
         };
         let trace = trace::incoming(request.metadata().as_ref());
+        let charging = request.extensions().get::<Charging>().cloned();
         let message = request.into_inner();
         let req = request::from_fields(message.order_id, message.amount_cents, message.currency)
             .map_err(|e| Status::invalid_argument(format!("{}: {e}", e.code())))?;
-        match payments::charge(&self.state, tenant.as_str(), deadline, &key, trace, req).await {
+        match payments::charge(
+            &self.state,
+            tenant.as_str(),
+            deadline,
+            &key,
+            trace,
+            req,
+            charging.as_ref().map(|c| &*c.0),
+        )
+        .await
+        {
             ChargeOutcome::Charged(intent) | ChargeOutcome::Declined(intent) => {
                 Ok(Response::new(response(&intent)))
             }

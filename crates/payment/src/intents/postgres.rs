@@ -17,13 +17,15 @@
 
 use std::sync::LazyLock;
 
+use backstop::db::postgres::deadpool_postgres::Object;
+use backstop::db::postgres::tokio_postgres;
 use backstop::db::postgres::tokio_postgres::Row;
 use backstop::db::postgres::{Error as PgError, migrate};
-use backstop::idempotency::postgres::PostgresStore;
+use backstop::idempotency::postgres::{PostgresStore, PostgresWrites};
 
 use super::{
-    Created, Intent, IntentStatus, IntentsError, MIGRATION_NAME, MIGRATION_V2_NAME, NewIntent,
-    RunningStats,
+    Created, Intent, IntentStatus, IntentsError, NewIntent, RunningStats,
+    sqlite::{MIGRATION_NAME, MIGRATION_V2_NAME},
 };
 
 /// Schema of `payment_intent` on PostgreSQL.
@@ -109,6 +111,106 @@ fn from_row(row: &Row) -> Result<Intent, IntentsError> {
     })
 }
 
+/// The insert on `c`; when the constraints stopped it, the row that did (read in a statement of
+/// its own, whose snapshot sees the conflicting row once its transaction committed). The outer
+/// error is the database's; the inner one a row that could not be read back.
+pub(crate) async fn create_on(
+    c: &Object,
+    new: NewIntent,
+) -> Result<Result<Created, IntentsError>, tokio_postgres::Error> {
+    let insert = c.prepare_cached(INSERT_SQL).await?;
+    let inserted = c
+        .execute(
+            &insert,
+            &[
+                &new.intent_id,
+                &new.merchant_id,
+                &new.order_id,
+                &new.amount_cents,
+                &new.currency,
+                &new.request_key,
+                &new.fingerprint,
+                &new.created_at,
+            ],
+        )
+        .await?;
+    if inserted == 1 {
+        return Ok(Ok(Created::New(Intent {
+            effect_key: new.intent_id.clone(),
+            intent_id: new.intent_id,
+            merchant_id: new.merchant_id,
+            order_id: new.order_id,
+            amount_cents: new.amount_cents,
+            currency: new.currency,
+            request_key: new.request_key,
+            fingerprint: new.fingerprint,
+            status: IntentStatus::Running,
+            psp_charge_id: None,
+            created_at: new.created_at,
+        })));
+    }
+    let by_key = c
+        .query_opt(
+            &select_sql("request_key"),
+            &[&new.merchant_id, &new.request_key],
+        )
+        .await?;
+    if let Some(row) = by_key {
+        return Ok(from_row(&row).map(|existing| {
+            if existing.order_id == new.order_id && existing.fingerprint == new.fingerprint {
+                Created::Resumed(existing)
+            } else {
+                Created::KeyReused(existing)
+            }
+        }));
+    }
+    let live = format!("{} AND status <> 'failed'", select_sql("order_id"));
+    let by_order = c
+        .query_opt(&live, &[&new.merchant_id, &new.order_id])
+        .await?;
+    Ok(match by_order {
+        Some(row) => from_row(&row).map(Created::OrderConflict),
+        None => Ok(Created::IdCollision),
+    })
+}
+
+/// `succeeded` with the charge id (`Some`) or `failed` (`None`), only from `running`, on `c`;
+/// the intent as it is then, if this changed it.
+pub(crate) async fn settle_on(
+    c: &Object,
+    merchant_id: &str,
+    intent_id: &str,
+    charge_id: Option<&str>,
+) -> Result<Option<Row>, tokio_postgres::Error> {
+    match charge_id {
+        Some(charge) => {
+            let stmt = c.prepare_cached(&SUCCEED_SQL).await?;
+            c.query_opt(&stmt, &[&merchant_id, &intent_id, &charge])
+                .await
+        }
+        None => {
+            let stmt = c.prepare_cached(&FAIL_SQL).await?;
+            c.query_opt(&stmt, &[&merchant_id, &intent_id]).await
+        }
+    }
+}
+
+static SUCCEED_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE payment_intent SET status = 'succeeded', psp_charge_id = $3 \
+         WHERE intent_id = $2 AND (merchant_id, status) IS NOT DISTINCT FROM ($1, 'running') \
+         RETURNING {COLUMNS}"
+    )
+});
+
+static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE payment_intent SET status = 'failed' \
+         WHERE intent_id = $2 AND (merchant_id, status) IS NOT DISTINCT FROM ($1, 'running') \
+         RETURNING {COLUMNS}"
+    )
+});
+
 impl PgIntents {
     pub(crate) async fn open(store: PostgresStore) -> Result<PgIntents, PgError> {
         migrate(store.pool(), MIGRATION_NAME, MIGRATION_SQL).await?;
@@ -116,118 +218,38 @@ impl PgIntents {
         Ok(PgIntents { store })
     }
 
-    /// The insert; when the constraints stopped it, the row that did (read in a statement of
-    /// its own, whose snapshot sees the conflicting row once its transaction committed).
+    /// The insert; when the constraints stopped it, the row that did ([`create_on`]).
     pub(crate) async fn create(&self, new: NewIntent) -> Result<Created, IntentsError> {
-        let n = new.clone();
-        let (inserted, by_key, by_order) = self
-            .store
-            .with_client(move |c| {
-                Box::pin(async move {
-                    let insert = c.prepare_cached(INSERT_SQL).await?;
-                    let inserted = c
-                        .execute(
-                            &insert,
-                            &[
-                                &n.intent_id,
-                                &n.merchant_id,
-                                &n.order_id,
-                                &n.amount_cents,
-                                &n.currency,
-                                &n.request_key,
-                                &n.fingerprint,
-                                &n.created_at,
-                            ],
-                        )
-                        .await?;
-                    if inserted == 1 {
-                        return Ok((true, None, None));
-                    }
-                    let by_key = c
-                        .query_opt(
-                            &select_sql("request_key"),
-                            &[&n.merchant_id, &n.request_key],
-                        )
-                        .await?;
-                    if by_key.is_some() {
-                        return Ok((false, by_key, None));
-                    }
-                    let live = format!("{} AND status <> 'failed'", select_sql("order_id"));
-                    let by_order = c.query_opt(&live, &[&n.merchant_id, &n.order_id]).await?;
-                    Ok((false, None, by_order))
-                })
-            })
-            .await?;
-        if inserted {
-            return Ok(Created::New(Intent {
-                effect_key: new.intent_id.clone(),
-                intent_id: new.intent_id,
-                merchant_id: new.merchant_id,
-                order_id: new.order_id,
-                amount_cents: new.amount_cents,
-                currency: new.currency,
-                request_key: new.request_key,
-                fingerprint: new.fingerprint,
-                status: IntentStatus::Running,
-                psp_charge_id: None,
-                created_at: new.created_at,
-            }));
-        }
-        if let Some(row) = by_key {
-            let existing = from_row(&row)?;
-            return Ok(
-                if existing.order_id == new.order_id && existing.fingerprint == new.fingerprint {
-                    Created::Resumed(existing)
-                } else {
-                    Created::KeyReused(existing)
-                },
-            );
-        }
-        match by_order {
-            Some(row) => Ok(Created::OrderConflict(from_row(&row)?)),
-            None => Ok(Created::IdCollision),
-        }
+        self.store
+            .with_client(move |c| Box::pin(create_on(c, new)))
+            .await?
     }
 
-    /// `succeeded` with the charge id (`Some`) or `failed` (`None`), only from `running`.
-    pub(crate) async fn mark(
+    /// Runs a phase's writes alone, in autocommit.
+    pub(crate) async fn run<T: Send + 'static>(
+        &self,
+        writes: PostgresWrites<T>,
+    ) -> Result<T, PgError> {
+        self.store.with_client(writes).await
+    }
+
+    /// `succeeded` with the charge id (`Some`) or `failed` (`None`), only from `running`: the
+    /// intent as it is then, if this changed it (`UPDATE ... RETURNING`).
+    pub(crate) async fn settle(
         &self,
         merchant_id: String,
         intent_id: String,
         charge_id: Option<String>,
-    ) -> Result<bool, PgError> {
-        let n = self
+    ) -> Result<Option<Intent>, IntentsError> {
+        let row = self
             .store
             .with_client(move |c| {
                 Box::pin(async move {
-                    match charge_id {
-                        Some(charge) => {
-                            let stmt = c
-                                .prepare_cached(
-                                    "UPDATE payment_intent SET status = 'succeeded', \
-                                     psp_charge_id = $3 WHERE intent_id = $2 \
-                                     AND (merchant_id, status) IS NOT DISTINCT FROM \
-                                     ($1, 'running')",
-                                )
-                                .await?;
-                            c.execute(&stmt, &[&merchant_id, &intent_id, &charge]).await
-                        }
-                        None => {
-                            let stmt = c
-                                .prepare_cached(
-                                    "UPDATE payment_intent SET status = 'failed' \
-                                     WHERE intent_id = $2 \
-                                     AND (merchant_id, status) IS NOT DISTINCT FROM \
-                                     ($1, 'running')",
-                                )
-                                .await?;
-                            c.execute(&stmt, &[&merchant_id, &intent_id]).await
-                        }
-                    }
+                    settle_on(c, &merchant_id, &intent_id, charge_id.as_deref()).await
                 })
             })
             .await?;
-        Ok(n == 1)
+        row.as_ref().map(from_row).transpose()
     }
 
     /// Reads one intent of one merchant; another merchant's intent is `None`.

@@ -10,7 +10,8 @@ use backstop::idempotency::{
 };
 use tokio::sync::Notify;
 
-use crate::service::PaymentStore;
+use crate::intents::PaymentWrites;
+use crate::service::{PaymentBackend, PaymentStore};
 
 /// A [`Store`] that counts leases between a successful claim and their `complete`, `fail` or
 /// `release` (ended or dropped).
@@ -140,6 +141,12 @@ impl<St: Store> Store for OpenLeases<St> {
 
     async fn sweep(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
         self.inner.sweep(now_ms, limit).await
+    }
+}
+
+impl<St: PaymentBackend> PaymentBackend for OpenLeases<St> {
+    fn writes<T: Send + 'static>(writes: PaymentWrites<T>) -> St::Writes<T> {
+        St::writes(writes)
     }
 }
 

@@ -41,7 +41,7 @@ mod leases;
 mod routers;
 
 pub use self::routers::{
-    GrpcService, Routers, SERVICE_NAME, build_app, build_routers, method_policies, rate_limit_layer,
+    GrpcService, Routers, SERVICE_NAME, build_routers, method_policies, rate_limit_layer,
 };
 
 use self::leases::OpenLeases;

@@ -8,20 +8,20 @@ use axum::handler::Handler;
 use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, SlowStart};
-use backstop::idempotency::Store;
-use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
+use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, Takeover};
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
 use backstop::status::Code;
 use http::Method;
 use tower::ServiceBuilder;
-use tower::util::BoxCloneService;
+use tower::util::{BoxCloneService, MapRequestLayer};
 
 use crate::auth::Authenticator;
 use crate::config::{BODY_LIMIT, Config, LimitMode};
 use crate::grpc;
-use crate::service::handlers;
+use crate::service::phases;
 use crate::service::protocol::{OneProtocolLayer, Port};
+use crate::service::{PaymentBackend, handlers};
 use crate::state::AppState;
 
 /// Service label of the server metrics.
@@ -72,18 +72,6 @@ where
     response.map(axum::body::Body::new)
 }
 
-/// Builds the router: payment routes under the full layer stack, `/healthz`, `/readyz` and
-/// `/metrics` beside it. `store` is the idempotency store (the same database as the intents);
-/// `rate_limit` is made by [`rate_limit_layer`].
-pub fn build_app<St: Store>(
-    state: AppState,
-    store: St,
-    config: &Config,
-    rate_limit: RateLimitLayer,
-) -> Router {
-    build_routers(state, store, config, rate_limit).http
-}
-
 /// The admission gate `config` asks for: a fixed limit, or an adaptive one starting at its
 /// upper bound; either behind a slow start unless it is turned off, and waiting through the
 /// configured queue.
@@ -119,6 +107,9 @@ pub fn method_policies(config: &Config) -> MethodPolicies {
             Code::DeadlineExceeded,
         ])
         .hedging(true)
+        // A run that took over a dead one's key charges its intent again under the same
+        // effect key (the PSP charges once), so it may resume; see `service::phases`.
+        .takeover(Takeover::Resume)
         .build();
     // Unary and small, so read whole before the gate, like Charge's: a client sending a read
     // slowly holds no permit.
@@ -145,7 +136,7 @@ fn matched_path(extensions: &http::Extensions) -> Option<&str> {
 }
 
 /// Builds the HTTP and the gRPC routers over one server stack (see [`Routers`]).
-pub fn build_routers<St: Store>(
+pub fn build_routers<St: PaymentBackend>(
     state: AppState,
     store: St,
     config: &Config,
@@ -189,6 +180,7 @@ pub fn build_routers<St: Store>(
             .layer(OneProtocolLayer(Port::Grpc))
             .map_response(boxed)
             .layer(stack.clone())
+            .map_request(phases::erase::<St, _>)
             .layer(grpc::unary_limit())
             .service(grpc::routes(state.clone())),
     );
@@ -199,6 +191,7 @@ pub fn build_routers<St: Store>(
         .method_not_allowed_fallback(handlers::method_not_allowed.layer(unmatched.clone()))
         // On the routes alone: the stack sees the route axum matched and nothing else, so a
         // table entry no route serves is found by the coverage check.
+        .route_layer(MapRequestLayer::new(phases::erase::<St, axum::body::Body>))
         .route_layer(stack)
         .with_state(state.clone());
 

@@ -16,6 +16,7 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use super::payments::{self, ChargeOutcome, Lookup};
+use super::phases::Charging;
 use super::request::{self, PaymentRequest};
 use crate::intents::{Intent, IntentStatus};
 use crate::state::AppState;
@@ -147,9 +148,11 @@ pub(crate) async fn create_payment(
     Extension(tenant): Extension<Tenant>,
     Extension(deadline): Extension<Deadline>,
     Extension(key): Extension<IdempotencyKey>,
+    charging: Option<Extension<Charging>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let charging = charging.map(|Extension(charging)| charging);
     let trace = trace::incoming(&headers);
     let span = tracing::info_span!(
         "payment",
@@ -157,7 +160,7 @@ pub(crate) async fn create_payment(
         idempotency_key = %key.as_str(),
         merchant = %tenant.as_str(),
     );
-    create(state, tenant, deadline, key, trace, body)
+    create(state, tenant, deadline, key, charging, trace, body)
         .instrument(span)
         .await
 }
@@ -167,6 +170,7 @@ async fn create(
     tenant: Tenant,
     deadline: Deadline,
     key: IdempotencyKey,
+    charging: Option<Charging>,
     trace: SpanContext,
     body: Bytes,
 ) -> Response {
@@ -174,7 +178,17 @@ async fn create(
         Ok(r) => r,
         Err(e) => return invalid(&e),
     };
-    match payments::charge(&state, tenant.as_str(), deadline, &key, trace, req).await {
+    match payments::charge(
+        &state,
+        tenant.as_str(),
+        deadline,
+        &key,
+        trace,
+        req,
+        charging.as_ref().map(|c| &*c.0),
+    )
+    .await
+    {
         ChargeOutcome::Charged(intent) => created(&intent),
         ChargeOutcome::Declined(intent) => declined(&intent),
         ChargeOutcome::OrderConflict(i) => problem(

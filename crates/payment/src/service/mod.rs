@@ -54,10 +54,11 @@
 
 pub mod handlers;
 pub(crate) mod payments;
+pub(crate) mod phases;
 pub mod protocol;
 pub mod request;
 mod store;
 
 pub use crate::state::AppState;
 pub use crate::trace;
-pub use store::PaymentStore;
+pub use store::{PaymentBackend, PaymentStore};

@@ -5,11 +5,12 @@
 use std::time::Duration;
 
 use backstop::deadline::Deadline;
-use backstop::idempotency::IdempotencyKey;
+use backstop::idempotency::{IdempotencyKey, StoreError};
 use backstop::retry::StopReason;
 
+use super::phases::{ChargePhases, INTENT_CREATED};
 use super::request::{self, PaymentRequest};
-use crate::intents::{Created, Intent, IntentStatus, NewIntent};
+use crate::intents::{Created, Intent, IntentStatus, Intents, IntentsError, NewIntent};
 use crate::psp_client::{ChargeCall, ChargeError};
 use crate::resolver;
 use crate::state::AppState;
@@ -87,6 +88,7 @@ pub(crate) async fn charge(
     key: &IdempotencyKey,
     trace: SpanContext,
     req: PaymentRequest,
+    phases: Option<&dyn ChargePhases>,
 ) -> ChargeOutcome {
     // Before any write: a budget that cannot cover a PSP round trip leaves nothing behind.
     if let Err(e) = state.psp.check_budget(deadline) {
@@ -103,10 +105,13 @@ pub(crate) async fn charge(
         fingerprint: request::fingerprint(&req),
         created_at: state.clock.now_ms(),
     };
-    let intent = match state.intents.create(new).await {
-        Err(e) => return ChargeOutcome::StoreUnavailable(store_failed(&e)),
-        Ok(Created::New(i)) => i,
-        Ok(Created::Resumed(i)) => match i.status {
+    let created = match create(state, merchant, phases, new).await {
+        Ok(created) => created,
+        Err(outcome) => return outcome,
+    };
+    let intent = match created {
+        Created::New(i) => i,
+        Created::Resumed(i) => match i.status {
             IntentStatus::Running => {
                 tracing::info!(intent_id = %i.intent_id, "resuming intent: same effect key");
                 i
@@ -114,13 +119,13 @@ pub(crate) async fn charge(
             IntentStatus::Succeeded => return ChargeOutcome::Charged(i),
             IntentStatus::Failed => return ChargeOutcome::Declined(i),
         },
-        Ok(Created::OrderConflict(i)) => return ChargeOutcome::OrderConflict(i),
-        Ok(Created::KeyReused(i)) => {
+        Created::OrderConflict(i) => return ChargeOutcome::OrderConflict(i),
+        Created::KeyReused(i) => {
             return ChargeOutcome::KeyReused {
                 fingerprint_prefix: i.fingerprint[..8.min(i.fingerprint.len())].to_owned(),
             };
         }
-        Ok(Created::IdCollision) => {
+        Created::IdCollision => {
             return ChargeOutcome::StoreUnavailable(
                 "intent id collision; retry with the same Idempotency-Key",
             );
@@ -138,38 +143,38 @@ pub(crate) async fn charge(
     };
     match state.psp.charge(&call).await {
         Ok(charge) => {
-            match state
-                .intents
-                .succeed(merchant, &intent.intent_id, &charge.charge_id)
-                .await
-            {
+            let charged = Intent {
+                status: IntentStatus::Succeeded,
+                psp_charge_id: Some(charge.charge_id.clone()),
+                ..intent
+            };
+            match settle(state, phases, &charged, Some(&charge.charge_id)).await {
+                Ok(()) => ChargeOutcome::Charged(charged),
                 // Charged but not recorded: the PSP holds the charge under the effect key, so
                 // a retry with the same key converges; tell the caller the outcome is unknown.
                 Err(e) => {
-                    tracing::error!(error = %e, intent_id = %intent.intent_id, "charged but not recorded");
+                    tracing::error!(error = %e, intent_id = %charged.intent_id, "charged but not recorded");
                     ChargeOutcome::Unknown {
-                        intent,
+                        intent: Intent {
+                            status: IntentStatus::Running,
+                            ..charged
+                        },
                         detail: "charged, but the result was not recorded; retry with the same Idempotency-Key",
                         retry_after: crate::psp_client::DEFAULT_RETRY_AFTER,
                     }
                 }
-                Ok(_) => match state.intents.get(merchant, &intent.intent_id).await {
-                    Ok(Some(stored)) => ChargeOutcome::Charged(stored),
-                    Ok(None) => ChargeOutcome::Unknown {
-                        intent,
-                        detail: "the payment vanished; retry with the same Idempotency-Key",
-                        retry_after: crate::psp_client::DEFAULT_RETRY_AFTER,
-                    },
-                    Err(e) => ChargeOutcome::StoreUnavailable(store_failed(&e)),
-                },
             }
         }
         Err(ChargeError::Declined { status, .. }) => {
             tracing::info!(intent_id = %intent.intent_id, psp_status = %status, "charge declined");
-            if let Err(e) = state.intents.fail(merchant, &intent.intent_id).await {
+            let declined = Intent {
+                status: IntentStatus::Failed,
+                ..intent
+            };
+            if let Err(e) = settle(state, phases, &declined, None).await {
                 return ChargeOutcome::StoreUnavailable(store_failed(&e));
             }
-            ChargeOutcome::Declined(intent)
+            ChargeOutcome::Declined(declined)
         }
         Err(ChargeError::EffectKeyConflict(e)) => {
             tracing::error!(error = %e, intent_id = %intent.intent_id, "PSP holds the effect key with other parameters");
@@ -223,6 +228,66 @@ pub(crate) async fn charge(
     }
 }
 
+/// The intent of the charge: created in the claim's transaction (phase [`INTENT_CREATED`]),
+/// or, when this run took over one that got that far, the intent it created. Without phases
+/// (a store the payment service cannot run them on), created in a write of its own.
+async fn create(
+    state: &AppState,
+    merchant: &str,
+    phases: Option<&dyn ChargePhases>,
+    new: NewIntent,
+) -> Result<Created, ChargeOutcome> {
+    let Some(phases) = phases else {
+        return state
+            .intents
+            .create(new)
+            .await
+            .map_err(|e| ChargeOutcome::StoreUnavailable(store_failed(&e)));
+    };
+    if let Some(point) = phases
+        .recovery_point()
+        .filter(|point| point.phase == INTENT_CREATED)
+    {
+        let intent_id = String::from_utf8_lossy(&point.data);
+        match state.intents.get(merchant, &intent_id).await {
+            Ok(Some(intent)) => {
+                tracing::info!(intent_id = %intent.intent_id, "took over a charge from its recovery point");
+                return Ok(Created::Resumed(intent));
+            }
+            // The phase committed without creating it (the order or the key was taken):
+            // this run decides afresh.
+            Ok(None) => {}
+            Err(e) => return Err(ChargeOutcome::StoreUnavailable(store_failed(&e))),
+        }
+    }
+    match phases.create_intent(new).await {
+        Ok(Ok(created)) => Ok(created),
+        Ok(Err(e)) => Err(ChargeOutcome::StoreUnavailable(store_failed(&e))),
+        Err(StoreError::LeaseLost { .. }) => Err(ChargeOutcome::StoreUnavailable(
+            "another request took this Idempotency-Key over; retry with the same key",
+        )),
+        Err(e) => Err(ChargeOutcome::StoreUnavailable(store_failed(&e))),
+    }
+}
+
+/// Records the charge's outcome on `intent`: with the record's end (its stored answer) when
+/// the request holds phases, else in a write of its own.
+async fn settle(
+    state: &AppState,
+    phases: Option<&dyn ChargePhases>,
+    intent: &Intent,
+    charge_id: Option<&str>,
+) -> Result<(), IntentsError> {
+    let writes = Intents::settle_writes(&intent.merchant_id, &intent.intent_id, charge_id);
+    match phases {
+        Some(phases) => {
+            phases.on_finish(writes);
+            Ok(())
+        }
+        None => state.intents.run(writes).await,
+    }
+}
+
 /// The merchant's payment `intent_id`. A running intent is converged by asking the PSP for a
 /// charge under its effect key; one old enough to be abandoned is settled by the resolver
 /// (charged, or failed with its effect key voided at the PSP).
@@ -259,17 +324,21 @@ pub(crate) async fn lookup(
             .await
         {
             Ok(Some(charge)) => {
-                if let Err(e) = state
+                return match state
                     .intents
-                    .succeed(merchant, &intent.intent_id, &charge.charge_id)
+                    .settle(merchant, &intent.intent_id, Some(&charge.charge_id))
                     .await
                 {
-                    store_failed(&e);
-                    return Lookup::StoreUnavailable;
-                }
-                return match state.intents.get(merchant, &intent.intent_id).await {
-                    Ok(Some(i)) => Lookup::Found(Box::new(i)),
-                    Ok(None) => Lookup::NotFound,
+                    Ok(Some(settled)) => Lookup::Found(Box::new(settled)),
+                    // Settled meanwhile (by the charge's own request or the resolver).
+                    Ok(None) => match state.intents.get(merchant, &intent.intent_id).await {
+                        Ok(Some(i)) => Lookup::Found(Box::new(i)),
+                        Ok(None) => Lookup::NotFound,
+                        Err(e) => {
+                            store_failed(&e);
+                            Lookup::StoreUnavailable
+                        }
+                    },
                     Err(e) => {
                         store_failed(&e);
                         Lookup::StoreUnavailable

@@ -7,6 +7,8 @@ use backstop::idempotency::{
     StoredResponse,
 };
 
+use crate::intents::PaymentWrites;
+
 /// The idempotency store the service runs on: SQLite (one instance) or PostgreSQL (shared by
 /// several instances).
 #[derive(Debug, Clone)]
@@ -17,17 +19,28 @@ pub enum PaymentStore {
     Postgres(PostgresStore),
 }
 
-/// The writes of a phase, in the form of each backend: the store runs the one of its own.
-pub struct PaymentWrites<T> {
-    /// On the SQLite writer's connection.
-    pub sqlite: SqliteWrites<T>,
-    /// On a PostgreSQL connection.
-    pub postgres: PostgresWrites<T>,
+/// A store the payment service can run its phases on: it turns [`PaymentWrites`] (the
+/// intent table's writes in the form of each backend) into its own writes.
+pub trait PaymentBackend: Store {
+    /// The part of `writes` this store runs.
+    fn writes<T: Send + 'static>(writes: PaymentWrites<T>) -> Self::Writes<T>;
 }
 
-impl<T> std::fmt::Debug for PaymentWrites<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PaymentWrites").finish_non_exhaustive()
+impl PaymentBackend for PaymentStore {
+    fn writes<T: Send + 'static>(writes: PaymentWrites<T>) -> PaymentWrites<T> {
+        writes
+    }
+}
+
+impl PaymentBackend for SqliteStore {
+    fn writes<T: Send + 'static>(writes: PaymentWrites<T>) -> SqliteWrites<T> {
+        writes.sqlite
+    }
+}
+
+impl PaymentBackend for PostgresStore {
+    fn writes<T: Send + 'static>(writes: PaymentWrites<T>) -> PostgresWrites<T> {
+        writes.postgres
     }
 }
 

@@ -1,31 +1,13 @@
-//! Payment intents: the `payment_intent` table and the only queries that touch it.
+//! The `payment_intent` table on SQLite: its migrations and the only queries that touch it.
 //!
-//! Three keys, three unique constraints:
-//!
-//! | key | constraint | stops |
-//! |---|---|---|
-//! | business key `(merchant_id, order_id)` | `UNIQUE INDEX ... WHERE status <> 'failed'` | a second live intent for the same order (a client that generated a fresh key per attempt); a `failed` intent charged nothing, so it frees its order for another key |
-//! | request key `(merchant_id, request_key)` | `UNIQUE` | two concurrent inserts for the same `Idempotency-Key` |
-//! | effect key `(merchant_id, effect_key)` | `UNIQUE INDEX` | one intent producing two downstream effects |
-//!
-//! The effect key is the intent id: it is what the PSP deduplicates on, so re-sending it after an
-//! unknown outcome charges once.
-//!
-//! Creating an intent is one `INSERT ... ON CONFLICT DO NOTHING`: the constraints decide, never
-//! an application-level "look, then insert" (which two concurrent requests would both pass). Only
-//! when the insert did nothing do we read which existing row stopped it.
-//!
-//! The functions here are synchronous and take a [`rusqlite::Connection`], so they run inside
-//! the group-commit writer of [`Db`] (see [`Intents`]) and in
-//! plain unit tests alike. [`postgres`] holds the same table and queries on PostgreSQL.
+//! The functions are synchronous and take a [`rusqlite::Connection`], so they run inside the
+//! group-commit writer of [`Db`](backstop::db::sqlite::Db) (see [`Intents`](super::Intents)),
+//! inside an idempotency record's transaction (a phase, see [`PaymentWrites`](super::PaymentWrites)),
+//! and in plain unit tests alike.
 
-pub mod postgres;
-
-use backstop::db::postgres::Error as PgError;
-use backstop::db::sqlite::{Db, Error as DbError};
-use backstop::idempotency::postgres::PostgresStore;
 use rusqlite::{Connection, OptionalExtension, Row, params};
-use serde::Serialize;
+
+use super::{Created, Intent, IntentStatus, NewIntent, RunningStats};
 
 /// Migration name registered with the shared database.
 pub const MIGRATION_NAME: &str = "payment_intent_v1";
@@ -82,104 +64,6 @@ CREATE TABLE IF NOT EXISTS payment_intent (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS idx_effect_key ON payment_intent (merchant_id, effect_key);
 ";
-
-/// Where an intent stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IntentStatus {
-    /// Created; the PSP outcome is not known yet (or was unknown when the last attempt ended).
-    Running,
-    /// The PSP charged; `psp_charge_id` is set. Terminal.
-    Succeeded,
-    /// The PSP refused definitively; nothing was charged. Terminal.
-    Failed,
-}
-
-impl IntentStatus {
-    /// The value stored in the `status` column.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            IntentStatus::Running => "running",
-            IntentStatus::Succeeded => "succeeded",
-            IntentStatus::Failed => "failed",
-        }
-    }
-
-    fn from_column(s: &str) -> Option<Self> {
-        match s {
-            "running" => Some(IntentStatus::Running),
-            "succeeded" => Some(IntentStatus::Succeeded),
-            "failed" => Some(IntentStatus::Failed),
-            _ => None,
-        }
-    }
-}
-
-/// One row of `payment_intent`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Intent {
-    /// Primary key; also the effect key sent to the PSP.
-    pub intent_id: String,
-    /// Tenant that owns the intent.
-    pub merchant_id: String,
-    /// Business key, unique per merchant.
-    pub order_id: String,
-    /// Amount in minor units, always positive.
-    pub amount_cents: i64,
-    /// ISO 4217 code (three uppercase letters).
-    pub currency: String,
-    /// The `Idempotency-Key` of the request that created the intent.
-    pub request_key: String,
-    /// Hex SHA-256 of the normalized request parameters.
-    pub fingerprint: String,
-    /// Idempotency key for the downstream side effect (equal to `intent_id`).
-    pub effect_key: String,
-    /// Current status.
-    pub status: IntentStatus,
-    /// The PSP's charge id once succeeded.
-    pub psp_charge_id: Option<String>,
-    /// Creation time, unix epoch milliseconds.
-    pub created_at: i64,
-}
-
-/// The values of a new intent (status starts as `running`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NewIntent {
-    /// Primary key and effect key (a UUIDv7 string).
-    pub intent_id: String,
-    /// Tenant that owns the intent.
-    pub merchant_id: String,
-    /// Business key.
-    pub order_id: String,
-    /// Amount in minor units.
-    pub amount_cents: i64,
-    /// ISO 4217 code.
-    pub currency: String,
-    /// The request's `Idempotency-Key`.
-    pub request_key: String,
-    /// Hex fingerprint of the normalized parameters.
-    pub fingerprint: String,
-    /// Creation time, unix epoch milliseconds.
-    pub created_at: i64,
-}
-
-/// What [`insert`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Created {
-    /// A new intent was inserted.
-    New(Intent),
-    /// The merchant already has an intent for this request key and these parameters: carry on
-    /// with it (same effect key), never create a second one.
-    Resumed(Intent),
-    /// The order already has a live (running or succeeded) intent created under another
-    /// request key.
-    OrderConflict(Intent),
-    /// The request key already names an intent with other parameters.
-    KeyReused(Intent),
-    /// The generated intent id collided with an existing one (practically impossible with
-    /// UUIDv7); nothing was written.
-    IdCollision,
-}
 
 const COLUMNS: &str = "intent_id, merchant_id, order_id, amount_cents, currency, request_key, \
      fingerprint, effect_key, status, psp_charge_id, created_at";
@@ -381,15 +265,6 @@ pub fn created_between(
     rows.collect()
 }
 
-/// The intents left `running` (all merchants): how many, and when the oldest was created.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RunningStats {
-    /// Intents in status `running`.
-    pub count: u64,
-    /// `created_at` (unix ms) of the oldest running intent; `None` when there is none.
-    pub oldest_created_at: Option<i64>,
-}
-
 /// [`RunningStats`] in one statement (the partial index on running intents answers it).
 pub fn running_stats(conn: &Connection) -> rusqlite::Result<RunningStats> {
     conn.query_row(
@@ -409,195 +284,40 @@ pub fn count(conn: &Connection) -> rusqlite::Result<u64> {
     conn.query_row("SELECT COUNT(*) FROM payment_intent", [], |r| r.get(0))
 }
 
-/// Errors of [`Intents`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum IntentsError {
-    /// The SQLite database failed.
-    #[error(transparent)]
-    Sqlite(#[from] DbError),
-    /// PostgreSQL failed or did not answer in time.
-    #[error(transparent)]
-    Postgres(#[from] PgError),
-    /// A stored row could not be read back.
-    #[error("stored payment intent {intent_id:?} is corrupt: {what}")]
-    Corrupt {
-        /// The row's `intent_id`.
-        intent_id: String,
-        /// Which column is wrong.
-        what: &'static str,
-    },
-}
-
-/// The intent table: on the shared group-commit SQLite [`Db`] (every write through
-/// [`Db::write`], batched with the idempotency store's writes and answered only once durable,
-/// every read through [`Db::read`]), or on PostgreSQL (the idempotency store's pool, each
-/// operation one statement bounded by the request's deadline).
-#[derive(Debug, Clone)]
-pub struct Intents {
-    backend: Backend,
-}
-
-#[derive(Debug, Clone)]
-enum Backend {
-    Sqlite(Db),
-    Postgres(postgres::PgIntents),
-}
-
-impl Intents {
-    /// Runs the `payment_intent` migrations on `db` (once per database) and returns the handle.
-    pub async fn open(db: Db) -> Result<Self, DbError> {
-        db.migrate(MIGRATION_NAME, MIGRATION_SQL).await?;
-        db.migrate(MIGRATION_V2_NAME, MIGRATION_V2_SQL).await?;
-        Ok(Intents {
-            backend: Backend::Sqlite(db),
-        })
-    }
-
-    /// Runs the PostgreSQL `payment_intent` migration ([`postgres::MIGRATION_SQL`]; safe when
-    /// several instances start at once) and returns the handle on `store`'s pool.
-    pub async fn postgres(store: PostgresStore) -> Result<Self, PgError> {
-        Ok(Intents {
-            backend: Backend::Postgres(postgres::PgIntents::open(store).await?),
-        })
-    }
-
-    /// The SQLite database handle (`None` on PostgreSQL).
-    pub fn db(&self) -> Option<&Db> {
-        match &self.backend {
-            Backend::Sqlite(db) => Some(db),
-            Backend::Postgres(_) => None,
-        }
-    }
-
-    /// [`insert`]: one write job, or one `INSERT ... ON CONFLICT DO NOTHING` on PostgreSQL.
-    pub async fn create(&self, new: NewIntent) -> Result<Created, IntentsError> {
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.write(move |c| insert(c, &new)).await?),
-            Backend::Postgres(pg) => pg.create(new).await,
-        }
-    }
-
-    /// [`mark_succeeded`] in one write job (one `UPDATE`).
-    pub async fn succeed(
-        &self,
-        merchant_id: &str,
-        intent_id: &str,
-        psp_charge_id: &str,
-    ) -> Result<bool, IntentsError> {
-        let (m, i, ch) = (
-            merchant_id.to_owned(),
-            intent_id.to_owned(),
-            psp_charge_id.to_owned(),
-        );
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.write(move |c| mark_succeeded(c, &m, &i, &ch)).await?),
-            Backend::Postgres(pg) => Ok(pg.mark(m, i, Some(ch)).await?),
-        }
-    }
-
-    /// [`mark_failed`] in one write job (one `UPDATE`).
-    pub async fn fail(&self, merchant_id: &str, intent_id: &str) -> Result<bool, IntentsError> {
-        let (m, i) = (merchant_id.to_owned(), intent_id.to_owned());
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.write(move |c| mark_failed(c, &m, &i)).await?),
-            Backend::Postgres(pg) => Ok(pg.mark(m, i, None).await?),
-        }
-    }
-
-    /// [`get`] on a read connection.
-    pub async fn get(
-        &self,
-        merchant_id: &str,
-        intent_id: &str,
-    ) -> Result<Option<Intent>, IntentsError> {
-        let (m, i) = (merchant_id.to_owned(), intent_id.to_owned());
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.read(move |c| get(c, &m, &i)).await?),
-            Backend::Postgres(pg) => pg.get(m, i).await,
-        }
-    }
-
-    /// [`by_order`] on a read connection.
-    pub async fn by_order(
-        &self,
-        merchant_id: &str,
-        order_id: &str,
-    ) -> Result<Vec<Intent>, IntentsError> {
-        let (m, o) = (merchant_id.to_owned(), order_id.to_owned());
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.read(move |c| by_order(c, &m, &o)).await?),
-            Backend::Postgres(pg) => pg.by_order(m, o).await,
-        }
-    }
-
-    /// [`running_before`] on a read connection (one statement on PostgreSQL).
-    pub async fn running_before(
-        &self,
-        created_before: i64,
-        limit: u32,
-    ) -> Result<Vec<Intent>, IntentsError> {
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db
-                .read(move |c| running_before(c, created_before, limit))
-                .await?),
-            Backend::Postgres(pg) => pg.running_before(created_before, limit).await,
-        }
-    }
-
-    /// [`created_between`] on a read connection (one statement on PostgreSQL).
-    pub async fn created_between(
-        &self,
-        since: i64,
-        until: i64,
-        after: Option<(i64, String)>,
-        limit: u32,
-    ) -> Result<Vec<Intent>, IntentsError> {
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db
-                .read(move |c| {
-                    let after = after.as_ref().map(|(at, id)| (*at, id.as_str()));
-                    created_between(c, since, until, after, limit)
-                })
-                .await?),
-            Backend::Postgres(pg) => pg.created_between(since, until, after, limit).await,
-        }
-    }
-
-    /// [`running_stats`] on a read connection (one statement on PostgreSQL).
-    pub async fn running_stats(&self) -> Result<RunningStats, IntentsError> {
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.read(running_stats).await?),
-            Backend::Postgres(pg) => Ok(pg.running_stats().await?),
-        }
-    }
-
-    /// [`count`] on a read connection.
-    pub async fn count(&self) -> Result<u64, IntentsError> {
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db.read(count).await?),
-            Backend::Postgres(pg) => Ok(pg.count().await?),
-        }
-    }
-
-    /// A trivial read: whether the store answers (for `/readyz`).
-    pub async fn ping(&self) -> Result<(), IntentsError> {
-        match &self.backend {
-            Backend::Sqlite(db) => Ok(db
-                .read(|c| {
-                    c.query_row("SELECT 1 FROM payment_intent LIMIT 1", [], |_| Ok(()))
-                        .optional()
-                })
-                .await
-                .map(|_| ())?),
-            Backend::Postgres(pg) => Ok(pg.ping().await?),
-        }
+/// [`mark_succeeded`] (with a charge id) or [`mark_failed`] (without), returning the intent as
+/// it is then when this changed it (`UPDATE ... RETURNING`; `None`: it was not running).
+pub fn settle(
+    conn: &Connection,
+    merchant_id: &str,
+    intent_id: &str,
+    charge_id: Option<&str>,
+) -> rusqlite::Result<Option<Intent>> {
+    match charge_id {
+        Some(charge) => conn
+            .prepare_cached(&format!(
+                "UPDATE payment_intent SET status = 'succeeded', psp_charge_id = ?3 \
+                 WHERE merchant_id = ?1 AND intent_id = ?2 AND status = 'running' \
+                 RETURNING {COLUMNS}"
+            ))?
+            .query_row(params![merchant_id, intent_id, charge], from_row)
+            .optional(),
+        None => conn
+            .prepare_cached(&format!(
+                "UPDATE payment_intent SET status = 'failed' \
+                 WHERE merchant_id = ?1 AND intent_id = ?2 AND status = 'running' \
+                 RETURNING {COLUMNS}"
+            ))?
+            .query_row(params![merchant_id, intent_id], from_row)
+            .optional(),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use backstop::db::sqlite::Db;
+
     use super::*;
+    use crate::intents::Intents;
 
     fn db() -> Connection {
         let conn = Connection::open_in_memory().unwrap();
