@@ -70,8 +70,6 @@ pub mod problem {
     /// not repeat an effect that may have happened: the outcome is unknown (500, stored and
     /// replayed; not retryable).
     pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
-    /// The same order was submitted under another idempotency key (409).
-    pub const ORDER_CONFLICT: &str = "order_conflict";
     /// The server itself is over capacity (503 + Retry-After).
     pub const OVERLOADED: &str = "overloaded";
     /// The tenant is over its quota (429 + Retry-After).

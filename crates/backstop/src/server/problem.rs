@@ -355,17 +355,7 @@ impl Problem {
             .extensions_mut()
             .insert(ProblemCode(self.code.clone()));
         let code = self.code_for_grpc();
-        let mut message = self
-            .detail
-            .clone()
-            .unwrap_or_else(|| self.title.to_string());
-        for (name, value) in &self.extra {
-            let value = match value {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            message.push_str(&format!(" ({name}={value})"));
-        }
+        let message = self.grpc_message();
         let headers = response.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,
@@ -382,6 +372,52 @@ impl Problem {
             headers.insert(GRPC_PUSHBACK, HeaderValue::from(pushback_ms(wait)));
         }
         response
+    }
+}
+
+impl Problem {
+    /// The `grpc-message` of this answer: the detail (else the title), then each extension
+    /// member as ` (name=value)`, which is where gRPC callers find what an HTTP caller reads
+    /// from the document's members.
+    pub fn grpc_message(&self) -> String {
+        let mut message = self
+            .detail
+            .clone()
+            .unwrap_or_else(|| self.title.to_string());
+        for (name, value) in &self.extra {
+            let value = match value {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            message.push_str(&format!(" ({name}={value})"));
+        }
+        message
+    }
+}
+
+/// A tonic method answers a [`Problem`] as the stack's gRPC refusals do: its gRPC code
+/// ([`Problem::code_for_grpc`]), [`Problem::grpc_message`], and `grpc-retry-pushback-ms` (`-1`
+/// for "do not retry").
+#[cfg(feature = "tonic")]
+impl From<Problem> for tonic::Status {
+    fn from(problem: Problem) -> Self {
+        let mut status = tonic::Status::new(
+            tonic::Code::from_i32(problem.code_for_grpc().as_i32()),
+            problem.grpc_message(),
+        );
+        let pushback = if problem.no_retry {
+            Some(tonic::metadata::MetadataValue::from_static("-1"))
+        } else {
+            problem
+                .retry_after
+                .map(|wait| tonic::metadata::MetadataValue::from(pushback_ms(wait)))
+        };
+        if let Some(value) = pushback {
+            status
+                .metadata_mut()
+                .insert(crate::status::GRPC_RETRY_PUSHBACK_MS, value);
+        }
+        status
     }
 }
 
@@ -611,5 +647,48 @@ mod tests {
         let problem = Problem::from_status(&status);
         assert_eq!(problem.status(), StatusCode::GATEWAY_TIMEOUT);
         assert_eq!(problem.code(), "deadline_exceeded");
+    }
+
+    #[cfg(feature = "tonic")]
+    #[test]
+    fn a_tonic_status_carries_the_code_message_members_and_pushback() {
+        let problem = Problem::new(StatusCode::CONFLICT, "order_conflict")
+            .detail("taken")
+            .with("intent_id", "i-1");
+        let status = tonic::Status::from(problem.clone());
+        assert_eq!(status.code(), tonic::Code::AlreadyExists);
+        assert_eq!(status.message(), "taken (intent_id=i-1)");
+        assert_eq!(status.message(), problem.grpc_message());
+        assert!(
+            status
+                .metadata()
+                .get(crate::status::GRPC_RETRY_PUSHBACK_MS)
+                .is_none()
+        );
+
+        let busy = tonic::Status::from(
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+                .retry_after(Duration::from_millis(1500)),
+        );
+        assert_eq!(busy.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            busy.metadata()
+                .get(crate::status::GRPC_RETRY_PUSHBACK_MS)
+                .unwrap(),
+            "1500"
+        );
+        let shed = tonic::Status::from(
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded").no_retry(),
+        );
+        assert_eq!(
+            shed.metadata()
+                .get(crate::status::GRPC_RETRY_PUSHBACK_MS)
+                .unwrap(),
+            "-1"
+        );
+        let fatal = tonic::Status::from(
+            Problem::new(StatusCode::BAD_GATEWAY, "psp_conflict").grpc_code(Code::Internal),
+        );
+        assert_eq!(fatal.code(), tonic::Code::Internal);
     }
 }

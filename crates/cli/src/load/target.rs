@@ -7,6 +7,7 @@ use backstop::deadline::Deadline;
 use backstop::status::{Code, Status, problem};
 use backstop_payment::grpc::proto::ChargeRequest;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;
+use backstop_payment::service::answer::ORDER_CONFLICT;
 use http::StatusCode;
 use serde::Deserialize;
 use tonic::metadata::MetadataValue;
@@ -265,7 +266,7 @@ impl HttpClient {
 fn classify(status: StatusCode, problem_code: Option<String>) -> Status {
     let code = match (status.as_u16(), problem_code.as_deref()) {
         (409, Some(problem::IDEMPOTENCY_KEY_REUSED)) => Code::FailedPrecondition,
-        (409, Some(problem::ORDER_CONFLICT)) => Code::AlreadyExists,
+        (409, Some(ORDER_CONFLICT)) => Code::AlreadyExists,
         _ => Code::from_http(status),
     };
     Status::new(code, format!("answered {status}")).with_http_status(status)
@@ -343,7 +344,7 @@ mod tests {
         let s = |code: &str| classify(StatusCode::CONFLICT, Some(code.to_owned())).code();
         assert_eq!(s(problem::REQUEST_IN_PROGRESS), Code::Aborted);
         assert_eq!(s(problem::IDEMPOTENCY_KEY_REUSED), Code::FailedPrecondition);
-        assert_eq!(s(problem::ORDER_CONFLICT), Code::AlreadyExists);
+        assert_eq!(s(ORDER_CONFLICT), Code::AlreadyExists);
         assert_eq!(
             classify(StatusCode::SERVICE_UNAVAILABLE, None).code(),
             Code::Unavailable

@@ -33,8 +33,6 @@ mod service;
 
 pub use self::service::PaymentService;
 
-use std::time::Duration;
-
 use backstop::server::grpc::{DEFAULT_MAX_MESSAGE, UnaryLimitLayer};
 use tonic::service::Routes;
 
@@ -45,9 +43,6 @@ pub const CHARGE: &str = "/payment.v1.Payment/Charge";
 
 /// Path of `GetCharge`.
 pub const GET_CHARGE: &str = "/payment.v1.Payment/GetCharge";
-
-/// Pushback sent with `UNAVAILABLE` when the store does not answer.
-const STORE_PUSHBACK: Duration = Duration::from_secs(1);
 
 /// The gRPC routes on tonic's own router, without the server stack: the caller puts it in
 /// front (see [`build_routers`](crate::server::build_routers)). Unknown methods are

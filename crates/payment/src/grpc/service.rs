@@ -4,15 +4,13 @@ use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
 use backstop::policy::DEFAULT_TIMEOUT;
 use backstop::server::tenant::Tenant;
-use backstop::status::GRPC_RETRY_PUSHBACK_MS;
-use tonic::metadata::{MetadataMap, MetadataValue};
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
-use super::STORE_PUSHBACK;
 use super::proto::payment_server::Payment;
 use super::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
 use crate::intents::Intent;
-use crate::service::payments::{self, ChargeOutcome, Lookup};
+use crate::service::answer::ChargeAnswer;
+use crate::service::payments;
 use crate::service::phases::Charging;
 use crate::service::request;
 use crate::state::AppState;
@@ -54,19 +52,6 @@ fn response(intent: &Intent) -> ChargeResponse {
     }
 }
 
-fn with_pushback(code: Code, message: String, pushback: std::time::Duration) -> Status {
-    let mut metadata = MetadataMap::new();
-    let ms = u64::try_from(pushback.as_millis())
-        .unwrap_or(u64::MAX)
-        .max(1);
-    metadata.insert(GRPC_RETRY_PUSHBACK_MS, MetadataValue::from(ms));
-    Status::with_metadata(code, message, metadata)
-}
-
-fn store_unavailable(detail: &str) -> Status {
-    with_pushback(Code::Unavailable, detail.to_owned(), STORE_PUSHBACK)
-}
-
 #[tonic::async_trait]
 impl Payment for PaymentService {
     async fn charge(
@@ -95,62 +80,12 @@ impl Payment for PaymentService {
             charging.as_ref().map(|c| &*c.0),
         )
         .await
+        .answer()
         {
-            ChargeOutcome::Charged(intent) | ChargeOutcome::Declined(intent) => {
+            ChargeAnswer::Charged(intent) | ChargeAnswer::Declined(intent, _) => {
                 Ok(Response::new(response(&intent)))
             }
-            ChargeOutcome::OrderConflict(intent) => Err(Status::already_exists(format!(
-                "order {} already has payment {} created with another idempotency-key",
-                intent.order_id, intent.intent_id
-            ))),
-            ChargeOutcome::KeyReused { fingerprint_prefix } => {
-                Err(Status::failed_precondition(format!(
-                    "this idempotency-key already created a payment with other parameters \
-                     (fingerprint_prefix={fingerprint_prefix})"
-                )))
-            }
-            ChargeOutcome::StoreUnavailable(detail) => Err(store_unavailable(detail)),
-            ChargeOutcome::PspConflict(intent) => Err(Status::internal(format!(
-                "the payment provider holds payment {}'s effect key with other parameters",
-                intent.intent_id
-            ))),
-            ChargeOutcome::Unknown {
-                intent,
-                detail,
-                retry_after,
-            } => Err(with_pushback(
-                Code::Unavailable,
-                format!(
-                    "payment outcome unknown (intent_id={}): {detail}; retrying with the same \
-                     idempotency-key is safe and charges at most once",
-                    intent.intent_id
-                ),
-                retry_after,
-            )),
-            ChargeOutcome::DeadlineExceeded { intent } => {
-                Err(Status::deadline_exceeded(match intent {
-                    Some(intent) => format!(
-                        "the deadline left no time to reach the payment provider; nothing was \
-                         charged by this call (intent_id={})",
-                        intent.intent_id
-                    ),
-                    None => "the deadline left no time to reach the payment provider; nothing \
-                             was written or charged"
-                        .to_owned(),
-                }))
-            }
-            ChargeOutcome::PspUnavailable {
-                intent,
-                retry_after,
-            } => Err(with_pushback(
-                Code::Unavailable,
-                format!(
-                    "the payment provider charged nothing and cannot be reached now \
-                     (intent_id={}); retry with the same idempotency-key after the pushback",
-                    intent.intent_id
-                ),
-                retry_after,
-            )),
+            ChargeAnswer::Refused(problem) => Err(problem.into()),
         }
     }
 
@@ -160,14 +95,10 @@ impl Payment for PaymentService {
     ) -> Result<Response<ChargeResponse>, Status> {
         let (tenant, deadline, _) = context(&request);
         let intent_id = request.into_inner().intent_id;
-        match payments::lookup(&self.state, tenant.as_str(), deadline, &intent_id).await {
-            Lookup::Found(intent) => Ok(Response::new(response(&intent))),
-            Lookup::NotFound => Err(Status::not_found(
-                "no payment with this id for this merchant",
-            )),
-            Lookup::StoreUnavailable => {
-                Err(store_unavailable("the payment store did not answer; retry"))
-            }
-        }
+        payments::lookup(&self.state, tenant.as_str(), deadline, &intent_id)
+            .await
+            .answer()
+            .map(|intent| Response::new(response(&intent)))
+            .map_err(tonic::Status::from)
     }
 }

@@ -11,30 +11,17 @@ use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
 use backstop::server::problem::Problem;
 use backstop::server::tenant::Tenant;
-use backstop::status::problem as codes;
 use serde::Serialize;
 use tracing::Instrument;
 
-use super::payments::{self, ChargeOutcome, Lookup};
+use super::answer::{self, ChargeAnswer, PAYMENT_OUTCOME_UNKNOWN};
+use super::payments;
 use super::phases::Charging;
 use super::request::{self, PaymentRequest};
 use crate::intents::{Intent, IntentStatus};
 use crate::state::AppState;
 use crate::trace::{self, SpanContext};
 
-/// Problem code of a 504 whose payment outcome is unknown.
-pub const PAYMENT_OUTCOME_UNKNOWN: &str = "payment_outcome_unknown";
-/// Problem code of a 402: the PSP refused the charge definitively; nothing was charged.
-pub const PAYMENT_DECLINED: &str = "payment_declined";
-/// Problem code of a 404 on `GET /v1/payments/{intent_id}`.
-pub const PAYMENT_NOT_FOUND: &str = "payment_not_found";
-/// Problem code of a 503 when the store does not answer (retry with the same key).
-pub const STORE_UNAVAILABLE: &str = "store_unavailable";
-/// Problem code of a 503 when the PSP charged nothing and the service's client gave up
-/// (retry budget spent, PSP unreachable or pushing back): retry with the same key later.
-pub const PSP_UNAVAILABLE: &str = "psp_unavailable";
-/// Problem code of a 502 when the PSP holds the effect key with other parameters.
-pub const PSP_CONFLICT: &str = "psp_conflict";
 /// Problem code of a 404 on an unknown route.
 pub const NOT_FOUND: &str = "not_found";
 /// Problem code of a 405.
@@ -88,50 +75,26 @@ fn problem(p: Problem) -> Response {
     p.into_http_response::<Body>()
 }
 
-/// 504 with `"status": "unknown"` and `Retry-After`: the charge may or may not have happened.
-/// The `status` member carries the payment status instead of repeating the HTTP status (RFC
-/// 9457 lets consumers ignore a non-numeric `status`; the status line says 504).
-fn unknown(intent: &Intent, detail: &str, retry_after: std::time::Duration) -> Response {
-    let p = Problem::new(StatusCode::GATEWAY_TIMEOUT, PAYMENT_OUTCOME_UNKNOWN)
-        .detail(detail)
-        .with("intent_id", intent.intent_id.as_str())
-        .with("order_id", intent.order_id.as_str());
-    let mut doc: serde_json::Value = match serde_json::from_slice(&p.to_json()) {
-        Ok(doc) => doc,
-        Err(_) => return problem(p),
-    };
+/// A refusal as problem+json. A payment whose outcome is unknown carries `"status":
+/// "unknown"` instead of repeating the HTTP status (RFC 9457 lets consumers ignore a
+/// non-numeric `status`; the status line says 504).
+fn refused(p: Problem) -> Response {
+    if p.code() != PAYMENT_OUTCOME_UNKNOWN {
+        return problem(p);
+    }
+    // The document was serialized just now from strings and integers: it reads back.
+    let mut doc: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap_or_default();
     doc["status"] = serde_json::Value::from("unknown");
-    let mut response = Response::new(Body::from(doc.to_string()));
-    *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static(backstop::server::problem::CONTENT_TYPE),
-    );
-    response.headers_mut().insert(
-        header::RETRY_AFTER,
-        HeaderValue::from(retry_after.as_secs().max(1)),
-    );
+    let mut response = p.into_http_response::<Body>();
+    *response.body_mut() = Body::from(doc.to_string());
     response
-}
-
-fn declined(intent: &Intent) -> Response {
-    problem(
-        Problem::new(StatusCode::PAYMENT_REQUIRED, PAYMENT_DECLINED)
-            .detail(
-                "the payment failed and nothing was charged: the payment provider declined \
-                 it, or it was abandoned with its outcome unknown and then voided",
-            )
-            .with("intent_id", intent.intent_id.as_str()),
-    )
 }
 
 fn store_unavailable(error: &dyn std::error::Error) -> Response {
     tracing::error!(error = %error, source = ?error.source(), "payment store failed");
-    problem(
-        Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
-            .detail("the payment store did not answer; retry with the same Idempotency-Key")
-            .retry_after(std::time::Duration::from_secs(1)),
-    )
+    problem(answer::store_unavailable(
+        "the payment store did not answer; retry with the same Idempotency-Key",
+    ))
 }
 
 fn invalid(e: &request::RequestError) -> Response {
@@ -188,59 +151,10 @@ async fn create(
         charging.as_ref().map(|c| &*c.0),
     )
     .await
+    .answer()
     {
-        ChargeOutcome::Charged(intent) => created(&intent),
-        ChargeOutcome::Declined(intent) => declined(&intent),
-        ChargeOutcome::OrderConflict(i) => problem(
-            Problem::new(StatusCode::CONFLICT, codes::ORDER_CONFLICT)
-                .detail("this order already has a payment created with another Idempotency-Key")
-                .with("intent_id", i.intent_id.as_str())
-                .with("order_id", i.order_id.as_str()),
-        ),
-        ChargeOutcome::KeyReused { fingerprint_prefix } => problem(
-            Problem::new(StatusCode::CONFLICT, codes::IDEMPOTENCY_KEY_REUSED)
-                .detail("this Idempotency-Key already created a payment with other parameters")
-                .with("fingerprint_prefix", fingerprint_prefix),
-        ),
-        ChargeOutcome::StoreUnavailable(detail) => problem(
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
-                .detail(detail)
-                .retry_after(std::time::Duration::from_secs(1)),
-        ),
-        ChargeOutcome::PspConflict(intent) => problem(
-            Problem::new(StatusCode::BAD_GATEWAY, PSP_CONFLICT)
-                .detail(
-                    "the payment provider holds this payment's effect key with other parameters",
-                )
-                .with("intent_id", intent.intent_id.as_str()),
-        ),
-        ChargeOutcome::Unknown {
-            intent,
-            detail,
-            retry_after,
-        } => unknown(&intent, detail, retry_after),
-        ChargeOutcome::DeadlineExceeded { intent } => {
-            let mut p = Problem::new(StatusCode::GATEWAY_TIMEOUT, codes::DEADLINE_EXCEEDED).detail(
-                "the deadline left no time to reach the payment provider; nothing was charged \
-                 by this request: retry with the same Idempotency-Key and a longer deadline",
-            );
-            if let Some(intent) = intent {
-                p = p.with("intent_id", intent.intent_id.as_str());
-            }
-            problem(p)
-        }
-        ChargeOutcome::PspUnavailable {
-            intent,
-            retry_after,
-        } => problem(
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, PSP_UNAVAILABLE)
-                .detail(
-                    "the payment provider charged nothing and cannot be reached now; retry \
-                     with the same Idempotency-Key after Retry-After",
-                )
-                .with("intent_id", intent.intent_id.as_str())
-                .retry_after(retry_after),
-        ),
+        ChargeAnswer::Charged(intent) => created(&intent),
+        ChargeAnswer::Declined(_, p) | ChargeAnswer::Refused(p) => refused(p),
     }
 }
 
@@ -252,17 +166,12 @@ pub(crate) async fn get_payment(
     Extension(deadline): Extension<Deadline>,
     Path(intent_id): Path<String>,
 ) -> Response {
-    match payments::lookup(&state, tenant.as_str(), deadline, &intent_id).await {
-        Lookup::Found(intent) => json(StatusCode::OK, &intent),
-        Lookup::NotFound => problem(
-            Problem::new(StatusCode::NOT_FOUND, PAYMENT_NOT_FOUND)
-                .detail("no payment with this id for this merchant"),
-        ),
-        Lookup::StoreUnavailable => problem(
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, STORE_UNAVAILABLE)
-                .detail("the payment store did not answer; retry")
-                .retry_after(std::time::Duration::from_secs(1)),
-        ),
+    match payments::lookup(&state, tenant.as_str(), deadline, &intent_id)
+        .await
+        .answer()
+    {
+        Ok(intent) => json(StatusCode::OK, &intent),
+        Err(p) => problem(p),
     }
 }
 

@@ -52,6 +52,7 @@
 //! - [`protocol`]: one protocol per port (`415` for the other one).
 //! - `store`: [`PaymentStore`], the idempotency store on SQLite or PostgreSQL.
 
+pub mod answer;
 pub mod handlers;
 pub(crate) mod payments;
 pub(crate) mod phases;

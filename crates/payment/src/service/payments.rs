@@ -159,7 +159,7 @@ pub(crate) async fn charge(
                             status: IntentStatus::Running,
                             ..charged
                         },
-                        detail: "charged, but the result was not recorded; retry with the same Idempotency-Key",
+                        detail: "charged, but the result was not recorded; retrying with the same idempotency-key is safe (it charges at most once)",
                         retry_after: crate::psp_client::DEFAULT_RETRY_AFTER,
                     }
                 }
@@ -221,7 +221,7 @@ pub(crate) async fn charge(
                 .unwrap_or(crate::psp_client::DEFAULT_RETRY_AFTER);
             ChargeOutcome::Unknown {
                 intent,
-                detail: "a charge was sent but its answer did not arrive; retry with the same Idempotency-Key (it charges at most once) or query the payment",
+                detail: "a charge was sent but its answer did not arrive; retrying with the same idempotency-key is safe (it charges at most once), or query the payment",
                 retry_after: retry_after.max(Duration::from_secs(1)),
             }
         }
