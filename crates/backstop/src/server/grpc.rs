@@ -119,6 +119,30 @@ where
     }
 }
 
+/// The request metadata naming the message's compression.
+pub const GRPC_ENCODING: http::HeaderName = http::HeaderName::from_static("grpc-encoding");
+
+/// Refuses a message whose compressed flag is set when the request names no compression
+/// (`grpc-encoding` absent or `identity`): gRPC requires `INTERNAL` for it, and no decoder
+/// could read the message. Checked where the message is read, before anything else happens to
+/// the request (a keyed request's claim included), rather than left to the service's codec.
+pub fn check_compression(message: &UnaryMessage, headers: &http::HeaderMap) -> Result<(), Status> {
+    if !message.compressed() {
+        return Ok(());
+    }
+    let named = headers
+        .get(GRPC_ENCODING)
+        .is_some_and(|encoding| !encoding.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if named {
+        return Ok(());
+    }
+    Err(Status::new(
+        Code::Internal,
+        "the gRPC message is marked compressed but the request names no grpc-encoding",
+    )
+    .with_problem(INVALID_FRAME))
+}
+
 /// The refusal of a message over the cap.
 pub fn too_large(len: usize, max: usize) -> Status {
     Status::new(
@@ -200,7 +224,10 @@ where
         let max = self.max;
         Box::pin(async move {
             let (head, body) = request.into_parts();
-            match read_unary(body, max).await {
+            match read_unary(body, max)
+                .await
+                .and_then(|message| check_compression(&message, &head.headers).map(|()| message))
+            {
                 Ok(message) => {
                     let body = RequestBody::buffered(message.framed().clone());
                     let response = inner.call(Request::from_parts(head, body)).await?;
@@ -284,5 +311,27 @@ mod tests {
             read(framed(&[0; 17])).await.unwrap_err().code(),
             Code::ResourceExhausted
         );
+    }
+
+    #[tokio::test]
+    async fn a_compressed_message_needs_a_named_encoding() {
+        let mut bytes = framed(b"abc");
+        bytes[0] = 1;
+        let compressed = read(bytes).await.unwrap();
+        let plain = read(framed(b"abc")).await.unwrap();
+        let headers = |encoding: Option<&'static str>| {
+            let mut headers = http::HeaderMap::new();
+            if let Some(encoding) = encoding {
+                headers.insert(GRPC_ENCODING, http::HeaderValue::from_static(encoding));
+            }
+            headers
+        };
+        for encoding in [None, Some("identity"), Some("IDENTITY")] {
+            let err = check_compression(&compressed, &headers(encoding)).unwrap_err();
+            assert_eq!(err.code(), Code::Internal, "{encoding:?}");
+            assert_eq!(err.problem(), INVALID_FRAME);
+            assert!(check_compression(&plain, &headers(encoding)).is_ok());
+        }
+        assert!(check_compression(&compressed, &headers(Some("gzip"))).is_ok());
     }
 }
