@@ -9,6 +9,8 @@
 //!   a `failed` row each);
 //! - a gRPC message whose compressed flag is set while the request names no `grpc-encoding`
 //!   is refused `INTERNAL` by the layer before the claim, not by tonic's codec after it;
+//! - a gRPC message compressed with an encoding the service does not accept is refused
+//!   `UNIMPLEMENTED` by tonic's codec after the claim, and that answer releases the record;
 //! - a handler that refuses before doing anything and says so ([`NothingDone`]) leaves no
 //!   record either, whatever its status; the same answer without the marker is a retryable
 //!   failure and keeps its `failed` record (the layer does not guess from a status).
@@ -303,6 +305,16 @@ where
         assert_eq!(code, tonic::Code::Internal, "{encoding:?}");
         assert_eq!(rows().await, 0, "compressed flag, {encoding:?}: a row");
     }
+    // Compressed with an encoding the service does not accept: tonic's codec answers
+    // UNIMPLEMENTED with the encodings it accepts, after the claim; that answer releases it.
+    let code = servers
+        .grpc(
+            framed("hello", true),
+            &[("idempotency-key", "grpc-gzip"), ("grpc-encoding", "gzip")],
+        )
+        .await;
+    assert_eq!(code, tonic::Code::Unimplemented);
+    assert_eq!(rows().await, 0, "an encoding the codec refused left a row");
     assert_eq!(
         servers.calls.get(),
         0,

@@ -43,7 +43,10 @@
 //!   above the message cap (4 MiB unless set) is `RESOURCE_EXHAUSTED` as soon as the prefix
 //!   arrives, before any of the message is buffered; a message whose compressed flag is set
 //!   while the request names no `grpc-encoding` is `INTERNAL` (as gRPC requires), answered
-//!   here before the claim rather than by the service's codec after it;
+//!   here before the claim rather than by the service's codec after it; a message compressed
+//!   with an encoding the service does not accept is refused by its codec (`UNIMPLEMENTED`
+//!   with a `grpc-accept-encoding` leaving it out, which this layer cannot know beforehand),
+//!   and that answer releases the record: no handler saw the request;
 //! - the fingerprint is SHA-256 of `"POST /package.Service/Method"`, a newline and the
 //!   message's protobuf bytes as sent. Not a decoded-and-canonicalized form: this layer
 //!   does not know the message types. Protobuf encoders write fields in number order and
@@ -114,7 +117,7 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use self::layer::Shared;
-use super::grpc::{PREFIX_LEN, check_compression, read_unary};
+use super::grpc::{GRPC_ENCODING, PREFIX_LEN, check_compression, encoding_refused, read_unary};
 use super::metrics::Route;
 use super::problem::{Problem, Protocol, grpc_status};
 use super::tenant::Tenant;
@@ -344,6 +347,12 @@ where
         return Ok(outcome_unknown(&shared, &lease, protocol).await);
     }
     let phases = Phases::new(shared.store.clone(), lease.clone());
+    // A compressed gRPC message the service's codec cannot decode is refused before any
+    // handler sees it: kept to recognize that refusal.
+    let encoding = match protocol {
+        Protocol::Grpc => head.headers.get(GRPC_ENCODING).cloned(),
+        Protocol::Http => None,
+    };
     head.extensions.insert(key);
     head.extensions.insert(lease.clone());
     head.extensions.insert(phases.clone());
@@ -383,8 +392,10 @@ where
     };
     // A handler that commits its phases before its effect and answered without one did
     // nothing, and neither did one (or a layer below this one) that marked its answer
-    // `NothingDone`: whatever it answered, the key stays unused.
+    // `NothingDone`, nor a request whose compression the service's codec refused before
+    // decoding it: whatever it answered, the key stays unused.
     let nothing_done = response.extensions().get::<NothingDone>().is_some()
+        || encoding_refused(encoding.as_ref(), response.headers())
         || (route.takeover == Takeover::Resume && !phases.began());
     let decision = match decision {
         After::Fail if nothing_done => After::Release,
