@@ -119,6 +119,60 @@ where
     }
 }
 
+/// The request metadata naming the message's compression.
+pub const GRPC_ENCODING: http::HeaderName = http::HeaderName::from_static("grpc-encoding");
+
+/// Refuses a message whose compressed flag is set when the request names no compression
+/// (`grpc-encoding` absent or `identity`): gRPC requires `INTERNAL` for it, and no decoder
+/// could read the message. Checked where the message is read, before anything else happens to
+/// the request (a keyed request's claim included), rather than left to the service's codec.
+pub fn check_compression(message: &UnaryMessage, headers: &http::HeaderMap) -> Result<(), Status> {
+    if !message.compressed() {
+        return Ok(());
+    }
+    let named = headers
+        .get(GRPC_ENCODING)
+        .is_some_and(|encoding| !encoding.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if named {
+        return Ok(());
+    }
+    Err(Status::new(
+        Code::Internal,
+        "the gRPC message is marked compressed but the request names no grpc-encoding",
+    )
+    .with_problem(INVALID_FRAME))
+}
+
+/// The response metadata listing the compressions a gRPC server accepts.
+pub const GRPC_ACCEPT_ENCODING: http::HeaderName =
+    http::HeaderName::from_static("grpc-accept-encoding");
+
+/// Whether `response` is gRPC's refusal of a message compressed with an encoding the server
+/// does not accept: `UNIMPLEMENTED` in the head (a trailers-only answer) with a
+/// `grpc-accept-encoding` that leaves out the request's `grpc-encoding` (`request_encoding`;
+/// `identity` or none is always accepted). A server's codec answers so before decoding the
+/// message, so no handler saw the request.
+pub fn encoding_refused(
+    request_encoding: Option<&http::HeaderValue>,
+    response: &http::HeaderMap,
+) -> bool {
+    let Some(encoding) =
+        request_encoding.filter(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
+    else {
+        return false;
+    };
+    if super::problem::grpc_status(response) != Some(Code::Unimplemented) {
+        return false;
+    }
+    let Some(accepted) = response.get(GRPC_ACCEPT_ENCODING) else {
+        return false;
+    };
+    !accepted
+        .as_bytes()
+        .split(|&b| b == b',')
+        .any(|name| name.trim_ascii().eq_ignore_ascii_case(encoding.as_bytes()))
+}
+
 /// The refusal of a message over the cap.
 pub fn too_large(len: usize, max: usize) -> Status {
     Status::new(
@@ -200,7 +254,10 @@ where
         let max = self.max;
         Box::pin(async move {
             let (head, body) = request.into_parts();
-            match read_unary(body, max).await {
+            match read_unary(body, max)
+                .await
+                .and_then(|message| check_compression(&message, &head.headers).map(|()| message))
+            {
                 Ok(message) => {
                     let body = RequestBody::buffered(message.framed().clone());
                     let response = inner.call(Request::from_parts(head, body)).await?;
@@ -284,5 +341,69 @@ mod tests {
             read(framed(&[0; 17])).await.unwrap_err().code(),
             Code::ResourceExhausted
         );
+    }
+
+    #[tokio::test]
+    async fn a_compressed_message_needs_a_named_encoding() {
+        let mut bytes = framed(b"abc");
+        bytes[0] = 1;
+        let compressed = read(bytes).await.unwrap();
+        let plain = read(framed(b"abc")).await.unwrap();
+        let headers = |encoding: Option<&'static str>| {
+            let mut headers = http::HeaderMap::new();
+            if let Some(encoding) = encoding {
+                headers.insert(GRPC_ENCODING, http::HeaderValue::from_static(encoding));
+            }
+            headers
+        };
+        for encoding in [None, Some("identity"), Some("IDENTITY")] {
+            let err = check_compression(&compressed, &headers(encoding)).unwrap_err();
+            assert_eq!(err.code(), Code::Internal, "{encoding:?}");
+            assert_eq!(err.problem(), INVALID_FRAME);
+            assert!(check_compression(&plain, &headers(encoding)).is_ok());
+        }
+        assert!(check_compression(&compressed, &headers(Some("gzip"))).is_ok());
+    }
+
+    #[test]
+    fn an_unsupported_encoding_refused_by_the_codec_is_recognized() {
+        let response = |status: &'static str, accepted: Option<&'static str>| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert("grpc-status", http::HeaderValue::from_static(status));
+            if let Some(accepted) = accepted {
+                headers.insert(
+                    GRPC_ACCEPT_ENCODING,
+                    http::HeaderValue::from_static(accepted),
+                );
+            }
+            headers
+        };
+        let gzip = http::HeaderValue::from_static("gzip");
+        // UNIMPLEMENTED (12), and gzip is not among the accepted encodings.
+        assert!(encoding_refused(
+            Some(&gzip),
+            &response("12", Some("identity"))
+        ));
+        assert!(encoding_refused(
+            Some(&gzip),
+            &response("12", Some("zstd, identity"))
+        ));
+        // Accepted, so the answer is the handler's own; or no list; or another code.
+        assert!(!encoding_refused(
+            Some(&gzip),
+            &response("12", Some("GZIP,identity"))
+        ));
+        assert!(!encoding_refused(Some(&gzip), &response("12", None)));
+        assert!(!encoding_refused(
+            Some(&gzip),
+            &response("13", Some("identity"))
+        ));
+        // An uncompressed request is never refused for its encoding.
+        let identity = http::HeaderValue::from_static("identity");
+        assert!(!encoding_refused(None, &response("12", Some("identity"))));
+        assert!(!encoding_refused(
+            Some(&identity),
+            &response("12", Some("gzip"))
+        ));
     }
 }

@@ -41,7 +41,9 @@
 //! 7. [`concurrency`] (the gate): our own capacity; 503 when the request could not start within its budget.
 //! 8. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
-//!    and only admitted requests pay for a store round trip.
+//!    and only admitted requests pay for a store round trip. A keyed request with less budget
+//!    left than the gate's minimal service time is refused here before its claim
+//!    ([`IdempotencyLayer::min_budget`]), so it leaves its key unused too.
 //!
 //! # Which requests are keyed
 //!
@@ -352,6 +354,11 @@ impl<St: Store> ServerStack<St> {
         }
         if let Some(f) = self.matched_path {
             self.idempotency = self.idempotency.matched_path_from(f);
+        }
+        // A keyed request the gate would not have let wait for a slot is not worth a claim.
+        if !self.idempotency.has_min_budget() {
+            let min_service = self.gate.gate().min_service();
+            self.idempotency = self.idempotency.min_budget(min_service);
         }
         self.gate
             .gate()

@@ -98,13 +98,34 @@ async fn refused_requests_never_touch_the_key() {
     assert_eq!(store.len(), 1, "only the admitted request wrote a record");
 }
 
-#[tokio::test(start_paused = true)]
-async fn deadline_cut_fails_the_record_so_the_retry_runs() {
-    let store = MemoryStore::new();
-    let calls = Arc::new(AtomicUsize::new(0));
+/// The stack over a handler whose first call hangs, on a keyed route with `takeover`.
+fn hanging_first(
+    store: &MemoryStore,
+    takeover: crate::policy::Takeover,
+    calls: &Arc<AtomicUsize>,
+) -> ServerStackService<
+    impl tower::Service<
+        Request<ServerStackBody<Body>>,
+        Response = Response<Body>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static,
+    MemoryStore,
+> {
+    use crate::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
+    let keyed = MethodPolicy::builder("Keyed", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .takeover(takeover)
+        .build();
+    let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .route(Method::POST, "/v1/payments", keyed);
     let counted = calls.clone();
-    let svc = stack(&store).into_layer().layer(service_fn(
-        move |_req: Request<ServerStackBody<Body>>| {
+    stack(store)
+        .policies(policies)
+        .into_layer()
+        .layer(service_fn(move |_req: Request<ServerStackBody<Body>>| {
             let n = counted.fetch_add(1, Ordering::SeqCst);
             async move {
                 if n == 0 {
@@ -114,12 +135,37 @@ async fn deadline_cut_fails_the_record_so_the_retry_runs() {
                 *res.status_mut() = StatusCode::CREATED;
                 Ok::<_, Infallible>(res)
             }
-        },
-    ));
+        }))
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_cut_on_a_rerun_route_fails_the_record_so_the_retry_runs() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = hanging_first(&store, crate::policy::Takeover::Rerun, &calls);
     let res = svc.clone().oneshot(post("k1", Some("50m"))).await.unwrap();
     assert_eq!(res.status(), StatusCode::GATEWAY_TIMEOUT);
     tokio::task::yield_now().await;
     let res = svc.oneshot(post("k1", Some("1S"))).await.unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
     assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+/// On a `Refuse` route (the default) a run cut mid-handler may have performed its effect: its
+/// record stays running until its lease ends (then a retry gets `outcome_unknown`), and a retry
+/// before that is told the key is in progress, by its own deadline; the handler does not run
+/// again.
+#[tokio::test(start_paused = true)]
+async fn deadline_cut_on_a_refuse_route_leaves_the_key_in_progress() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = hanging_first(&store, crate::policy::Takeover::Refuse, &calls);
+    let res = svc.clone().oneshot(post("k1", Some("50m"))).await.unwrap();
+    assert_eq!(res.status(), StatusCode::GATEWAY_TIMEOUT);
+    tokio::task::yield_now().await;
+    let res = svc.oneshot(post("k1", Some("1S"))).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    let body = crate::server::testing::body(res).await;
+    assert_eq!(problem_code(&body), "request_in_progress");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

@@ -8,11 +8,21 @@
 /// `INSERT` a running record, or take over a failed / expired one with the same fingerprint by
 /// a conditional `DO UPDATE` (the row lock makes concurrent takeovers see each other: exactly one
 /// wins); when neither happened, return the record as it stood.
+///
+/// A taken record's status before the claim (none for an insert) comes from `prior`, which
+/// locks the record first and reads its latest committed version, before the insert is
+/// tried. Read in `RETURNING` from the statement's snapshot instead, it was the record as it
+/// stood when the statement began: a record released (deleted) or failed by a transaction that
+/// committed while the claim waited for its row came out `running`, and the claim looked like
+/// the takeover of an abandoned run.
 pub(super) const CLAIM_SQL: &str = "\
-WITH taken AS ( \
+WITH prior AS ( \
+  SELECT status FROM idempotency_key WHERE scope = $1 AND key = $2 FOR UPDATE), \
+taken AS ( \
   INSERT INTO idempotency_key AS k \
     (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
-  VALUES ($1, $2, $3, 'running', $4, $5, $6) \
+  SELECT $1::text, $2::text, $3::text, 'running', $4::int8, $5::int8, $6::int8 \
+    WHERE (SELECT count(*) FROM prior) >= 0 \
   ON CONFLICT (scope, key) DO UPDATE SET status = 'running', \
     lease_until = GREATEST(EXCLUDED.lease_until, k.lease_until + 1), \
     expires_at = GREATEST(k.expires_at, EXCLUDED.expires_at), \
@@ -20,7 +30,7 @@ WITH taken AS ( \
   WHERE k.fingerprint = EXCLUDED.fingerprint \
     AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
   RETURNING k.lease_until, k.created_at, k.phase, k.phase_data, \
-    (SELECT o.status FROM idempotency_key o WHERE o.scope = k.scope AND o.key = k.key) AS prior) \
+    (SELECT status FROM prior) AS prior) \
 SELECT true, lease_until, NULL::text, prior, NULL::integer, NULL::bytea, NULL::text, \
   created_at, phase, phase_data FROM taken \
 UNION ALL \
@@ -70,14 +80,22 @@ SET LOCAL enable_mergejoin = off; SET LOCAL plan_cache_mode = force_generic_plan
 ///
 /// Answers are matched to callers by key rather than by joining the inputs to what was taken:
 /// with hash joins off (see [`BEGIN_SQL`]) that join would compare every pair of rows.
+///
+/// As in [`CLAIM_SQL`], `prior` locks the existing records (in the batch's key order, as the
+/// insert does) and reads their latest committed status before the insert is tried.
 pub(super) const CLAIM_MANY_SQL: &str = "\
 WITH input AS ( \
   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[], $6::int8[]) \
     WITH ORDINALITY AS u(scope, key, fingerprint, lease_until, now, expires_at, ord)), \
+prior AS ( \
+  SELECT k.scope, k.key, k.status FROM input i \
+    JOIN idempotency_key k ON k.scope = i.scope AND k.key = i.key \
+  ORDER BY i.ord FOR UPDATE OF k), \
 taken AS ( \
   INSERT INTO idempotency_key AS k \
     (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
-  SELECT scope, key, fingerprint, 'running', lease_until, now, expires_at FROM input ORDER BY ord \
+  SELECT scope, key, fingerprint, 'running', lease_until, now, expires_at FROM input \
+    WHERE (SELECT count(*) FROM prior) >= 0 ORDER BY ord \
   ON CONFLICT (scope, key) DO UPDATE SET status = 'running', \
     lease_until = GREATEST(EXCLUDED.lease_until, k.lease_until + 1), \
     expires_at = GREATEST(k.expires_at, EXCLUDED.expires_at), \
@@ -85,7 +103,7 @@ taken AS ( \
   WHERE k.fingerprint = EXCLUDED.fingerprint \
     AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
   RETURNING k.scope, k.key, k.lease_until, k.created_at, k.phase, k.phase_data, \
-    (SELECT o.status FROM idempotency_key o WHERE o.scope = k.scope AND o.key = k.key) AS prior) \
+    (SELECT p.status FROM prior p WHERE p.scope = k.scope AND p.key = k.key) AS prior) \
 SELECT scope, key, true, lease_until, NULL::text, prior, NULL::integer, NULL::bytea, \
   NULL::text, created_at, phase, phase_data \
 FROM taken \
@@ -137,6 +155,176 @@ WHERE (scope, key) IN ( \
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection to the test database with `schema` first on its search path.
+    async fn connect(schema: &str) -> tokio_postgres::Client {
+        let url = crate::test_services::postgres_url();
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("connect to the test database");
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!("SET search_path = {schema}"))
+            .await
+            .expect("search path");
+        client
+    }
+
+    /// A new schema holding the store's table, with a record of `k` running under a live
+    /// lease (until 10 000). Answers the schema's name.
+    async fn schema_with_a_running_record(prefix: &str) -> String {
+        let schema = format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>());
+        let client = connect("public").await;
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} {} \
+                 INSERT INTO idempotency_key \
+                   (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
+                 VALUES ('s', 'k', 'f', 'running', 10000, 1000, 999999);",
+                super::super::MIGRATION,
+                super::super::MIGRATION_V2
+            ))
+            .await
+            .expect("create table");
+        schema
+    }
+
+    /// Runs a claim of `k` (at 2 000, inside the record's lease) by `claim` while another
+    /// transaction holds the record, changed by `change` but not committed: the claim's
+    /// statement starts while the record stands as it was, and waits for the row. Then the
+    /// change commits, and the claim's rows are answered.
+    async fn claim_behind(
+        prefix: &str,
+        change: &str,
+        claim: impl for<'c> FnOnce(
+            &'c tokio_postgres::Client,
+        ) -> futures_util::future::BoxFuture<
+            'c,
+            Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+        > + Send
+        + 'static,
+    ) -> Vec<tokio_postgres::Row> {
+        let schema = schema_with_a_running_record(prefix).await;
+        let holder = connect(&schema).await;
+        holder
+            .batch_execute(&format!("BEGIN; {change}"))
+            .await
+            .expect("change the record");
+        let claimer = connect(&schema).await;
+        let pid: i32 = claimer
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get(0);
+        let claiming = tokio::spawn(async move { claim(&claimer).await });
+        // Until the claim waits for the holder's row lock.
+        let watcher = connect(&schema).await;
+        loop {
+            let waiting: bool = watcher
+                .query_one(
+                    "SELECT count(*) > 0 FROM pg_stat_activity \
+                     WHERE pid = $1 AND wait_event_type = 'Lock'",
+                    &[&pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            if waiting {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        holder.batch_execute("COMMIT").await.expect("commit");
+        let rows = claiming.await.unwrap().expect("claim");
+        watcher
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await
+            .expect("drop schema");
+        rows
+    }
+
+    const RELEASE: &str = "DELETE FROM idempotency_key WHERE key = 'k';";
+    const FAIL: &str = "UPDATE idempotency_key SET status = 'failed' WHERE key = 'k';";
+
+    fn claim_one(
+        client: &tokio_postgres::Client,
+    ) -> futures_util::future::BoxFuture<'_, Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>>
+    {
+        Box::pin(async move {
+            let (lease, now, expires) = (7_000_i64, 2_000_i64, 999_999_i64);
+            client
+                .query(CLAIM_SQL, &[&"s", &"k", &"f", &lease, &now, &expires])
+                .await
+        })
+    }
+
+    fn claim_many(
+        client: &tokio_postgres::Client,
+    ) -> futures_util::future::BoxFuture<'_, Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>>
+    {
+        Box::pin(async move {
+            client.batch_execute(BEGIN_SQL).await?;
+            let rows = client
+                .query(
+                    CLAIM_MANY_SQL,
+                    &[
+                        &vec!["s", "s"],
+                        &vec!["j", "k"],
+                        &vec!["f", "f"],
+                        &vec![7_000_i64, 7_000],
+                        &vec![2_000_i64, 2_000],
+                        &vec![999_999_i64, 999_999],
+                    ],
+                )
+                .await?;
+            client.batch_execute("COMMIT").await?;
+            Ok(rows)
+        })
+    }
+
+    /// `(taken, prior status)` of the claim of `k` among `rows`, the status at `at`.
+    fn taken_k(
+        rows: &[tokio_postgres::Row],
+        key_at: Option<usize>,
+        at: usize,
+    ) -> (bool, Option<String>) {
+        let row = rows
+            .iter()
+            .filter(|row| key_at.is_none_or(|i| row.get::<_, &str>(i) == "k"))
+            .find(|row| row.get::<_, bool>(at))
+            .expect("the claim of k was taken");
+        (row.get(at), row.get(at + 3))
+    }
+
+    /// A record released while a claim of its key waits for it: the claim inserts a new record,
+    /// and says so (no prior status), though its statement started while the record stood.
+    /// It used to read the prior status from the statement's snapshot (`running`): a fresh
+    /// claim taken for the takeover of an abandoned run, answered `outcome_unknown` on a
+    /// `Refuse` route with nothing run.
+    #[tokio::test]
+    async fn a_claim_behind_a_release_is_a_fresh_insert() {
+        if !crate::test_services::postgres() {
+            return;
+        }
+        let rows = claim_behind("claim_release", RELEASE, claim_one).await;
+        assert_eq!(taken_k(&rows, None, 0), (true, None));
+        let rows = claim_behind("claim_many_release", RELEASE, claim_many).await;
+        assert_eq!(taken_k(&rows, Some(1), 2), (true, None));
+    }
+
+    /// A record failed while a claim of its key waits for it: the claim takes it over, and
+    /// knows that its run failed (not that it was abandoned).
+    #[tokio::test]
+    async fn a_claim_behind_a_fail_takes_over_a_failed_run() {
+        if !crate::test_services::postgres() {
+            return;
+        }
+        let failed = Some("failed".to_owned());
+        let rows = claim_behind("claim_fail", FAIL, claim_one).await;
+        assert_eq!(taken_k(&rows, None, 0), (true, failed.clone()));
+        let rows = claim_behind("claim_many_fail", FAIL, claim_many).await;
+        assert_eq!(taken_k(&rows, Some(1), 2), (true, failed));
+    }
 
     /// On a new, empty table (where the planner, left to itself, reads the whole table: cheap
     /// then, but a connection keeps that plan as the table grows), every array statement,

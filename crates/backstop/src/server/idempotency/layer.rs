@@ -38,7 +38,12 @@ pub(super) struct Shared<St> {
     pub(super) settled: Settled,
     /// Bound on any instance's wall-clock error; leases outlast work by twice this.
     pub(super) max_clock_skew: Duration,
+    /// The least budget a keyed request must have left to be claimed; unset: the default.
+    pub(super) min_budget: Option<MinBudget>,
 }
+
+/// The least budget of a keyed request, fixed or asked at each request.
+pub(super) type MinBudget = Arc<dyn Fn() -> Duration + Send + Sync>;
 
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
@@ -78,6 +83,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
                 settled: Settled::default(),
                 max_clock_skew: super::DEFAULT_MAX_CLOCK_SKEW,
+                min_budget: None,
             }),
         }
     }
@@ -133,6 +139,31 @@ impl<St: Store> IdempotencyLayer<St> {
     /// never take a key over while its holder may still be working.
     pub fn max_clock_skew(self, skew: Duration) -> Self {
         self.edit(|s| s.max_clock_skew = skew)
+    }
+
+    /// The least budget a keyed request must have left when it reaches this layer (default
+    /// [`DEFAULT_MIN_BUDGET`](super::DEFAULT_MIN_BUDGET), 5 ms; in a
+    /// [`ServerStack`](crate::server::ServerStack), the gate's minimal service time unless set
+    /// here). With less, it is answered 504 `deadline_exceeded` (gRPC `DEADLINE_EXCEEDED`)
+    /// before its claim: no record is written for a request that could not have run, and its
+    /// key stays unused (a replay is not looked up either; the caller retries with a longer
+    /// budget).
+    pub fn min_budget(self, budget: Duration) -> Self {
+        self.min_budget_with(move || budget)
+    }
+
+    /// [`min_budget`](Self::min_budget) asked of `budget` at each keyed request, for a service
+    /// whose handlers need a budget that changes (one that covers a downstream round trip
+    /// measured as it goes): the budget check the handler would make before its first write,
+    /// made before the claim instead.
+    pub fn min_budget_with(self, budget: impl Fn() -> Duration + Send + Sync + 'static) -> Self {
+        let budget: MinBudget = Arc::new(budget);
+        self.edit(|s| s.min_budget = Some(budget))
+    }
+
+    /// Whether [`min_budget`](Self::min_budget) was set.
+    pub(crate) fn has_min_budget(&self) -> bool {
+        self.shared.min_budget.is_some()
     }
 
     /// The largest request body a keyed route buffers (default 1 MiB); larger is 413.
@@ -197,6 +228,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     stored_headers: old.stored_headers.clone(),
                     settled: Settled::default(),
                     max_clock_skew: old.max_clock_skew,
+                    min_budget: old.min_budget.clone(),
                 };
                 f(&mut shared);
                 self.shared = Arc::new(shared);
@@ -207,6 +239,13 @@ impl<St: Store> IdempotencyLayer<St> {
 }
 
 impl<St> Shared<St> {
+    /// The least budget a keyed request needs to be claimed.
+    pub(super) fn min_budget(&self) -> Duration {
+        self.min_budget
+            .as_ref()
+            .map_or(super::DEFAULT_MIN_BUDGET, |budget| budget())
+    }
+
     /// The one place a request's keyed route is decided.
     pub(super) fn route_of<B>(&self, request: &Request<B>) -> Option<KeyedRoute> {
         let policy = self.lookup.as_ref()?.policy_of(request);

@@ -18,8 +18,9 @@
 //!      [`Lease`] as request extensions (the handler uses the key as its request key). Then a
 //!      2xx answer is stored (status, the headers that matter, body byte for byte) and returned;
 //!      a retryable failure (5xx, 429, 409 with `Retry-After`) marks the record failed so the
-//!      same key can run again; any other answer (a client mistake) releases the record so
-//!      nothing is written;
+//!      same key can run again; any other answer (a client mistake), or one the handler marked
+//!      [`NothingDone`] (it refused before doing anything), releases the record so nothing is
+//!      left behind;
 //!    - **replay**: the stored status, headers and body, plus `Idempotent-Replayed: true`;
 //!    - **conflict**: 409 `idempotency_key_reused` with `fingerprint_prefix`, the first 8 hex of
 //!      the *original* request's fingerprint (the IETF draft says 422 and Stripe 400; 409 is
@@ -40,7 +41,12 @@
 //! - the key is the metadata `idempotency-key` (the same header);
 //! - the body is one length-prefixed message, read by [`read_unary`]: a length prefix
 //!   above the message cap (4 MiB unless set) is `RESOURCE_EXHAUSTED` as soon as the prefix
-//!   arrives, before any of the message is buffered;
+//!   arrives, before any of the message is buffered; a message whose compressed flag is set
+//!   while the request names no `grpc-encoding` is `INTERNAL` (as gRPC requires), answered
+//!   here before the claim rather than by the service's codec after it; a message compressed
+//!   with an encoding the service does not accept is refused by its codec (`UNIMPLEMENTED`
+//!   with a `grpc-accept-encoding` leaving it out, which this layer cannot know beforehand),
+//!   and that answer releases the record: no handler saw the request;
 //! - the fingerprint is SHA-256 of `"POST /package.Service/Method"`, a newline and the
 //!   message's protobuf bytes as sent. Not a decoded-and-canonicalized form: this layer
 //!   does not know the message types. Protobuf encoders write fields in number order and
@@ -59,9 +65,14 @@
 //! If the request's future is dropped while its claim is in flight (the client went away, or
 //! the deadline layer cut it), the claim runs to its end on a spawned task and, if it was taken,
 //! is released: a backend may commit a claim after its caller stopped listening, and the
-//! request did nothing. If it is dropped after the claim, before it answered, a guard marks the
-//! record failed from a spawned task. Either way a retry can take over at once instead of
-//! waiting for the lease to run out. A request whose deadline has passed claims nothing (504
+//! request did nothing. If it is dropped after the claim, before it answered, a guard ends the
+//! record from a spawned task by the route's [`Takeover`]: `Rerun`, failed; `Resume`, released
+//! if no phase began, else failed; either way a retry can take over at once instead of waiting
+//! for the lease to run out. On a `Refuse` route (the default) the record stays running, since
+//! the run may have performed its effect: a retry learns `outcome_unknown` when the lease ends
+//! (before that, `request_in_progress` by its own deadline). A request whose deadline has
+//! passed, or that has less
+//! budget left than [`IdempotencyLayer::min_budget`], claims nothing (504
 //! `deadline_exceeded`), and a store that gives up because the request's deadline passed
 //! ([`StoreError::DeadlineExceeded`]) is answered the same; only a store that fails is 503
 //! `store_unavailable`.
@@ -106,7 +117,7 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use self::layer::Shared;
-use super::grpc::{PREFIX_LEN, read_unary};
+use super::grpc::{GRPC_ENCODING, PREFIX_LEN, check_compression, encoding_refused, read_unary};
 use super::metrics::Route;
 use super::problem::{Problem, Protocol, grpc_status};
 use super::tenant::Tenant;
@@ -137,6 +148,10 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
 /// Default claim lease.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
+
+/// Default least budget a keyed request must have left to be claimed (see
+/// [`IdempotencyLayer::min_budget`]): the gate's default minimal service time.
+pub const DEFAULT_MIN_BUDGET: Duration = crate::server::DEFAULT_MIN_SERVICE;
 
 /// Default bound on how far an instance's wall clock may be from true time.
 pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_millis(250);
@@ -257,13 +272,12 @@ where
         body,
     } = prepared;
 
-    // Budget checks come before any write: a request out of time claims nothing.
-    if head
-        .extensions
-        .get::<Deadline>()
-        .is_some_and(Deadline::expired)
-    {
-        return Ok(deadline_exceeded(protocol));
+    // Budget checks come before any write: a request out of time, or with less left than a
+    // keyed request needs to claim and run, claims nothing.
+    if let Some(deadline) = head.extensions.get::<Deadline>() {
+        if deadline.expired() || deadline.remaining() < shared.min_budget() {
+            return Ok(deadline_exceeded(protocol));
+        }
     }
     let lease_for = protocol::lease_for(
         route.lease,
@@ -333,6 +347,12 @@ where
         return Ok(outcome_unknown(&shared, &lease, protocol).await);
     }
     let phases = Phases::new(shared.store.clone(), lease.clone());
+    // A compressed gRPC message the service's codec cannot decode is refused before any
+    // handler sees it: kept to recognize that refusal.
+    let encoding = match protocol {
+        Protocol::Grpc => head.headers.get(GRPC_ENCODING).cloned(),
+        Protocol::Http => None,
+    };
     head.extensions.insert(key);
     head.extensions.insert(lease.clone());
     head.extensions.insert(phases.clone());
@@ -343,6 +363,9 @@ where
         // repeat one, its record stays running, and a retry learns `outcome_unknown` when the
         // lease ends.
         abandon: route.takeover == Takeover::Refuse,
+        // On a route whose handler commits a phase before its effect, a run cut off before
+        // any phase did nothing: its key is released, not marked failed.
+        phases: (route.takeover == Takeover::Resume).then_some(&phases),
     };
     let result = inner
         .call(Request::from_parts(head, RequestBody::buffered(body)))
@@ -368,8 +391,12 @@ where
         Protocol::Http => after(&response),
     };
     // A handler that commits its phases before its effect and answered without one did
-    // nothing: whatever it answered, the key stays unused.
-    let nothing_done = route.takeover == Takeover::Resume && !phases.began();
+    // nothing, and neither did one (or a layer below this one) that marked its answer
+    // `NothingDone`, nor a request whose compression the service's codec refused before
+    // decoding it: whatever it answered, the key stays unused.
+    let nothing_done = response.extensions().get::<NothingDone>().is_some()
+        || encoding_refused(encoding.as_ref(), response.headers())
+        || (route.takeover == Takeover::Resume && !phases.began());
     let decision = match decision {
         After::Fail if nothing_done => After::Release,
         decision => decision,
@@ -520,6 +547,26 @@ struct Prepared {
 #[derive(Clone, Copy)]
 struct InProgress;
 
+/// A response extension saying that the answer was given before anything was done: the
+/// handler (or a layer between it and [`Idempotency`]) refused the request before any write
+/// or effect, e.g. because its budget could not cover the downstream call.
+///
+/// A keyed request's record is then released whatever the status, instead of being marked
+/// failed for a retryable answer (a 504, a 503): the refusal leaves no record behind. Only the
+/// code that refuses knows that nothing happened, so only it sets this; the layer never
+/// guesses it from a status. A success is stored as usual.
+///
+/// ```
+/// use backstop::server::idempotency::NothingDone;
+/// use http::{Response, StatusCode};
+///
+/// let mut refusal = Response::new(String::from("no time left for the downstream call"));
+/// *refusal.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+/// refusal.extensions_mut().insert(NothingDone);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NothingDone;
+
 /// Reads the key, the body (bounded by the route's caps) and the fingerprint of a keyed
 /// request, or the refusal that answers it.
 async fn prepare<St, ReqBody, B>(
@@ -567,7 +614,10 @@ where
     B: From<Bytes>,
 {
     match protocol {
-        Protocol::Grpc => match read_unary(body, shared.max_message).await {
+        Protocol::Grpc => match read_unary(body, shared.max_message)
+            .await
+            .and_then(|message| check_compression(&message, &head.headers).map(|()| message))
+        {
             Ok(message) => Ok(message.framed().clone()),
             Err(status) => Err(Problem::from_status(&status).into_response_for(protocol)),
         },
@@ -741,11 +791,13 @@ async fn fail<St: Store>(shared: &Shared<St>, lease: &Lease) {
 }
 
 /// Marks the record failed if the flow is dropped while it owns the lease (or, with
-/// `abandon`, leaves it running for its lease to end).
+/// `abandon`, leaves it running for its lease to end; with `phases` and no phase begun,
+/// releases it).
 struct FailOnDrop<'a, St: Store> {
     shared: &'a Arc<Shared<St>>,
     lease: Option<&'a Lease>,
     abandon: bool,
+    phases: Option<&'a Phases<St>>,
 }
 
 impl<St: Store> FailOnDrop<'_, St> {
@@ -767,7 +819,11 @@ impl<St: Store> Drop for FailOnDrop<'_, St> {
         };
         let shared = self.shared.clone();
         let lease = lease.clone();
-        runtime.spawn(async move { fail(&shared, &lease).await });
+        if self.phases.is_some_and(|phases| !phases.began()) {
+            runtime.spawn(async move { release(&shared, &lease).await });
+        } else {
+            runtime.spawn(async move { fail(&shared, &lease).await });
+        }
     }
 }
 

@@ -553,6 +553,111 @@ async fn expired_budget_is_504_and_claims_nothing() {
     assert!(store.is_empty());
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_budget_below_the_minimum_is_504_and_claims_nothing() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let budget = |ms| {
+        let mut req = post(Some("k1"), PAY);
+        req.extensions_mut()
+            .insert(Deadline::after(Duration::from_millis(ms)));
+        req
+    };
+    // The default: 5 ms.
+    let svc = layer(&store).layer(handler.service());
+    let (status, _, bytes) = send(&svc, budget(4)).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(problem_code(&bytes), "deadline_exceeded");
+    // Set, or asked at each request.
+    let needed = Arc::new(AtomicUsize::new(30));
+    let asked = needed.clone();
+    for svc in [
+        layer(&store)
+            .min_budget(Duration::from_millis(30))
+            .layer(handler.service()),
+        layer(&store)
+            .min_budget_with(move || Duration::from_millis(asked.load(Ordering::SeqCst) as u64))
+            .layer(handler.service()),
+    ] {
+        let (status, _, _) = send(&svc, budget(29)).await;
+        assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    }
+    assert_eq!(handler.calls(), 0);
+    assert!(store.is_empty());
+    let (status, _, _) = send(&svc, budget(5)).await;
+    assert_eq!(status, StatusCode::CREATED, "5 ms is enough by default");
+    needed.store(10, Ordering::SeqCst);
+    let svc = layer(&store)
+        .min_budget_with(move || Duration::from_millis(needed.load(Ordering::SeqCst) as u64))
+        .layer(handler.service());
+    let mut req = post(Some("k2"), PAY);
+    req.extensions_mut()
+        .insert(Deadline::after(Duration::from_millis(29)));
+    let (status, _, _) = send(&svc, req).await;
+    assert_eq!(status, StatusCode::CREATED, "the budget asked for changed");
+}
+
+#[tokio::test]
+async fn an_answer_marked_nothing_done_releases_the_key_whatever_its_status() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let refusing = service_fn(move |_req: Request<In>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let mut res = Response::new(Body::from("no budget for the downstream"));
+            *res.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+            // Marked on the first call only: the second is the same answer unmarked.
+            if n == 0 {
+                res.extensions_mut().insert(NothingDone);
+            }
+            Ok::<_, Infallible>(res)
+        }
+    });
+    let svc = layer(&store).layer(refusing);
+    let (status, _, _) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(store.is_empty(), "marked: released, nothing left");
+    let (status, _, _) = send(&svc, post(Some("k1"), PAY)).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(
+        record(&store, "default", "k1").await,
+        Some(RecordStatus::Failed),
+        "unmarked: a retryable failure, as before"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_resume_route_cut_before_any_phase_releases_its_key() {
+    let store = MemoryStore::new();
+    let policies = crate::policy::MethodPolicies::new(
+        MethodPolicy::builder("other", Idempotency::Unsafe).build(),
+    )
+    .route(
+        Method::POST,
+        "/v1/payments",
+        MethodPolicy::builder("Pay", Idempotency::Keyed)
+            .key_ttl(crate::policy::KEY_TTL_PAYMENTS)
+            .takeover(Takeover::Resume)
+            .build(),
+    );
+    let hangs = service_fn(|_req: Request<In>| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(Response::new(Body::default()))
+    });
+    let svc = IdempotencyLayer::new(store.clone())
+        .clock(ManualClock::new(1_000_000))
+        .policies(policies)
+        .layer(hangs);
+    let cut = tokio::time::timeout(Duration::from_secs(1), svc.oneshot(post(Some("k1"), PAY)));
+    assert!(cut.await.is_err(), "the handler hangs until it is cut");
+    // The release runs on a spawned task.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(store.is_empty(), "no phase began: released, not failed");
+}
+
 /// A store whose claims are committed by a writer task of their own, as the SQLite and
 /// PostgreSQL writers do: the caller only waits for the answer, and dropping the caller does not
 /// stop the commit. Each claim waits for a permit of `commit` before it is written.
