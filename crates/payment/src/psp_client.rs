@@ -374,9 +374,13 @@ impl PspClient {
     /// The payment service checks it before writing anything, so a budget that cannot cover a
     /// round trip leaves no intent behind.
     pub fn check_budget(&self, deadline: Deadline) -> Result<(), DeadlineExceeded> {
-        let needed =
-            self.inner.margin.current() + self.inner.attempt_margin.current() + MIN_PSP_BUDGET;
-        deadline.child(needed).map(|_| ())
+        deadline.child(self.needed_budget()).map(|_| ())
+    }
+
+    /// The least budget a charge needs now ([`check_budget`](Self::check_budget)): the
+    /// server's idempotency layer refuses a smaller one before it claims the key.
+    pub fn needed_budget(&self) -> Duration {
+        self.inner.margin.current() + self.inner.attempt_margin.current() + MIN_PSP_BUDGET
     }
 
     /// Charges once per effect key: attempts under the child deadline with the shared retry

@@ -139,7 +139,10 @@ fn production_margin(c: &mut backstop_payment::config::Config) {
 #[tokio::test]
 async fn tiny_budgets_write_no_intent_and_never_block_the_order() {
     let h = Harness::start_with(production_margin).await;
-    for (i, budget) in ["1n", "1u", "999u", "5m", "10m", "20m"].iter().enumerate() {
+    for (i, budget) in ["1n", "1u", "999u", "5m", "10m", "20m", "25m", "40m"]
+        .iter()
+        .enumerate()
+    {
         let order = format!("o-tiny-{i}");
         let r = h
             .post(
@@ -156,6 +159,11 @@ async fn tiny_budgets_write_no_intent_and_never_block_the_order() {
         );
         assert_eq!(r.code(), "deadline_exceeded", "{budget}: nothing was sent");
         assert_eq!(h.intent_count().await, i as u64, "{budget} wrote an intent");
+        assert_eq!(
+            h.idempotency_rows().await,
+            i as u64,
+            "{budget} left an idempotency record"
+        );
         // Another key pays the order at once: nothing holds it.
         let ok = h
             .post(Some(&format!("ok-{i}")), &body(&order, 100), &[])
@@ -163,7 +171,7 @@ async fn tiny_budgets_write_no_intent_and_never_block_the_order() {
         assert_eq!(ok.status, StatusCode::CREATED, "{budget}: {:?}", ok.json);
         assert_eq!(h.intent_count().await, i as u64 + 1);
     }
-    assert_eq!(h.all_charges().await, 6, "one charge per good request only");
+    assert_eq!(h.all_charges().await, 8, "one charge per good request only");
 }
 
 /// One unary `Charge` over a raw HTTP/2 connection with `grpc-timeout: budget` (a tonic

@@ -36,9 +36,9 @@
 //! the lease, and the atomicity of phase 1, and hold `Rerun` to `Refuse`'s promise; the checker
 //! must then find a counterexample.
 //!
-//! Two of the server layer's rules are modelled as shipped and as they must be for the
-//! properties to hold (`NothingDone`, `DroppedClaim`): as shipped, the `as_shipped_*` tests
-//! find runs where the downstream applies an effect twice. A store crash that loses a deferred
+//! Two of the server layer's rules are modelled as they are and as they were before the model
+//! found them wrong (`NothingDone`, `DroppedClaim`): with the earlier rules, the
+//! `earlier_rule_*` tests find runs where the downstream applies an effect twice. A store crash that loses a deferred
 //! claim is modelled too, and found to let two runs hold one fencing token.
 
 use std::collections::BTreeSet;
@@ -70,24 +70,25 @@ const ONE_CALL: &str = "the downstream is called at most once per use of a key";
 /// on a retryable failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum NothingDone {
-    /// As shipped (`!phases.began()`): this run committed no phase. A run that resumed past
+    /// The earlier rule (`!phases.began()`): this run committed no phase. A run that resumed past
     /// the phase of the run before commits none, so when the downstream then refuses, the
     /// record goes, with its recovery point and its effect key, while the intent stays and the
     /// effect may have happened: the next claim starts a new use under a new effect key.
     ThisRun,
-    /// No run of the key committed a phase: neither this one nor the one it resumes.
+    /// As shipped: no run of the key committed a phase, neither this one nor the one it
+    /// resumes.
     AnyRun,
 }
 
 /// What the layer does with a claim taken after its request was dropped (`ClaimInFlight`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DroppedClaim {
-    /// As shipped: releases it. Right for a claim that inserted the record; a takeover's
+    /// The earlier rule: releases it. Right for a claim that inserted the record; a takeover's
     /// release deletes the run before it (its recovery point, its effect key, and on a
     /// `Refuse` route the fact that its effect may have happened), so the next claim runs the
     /// effect again under a new effect key.
     Release,
-    /// Releases a claim that inserted the record; fails a takeover, but leaves a takeover of
+    /// As shipped: releases a claim that inserted the record; fails a takeover, but leaves a takeover of
     /// an abandoned run on a `Refuse` route running, as the drop guard would.
     ReleaseInserted,
 }
@@ -283,8 +284,8 @@ impl ClaimProtocol {
             ttl: 5,
             max_attempts: 2,
             takeover: Takeover::Refuse,
-            nothing_done: NothingDone::ThisRun,
-            dropped_claim: DroppedClaim::Release,
+            nothing_done: NothingDone::AnyRun,
+            dropped_claim: DroppedClaim::ReleaseInserted,
             fence_on_finish: true,
             fence_on_phase: true,
             atomic_phase: true,
@@ -293,12 +294,10 @@ impl ClaimProtocol {
         }
     }
 
-    /// [`shipped`](Self::shipped) with the layer's rules fixed, on a route with `takeover`.
-    fn fixed(takeover: Takeover) -> Self {
+    /// [`shipped`](Self::shipped), on a route with `takeover`.
+    fn on(takeover: Takeover) -> Self {
         ClaimProtocol {
             takeover,
-            nothing_done: NothingDone::AnyRun,
-            dropped_claim: DroppedClaim::ReleaseInserted,
             ..Self::shipped()
         }
     }
@@ -814,18 +813,18 @@ fn assert_properties_but(checker: &impl Checker<ClaimProtocol>, waived: &[&str])
 
 #[test]
 fn the_claim_protocol_holds_under_crashes_expiry_and_clock_skew() {
-    assert_properties_but(&check(ClaimProtocol::fixed(Takeover::Refuse)), &[]);
+    assert_properties_but(&check(ClaimProtocol::on(Takeover::Refuse)), &[]);
 }
 
 #[test]
 fn a_resume_route_applies_an_effect_once_and_resumes_past_its_phase() {
     // A resumed run calls the downstream again: only its deduplication keeps the effect single.
-    assert_properties_but(&check(ClaimProtocol::fixed(Takeover::Resume)), &[ONE_CALL]);
+    assert_properties_but(&check(ClaimProtocol::on(Takeover::Resume)), &[ONE_CALL]);
 }
 
 #[test]
 fn a_rerun_route_applies_an_effect_once_by_its_effect_key() {
-    assert_properties_but(&check(ClaimProtocol::fixed(Takeover::Rerun)), &[ONE_CALL]);
+    assert_properties_but(&check(ClaimProtocol::on(Takeover::Rerun)), &[ONE_CALL]);
 }
 
 #[test]
@@ -833,7 +832,7 @@ fn without_the_fence_a_stale_executor_overwrites_its_successor() {
     let checker = find(
         ClaimProtocol {
             fence_on_finish: false,
-            ..ClaimProtocol::fixed(Takeover::Refuse)
+            ..ClaimProtocol::on(Takeover::Refuse)
         },
         STALE_FINISH,
     );
@@ -845,7 +844,7 @@ fn without_the_fence_a_stale_executor_commits_a_phase() {
     let checker = find(
         ClaimProtocol {
             fence_on_phase: false,
-            ..ClaimProtocol::fixed(Takeover::Resume)
+            ..ClaimProtocol::on(Takeover::Resume)
         },
         STALE_PHASE,
     );
@@ -857,7 +856,7 @@ fn a_phase_in_two_transactions_leaves_an_intent_without_its_recovery_point() {
     let checker = find(
         ClaimProtocol {
             atomic_phase: false,
-            ..ClaimProtocol::fixed(Takeover::Resume)
+            ..ClaimProtocol::on(Takeover::Resume)
         },
         ATOMIC_PHASE,
     );
@@ -866,7 +865,7 @@ fn a_phase_in_two_transactions_leaves_an_intent_without_its_recovery_point() {
 
 #[test]
 fn a_rerun_route_calls_the_downstream_again_for_a_possibly_done_effect() {
-    let checker = find(ClaimProtocol::fixed(Takeover::Rerun), ONE_CALL);
+    let checker = find(ClaimProtocol::on(Takeover::Rerun), ONE_CALL);
     checker.assert_any_discovery(ONE_CALL);
 }
 
@@ -875,7 +874,7 @@ fn without_the_skew_margin_two_executors_work_at_once() {
     let checker = find(
         ClaimProtocol {
             skew_margin: false,
-            ..ClaimProtocol::fixed(Takeover::Refuse)
+            ..ClaimProtocol::on(Takeover::Refuse)
         },
         ONE_WORKER,
     );
@@ -888,19 +887,19 @@ fn without_skew_the_margin_is_not_needed() {
     let checker = check(ClaimProtocol {
         skew_margin: false,
         max_skew: 0,
-        ..ClaimProtocol::fixed(Takeover::Refuse)
+        ..ClaimProtocol::on(Takeover::Refuse)
     });
     checker.assert_no_discovery(ONE_WORKER);
 }
 
 #[test]
-fn as_shipped_a_resumed_run_that_fails_releases_a_record_past_its_phase() {
+fn earlier_rule_a_resumed_run_that_fails_releases_a_record_past_its_phase() {
     // A resumes past B's phase and effect, the downstream refuses, the layer releases the key as
     // if nothing had happened; the next claim starts a new use under a new effect key.
     let checker = find(
         ClaimProtocol {
             nothing_done: NothingDone::ThisRun,
-            ..ClaimProtocol::fixed(Takeover::Resume)
+            ..ClaimProtocol::on(Takeover::Resume)
         },
         ONE_EFFECT,
     );
@@ -908,13 +907,13 @@ fn as_shipped_a_resumed_run_that_fails_releases_a_record_past_its_phase() {
 }
 
 #[test]
-fn as_shipped_a_dropped_takeover_releases_a_run_that_may_have_applied_its_effect() {
+fn earlier_rule_a_dropped_takeover_releases_a_run_that_may_have_applied_its_effect() {
     // On the default policy: the release of a dropped takeover deletes the abandoned run that
     // called the downstream, and the next claim calls it again under a new effect key.
     let checker = find(
         ClaimProtocol {
             dropped_claim: DroppedClaim::Release,
-            ..ClaimProtocol::fixed(Takeover::Refuse)
+            ..ClaimProtocol::on(Takeover::Refuse)
         },
         ONE_EFFECT,
     );
@@ -929,7 +928,7 @@ fn a_store_crash_can_hand_a_lost_claims_token_to_another_run() {
     let checker = find(
         ClaimProtocol {
             store_crash: true,
-            ..ClaimProtocol::fixed(Takeover::Resume)
+            ..ClaimProtocol::on(Takeover::Resume)
         },
         STALE_PHASE,
     );

@@ -295,7 +295,7 @@ where
     // A route whose handler commits a phase before its effect claims without waiting for a
     // sync: that phase's commit makes the claim durable too.
     let deferred = route.takeover != Takeover::Refuse;
-    let claim = match ClaimInFlight::new(shared.clone(), claim, deferred).await {
+    let claim = match ClaimInFlight::new(shared.clone(), claim, deferred, route.takeover).await {
         Ok(claim) => claim,
         // The request's own budget ran out before the store was reached: its deadline, not a
         // store failure (nothing was written).
@@ -373,8 +373,13 @@ where
 
     let response = match result {
         Ok(response) => response,
+        // The handler may have performed its effect before it failed: on a route that refuses
+        // to repeat one, the guard leaves the record running (a retry learns `outcome_unknown`
+        // when the lease ends); elsewhere the record is failed.
         Err(error) => {
-            end(&shared, &lease, &phases, Ending::Fail).await;
+            if !guard.abandon {
+                end(&shared, &lease, &phases, Ending::Fail).await;
+            }
             guard.disarm();
             return Err(error);
         }
@@ -394,9 +399,12 @@ where
     // nothing, and neither did one (or a layer below this one) that marked its answer
     // `NothingDone`, nor a request whose compression the service's codec refused before
     // decoding it: whatever it answered, the key stays unused.
-    let nothing_done = response.extensions().get::<NothingDone>().is_some()
-        || encoding_refused(encoding.as_ref(), response.headers())
-        || (route.takeover == Takeover::Resume && !phases.began());
+    // A run that took over a record holding an earlier run's recovery point never releases it:
+    // the point (and the effect key it was committed under) must outlive this run.
+    let nothing_done = phases.recovery_point().is_none()
+        && (response.extensions().get::<NothingDone>().is_some()
+            || encoding_refused(encoding.as_ref(), response.headers())
+            || (route.takeover == Takeover::Resume && !phases.began()));
     let decision = match decision {
         After::Fail if nothing_done => After::Release,
         decision => decision,
@@ -413,7 +421,10 @@ where
             let (trailers, body) = match collected {
                 Some(collected) => collected,
                 None => {
-                    end(&shared, &lease, &phases, Ending::Fail).await;
+                    // As for a handler error: the effect may have happened.
+                    if !guard.abandon {
+                        end(&shared, &lease, &phases, Ending::Fail).await;
+                    }
                     guard.disarm();
                     let status = Status::new(Code::Internal, "the response body failed");
                     return Ok(Problem::from_status(&status).into_response_for(protocol));
@@ -680,14 +691,21 @@ type PendingClaim = Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Sen
 /// a group commit already under way). Dropping that future would leave a `running` record
 /// nobody owns, refusing the client's retry with `request_in_progress` until the lease ends.
 /// Instead, a dropped `ClaimInFlight` hands the claim to a spawned task, which releases the
-/// key if the claim was taken: the request did nothing, so it leaves nothing behind.
+/// key if the claim inserted the record: the request did nothing, so it leaves nothing behind.
+/// A claim that took a record over is not released, which would delete the run before it.
 struct ClaimInFlight<St: Store> {
     shared: Arc<Shared<St>>,
     claim: Option<PendingClaim>,
+    takeover: Takeover,
 }
 
 impl<St: Store> ClaimInFlight<St> {
-    fn new(shared: Arc<Shared<St>>, request: ClaimRequest, deferred: bool) -> Self {
+    fn new(
+        shared: Arc<Shared<St>>,
+        request: ClaimRequest,
+        deferred: bool,
+        takeover: Takeover,
+    ) -> Self {
         let store = shared.store.clone();
         let claim: PendingClaim = if deferred {
             Box::pin(async move { store.claim_deferred(request).await })
@@ -697,6 +715,7 @@ impl<St: Store> ClaimInFlight<St> {
         Self {
             shared,
             claim: Some(claim),
+            takeover,
         }
     }
 }
@@ -726,10 +745,22 @@ impl<St: Store> Drop for ClaimInFlight<St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let shared = self.shared.clone();
+        let (shared, takeover) = (self.shared.clone(), self.takeover);
         runtime.spawn(async move {
-            if let Ok(Claim::Claimed(lease)) = claim.await {
-                release(&shared, &lease).await;
+            let Ok(Claim::Claimed(lease)) = claim.await else {
+                return;
+            };
+            match &lease.resume {
+                // The claim inserted the record: nothing happened under it.
+                None => release(&shared, &lease).await,
+                // A takeover of a run that may have performed its effect, on a route that
+                // never repeats one: left running, as that run's own drop guard left it, so a
+                // retry still learns `outcome_unknown` when the lease ends.
+                Some(resume)
+                    if resume.prior == PriorRun::Abandoned && takeover == Takeover::Refuse => {}
+                // Any other takeover: a release would delete the run before it (its recovery
+                // point, its effect key); failed, the next claim takes it over as it is.
+                Some(_) => fail(&shared, &lease).await,
             }
         });
     }
@@ -819,7 +850,10 @@ impl<St: Store> Drop for FailOnDrop<'_, St> {
         };
         let shared = self.shared.clone();
         let lease = lease.clone();
-        if self.phases.is_some_and(|phases| !phases.began()) {
+        if self
+            .phases
+            .is_some_and(|phases| !phases.began() && phases.recovery_point().is_none())
+        {
             runtime.spawn(async move { release(&shared, &lease).await });
         } else {
             runtime.spawn(async move { fail(&shared, &lease).await });

@@ -395,15 +395,37 @@ async fn client_mistake_leaves_the_key_unused() {
     );
 }
 
+/// A handler that failed (an error from the inner service) may have performed its effect
+/// first: on the default policy its record stays running, so a retry learns `outcome_unknown`
+/// when the lease ends; on a route whose effect is safe to repeat it is failed, so a retry runs.
 #[tokio::test]
-async fn inner_error_marks_the_record_failed() {
+async fn inner_error_leaves_the_record_running_unless_repeats_are_safe() {
+    use crate::policy::{KEY_TTL_PAYMENTS, MethodPolicies, Takeover};
+    let failing = || {
+        service_fn(|_req: Request<In>| async {
+            Err::<Response<Body>, _>(std::io::Error::other("connection reset"))
+        })
+    };
     let store = MemoryStore::new();
-    let svc = layer(&store).layer(service_fn(|_req: Request<In>| async {
-        Err::<Response<Body>, _>(std::io::Error::other("connection reset"))
-    }));
+    let svc = layer(&store).layer(failing());
     assert!(svc.oneshot(post(Some("k1"), PAY)).await.is_err());
     assert_eq!(
         record(&store, "default", "k1").await,
+        Some(RecordStatus::Running)
+    );
+
+    let rerun = MethodPolicy::builder("Keyed", Idempotency::Keyed)
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .takeover(Takeover::Rerun)
+        .build();
+    let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+        .route(Method::POST, "/v1/payments", rerun);
+    let svc = IdempotencyLayer::new(store.clone())
+        .policies(policies)
+        .layer(failing());
+    assert!(svc.oneshot(post(Some("k2"), PAY)).await.is_err());
+    assert_eq!(
+        record(&store, "default", "k2").await,
         Some(RecordStatus::Failed)
     );
 }
@@ -1154,4 +1176,59 @@ mod grpc {
             assert_eq!(calls.load(Ordering::SeqCst), 2, "{code}");
         }
     }
+}
+
+/// A retry dropped while its claim (a takeover of a run that may have performed its effect)
+/// is in flight leaves that run's record as it found it, on the default policy: the next
+/// retry learns `outcome_unknown`, and the handler never runs again.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_takeover_leaves_an_abandoned_run_alone() {
+    let memory = MemoryStore::new();
+    let store = WriterStore {
+        inner: memory.clone(),
+        commit: Arc::new(Semaphore::new(0)),
+    };
+    let clock = ManualClock::new(1_000_000);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let svc = IdempotencyLayer::new(store.clone())
+        .clock(clock.clone())
+        .policies(keyed(Method::POST, "/v1/payments"))
+        .layer(service_fn(move |_req: Request<In>| {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    // Applies its effect, then never answers.
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, Infallible>(Response::new(Body::from("{}")))
+            }
+        }));
+    store.commit.add_permits(1);
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    clock.advance(Duration::from_secs(60));
+    // A retry is cut while its claim (a takeover) waits for the writer...
+    let cut = tokio::spawn(svc.clone().oneshot(post(Some("k1"), PAY)));
+    tokio::task::yield_now().await;
+    cut.abort();
+    let _ = cut.await;
+    store.commit.add_permits(1);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        record(&memory, "default", "k1").await,
+        Some(RecordStatus::Running),
+        "the dropped takeover neither released nor failed the record"
+    );
+    // Past the dropped takeover's own lease.
+    clock.advance(Duration::from_secs(60));
+    store.commit.add_permits(1);
+    let res = svc.clone().oneshot(post(Some("k1"), PAY)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    first.abort();
 }

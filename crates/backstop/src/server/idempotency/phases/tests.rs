@@ -259,3 +259,63 @@ async fn a_run_that_lost_its_key_writes_nothing_of_its_phases() {
     assert_eq!(rec.point, None);
     assert_eq!(rec.status, RecordStatus::Running);
 }
+
+/// A run that resumed past the phase of the run before it and then answers a retryable
+/// failure committed no phase itself, yet the record's recovery point (and the effect key the
+/// downstream saw) must outlive it: it is failed, not released, and the next run resumes under
+/// the same effect key.
+#[tokio::test(start_paused = true)]
+async fn a_resumed_run_that_fails_keeps_the_recovery_point() {
+    let (store, clock) = (MemoryStore::new(), ManualClock::new(1_000_000));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (r, seen_by) = (runs.clone(), seen.clone());
+    let svc = layer(&store, &clock, Takeover::Resume).layer(service_fn(move |req: Request<In>| {
+        let phases = req
+            .extensions()
+            .get::<Phases<MemoryStore>>()
+            .cloned()
+            .unwrap();
+        let run = r.fetch_add(1, Ordering::SeqCst);
+        let seen_by = seen_by.clone();
+        async move {
+            seen_by.lock().unwrap().push(phases.effect_key());
+            if phases.recovery_point().is_none() {
+                phases
+                    .commit("created", "pi_1", Box::new(|| Ok(())))
+                    .await
+                    .unwrap();
+            }
+            // The effect, by effect key.
+            if run == 0 {
+                std::future::pending::<()>().await;
+            }
+            let mut response = Response::new(Body::from("{}"));
+            if run == 1 {
+                // The downstream is briefly unavailable.
+                *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            }
+            Ok::<_, Infallible>(response)
+        }
+    }));
+    let first = tokio::spawn(svc.clone().oneshot(post("k1")));
+    while record(&store, "k1").await.and_then(|r| r.point).is_none() {
+        tokio::task::yield_now().await;
+    }
+    clock.advance(Duration::from_secs(60));
+    let second = svc.clone().oneshot(post("k1")).await.unwrap();
+    assert_eq!(second.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let rec = record(&store, "k1").await.expect("the record stays");
+    assert_eq!(rec.status, RecordStatus::Failed);
+    assert_eq!(rec.point.expect("and its recovery point").phase, "created");
+    clock.advance(Duration::from_secs(1));
+    let third = svc.clone().oneshot(post("k1")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::OK);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3);
+    assert!(
+        seen.iter().all(|key| *key == seen[0]),
+        "one effect key for every run: {seen:?}"
+    );
+    first.abort();
+}
