@@ -201,6 +201,104 @@
 //! nothing of the bodies beyond `http_body::Body<Data = Bytes>` (see [`server::body`]).
 //! `examples/tonic_client.rs` and `examples/hyper_client.rs` show the client stack over a
 //! tonic `Channel` and over a hyper-util client.
+//!
+//! # Example: atomic phases and recovery points
+//!
+//! The layer above stores the answer; the handler's own table is another transaction, and a
+//! crash between the two leaves them disagreeing. A handler that writes through
+//! [`Phases`](server::idempotency::Phases) commits its writes in the record's own
+//! transactions (Brandur Leach's "atomic phases"): what it writes **before** its external
+//! effect commits with a *recovery point*, what it writes **after** commits with the stored
+//! answer. On a route whose [`Takeover`](policy::Takeover) is `Resume`, a retry that takes
+//! the key over from a run that died learns the last recovery point and the key's effect key,
+//! and asks the downstream for the effect instead of repeating it. On SQLite the claim and
+//! the first phase share one sync, and phases of concurrent requests share the writer's group
+//! commit: two durable commits per request, whatever the handler writes.
+//!
+//! ```
+//! use axum::{Extension, Router, routing::post};
+//! use backstop::db::sqlite::rusqlite::params;
+//! use backstop::db::sqlite::{Db, SqliteOptions};
+//! use backstop::idempotency::sqlite::SqliteStore;
+//! use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, Takeover};
+//! use backstop::server::ServerStack;
+//! use backstop::server::idempotency::Phases;
+//! use http::{Method, Request, StatusCode};
+//! use tower::ServiceExt;
+//!
+//! /// The downstream, deduplicating on the effect key (a PSP's idempotency key).
+//! async fn charge(effect_key: &str) -> String {
+//!     format!("ch_{}", &effect_key[..8])
+//! }
+//!
+//! async fn pay(Extension(phases): Extension<Phases<SqliteStore>>) -> (StatusCode, String) {
+//!     let effect_key = phases.effect_key();
+//!     // Phase 1, before the effect, unless a run that died already committed it.
+//!     if phases.recovery_point().is_none() {
+//!         let key = effect_key.clone();
+//!         let created = phases
+//!             .commit("order_created", effect_key.clone(), Box::new(move |c| {
+//!                 c.execute("INSERT INTO orders (effect_key, status) VALUES (?1, 'pending')",
+//!                     params![key])
+//!                     .map(drop)
+//!             }))
+//!             .await;
+//!         if created.is_err() {
+//!             // Nothing of the phase was written: the layer releases the key.
+//!             return (StatusCode::SERVICE_UNAVAILABLE, "try again".into());
+//!         }
+//!     }
+//!     // The effect, under a key the downstream deduplicates on: safe to send again.
+//!     let charge_id = charge(&effect_key).await;
+//!     // Phase 2, after the effect: committed with the stored answer, or not at all.
+//!     phases.on_finish(Box::new(move |c| {
+//!         c.execute("UPDATE orders SET status = 'paid' WHERE effect_key = ?1",
+//!             params![effect_key])
+//!             .map(drop)
+//!     }));
+//!     (StatusCode::CREATED, charge_id)
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! # let dir = tempfile::tempdir().unwrap();
+//! let db = Db::open(dir.path().join("app.db"), SqliteOptions::default()).unwrap();
+//! db.migrate("orders_v1", "CREATE TABLE orders (effect_key TEXT PRIMARY KEY, status TEXT)")
+//!     .await
+//!     .unwrap();
+//! // The application's tables and the idempotency records in one database, one writer.
+//! let store = SqliteStore::new(db.clone()).await.unwrap();
+//! let pay_policy = MethodPolicy::builder("Pay", Idempotency::Keyed)
+//!     .takeover(Takeover::Resume)
+//!     .build();
+//! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+//!     .route(Method::POST, "/v1/payments", pay_policy)
+//!     .validated()
+//!     .unwrap();
+//! let stack = ServerStack::new("payments", store)
+//!     .policies(policies)
+//!     .matched_path_from(|ext| ext.get::<axum::extract::MatchedPath>().map(|m| m.as_str()));
+//! let app = Router::new()
+//!     .route("/v1/payments", post(pay))
+//!     .route_layer(stack.into_layer());
+//!
+//! let request = || {
+//!     Request::post("/v1/payments")
+//!         .header("idempotency-key", "order-42")
+//!         .body(axum::body::Body::from(r#"{"order_id":"42"}"#))
+//!         .unwrap()
+//! };
+//! assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), StatusCode::CREATED);
+//! // The order row and the stored answer committed together.
+//! let status: String = db
+//!     .read(|c| c.query_row("SELECT status FROM orders", [], |row| row.get(0)))
+//!     .await
+//!     .unwrap();
+//! assert_eq!(status, "paid");
+//! let retry = app.oneshot(request()).await.unwrap();
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 // docs.rs builds with `--cfg docsrs` on nightly: there, items behind a feature say which one.

@@ -377,8 +377,7 @@ impl PspClient {
         deadline.child(self.needed_budget()).map(|_| ())
     }
 
-    /// The least budget a charge needs now ([`check_budget`](Self::check_budget)): the
-    /// server's idempotency layer refuses a smaller one before it claims the key.
+    /// The least budget a charge needs now ([`check_budget`](Self::check_budget)).
     pub fn needed_budget(&self) -> Duration {
         self.inner.margin.current() + self.inner.attempt_margin.current() + MIN_PSP_BUDGET
     }

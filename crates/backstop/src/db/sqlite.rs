@@ -16,6 +16,9 @@
 //! Reads run on a small pool of separate connections (WAL lets them proceed while the writer
 //! commits) on tokio's blocking pool.
 
+/// The driver, re-exported: a job (and a phase's writes) runs on its `Connection`.
+pub use rusqlite;
+
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};

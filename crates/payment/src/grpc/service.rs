@@ -1,7 +1,7 @@
 //! [`PaymentService`]: the generated trait over the shared payment logic.
 
 use backstop::deadline::Deadline;
-use backstop::idempotency::IdempotencyKey;
+use backstop::idempotency::{Fingerprint, IdempotencyKey};
 use backstop::policy::DEFAULT_TIMEOUT;
 use backstop::server::tenant::Tenant;
 use tonic::{Request, Response, Status};
@@ -10,7 +10,7 @@ use super::proto::payment_server::Payment;
 use super::proto::{ChargeRequest, ChargeResponse, GetChargeRequest};
 use crate::intents::Intent;
 use crate::service::answer::ChargeAnswer;
-use crate::service::payments;
+use crate::service::payments::{self, Claimed};
 use crate::service::phases::Charging;
 use crate::service::request;
 use crate::state::AppState;
@@ -65,22 +65,23 @@ impl Payment for PaymentService {
                 "Charge requires the idempotency-key metadata",
             ));
         };
+        let Some(fingerprint) = request.extensions().get::<Fingerprint>().copied() else {
+            return Err(Status::invalid_argument(
+                "Charge requires the idempotency-key metadata",
+            ));
+        };
+        let claimed = Claimed {
+            key,
+            fingerprint,
+            phases: request.extensions().get::<Charging>().cloned(),
+        };
         let trace = trace::incoming(request.metadata().as_ref());
-        let charging = request.extensions().get::<Charging>().cloned();
         let message = request.into_inner();
         let req = request::from_fields(message.order_id, message.amount_cents, message.currency)
             .map_err(|e| Status::invalid_argument(format!("{}: {e}", e.code())))?;
-        match payments::charge(
-            &self.state,
-            tenant.as_str(),
-            deadline,
-            &key,
-            trace,
-            req,
-            charging.as_ref().map(|c| &*c.0),
-        )
-        .await
-        .answer()
+        match payments::charge(&self.state, tenant.as_str(), deadline, &claimed, trace, req)
+            .await
+            .answer()
         {
             ChargeAnswer::Charged(intent) | ChargeAnswer::Declined(intent, _) => {
                 Ok(Response::new(response(&intent)))

@@ -156,12 +156,6 @@ pub fn build_routers<St: PaymentBackend>(
         .gate(gate(config))
         .idempotency(
             IdempotencyLayer::new(store)
-                // A budget too small for a charge is refused before the key is claimed, so
-                // it leaves no record (the handler's own check would come after the claim).
-                .min_budget_with({
-                    let psp = state.psp.clone();
-                    move || psp.needed_budget()
-                })
                 .clock(state.clock.clone())
                 .max_body(BODY_LIMIT),
         )

@@ -4,18 +4,19 @@
 
 use axum::Extension;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use backstop::deadline::Deadline;
-use backstop::idempotency::IdempotencyKey;
+use backstop::idempotency::{Fingerprint, IdempotencyKey};
 use backstop::server::problem::Problem;
 use backstop::server::tenant::Tenant;
 use serde::Serialize;
 use tracing::Instrument;
 
 use super::answer::{self, ChargeAnswer, PAYMENT_OUTCOME_UNKNOWN};
-use super::payments;
+use super::payments::{self, Claimed};
 use super::phases::Charging;
 use super::request::{self, PaymentRequest};
 use crate::intents::{Intent, IntentStatus};
@@ -105,25 +106,47 @@ fn invalid(e: &request::RequestError) -> Response {
     problem(p)
 }
 
+/// The idempotency layer's claim, read from the request's extensions: a charge runs only
+/// behind the layer (without it, the route answers 500: a wiring mistake, not a client's).
+impl<S: Send + Sync> FromRequestParts<S> for Claimed {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        let extensions = &parts.extensions;
+        match (
+            extensions.get::<IdempotencyKey>(),
+            extensions.get::<Fingerprint>(),
+        ) {
+            (Some(key), Some(fingerprint)) => Ok(Claimed {
+                key: key.clone(),
+                fingerprint: *fingerprint,
+                phases: extensions.get::<Charging>().cloned(),
+            }),
+            _ => Err(problem(Problem::from_status(&backstop::Status::new(
+                backstop::status::Code::Internal,
+                "the payment route runs only behind the idempotency layer",
+            )))),
+        }
+    }
+}
+
 /// `POST /v1/payments`.
 pub(crate) async fn create_payment(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     Extension(deadline): Extension<Deadline>,
-    Extension(key): Extension<IdempotencyKey>,
-    charging: Option<Extension<Charging>>,
+    claimed: Claimed,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let charging = charging.map(|Extension(charging)| charging);
     let trace = trace::incoming(&headers);
     let span = tracing::info_span!(
         "payment",
         trace_id = %trace.trace_id(),
-        idempotency_key = %key.as_str(),
+        idempotency_key = %claimed.key.as_str(),
         merchant = %tenant.as_str(),
     );
-    create(state, tenant, deadline, key, charging, trace, body)
+    create(state, tenant, deadline, claimed, trace, body)
         .instrument(span)
         .await
 }
@@ -132,8 +155,7 @@ async fn create(
     state: AppState,
     tenant: Tenant,
     deadline: Deadline,
-    key: IdempotencyKey,
-    charging: Option<Charging>,
+    claimed: Claimed,
     trace: SpanContext,
     body: Bytes,
 ) -> Response {
@@ -141,17 +163,9 @@ async fn create(
         Ok(r) => r,
         Err(e) => return invalid(&e),
     };
-    match payments::charge(
-        &state,
-        tenant.as_str(),
-        deadline,
-        &key,
-        trace,
-        req,
-        charging.as_ref().map(|c| &*c.0),
-    )
-    .await
-    .answer()
+    match payments::charge(&state, tenant.as_str(), deadline, &claimed, trace, req)
+        .await
+        .answer()
     {
         ChargeAnswer::Charged(intent) => created(&intent),
         ChargeAnswer::Declined(_, p) | ChargeAnswer::Refused(p) => refused(p),

@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use backstop::deadline::Deadline;
-use backstop::idempotency::{IdempotencyKey, StoreError};
+use backstop::idempotency::{Fingerprint, IdempotencyKey, StoreError};
 use backstop::retry::StopReason;
 
-use super::phases::{ChargePhases, INTENT_CREATED};
-use super::request::{self, PaymentRequest};
+use super::phases::{ChargePhases, Charging, INTENT_CREATED};
+use super::request::PaymentRequest;
 use crate::intents::{Created, Intent, IntentStatus, Intents, IntentsError, NewIntent};
 use crate::psp_client::{ChargeCall, ChargeError};
 use crate::resolver;
@@ -80,16 +80,29 @@ fn store_failed(error: &dyn std::error::Error) -> &'static str {
     STORE_DID_NOT_ANSWER
 }
 
-/// Creates (or resumes) the intent of `req` under `key` for `merchant` and charges it once.
+/// What the idempotency layer handed a charge: its key, the request's fingerprint as the
+/// claim compared it, and its phases (none on a store the service cannot run them on).
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    /// The request's `Idempotency-Key`: the intent's request key.
+    pub(crate) key: IdempotencyKey,
+    /// The request's parameters, stored with the intent: a resumed intent must match them.
+    pub(crate) fingerprint: Fingerprint,
+    /// The claim's phases.
+    pub(crate) phases: Option<Charging>,
+}
+
+/// Creates (or resumes) the intent of `req` under the claimed key for `merchant` and charges
+/// it once.
 pub(crate) async fn charge(
     state: &AppState,
     merchant: &str,
     deadline: Deadline,
-    key: &IdempotencyKey,
+    claimed: &Claimed,
     trace: SpanContext,
     req: PaymentRequest,
-    phases: Option<&dyn ChargePhases>,
 ) -> ChargeOutcome {
+    let phases = claimed.phases.as_ref().map(|c| &*c.0);
     // Before any write: a budget that cannot cover a PSP round trip leaves nothing behind.
     if let Err(e) = state.psp.check_budget(deadline) {
         tracing::info!(error = %e, "budget too small for a charge; nothing written");
@@ -101,8 +114,8 @@ pub(crate) async fn charge(
         order_id: req.order_id.clone(),
         amount_cents: req.amount_cents,
         currency: req.currency.clone(),
-        request_key: key.as_str().to_owned(),
-        fingerprint: request::fingerprint(&req),
+        request_key: claimed.key.as_str().to_owned(),
+        fingerprint: claimed.fingerprint.to_hex(),
         created_at: state.clock.now_ms(),
     };
     let created = match create(state, merchant, phases, new).await {

@@ -250,25 +250,6 @@ fn valid_order_id(s: &str) -> bool {
     (1..=MAX_ORDER_ID_LEN).contains(&s.len()) && s.bytes().all(|b| (0x21..=0x7e).contains(&b))
 }
 
-/// Hex SHA-256 fingerprint of the normalized request (method + canonical JSON), stored with the
-/// intent: a resumed intent must carry the same parameters.
-pub fn fingerprint(req: &PaymentRequest) -> String {
-    use sha2::{Digest, Sha256};
-    // RFC 8785 for this flat shape: members in lexicographic order, no whitespace, strings as
-    // serde_json writes them (ASCII only here), the integer as is. Written out so a map
-    // ordering feature elsewhere in the build cannot change it.
-    let canonical = format!(
-        r#"{{"amount_cents":{},"currency":{},"order_id":{}}}"#,
-        req.amount_cents,
-        Value::from(req.currency.as_str()),
-        Value::from(req.order_id.as_str()),
-    );
-    let mut h = Sha256::new();
-    h.update(b"payment_intent\n");
-    h.update(canonical.as_bytes());
-    hex::encode(h.finalize())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -427,15 +408,5 @@ mod tests {
                 proptest::prop_assert_eq!(got, validate(&map));
             }
         }
-    }
-
-    #[test]
-    fn fingerprint_ignores_member_order_and_the_default_currency() {
-        let a = parse(br#"{"order_id":"o","amount_cents":5}"#).unwrap();
-        let b = parse(br#"{"currency":"USD","amount_cents":5,"order_id":"o"}"#).unwrap();
-        let c = parse(br#"{"order_id":"o","amount_cents":6}"#).unwrap();
-        assert_eq!(fingerprint(&a), fingerprint(&b));
-        assert_ne!(fingerprint(&a), fingerprint(&c));
-        assert_eq!(fingerprint(&a).len(), 64);
     }
 }

@@ -14,8 +14,9 @@
 //!    body is not JSON;
 //! 4. claims `(tenant, key)` in the [`Store`] — records are scoped by the [`Tenant`] extension,
 //!    so one tenant's key can never replay another tenant's response — and answers by the claim:
-//!    - **claimed**: runs the inner service with the rebuilt body and the [`IdempotencyKey`] and
-//!      [`Lease`] as request extensions (the handler uses the key as its request key). Then a
+//!    - **claimed**: runs the inner service with the rebuilt body and the [`IdempotencyKey`],
+//!      the request's [`Fingerprint`], the [`Lease`] and the [`Phases`] as request extensions
+//!      (the handler uses the key as its request key). Then a
 //!      2xx answer is stored (status, the headers that matter, body byte for byte) and returned;
 //!      a retryable failure (5xx, 429, 409 with `Retry-After`) marks the record failed so the
 //!      same key can run again; any other answer (a client mistake), or one the handler marked
@@ -354,6 +355,9 @@ where
         Protocol::Http => None,
     };
     head.extensions.insert(key);
+    // The request's parameters as the claim compared them: a handler that keeps its own record
+    // of the request (a payment intent) stores this instead of hashing the body again.
+    head.extensions.insert(fingerprint);
     head.extensions.insert(lease.clone());
     head.extensions.insert(phases.clone());
     let mut guard = FailOnDrop {
