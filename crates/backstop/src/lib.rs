@@ -220,7 +220,7 @@
 //! use backstop::db::sqlite::rusqlite::params;
 //! use backstop::db::sqlite::{Db, SqliteOptions};
 //! use backstop::idempotency::sqlite::SqliteStore;
-//! use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, Takeover};
+//! use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy, Takeover};
 //! use backstop::server::ServerStack;
 //! use backstop::server::idempotency::Phases;
 //! use http::{Method, Request, StatusCode};
@@ -269,6 +269,7 @@
 //! // The application's tables and the idempotency records in one database, one writer.
 //! let store = SqliteStore::new(db.clone()).await.unwrap();
 //! let pay_policy = MethodPolicy::builder("Pay", Idempotency::Keyed)
+//!     .key_ttl(KEY_TTL_PAYMENTS)
 //!     .takeover(Takeover::Resume)
 //!     .build();
 //! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
