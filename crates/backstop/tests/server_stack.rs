@@ -474,3 +474,31 @@ async fn one_merchants_key_never_replays_anothers_response() {
 mod support {
     pub(crate) mod policies;
 }
+
+static ROUTE_MATCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts how often the stack asks for the route the router matched.
+fn counted_route(_: &http::Extensions) -> Option<&str> {
+    ROUTE_MATCHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    None
+}
+
+/// The request's policy is selected once, by the stack's first layer, and read by the others
+/// (the rate limit, the intake, the idempotency layer): one route match per request, keyed or
+/// replayed.
+#[tokio::test]
+async fn the_policy_is_looked_up_once_per_request() {
+    let store = MemoryStore::new();
+    let s = start(stack(&store).matched_path_from(counted_route), store).await;
+    let matches = || ROUTE_MATCHES.load(std::sync::atomic::Ordering::SeqCst);
+    let first = s
+        .send(s.pay("acme", Some("k-once"), &order("o-once", 100)))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(matches(), 1, "one lookup for a keyed request");
+    let again = s
+        .send(s.pay("acme", Some("k-once"), &order("o-once", 100)))
+        .await;
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    assert_eq!(matches(), 2, "one lookup for its replay");
+}

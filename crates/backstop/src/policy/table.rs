@@ -151,6 +151,12 @@ impl MethodPolicies {
         &self.entries[self.select(method, path)].1
     }
 
+    /// The policy at `index` of [`select`](Self::select).
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
+    pub(crate) fn by_index(&self, index: usize) -> &MethodPolicy {
+        &self.entries[index].1
+    }
+
     /// The policy of calls no other entry names.
     pub fn fallback_policy(&self) -> &MethodPolicy {
         &self.entries[0].1

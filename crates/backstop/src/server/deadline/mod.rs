@@ -84,13 +84,15 @@ impl<S> DeadlineService<S> {
         }
     }
 
-    /// The budget for `request`'s `grpc-timeout` (or, without one, its method's).
-    fn budget<B>(&self, request: &Request<B>) -> Result<Duration, Status> {
+    /// The budget for `request`'s `grpc-timeout` (or, without one, its method's). The first
+    /// layer of a stack: it selects the request's policy for the layers after it.
+    fn budget<B>(&self, request: &mut Request<B>) -> Result<Duration, Status> {
+        let timeout = match &self.policies {
+            Some(lookup) => lookup.select(request).timeout(),
+            None => self.default,
+        };
         let Some(value) = request.headers().get(&GRPC_TIMEOUT_HEADER) else {
-            return Ok(match &self.policies {
-                Some(lookup) => lookup.policy_of(request).timeout().min(self.max),
-                None => self.default,
-            });
+            return Ok(timeout.min(self.max));
         };
         let invalid = || {
             Status::new(
@@ -119,7 +121,7 @@ where
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let protocol = Protocol::of(request.headers());
-        match self.budget(&request) {
+        match self.budget(&mut request) {
             Ok(budget) => {
                 let arrived = Instant::now();
                 let deadline = Deadline::after_at(arrived, budget);
