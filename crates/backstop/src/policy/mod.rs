@@ -18,7 +18,8 @@
 //! its method's policy. [`MethodPolicies::validate`] refuses an unsafe combination before the
 //! first request, instead of in production.
 //!
-//! Every value nobody configured comes from [`defaults`], where each default is defined once.
+//! Every value nobody configured comes from [`defaults`], where each default is defined once
+//! (the backoff's beside the backoff, in [`retry`](crate::retry)).
 //!
 //! ```
 //! use std::time::Duration;

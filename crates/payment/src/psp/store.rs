@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS voided_effect_key (
 );
 ";
 
-/// Second step, after [`COLUMN_UPGRADE`] brought an older file's `charge` up to date.
+/// Refunds, and the index their listing reads.
 const MIGRATION_REFUNDS: &str = "
 CREATE INDEX IF NOT EXISTS charge_created ON charge (created_ms, id);
 CREATE TABLE IF NOT EXISTS refund (
@@ -61,20 +61,6 @@ CREATE TABLE IF NOT EXISTS refund (
     created_ms      INTEGER NOT NULL
 );
 ";
-
-/// Columns a database written before refunds lacks (its charges count as created at 0 and
-/// never refunded). SQLite cannot add a column with a `CHECK` naming another column's value
-/// after the fact, so on such a file the refund total is bounded by the transaction alone.
-const COLUMN_UPGRADE: [(&str, &str); 2] = [
-    (
-        "created_ms",
-        "ALTER TABLE charge ADD COLUMN created_ms INTEGER NOT NULL DEFAULT 0",
-    ),
-    (
-        "amount_refunded_cents",
-        "ALTER TABLE charge ADD COLUMN amount_refunded_cents INTEGER NOT NULL DEFAULT 0",
-    ),
-];
 
 const COLUMNS: &str = "charge_id, effect_key, reference, amount_cents, currency, status, \
      budget_ms, traceparent, created_ms, amount_refunded_cents";
@@ -267,7 +253,6 @@ impl ChargeStore {
         let db = Db::open(&path, options)?;
         db.write(|conn| {
             conn.execute_batch(MIGRATION)?;
-            upgrade_columns(conn)?;
             conn.execute_batch(MIGRATION_REFUNDS)
         })
         .await?;
@@ -529,20 +514,6 @@ impl ChargeStore {
     ) -> Result<T, StoreError> {
         Ok(self.db.read(f).await?)
     }
-}
-
-/// Adds the [`COLUMN_UPGRADE`] columns a file written before them lacks.
-fn upgrade_columns(conn: &Connection) -> rusqlite::Result<()> {
-    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info('charge')")?;
-    let present = stmt
-        .query_map([], |row| row.get::<_, String>(0))?
-        .collect::<Result<Vec<_>, _>>()?;
-    for (column, sql) in COLUMN_UPGRADE {
-        if !present.iter().any(|name| name == column) {
-            conn.execute_batch(sql)?;
-        }
-    }
-    Ok(())
 }
 
 /// The wall clock in unix milliseconds: what charges and refunds record as their time.
@@ -879,35 +850,5 @@ mod tests {
         );
         assert!(store.void("k".into()).await.is_err());
         assert_eq!(store.count().await.unwrap(), 1);
-    }
-
-    #[tokio::test]
-    async fn a_file_from_before_refunds_is_upgraded_in_place() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("old.db");
-        {
-            let conn = Connection::open(&path).unwrap();
-            conn.execute_batch(
-                "CREATE TABLE charge (
-                    id INTEGER PRIMARY KEY AUTOINCREMENT, charge_id TEXT NOT NULL UNIQUE,
-                    effect_key TEXT NOT NULL, reference TEXT NOT NULL,
-                    amount_cents INTEGER NOT NULL CHECK (amount_cents > 0),
-                    currency TEXT NOT NULL, status TEXT NOT NULL CHECK (status IN ('succeeded')),
-                    budget_ms INTEGER, traceparent TEXT, UNIQUE (effect_key));
-                 INSERT INTO charge (charge_id, effect_key, reference, amount_cents, currency,
-                    status) VALUES ('ch_old', 'k', 'o', 900, 'USD', 'succeeded');",
-            )
-            .unwrap();
-        }
-        let store = ChargeStore::open(Some(&path)).await.unwrap();
-        let old = store.list(None).await.unwrap().remove(0);
-        assert_eq!((old.created_ms, old.amount_refunded_cents), (0, 0));
-        assert!(matches!(
-            store.refund(refund_of("r", &old, 900)).await.unwrap(),
-            RefundOutcome::Created(_, charge) if !charge.is_live()
-        ));
-        // A second open finds the columns there.
-        drop(store);
-        ChargeStore::open(Some(&path)).await.unwrap();
     }
 }
