@@ -8,11 +8,11 @@
 //!   that another tenant's request needs;
 //! - **waiting for a running attempt.** When another request with the same key and the same
 //!   parameters is still running, the request waits for that attempt's outcome (polling the
-//!   store with backoff, so it works across instances sharing a store) and then claims again:
-//!   the stored answer is replayed, or, if the attempt failed retryably or was released, this
-//!   request runs itself. Only when its budget ends first is it answered 409
-//!   `request_in_progress` + `Retry-After`. A waiter is woken at once when the attempt runs
-//!   on the same instance.
+//!   store with backoff, so it works across instances sharing a store): the stored answer is
+//!   replayed from here (no second pass through the gate), or, if the attempt failed
+//!   retryably or was released, the request goes through the gate again and runs itself.
+//!   Only when its budget ends first is it answered 409 `request_in_progress` +
+//!   `Retry-After`. A waiter is woken at once when the attempt runs on the same instance.
 //!
 //! Requests of methods that are not keyed but whose policy
 //! [buffers the body](crate::policy::MethodPolicy::buffers_body) (unary calls) have their
@@ -38,11 +38,12 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::layer::{IntakeKind, Shared};
-use super::{BoxError, InProgress, KeyedRoute, Prepared, prepare, read_body};
+use super::{BoxError, InProgress, KeyedRoute, Prepared, prepare, read_body, replay};
 use crate::clock::Clock;
 use crate::deadline::Deadline;
-use crate::idempotency::{IdempotencyKey, RecordStatus, Store};
+use crate::idempotency::{IdempotencyKey, Record, RecordStatus, Store};
 use crate::server::body::{RequestBody, ResponseBody};
+use crate::server::metrics::Route;
 use crate::server::problem::Protocol;
 use crate::server::tenant::Tenant;
 
@@ -291,22 +292,47 @@ where
             Some(prepared) => &prepared.key,
             None => return Ok(response.map(ResponseBody::inner)),
         };
-        if !finished(&shared, scope, key, give_up, &mut pause).await {
-            return Ok(response.map(ResponseBody::inner));
+        let fingerprint = match head.extensions.get::<Prepared>() {
+            Some(prepared) => prepared.fingerprint,
+            None => return Ok(response.map(ResponseBody::inner)),
+        };
+        match finished(&shared, scope, key, give_up, &mut pause).await {
+            Wait::GaveUp => return Ok(response.map(ResponseBody::inner)),
+            // The attempt it waited for succeeded with the same parameters: its answer is
+            // replayed from here, without passing the gate and claiming again.
+            Wait::Settled(Some(record))
+                if record.status == RecordStatus::Succeeded
+                    && record.fingerprint == fingerprint =>
+            {
+                if let Some(stored) = record.response {
+                    Route::from_extensions(&head.extensions).count_claim("replay");
+                    return Ok(replay(stored));
+                }
+            }
+            // Failed, released, its runner gone, or the store could not say: the claim decides.
+            Wait::Settled(_) => {}
         }
     }
 }
 
+/// How a wait for a running attempt ended.
+enum Wait {
+    /// The waiter's own budget came first.
+    GaveUp,
+    /// The record is no longer running under a live lease: as the store read it, if it could.
+    Settled(Option<Box<Record>>),
+}
+
 /// Waits until the record of `key` is no longer running under a live lease (completed,
 /// failed, released, or its runner gone), looking with growing pauses and woken at once when
-/// the attempt settles on this instance. False when `give_up` comes first.
+/// the attempt settles on this instance.
 async fn finished<St: Store>(
     shared: &Shared<St>,
     scope: &str,
     key: &IdempotencyKey,
     give_up: Instant,
     pause: &mut Duration,
-) -> bool {
+) -> Wait {
     let settled = shared.settled.watch(scope, key);
     loop {
         // Registered before the look, so a settling after it is not missed.
@@ -314,16 +340,16 @@ async fn finished<St: Store>(
         tokio::pin!(woken);
         woken.as_mut().enable();
         match timeout_at(give_up, shared.store.get(scope, key)).await {
-            Err(_) => return false,
+            Err(_) => return Wait::GaveUp,
             Ok(Ok(Some(record)))
                 if record.status == RecordStatus::Running
                     && record.lease_until_ms > shared.clock.now_ms() => {}
-            // Settled, or the store could not say: the claim decides.
-            Ok(_) => return true,
+            Ok(Ok(record)) => return Wait::Settled(record.map(Box::new)),
+            Ok(Err(_)) => return Wait::Settled(None),
         }
         let now = Instant::now();
         if now >= give_up {
-            return false;
+            return Wait::GaveUp;
         }
         tokio::select! {
             () = sleep_until((now + *pause).min(give_up)) => {}

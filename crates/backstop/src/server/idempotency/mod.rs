@@ -877,7 +877,7 @@ fn stored_headers(headers: &http::HeaderMap, names: &[HeaderName]) -> Vec<(Strin
     out
 }
 
-fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+pub(super) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     let mut headers = HeaderMap::new();
     let mut trailers = HeaderMap::new();
     for (name, value) in &stored.headers {

@@ -788,6 +788,8 @@ struct Stacked {
     store: MemoryStore,
     release: Arc<Semaphore>,
     calls: Arc<AtomicUsize>,
+    /// Requests the intake handed to the gate.
+    passes: Arc<AtomicUsize>,
 }
 
 impl Stacked {
@@ -796,6 +798,7 @@ impl Stacked {
             store: MemoryStore::new(),
             release: Arc::new(Semaphore::new(0)),
             calls: Arc::new(AtomicUsize::new(0)),
+            passes: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -832,8 +835,13 @@ impl Stacked {
                 Ok::<_, Infallible>(res)
             }
         });
+        let passes = self.passes.clone();
         tower::ServiceBuilder::new()
             .layer(idempotency.intake())
+            .map_request(move |req| {
+                passes.fetch_add(1, Ordering::SeqCst);
+                req
+            })
             .layer(crate::server::GateLayer::new(crate::admission::Gate::new(
                 permits,
                 Duration::from_millis(1),
@@ -963,6 +971,25 @@ async fn waiting_for_the_same_key_holds_no_gate_permit() {
     let waiter = waiter.await.unwrap().unwrap();
     assert_eq!(waiter.headers()[IDEMPOTENT_REPLAYED], "true");
     assert_eq!(stacked.store.len(), 2, "one record per key, nothing else");
+}
+
+/// A waiter whose attempt succeeded is answered from the intake: it passes the gate once (to
+/// learn the key is in progress), never a second time for the replay.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_replays_without_passing_the_gate_again() {
+    let stacked = Stacked::new();
+    let svc = stacked.service(4);
+    let passes = || stacked.passes.load(Ordering::SeqCst);
+    let first = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    stacked.entered(1).await;
+    let waiter = tokio::spawn(svc.clone().oneshot(post(Some("k1"), SLOW)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(passes(), 2, "the attempt and the waiter's first try");
+    stacked.release.add_permits(1);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let waiter = waiter.await.unwrap().unwrap();
+    assert_eq!(waiter.headers()[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(passes(), 2, "no pass for the replay");
 }
 
 // ---- gRPC ----
