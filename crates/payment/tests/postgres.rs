@@ -232,7 +232,9 @@ async fn intent_lookups_by_id_read_the_primary_key_not_the_merchants_intents() {
     let store = PostgresStore::connect(&schema.store_url(None), options)
         .await
         .expect("store");
-    let intents = Intents::postgres(store).await.expect("intents");
+    let intents = Intents::postgres(store.pool().clone(), store.timeout())
+        .await
+        .expect("intents");
     for i in 0..N {
         let id = format!("intent-{i:05}");
         let new = NewIntent {

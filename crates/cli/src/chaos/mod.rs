@@ -508,8 +508,8 @@ async fn running_intents(
             Intents::open(Db::open(sqlite_path, SqliteOptions::default())?).await?
         }
         StoreKind::Postgres(_) => {
-            Intents::postgres(PostgresStore::connect(store, PostgresOptions::default()).await?)
-                .await?
+            let store = PostgresStore::connect(store, PostgresOptions::default()).await?;
+            Intents::postgres(store.pool().clone(), store.timeout()).await?
         }
     };
     Ok(intents

@@ -26,7 +26,10 @@ pub mod sqlite;
 
 use backstop::db::postgres::Error as PgError;
 use backstop::db::sqlite::{Db, Error as DbError};
-use backstop::idempotency::postgres::{PostgresStore, PostgresWrites};
+use std::time::Duration;
+
+use backstop::db::postgres::deadpool_postgres::Pool;
+use backstop::idempotency::postgres::PostgresWrites;
 use backstop::idempotency::sqlite::SqliteWrites;
 use rusqlite::OptionalExtension;
 use serde::Serialize;
@@ -202,10 +205,11 @@ impl Intents {
     }
 
     /// Runs the PostgreSQL `payment_intent` migration ([`postgres::MIGRATION_SQL`]; safe when
-    /// several instances start at once) and returns the handle on `store`'s pool.
-    pub async fn postgres(store: PostgresStore) -> Result<Self, PgError> {
+    /// several instances start at once) and returns the handle on `pool` (the service shares
+    /// the idempotency store's), each operation bounded by the request's deadline or `timeout`.
+    pub async fn postgres(pool: Pool, timeout: Duration) -> Result<Self, PgError> {
         Ok(Intents {
-            backend: Backend::Postgres(postgres::PgIntents::open(store).await?),
+            backend: Backend::Postgres(postgres::PgIntents::open(pool, timeout).await?),
         })
     }
 

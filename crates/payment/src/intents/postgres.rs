@@ -2,8 +2,8 @@
 //! the SQLite table, and the same rule: the constraints decide, one `INSERT ... ON CONFLICT DO
 //! NOTHING`, never a look-then-insert.
 //!
-//! Statements run on the idempotency store's pool, each bounded by the request's deadline (see
-//! [`PostgresStore::with_client`]).
+//! Statements run on a [`db::postgres`](backstop::db::postgres) pool (the idempotency store's,
+//! in the service), each bounded by the request's deadline or the operation timeout.
 //!
 //! A statement that finds one intent by its id (`get`, `mark`) names the id alone as an
 //! indexable condition and checks the merchant and status with `IS NOT DISTINCT FROM`, which no
@@ -16,12 +16,16 @@
 //! two forms select the same rows.
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
-use backstop::db::postgres::deadpool_postgres::Object;
+use backstop::db::postgres::deadpool_postgres::{Object, Pool};
 use backstop::db::postgres::tokio_postgres;
 use backstop::db::postgres::tokio_postgres::Row;
-use backstop::db::postgres::{Error as PgError, migrate};
-use backstop::idempotency::postgres::{PostgresStore, PostgresWrites};
+use backstop::db::postgres::{Error as PgError, migrate, with_client};
+use backstop::deadline::Deadline;
+use backstop::idempotency::postgres::PostgresWrites;
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
 
 use super::{
     Created, Intent, IntentStatus, IntentsError, NewIntent, RunningStats,
@@ -78,8 +82,13 @@ static GET_SQL: LazyLock<String> = LazyLock::new(|| {
 /// The PostgreSQL side of [`Intents`](super::Intents).
 #[derive(Debug, Clone)]
 pub(crate) struct PgIntents {
-    store: PostgresStore,
+    pool: Pool,
+    /// The longest any one operation may take, when the request's deadline is later.
+    timeout: Duration,
 }
+
+/// Time kept between an operation giving up and the request's deadline, to answer.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
 
 /// Every column of the merchant's (`$1`) intents whose `column` is `$2`.
 fn select_sql(column: &str) -> String {
@@ -212,16 +221,29 @@ static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 impl PgIntents {
-    pub(crate) async fn open(store: PostgresStore) -> Result<PgIntents, PgError> {
-        migrate(store.pool(), MIGRATION_NAME, MIGRATION_SQL).await?;
-        migrate(store.pool(), MIGRATION_V2_NAME, MIGRATION_V2_SQL).await?;
-        Ok(PgIntents { store })
+    pub(crate) async fn open(pool: Pool, timeout: Duration) -> Result<PgIntents, PgError> {
+        migrate(&pool, MIGRATION_NAME, MIGRATION_SQL).await?;
+        migrate(&pool, MIGRATION_V2_NAME, MIGRATION_V2_SQL).await?;
+        Ok(PgIntents { pool, timeout })
+    }
+
+    /// Runs `query` on a pooled connection, bounded by the request's deadline (less the
+    /// margin to answer) or the timeout, whichever ends first.
+    async fn with_client<T>(
+        &self,
+        query: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, PgError> {
+        let now = Instant::now();
+        let by_timeout = now + self.timeout;
+        let until = Deadline::current()
+            .map(|d| d.child(DEADLINE_MARGIN).map_or(now, |d| d.instant()))
+            .map_or(by_timeout, |until| until.min(by_timeout));
+        with_client(&self.pool, until, query).await
     }
 
     /// The insert; when the constraints stopped it, the row that did ([`create_on`]).
     pub(crate) async fn create(&self, new: NewIntent) -> Result<Created, IntentsError> {
-        self.store
-            .with_client(move |c| Box::pin(create_on(c, new)))
+        self.with_client(move |c| Box::pin(create_on(c, new)))
             .await?
     }
 
@@ -230,7 +252,7 @@ impl PgIntents {
         &self,
         writes: PostgresWrites<T>,
     ) -> Result<T, PgError> {
-        self.store.with_client(writes).await
+        self.with_client(writes).await
     }
 
     /// `succeeded` with the charge id (`Some`) or `failed` (`None`), only from `running`: the
@@ -242,7 +264,6 @@ impl PgIntents {
         charge_id: Option<String>,
     ) -> Result<Option<Intent>, IntentsError> {
         let row = self
-            .store
             .with_client(move |c| {
                 Box::pin(async move {
                     settle_on(c, &merchant_id, &intent_id, charge_id.as_deref()).await
@@ -260,7 +281,6 @@ impl PgIntents {
     ) -> Result<Option<Intent>, IntentsError> {
         // The primary key: at most one row.
         let rows = self
-            .store
             .with_client(move |c| {
                 Box::pin(async move {
                     let stmt = c.prepare_cached(&GET_SQL).await?;
@@ -288,7 +308,6 @@ impl PgIntents {
         value: String,
     ) -> Result<Vec<Intent>, IntentsError> {
         let rows = self
-            .store
             .with_client(move |c| {
                 Box::pin(async move {
                     let stmt = c.prepare_cached(&select_sql(column)).await?;
@@ -307,7 +326,6 @@ impl PgIntents {
     ) -> Result<Vec<Intent>, IntentsError> {
         let limit = i64::from(limit);
         let rows = self
-            .store
             .with_client(move |c| {
                 Box::pin(async move {
                     let stmt = c
@@ -334,7 +352,6 @@ impl PgIntents {
         let limit = i64::from(limit);
         let (after_at, after_id) = after.unwrap_or((i64::MIN, String::new()));
         let rows = self
-            .store
             .with_client(move |c| {
                 Box::pin(async move {
                     let stmt = c
@@ -354,7 +371,6 @@ impl PgIntents {
 
     pub(crate) async fn running_stats(&self) -> Result<RunningStats, PgError> {
         let (n, oldest): (i64, Option<i64>) = self
-            .store
             .with_client(|c| {
                 Box::pin(async move {
                     let row = c
@@ -376,7 +392,6 @@ impl PgIntents {
 
     pub(crate) async fn count(&self) -> Result<u64, PgError> {
         let n: i64 = self
-            .store
             .with_client(|c| {
                 Box::pin(async move {
                     c.query_one("SELECT count(*) FROM payment_intent", &[])
@@ -389,13 +404,10 @@ impl PgIntents {
     }
 
     pub(crate) async fn ping(&self) -> Result<(), PgError> {
-        self.store
-            .with_client(|c| {
-                Box::pin(
-                    async move { c.simple_query("SELECT 1 FROM payment_intent LIMIT 1").await },
-                )
-            })
-            .await
-            .map(|_| ())
+        self.with_client(|c| {
+            Box::pin(async move { c.simple_query("SELECT 1 FROM payment_intent LIMIT 1").await })
+        })
+        .await
+        .map(|_| ())
     }
 }

@@ -143,7 +143,7 @@ impl Ledger {
                 let store = PostgresStore::connect(url, PostgresOptions::default())
                     .await
                     .map_err(|e| ReconcileError::Postgres(Box::new(e)))?;
-                let intents = Intents::postgres(store.clone()).await?;
+                let intents = Intents::postgres(store.pool().clone(), store.timeout()).await?;
                 migrate(store.pool(), MIGRATION_NAME, PG_MIGRATION_SQL).await?;
                 Ok(Ledger {
                     intents,

@@ -183,7 +183,7 @@ impl Server {
                 let store = PostgresStore::connect(url, PostgresOptions::default())
                     .await
                     .map_err(ServeError::Idempotency)?;
-                let intents = Intents::postgres(store.clone())
+                let intents = Intents::postgres(store.pool().clone(), store.timeout())
                     .await
                     .map_err(ServeError::Postgres)?;
                 (PaymentStore::Postgres(store), intents)

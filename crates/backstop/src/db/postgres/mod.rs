@@ -60,7 +60,7 @@ pub fn pool(
 /// Runs `query` on a connection of `pool`, the wait for the connection and the query together
 /// bounded by `until`. A connection that timed out mid-query is discarded, never handed out
 /// again.
-pub(crate) async fn with_client<T>(
+pub async fn with_client<T>(
     pool: &Pool,
     until: Instant,
     query: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>,

@@ -205,6 +205,11 @@ impl PostgresStore {
         &self.pool
     }
 
+    /// The longest any one operation of the store may take ([`PostgresOptions::timeout`]).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// How many statements the writers ran, in how many round trips.
     pub fn writer_stats(&self) -> WriterStats {
         self.writer.stats()
