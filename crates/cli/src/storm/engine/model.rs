@@ -154,7 +154,8 @@ pub(crate) enum RetryAfter {
     None,
     /// The same pushback on every refusal.
     Fixed(Duration),
-    /// What the library's gate computes by default: [`AdmissionQueue::pushback`] from the
+    /// What the library's gate computes by default:
+    /// [`AdmissionQueue::pushback`](backstop::admission::AdmissionQueue::pushback) from the
     /// queue ahead and the limit, jittered, and "do not retry" while the queue sheds hard.
     /// Needs the fair queue.
     Computed,
