@@ -23,7 +23,10 @@ pub struct HedgePolicy {
     min_delay: Duration,
     fixed_delay: Option<Duration>,
     max_hedges: u32,
+    // The metric labels of the client's hedge layer.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
     pub(crate) service: SharedString,
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
     pub(crate) method: SharedString,
 }
 
