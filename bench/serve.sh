@@ -21,7 +21,7 @@ mkdir -p "$(dirname "$results")"
 : >"$results"
 cargo build --profile profiling -q -p backstop --features postgres --example http_bench_server
 cargo build --profile profiling -q -p backstop-cli
-dir=${CARGO_TARGET_DIR:-target}/profiling
+dir=$(realpath -m "${CARGO_TARGET_DIR:-target}")/profiling
 work=$(mktemp -d)
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"' EXIT
@@ -40,7 +40,7 @@ run() {
     pid=$!
     addr=$(wait_addr "$log" 's/^listening on //p')
   else
-    (cd "$work/$mode-$round" && exec "$OLDPWD/$dir/backstop" --log-format json serve \
+    (cd "$work/$mode-$round" && exec "$dir/backstop" --log-format json serve \
       --http 127.0.0.1:0 --grpc 127.0.0.1:0 --store "${STORE:-backstop.db}" \
       --tenant-rate 10000000 --tenant-burst 10000000 >"$log" 2>&1) &
     pid=$!

@@ -9,13 +9,19 @@
 #      (bench/serve.sh);
 #   4. client + server stacks against bare, HTTP and gRPC, by RPC/s and CPU per RPC;
 #   5. how cost grows with work: 10 million live records, a sweep of 1 million while serving at
-#      half capacity, RSS after 1 million payments (bench/growth.sh).
+#      half capacity, RSS after 1 million payments (bench/growth.sh);
+#   commits: durable commits per payment of `backstop serve`, counted from outside: fsyncs on
+#      SQLite (strace), WAL flushes on PostgreSQL (pg_stat_wal.wal_sync), 200 sequential
+#      payments each (bench/commits.sh; COMMITS_PAYMENTS=N for another count);
+#   previous: the keyed route's server CPU per request and req/s against a previous commit's
+#      binary, pinned and unpinned (bench/previous.sh; PREVIOUS=COMMIT, default 7481e65).
 # Every ratio comes from one placement's interleaved rounds (bench/http.sh, serve.sh,
 # growth.sh) or one process (rpc_overhead), so both figures of a ratio are measured under the
 # same conditions. The table is written to OUT.md and, between its markers, into the "targets
 # at a glance" of BENCHMARKS.md (WRITE=0 leaves BENCHMARKS.md alone). About 50 minutes with the
-# defaults; PARTS="http rpc serve growth" picks parts, PG=none skips PostgreSQL.
-# Needs wrk, bc, sqlite3, psql (apt-get install wrk bc sqlite3 postgresql-client) and
+# defaults; PARTS="http rpc serve growth commits previous" picks parts (commits and previous
+# only when named), PG=none skips PostgreSQL.
+# Needs wrk, bc, sqlite3, psql, strace (apt-get install wrk bc sqlite3 postgresql-client strace) and
 # PostgreSQL on 127.0.0.1:5432 (PG=URL for another).
 # Usage: bench/targets.sh [SECONDS] [ROUNDS] [OUT.md]
 set -euo pipefail
@@ -66,6 +72,14 @@ if has growth; then
   echo "== growth" >&2
   PG=$pg bench/growth.sh "$secs" "$rounds" "$work/growth" >&2
 fi
+if has commits; then
+  echo "== commits" >&2
+  PG=$pg bench/commits.sh "${COMMITS_PAYMENTS:-200}" "$work/commits" >&2
+fi
+if has previous; then
+  echo "== previous" >&2
+  bench/previous.sh "${PREVIOUS:-7481e65}" "$secs" "$rounds" "$work/previous" >&2
+fi
 
 # rps NAME MODE: the median req/s of MODE in run NAME.
 rps() { awk -v m="$2" '$1==m {print $2}' "$work/$1"; }
@@ -99,8 +113,8 @@ commit=$(git rev-parse --short HEAD)
     row "3: serve vs keyed trivial route, SQLite (>= 0.25x; $(val serve-sqlite serve_threads) threads)" \
       "$(val serve-sqlite serve_rps)" "$(val serve-sqlite keyed_rps)" 0.25
     if [ -n "$(val serve-pg serve_rps)" ]; then
-      row "3: serve on PostgreSQL vs keyed trivial route (>= 0.10x; $(val serve-pg serve_threads) threads)" \
-        "$(val serve-pg serve_rps)" "$(val serve-pg keyed_rps)" 0.10
+      row "3: serve on PostgreSQL vs keyed trivial route (>= 0.12x; $(val serve-pg serve_threads) threads)" \
+        "$(val serve-pg serve_rps)" "$(val serve-pg keyed_rps)" 0.12
     fi
   fi
   if has rpc; then
@@ -132,8 +146,32 @@ commit=$(git rev-parse --short HEAD)
     printf '| 5: serve RSS after %s payments vs after 10k (<= 2x) | %s vs %s KiB | %sx | %s |\n' \
       "$(val growth rss_payments)" "$after" "$before" "$r" "$(verdict_max "$r" 2)"
   fi
+  if has commits; then
+    v=$(val commits sqlite_syncs_per_payment)
+    printf '| durable commits per payment, SQLite fsyncs (<= 2) | %s syncs / %s payments (WAL %s, other %s) | %s | %s |\n' \
+      "$(val commits sqlite_syncs)" "$(val commits sqlite_payments)" "$(val commits sqlite_wal_syncs)" \
+      "$(val commits sqlite_other_syncs)" "$v" "$(verdict_max "$v" 2)"
+    v=$(val commits pg_wal_syncs_per_payment)
+    if [ -n "$v" ]; then
+      printf '| durable commits per payment, PostgreSQL WAL flushes (<= 2) | %s flushes / %s payments (a start and stop alone: %s) | %s | %s |\n' \
+        "$(val commits pg_wal_syncs)" "$(val commits pg_payments)" "$(val commits pg_wal_syncs_start_stop)" \
+        "$v" "$(verdict_max "$v" 2)"
+    fi
+  fi
+  if has previous; then
+    prev=$(val previous previous_commit)
+    for placement in pinned unpinned; do
+      conns=64
+      [ $placement = unpinned ] && conns=256
+      c_old=$(val previous "${placement}_old_cpu_us") c_new=$(val previous "${placement}_new_cpu_us")
+      r=$(ratio "$c_new" "$c_old")
+      printf '| keyed CPU per request vs %s, %s %s (<= 1.00x) | %s vs %s us (%.0f vs %.0f req/s) | %sx | %s |\n' \
+        "$prev" "$placement" "$conns" "$c_new" "$c_old" "$(val previous "${placement}_new_rps")" \
+        "$(val previous "${placement}_old_rps")" "$r" "$(verdict_max "$r" 1)"
+    done
+  fi
   echo
-  echo "At \`$commit\`, $(date -u +%Y-%m-%d): \`bench/targets.sh $secs $rounds\` (parts: $parts; ${secs} s x $rounds interleaved rounds per comparison; rpc_overhead with 32 callers)."
+  echo "At \`$commit\`, $(date -u +%Y-%m-%d): \`bench/targets.sh $secs $rounds\` (parts: $parts; ${secs} s x $rounds interleaved rounds per comparison$(has rpc && echo "; rpc_overhead with 32 callers"))."
 } | tee "$out"
 
 # The table between the markers of BENCHMARKS.md's "targets at a glance".
