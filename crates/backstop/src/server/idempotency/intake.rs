@@ -281,20 +281,25 @@ where
         .unwrap_or_else(Instant::now);
     let mut pause = FIRST_PAUSE;
     loop {
-        let request = Request::from_parts(head.clone(), RequestBody::buffered(body.clone()));
+        let request = Request::from_parts(head, RequestBody::buffered(body.clone()));
         let response = inner.ready().await?.call(request).await?;
-        if response.extensions().get::<InProgress>().is_none() {
+        // Only a request told to wait comes back with its head: the first attempt's is not
+        // copied in case it must be sent again.
+        let Some(sent) = response
+            .extensions()
+            .get::<InProgress>()
+            .and_then(InProgress::take)
+        else {
             return Ok(response.map(ResponseBody::inner));
-        }
+        };
+        head = sent;
         // Only a waiter needs the scope and the key: the head keeps both.
         let scope = Tenant::from_extensions(&head.extensions);
-        let key = match head.extensions.get::<Prepared>() {
-            Some(prepared) => &prepared.key,
-            None => return Ok(response.map(ResponseBody::inner)),
-        };
-        let fingerprint = match head.extensions.get::<Prepared>() {
-            Some(prepared) => prepared.fingerprint,
-            None => return Ok(response.map(ResponseBody::inner)),
+        let Some(Prepared {
+            key, fingerprint, ..
+        }) = head.extensions.get::<Prepared>()
+        else {
+            return Ok(response.map(ResponseBody::inner));
         };
         match finished(&shared, scope, key, give_up, &mut pause).await {
             Wait::GaveUp => return Ok(response.map(ResponseBody::inner)),
@@ -302,7 +307,7 @@ where
             // replayed from here, without passing the gate and claiming again.
             Wait::Settled(Some(record))
                 if record.status == RecordStatus::Succeeded
-                    && record.fingerprint == fingerprint =>
+                    && record.fingerprint == *fingerprint =>
             {
                 if let Some(stored) = record.response {
                     Route::from_extensions(&head.extensions).count_claim("replay");

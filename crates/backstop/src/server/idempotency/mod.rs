@@ -106,7 +106,7 @@ pub use crate::server::select::MatchedPathFn;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -332,8 +332,16 @@ where
             .with_pushback(retry_after);
             let mut response: Response<ResponseBody<ResBody>> =
                 Problem::from_status(&status).into_response_for(protocol);
-            // Tells the intake (outside the gate) to wait for the running attempt's outcome.
-            response.extensions_mut().insert(InProgress);
+            // Tells the intake (outside the gate) to wait for the running attempt's outcome,
+            // and hands it back the request to send again, so it need not keep a copy.
+            head.extensions.insert(Prepared {
+                key,
+                fingerprint,
+                body,
+            });
+            response
+                .extensions_mut()
+                .insert(InProgress(Arc::new(Mutex::new(Some(head)))));
             return Ok(response);
         }
     };
@@ -558,9 +566,20 @@ struct Prepared {
     body: Bytes,
 }
 
-/// Marks a `request_in_progress` refusal for the intake.
-#[derive(Clone, Copy)]
-struct InProgress;
+/// Marks a `request_in_progress` refusal for the intake, with the request's head (its
+/// [`Prepared`] body inside) for the intake to send again once the running attempt settles.
+#[derive(Clone)]
+struct InProgress(Arc<Mutex<Option<http::request::Parts>>>);
+
+impl InProgress {
+    /// The request's head, taken (once).
+    fn take(&self) -> Option<http::request::Parts> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
 
 /// A response extension saying that the answer was given before anything was done: the
 /// handler (or a layer between it and [`Idempotency`]) refused the request before any write
