@@ -38,6 +38,10 @@ pub enum Error {
     /// The writer tasks have stopped (the runtime is shutting down); nothing was sent.
     #[error("the PostgreSQL writers have stopped")]
     Closed,
+    /// A unit of work run in a shared transaction panicked; its writes were rolled back and
+    /// the others' stand.
+    #[error("a unit of work panicked; its writes were rolled back")]
+    Panicked,
     /// A migration failed; it was rolled back whole, its record included.
     #[error("migration {name} failed")]
     Migration {

@@ -1,6 +1,7 @@
 //! PostgreSQL (feature `postgres`): a bounded pool that recovers by itself, versioned
-//! [`migrate`] that several instances may run at once, and the batching writer the idempotency
-//! store runs its statements through.
+//! [`migrate`] that several instances may run at once, the batching writer the idempotency
+//! store runs its statements through, and group commit of the units of work (a handler's
+//! phase and the record update that fences it) that it runs in shared transactions.
 //!
 //! Everything here speaks plain SQL to a [`Pool`]: which tables and which statements is the
 //! business of the code on top (the idempotency store, the payment service's tables). Failures
@@ -13,10 +14,12 @@
 
 mod error;
 mod migrate;
+mod shared;
 mod writer;
 
 pub use error::Error;
 pub use migrate::{MIGRATIONS_TABLE, migrate};
+pub(crate) use shared::SharedTransactions;
 pub use writer::WriterStats;
 pub(crate) use writer::{Group, StartBy, Statement, Writer, alone};
 pub use {deadpool_postgres, tokio_postgres};

@@ -28,6 +28,14 @@
 //! `db/postgres/writer.rs`); how the store's calls are grouped into statements is in `batch.rs`,
 //! and the statements themselves in `sql.rs`.
 //!
+//! Phases carry the handler's own writes ([`PostgresWrites`]), code no statement batch can
+//! hold: a deferred claim, a [phase](Store::commit_phase) and a [finish](Store::finish) each
+//! run as a unit of work in a transaction shared with other requests' units, inside a
+//! savepoint of its own (`db/postgres/shared.rs`): the fenced record update and the handler's
+//! writes commit together, or roll back together and alone, and the phases of many requests
+//! share one COMMIT and one WAL flush. A deferred claim asks for no flush of its own: the
+//! request's first phase flushes it.
+//!
 //! A claim waits to *start* (for a pool connection, for a place in a batch) no longer than the
 //! request's [`Deadline`] allows when one is set ([`Deadline::scope`]; the server's
 //! idempotency layer sets it): when that passes first the claim is
@@ -76,7 +84,9 @@ use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
-use crate::db::postgres::{self as db, StartBy, Writer, WriterStats, migrate, tokio_postgres};
+use crate::db::postgres::{
+    self as db, SharedTransactions, StartBy, Writer, WriterStats, migrate, tokio_postgres,
+};
 use crate::deadline::Deadline;
 
 /// Name under which [`MIGRATION`] is recorded by [`migrate`].
@@ -151,6 +161,8 @@ impl From<tokio_postgres::Error> for StoreError {
 pub struct PostgresStore {
     pool: Pool,
     writer: Writer<Op>,
+    /// Claims deferred to the first phase, phases and finishes: the caller's writes with ours.
+    shared: SharedTransactions,
     timeout: Duration,
 }
 
@@ -195,6 +207,7 @@ impl PostgresStore {
         let writers = options.writers.min(options.max_connections).max(1);
         Ok(PostgresStore {
             writer: Writer::start(pool.clone(), writers, max_batch, options.timeout),
+            shared: SharedTransactions::start(pool.clone(), writers, max_batch, options.timeout),
             pool,
             timeout: options.timeout,
         })
@@ -213,6 +226,13 @@ impl PostgresStore {
     /// How many statements the writers ran, in how many round trips.
     pub fn writer_stats(&self) -> WriterStats {
         self.writer.stats()
+    }
+
+    /// How many units of work (deferred claims, phases and finishes, each with the handler's
+    /// writes) ran, in how many shared transactions: `jobs / batches` is the mean number of
+    /// requests one COMMIT made durable.
+    pub fn phase_stats(&self) -> WriterStats {
+        self.shared.stats()
     }
 
     /// When the current operation gives up: shortly before the request's deadline, or after
@@ -263,12 +283,7 @@ impl PostgresStore {
     /// held until its lease ends): it may take until that deadline, and at least the store's
     /// timeout.
     async fn changed(&self, op: Op) -> Result<u64, StoreError> {
-        let at_least = Instant::now() + self.timeout;
-        let start = StartBy {
-            until: Deadline::current().map_or(at_least, |d| d.instant().max(at_least)),
-            by_request: false,
-        };
-        match self.writer.run(op, start).await? {
+        match self.writer.run(op, self.finish_by()).await? {
             Outcome::Changed(n) => Ok(n),
             Outcome::Claim(_) => Ok(0),
         }
@@ -380,33 +395,27 @@ enum Abort {
 }
 
 impl PostgresStore {
-    /// Runs `body` inside `BEGIN ... COMMIT` (`begin` opens it) on a pooled connection, on a
-    /// task of its own: a caller that goes away mid-transaction cannot leave a connection
-    /// inside an open transaction in the pool. Rolled back on any error.
+    /// Runs `body` in a transaction shared with other units of work (group commit, see
+    /// [`SharedTransactions`]), inside a savepoint of its own: its writes commit with the
+    /// batch, or roll back alone when it fails. The lease check and the caller's writes of a
+    /// phase thus commit together, and many requests' phases share one WAL flush.
     async fn transaction<T: Send + 'static>(
         &self,
-        begin: &'static str,
+        start: StartBy,
+        durable: bool,
         body: impl for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, Abort>> + Send + 'static,
     ) -> Result<Result<T, Abort>, StoreError> {
-        let pool = self.pool.clone();
-        let until = self.operation_deadline().max(Instant::now() + self.timeout);
-        let task = tokio::spawn(async move {
-            db::with_client(&pool, until, move |c| {
-                Box::pin(async move {
-                    c.batch_execute(begin).await?;
-                    let out = body(c).await;
-                    match &out {
-                        Ok(_) => c.batch_execute("COMMIT").await?,
-                        Err(_) => c.batch_execute("ROLLBACK").await?,
-                    }
-                    Ok(out)
-                })
-            })
-            .await
-        });
-        match task.await {
-            Ok(result) => Ok(result?),
-            Err(e) => Err(StoreError::Backend(Box::new(e))),
+        Ok(self.shared.run(start, durable, body).await?)
+    }
+
+    /// By when a write that ends or advances a request's record must start: it may take until
+    /// the request's deadline, and at least the store's timeout (given up at the deadline, it
+    /// would leave the key held until its lease ends).
+    fn finish_by(&self) -> StartBy {
+        let at_least = Instant::now() + self.timeout;
+        StartBy {
+            until: Deadline::current().map_or(at_least, |d| d.instant().max(at_least)),
+            by_request: false,
         }
     }
 }
@@ -444,7 +453,7 @@ impl Store for PostgresStore {
             // Committed without waiting for the WAL flush: the handler's first phase, which
             // waits for it, makes the claim durable too.
             let found = self
-                .transaction("BEGIN; SET LOCAL synchronous_commit = off", move |c| {
+                .transaction(self.start_by(), false, move |c| {
                     Box::pin(async move {
                         match batch::run_one(c, &op).await.map_err(Abort::Store)? {
                             Outcome::Claim(row) => Ok(row),
@@ -483,7 +492,7 @@ impl Store for PostgresStore {
         );
         let phase = point.phase.clone();
         let outcome = self
-            .transaction("BEGIN", move |c| {
+            .transaction(self.finish_by(), true, move |c| {
                 Box::pin(async move {
                     let stmt = c.prepare_cached(PHASE_SQL).await.map_err(Abort::Store)?;
                     let data: &[u8] = &point.data;
@@ -533,7 +542,7 @@ impl Store for PostgresStore {
             Ending::Release => Op::Release { scope, key, token },
         };
         let outcome = self
-            .transaction("BEGIN", move |c| {
+            .transaction(self.finish_by(), true, move |c| {
                 Box::pin(async move {
                     match batch::run_one(c, &op).await.map_err(Abort::Store)? {
                         Outcome::Changed(1) => {}
