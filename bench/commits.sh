@@ -92,6 +92,9 @@ t1=$(date +%s.%N)
 sleep 1
 after_all=$(syncs "") after_wal=$(syncs "-wal") after_line=$(wc -l <"$work/strace.log")
 stop_pid "$pid"
+# strace exits once serve has; should serve have outlived its SIGTERM (once seen: the script
+# waited here for good), stop_pid ended it with SIGKILL, and strace goes too.
+stop_pid "$runner"
 wait "$runner" || true
 [ -z "${KEEP:-}" ] || cp "$work/strace.log" "$KEEP"
 all=$((after_all - before_all))
