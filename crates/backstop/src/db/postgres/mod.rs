@@ -14,6 +14,7 @@
 
 mod error;
 mod migrate;
+mod queue;
 mod shared;
 mod writer;
 

@@ -26,7 +26,6 @@
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
@@ -35,6 +34,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
+use super::queue::{Counters, Next, Queued, next_batch};
 use super::{Error, StartBy, WriterStats};
 
 /// Units queued before callers wait to enqueue.
@@ -55,10 +55,20 @@ struct Job {
     done: oneshot::Sender<Result<(), Error>>,
 }
 
-#[derive(Debug, Default)]
-struct Counters {
-    jobs: AtomicU64,
-    batches: AtomicU64,
+impl Queued for Job {
+    type Answer = ();
+
+    fn start(&self) -> StartBy {
+        self.start
+    }
+
+    fn reply(&mut self) -> &mut oneshot::Sender<Result<(), Error>> {
+        &mut self.done
+    }
+
+    fn answer(self, answer: Result<(), Error>) {
+        let _ = self.done.send(answer);
+    }
 }
 
 /// Handle on the writer tasks that run units of work in shared transactions; they stop when
@@ -146,10 +156,7 @@ impl SharedTransactions {
 
     /// How many units ran, in how many transactions.
     pub(crate) fn stats(&self) -> WriterStats {
-        WriterStats {
-            jobs: self.counters.jobs.load(Ordering::Relaxed),
-            batches: self.counters.batches.load(Ordering::Relaxed),
-        }
+        self.counters.stats()
     }
 }
 
@@ -162,51 +169,16 @@ async fn drive(
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
     loop {
-        let mut first = match rx.recv().await {
-            Ok(job) => job,
-            Err(_) => return,
+        let client = match next_batch(&pool, &rx, max_batch, &mut jobs).await {
+            Next::Closed => return,
+            Next::Nothing => continue,
+            Next::Batch(client) => client,
         };
-        // The connection first, the rest of the queue after: every unit queued while this one
-        // waited joins its batch.
-        let client = tokio::select! {
-            got = timeout_at(first.start.until, pool.get()) => got,
-            () = first.done.closed() => continue,
-        };
-        let client = match client {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => {
-                let _ = first.done.send(Err(Error::connect(e)));
-                continue;
-            }
-            Err(_) => {
-                let _ = first.done.send(Err(first.start.missed()));
-                continue;
-            }
-        };
-        jobs.push(first);
-        while jobs.len() < max_batch {
-            match rx.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
-            }
-        }
-        let now = Instant::now();
-        let (late, live): (Vec<_>, Vec<_>) = jobs
-            .drain(..)
-            .partition(|job| job.done.is_closed() || job.start.until <= now);
-        jobs.extend(live);
-        for job in late {
-            let _ = job.done.send(Err(job.start.missed()));
-        }
-        if jobs.is_empty() {
-            continue;
-        }
-        counters.batches.fetch_add(1, Ordering::Relaxed);
-        counters
-            .jobs
-            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        counters.batch(jobs.len());
         let latest = jobs.iter().map(|job| job.start.until).max();
-        let until = latest.unwrap_or(now).max(Instant::now() + timeout);
+        let until = latest
+            .unwrap_or_else(Instant::now)
+            .max(Instant::now() + timeout);
         run_batch(client, &mut jobs, until).await;
     }
 }

@@ -30,7 +30,6 @@ use std::cmp::Ordering as Order;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool, PoolError, TimeoutType, Timeouts};
@@ -40,6 +39,7 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
 use super::Error;
+use super::queue::{Counters, Next, Queued, next_batch};
 
 /// Jobs queued before callers wait to enqueue.
 const QUEUE: usize = 4096;
@@ -118,6 +118,22 @@ struct Job<S: Statement> {
     reply: oneshot::Sender<Result<S::Output, Error>>,
 }
 
+impl<S: Statement> Queued for Job<S> {
+    type Answer = S::Output;
+
+    fn start(&self) -> StartBy {
+        self.start
+    }
+
+    fn reply(&mut self) -> &mut oneshot::Sender<Result<S::Output, Error>> {
+        &mut self.reply
+    }
+
+    fn answer(self, answer: Result<S::Output, Error>) {
+        let _ = self.reply.send(answer);
+    }
+}
+
 /// Counters of the batching writer (for tests and benchmarks): `jobs / batches` is the mean
 /// batch size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -126,12 +142,6 @@ pub struct WriterStats {
     pub jobs: u64,
     /// Round trips that carried them (batches, or single autocommit statements).
     pub batches: u64,
-}
-
-#[derive(Debug, Default)]
-struct Counters {
-    jobs: AtomicU64,
-    batches: AtomicU64,
 }
 
 /// Handle on the writer tasks; they stop when the last handle is dropped.
@@ -227,8 +237,7 @@ impl<S: Statement> Writer<S> {
         op: &S,
         start: StartBy,
     ) -> Result<S::Output, Error> {
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters.jobs.fetch_add(1, Ordering::Relaxed);
+        self.counters.batch(1);
         let until = answer_by(start.until, self.timeout);
         match timeout_at(until, op.run(&client)).await {
             Ok(outcome) => Ok(outcome?),
@@ -242,10 +251,7 @@ impl<S: Statement> Writer<S> {
 
     /// How many statements the writer ran, in how many round trips.
     pub(crate) fn stats(&self) -> WriterStats {
-        WriterStats {
-            jobs: self.counters.jobs.load(Ordering::Relaxed),
-            batches: self.counters.batches.load(Ordering::Relaxed),
-        }
+        self.counters.stats()
     }
 }
 
@@ -258,56 +264,14 @@ async fn drive<S: Statement>(
 ) {
     let mut jobs = Vec::with_capacity(max_batch);
     loop {
-        // Every idle writer waits on the queue, so a queued job finds one at once while any is
-        // free.
-        let mut first = match rx.recv().await {
-            Ok(job) => job,
-            Err(_) => return,
+        let client = match next_batch(&pool, &rx, max_batch, &mut jobs).await {
+            Next::Closed => return,
+            Next::Nothing => continue,
+            Next::Batch(client) => client,
         };
-        // Take the connection first and the rest of the queue after: every call queued while
-        // this one waited for a connection joins its batch.
-        let client = tokio::select! {
-            got = timeout_at(first.start.until, pool.get()) => got,
-            // The caller is gone: stop waiting on its behalf.
-            () = first.reply.closed() => continue,
-        };
-        let client = match client {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => {
-                let _ = first.reply.send(Err(Error::connect(e)));
-                continue;
-            }
-            Err(_) => {
-                let _ = first.reply.send(Err(first.start.missed()));
-                continue;
-            }
-        };
-        jobs.push(first);
-        while jobs.len() < max_batch {
-            match rx.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
-            }
-        }
-        let now = Instant::now();
-        // A caller that is gone, or a call that can no longer start in time: never write what
-        // nobody will hear of.
-        let (late, live): (Vec<_>, Vec<_>) = jobs
-            .drain(..)
-            .partition(|job| job.reply.is_closed() || job.start.until <= now);
-        jobs.extend(live);
-        for job in late {
-            let _ = job.reply.send(Err(job.start.missed()));
-        }
-        if jobs.is_empty() {
-            continue;
-        }
         // Stable: calls that compare equal (one row's statements) keep their queue order.
         jobs.sort_by(|a, b| a.op.lock_order(&b.op));
-        counters.batches.fetch_add(1, Ordering::Relaxed);
-        counters
-            .jobs
-            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        counters.batch(jobs.len());
         let latest = jobs.iter().map(|job| job.start.until).max();
         let until = answer_by(latest.unwrap_or_else(Instant::now), timeout);
         run_batch(client, &mut jobs, until).await;
