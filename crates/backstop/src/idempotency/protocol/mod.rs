@@ -11,6 +11,8 @@
 
 #[cfg(test)]
 mod model_check;
+#[cfg(test)]
+mod windows_check;
 
 use std::time::Duration;
 
