@@ -13,13 +13,16 @@
 //! - `backstop chaos`: an exactly-once checker: payments retried through SIGKILLs and PSP
 //!   faults, then the history checked.
 
+use std::collections::BTreeSet;
 use std::error::Error;
+use std::ffi::OsString;
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod api_keys;
 mod chaos;
+mod config_file;
 mod error_chain;
 mod load;
 mod logging;
@@ -60,7 +63,7 @@ enum Command {
     ///
     /// HTTP JSON on 127.0.0.1:8081 and gRPC on 127.0.0.1:50051 by default, a SQLite store, and
     /// an embedded PSP unless --psp is given.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Run the PSP simulator: a fake payment provider with fault injection
     ///
     /// It keeps its own store, deduplicates charges on the effect key, and injects errors,
@@ -99,7 +102,7 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let (cli, matches) = parse();
     // The load driver would drown its own summary in per-attempt events: warnings only.
     let default_level = match cli.command {
         Command::Load(_) | Command::Reconcile(_) | Command::Chaos(_) => "warn",
@@ -138,6 +141,20 @@ async fn main() -> ExitCode {
             let config = args
                 .config()
                 .unwrap_or_else(|error| usage_error(error, "serve"));
+            if args.print_config() {
+                let merchants: Vec<String> =
+                    config.api_keys.iter().map(|k| k.merchant.clone()).collect();
+                print!(
+                    "{}",
+                    config_file::print(
+                        &serve_command(),
+                        &matches.serve,
+                        &matches.from_file,
+                        &merchants
+                    )
+                );
+                return ExitCode::SUCCESS;
+            }
             let result = serve::run(config, shutdown_signal()).await;
             // After the drain: the last requests' spans are batched by now.
             #[cfg(feature = "otel")]
@@ -193,6 +210,67 @@ fn usage_error(error: clap::Error, subcommand: &str) -> ! {
         Some(command) => error.format(command).exit(),
         None => error.format(&mut cli).exit(),
     }
+}
+
+/// What the command line said beyond [`Cli`]: `serve`'s matches (where each setting came
+/// from) and the settings taken from its config file.
+struct Matches {
+    serve: ArgMatches,
+    from_file: BTreeSet<String>,
+}
+
+/// `serve`'s definition, as the full command builds it.
+fn serve_command() -> clap::Command {
+    let mut command = Cli::command();
+    command.build();
+    command
+        .find_subcommand("serve")
+        .cloned()
+        .unwrap_or_else(|| clap::Command::new("serve"))
+}
+
+/// Parses the command line; for `serve --config FILE`, again with the file's settings added
+/// where neither a flag nor an environment variable gave one (see [`config_file`]).
+fn parse() -> (Cli, Matches) {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let matches = Cli::command().get_matches_from(&argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let serve_matches = matches.subcommand_matches("serve").cloned();
+    let (Command::Serve(args), Some(serve)) = (&cli.command, serve_matches) else {
+        let none = Matches {
+            serve: ArgMatches::default(),
+            from_file: BTreeSet::new(),
+        };
+        return (cli, none);
+    };
+    let Some(file) = args.config_file() else {
+        let found = Matches {
+            serve,
+            from_file: BTreeSet::new(),
+        };
+        return (cli, found);
+    };
+    let extra = config_file::file_args(file, &serve_command(), &serve)
+        .unwrap_or_else(|error| usage_error(error, "serve"));
+    let from_file = extra
+        .iter()
+        .filter_map(|a| a.to_str()?.strip_prefix("--"))
+        .map(|a| a.split('=').next().unwrap_or(a).to_owned())
+        .collect();
+    // Right after the subcommand's name: the file's settings are `serve`'s arguments.
+    let at = argv
+        .iter()
+        .position(|a| a == "serve")
+        .map_or(argv.len(), |i| i + 1);
+    let mut with_file = argv;
+    with_file.splice(at..at, extra);
+    let matches = Cli::command().get_matches_from(&with_file);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let serve = matches
+        .subcommand_matches("serve")
+        .cloned()
+        .unwrap_or_default();
+    (cli, Matches { serve, from_file })
 }
 
 /// Resolves on ctrl-c, or SIGTERM on unix.

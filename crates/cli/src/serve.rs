@@ -17,43 +17,76 @@ use crate::api_keys;
 /// Flags of `backstop serve`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct ServeArgs {
+    /// Settings from a TOML file whose keys are these flags' long names (`max-inflight = 64`);
+    /// a flag, or its environment variable, wins over the file.
+    #[arg(long, value_name = "PATH", env = "BACKSTOP_CONFIG")]
+    config: Option<std::path::PathBuf>,
+    /// Print the settings in effect, as a config file with where each came from (API keys
+    /// and passwords left out), and exit.
+    #[arg(long)]
+    print_config: bool,
     /// HTTP address (port 0: any free port, logged at start).
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8081")]
+    #[arg(
+        long,
+        env = "BACKSTOP_HTTP",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:8081"
+    )]
     http: SocketAddr,
     /// gRPC address (`payment.v1.Payment`, h2c; port 0: any free port, logged at start).
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "BACKSTOP_GRPC",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:50051"
+    )]
     grpc: SocketAddr,
     /// Store: `sqlite://PATH`, a file path, or `postgres://USER@HOST:PORT/DB` (shared by
     /// several instances).
-    #[arg(long, value_name = "URL", default_value = "backstop.db")]
+    #[arg(
+        long,
+        env = "BACKSTOP_STORE",
+        value_name = "URL",
+        default_value = "backstop.db"
+    )]
     store: String,
     /// PSP base URL; without it an embedded PSP starts on a loopback port with its own
     /// database next to the store (`backstop.db` -> `backstop-psp.db`).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, env = "BACKSTOP_PSP", value_name = "URL")]
     psp: Option<String>,
     /// Requests executing at once; beyond it 503 + Retry-After. With `--limit adaptive`, the
     /// upper bound of the limit (and where it starts).
-    #[arg(long, value_name = "N", default_value_t = 256)]
+    #[arg(
+        long,
+        env = "BACKSTOP_MAX_INFLIGHT",
+        value_name = "N",
+        default_value_t = 256
+    )]
     max_inflight: usize,
     /// Connections open at once on each port; at the cap an idle one is closed to make room,
     /// or the new one refused when all are busy. Keep it below the file descriptor limit.
-    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_MAX_CONNECTIONS)]
+    #[arg(long, env = "BACKSTOP_MAX_CONNECTIONS", value_name = "N", default_value_t = backstop_payment::config::DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
     /// On SIGTERM or ctrl-c, how long in-flight requests may take to finish before they are cut
     /// (both ports drain at once, within this one bound).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_drain)]
+    #[arg(long, env = "BACKSTOP_DRAIN_TIMEOUT", value_name = "DURATION", default_value = "10s", value_parser = parse_drain)]
     drain_timeout: Duration,
     /// How often expired idempotency records are deleted, in batches that let claims through
     /// between them (a sweep also runs at start-up). From 1s to 1d.
-    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_sweep_every)]
+    #[arg(long, env = "BACKSTOP_SWEEP_EVERY", value_name = "DURATION", default_value = "60s", value_parser = parse_sweep_every)]
     sweep_every: Duration,
     /// `fixed`: --max-inflight requests at once. `adaptive`: a limit found from the latency of
     /// served requests, between --min-inflight and --max-inflight, lowered when latency rises
     /// above its baseline and raised when it falls.
-    #[arg(long, value_name = "MODE", default_value_t = LimitMode::Fixed)]
+    #[arg(long, env = "BACKSTOP_LIMIT", value_name = "MODE", default_value_t = LimitMode::Fixed)]
     limit: LimitMode,
     /// Lower bound of the adaptive limit.
-    #[arg(long, value_name = "N", default_value_t = 8)]
+    #[arg(
+        long,
+        env = "BACKSTOP_MIN_INFLIGHT",
+        value_name = "N",
+        default_value_t = 8
+    )]
     min_inflight: usize,
     /// How requests wait for a slot when all are busy. `fair`: per-merchant queues served in
     /// turn, each merchant holding at most an equal share; a request is dropped (503 +
@@ -61,43 +94,43 @@ pub(crate) struct ServeArgs {
     /// when a standing queue forms, once it has waited longer than --queue-target (the newest
     /// are then served first). `fifo`: one first-come-first-served line, each request waiting
     /// as long as its budget allows.
-    #[arg(long, value_name = "MODE", default_value_t = Discipline::Fair)]
+    #[arg(long, env = "BACKSTOP_QUEUE", value_name = "MODE", default_value_t = Discipline::Fair)]
     queue: Discipline,
     /// Most requests waiting for a slot; beyond it 503 + Retry-After.
-    #[arg(long, value_name = "N", default_value_t = QueueConfig::DEFAULT_MAX_WAITERS)]
+    #[arg(long, env = "BACKSTOP_QUEUE_SIZE", value_name = "N", default_value_t = QueueConfig::DEFAULT_MAX_WAITERS)]
     queue_size: usize,
     /// Most memory the waiting requests may hold (their bodies plus overhead), in bytes.
-    #[arg(long, value_name = "BYTES", default_value_t = QueueConfig::DEFAULT_MAX_BYTES)]
+    #[arg(long, env = "BACKSTOP_QUEUE_MEMORY", value_name = "BYTES", default_value_t = QueueConfig::DEFAULT_MAX_BYTES)]
     queue_memory: usize,
     /// Queueing delay a standing queue may not exceed (`fair`): once even the shortest wait
     /// over --queue-interval is longer, requests that waited this long are dropped. Raised to
     /// two gaps between finishing requests (service time / limit) when those are longer.
-    #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = parse_queue_duration)]
+    #[arg(long, env = "BACKSTOP_QUEUE_TARGET", value_name = "DURATION", default_value = "5ms", value_parser = parse_queue_duration)]
     queue_target: Duration,
     /// Window over which the shortest wait is measured, and the longest wait while no
     /// standing queue exists (`fair`; at least twice the target in effect).
-    #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_queue_duration)]
+    #[arg(long, env = "BACKSTOP_QUEUE_INTERVAL", value_name = "DURATION", default_value = "100ms", value_parser = parse_queue_duration)]
     queue_interval: Duration,
     /// Turn slow start off. With it (the default), when half of the recent requests fail (the
     /// PSP or the store is down) the limit drops to --slow-start-floor, and once requests
     /// succeed again it ramps back up, doubling per round trip, instead of releasing the whole
     /// backlog at once onto a dependency that is just back.
-    #[arg(long)]
+    #[arg(long, env = "BACKSTOP_NO_SLOW_START")]
     no_slow_start: bool,
     /// Requests admitted at once during an outage, where slow start ramps up from (capped by
     /// the limit).
-    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
+    #[arg(long, env = "BACKSTOP_SLOW_START_FLOOR", value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
     slow_start_floor: usize,
     /// For experiments: abort this percentage (0 to 100) of the payment requests at random with
     /// 503 problem+json `fault_injected` / gRPC UNAVAILABLE, before any work (no quota spent,
     /// the idempotency key left unused). Off (0) by default.
-    #[arg(long, value_name = "PERCENT", default_value_t = 0.0, value_parser = parse_percent, allow_negative_numbers = true)]
+    #[arg(long, env = "BACKSTOP_FAULT_ABORT_PERCENT", value_name = "PERCENT", default_value_t = 0.0, value_parser = parse_percent, allow_negative_numbers = true)]
     fault_abort_percent: f64,
     /// Requests per second per merchant; beyond it 429 + Retry-After.
-    #[arg(long, value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
+    #[arg(long, env = "BACKSTOP_TENANT_RATE", value_name = "PER_SEC", default_value_t = NonZeroU32::new(1000).expect("non-zero"))]
     tenant_rate: NonZeroU32,
     /// Burst per merchant.
-    #[arg(long, value_name = "N", default_value_t = NonZeroU32::new(2000).expect("non-zero"))]
+    #[arg(long, env = "BACKSTOP_TENANT_BURST", value_name = "N", default_value_t = NonZeroU32::new(2000).expect("non-zero"))]
     tenant_burst: NonZeroU32,
     /// `MERCHANT=KEY`, repeatable (visible in `ps`: prefer --api-key-file or
     /// BACKSTOP_API_KEYS=MERCHANT=KEY,...). With keys from any of the three, `Authorization:
@@ -106,25 +139,30 @@ pub(crate) struct ServeArgs {
     #[arg(long = "api-key", value_name = "MERCHANT=KEY")]
     api_keys: Vec<String>,
     /// File of API keys: one `MERCHANT=KEY` a line, `#` comments; not readable by every user.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, env = "BACKSTOP_API_KEY_FILE", value_name = "PATH")]
     api_key_file: Option<std::path::PathBuf>,
     /// Share the per-merchant rate limits between instances through this Redis
     /// (`redis://HOST:PORT[/DB]`); without it each instance limits on its own.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, env = "BACKSTOP_REDIS", value_name = "URL")]
     redis: Option<String>,
     /// When Redis does not answer: `open` limits with this instance's share of the rate
     /// (rate / --instances), `closed` answers 503 + Retry-After.
-    #[arg(long, value_name = "POLICY", default_value = "open")]
+    #[arg(
+        long,
+        env = "BACKSTOP_REDIS_FAILURE",
+        value_name = "POLICY",
+        default_value = "open"
+    )]
     redis_failure: FailurePolicy,
     /// How long one rate-limit decision waits for Redis (and each Redis command may take)
     /// before --redis-failure decides, e.g. 100ms; at most 10s.
-    #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_redis_timeout)]
+    #[arg(long, env = "BACKSTOP_REDIS_TIMEOUT", value_name = "DURATION", default_value = "100ms", value_parser = parse_redis_timeout)]
     redis_timeout: Duration,
     /// Prefix of the rate-limit keys in Redis (instances sharing limits use the same one).
-    #[arg(long, value_name = "PREFIX", default_value = backstop::admission::redis::DEFAULT_PREFIX)]
+    #[arg(long, env = "BACKSTOP_REDIS_PREFIX", value_name = "PREFIX", default_value = backstop::admission::redis::DEFAULT_PREFIX)]
     redis_prefix: String,
     /// How many instances share the Redis limits (sets each one's fallback share).
-    #[arg(long, value_name = "N", default_value_t = NonZeroU32::MIN)]
+    #[arg(long, env = "BACKSTOP_INSTANCES", value_name = "N", default_value_t = NonZeroU32::MIN)]
     instances: NonZeroU32,
     /// Export the service's spans to this OpenTelemetry collector (OTLP over HTTP/protobuf,
     /// plain HTTP), e.g. `http://127.0.0.1:4318`: they go to URL/v1/traces, each request's span
@@ -139,6 +177,16 @@ pub(crate) struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The config file named by `--config` (or `BACKSTOP_CONFIG`).
+    pub(crate) fn config_file(&self) -> Option<&std::path::Path> {
+        self.config.as_deref()
+    }
+
+    /// Whether to print the settings in effect and exit.
+    pub(crate) fn print_config(&self) -> bool {
+        self.print_config
+    }
+
     /// Where `--otlp-endpoint` sends spans (its URL with `/v1/traces`), if given. A build
     /// without the `otel` feature refuses the flag rather than ignore it.
     pub(crate) fn otlp_traces_url(&self) -> Result<Option<http::Uri>, clap::Error> {

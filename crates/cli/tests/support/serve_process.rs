@@ -23,6 +23,8 @@ pub(crate) struct ServeProcess {
     pub(crate) base: String,
     /// The gRPC listener's address (no scheme).
     pub(crate) grpc: String,
+    /// The "payment service listening" log line (the settings the service started with).
+    pub(crate) listening: Value,
     /// The log lines after the "listening" one, kept so the pipe never fills.
     pub(crate) logs: mpsc::UnboundedReceiver<String>,
 }
@@ -55,7 +57,7 @@ pub(crate) async fn spawn(mut command: Command, http: &reqwest::Client) -> Serve
             }
         }
     });
-    let (http_addr, grpc) = loop {
+    let (http_addr, grpc, listening) = loop {
         let line = logs
             .recv()
             .await
@@ -65,7 +67,7 @@ pub(crate) async fn spawn(mut command: Command, http: &reqwest::Client) -> Serve
         };
         if v["fields"]["message"] == "payment service listening" {
             let field = |name: &str| v["fields"][name].as_str().expect("address").to_owned();
-            break (field("http"), field("grpc"));
+            break (field("http"), field("grpc"), v);
         }
     };
     let base = format!("http://{http_addr}");
@@ -77,6 +79,7 @@ pub(crate) async fn spawn(mut command: Command, http: &reqwest::Client) -> Serve
                     child,
                     base,
                     grpc,
+                    listening,
                     logs,
                 };
             }

@@ -1,0 +1,223 @@
+//! `backstop serve --config FILE`, `BACKSTOP_*` variables and `--print-config`, as an operator
+//! runs them: precedence flag > environment > file > default, unknown keys and bad values
+//! refused with the file and key named, secrets never printed, the printed settings usable as
+//! a config file, and a service started from a file running with the file's settings.
+
+#[path = "support/serve_process.rs"]
+mod serve_process;
+
+use std::path::Path;
+use std::process::Output;
+
+use serve_process::{BIN, serve_command};
+
+/// `backstop ARGS` with only the variables in `env` set among `BACKSTOP_*` ones.
+fn run(args: &[&str], env: &[(&str, &str)], dir: &Path) -> Output {
+    let mut command = std::process::Command::new(BIN);
+    command.current_dir(dir).args(args);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("BACKSTOP_") || name == "OTEL_EXPORTER_OTLP_ENDPOINT" {
+            command.env_remove(name);
+        }
+    }
+    command.envs(env.iter().copied());
+    command.output().expect("backstop runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The printed line of `key`: its value and where it came from.
+fn setting(printed: &str, key: &str) -> (String, String) {
+    let line = printed
+        .lines()
+        .find(|l| l.starts_with(&format!("{key} = ")))
+        .unwrap_or_else(|| panic!("no `{key}` in\n{printed}"));
+    let (value, source) = line.split_once(" # ").expect("a source comment");
+    let value = value.trim_end().trim_start_matches(&format!("{key} = "));
+    (value.to_owned(), source.to_owned())
+}
+
+const FILE: &str = r#"
+max-inflight = 64
+tenant-rate = 5
+tenant-burst = 50
+store = "postgres://app:s3cret@127.0.0.1:5432/test?password=other"
+api-key = ["acme=file-key-1", "globex=file-key-2"]
+no-slow-start = true
+drain-timeout = "3s"
+"#;
+
+#[test]
+fn a_flag_beats_its_variable_which_beats_the_file_which_beats_the_default() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("backstop.toml"), FILE).unwrap();
+    let out = run(
+        &[
+            "serve",
+            "--config",
+            "backstop.toml",
+            "--tenant-rate",
+            "7",
+            "--print-config",
+        ],
+        &[
+            ("BACKSTOP_MAX_INFLIGHT", "32"),
+            ("BACKSTOP_TENANT_RATE", "9"),
+        ],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let printed = stdout(&out);
+    assert_eq!(
+        setting(&printed, "tenant-rate"),
+        ("7".into(), "command line".into())
+    );
+    assert_eq!(
+        setting(&printed, "max-inflight"),
+        ("32".into(), "environment (BACKSTOP_MAX_INFLIGHT)".into())
+    );
+    assert_eq!(
+        setting(&printed, "tenant-burst"),
+        ("50".into(), "config file".into())
+    );
+    assert_eq!(
+        setting(&printed, "no-slow-start"),
+        ("true".into(), "config file".into())
+    );
+    assert_eq!(
+        setting(&printed, "http"),
+        ("\"127.0.0.1:8081\"".into(), "default".into())
+    );
+    // The file can also be named by the environment.
+    let out = run(
+        &["serve", "--print-config"],
+        &[("BACKSTOP_CONFIG", "backstop.toml")],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        setting(&stdout(&out), "max-inflight"),
+        ("64".into(), "config file".into())
+    );
+}
+
+#[test]
+fn secrets_are_never_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("backstop.toml"), FILE).unwrap();
+    let out = run(
+        &["serve", "--config", "backstop.toml", "--print-config"],
+        &[("BACKSTOP_API_KEYS", "initech=env-key-3")],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let printed = stdout(&out);
+    for secret in ["s3cret", "other", "file-key-1", "file-key-2", "env-key-3"] {
+        assert!(!printed.contains(secret), "{secret} printed:\n{printed}");
+    }
+    assert_eq!(
+        setting(&printed, "store").0,
+        "\"postgres://app:***@127.0.0.1:5432/test?password=***\""
+    );
+    assert!(
+        printed.contains("# merchants with API keys (from every source): acme, globex, initech"),
+        "{printed}"
+    );
+}
+
+#[test]
+fn the_printed_settings_read_back_as_the_same_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = "max-inflight = 64\nqueue-target = \"7ms\"\nfault-abort-percent = 2.5\n\
+                redis = \"redis://127.0.0.1:6379/3\"\nno-slow-start = true\n";
+    std::fs::write(dir.path().join("first.toml"), file).unwrap();
+    let first = run(
+        &["serve", "--config", "first.toml", "--print-config"],
+        &[],
+        dir.path(),
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    std::fs::write(dir.path().join("second.toml"), &first.stdout).unwrap();
+    let second = run(
+        &["serve", "--config", "second.toml", "--print-config"],
+        &[],
+        dir.path(),
+    );
+    assert!(second.status.success(), "{}", stderr(&second));
+    let values = |printed: &str| -> Vec<String> {
+        printed
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(" # ").next().unwrap_or(l).trim_end().to_owned())
+            .collect()
+    };
+    assert_eq!(values(&stdout(&first)), values(&stdout(&second)));
+    assert_eq!(setting(&stdout(&second), "queue-target").0, "\"7ms\"");
+    assert_eq!(
+        setting(&stdout(&second), "fault-abort-percent").0,
+        "\"2.5\""
+    );
+}
+
+#[test]
+fn unknown_keys_and_bad_values_are_refused_naming_the_file_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    for (body, expected) in [
+        ("max-inflihgt = 64\n", "unknown key `max-inflihgt`"),
+        (
+            "max-inflight = \"lots\"\n",
+            "`max-inflight`: invalid value 'lots'",
+        ),
+        ("max-inflight = [1, 2]\n", "`max-inflight` takes one value"),
+        (
+            "no-slow-start = \"yes\"\n",
+            "`no-slow-start` is true or false",
+        ),
+        ("api-key = [1]\n", "`api-key` is a list of strings"),
+        ("drain-timeout = \"11m\"\n", "`drain-timeout`"),
+        ("[server]\nhttp = \"x\"\n", "unknown key `server`"),
+        ("max-inflight = \n", "not TOML"),
+    ] {
+        std::fs::write(dir.path().join("bad.toml"), body).unwrap();
+        let out = run(&["serve", "--config", "bad.toml"], &[], dir.path());
+        assert_eq!(out.status.code(), Some(2), "{body}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains("config file bad.toml"), "{body}: {err}");
+        assert!(err.contains(expected), "{body}: {err}");
+    }
+    let out = run(&["serve", "--config", "missing.toml"], &[], dir.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("config file missing.toml: cannot read it"));
+    // Nothing was started: no store file was created by the refused runs.
+    assert!(!dir.path().join("backstop.db").exists());
+}
+
+#[tokio::test]
+async fn a_service_started_from_a_file_runs_with_its_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("pay.db");
+    std::fs::write(
+        dir.path().join("backstop.toml"),
+        format!(
+            "max-inflight = 48\nstore = {:?}\nlimit = \"adaptive\"\nmin-inflight = 4\n",
+            store.display().to_string()
+        ),
+    )
+    .unwrap();
+    let mut command = serve_command();
+    command
+        .current_dir(dir.path())
+        .args(["--config", "backstop.toml"]);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let process = serve_process::spawn(command, &http).await;
+    let log = process.listening.clone();
+    assert_eq!(log["fields"]["max_inflight"], 48, "{log}");
+    assert_eq!(log["fields"]["limit"], "adaptive", "{log}");
+    assert!(store.exists(), "the file's store was opened");
+}
