@@ -244,3 +244,73 @@ impl health_server::Health for DrainingHealth {
         Ok(Response::new(Box::pin(stream)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use health_server::Health as _;
+
+    use super::*;
+
+    async fn status(service: &DrainingHealth, name: &str) -> WireStatus {
+        service
+            .check(Request::new(HealthCheckRequest {
+                service: name.to_owned(),
+            }))
+            .await
+            .expect("a known name")
+            .into_inner()
+            .status()
+    }
+
+    fn service(health: &Health) -> DrainingHealth {
+        DrainingHealth {
+            inner: HealthService::from_health_reporter(health.reporter.clone()),
+            draining: health.draining.subscribe(),
+        }
+    }
+
+    #[tokio::test]
+    async fn follows_the_store_until_the_drain_and_never_after() {
+        let health = Health::new();
+        let service = service(&health);
+        for name in ["", PAYMENT_SERVICE] {
+            assert_eq!(
+                status(&service, name).await,
+                WireStatus::NotServing,
+                "before a check"
+            );
+        }
+        health.set_serving(true).await;
+        assert_eq!(status(&service, PAYMENT_SERVICE).await, WireStatus::Serving);
+        // The store stops answering.
+        health.set_serving(false).await;
+        assert_eq!(status(&service, "").await, WireStatus::NotServing);
+        health.set_serving(true).await;
+
+        let mut watch = service
+            .watch(Request::new(HealthCheckRequest {
+                service: String::new(),
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = watch.next().await.unwrap().unwrap();
+        assert_eq!(first.status(), WireStatus::Serving);
+        health.drain().await;
+        // A check that answered just before the drain lands after it: ignored.
+        health.set_serving(true).await;
+        for name in ["", PAYMENT_SERVICE] {
+            assert_eq!(
+                status(&service, name).await,
+                WireStatus::NotServing,
+                "{name:?}"
+            );
+        }
+        let last = watch.next().await.unwrap().unwrap();
+        assert_eq!(last.status(), WireStatus::NotServing);
+        assert!(
+            watch.next().await.is_none(),
+            "the stream ends after the drain"
+        );
+    }
+}
