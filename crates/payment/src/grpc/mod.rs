@@ -7,6 +7,9 @@
 //! the gate and idempotency (metadata `idempotency-key`), each answering a gRPC caller with a
 //! gRPC status.
 //!
+//! Beside the stack, on the same port: `grpc.health.v1.Health` and server reflection
+//! ([`health`]).
+//!
 //! # Status codes
 //!
 //! | outcome | code |
@@ -27,6 +30,7 @@
 //! | no such payment (`GetCharge`) | `NOT_FOUND` |
 
 pub mod codec;
+pub mod health;
 pub mod proto;
 pub(crate) mod server;
 mod service;

@@ -9,7 +9,9 @@
 //! authentication ([`crate::auth`], sets the `Tenant`) -> fault injection (`--fault-abort-percent`,
 //! off by default) -> per-merchant rate limit -> gate ->
 //! idempotency (claims the key, scoped per merchant) -> handler. Health, readiness and metrics
-//! routes bypass the stack. The HTTP side is an axum router; the gRPC side is tonic's own router
+//! routes bypass the stack, and so do `grpc.health.v1` and server reflection on the gRPC port
+//! ([`crate::grpc::health`]: `SERVING` while the store answers, `NOT_SERVING` from the moment
+//! draining starts). The HTTP side is an axum router; the gRPC side is tonic's own router
 //! ([`GrpcService`]), wrapped by the same stack directly.
 //!
 //! # Layout
@@ -46,6 +48,7 @@ pub use self::routers::{
 
 use self::leases::OpenLeases;
 use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
+use crate::grpc::health::Health;
 use crate::intents::Intents;
 use crate::psp::{self, PspConfig, PspHandle};
 use crate::psp_client::{ClientError, PspClient};
@@ -142,6 +145,7 @@ pub struct Server {
     app: axum::Router,
     grpc: crate::grpc::server::Bound,
     grpc_router: GrpcService,
+    health: Health,
     limits: ListenConfig,
     leases: OpenLeases,
     state: AppState,
@@ -218,7 +222,11 @@ impl Server {
         let Routers {
             http: app,
             grpc: grpc_router,
+            health,
         } = build_routers(state.clone(), leases.clone(), &config, rate_limit);
+        // The first check before any connection is served: a probe never sees the status the
+        // store has not been asked for yet.
+        health.check(state.intents()).await;
         let mut limits = ListenConfig::default();
         limits.max_connections = config.max_connections;
         limits.drain_timeout = config.drain_timeout;
@@ -237,6 +245,7 @@ impl Server {
             }
         }));
         background.push(crate::resolver::spawn(state.clone()));
+        background.push(health.spawn(state.intents().clone()));
         background.push(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(UPKEEP_EVERY).await;
@@ -271,6 +280,7 @@ impl Server {
             app,
             grpc,
             grpc_router,
+            health,
             limits,
             leases,
             state,
@@ -329,6 +339,7 @@ impl Server {
             app,
             grpc,
             grpc_router,
+            health,
             limits,
             leases,
             psp,
@@ -346,6 +357,8 @@ impl Server {
         let http = tokio::spawn(http.serve(app, stopped()));
         let grpc = grpc.spawn(grpc_router, limits.clone(), stopped());
         shutdown.await;
+        // Probes see the drain before the listeners stop accepting.
+        health.drain().await;
         tracing::info!(
             drain_ms = limits.drain_timeout.as_millis() as u64,
             "shutting down: draining in-flight requests"

@@ -1,6 +1,9 @@
 //! [`build_routers`]: the HTTP and the gRPC routes behind one server stack, configured from
-//! [`Config`].
+//! [`Config`], and the routes served beside it (health, readiness, metrics; on the gRPC port
+//! `grpc.health.v1` and reflection).
 
+use std::convert::Infallible;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -12,13 +15,17 @@ use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, Takeover};
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
 use backstop::status::Code;
-use http::Method;
-use tower::ServiceBuilder;
+use futures_util::future::BoxFuture;
+use http::{Method, Request};
+use hyper::body::Incoming;
+use tonic::service::Routes;
 use tower::util::{BoxCloneService, MapRequestLayer};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 
 use crate::auth::Authenticator;
 use crate::config::{BODY_LIMIT, Config, LimitMode};
 use crate::grpc;
+use crate::grpc::health::{self, Health};
 use crate::service::phases;
 use crate::service::protocol::{OneProtocolLayer, Port};
 use crate::service::{PaymentBackend, handlers};
@@ -57,8 +64,11 @@ pub fn rate_limit_layer(config: &Config) -> Result<RateLimitLayer, RedisLimitErr
 pub struct Routers {
     /// HTTP: payment routes under the stack, `/healthz`, `/readyz` and `/metrics` beside it.
     pub http: Router,
-    /// gRPC: `payment.v1.Payment` on tonic's own router, under the stack.
+    /// gRPC: `payment.v1.Payment` on tonic's own router, under the stack; `grpc.health.v1` and
+    /// reflection beside it.
     pub grpc: GrpcService,
+    /// The status `grpc.health.v1` reports: the server checks the store into it and drains it.
+    pub health: Health,
 }
 
 pub use crate::grpc::server::GrpcService;
@@ -175,15 +185,19 @@ pub fn build_routers<St: PaymentBackend>(
     // Requests no route takes are counted and logged too, as `unmatched`.
     let unmatched = stack.unmatched();
     // tonic's router as it is: the stack's layers ask nothing of its bodies.
-    let grpc = BoxCloneService::new(
+    let stacked = BoxCloneService::new(
         ServiceBuilder::new()
-            .layer(OneProtocolLayer(Port::Grpc))
             .map_response(boxed)
             .layer(stack.clone())
             .map_request(phases::erase::<St, _>)
             .layer(grpc::unary_limit())
             .service(grpc::routes(state.clone())),
     );
+    let health = Health::new();
+    let grpc = BoxCloneService::new(OneProtocolLayer(Port::Grpc).layer(Beside {
+        beside: health.routes(),
+        stacked,
+    }));
 
     let payments = Router::new()
         .route("/v1/payments", post(handlers::create_payment))
@@ -204,5 +218,45 @@ pub fn build_routers<St: PaymentBackend>(
         .merge(payments)
         .fallback(handlers::not_found.layer(unmatched))
         .layer(OneProtocolLayer(Port::Http));
-    Routers { http, grpc }
+    Routers { http, grpc, health }
+}
+
+/// The gRPC port's dispatch: health and reflection ([`health::is_beside`]) to their own router,
+/// everything else through the server stack. A path-prefix match rather than one tonic router
+/// for all services, because the stack wraps tonic's router whole (it sees every request
+/// before any route is chosen), and probes must not meet its authentication, rate limit, gate
+/// or metrics; a tower `Steer` would do the same with a picker closure and ready both sides
+/// for every call.
+#[derive(Clone)]
+struct Beside {
+    beside: Routes,
+    stacked: GrpcService,
+}
+
+impl Service<Request<Incoming>> for Beside {
+    type Response = axum::response::Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Self::Response, Infallible>>;
+
+    /// The stack's readiness: payment calls, the hot path, are called on it directly (the
+    /// listener calls each request on a fresh clone, so a probe dropping that readiness
+    /// releases whatever it reserved).
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.stacked.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Incoming>) -> Self::Future {
+        if health::is_beside(request.uri().path()) {
+            let answer = self.beside.clone().oneshot(request);
+            Box::pin(async move { answer.await.map(boxed) })
+        } else {
+            self.stacked.call(request)
+        }
+    }
+}
+
+impl std::fmt::Debug for Beside {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Beside").finish_non_exhaustive()
+    }
 }
