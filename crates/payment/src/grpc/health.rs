@@ -83,7 +83,10 @@ pub struct Health {
     /// `true` once draining started; status writes hold `writes`, so that a store check
     /// finishing after the drain cannot turn `SERVING` back on.
     draining: Arc<watch::Sender<bool>>,
-    writes: Arc<Mutex<()>>,
+    /// The status last written (`None`: not yet checked). A check that finds the status
+    /// unchanged writes nothing: the reporter would send the same status again to every
+    /// `Watch` stream, which asks for changes only.
+    writes: Arc<Mutex<Option<bool>>>,
 }
 
 impl Default for Health {
@@ -106,25 +109,27 @@ impl Health {
         Health {
             reporter,
             draining: Arc::new(watch::channel(false).0),
-            writes: Arc::new(Mutex::new(())),
+            writes: Arc::new(Mutex::new(None)),
         }
     }
 
     /// Sets both names `SERVING` or `NOT_SERVING`; nothing once draining started.
     pub async fn set_serving(&self, serving: bool) {
-        let _writing = self.writes.lock().await;
-        if !self.is_draining() {
+        let mut written = self.writes.lock().await;
+        if !self.is_draining() && *written != Some(serving) {
             self.set_both(serving).await;
+            *written = Some(serving);
         }
     }
 
     /// Draining started: both names `NOT_SERVING` from now on, and open `Watch` streams end
     /// after saying so.
     pub async fn drain(&self) {
-        let _writing = self.writes.lock().await;
+        let mut written = self.writes.lock().await;
         // The flag first: a `Watch` stream checks it before the status (see `watch`).
         self.draining.send_replace(true);
         self.set_both(false).await;
+        *written = Some(false);
     }
 
     /// Whether [`Health::drain`] was called.
