@@ -232,3 +232,38 @@ fn every_problem_code_is_listed_in_the_readme() {
         "problem codes the service can answer with but README.md does not list: {missing:?}"
     );
 }
+
+/// The OpenAPI document's `Problem.code` enumerates every code the sources can answer with,
+/// and only codes README.md explains.
+#[test]
+fn every_problem_code_is_in_the_openapi_document() {
+    use utoipa::OpenApi;
+    let document = backstop_payment::service::openapi::ApiDoc::openapi()
+        .to_json()
+        .expect("the document serializes");
+    let document: serde_json::Value = serde_json::from_str(&document).unwrap();
+    let code = &document["components"]["schemas"]["Problem"]["properties"]["code"];
+    // Inline, the enum sits in a one-element `oneOf` beside the member's description.
+    let listed: BTreeSet<String> = code["enum"]
+        .as_array()
+        .or_else(|| code["oneOf"][0]["enum"].as_array())
+        .expect("Problem.code is an enum")
+        .iter()
+        .map(|c| c.as_str().expect("a string").to_owned())
+        .collect();
+    let codes = codes_in_sources();
+    let missing: Vec<_> = codes.difference(&listed).collect();
+    assert!(
+        missing.is_empty(),
+        "codes the OpenAPI document misses: {missing:?}"
+    );
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let unexplained: Vec<_> = listed
+        .iter()
+        .filter(|code| !readme.contains(&format!("`{code}`")))
+        .collect();
+    assert!(
+        unexplained.is_empty(),
+        "codes README.md does not explain: {unexplained:?}"
+    );
+}

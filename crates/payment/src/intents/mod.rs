@@ -35,7 +35,7 @@ use rusqlite::OptionalExtension;
 use serde::Serialize;
 
 /// Where an intent stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum IntentStatus {
     /// Created; the PSP outcome is not known yet (or was unknown when the last attempt ended).

@@ -28,7 +28,7 @@ use crate::grpc;
 use crate::grpc::health::{self, Health};
 use crate::service::phases;
 use crate::service::protocol::{OneProtocolLayer, Port};
-use crate::service::{PaymentBackend, handlers};
+use crate::service::{PaymentBackend, handlers, openapi};
 use crate::state::AppState;
 
 /// Service label of the server metrics.
@@ -213,6 +213,7 @@ pub fn build_routers<St: PaymentBackend>(
         .route("/healthz", get(handlers::healthz))
         .route("/readyz", get(handlers::readyz))
         .route("/metrics", get(handlers::metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
         .method_not_allowed_fallback(handlers::method_not_allowed.layer(unmatched.clone()))
         .with_state(state)
         .merge(payments)

@@ -16,6 +16,8 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use super::answer::{self, ChargeAnswer, PAYMENT_OUTCOME_UNKNOWN};
+#[allow(unused_imports)] // Named by the `utoipa::path` annotations.
+use super::openapi::ProblemDocument;
 use super::payments::{self, Claimed};
 use super::phases::Charging;
 use super::request::{self, PaymentRequest};
@@ -29,13 +31,20 @@ pub const NOT_FOUND: &str = "not_found";
 pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
 
 /// Wire form of a payment (201 on create, 200 on `GET`).
-#[derive(Debug, Serialize)]
-struct PaymentView<'a> {
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = Payment)]
+pub(crate) struct PaymentView<'a> {
+    /// The payment's id, also the effect key the PSP deduplicates on.
     intent_id: &'a str,
+    /// The merchant's business key of the payment.
     order_id: &'a str,
+    /// Amount in minor units.
     amount_cents: i64,
+    /// ISO 4217 code.
     currency: &'a str,
+    /// Where the payment stands.
     status: IntentStatus,
+    /// The PSP's charge id once the payment succeeded.
     charge_id: Option<&'a str>,
 }
 
@@ -131,6 +140,41 @@ impl<S: Send + Sync> FromRequestParts<S> for Claimed {
 }
 
 /// `POST /v1/payments`.
+#[utoipa::path(
+    post,
+    path = "/v1/payments",
+    tag = "payments",
+    params(
+        ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters (a token, or a quoted Structured Field string); one per logical payment, the same on every retry"),
+        ("grpc-timeout" = Option<String>, Header, description = "The caller's remaining budget, gRPC syntax (`250m`, `2S`); default 10 s"),
+        ("traceparent" = Option<String>, Header, description = "W3C trace context, propagated to the PSP")
+    ),
+    request_body(content = PaymentRequest, content_type = "application/json", description = "At most 1 MiB; unknown members and members named twice are refused"),
+    responses(
+        (status = 201, description = "Payment created; the same key again with the same parameters replays this answer byte for byte", body = PaymentView,
+            headers(("Location" = String, description = "`/v1/payments/{intent_id}`"),
+                    ("Idempotent-Replayed" = bool, description = "`true` on a replayed answer"))),
+        (status = 400, description = "Bad input (`missing_idempotency_key`, `invalid_idempotency_key`, `invalid_body`, `malformed_json`, `duplicate_field`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency`, `invalid_grpc_timeout`); nothing is written", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or unknown bearer key (`unauthenticated`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("WWW-Authenticate" = String, description = "`Bearer`"))),
+        (status = 402, description = "The PSP refused the charge for good (`payment_declined`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "The key was used with other parameters (`idempotency_key_reused`), is still running when this request's budget ends (`request_in_progress`, with `Retry-After`), or the order has a payment under another key (`order_conflict`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait (`request_in_progress`)"))),
+        (status = 500, description = "`outcome_unknown` (never on this route: its takeover resumes), or `internal`: the answer could not be stored; the key is released", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 502, description = "The PSP holds this payment's effect key with other parameters (`psp_conflict`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "No such route (`not_found`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 405, description = "The route does not take this method (`method_not_allowed`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 413, description = "Body over 1 MiB (`body_too_large`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 415, description = "`Content-Type: application/grpc` on the HTTP port (`grpc_on_http_port`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "The merchant is over its quota (`rate_limited`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+        (status = 503, description = "Not now: overloaded, a dependency down or the PSP charged nothing (`overloaded`, `rate_limiter_unavailable`, `store_unavailable`, `psp_unavailable`, `fault_injected`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+        (status = 504, description = "The request's deadline ran out (`deadline_exceeded`), or a charge's outcome is unknown (`payment_outcome_unknown`: retry with the same key)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying (`payment_outcome_unknown`)")))
+    ),
+    security((), ("bearer" = []))
+)]
 pub(crate) async fn create_payment(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -174,6 +218,29 @@ async fn create(
 
 /// `GET /v1/payments/{intent_id}`: the merchant's own intents only. A running intent is
 /// converged by asking the PSP for a charge under its effect key.
+#[utoipa::path(
+    get,
+    path = "/v1/payments/{intent_id}",
+    tag = "payments",
+    params(
+        ("intent_id" = String, Path, description = "The payment's id"),
+        ("grpc-timeout" = Option<String>, Header, description = "The caller's remaining budget, gRPC syntax")
+    ),
+    responses(
+        (status = 200, description = "The payment", body = PaymentView),
+        (status = 400, description = "Bad input (`missing_idempotency_key`, `invalid_idempotency_key`, `invalid_body`, `malformed_json`, `duplicate_field`, `unknown_field`, `missing_field`, `invalid_order_id`, `invalid_amount`, `invalid_currency`, `invalid_grpc_timeout`); nothing is written", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "Missing or unknown bearer key (`unauthenticated`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("WWW-Authenticate" = String, description = "`Bearer`"))),
+        (status = 404, description = "No payment of this merchant with this id (`payment_not_found`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 405, description = "The route does not take this method (`method_not_allowed`)", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "The merchant is over its quota (`rate_limited`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+        (status = 503, description = "Not now (`overloaded`, `rate_limiter_unavailable`, `store_unavailable`, `fault_injected`)", body = ProblemDocument, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+        (status = 504, description = "The request's deadline ran out (`deadline_exceeded`)", body = ProblemDocument, content_type = "application/problem+json")
+    ),
+    security((), ("bearer" = []))
+)]
 pub(crate) async fn get_payment(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -190,6 +257,8 @@ pub(crate) async fn get_payment(
 }
 
 /// `GET /healthz`: the process is up.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "The process is up: `{\"status\":\"ok\"}`", content_type = "application/json")))]
 pub(crate) async fn healthz() -> Response {
     (
         [(header::CONTENT_TYPE, "application/json")],
@@ -199,6 +268,9 @@ pub(crate) async fn healthz() -> Response {
 }
 
 /// `GET /readyz`: the store answers a read.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses((status = 200, description = "The store answers: `{\"status\":\"ready\"}`", content_type = "application/json"),
+              (status = 503, description = "The store does not answer (`store_unavailable`)", body = ProblemDocument, content_type = "application/problem+json")))]
 pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
     match state.intents.ping().await {
         Ok(()) => (
@@ -211,6 +283,8 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 /// `GET /metrics`: Prometheus text format.
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

@@ -54,6 +54,7 @@
 
 pub mod answer;
 pub mod handlers;
+pub mod openapi;
 pub(crate) mod payments;
 pub(crate) mod phases;
 pub mod protocol;

@@ -27,14 +27,20 @@ pub const MAX_ORDER_ID_LEN: usize = 128;
 /// Currency used when the body names none.
 pub const DEFAULT_CURRENCY: &str = "USD";
 
-/// A validated payment request, normalized (the default currency filled in).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// A validated payment request, normalized (the default currency filled in). As a schema,
+/// the body of `POST /v1/payments`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct PaymentRequest {
-    /// Business key of the payment.
+    /// Business key of the payment: 1 to 128 visible ASCII characters, one payment per order
+    /// and merchant.
+    #[schema(min_length = 1, max_length = 128, pattern = "^[!-~]+$")]
     pub order_id: String,
     /// Positive amount in minor units.
+    #[schema(minimum = 1, maximum = 1_000_000_000_000_i64)]
     pub amount_cents: i64,
     /// ISO 4217 code.
+    #[schema(required = false, default = "USD", pattern = "^[A-Z]{3}$")]
     pub currency: String,
 }
 
