@@ -145,9 +145,9 @@ impl<S: Send + Sync> FromRequestParts<S> for Claimed {
     path = "/v1/payments",
     tag = "payments",
     params(
-        ("Idempotency-Key" = String, Header, description = "1-255 visible ASCII characters (a token, or a quoted Structured Field string); one per logical payment, the same on every retry"),
-        ("grpc-timeout" = Option<String>, Header, description = "The caller's remaining budget, gRPC syntax (`250m`, `2S`); default 10 s"),
-        ("traceparent" = Option<String>, Header, description = "W3C trace context, propagated to the PSP")
+        ("Idempotency-Key" = String, Header, pattern = "^[!#-~]{1,255}$", description = "1-255 visible ASCII characters (a token, or a quoted Structured Field string such as `\"k-1\"`); one per logical payment, the same on every retry"),
+        ("grpc-timeout" = Option<String>, Header, nullable = false, pattern = "^[1-9][0-9]{0,7}[HMSmun]$", description = "The caller's remaining budget, gRPC syntax (`250m`, `2S`); default 10 s"),
+        ("traceparent" = Option<String>, Header, nullable = false, description = "W3C trace context, propagated to the PSP")
     ),
     request_body(content = PaymentRequest, content_type = "application/json", description = "At most 1 MiB; unknown members and members named twice are refused"),
     responses(
@@ -224,7 +224,7 @@ async fn create(
     tag = "payments",
     params(
         ("intent_id" = String, Path, description = "The payment's id"),
-        ("grpc-timeout" = Option<String>, Header, description = "The caller's remaining budget, gRPC syntax")
+        ("grpc-timeout" = Option<String>, Header, nullable = false, pattern = "^[1-9][0-9]{0,7}[HMSmun]$", description = "The caller's remaining budget, gRPC syntax")
     ),
     responses(
         (status = 200, description = "The payment", body = PaymentView),

@@ -6,7 +6,7 @@
 //! | member | rule |
 //! |---|---|
 //! | `order_id` | required string, 1..=128 visible ASCII characters (0x21..=0x7E) |
-//! | `amount_cents` | required JSON integer, 1..=[`MAX_AMOUNT_CENTS`] (no fraction, no exponent) |
+//! | `amount_cents` | required JSON integer, 1..=[`MAX_AMOUNT_CENTS`]; a number with no fractional part written with one (`1999.0`, `1.999e3`) is that integer, as JSON Schema's `integer` and the fingerprint's canonical form (RFC 8785) both read it |
 //! | `currency` | optional string of three uppercase ASCII letters, default `"USD"` |
 //!
 //! A member named twice (`{"amount_cents":1,"amount_cents":99999}`) is refused as
@@ -202,8 +202,7 @@ fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
     };
     let amount_cents = match map.get("amount_cents") {
         None => return Err(RequestError::MissingField("amount_cents")),
-        Some(Value::Number(n)) => match n.as_i64() {
-            // `as_i64` is None for floats (1.0, 1e3) and for integers beyond i64.
+        Some(Value::Number(n)) => match whole(n) {
             Some(a) if (1..=MAX_AMOUNT_CENTS).contains(&a) => a,
             _ => return Err(RequestError::InvalidAmount),
         },
@@ -219,6 +218,17 @@ fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
         amount_cents,
         currency,
     })
+}
+
+/// The integer `n` denotes, if any: an integer, or a number written with a fraction or an
+/// exponent whose value is whole (`1999.0`, `1.999e3`). Amounts stay far below 2^53, where
+/// every whole double is exact.
+fn whole(n: &serde_json::Number) -> Option<i64> {
+    if let Some(i) = n.as_i64() {
+        return Some(i);
+    }
+    let f = n.as_f64()?;
+    (f.fract() == 0.0 && f.abs() <= MAX_AMOUNT_CENTS as f64).then_some(f as i64)
 }
 
 /// Validates a request given field by field (the gRPC `ChargeRequest`), by the same rules as
@@ -309,9 +319,12 @@ mod tests {
         );
         for amount in [
             "1.5",
-            "1.0",
-            "1e3",
+            "1.0000001",
+            "1e-3",
             "-5",
+            "-5.0",
+            "0.0",
+            "1e13",
             "0",
             "\"10\"",
             "1000000000001",
@@ -322,6 +335,16 @@ mod tests {
                 "invalid_amount",
                 "{amount}"
             );
+        }
+        // A whole number written with a fraction or an exponent is that integer.
+        for (amount, cents) in [
+            ("1999.0", 1999),
+            ("1.999e3", 1999),
+            ("1e12", MAX_AMOUNT_CENTS),
+        ] {
+            let r = parse(format!(r#"{{"order_id":"o","amount_cents":{amount}}}"#).as_bytes())
+                .unwrap_or_else(|e| panic!("{amount}: {e}"));
+            assert_eq!(r.amount_cents, cents, "{amount}");
         }
         for cur in ["\"usd\"", "\"US\"", "\"USDD\"", "null", "1"] {
             assert_eq!(
