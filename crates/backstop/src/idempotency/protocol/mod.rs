@@ -10,6 +10,8 @@
 //! it proves is about the rules the stores run.
 
 #[cfg(test)]
+mod checking;
+#[cfg(test)]
 mod model_check;
 #[cfg(test)]
 mod windows_check;

@@ -41,10 +41,10 @@
 //! `earlier_rule_*` tests find runs where the downstream applies an effect twice. A store crash that loses a deferred
 //! claim is modelled too, and found to let two runs hold one fencing token.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
-use stateright::{Checker, Expectation, HasDiscoveries, Model, Property, Representative};
+use super::checking::{assert_properties_but, check, find};
+use stateright::{Checker, Model, Property, Representative};
 
 use super::{ClaimRule, Existing, claim, holds, lease_for, sweepable};
 use crate::idempotency::RecordStatus;
@@ -777,38 +777,6 @@ impl Model for ClaimProtocol {
         }
         properties
     }
-}
-
-fn check(model: ClaimProtocol) -> impl Checker<ClaimProtocol> {
-    model.checker().symmetry().spawn_dfs().join()
-}
-
-/// Checks until `property` has a discovery (or the space is exhausted).
-fn find(model: ClaimProtocol, property: &'static str) -> impl Checker<ClaimProtocol> {
-    model
-        .checker()
-        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
-        .spawn_bfs()
-        .join()
-}
-
-/// [`Checker::assert_properties`], but for the properties in `waived`, which the model's policy
-/// does not promise.
-fn assert_properties_but(checker: &impl Checker<ClaimProtocol>, waived: &[&str]) {
-    for p in checker.model().properties() {
-        match p.expectation {
-            _ if waived.contains(&p.name) => {}
-            Expectation::Always | Expectation::Eventually => checker.assert_no_discovery(p.name),
-            Expectation::Sometimes => {
-                checker.assert_any_discovery(p.name);
-            }
-        }
-    }
-    eprintln!("{} states", checker.unique_state_count());
-    assert!(
-        checker.unique_state_count() > 1_000,
-        "the model explored too little"
-    );
 }
 
 #[test]

@@ -75,9 +75,8 @@
 //! failed record whose lease has not ended moves the token to `old lease_until + 1`, past the
 //! requested lease, and repeated takeovers push it further.
 
-use std::collections::BTreeSet;
-
-use stateright::{Checker, Expectation, HasDiscoveries, Model, Property, Representative};
+use super::checking::{assert_properties_but, check, find};
+use stateright::{Checker, Model, Property, Representative};
 
 use super::{ClaimRule, Existing, claim, holds};
 use crate::idempotency::RecordStatus;
@@ -588,37 +587,6 @@ impl Model for WindowedStore {
             }),
         ]
     }
-}
-
-fn check(model: WindowedStore) -> impl Checker<WindowedStore> {
-    model.checker().symmetry().spawn_dfs().join()
-}
-
-/// Checks until `property` has a discovery (or the space is exhausted).
-fn find(model: WindowedStore, property: &'static str) -> impl Checker<WindowedStore> {
-    model
-        .checker()
-        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
-        .spawn_bfs()
-        .join()
-}
-
-/// [`Checker::assert_properties`], but for the properties in `waived`.
-fn assert_properties_but(checker: &impl Checker<WindowedStore>, waived: &[&str]) {
-    for p in checker.model().properties() {
-        match p.expectation {
-            _ if waived.contains(&p.name) => {}
-            Expectation::Always | Expectation::Eventually => checker.assert_no_discovery(p.name),
-            Expectation::Sometimes => {
-                checker.assert_any_discovery(p.name);
-            }
-        }
-    }
-    eprintln!("{} states", checker.unique_state_count());
-    assert!(
-        checker.unique_state_count() > 1_000,
-        "the model explored too little"
-    );
 }
 
 /// Asserts that the checker finds a counterexample to `property`, and shows it.
