@@ -19,7 +19,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
@@ -29,13 +28,12 @@ use backstop::client::service_config::ServiceConfig;
 use backstop::client::{ClientStack, Destination, Throttling};
 use backstop::retry::RetryBudget;
 use http::uri::PathAndQuery;
-use tokio::process::Command;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
 use tower::{Service, ServiceExt, service_fn};
 
-use python::python_ready;
+use python::{output_of, python_ready, python3};
 
 const METHOD: &str = "/flaky.Flaky/Call";
 /// Logical calls per client.
@@ -160,32 +158,20 @@ async fn grpcio_ratio(json: &str) -> f64 {
     let (addr, attempts) = serve().await;
     let script =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/grpcio_service_config.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg("--target")
-        .arg(addr.to_string())
-        .arg("--method")
-        .arg(METHOD)
-        .arg("--calls")
-        .arg(CALLS.to_string())
-        .arg("--service-config")
-        .arg(json)
-        .stdin(Stdio::null())
-        // grpcio must not route loopback calls through a proxy from the environment.
-        .env("no_grpc_proxy", "*")
-        .env_remove("http_proxy")
-        .env_remove("https_proxy")
-        .env_remove("grpc_proxy")
-        .output()
-        .await
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "grpcio client failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = output_of(
+        "grpcio client",
+        python3()
+            .arg(&script)
+            .arg("--target")
+            .arg(addr.to_string())
+            .arg("--method")
+            .arg(METHOD)
+            .arg("--calls")
+            .arg(CALLS.to_string())
+            .arg("--service-config")
+            .arg(json),
+    )
+    .await;
     let sent = attempts.load(Ordering::SeqCst);
     eprintln!("grpcio: {} {sent} attempts", stdout.trim());
     sent as f64 / f64::from(CALLS)

@@ -12,12 +12,10 @@ mod python;
 mod support;
 
 use std::path::PathBuf;
-use std::process::Stdio;
 
 use backstop_payment::config::ApiKey;
-use python::python_ready;
+use python::{output_of, python_ready, python3};
 use support::Harness;
-use tokio::process::Command;
 
 #[tokio::test]
 async fn grpcio_health_checks_and_reflection_resolve_payment_charge() {
@@ -37,26 +35,14 @@ async fn grpcio_health_checks_and_reflection_resolve_payment_charge() {
     .await;
     let script =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/grpcio_health_reflection.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg("--target")
-        .arg(h.server.grpc_addr().to_string())
-        .stdin(Stdio::null())
-        // grpcio must not route loopback calls through a proxy from the environment.
-        .env("no_grpc_proxy", "*")
-        .env_remove("http_proxy")
-        .env_remove("https_proxy")
-        .env_remove("grpc_proxy")
-        .output()
-        .await
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "grpcio health/reflection client failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = output_of(
+        "grpcio health/reflection client",
+        python3()
+            .arg(&script)
+            .arg("--target")
+            .arg(h.server.grpc_addr().to_string()),
+    )
+    .await;
     assert!(stdout.contains("health: ok"), "{stdout}");
     assert!(stdout.contains("reflection: ok"), "{stdout}");
 }

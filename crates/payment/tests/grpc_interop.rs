@@ -11,15 +11,13 @@ mod python;
 mod support;
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use backstop_payment::grpc::proto::ChargeRequest;
 use backstop_payment::grpc::proto::payment_client::PaymentClient;
-use python::python_ready;
+use python::{output_of, python_ready, python3};
 use support::Harness;
-use tokio::process::Command;
 
 fn manifest_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -29,30 +27,17 @@ fn manifest_dir() -> PathBuf {
 async fn run_script(h: &Harness, args: &[&str]) -> String {
     let script = manifest_dir().join("tests/interop/grpcio_client.py");
     let proto_root = manifest_dir().join("../../proto");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg("--proto-root")
-        .arg(&proto_root)
-        .arg("--target")
-        .arg(h.server.grpc_addr().to_string())
-        .args(args)
-        .stdin(Stdio::null())
-        // grpcio must not route loopback calls through a proxy from the environment.
-        .env("no_grpc_proxy", "*")
-        .env_remove("http_proxy")
-        .env_remove("https_proxy")
-        .env_remove("grpc_proxy")
-        .output()
-        .await
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "grpcio client failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    output_of(
+        "grpcio client",
+        python3()
+            .arg(&script)
+            .arg("--proto-root")
+            .arg(&proto_root)
+            .arg("--target")
+            .arg(h.server.grpc_addr().to_string())
+            .args(args),
+    )
+    .await
 }
 
 #[tokio::test]

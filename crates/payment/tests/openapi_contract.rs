@@ -17,11 +17,9 @@ mod support;
 
 use std::num::NonZeroU32;
 use std::path::PathBuf;
-use std::process::Stdio;
 
-use python::python_ready;
+use python::{output_of, python_ready, python3};
 use support::Harness;
-use tokio::process::Command;
 
 #[tokio::test]
 async fn every_answer_matches_the_openapi_document() {
@@ -41,42 +39,31 @@ async fn every_answer_matches_the_openapi_document() {
     })
     .await;
     let hooks = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop");
-    let out = Command::new("python3")
-        .args([
-            "-c",
-            "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
-            "run",
-            &format!("{}/openapi.json", h.base),
-            "--checks",
-            "all",
-            // Replaced by `only_refusals_are_5xx`: a 504 for a budget too small to pay is the
-            // contract, not a server error.
-            "--exclude-checks",
-            "not_a_server_error",
-            "--max-examples",
-            "60",
-            "--seed",
-            "20261205",
-            "--request-timeout",
-            "20",
-        ])
-        .env("PYTHONPATH", &hooks)
-        .env("SCHEMATHESIS_HOOKS", "schemathesis_hooks")
-        .env("NO_COLOR", "1")
-        .env_remove("http_proxy")
-        .env_remove("https_proxy")
-        .env_remove("HTTP_PROXY")
-        .env_remove("HTTPS_PROXY")
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "schemathesis found answers that do not match the document ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = output_of(
+        "schemathesis (answers that do not match the document)",
+        python3()
+            .args([
+                "-c",
+                "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
+                "run",
+                &format!("{}/openapi.json", h.base),
+                "--checks",
+                "all",
+                // Replaced by `only_refusals_are_5xx`: a 504 for a budget too small to pay is the
+                // contract, not a server error.
+                "--exclude-checks",
+                "not_a_server_error",
+                "--max-examples",
+                "60",
+                "--seed",
+                "20261205",
+                "--request-timeout",
+                "20",
+            ])
+            .env("PYTHONPATH", &hooks)
+            .env("SCHEMATHESIS_HOOKS", "schemathesis_hooks")
+            .env("NO_COLOR", "1"),
+    )
+    .await;
     assert!(stdout.contains("No issues found"), "{stdout}");
 }

@@ -29,3 +29,34 @@ pub(crate) async fn python_ready(modules: &str, what: &str, install: &str) -> bo
     }
     ready
 }
+
+/// `python3`, set up for a test against a server on loopback: stdin closed, and no proxy from
+/// the environment (grpcio and HTTP clients would send loopback calls through one).
+pub(crate) fn python3() -> Command {
+    let mut command = Command::new("python3");
+    command.stdin(Stdio::null()).env("no_grpc_proxy", "*");
+    for proxy in [
+        "http_proxy",
+        "https_proxy",
+        "grpc_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+    ] {
+        command.env_remove(proxy);
+    }
+    command
+}
+
+/// Runs `command` and returns its standard output; panics with both outputs, naming `what`,
+/// unless it exits 0.
+pub(crate) async fn output_of(what: &str, command: &mut Command) -> String {
+    let out = command.output().await.expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
