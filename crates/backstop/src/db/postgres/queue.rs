@@ -4,13 +4,47 @@
 //! is free. A writer takes the first call, waits for a connection for it, then takes everything
 //! queued by then: every call queued while it waited joins its batch.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
 use super::{Error, StartBy, WriterStats};
+
+/// Calls queued before callers wait to enqueue.
+const QUEUE: usize = 4096;
+
+/// Starts `writers` tasks (at least one) running `drive` on one queue of `max_batch`-call
+/// batches (at least one call), each batch bounded by `timeout` once sent. Answers the
+/// queue's sending end and the counters the tasks keep; the tasks stop when every sender is
+/// gone.
+pub(super) fn spawn_writers<J, Fut>(
+    pool: &Pool,
+    writers: usize,
+    max_batch: usize,
+    timeout: Duration,
+    drive: impl Fn(Pool, async_channel::Receiver<J>, usize, Duration, Arc<Counters>) -> Fut,
+) -> (async_channel::Sender<J>, Arc<Counters>)
+where
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = async_channel::bounded(QUEUE);
+    let counters = Arc::new(Counters::default());
+    for _ in 0..writers.max(1) {
+        tokio::spawn(drive(
+            pool.clone(),
+            rx.clone(),
+            max_batch.max(1),
+            timeout,
+            Arc::clone(&counters),
+        ));
+    }
+    (tx, counters)
+}
 
 /// A queued call: by when it must start, and where its answer goes.
 pub(super) trait Queued: Sized {

@@ -34,11 +34,8 @@ use futures_util::future::BoxFuture;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
-use super::queue::{Counters, Next, Queued, next_batch};
+use super::queue::{Counters, Next, Queued, next_batch, spawn_writers};
 use super::{Error, StartBy, WriterStats};
-
-/// Units queued before callers wait to enqueue.
-const QUEUE: usize = 4096;
 
 /// What a unit tells the writer: keep its writes, or roll them back.
 type Kept = bool;
@@ -92,17 +89,7 @@ impl SharedTransactions {
     /// Spawns `writers` writer tasks on the current runtime; `timeout` bounds a batch once
     /// started.
     pub(crate) fn start(pool: Pool, writers: usize, max_batch: usize, timeout: Duration) -> Self {
-        let (tx, rx) = async_channel::bounded(QUEUE);
-        let counters = Arc::new(Counters::default());
-        for _ in 0..writers.max(1) {
-            tokio::spawn(drive(
-                pool.clone(),
-                rx.clone(),
-                max_batch.max(1),
-                timeout,
-                Arc::clone(&counters),
-            ));
-        }
+        let (tx, counters) = spawn_writers(&pool, writers, max_batch, timeout, drive);
         SharedTransactions { tx, counters }
     }
 
@@ -187,27 +174,20 @@ async fn drive(
 /// empty), giving up at `until`.
 async fn run_batch(client: Object, jobs: &mut Vec<Job>, until: Instant) {
     let durable = jobs.iter().any(|job| job.durable);
-    let units: Vec<Unit> = jobs
-        .iter_mut()
-        .map(|job| std::mem::replace(&mut job.unit, Box::new(|_| Box::pin(async { false }))))
-        .collect();
-    match timeout_at(until, transaction(&client, units, durable)).await {
-        Ok(Ok(())) => answer_all(jobs, || Ok(())),
-        Ok(Err(e)) => {
-            let e = Arc::new(e);
-            answer_all(jobs, || Err(Error::Database(Arc::clone(&e))));
-        }
+    let (units, done): (Vec<Unit>, Vec<_>) = jobs.drain(..).map(|job| (job.unit, job.done)).unzip();
+    let outcome = match timeout_at(until, transaction(&client, units, durable)).await {
+        Ok(outcome) => outcome.map_err(Arc::new),
         Err(_) => {
             // The connection may be mid-transaction: never hand it out again.
             drop(Object::take(client));
-            answer_all(jobs, || Err(Error::Timeout));
+            for done in done {
+                let _ = done.send(Err(Error::Timeout));
+            }
+            return;
         }
-    }
-}
-
-fn answer_all(jobs: &mut Vec<Job>, answer: impl Fn() -> Result<(), Error>) {
-    for job in jobs.drain(..) {
-        let _ = job.done.send(answer());
+    };
+    for done in done {
+        let _ = done.send(outcome.clone().map_err(Error::Database));
     }
 }
 

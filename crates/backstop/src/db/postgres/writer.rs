@@ -39,10 +39,7 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
 use super::Error;
-use super::queue::{Counters, Next, Queued, next_batch};
-
-/// Jobs queued before callers wait to enqueue.
-const QUEUE: usize = 4096;
+use super::queue::{Counters, Next, Queued, next_batch, spawn_writers};
 
 /// The answers of a group of a batch's calls sent as one statement, by index into the batch.
 pub(crate) type Group<'a, T> = BoxFuture<'a, Result<Vec<(usize, T)>, tokio_postgres::Error>>;
@@ -178,17 +175,7 @@ impl<S: Statement> Writer<S> {
     /// Spawns `writers` writer tasks on the current runtime.
     /// `timeout` bounds a statement (or batch) once sent.
     pub(crate) fn start(pool: Pool, writers: usize, max_batch: usize, timeout: Duration) -> Self {
-        let (tx, rx) = async_channel::bounded(QUEUE);
-        let counters = Arc::new(Counters::default());
-        for _ in 0..writers.max(1) {
-            tokio::spawn(drive(
-                pool.clone(),
-                rx.clone(),
-                max_batch.max(1),
-                timeout,
-                Arc::clone(&counters),
-            ));
-        }
+        let (tx, counters) = spawn_writers(&pool, writers, max_batch, timeout, drive::<S>);
         Writer {
             tx,
             pool,
