@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # How cost grows with work, each comparison side by side in one run:
 #   records - keyed POST (bench/http.sh's keyed mode: the full server stack, a trivial handler)
-#             on a table already holding RECORDS (10 million) live idempotency records, against
-#             an empty table; on SQLite (FULL, group commit) and on PostgreSQL (the store's
+#             on a store already holding RECORDS (10 million) live idempotency records, against
+#             an empty one; on SQLite they are spread over the 24 time windows of their TTL
+#             class, as a store that has taken records for a whole TTL keeps them; on SQLite (FULL, group commit) and on PostgreSQL (the store's
 #             defaults). Keys are random, as client-made UUIDs are, in the filled records and in
 #             the new ones, so every claim lands at a random place in the key index. Unpinned,
 #             wrk -t2 -c64, ROUNDS interleaved rounds, medians.
-#   sweep   - `backstop serve` (SQLite) at half its capacity while its sweeper deletes EXPIRED
-#             (1 million) expired records, against the same service holding the same records
+#   sweep   - `backstop serve` (SQLite) at half its capacity while its sweeper expires EXPIRED
+#             (1 million) records, held in the three windows before the current one, against the same service holding the same records
 #             unexpired: the p99 of the payments in each. Capacity is wrk's closed-loop rate
 #             (64 connections) in this run; half of it is offered by wrk with 64 connections
 #             that pause between requests (bench/payments_paced.lua), as cheap a load as
@@ -80,32 +81,52 @@ template() {
     -d '{"order_id":"o-template","amount_cents":1999,"currency":"USD"}'
 }
 
-# fill_sqlite DB N EXPIRES: N copies of the template record under random keys, in transactions
-# of at most 500k records, expiring at EXPIRES (unix ms; `keep` keeps the template's).
+# fill_sqlite DB N EXPIRES OFFSETS: N copies of the template record under random keys, spread
+# evenly over the time windows OFFSETS (0: the template's own window, 1: the one before, ...),
+# as a store that has been taking records for that long keeps them; in transactions of at most
+# 500k records, expiring at EXPIRES (unix ms; `keep` keeps the template's). Each window's table
+# is made with the template window's own DDL, read back from sqlite_master.
 fill_sqlite() {
-  local db=$1 n=$2 expires=$3 chunk=500000 done=0 c=0
+  local db=$1 n=$2 expires=$3 offsets=$4 chunk=500000 c=0
   [ "$expires" = keep ] && expires=t.expires_at
+  local tmpl
+  tmpl=$(sqlite3 "$db" "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'idempotency_window_%'")
+  [ "$(wc -w <<<"$tmpl")" = 1 ] || { echo "fill of $db: expected one window, found: $tmpl" >&2; exit 1; }
+  local class=${tmpl#idempotency_window_} index=${tmpl##*_}
+  class=${class%_*}
+  local ddl
+  ddl=$(sqlite3 "$db" "SELECT group_concat(sql, '; ') FROM sqlite_master WHERE tbl_name = '$tmpl' AND sql IS NOT NULL")
+  local count per
+  count=$(wc -w <<<"$offsets")
+  per=$(( n / count ))
   {
     echo "PRAGMA cache_size=-4000000; PRAGMA synchronous=OFF;"
-    while [ "$done" -lt "$n" ]; do
-      local k=$(( n - done < chunk ? n - done : chunk ))
-      echo "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $k)
-        INSERT INTO idempotency_key (scope, key, fingerprint, status, lease_until, http_status,
-          response_body, response_headers, created_at, expires_at)
-        SELECT t.scope, lower(hex(randomblob(8))) || '-fill-$c-' || s.i,
-          lower(hex(randomblob(length(t.fingerprint) / 2))), t.status, t.lease_until,
-          t.http_status, t.response_body, t.response_headers, t.created_at, $expires
-        FROM s, (SELECT * FROM idempotency_key WHERE key = 'template') AS t;"
-      done=$(( done + k ))
-      c=$(( c + 1 ))
+    for off in $offsets; do
+      local name=idempotency_window_${class}_$(( index - off )) done=0
+      [ "$off" = 0 ] || echo "${ddl//$tmpl/$name};"
+      while [ "$done" -lt "$per" ]; do
+        local k=$(( per - done < chunk ? per - done : chunk ))
+        echo "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < $k)
+          INSERT INTO $name (scope, key, fingerprint, status, lease_until, http_status,
+            response_body, response_headers, created_at, expires_at)
+          SELECT t.scope, lower(hex(randomblob(8))) || '-fill-$c-' || s.i,
+            lower(hex(randomblob(length(t.fingerprint) / 2))), t.status, t.lease_until,
+            t.http_status, t.response_body, t.response_headers, t.created_at, $expires
+          FROM s, (SELECT * FROM $tmpl WHERE key = 'template') AS t;"
+        done=$(( done + k ))
+        c=$(( c + 1 ))
+      done
     done
     echo "PRAGMA wal_checkpoint(TRUNCATE);"
   } | sqlite3 "$db" >/dev/null
   # Written back now, so the kernel's writeback of the fill does not compete with the fsyncs
   # being measured.
   sync
-  [ "$(sqlite3 "$db" 'SELECT count(*) FROM idempotency_key')" -gt "$n" ] ||
-    { echo "fill of $db failed" >&2; exit 1; }
+  local total=0 t
+  for t in $(sqlite3 "$db" "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'idempotency_window_%'"); do
+    total=$(( total + $(sqlite3 "$db" "SELECT count(*) FROM $t") ))
+  done
+  [ "$total" -gt $(( per * count )) ] || { echo "fill of $db failed ($total records)" >&2; exit 1; }
 }
 
 # pg_url SCHEMA: the PostgreSQL URL whose search_path is SCHEMA.
@@ -150,7 +171,7 @@ part_records() {
   start_keyed keyed "$work/full.db"
   template
   stop
-  fill_sqlite "$work/full.db" "$records" keep
+  fill_sqlite "$work/full.db" "$records" keep "$(seq 0 23)"
   echo "  SQLite filled in $(( ($(now_ms) - t) / 1000 )) s, $(du -m "$work/full.db" | cut -f1) MB" >&2
   if [ "$pg" != none ]; then
     kinds="$kinds keyed_postgres:empty keyed_postgres:full"
@@ -249,7 +270,7 @@ part_sweep() {
       else
         expires=keep
       fi
-      fill_sqlite "$d/backstop.db" "$expired" "$expires"
+      fill_sqlite "$d/backstop.db" "$expired" "$expires" "1 2 3"
       [ "$kind" = unexpired ] && fill_ms=$(( $(now_ms) - fill_start ))
       if [ "$kind" = sweeping ]; then
         local wait_ms=$(( expires - lead - $(now_ms) ))

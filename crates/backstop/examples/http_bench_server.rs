@@ -29,6 +29,7 @@ use std::num::{NonZeroU32, NonZeroUsize};
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
 use backstop::db::sqlite::{SqliteOptions, Synchronous};
+use backstop::clock::{Clock, SystemClock};
 use backstop::idempotency::MemoryStore;
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};
@@ -88,7 +89,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         mode.as_str(),
         "stack" | "keyed" | "keyed_normal" | "keyed_inline"
     ) {
-        Some(SqliteStore::open(&db, options).await?)
+        let store = SqliteStore::open(&db, options).await?;
+        // The sealed windows' summaries, built before serving as a long-running service has
+        // them: the measured seconds are its steady state.
+        store.upkeep(SystemClock.now_ms()).await?;
+        Some(store)
     } else {
         None
     };

@@ -362,9 +362,11 @@ mod sqlite {
         let rows = move || {
             let db = db.clone();
             async move {
-                db.read(|c| c.query_row("SELECT count(*) FROM idempotency_key", [], |r| r.get(0)))
+                let n = db
+                    .read(backstop::idempotency::sqlite::count_records)
                     .await
-                    .unwrap()
+                    .unwrap();
+                i64::try_from(n).unwrap()
             }
         };
         super::refusals_leave_no_row(store, rows).await;

@@ -148,11 +148,20 @@ async fn shutdown_stops_both_ports_at_once_and_a_call_cut_at_the_bound_releases_
         .db()
         .expect("a SQLite store")
         .read(|c| {
-            c.query_row(
-                "SELECT status FROM idempotency_key WHERE key = 'cut-at-drain'",
-                [],
-                |r| r.get(0),
-            )
+            // Whichever time window holds the record.
+            let tables: Vec<String> = c
+                .prepare(
+                    "SELECT name FROM sqlite_master WHERE type = 'table' \
+                     AND name LIKE 'idempotency_window_%'",
+                )?
+                .query_map([], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            let union = tables
+                .iter()
+                .map(|t| format!("SELECT status FROM {t} WHERE key = 'cut-at-drain'"))
+                .collect::<Vec<_>>()
+                .join(" UNION ALL ");
+            c.query_row(&union, [], |r| r.get(0))
         })
         .await
         .unwrap();

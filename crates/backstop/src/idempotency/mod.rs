@@ -90,6 +90,8 @@
 //! - `protocol` holds the rules every store decides by (claim, fence, sweep, lease length),
 //!   model-checked with crashes, lease expiry and clock skew.
 //! - [`sweeper`] holds [`Sweeper`], the TTL reaper task.
+//! - `window` (with a windowed backend) holds the time windows records are kept in: TTL
+//!   classes, widths, table names, and the summaries that let a claim skip a sealed window.
 //! - `conformance` (feature `conformance`) holds the suite every backend runs
 //!   (`backstop::store_conformance!`).
 
@@ -106,6 +108,8 @@ pub(crate) mod protocol;
 pub mod sqlite;
 pub mod store;
 pub mod sweeper;
+#[cfg(feature = "sqlite")]
+pub mod window;
 
 pub use fingerprint::{Fingerprint, FingerprintError};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};

@@ -435,6 +435,19 @@ pub trait Store: Clone + Send + Sync + 'static {
         now_ms: i64,
         limit: usize,
     ) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
+    /// Expires records the cheapest way the backend has: what the [`Sweeper`](super::Sweeper)
+    /// calls on its timer. A backend that keeps records in time windows drops each window
+    /// whose records may all be swept (and may keep an expired record until its window goes,
+    /// at most one window's width past its expiry); `limit` bounds what it deletes record by
+    /// record. Returns how many records went. By default, [`sweep`](Store::sweep).
+    fn expire(
+        &self,
+        now_ms: i64,
+        limit: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send {
+        self.sweep(now_ms, limit)
+    }
 }
 
 /// A duration in whole milliseconds, saturating at `i64::MAX`.

@@ -1,4 +1,4 @@
-//! [`Sweeper`]: deletes expired records on a timer.
+//! [`Sweeper`]: expires records on a timer ([`Store::expire`]).
 
 use std::time::Duration;
 
@@ -8,7 +8,7 @@ use tokio::time::MissedTickBehavior;
 use super::{Store, StoreError};
 use crate::clock::Clock;
 
-/// A background task that calls [`Store::sweep`] every `interval`, in batches of `batch`
+/// A background task that calls [`Store::expire`] every `interval`, in batches of `batch`
 /// records, until a batch comes back short. The store itself guarantees that a running record
 /// whose lease is live is never deleted, whatever the clock says.
 ///
@@ -93,7 +93,7 @@ impl<S: Store, C: Clock> Sweeper<S, C> {
         let mut total = 0;
         loop {
             let started = tokio::time::Instant::now();
-            let deleted = self.store.sweep(now_ms, self.batch).await?;
+            let deleted = self.store.expire(now_ms, self.batch).await?;
             total += deleted;
             if deleted < self.batch {
                 return Ok(total);

@@ -142,6 +142,10 @@ impl<St: Store> Store for OpenLeases<St> {
     async fn sweep(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
         self.inner.sweep(now_ms, limit).await
     }
+
+    async fn expire(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
+        self.inner.expire(now_ms, limit).await
+    }
 }
 
 impl<St: PaymentBackend> PaymentBackend for OpenLeases<St> {

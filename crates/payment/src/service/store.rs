@@ -125,4 +125,11 @@ impl Store for PaymentStore {
             PaymentStore::Postgres(s) => s.sweep(now_ms, limit).await,
         }
     }
+
+    async fn expire(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
+        match self {
+            PaymentStore::Sqlite(s) => s.expire(now_ms, limit).await,
+            PaymentStore::Postgres(s) => s.expire(now_ms, limit).await,
+        }
+    }
 }

@@ -145,7 +145,7 @@ impl Harness {
             .intents()
             .db()
             .expect("a SQLite store")
-            .read(|c| c.query_row("SELECT COUNT(*) FROM idempotency_key", [], |r| r.get(0)))
+            .read(backstop::idempotency::sqlite::count_records)
             .await
             .expect("idempotency table")
     }

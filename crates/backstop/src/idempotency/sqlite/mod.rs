@@ -8,11 +8,27 @@
 //! writes, when it shares the `Db`) are batched into one transaction by a single writer thread,
 //! each caller answered once its row is durable.
 //!
-//! The table:
+//! # Windows
+//!
+//! Records live in **window tables** (`idempotency_window_{class_ms}_{index}`), one per TTL
+//! class and slice of the store's time ([`window`](crate::idempotency::window) says how they
+//! are sized and why). A claim inserts into the current window of its TTL's class, so writes
+//! touch one small index; it first looks for the key in the other windows, skipping each
+//! sealed window whose summary rules the key out. A takeover of a record in an older window
+//! moves it into the current one. [`Store::expire`] (what the [`Sweeper`](super::Sweeper)
+//! calls) drops a sealed window whose records have all expired with one `DROP TABLE`, instead
+//! of deleting them one by one at random places of a large index. Uniqueness across windows
+//! needs no lock of its own: the single writer decides every claim in turn.
+//!
+//! Each window table has the columns and indexes the single table had:
 //!
 //! ```sql
 #![doc = include_str!("migration_v1.sql")]
 //! ```
+//!
+//! (with the phase columns of [`MIGRATION_V2`]). A database written by an earlier release keeps
+//! its `idempotency_key` table as a sealed window: claims still find its records, a takeover
+//! moves them out, expiry deletes them record by record, and the table is dropped once empty.
 //!
 //! ```
 //! use std::time::Duration;
@@ -34,28 +50,39 @@
 //!     now_ms: 1_700_000_000_000,
 //! };
 //! assert!(matches!(store.claim(req).await?, Claim::Claimed(_)));
+//! assert_eq!(store.record_count().await?, 1);
 //! # Ok(())
 //! # }
 //! ```
 
 use std::path::Path;
+use std::sync::Arc;
 
-use bytes::Bytes;
-use rusqlite::types::ValueRef;
-use rusqlite::{OptionalExtension, Row, params};
+use rusqlite::{OptionalExtension, params};
 
 use super::store::duration_ms;
-use super::store::{Ending, PriorRun, RecoveryPoint, Resume};
+use super::store::{Ending, Resume};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
     StoreError, StoredResponse,
 };
 use crate::db::sqlite::{Db, SqliteOptions};
 
-/// Name under which [`MIGRATION`] is recorded by [`Db::migrate`].
+mod catalog;
+mod records;
+mod upkeep;
+
+use catalog::{Catalog, LEGACY_TABLE, Tables};
+use records::{
+    ClaimJob, Found, Row6, bytes_column, corrupt, fenced, headers_json, point_columns,
+    response_from,
+};
+
+/// Name under which [`MIGRATION`] was recorded by the single-table layout.
 pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 
-/// The `idempotency_key` table and its expiry index.
+/// The single-table layout's `idempotency_key` table and its expiry index: the columns every
+/// window table has.
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
 
 /// Name under which [`MIGRATION_V2`] is recorded.
@@ -69,20 +96,6 @@ ALTER TABLE idempotency_key ADD COLUMN phase_data BLOB;";
 /// connection inside the record's transaction (after the lease was checked). An error rolls
 /// back the whole phase. It must not run `BEGIN`/`COMMIT`/`ROLLBACK` (savepoints are fine).
 pub type SqliteWrites<T> = Box<dyn FnOnce(&rusqlite::Connection) -> rusqlite::Result<T> + Send>;
-
-/// Stores the response, if the lease (fencing token `?3`) still holds the record.
-const COMPLETE_SQL: &str = "UPDATE idempotency_key SET status = 'succeeded', http_status = ?4, \
-     response_body = ?5, response_headers = ?6, expires_at = MAX(expires_at, ?7) \
-     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3";
-
-/// Marks the record failed, if the lease still holds it.
-const FAIL_SQL: &str = "UPDATE idempotency_key SET status = 'failed', \
-     expires_at = MAX(expires_at, ?4) \
-     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3";
-
-/// Forgets the key, if the lease still holds the record.
-const RELEASE_SQL: &str = "DELETE FROM idempotency_key \
-     WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3";
 
 /// Why a phase job rolled back, carried out of the writer as a `rusqlite` user error.
 #[derive(Debug, thiserror::Error)]
@@ -118,15 +131,17 @@ impl PhaseAbort {
     }
 }
 
-/// The [`Store`] on SQLite: claims, completions, failures, releases and sweeps go through the
-/// group-commit writer of a [`Db`]; `get` reads on the read pool.
+/// The [`Store`] on SQLite: claims, completions, failures, releases and expiry go through the
+/// group-commit writer of a [`Db`]; `get` reads on the read pool. Records live in time
+/// windows (see the [module docs](self)).
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     db: Db,
+    tables: Arc<Tables>,
 }
 
 impl SqliteStore {
-    /// Opens (or creates) the database at `path` and applies the migration.
+    /// Opens (or creates) the database at `path` and reads which record tables it has.
     pub async fn open(
         path: impl AsRef<Path>,
         options: SqliteOptions,
@@ -134,184 +149,101 @@ impl SqliteStore {
         SqliteStore::new(Db::open(path, options)?).await
     }
 
-    /// A store on an existing [`Db`] (shared with the application); applies the migration.
+    /// A store on an existing [`Db`] (shared with the application). A database written by the
+    /// single-table layout gets its phase columns if it lacks them, and keeps its table as a
+    /// sealed window; a new one has no table until the first claim creates its window.
     pub async fn new(db: Db) -> Result<SqliteStore, StoreError> {
-        db.migrate(MIGRATION_NAME, MIGRATION).await?;
-        db.migrate(MIGRATION_V2_NAME, MIGRATION_V2).await?;
-        Ok(SqliteStore { db })
+        let legacy = db
+            .read(|c| {
+                c.query_row(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+                    [LEGACY_TABLE],
+                    |r| r.get::<_, bool>(0),
+                )
+            })
+            .await?;
+        if legacy {
+            db.migrate(MIGRATION_V2_NAME, MIGRATION_V2).await?;
+        }
+        let catalog = db.write(Catalog::load).await?;
+        Ok(SqliteStore {
+            db,
+            tables: Arc::new(Tables::new(catalog)),
+        })
     }
 
     /// The database handle, to put the application's own tables in the same writer.
     pub fn db(&self) -> &Db {
         &self.db
     }
-}
 
-/// What the claim job found, decided inside the write transaction.
-enum Found {
-    Claimed(i64),
-    TakenOver {
-        lease_until: i64,
-        created_at: i64,
-        prior: PriorRun,
-        point: Option<RecoveryPoint>,
-    },
-    Conflict(String),
-    Replay(Row6),
-    InProgress(i64),
-    BadStatus,
-}
-
-/// `http_status, response_body, response_headers` of a succeeded record.
-struct Row6 {
-    status: Option<i64>,
-    body: Option<Vec<u8>>,
-    headers: Option<String>,
-}
-
-fn bytes_column(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<Vec<u8>>> {
-    Ok(match row.get_ref(idx)? {
-        ValueRef::Null => None,
-        ValueRef::Blob(b) | ValueRef::Text(b) => Some(b.to_vec()),
-        ValueRef::Integer(_) | ValueRef::Real(_) => {
-            return Err(rusqlite::Error::InvalidColumnType(
-                idx,
-                "response_body".into(),
-                row.get_ref(idx)?.data_type(),
-            ));
-        }
-    })
-}
-
-fn corrupt(scope: &str, key: &str, what: &'static str) -> StoreError {
-    StoreError::Corrupt {
-        scope: scope.to_owned(),
-        key: key.to_owned(),
-        what,
+    /// How many records the store holds, in every window.
+    pub async fn record_count(&self) -> Result<u64, StoreError> {
+        Ok(self.db.read(count_records).await?)
     }
 }
 
-fn response_from(scope: &str, key: &str, raw: Row6) -> Result<StoredResponse, StoreError> {
-    let status = raw
-        .status
-        .and_then(|s| u16::try_from(s).ok())
-        .ok_or_else(|| corrupt(scope, key, "http_status"))?;
-    let headers = match raw.headers {
-        None => Vec::new(),
-        Some(json) => {
-            serde_json::from_str(&json).map_err(|_| corrupt(scope, key, "response_headers"))?
-        }
-    };
-    Ok(StoredResponse {
-        status,
-        headers,
-        body: Bytes::from(raw.body.unwrap_or_default()),
-    })
+/// How many idempotency records the database on `conn` holds, in every window (and in the
+/// single-table layout's table, if it is still there): for tests and tools reading the file
+/// directly.
+pub fn count_records(conn: &rusqlite::Connection) -> rusqlite::Result<u64> {
+    let catalog = Catalog::load(conn)?;
+    let mut total = 0u64;
+    for table in &catalog.tables {
+        let n: i64 = conn.query_row(&format!("SELECT count(*) FROM {}", table.name), [], |r| {
+            r.get(0)
+        })?;
+        total += n.unsigned_abs();
+    }
+    Ok(total)
 }
 
-fn headers_json(headers: &[(String, String)]) -> String {
-    // Serializing strings to JSON cannot fail.
-    serde_json::to_string(headers).unwrap_or_else(|_| "[]".to_owned())
+/// Whether `e` says a table is gone: a read that raced a window's drop.
+fn is_missing_table(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(_, Some(m)) if m.starts_with("no such table"))
 }
-
-/// The recovery point in `phase, phase_data` columns starting at `at`.
-fn point_columns(row: &Row<'_>, at: usize) -> rusqlite::Result<Option<RecoveryPoint>> {
-    let phase: Option<String> = row.get(at)?;
-    Ok(match phase {
-        Some(phase) => Some(RecoveryPoint {
-            phase,
-            data: Bytes::from(bytes_column(row, at + 1)?.unwrap_or_default()),
-        }),
-        None => None,
-    })
-}
-
 impl SqliteStore {
     async fn claim_with(&self, req: ClaimRequest, deferred: bool) -> Result<Claim, StoreError> {
-        let scope = req.scope.clone();
-        let key = req.key.as_str().to_owned();
-        let fp = req.fingerprint.to_hex();
-        let now = req.now_ms;
-        let lease_until = req.lease_until_ms();
-        let expires_at = req.expires_at_ms();
-        // At most one statement changes the row (the INSERT, or else the takeover UPDATE), so
-        // the job needs no savepoint; so do the other jobs here, each one statement.
-        let job = move |conn: &rusqlite::Connection| {
-            let inserted = conn
-                .prepare_cached(
-                    "INSERT INTO idempotency_key \
-                         (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
-                         VALUES (?1, ?2, ?3, 'running', ?4, ?5, ?6) \
-                         ON CONFLICT (scope, key) DO NOTHING",
-                )?
-                .execute(params![scope, key, fp, lease_until, now, expires_at])?;
-            if inserted == 1 {
-                return Ok(Found::Claimed(lease_until));
-            }
-            let (fp0, status, lease0, row) = conn
-                .prepare_cached(
-                    "SELECT fingerprint, status, lease_until, http_status, response_body, \
-                         response_headers FROM idempotency_key WHERE scope = ?1 AND key = ?2",
-                )?
-                .query_row(params![scope, key], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, i64>(2)?,
-                        Row6 {
-                            status: r.get(3)?,
-                            body: bytes_column(r, 4)?,
-                            headers: r.get(5)?,
-                        },
-                    ))
-                })?;
-            if fp0 != fp {
-                return Ok(Found::Conflict(fp0));
-            }
-            let prior = match RecordStatus::parse(&status) {
-                None => return Ok(Found::BadStatus),
-                Some(RecordStatus::Succeeded) => return Ok(Found::Replay(row)),
-                Some(RecordStatus::Running) if lease0 > now => {
-                    return Ok(Found::InProgress(lease0));
-                }
-                Some(RecordStatus::Running) => PriorRun::Abandoned,
-                Some(RecordStatus::Failed) => PriorRun::Failed,
+        let job = Arc::new(ClaimJob {
+            scope: req.scope.clone(),
+            key: req.key.as_str().to_owned(),
+            fingerprint: req.fingerprint.to_hex(),
+            now: req.now_ms,
+            lease_until: req.lease_until_ms(),
+            expires_at: req.expires_at_ms(),
+            ttl_ms: duration_ms(req.ttl),
+        });
+        // Normally one pass: the window exists and the job changes one row at most. A new
+        // window is created first; a takeover out of an older window runs again as a job
+        // with a savepoint of its own, since it deletes there and inserts here.
+        let mut may_move = false;
+        let mut created = 0;
+        let found = loop {
+            let (tables, job) = (Arc::clone(&self.tables), Arc::clone(&job));
+            let run =
+                move |conn: &rusqlite::Connection| records::decide(conn, &tables, &job, may_move);
+            let found = match (may_move, deferred) {
+                (true, true) => self.db.write_deferred(run).await?,
+                (true, false) => self.db.write(run).await?,
+                (false, true) => self.db.write_statement_deferred(run).await?,
+                (false, false) => self.db.write_statement(run).await?,
             };
-            // Failed, or the lease ended: one conditional UPDATE decides the takeover. The
-            // new lease_until is the fencing token, so it must move strictly forward.
-            let taken = conn
-                .prepare_cached(
-                    "UPDATE idempotency_key SET status = 'running', \
-                         lease_until = MAX(?3, lease_until + 1), \
-                         expires_at = MAX(expires_at, ?5), \
-                         http_status = NULL, response_body = NULL, response_headers = NULL \
-                         WHERE scope = ?1 AND key = ?2 AND fingerprint = ?6 \
-                         AND (status = 'failed' OR (status = 'running' AND lease_until <= ?4)) \
-                         RETURNING lease_until, created_at, phase, phase_data",
-                )?
-                .query_row(params![scope, key, lease_until, now, expires_at, fp], |r| {
-                    Ok((
-                        r.get::<_, i64>(0)?,
-                        r.get::<_, i64>(1)?,
-                        point_columns(r, 2)?,
-                    ))
-                })
-                .optional()?;
-            Ok(match taken {
-                Some((lease_until, created_at, point)) => Found::TakenOver {
-                    lease_until,
-                    created_at,
-                    prior,
-                    point,
-                },
-                None => Found::InProgress(lease_until),
-            })
+            match found {
+                Found::NeedWindow(window) if created < 3 => {
+                    created += 1;
+                    self.create_window(window).await?;
+                }
+                Found::MustMove if !may_move => may_move = true,
+                Found::NeedWindow(_) | Found::MustMove | Found::Vanished => {
+                    return Err(StoreError::Contended {
+                        scope: req.scope,
+                        key: req.key,
+                    });
+                }
+                found => break found,
+            }
         };
-        let found = if deferred {
-            self.db.write_statement_deferred(job).await?
-        } else {
-            self.db.write_statement(job).await?
-        };
+        self.upkeep_if_due();
         let scope = &req.scope;
         let key = req.key.as_str();
         Ok(match found {
@@ -326,7 +258,7 @@ impl SqliteStore {
                 resume: Some(Resume { prior, point }),
                 ..req.lease_at(lease_until)
             }),
-            Found::InProgress(l) => Claim::in_progress(l, now),
+            Found::InProgress(l) => Claim::in_progress(l, req.now_ms),
             Found::Conflict(fp0) => Claim::Conflict {
                 fingerprint_prefix: Fingerprint::from_hex(&fp0)
                     .map_err(|_| corrupt(scope, key, "fingerprint"))?
@@ -334,7 +266,46 @@ impl SqliteStore {
             },
             Found::Replay(row) => Claim::Replay(response_from(scope, key, row)?),
             Found::BadStatus => return Err(corrupt(scope, key, "status")),
+            Found::NeedWindow(_) | Found::MustMove | Found::Vanished => {
+                unreachable!("handled in the loop")
+            }
         })
+    }
+
+    /// Runs a fenced single-statement write (complete, fail, release) on the table holding
+    /// the lease's key.
+    async fn fenced_statement(
+        &self,
+        lease: &Lease,
+        statement: impl Fn(
+            &catalog::TableSql,
+            &rusqlite::Connection,
+            &str,
+            &str,
+            i64,
+        ) -> rusqlite::Result<usize>
+        + Send
+        + 'static,
+    ) -> Result<(), StoreError> {
+        let (scope, key, token) = (
+            lease.scope.clone(),
+            lease.key.to_string(),
+            lease.lease_until_ms,
+        );
+        let tables = Arc::clone(&self.tables);
+        let done = self
+            .db
+            .write_statement(move |conn| {
+                fenced(&tables, &scope, &key, |sql| {
+                    statement(sql, conn, &scope, &key, token)
+                })
+            })
+            .await?;
+        if done {
+            Ok(())
+        } else {
+            Err(StoreError::lease_lost(lease))
+        }
     }
 }
 
@@ -352,7 +323,7 @@ impl Store for SqliteStore {
     async fn commit_phase<T: Send + 'static>(
         &self,
         lease: &Lease,
-        point: RecoveryPoint,
+        point: crate::idempotency::RecoveryPoint,
         writes: SqliteWrites<T>,
     ) -> Result<T, StoreError> {
         let (scope, key, token) = (
@@ -361,15 +332,19 @@ impl Store for SqliteStore {
             lease.lease_until_ms,
         );
         let phase = point.phase.clone();
+        let tables = Arc::clone(&self.tables);
         self.db
             .write(move |conn| {
-                let marked = conn
-                    .prepare_cached(
-                        "UPDATE idempotency_key SET phase = ?4, phase_data = ?5 \
-                         WHERE scope = ?1 AND key = ?2 AND status = 'running' AND lease_until = ?3",
-                    )?
-                    .execute(params![scope, key, token, point.phase, &point.data[..]])?;
-                if marked != 1 {
+                let marked = fenced(&tables, &scope, &key, |sql| {
+                    conn.prepare_cached(&sql.mark_phase)?.execute(params![
+                        scope,
+                        key,
+                        token,
+                        point.phase,
+                        &point.data[..]
+                    ])
+                })?;
+                if !marked {
                     return Err(PhaseAbort::LeaseLost.into_sqlite());
                 }
                 writes(conn).map_err(|e| PhaseAbort::Writes(e).into_sqlite())
@@ -391,11 +366,12 @@ impl Store for SqliteStore {
             lease.lease_until_ms,
         );
         let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
+        let tables = Arc::clone(&self.tables);
         self.db
             .write(move |conn| {
-                let ended = match &ending {
+                let ended = fenced(&tables, &scope, &key, |sql| match &ending {
                     Ending::Complete(response) => {
-                        conn.prepare_cached(COMPLETE_SQL)?.execute(params![
+                        conn.prepare_cached(&sql.complete)?.execute(params![
                             scope,
                             key,
                             token,
@@ -403,16 +379,16 @@ impl Store for SqliteStore {
                             &response.body[..],
                             headers_json(&response.headers),
                             keep_until
-                        ])?
+                        ])
                     }
                     Ending::Fail => conn
-                        .prepare_cached(FAIL_SQL)?
-                        .execute(params![scope, key, token, keep_until])?,
+                        .prepare_cached(&sql.fail)?
+                        .execute(params![scope, key, token, keep_until]),
                     Ending::Release => conn
-                        .prepare_cached(RELEASE_SQL)?
-                        .execute(params![scope, key, token])?,
-                };
-                if ended != 1 {
+                        .prepare_cached(&sql.release)?
+                        .execute(params![scope, key, token]),
+                })?;
+                if !ended {
                     return Err(PhaseAbort::LeaseLost.into_sqlite());
                 }
                 writes(conn).map_err(|e| PhaseAbort::Writes(e).into_sqlite())
@@ -427,103 +403,83 @@ impl Store for SqliteStore {
         response: StoredResponse,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        let (scope, key, token) = (
-            lease.scope.clone(),
-            lease.key.to_string(),
-            lease.lease_until_ms,
-        );
         let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
         let headers = headers_json(&response.headers);
-        let updated = self
-            .db
-            .write_statement(move |conn| {
-                conn.prepare_cached(COMPLETE_SQL)?.execute(params![
-                    scope,
-                    key,
-                    token,
-                    response.status,
-                    &response.body[..],
-                    headers,
-                    keep_until
-                ])
-            })
-            .await?;
-        if updated == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::lease_lost(lease))
-        }
+        self.fenced_statement(lease, move |sql, conn, scope, key, token| {
+            conn.prepare_cached(&sql.complete)?.execute(params![
+                scope,
+                key,
+                token,
+                response.status,
+                &response.body[..],
+                headers,
+                keep_until
+            ])
+        })
+        .await
     }
 
     async fn fail(&self, lease: &Lease, now_ms: i64) -> Result<(), StoreError> {
-        let (scope, key, token) = (
-            lease.scope.clone(),
-            lease.key.to_string(),
-            lease.lease_until_ms,
-        );
         let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
-        let updated = self
-            .db
-            .write_statement(move |conn| {
-                conn.prepare_cached(FAIL_SQL)?
-                    .execute(params![scope, key, token, keep_until])
-            })
-            .await?;
-        if updated == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::lease_lost(lease))
-        }
+        self.fenced_statement(lease, move |sql, conn, scope, key, token| {
+            conn.prepare_cached(&sql.fail)?
+                .execute(params![scope, key, token, keep_until])
+        })
+        .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        let (scope, key, token) = (
-            lease.scope.clone(),
-            lease.key.to_string(),
-            lease.lease_until_ms,
-        );
-        let deleted = self
-            .db
-            .write_statement(move |conn| {
-                conn.prepare_cached(RELEASE_SQL)?
-                    .execute(params![scope, key, token])
-            })
-            .await?;
-        if deleted == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::lease_lost(lease))
-        }
+        self.fenced_statement(lease, |sql, conn, scope, key, token| {
+            conn.prepare_cached(&sql.release)?
+                .execute(params![scope, key, token])
+        })
+        .await
     }
 
     async fn get(&self, scope: &str, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        let (s, k) = (scope.to_owned(), key.as_str().to_owned());
-        let row = self
-            .db
-            .read(move |conn| {
-                conn.prepare_cached(
-                    "SELECT fingerprint, status, lease_until, http_status, response_body, \
-                     response_headers, created_at, expires_at, phase, phase_data \
-                     FROM idempotency_key WHERE scope = ?1 AND key = ?2",
-                )?
-                .query_row(params![s, k], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, i64>(2)?,
-                        Row6 {
-                            status: r.get(3)?,
-                            body: bytes_column(r, 4)?,
-                            headers: r.get(5)?,
-                        },
-                        r.get::<_, i64>(6)?,
-                        r.get::<_, i64>(7)?,
-                        point_columns(r, 8)?,
-                    ))
+        // A window dropped between the snapshot and the read is retried with a new snapshot.
+        let mut attempts = 0;
+        let row = loop {
+            let (s, k) = (scope.to_owned(), key.as_str().to_owned());
+            let catalog = self.tables.snapshot();
+            let read = self
+                .db
+                .read(move |conn| {
+                    for table in catalog.tables.iter().filter(|t| t.may_hold(&s, &k)) {
+                        let row = conn
+                            .prepare_cached(&table.sql.get)?
+                            .query_row(params![s, k], |r| {
+                                Ok((
+                                    r.get::<_, String>(0)?,
+                                    r.get::<_, String>(1)?,
+                                    r.get::<_, i64>(2)?,
+                                    Row6 {
+                                        status: r.get(3)?,
+                                        body: bytes_column(r, 4)?,
+                                        headers: r.get(5)?,
+                                    },
+                                    r.get::<_, i64>(6)?,
+                                    r.get::<_, i64>(7)?,
+                                    point_columns(r, 8)?,
+                                ))
+                            })
+                            .optional()?;
+                        if row.is_some() {
+                            return Ok(row);
+                        }
+                    }
+                    Ok(None)
                 })
-                .optional()
-            })
-            .await?;
+                .await;
+            match read {
+                Err(crate::db::sqlite::Error::Sqlite(e))
+                    if is_missing_table(&e) && attempts < 3 =>
+                {
+                    attempts += 1;
+                }
+                read => break read?,
+            }
+        };
         let Some((fp, status, lease_until_ms, raw, created_at_ms, expires_at_ms, point)) = row
         else {
             return Ok(None);
@@ -549,181 +505,34 @@ impl Store for SqliteStore {
         }))
     }
 
+    /// Deletes expired records one at a time, in every window. The [`Sweeper`](super::Sweeper)
+    /// calls [`expire`](Store::expire) instead, which drops whole windows.
     async fn sweep(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let tables = Arc::clone(&self.tables);
         let deleted = self
             .db
-            .write_statement(move |conn| {
-                conn.prepare_cached(
-                    "DELETE FROM idempotency_key WHERE rowid IN ( \
-                     SELECT rowid FROM idempotency_key WHERE expires_at <= ?1 \
-                     AND NOT (status = 'running' AND lease_until > ?1) LIMIT ?2)",
-                )?
-                .execute(params![now_ms, limit])
+            .write(move |conn| {
+                let mut left = limit;
+                for table in &tables.snapshot().tables {
+                    if left == 0 {
+                        break;
+                    }
+                    let n = conn
+                        .prepare_cached(&table.sql.sweep)?
+                        .execute(params![now_ms, left])?;
+                    left -= i64::try_from(n).unwrap_or(left);
+                }
+                Ok(limit - left)
             })
             .await?;
-        Ok(deleted)
+        Ok(usize::try_from(deleted).unwrap_or(0))
+    }
+
+    async fn expire(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
+        upkeep::expire(self, now_ms, limit).await
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::idempotency::conformance::WithGuard;
-
-    async fn store() -> WithGuard<SqliteStore, tempfile::TempDir> {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(dir.path().join("idem.db"), SqliteOptions::default())
-            .await
-            .expect("open store");
-        WithGuard(store, dir)
-    }
-
-    /// Claims and completions from concurrent callers share the writer's transactions.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_claims_are_group_committed() {
-        let guard = store().await;
-        let store = guard.0.clone();
-        let (unblock, blocked) = std::sync::mpsc::channel::<()>();
-        let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
-        let blocker = store.db().clone();
-        let blocker = tokio::spawn(async move {
-            blocker
-                .write(move |_| {
-                    let _ = started_tx.send(());
-                    blocked.recv().ok();
-                    Ok(())
-                })
-                .await
-        });
-        started.await.unwrap();
-        let before = store.db().stats();
-        let claims: Vec<_> = (0..32)
-            .map(|i| {
-                let store = store.clone();
-                tokio::spawn(async move {
-                    let req = ClaimRequest {
-                        scope: "s".into(),
-                        key: IdempotencyKey::new(format!("k{i}")).unwrap(),
-                        fingerprint: Fingerprint::of_bytes("M", b""),
-                        lease: std::time::Duration::from_secs(5),
-                        ttl: std::time::Duration::from_secs(60),
-                        now_ms: 1_000,
-                    };
-                    store.claim(req).await
-                })
-            })
-            .collect();
-        while store.db().queued_jobs() < 32 {
-            tokio::task::yield_now().await;
-        }
-        unblock.send(()).unwrap();
-        blocker.await.unwrap().unwrap();
-        for c in claims {
-            assert!(matches!(c.await.unwrap().unwrap(), Claim::Claimed(_)));
-        }
-        let after = store.db().stats();
-        assert_eq!(after.jobs - before.jobs, 33);
-        assert_eq!(after.transactions - before.transactions, 2);
-    }
-
-    #[tokio::test]
-    async fn records_survive_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("idem.db");
-        let req = ClaimRequest {
-            scope: "s".into(),
-            key: IdempotencyKey::new("k").unwrap(),
-            fingerprint: Fingerprint::of_bytes("M", b"x"),
-            lease: std::time::Duration::from_secs(5),
-            ttl: std::time::Duration::from_secs(60),
-            now_ms: 1_000,
-        };
-        let response = StoredResponse {
-            status: 201,
-            headers: vec![("content-type".into(), "application/json".into())],
-            body: Bytes::from_static(b"{\"ok\":true}"),
-        };
-        {
-            let store = SqliteStore::open(&path, SqliteOptions::default())
-                .await
-                .unwrap();
-            let Claim::Claimed(lease) = store.claim(req.clone()).await.unwrap() else {
-                panic!("not claimed")
-            };
-            store
-                .complete(&lease, response.clone(), 1_100)
-                .await
-                .unwrap();
-        }
-        let store = SqliteStore::open(&path, SqliteOptions::default())
-            .await
-            .unwrap();
-        assert_eq!(
-            store
-                .claim(ClaimRequest {
-                    now_ms: 2_000,
-                    ..req
-                })
-                .await
-                .unwrap(),
-            Claim::Replay(response)
-        );
-    }
-
-    #[tokio::test]
-    async fn corrupt_rows_are_typed_errors() {
-        let guard = store().await;
-        let store = guard.0.clone();
-        store
-            .db()
-            .write(|c| {
-                c.execute(
-                    "INSERT INTO idempotency_key (scope, key, fingerprint, status, lease_until, \
-                     http_status, created_at, expires_at) \
-                     VALUES ('s', 'k', 'not-hex', 'succeeded', 0, 99999, 0, 9999999999999)",
-                    [],
-                )
-            })
-            .await
-            .unwrap();
-        let err = store
-            .get("s", &IdempotencyKey::new("k").unwrap())
-            .await
-            .unwrap_err();
-        assert!(matches!(err, StoreError::Corrupt { .. }), "{err:?}");
-    }
-
-    #[tokio::test]
-    async fn table_matches_the_seed_schema() {
-        let guard = store().await;
-        let cols: Vec<String> = guard
-            .0
-            .db()
-            .read(|c| {
-                let mut stmt =
-                    c.prepare("SELECT name FROM pragma_table_info('idempotency_key')")?;
-                let rows = stmt.query_map([], |r| r.get(0))?;
-                rows.collect()
-            })
-            .await
-            .unwrap();
-        assert_eq!(
-            cols,
-            [
-                "scope",
-                "key",
-                "fingerprint",
-                "status",
-                "lease_until",
-                "http_status",
-                "response_body",
-                "response_headers",
-                "created_at",
-                "expires_at",
-                "phase",
-                "phase_data",
-            ]
-        );
-    }
-}
+mod tests;
