@@ -28,8 +28,8 @@ use axum::{Json, Router, http::StatusCode, routing::post};
 use std::num::{NonZeroU32, NonZeroUsize};
 
 use backstop::admission::{Gate, KeyedTokenBucket, Quota};
-use backstop::db::sqlite::{SqliteOptions, Synchronous};
 use backstop::clock::{Clock, SystemClock};
+use backstop::db::sqlite::{SqliteOptions, Synchronous};
 use backstop::idempotency::MemoryStore;
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicies, MethodPolicy};

@@ -175,11 +175,10 @@ async fn drop_if_expired(
         .db
         .read(move |conn| {
             // Through the expiry index first: a window not yet expired is not read further.
-            let last: Option<i64> = conn.query_row(
-                &format!("SELECT max(expires_at) FROM {name}"),
-                [],
-                |r| r.get(0),
-            )?;
+            let last: Option<i64> =
+                conn.query_row(&format!("SELECT max(expires_at) FROM {name}"), [], |r| {
+                    r.get(0)
+                })?;
             if last.is_some_and(|last| last > now_ms) {
                 return Ok(None);
             }

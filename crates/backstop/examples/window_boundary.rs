@@ -1,0 +1,125 @@
+//! Claim latency at a window boundary against mid-window, on the SQLite store (FULL, group
+//! commit): `cargo run --release -p backstop --example window_boundary -- [DB_PATH]
+//! [SECONDS] [CONCURRENCY]`.
+//!
+//! Store time is the claims' own `now_ms`, so it can run faster than the wall clock: it
+//! advances 10 ms per claim over 1-hour keys (150 s windows), so a window goes by every 15,000
+//! claims, a few seconds. CONCURRENCY tasks (64) claim new random keys and complete them; a
+//! sweeper-like task calls `expire` every 60 s of store time, as `serve`'s does. Each claim's
+//! latency is filed by where its store time falls in its window: the first 10 % ("boundary":
+//! a new table, an empty index, the sealed window's summary being built) or the middle 80 %
+//! ("mid"). Prints both p50/p99 and their ratio.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use backstop::db::sqlite::SqliteOptions;
+use backstop::idempotency::sqlite::SqliteStore;
+use backstop::idempotency::window::Window;
+use backstop::idempotency::{
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, Store, StoredResponse,
+};
+
+const TTL: Duration = Duration::from_secs(3600);
+/// Store time each claim moves on.
+const STEP_MS: i64 = 10;
+const T0: i64 = 1_700_000_000_000;
+/// Store time between two `expire` calls: 1/60 of a window, as `serve`'s 60 s sweeps are of a
+/// 1-hour window.
+const SWEEP_EVERY_MS: i64 = 2_500;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let path = args.next().unwrap_or_else(|| "bench-window.db".into());
+    let seconds: u64 = args.next().map(|s| s.parse()).transpose()?.unwrap_or(20);
+    let concurrency: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(64);
+    let _ = std::fs::remove_file(&path);
+    let store = SqliteStore::open(&path, SqliteOptions::default()).await?;
+    let clock = Arc::new(AtomicI64::new(T0));
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let sweeper = {
+        let (store, clock) = (store.clone(), Arc::clone(&clock));
+        tokio::spawn(async move {
+            let mut last = T0;
+            while Instant::now() < end {
+                let now = clock.load(Ordering::Relaxed);
+                if now - last >= SWEEP_EVERY_MS {
+                    last = now;
+                    store.expire(now, 1_000).await.expect("expire");
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (store, clock) = (store.clone(), Arc::clone(&clock));
+            tokio::spawn(async move {
+                let (mut boundary, mut mid) = (Vec::new(), Vec::new());
+                let response = StoredResponse {
+                    status: 201,
+                    headers: vec![],
+                    body: "{}".into(),
+                };
+                while Instant::now() < end {
+                    let now = clock.fetch_add(STEP_MS, Ordering::Relaxed);
+                    let req = ClaimRequest {
+                        scope: "bench".into(),
+                        key: IdempotencyKey::generate(),
+                        fingerprint: Fingerprint::of_bytes("POST /", b"{}"),
+                        lease: Duration::from_secs(5),
+                        ttl: TTL,
+                        now_ms: now,
+                    };
+                    let started = Instant::now();
+                    let Claim::Claimed(lease) = store.claim(req).await.expect("claim") else {
+                        panic!("a new key was not claimed")
+                    };
+                    let took = started.elapsed();
+                    store
+                        .complete(&lease, response.clone(), now + 1)
+                        .await
+                        .expect("complete");
+                    let window = Window::of(TTL.as_millis() as i64, now);
+                    let into = (now - window.start_ms()) as f64 / window.width_ms() as f64;
+                    if into < 0.1 {
+                        boundary.push(took);
+                    } else if (0.1..0.9).contains(&into) {
+                        mid.push(took);
+                    }
+                }
+                (boundary, mid)
+            })
+        })
+        .collect();
+    let (mut boundary, mut mid) = (Vec::new(), Vec::new());
+    for worker in workers {
+        let (b, m) = worker.await?;
+        boundary.extend(b);
+        mid.extend(m);
+    }
+    sweeper.await?;
+    let windows =
+        (clock.load(Ordering::Relaxed) - T0) / Window::of(TTL.as_millis() as i64, T0).width_ms();
+    boundary.sort();
+    mid.sort();
+    let pct = |v: &[Duration], p: f64| {
+        v.get(((v.len() as f64 * p) as usize).min(v.len().saturating_sub(1)))
+            .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    };
+    println!("windows_crossed {windows}");
+    println!("claims_boundary {}", boundary.len());
+    println!("claims_mid {}", mid.len());
+    println!("boundary_p50_ms {:.3}", pct(&boundary, 0.5));
+    println!("boundary_p99_ms {:.3}", pct(&boundary, 0.99));
+    println!("mid_p50_ms {:.3}", pct(&mid, 0.5));
+    println!("mid_p99_ms {:.3}", pct(&mid, 0.99));
+    println!(
+        "p99_ratio {:.2}",
+        pct(&boundary, 0.99) / pct(&mid, 0.99).max(f64::MIN_POSITIVE)
+    );
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}
