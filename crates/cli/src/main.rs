@@ -28,6 +28,7 @@ mod load;
 mod logging;
 #[cfg(feature = "otel")]
 mod otel;
+mod package_assets;
 mod psp;
 mod reconcile;
 mod report;
@@ -98,6 +99,10 @@ enum Command {
     /// every acknowledged payment stored, succeeded and charged once, nothing left running and
     /// every same-key answer byte-identical. Exits non-zero on a violation.
     Chaos(chaos::ChaosArgs),
+    /// Write the man pages and shell completions generated from these definitions (for the
+    /// Debian package: deploy/debian/build)
+    #[command(hide = true)]
+    PackageAssets(package_assets::PackageAssetsArgs),
 }
 
 #[tokio::main]
@@ -182,6 +187,7 @@ async fn main() -> ExitCode {
             }
         }
         Command::ReportSample(args) => report::run_sample(&args),
+        Command::PackageAssets(args) => package_assets::run(&args, Cli::command()),
         Command::Storm(args) => storm::run(args).await,
         Command::Chaos(args) => {
             if let Err(error) = args.validate() {

@@ -188,3 +188,80 @@ fn no_help_text_cites_a_document_section() {
         assert!(found.is_empty(), "{found:?} in:\n{page}");
     }
 }
+
+/// The long flags `backstop ARGS --help` lists (`--max-inflight`, ...), `--help` itself left
+/// out.
+fn long_flags(args: &[&str]) -> Vec<String> {
+    let mut args = args.to_vec();
+    args.push("--help");
+    let text = help(&args);
+    let mut flags: Vec<String> = text
+        .split_whitespace()
+        .filter_map(|word| word.strip_prefix("--"))
+        .map(|flag| {
+            flag.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                .next()
+                .unwrap_or_default()
+        })
+        .filter(|flag| !flag.is_empty() && *flag != "help")
+        .map(|flag| format!("--{flag}"))
+        .collect();
+    flags.sort();
+    flags.dedup();
+    flags
+}
+
+#[test]
+fn package_assets_are_the_flags_of_this_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        &[
+            "package-assets",
+            "--out-dir",
+            dir.path().to_str().expect("a UTF-8 temporary path"),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let read = |path: &str| {
+        std::fs::read_to_string(dir.path().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    // A page for the command and each visible subcommand (and storm's two), none for hidden ones.
+    let mut pages: Vec<String> = std::fs::read_dir(dir.path().join("man"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    pages.sort();
+    let mut expected: Vec<String> = SUBCOMMANDS
+        .iter()
+        .map(|name| format!("backstop-{name}.1"))
+        .chain(["backstop.1", "backstop-storm-sim.1", "backstop-storm-run.1"].map(String::from))
+        .collect();
+    expected.sort();
+    assert_eq!(pages, expected);
+    let completions = [
+        read("completions/backstop.bash"),
+        read("completions/_backstop"),
+        read("completions/backstop.fish"),
+    ];
+    // Every flag `serve --help` shows is on its page and in every shell's completions.
+    let serve_page = read("man/backstop-serve.1");
+    let flags = long_flags(&["serve"]);
+    assert!(flags.contains(&"--max-inflight".to_owned()), "{flags:?}");
+    for flag in &flags {
+        // roff escapes the dashes: `\-\-max\-inflight`.
+        let escaped = flag.replace('-', "\\-");
+        assert!(
+            serve_page.contains(&escaped),
+            "{flag} missing from backstop-serve.1"
+        );
+        let bare = flag.trim_start_matches('-');
+        for (shell, text) in ["bash", "zsh", "fish"].iter().zip(&completions) {
+            assert!(
+                text.contains(bare),
+                "{flag} missing from the {shell} completions"
+            );
+        }
+    }
+    assert!(!read("man/backstop.1").contains("package\\-assets"));
+}

@@ -221,3 +221,35 @@ async fn a_service_started_from_a_file_runs_with_its_settings() {
     assert_eq!(log["fields"]["limit"], "adaptive", "{log}");
     assert!(store.exists(), "the file's store was opened");
 }
+
+#[test]
+fn the_packaged_config_is_valid_and_keeps_the_state_in_the_state_directory() {
+    // deploy/debian/backstop.toml, installed as /etc/backstop/backstop.toml: the systemd unit
+    // starts `serve --config` with it, so a key `serve` refuses would stop the service.
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/debian/backstop.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        &[
+            "serve",
+            "--config",
+            config.to_str().expect("a UTF-8 path"),
+            "--print-config",
+        ],
+        &[],
+        dir.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let printed = stdout(&out);
+    assert_eq!(
+        setting(&printed, "store"),
+        (
+            "\"/var/lib/backstop/backstop.db\"".into(),
+            "config file".into()
+        )
+    );
+    assert_eq!(
+        setting(&printed, "http"),
+        ("\"127.0.0.1:8081\"".into(), "config file".into())
+    );
+    assert!(!dir.path().join("backstop.db").exists());
+}
