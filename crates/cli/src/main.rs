@@ -10,6 +10,8 @@
 //! - `backstop storm sim`: a deterministic simulation of retry storms, overload and recovery,
 //!   with the library's own policies as clients and admission; `backstop storm run`: the same
 //!   experiments against the real service, with HTML reports.
+//! - `backstop proxy`: a reverse proxy giving any HTTP or gRPC service durable idempotency,
+//!   deadlines across the hop and admission control, from the library's server stack.
 //! - `backstop chaos`: an exactly-once checker: payments retried through SIGKILLs and PSP
 //!   faults, then the history checked.
 
@@ -29,6 +31,7 @@ mod logging;
 #[cfg(feature = "otel")]
 mod otel;
 mod package_assets;
+mod proxy;
 mod psp;
 mod reconcile;
 mod report;
@@ -103,6 +106,15 @@ enum Command {
     /// Debian package: deploy/debian/build)
     #[command(hide = true)]
     PackageAssets(package_assets::PackageAssetsArgs),
+    /// Run a reverse proxy that makes retries safe for a service in any language
+    ///
+    /// In front of an HTTP/1.1 or h2c upstream: keyed routes (from the routes file, see
+    /// --check-config) are forwarded at most once per Idempotency-Key, with answers replayed
+    /// byte for byte from an embedded SQLite (or a shared PostgreSQL) store; the caller's
+    /// budget (grpc-timeout or a timeout header) reaches the upstream minus the hop's margin,
+    /// 504 when it runs out; a bounded fair queue answers 503 + Retry-After under overload.
+    /// Prometheus metrics on --admin.
+    Proxy(Box<proxy::ProxyArgs>),
 }
 
 #[tokio::main]
@@ -195,6 +207,10 @@ async fn main() -> ExitCode {
             }
             chaos::run(args).await
         }
+        Command::Proxy(args) => match proxy::run(&args, shutdown_signal()).await {
+            Ok(code) => return code,
+            Err(error) => Err(error),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

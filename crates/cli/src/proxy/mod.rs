@@ -1,0 +1,58 @@
+//! `backstop proxy`: the library's server stack in front of a service written in any
+//! language.
+//!
+//! - `args`: the flags and the settings they make;
+//! - `policy`: the routes file, the library's method policy table as TOML, and
+//!   `--check-config`;
+//! - `budget`: deadlines across the hop (timeout headers in, the same form out);
+//! - `forward`: the service at the bottom of the stack, sending requests upstream;
+//! - `server`: the wiring (store, stack, listeners, drain).
+//!
+//! What the proxy promises on a keyed route: a request is forwarded at most once per
+//! `Idempotency-Key` while the key's record lives (its `key_ttl`), and every retry with the
+//! key gets the first answer replayed byte for byte. The exceptions are the ones the upstream
+//! or the route allow: an upstream answer saying the request may run again (5xx, 429, 409 with
+//! `Retry-After`) marks the record failed, an answer saying the request was wrong (another
+//! 4xx) releases it, and a route whose upstream deduplicates by the effect key is forwarded
+//! again after a crash of the proxy, with the same effect key. "Executed once" needs an
+//! upstream that honours the effect key.
+
+mod args;
+mod budget;
+mod forward;
+mod policy;
+mod server;
+
+use std::error::Error;
+use std::future::Future;
+use std::process::ExitCode;
+
+use self::args::Mode;
+pub(crate) use self::args::ProxyArgs;
+use self::policy::RouteTable;
+
+/// Runs `backstop proxy` with `args` until `shutdown` resolves, or checks a routes file.
+pub(crate) async fn run(
+    args: &ProxyArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<ExitCode, Box<dyn Error>> {
+    let mode = args
+        .mode()
+        .unwrap_or_else(|error| crate::usage_error(error, "proxy"));
+    match mode {
+        Mode::Check(file) => match RouteTable::load(&file) {
+            Ok(table) => {
+                print!("{}", table.explain());
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(error) => {
+                eprintln!("error: {error}");
+                Ok(ExitCode::from(2))
+            }
+        },
+        Mode::Run(settings) => {
+            server::run(*settings, shutdown).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

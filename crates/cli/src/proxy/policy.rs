@@ -1,0 +1,642 @@
+//! The routes file: the library's method policy table ([`MethodPolicies`]) written as TOML.
+//!
+//! ```toml
+//! [policies.fallback]            # every request no route names (optional)
+//! timeout = "30s"
+//!
+//! [[policies.route]]
+//! match = "POST /v1/charges"     # HTTP method and path, `{param}` matching one segment
+//! idempotency = "keyed"          # safe | keyed | unsafe (default unsafe)
+//! timeout = "5s"
+//! key_ttl = "24h"
+//! upstream_dedups_by_effect_key = true
+//!
+//! [[policies.route]]
+//! match = "/shop.v1.Orders/Create"   # a gRPC method (or an HTTP path, any method)
+//! idempotency = "keyed"
+//!
+//! [policies.rate_class.payments]
+//! rate = 50                       # requests per second
+//! burst = 100
+//! ```
+//!
+//! The section is self-contained (`[policies]` and below), so that another command's config
+//! file can hold the same table. Every key is checked: one this file does not know is an error
+//! naming it, and the table is validated by the library's own rules
+//! ([`MethodPolicies::validate`]) before anything starts.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::num::NonZeroU32;
+use std::path::Path;
+use std::time::Duration;
+
+use backstop::policy::{
+    Idempotency, KEY_TTL_SYNC, MAX_ATTEMPTS_CAP, MethodPolicies, MethodPolicy, Takeover,
+};
+use http::Method;
+use serde::{Deserialize, Deserializer};
+
+/// Largest routes file read.
+const MAX_FILE: u64 = 1 << 20;
+
+/// The whole file: the policy table and the proxy's own settings.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ProxyFile {
+    /// The method policy table.
+    #[serde(default)]
+    pub(crate) policies: PoliciesSection,
+    /// Settings of the proxy that are not per route.
+    #[serde(default)]
+    pub(crate) proxy: ProxySection,
+}
+
+/// `[proxy]`: settings that apply to every route.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ProxySection {
+    /// Response headers stored with a keyed answer and replayed with it (besides
+    /// `Content-Type` and `Location`).
+    #[serde(default)]
+    pub(crate) replay_headers: Vec<String>,
+}
+
+/// `[policies]`: the fallback, the routes and the rate classes.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PoliciesSection {
+    /// The policy of requests no route names.
+    #[serde(default)]
+    fallback: Option<RouteSpec>,
+    /// The routes, matched in the library's order (exact path, then HTTP route, then gRPC
+    /// service, then the fallback).
+    #[serde(default, rename = "route")]
+    routes: Vec<RouteSpec>,
+    /// Quotas of the rate classes the routes name.
+    #[serde(default, rename = "rate_class")]
+    rate_classes: BTreeMap<String, RateSpec>,
+}
+
+/// One `[[policies.route]]` (or the `[policies.fallback]`, which has no `match`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RouteSpec {
+    /// `METHOD /path/{param}`, `/pkg.Service/Method` (or an HTTP path, any method), or
+    /// `/pkg.Service/*` (every method of a gRPC service).
+    #[serde(rename = "match")]
+    matches: Option<String>,
+    /// The `method` label of the metrics and logs (default: the `match` text).
+    name: Option<String>,
+    /// `safe`, `keyed` or `unsafe` (default).
+    idempotency: Option<IdempotencySpec>,
+    /// Budget of a request that brings none.
+    #[serde(default, deserialize_with = "duration")]
+    timeout: Option<Duration>,
+    /// Attempts after the first one.
+    retries: Option<u32>,
+    /// Whether a slow attempt may be hedged.
+    hedging: Option<bool>,
+    /// A fixed hedging delay (default: the upstream's rolling p95).
+    #[serde(default, deserialize_with = "duration")]
+    hedge_delay: Option<Duration>,
+    /// How long a keyed route's records (and replayable answers) are kept.
+    #[serde(default, deserialize_with = "duration")]
+    key_ttl: Option<Duration>,
+    /// The rate class whose quota the route spends.
+    rate_class: Option<String>,
+    /// The upstream deduplicates by the effect key header: after a crash of the proxy, a retry
+    /// forwards again (with the same effect key) instead of answering `outcome_unknown`.
+    upstream_dedups_by_effect_key: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum IdempotencySpec {
+    Safe,
+    Keyed,
+    Unsafe,
+}
+
+impl From<IdempotencySpec> for Idempotency {
+    fn from(spec: IdempotencySpec) -> Self {
+        match spec {
+            IdempotencySpec::Safe => Idempotency::Safe,
+            IdempotencySpec::Keyed => Idempotency::Keyed,
+            IdempotencySpec::Unsafe => Idempotency::Unsafe,
+        }
+    }
+}
+
+/// `[policies.rate_class.NAME]`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RateSpec {
+    /// Requests per second.
+    pub(crate) rate: NonZeroU32,
+    /// Requests at once after a quiet spell (default: the rate).
+    pub(crate) burst: Option<NonZeroU32>,
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let text = String::deserialize(d)?;
+    let parsed = humantime::parse_duration(&text).map_err(|e| {
+        serde::de::Error::custom(format!(
+            "{text:?} is not a duration like 250ms, 5s or 24h: {e}"
+        ))
+    })?;
+    Ok(Some(parsed))
+}
+
+/// What a route applies to, as the library's table keys it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RouteMatch {
+    /// An HTTP method and path pattern.
+    Route(Method, String),
+    /// One path, any method: a gRPC method or an HTTP path without parameters.
+    Path(String),
+    /// Every method of a gRPC service.
+    Service(String),
+}
+
+impl std::fmt::Display for RouteMatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RouteMatch::Route(method, pattern) => write!(f, "{method} {pattern}"),
+            RouteMatch::Path(path) => f.write_str(path),
+            RouteMatch::Service(service) => write!(f, "/{service}/*"),
+        }
+    }
+}
+
+impl RouteMatch {
+    fn parse(text: &str) -> Result<RouteMatch, String> {
+        let text = text.trim();
+        if let Some((method, pattern)) = text.split_once(char::is_whitespace) {
+            let method = Method::from_bytes(method.as_bytes())
+                .map_err(|_| format!("{method:?} is not an HTTP method"))?;
+            let pattern = pattern.trim();
+            check_path(pattern)?;
+            return Ok(RouteMatch::Route(method, pattern.to_owned()));
+        }
+        check_path(text)?;
+        if let Some(service) = text
+            .strip_prefix('/')
+            .and_then(|rest| rest.strip_suffix("/*"))
+        {
+            if service.is_empty() || service.contains('/') {
+                return Err(format!(
+                    "{text:?}: a gRPC service is written /pkg.Service/*"
+                ));
+            }
+            return Ok(RouteMatch::Service(service.to_owned()));
+        }
+        if text.contains('{') {
+            return Err(format!(
+                "{text:?} has parameters: name the HTTP method too (`POST {text}`)"
+            ));
+        }
+        Ok(RouteMatch::Path(text.to_owned()))
+    }
+}
+
+fn check_path(path: &str) -> Result<(), String> {
+    if !path.starts_with('/') {
+        return Err(format!("{path:?} must start with /"));
+    }
+    if path.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("{path:?} holds a space or a control character"));
+    }
+    for segment in path.split('/') {
+        let opens = segment.matches('{').count();
+        let closes = segment.matches('}').count();
+        let whole = segment.starts_with('{') && segment.ends_with('}') && opens == 1;
+        if (opens > 0 || closes > 0) && !(whole && closes == 1 && segment.len() > 2) {
+            return Err(format!(
+                "{path:?}: a parameter is a whole segment, `{{name}}`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One route of the table, as the proxy acts on it.
+#[derive(Debug, Clone)]
+pub(crate) struct Route {
+    /// What it applies to (`None`: the fallback).
+    pub(crate) matches: Option<RouteMatch>,
+    /// Its policy.
+    pub(crate) policy: MethodPolicy,
+}
+
+impl Route {
+    /// Whether the upstream deduplicates this keyed route by the effect key, so a retry after
+    /// a crash may forward again.
+    pub(crate) fn upstream_dedups(&self) -> bool {
+        self.policy.takeover() != Takeover::Refuse
+    }
+}
+
+/// The routes file, read and checked: the table the server stack runs by.
+#[derive(Debug, Clone)]
+pub(crate) struct RouteTable {
+    /// The library's table (the fallback first in [`MethodPolicies::iter`]).
+    pub(crate) policies: MethodPolicies,
+    /// The routes in file order, the fallback last.
+    pub(crate) routes: Vec<Route>,
+    /// Quotas of the rate classes.
+    pub(crate) rate_classes: BTreeMap<String, RateSpec>,
+    /// Headers replayed with a keyed answer, beyond the library's.
+    pub(crate) replay_headers: Vec<http::HeaderName>,
+}
+
+/// Why a routes file is refused.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {message}")]
+pub(crate) struct PolicyFileError {
+    file: String,
+    message: String,
+}
+
+impl PolicyFileError {
+    fn new(file: &Path, message: impl Into<String>) -> Self {
+        Self {
+            file: file.display().to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The fallback's name: what the metrics call a request no route names.
+pub(crate) const FALLBACK_NAME: &str = "other";
+
+impl RouteTable {
+    /// The table of a proxy started without a routes file: every request passed through
+    /// with the defaults.
+    pub(crate) fn pass_through() -> RouteTable {
+        Self::from_file(ProxyFile::default()).expect("the default table is valid")
+    }
+
+    /// Reads and checks `path`.
+    pub(crate) fn load(path: &Path) -> Result<RouteTable, PolicyFileError> {
+        use std::io::Read as _;
+        let file = std::fs::File::open(path)
+            .map_err(|e| PolicyFileError::new(path, format!("cannot read it: {e}")))?;
+        let mut text = String::new();
+        file.take(MAX_FILE + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| PolicyFileError::new(path, format!("cannot read it: {e}")))?;
+        if text.len() as u64 > MAX_FILE {
+            return Err(PolicyFileError::new(path, "larger than 1 MiB"));
+        }
+        Self::parse(&text).map_err(|message| PolicyFileError::new(path, message))
+    }
+
+    /// Parses and checks the text of a routes file.
+    pub(crate) fn parse(text: &str) -> Result<RouteTable, String> {
+        let file: ProxyFile = toml::from_str(text).map_err(|e| e.to_string())?;
+        Self::from_file(file)
+    }
+
+    fn from_file(file: ProxyFile) -> Result<RouteTable, String> {
+        let section = file.policies;
+        let fallback_spec = section.fallback.unwrap_or_default();
+        if fallback_spec.matches.is_some() {
+            return Err(
+                "[policies.fallback] applies to every request no route names: it \
+                        takes no `match`"
+                    .into(),
+            );
+        }
+        let fallback = build(&fallback_spec, None)?;
+        let mut policies = MethodPolicies::new(fallback.policy.clone());
+        let mut routes = Vec::new();
+        for (i, spec) in section.routes.iter().enumerate() {
+            let Some(text) = &spec.matches else {
+                return Err(format!(
+                    "[[policies.route]] number {}: `match` is missing",
+                    i + 1
+                ));
+            };
+            let matches = RouteMatch::parse(text)
+                .map_err(|e| format!("[[policies.route]] number {}: match {e}", i + 1))?;
+            let route = build(spec, Some(matches.clone()))?;
+            policies = match matches {
+                RouteMatch::Route(method, pattern) => {
+                    policies.route(method, &pattern, route.policy.clone())
+                }
+                RouteMatch::Path(path) => policies.method(path, route.policy.clone()),
+                RouteMatch::Service(service) => policies.service(service, route.policy.clone()),
+            };
+            routes.push(route);
+        }
+        routes.push(fallback);
+        policies.validate().map_err(|e| e.to_string())?;
+        for route in &routes {
+            let class = route.policy.rate_class();
+            if class != backstop::policy::DEFAULT_RATE_CLASS
+                && !section.rate_classes.contains_key(class)
+            {
+                return Err(format!(
+                    "{}: rate class `{class}` has no [policies.rate_class.{class}]",
+                    describe(route)
+                ));
+            }
+        }
+        let replay_headers = file
+            .proxy
+            .replay_headers
+            .iter()
+            .map(|name| {
+                http::HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| format!("[proxy] replay_headers: {name:?} is not a header name"))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(RouteTable {
+            policies,
+            routes,
+            rate_classes: section.rate_classes,
+            replay_headers,
+        })
+    }
+
+    /// Each route's effective policy, in words and as the library's table, for
+    /// `--check-config`.
+    pub(crate) fn explain(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "{}", self.policies);
+        for route in &self.routes {
+            let policy = &route.policy;
+            let _ = writeln!(out, "{}:", describe(route));
+            let _ = writeln!(
+                out,
+                "  budget: the caller's (grpc-timeout or a timeout header), else {}; the \
+                 upstream gets what is left minus the margin",
+                humantime::format_duration(policy.timeout())
+            );
+            let what = match policy.idempotency() {
+                Idempotency::Keyed => format!(
+                    "keyed: requires an Idempotency-Key; forwarded at most once per key while \
+                     its record lives (key_ttl {}), answers replayed byte for byte",
+                    humantime::format_duration(policy.key_ttl().unwrap_or(KEY_TTL_SYNC))
+                ),
+                Idempotency::Safe => "safe: passed through (no side effect declared)".into(),
+                Idempotency::Unsafe => "unsafe: passed through, sent once".into(),
+            };
+            let _ = writeln!(out, "  {what}");
+            if policy.requires_key() {
+                let crash = if route.upstream_dedups() {
+                    "forwarded again with the same effect key (the upstream deduplicates by it)"
+                } else {
+                    "answered 500 outcome_unknown, never forwarded again"
+                };
+                let _ = writeln!(
+                    out,
+                    "  a key whose forward the proxy lost in a crash: {crash}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "  attempts {} (hedging {}), rate class {}",
+                policy.max_attempts(),
+                if policy.hedging() { "on" } else { "off" },
+                policy.rate_class()
+            );
+        }
+        let _ = writeln!(
+            out,
+            "note: this proxy sends each request to the upstream once; the attempts and \
+             hedging columns are the table's, for clients and later versions"
+        );
+        out
+    }
+}
+
+/// `POST /v1/charges (CreateCharge)` or `fallback (other)`.
+fn describe(route: &Route) -> String {
+    match &route.matches {
+        Some(matches) if matches.to_string() == route.policy.name() => matches.to_string(),
+        Some(matches) => format!("{matches} ({})", route.policy.name()),
+        None => format!("fallback ({})", route.policy.name()),
+    }
+}
+
+/// The policy a spec describes, with the defaults filled in.
+fn build(spec: &RouteSpec, matches: Option<RouteMatch>) -> Result<Route, String> {
+    let name = spec.name.clone().unwrap_or_else(|| {
+        matches
+            .as_ref()
+            .map_or_else(|| FALLBACK_NAME.to_owned(), ToString::to_string)
+    });
+    let what = || match &matches {
+        Some(m) => format!("route {m}"),
+        None => "[policies.fallback]".to_owned(),
+    };
+    let idempotency: Idempotency = spec.idempotency.unwrap_or(IdempotencySpec::Unsafe).into();
+    let mut builder = MethodPolicy::builder(name, idempotency);
+    if let Some(timeout) = spec.timeout {
+        builder = builder.timeout(timeout);
+    }
+    if let Some(retries) = spec.retries {
+        if retries >= MAX_ATTEMPTS_CAP {
+            return Err(format!(
+                "{}: retries {retries} is more than {} (at most {MAX_ATTEMPTS_CAP} attempts)",
+                what(),
+                MAX_ATTEMPTS_CAP - 1
+            ));
+        }
+        builder = builder.max_attempts(retries + 1);
+    }
+    if let Some(hedging) = spec.hedging {
+        builder = builder.hedging(hedging);
+    }
+    if let Some(delay) = spec.hedge_delay {
+        builder = builder.hedge_delay(delay);
+    }
+    if let Some(class) = &spec.rate_class {
+        builder = builder.rate_class(class.clone());
+    }
+    match (idempotency, spec.key_ttl) {
+        (Idempotency::Keyed, ttl) => builder = builder.key_ttl(ttl.unwrap_or(KEY_TTL_SYNC)),
+        (_, Some(_)) => return Err(format!("{}: key_ttl is for keyed routes", what())),
+        (_, None) => {}
+    }
+    match (idempotency, spec.upstream_dedups_by_effect_key) {
+        // The forwarder commits a phase before it forwards, so the takeover resumes from it
+        // with the same effect key.
+        (Idempotency::Keyed, Some(true)) => builder = builder.takeover(Takeover::Resume),
+        (_, Some(true)) => {
+            return Err(format!(
+                "{}: upstream_dedups_by_effect_key is for keyed routes",
+                what()
+            ));
+        }
+        _ => {}
+    }
+    Ok(Route {
+        matches,
+        policy: builder.build(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"
+        [policies.fallback]
+        timeout = "30s"
+
+        [[policies.route]]
+        match = "POST /v1/charges"
+        name = "CreateCharge"
+        idempotency = "keyed"
+        timeout = "5s"
+        key_ttl = "7d"
+        rate_class = "payments"
+
+        [[policies.route]]
+        match = "POST /v1/refunds/{id}"
+        idempotency = "keyed"
+        upstream_dedups_by_effect_key = true
+
+        [[policies.route]]
+        match = "GET /v1/charges/{id}"
+        idempotency = "safe"
+        retries = 2
+        hedging = true
+
+        [[policies.route]]
+        match = "/shop.v1.Orders/Create"
+        idempotency = "keyed"
+
+        [[policies.route]]
+        match = "/shop.v1.Catalog/*"
+        idempotency = "safe"
+
+        [policies.rate_class.payments]
+        rate = 50
+        burst = 100
+
+        [proxy]
+        replay_headers = ["etag"]
+    "#;
+
+    #[test]
+    fn a_file_becomes_the_librarys_table() {
+        let table = RouteTable::parse(FILE).unwrap();
+        let p = &table.policies;
+        let charge = p.for_route(&Method::POST, "/v1/charges");
+        assert_eq!(charge.name(), "CreateCharge");
+        assert!(charge.requires_key());
+        assert_eq!(charge.timeout(), Duration::from_secs(5));
+        assert_eq!(charge.key_ttl(), Some(Duration::from_secs(7 * 86_400)));
+        assert_eq!(charge.rate_class(), "payments");
+        assert_eq!(charge.takeover(), Takeover::Refuse);
+        let refund = p.for_route(&Method::POST, "/v1/refunds/r1");
+        assert_eq!(refund.name(), "POST /v1/refunds/{id}");
+        assert_eq!(refund.takeover(), Takeover::Resume);
+        assert_eq!(refund.key_ttl(), Some(KEY_TTL_SYNC));
+        let get = p.for_route(&Method::GET, "/v1/charges/c1");
+        assert_eq!((get.max_attempts(), get.hedging()), (3, true));
+        assert!(p.for_path("/shop.v1.Orders/Create").requires_key());
+        assert_eq!(
+            p.for_path("/shop.v1.Catalog/List").name(),
+            "/shop.v1.Catalog/*"
+        );
+        let other = p.for_route(&Method::POST, "/v1/unknown");
+        assert_eq!(other.name(), FALLBACK_NAME);
+        assert_eq!(other.timeout(), Duration::from_secs(30));
+        assert!(!other.requires_key());
+        assert!(table.routes[1].upstream_dedups());
+        assert!(!table.routes[0].upstream_dedups());
+        assert!(table.routes.last().unwrap().matches.is_none());
+        assert_eq!(table.replay_headers, [http::header::ETAG]);
+        assert_eq!(table.rate_classes["payments"].rate.get(), 50);
+    }
+
+    #[test]
+    fn explain_names_every_route_and_its_crash_answer() {
+        let text = RouteTable::parse(FILE).unwrap().explain();
+        for want in [
+            "POST /v1/charges (CreateCharge):",
+            "POST /v1/refunds/{id}:",
+            "fallback (other):",
+            "answered 500 outcome_unknown",
+            "forwarded again with the same effect key",
+            "idempotency",
+        ] {
+            assert!(text.contains(want), "{want} missing from:\n{text}");
+        }
+    }
+
+    #[test]
+    fn refusals_name_what_is_wrong() {
+        let cases = [
+            (
+                "[[policies.route]]\nmatch = \"GET /\"\nretrys = 2\n",
+                "retrys",
+            ),
+            ("[policies]\nroutes = []\n", "routes"),
+            ("[proxy]\nlisten = \"x\"\n", "listen"),
+            (
+                "[[policies.route]]\nidempotency = \"keyed\"\n",
+                "`match` is missing",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"/v1/{id}\"\n",
+                "name the HTTP method",
+            ),
+            ("[[policies.route]]\nmatch = \"v1\"\n", "must start with /"),
+            (
+                "[[policies.route]]\nmatch = \"GET /a/x{id}\"\n",
+                "whole segment",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"GET /\"\nidempotency = \"maybe\"\n",
+                "maybe",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"GET /\"\ntimeout = \"soon\"\n",
+                "not a duration",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /\"\nhedging = true\n",
+                "hedging an unsafe method",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"GET /\"\nidempotency = \"safe\"\nretries = 5\n",
+                "retries 5",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /\"\nupstream_dedups_by_effect_key = true\n",
+                "for keyed routes",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /\"\nrate_class = \"gold\"\n",
+                "rate class `gold`",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /a\"\n[[policies.route]]\nmatch = \"POST /a\"\n",
+                "declared twice",
+            ),
+            (
+                "[policies.fallback]\nmatch = \"GET /\"\n",
+                "takes no `match`",
+            ),
+        ];
+        for (text, want) in cases {
+            let error = RouteTable::parse(text).unwrap_err();
+            assert!(error.contains(want), "{text:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn no_file_passes_everything_through() {
+        let table = RouteTable::pass_through();
+        let policy = table.policies.for_route(&Method::POST, "/anything");
+        assert_eq!(policy.name(), FALLBACK_NAME);
+        assert_eq!(policy.idempotency(), Idempotency::Unsafe);
+        assert_eq!(table.routes.len(), 1);
+    }
+}
