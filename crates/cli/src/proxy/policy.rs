@@ -86,7 +86,8 @@ struct RouteSpec {
     /// `/pkg.Service/*` (every method of a gRPC service).
     #[serde(rename = "match")]
     matches: Option<String>,
-    /// The `method` label of the metrics and logs (default: the `match` text).
+    /// The route's name in `--check-config` and the policy table (default: the `match`
+    /// text). The metrics label a request by the `match` text.
     name: Option<String>,
     /// `safe`, `keyed` or `unsafe` (default).
     idempotency: Option<IdempotencySpec>,

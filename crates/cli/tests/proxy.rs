@@ -1,0 +1,762 @@
+//! `backstop proxy` as a real process in front of a real upstream that is not Rust: a Python
+//! standard-library HTTP server (`support/upstream.py`) that records every request it gets and
+//! every effect it executes in a file, and can be told to be slow.
+//!
+//! Nothing here synchronises by sleeping: each test waits for a condition (a line in the
+//! upstream's events file, a log line, an answer), bounded by a generous timeout.
+
+#[path = "../../backstop/tests/support/python.rs"]
+#[allow(dead_code)]
+mod python;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+/// The binary under test.
+const BIN: &str = env!("CARGO_BIN_EXE_backstop");
+
+/// Longest wait for anything a test waits on.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+const ROUTES: &str = r#"
+[policies.fallback]
+timeout = "10s"
+
+[[policies.route]]
+match = "POST /v1/charges"
+name = "CreateCharge"
+idempotency = "keyed"
+timeout = "10s"
+
+[[policies.route]]
+match = "POST /dedup/charges"
+name = "DedupCharge"
+idempotency = "keyed"
+timeout = "10s"
+upstream_dedups_by_effect_key = true
+
+[[policies.route]]
+match = "GET /v1/charges/{id}"
+idempotency = "safe"
+
+[proxy]
+replay_headers = ["x-upstream"]
+"#;
+
+/// Whether python3 is here (it is wherever the tests run; skipped with a message otherwise).
+async fn python_ready() -> bool {
+    python::python_ready("json, http.server", "the proxy tests", "(python3 itself)").await
+}
+
+/// Waits until `check` answers `Some`, looking every 20 ms for at most [`PATIENCE`].
+async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let give_up = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "gave up waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The Python upstream.
+struct Upstream {
+    _child: Child,
+    url: String,
+    events: PathBuf,
+}
+
+impl Upstream {
+    async fn start(dir: &Path) -> Upstream {
+        let events = dir.join("events.jsonl");
+        std::fs::write(&events, "").unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/upstream.py");
+        let mut child = python::python3()
+            .arg(&script)
+            .arg("--events")
+            .arg(&events)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(PATIENCE, lines.next_line())
+            .await
+            .expect("the upstream starts in time")
+            .unwrap()
+            .expect("the upstream prints its address");
+        let addr = line.strip_prefix("listening ").expect("listening line");
+        Upstream {
+            _child: child,
+            url: format!("http://{addr}"),
+            events: events.clone(),
+        }
+    }
+
+    /// Every event recorded so far.
+    fn events(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.events)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).expect("an events line is JSON"))
+            .collect()
+    }
+
+    /// The events of kind `event` for requests with `key` (or any, with `None`).
+    fn of(&self, event: &str, key: Option<&str>) -> Vec<Value> {
+        self.events()
+            .into_iter()
+            .filter(|e| e["event"] == event && key.is_none_or(|k| e["key"] == k))
+            .collect()
+    }
+}
+
+/// A running `backstop proxy`.
+struct Proxy {
+    child: Child,
+    base: String,
+    admin: String,
+    _logs: mpsc::UnboundedReceiver<String>,
+}
+
+impl Proxy {
+    /// The command for a proxy in front of `upstream` keeping its records in `dir`.
+    fn command(dir: &Path, upstream: &str) -> Command {
+        let routes = dir.join("routes.toml");
+        if !routes.exists() {
+            std::fs::write(&routes, ROUTES).unwrap();
+        }
+        let mut command = Command::new(BIN);
+        command
+            .args(["proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(["--upstream", upstream])
+            .arg("--config")
+            .arg(&routes)
+            .arg("--store")
+            .arg(format!("sqlite://{}", dir.join("proxy.db").display()))
+            .args(["--lease", "1s", "--drain-timeout", "5s"]);
+        command
+    }
+
+    async fn start(dir: &Path, upstream: &str) -> Proxy {
+        Self::spawn(Self::command(dir, upstream)).await
+    }
+
+    async fn spawn(mut command: Command) -> Proxy {
+        let mut child = command
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("backstop starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, mut logs) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let listening = tokio::time::timeout(PATIENCE, async {
+            loop {
+                let line = logs.recv().await.expect("the proxy logs its address");
+                let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                    continue;
+                };
+                if v["fields"]["message"] == "proxy listening" {
+                    break v;
+                }
+            }
+        })
+        .await
+        .expect("the proxy starts in time");
+        let field = |name: &str| listening["fields"][name].as_str().unwrap().to_owned();
+        Proxy {
+            child,
+            base: format!("http://{}", field("listen")),
+            admin: format!("http://{}", field("admin")),
+            _logs: logs,
+        }
+    }
+
+    /// SIGKILL, and wait for the process to be gone.
+    async fn kill9(&mut self) {
+        self.child.kill().await.expect("SIGKILL");
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// An answer: status, headers, body bytes.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+async fn send(request: reqwest::RequestBuilder) -> reqwest::Result<Answer> {
+    let response = request.send().await?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.bytes().await?.to_vec();
+    Ok(Answer {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn charge(
+    http: &reqwest::Client,
+    base: &str,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> reqwest::RequestBuilder {
+    http.post(format!("{base}{path}"))
+        .header("Idempotency-Key", key)
+        .header("Content-Type", "application/json")
+        .body(body.to_owned())
+}
+
+#[tokio::test]
+async fn duplicate_keyed_requests_in_parallel_are_forwarded_once() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+
+    let mut calls = Vec::new();
+    for _ in 0..8 {
+        let request = charge(
+            &http,
+            &proxy.base,
+            "/v1/charges",
+            "dup-1",
+            r#"{"amount":100}"#,
+        )
+        .header("X-Upstream-Sleep-Ms", "300");
+        calls.push(tokio::spawn(send(request)));
+    }
+    let mut answers = Vec::new();
+    for call in calls {
+        answers.push(call.await.unwrap().unwrap());
+    }
+    assert!(answers.iter().all(|a| a.status == 201), "all 201");
+    let first = &answers[0].body;
+    assert!(
+        answers.iter().all(|a| a.body == *first),
+        "byte-identical answers"
+    );
+    assert_eq!(
+        answers.iter().filter(|a| !a.replayed()).count(),
+        1,
+        "one forwarded, the others replayed"
+    );
+    let effects = upstream.of("effect", Some("dup-1"));
+    assert_eq!(effects.len(), 1, "{effects:?}");
+    assert_eq!(upstream.of("received", Some("dup-1")).len(), 1);
+    let effect_key = effects[0]["effect_key"]
+        .as_str()
+        .expect("an effect key was sent");
+    assert_eq!(effect_key.len(), 32);
+    assert!(effect_key.chars().all(|c| c.is_ascii_hexdigit()));
+    assert!(
+        answers.iter().all(|a| a.headers["x-upstream"] == "python"),
+        "the headers the routes file names are replayed too"
+    );
+
+    // The library's metric names, under the proxy's service label.
+    let metrics = http
+        .get(format!("{}/metrics", proxy.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "rpc_server_requests_total",
+        "rpc_server_duration_seconds",
+        "idempotency_claims_total",
+        "rpc_server_connections",
+    ] {
+        assert!(metrics.contains(name), "{name} missing:\n{metrics}");
+    }
+    assert!(metrics.contains(r#"service="proxy""#), "{metrics}");
+    assert!(
+        metrics.contains(r#"method="POST /v1/charges""#),
+        "labelled by route: {metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_retry_after_the_client_timed_out_gets_the_first_answer_replayed() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+    let body = r#"{"amount":250}"#;
+
+    let impatient = tokio::spawn(send(
+        charge(&http, &proxy.base, "/v1/charges", "late-1", body)
+            .header("X-Upstream-Sleep-Ms", "1500"),
+    ));
+    // Once the request reached the upstream, its client gives up (its connection closes).
+    wait_for("the first effect", async || {
+        (!upstream.of("effect", Some("late-1")).is_empty()).then_some(())
+    })
+    .await;
+    impatient.abort();
+    assert!(impatient.await.unwrap_err().is_cancelled());
+
+    // The retry waits for the forwarded request's answer and gets it replayed.
+    let retry = send(charge(&http, &proxy.base, "/v1/charges", "late-1", body))
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    assert!(retry.replayed());
+    let again = send(charge(&http, &proxy.base, "/v1/charges", "late-1", body))
+        .await
+        .unwrap();
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, retry.body, "byte for byte");
+    assert_eq!(upstream.of("effect", Some("late-1")).len(), 1);
+    assert_eq!(upstream.of("received", Some("late-1")).len(), 1);
+    assert!(
+        upstream.of("cancelled", Some("late-1")).is_empty(),
+        "the proxy kept the forwarded request going when its caller left"
+    );
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_body_is_refused_and_not_forwarded() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+
+    let first = send(charge(
+        &http,
+        &proxy.base,
+        "/v1/charges",
+        "reuse-1",
+        r#"{"amount":1}"#,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(first.status, 201);
+    let other = send(charge(
+        &http,
+        &proxy.base,
+        "/v1/charges",
+        "reuse-1",
+        r#"{"amount":2}"#,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(other.status, 409);
+    assert_eq!(other.json()["code"], "idempotency_key_reused");
+    assert_eq!(upstream.of("received", Some("reuse-1")).len(), 1);
+
+    // A keyed route without a key is refused before anything is forwarded.
+    let keyless = send(
+        http.post(format!("{}/v1/charges", proxy.base))
+            .header("Content-Type", "application/json")
+            .body("{}"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(keyless.status, 400);
+    assert_eq!(keyless.json()["code"], "missing_idempotency_key");
+    assert_eq!(upstream.of("received", None).len(), 1);
+}
+
+/// Sends a keyed request that the upstream holds, waits for its effect, kills the proxy with
+/// SIGKILL, and starts it again on the same store.
+async fn crash_mid_request(
+    dir: &Path,
+    upstream: &Upstream,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> Proxy {
+    let mut proxy = Proxy::start(dir, &upstream.url).await;
+    let http = client();
+    let request = charge(&http, &proxy.base, path, key, body)
+        .header("X-Upstream-Sleep-Ms", "20000")
+        .header("X-Request-Timeout", "4000");
+    let pending = tokio::spawn(send(request));
+    wait_for("the effect", async || {
+        (!upstream.of("effect", Some(key)).is_empty()).then_some(())
+    })
+    .await;
+    proxy.kill9().await;
+    assert!(
+        pending.await.unwrap().is_err(),
+        "no answer from a killed proxy"
+    );
+    // The upstream sees its connection dropped.
+    wait_for("the upstream to see the request dropped", async || {
+        (!upstream.of("cancelled", Some(key)).is_empty()).then_some(())
+    })
+    .await;
+    Proxy::start(dir, &upstream.url).await
+}
+
+#[tokio::test]
+async fn a_retry_after_a_crash_answers_outcome_unknown_and_forwards_nothing() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let body = r#"{"amount":999}"#;
+    let proxy = crash_mid_request(dir.path(), &upstream, "/v1/charges", "crash-1", body).await;
+    let http = client();
+
+    // The retry waits for the dead run's lease to end, then learns that its outcome is
+    // unknown: nothing is forwarded again.
+    let retry = send(charge(&http, &proxy.base, "/v1/charges", "crash-1", body))
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        500,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    assert_eq!(retry.json()["code"], "outcome_unknown");
+    let again = send(charge(&http, &proxy.base, "/v1/charges", "crash-1", body))
+        .await
+        .unwrap();
+    assert_eq!((again.status, again.replayed()), (500, true));
+    assert_eq!(again.json()["code"], "outcome_unknown");
+    assert_eq!(upstream.of("received", Some("crash-1")).len(), 1);
+    assert_eq!(upstream.of("effect", Some("crash-1")).len(), 1);
+}
+
+#[tokio::test]
+async fn after_a_crash_a_route_whose_upstream_dedups_is_forwarded_again_with_the_same_effect_key() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let body = r#"{"amount":7}"#;
+    let proxy = crash_mid_request(dir.path(), &upstream, "/dedup/charges", "crash-2", body).await;
+    let http = client();
+
+    let retry = send(charge(
+        &http,
+        &proxy.base,
+        "/dedup/charges",
+        "crash-2",
+        body,
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        retry.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    assert!(
+        !retry.replayed(),
+        "forwarded again, the upstream's own answer"
+    );
+    let received = upstream.of("received", Some("crash-2"));
+    assert_eq!(received.len(), 2, "{received:?}");
+    assert_eq!(
+        received[0]["effect_key"], received[1]["effect_key"],
+        "the same effect key both times"
+    );
+    assert_eq!(
+        upstream.of("effect", Some("crash-2")).len(),
+        1,
+        "executed once"
+    );
+    assert_eq!(upstream.of("deduped", Some("crash-2")).len(), 1);
+    let effect = &upstream.of("effect", Some("crash-2"))[0];
+    assert_eq!(retry.json()["effect_id"], effect["effect_id"]);
+
+    let again = send(charge(
+        &http,
+        &proxy.base,
+        "/dedup/charges",
+        "crash-2",
+        body,
+    ))
+    .await
+    .unwrap();
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, retry.body);
+    assert_eq!(upstream.of("received", Some("crash-2")).len(), 2);
+}
+
+#[tokio::test]
+async fn a_budget_that_runs_out_is_504_and_the_upstream_sees_the_request_dropped() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+
+    let started = std::time::Instant::now();
+    let late = send(
+        http.get(format!("{}/v1/charges/c-1", proxy.base))
+            .header("X-Request-Timeout", "1000")
+            .header("X-Upstream-Sleep-Ms", "20000"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(late.status, 504);
+    assert_eq!(late.json()["code"], "deadline_exceeded");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "cut at the deadline"
+    );
+    wait_for("the upstream to see the request dropped", async || {
+        upstream
+            .of("cancelled", None)
+            .into_iter()
+            .find(|e| e["path"] == "/v1/charges/c-1")
+    })
+    .await;
+    // The upstream got the budget in the caller's form, less what the proxy spent.
+    let received = &upstream.of("received", None)[0];
+    let ms: u64 = received["x_request_timeout"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..1000).contains(&ms), "{ms}");
+    assert!(received["grpc_timeout"].is_null());
+
+    // gRPC's header form goes out as grpc-timeout.
+    let quick = send(
+        http.get(format!("{}/v1/charges/c-2", proxy.base))
+            .header("grpc-timeout", "2S"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(quick.status, 200);
+    let echo = quick.json()["echo"].clone();
+    let timeout = echo["grpc_timeout"].as_str().unwrap();
+    let budget = backstop::deadline::decode_grpc_timeout(timeout).unwrap();
+    assert!(
+        budget < Duration::from_secs(2) && budget > Duration::from_secs(1),
+        "{timeout}"
+    );
+}
+
+#[tokio::test]
+async fn unknown_routes_pass_through_and_callers_cannot_choose_the_effect_key() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+
+    let get = send(
+        http.get(format!("{}/anything/at/all?x=1", proxy.base))
+            .header("Idempotency-Effect-Key", "forged"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(get.status, 200);
+    let echo = get.json()["echo"].clone();
+    assert_eq!(echo["path"], "/anything/at/all?x=1");
+    assert!(
+        echo["effect_key"].is_null(),
+        "a caller's effect key is removed"
+    );
+    assert_eq!(echo["x_forwarded_for"], "127.0.0.1");
+    assert!(
+        echo["grpc_timeout"].is_string(),
+        "the fallback's budget goes along"
+    );
+
+    // An unknown POST is forwarded as it came, key or no key, and never deduplicated.
+    for _ in 0..2 {
+        let post = send(
+            http.post(format!("{}/v2/other", proxy.base))
+                .header("Idempotency-Key", "not-a-keyed-route")
+                .body("not json"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(post.status, 201);
+        assert!(!post.replayed());
+    }
+    assert_eq!(upstream.of("effect", Some("not-a-keyed-route")).len(), 2);
+    // The upstream's own status passes through.
+    let teapot = send(
+        http.get(format!("{}/brew", proxy.base))
+            .header("X-Upstream-Status", "418"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(teapot.status, 418);
+}
+
+#[tokio::test]
+async fn an_upstream_that_is_down_is_503_with_retry_after_and_the_key_stays_unused() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port nobody listens on.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let proxy = Proxy::start(dir.path(), &format!("http://{closed}")).await;
+    let http = client();
+    for _ in 0..2 {
+        let answer = send(charge(&http, &proxy.base, "/v1/charges", "down-1", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.status,
+            503,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert_eq!(answer.json()["code"], "upstream_unavailable");
+        assert!(answer.headers.contains_key("retry-after"));
+    }
+}
+
+#[tokio::test]
+async fn sigterm_lets_a_request_in_flight_finish() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let mut proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+    let pending = tokio::spawn(send(
+        charge(&http, &proxy.base, "/v1/charges", "drain-1", "{}")
+            .header("X-Upstream-Sleep-Ms", "1000"),
+    ));
+    wait_for("the effect", async || {
+        (!upstream.of("effect", Some("drain-1")).is_empty()).then_some(())
+    })
+    .await;
+    let pid = proxy.child.id().unwrap().to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(sent.success());
+    let answer = pending.await.unwrap().unwrap();
+    assert_eq!(answer.status, 201);
+    let status = tokio::time::timeout(PATIENCE, proxy.child.wait())
+        .await
+        .expect("the proxy exits after the drain")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+#[tokio::test]
+async fn check_config_explains_a_good_file_and_names_the_bad_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(&good, ROUTES).unwrap();
+    let out = Command::new(BIN)
+        .args(["proxy", "--check-config"])
+        .arg(&good)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    for want in [
+        "POST /v1/charges (CreateCharge):",
+        "answered 500 outcome_unknown",
+        "POST /dedup/charges (DedupCharge):",
+        "forwarded again with the same effect key",
+        "fallback (other):",
+    ] {
+        assert!(text.contains(want), "{want}:\n{text}");
+    }
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[policies.route]]\nmatch = \"POST /v1/charges\"\nidempotency = \"keyed\"\nretrys = 2\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["proxy", "--check-config"])
+        .arg(&bad)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let error = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        error.contains("retrys") && error.contains("bad.toml"),
+        "{error}"
+    );
+
+    // The same file given to a proxy stops it at start, naming the key.
+    let out = Command::new(BIN)
+        .args(["proxy", "--upstream", "http://127.0.0.1:9", "--config"])
+        .arg(&bad)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("retrys"));
+}

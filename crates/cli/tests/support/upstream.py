@@ -1,0 +1,161 @@
+"""An upstream for `backstop proxy` tests, written with Python's standard library only.
+
+    python3 upstream.py --events FILE [--port 0]
+
+Prints `listening HOST:PORT` once it accepts connections, then serves HTTP/1.1 (keep-alive)
+until killed. Every request appends JSON lines to FILE, one per event, so that a test can see
+what reached the upstream and what it did:
+
+- `received`: a request arrived (method, path, the idempotency, effect key and timeout headers,
+  the body);
+- `effect`: a POST executed its effect (once per request, or once per effect key under
+  `/dedup/`);
+- `deduped`: a POST under `/dedup/` carried an effect key already executed: the stored answer
+  is sent again, nothing is executed;
+- `cancelled`: the connection was closed while the request was being served (the proxy gave
+  up on it).
+
+How a request is served:
+
+- `X-Upstream-Sleep-Ms: N` makes it take N ms after its effect (watching the connection, so a
+  dropped request is seen at once);
+- `X-Upstream-Status: N` answers status N instead of 201;
+- POST: executes the effect, answers 201 with JSON naming the effect (a new id each time);
+- GET: answers 200 with JSON echoing the method, path and headers.
+"""
+
+import argparse
+import json
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+EVENTS = None
+DONE = {}  # effect key -> (status, body) of /dedup/ effects
+COUNTER = [0]
+
+
+def record(event, **fields):
+    fields["event"] = event
+    fields["at"] = time.time()
+    line = json.dumps(fields, sort_keys=True)
+    with LOCK:
+        with open(EVENTS, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet: the events file is the log
+        pass
+
+    def fields(self, body):
+        h = self.headers
+        return {
+            "method": self.command,
+            "path": self.path,
+            "key": h.get("Idempotency-Key"),
+            "effect_key": h.get("Idempotency-Effect-Key"),
+            "grpc_timeout": h.get("grpc-timeout"),
+            "x_request_timeout": h.get("X-Request-Timeout"),
+            "x_forwarded_for": h.get("X-Forwarded-For"),
+            "body": body.decode("utf-8", "replace"),
+        }
+
+    def read_body(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def closed(self):
+        """Whether the peer closed the connection (nothing more can arrive on it)."""
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def slow(self, fields):
+        """Sleeps as asked, watching the connection; False if the proxy dropped it."""
+        ms = int(self.headers.get("X-Upstream-Sleep-Ms") or 0)
+        end = time.monotonic() + ms / 1000.0
+        while time.monotonic() < end:
+            if self.closed():
+                record("cancelled", **fields)
+                self.close_connection = True
+                return False
+            time.sleep(0.01)
+        return True
+
+    def answer(self, status, payload):
+        body = json.dumps(payload, sort_keys=True).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Upstream", "python")
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except OSError:
+            pass
+
+    def do_GET(self):
+        body = self.read_body()
+        fields = self.fields(body)
+        record("received", **fields)
+        if not self.slow(fields):
+            return
+        status = int(self.headers.get("X-Upstream-Status") or 200)
+        self.answer(status, {"echo": fields, "headers": dict(self.headers.items())})
+
+    def do_POST(self):
+        body = self.read_body()
+        fields = self.fields(body)
+        record("received", **fields)
+        status = int(self.headers.get("X-Upstream-Status") or 201)
+        effect_key = fields["effect_key"]
+        if self.path.startswith("/dedup/") and effect_key:
+            with LOCK:
+                done = DONE.get(effect_key)
+            if done is not None:
+                record("deduped", **fields)
+                self.answer(*done)
+                return
+        with LOCK:
+            COUNTER[0] += 1
+            n = COUNTER[0]
+        payload = {"effect_id": str(uuid.uuid4()), "n": n, "path": self.path}
+        record("effect", effect_id=payload["effect_id"], **fields)
+        if self.path.startswith("/dedup/") and effect_key:
+            with LOCK:
+                DONE[effect_key] = (status, payload)
+        if not self.slow(fields):
+            return
+        self.answer(status, payload)
+
+
+def main():
+    global EVENTS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--events", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    EVENTS = args.events
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    server.daemon_threads = True
+    host, port = server.server_address[:2]
+    print(f"listening {host}:{port}", flush=True)
+    sys.stdout.flush()
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
