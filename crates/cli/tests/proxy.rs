@@ -45,6 +45,10 @@ upstream_dedups_by_effect_key = true
 match = "GET /v1/charges/{id}"
 idempotency = "safe"
 
+[[policies.route]]
+match = "/shop.v1.Orders/Create"
+idempotency = "keyed"
+
 [proxy]
 replay_headers = ["x-upstream"]
 "#;
@@ -69,6 +73,13 @@ async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T
     }
 }
 
+/// A file of `support/`.
+fn support(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/support")
+        .join(name)
+}
+
 /// The Python upstream.
 struct Upstream {
     _child: Child,
@@ -77,12 +88,22 @@ struct Upstream {
 }
 
 impl Upstream {
+    /// The HTTP upstream (`support/upstream.py`).
     async fn start(dir: &Path) -> Upstream {
+        Self::start_script(dir, "upstream.py", &[]).await
+    }
+
+    /// The gRPC upstream (`support/grpc_upstream.py serve`).
+    async fn start_grpc(dir: &Path) -> Upstream {
+        Self::start_script(dir, "grpc_upstream.py", &["serve"]).await
+    }
+
+    async fn start_script(dir: &Path, script: &str, args: &[&str]) -> Upstream {
         let events = dir.join("events.jsonl");
         std::fs::write(&events, "").unwrap();
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/upstream.py");
         let mut child = python::python3()
-            .arg(&script)
+            .arg(support(script))
+            .args(args)
             .arg("--events")
             .arg(&events)
             .stdout(Stdio::piped())
@@ -759,4 +780,54 @@ async fn check_config_explains_a_good_file_and_names_the_bad_key() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("retrys"));
+}
+
+#[tokio::test]
+async fn a_keyed_grpc_method_is_forwarded_once_over_h2c_and_streams_pass_through() {
+    if !python::python_ready("grpc", "the proxy's gRPC test", "grpcio==1.85.1").await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start_grpc(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let target = proxy.base.strip_prefix("http://").unwrap();
+
+    let out = python::output_of(
+        "the gRPC calls through the proxy",
+        python::python3()
+            .arg(support("grpc_upstream.py"))
+            .args(["call", "--target", target, "--key", "g-1", "--count", "6"])
+            .args(["--payload", "0a03616263"]),
+    )
+    .await;
+    let results: Vec<Value> = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(results.len(), 6);
+    let first = &results[0]["response"];
+    assert!(first.is_string(), "{results:?}");
+    assert!(
+        results.iter().all(|r| r["response"] == *first),
+        "{results:?}"
+    );
+    assert_eq!(
+        results.iter().filter(|r| r["replayed"] == false).count(),
+        1,
+        "{results:?}"
+    );
+    let effects = upstream.of("effect", Some("g-1"));
+    assert_eq!(effects.len(), 1, "{effects:?}");
+    assert_eq!(effects[0]["effect_key"].as_str().map(str::len), Some(32));
+    // The caller's 20 s budget, less what the proxy spent, reached the upstream.
+    let left = effects[0]["time_remaining"].as_f64().unwrap();
+    assert!(left > 10.0 && left < 20.0, "{left}");
+
+    // A streaming method is not keyed: it passes through.
+    let out = python::output_of(
+        "the gRPC stream through the proxy",
+        python::python3()
+            .arg(support("grpc_upstream.py"))
+            .args(["watch", "--target", target]),
+    )
+    .await;
+    let messages: Vec<String> = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(messages, ["update:0", "update:1", "update:2"]);
 }
