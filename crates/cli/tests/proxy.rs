@@ -5,12 +5,19 @@
 //! Nothing here synchronises by sleeping: each test waits for a condition (a line in the
 //! upstream's events file, a log line, an answer), bounded by a generous timeout.
 
+// The per-test PostgreSQL schema and the check that the servers answer, shared with the
+// other crates' tests.
+#[path = "../../backstop/tests/support/postgres_schema.rs"]
+mod postgres_schema;
 #[path = "../../backstop/tests/support/python.rs"]
 #[allow(dead_code)]
 mod python;
+#[path = "../../backstop/tests/support/services.rs"]
+mod services;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -99,7 +106,11 @@ impl Upstream {
     }
 
     async fn start_script(dir: &Path, script: &str, args: &[&str]) -> Upstream {
-        let events = dir.join("events.jsonl");
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let events = dir.join(format!(
+            "events-{}.jsonl",
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::write(&events, "").unwrap();
         let mut child = python::python3()
             .arg(support(script))
@@ -156,18 +167,25 @@ struct Proxy {
 impl Proxy {
     /// The command for a proxy in front of `upstream` keeping its records in `dir`.
     fn command(dir: &Path, upstream: &str) -> Command {
+        let store = format!("sqlite://{}", dir.join("proxy.db").display());
+        Self::command_on(dir, &[upstream], &store)
+    }
+
+    /// The command for a proxy in front of `upstreams` keeping its records in `store`.
+    fn command_on(dir: &Path, upstreams: &[&str], store: &str) -> Command {
         let routes = dir.join("routes.toml");
         if !routes.exists() {
             std::fs::write(&routes, ROUTES).unwrap();
         }
         let mut command = Command::new(BIN);
+        command.args(["proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]);
+        for upstream in upstreams {
+            command.args(["--upstream", upstream]);
+        }
         command
-            .args(["proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-            .args(["--upstream", upstream])
             .arg("--config")
             .arg(&routes)
-            .arg("--store")
-            .arg(format!("sqlite://{}", dir.join("proxy.db").display()))
+            .args(["--store", store])
             .args(["--lease", "1s", "--drain-timeout", "5s"]);
         command
     }
@@ -830,4 +848,107 @@ async fn a_keyed_grpc_method_is_forwarded_once_over_h2c_and_streams_pass_through
     .await;
     let messages: Vec<String> = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(messages, ["update:0", "update:1", "update:2"]);
+}
+
+#[tokio::test]
+async fn keys_are_scoped_by_the_scope_header() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let mut command = Proxy::command(dir.path(), &upstream.url);
+    command.args(["--scope-header", "X-Api-Key"]);
+    let proxy = Proxy::spawn(command).await;
+    let http = client();
+    let as_caller = |caller: &str| {
+        charge(
+            &http,
+            &proxy.base,
+            "/v1/charges",
+            "shared-1",
+            r#"{"amount":5}"#,
+        )
+        .header("X-Api-Key", caller.to_owned())
+    };
+
+    let a = send(as_caller("caller-a")).await.unwrap();
+    let b = send(as_caller("caller-b")).await.unwrap();
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!b.replayed(), "another caller's key is its own");
+    assert_ne!(a.body, b.body);
+    let a_again = send(as_caller("caller-a")).await.unwrap();
+    assert!(a_again.replayed());
+    assert_eq!(a_again.body, a.body);
+    assert_eq!(upstream.of("effect", Some("shared-1")).len(), 2);
+    let db = std::fs::read(dir.path().join("proxy.db")).unwrap();
+    assert!(
+        !db.windows(8).any(|w| w == b"caller-a"),
+        "only a hash of the scope is stored"
+    );
+}
+
+#[tokio::test]
+async fn several_upstreams_share_the_requests() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let one = Upstream::start(dir.path()).await;
+    let two = Upstream::start(dir.path()).await;
+    let store = format!("sqlite://{}", dir.path().join("proxy.db").display());
+    let proxy = Proxy::spawn(Proxy::command_on(dir.path(), &[&one.url, &two.url], &store)).await;
+    let http = client();
+    for i in 0..40 {
+        let answer = send(http.get(format!("{}/v1/charges/c-{i}", proxy.base)))
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 200);
+    }
+    let (a, b) = (
+        one.of("received", None).len(),
+        two.of("received", None).len(),
+    );
+    assert_eq!(a + b, 40);
+    assert!(a > 0 && b > 0, "{a} and {b}");
+}
+
+#[tokio::test]
+async fn two_proxies_sharing_postgresql_forward_a_key_once() {
+    if !services::postgres() || !python_ready().await {
+        return;
+    }
+    let schema = postgres_schema::Schema::create("proxy").await;
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let store = schema.store_url(None);
+    let first = Proxy::spawn(Proxy::command_on(dir.path(), &[&upstream.url], &store)).await;
+    let second = Proxy::spawn(Proxy::command_on(dir.path(), &[&upstream.url], &store)).await;
+    let http = client();
+
+    let mut calls = Vec::new();
+    for i in 0..8 {
+        let base = if i % 2 == 0 {
+            &first.base
+        } else {
+            &second.base
+        };
+        let request = charge(&http, base, "/v1/charges", "pg-1", r#"{"amount":3}"#)
+            .header("X-Upstream-Sleep-Ms", "300");
+        calls.push(tokio::spawn(send(request)));
+    }
+    let mut bodies = Vec::new();
+    for call in calls {
+        let answer = call.await.unwrap().unwrap();
+        assert_eq!(
+            answer.status,
+            201,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        bodies.push(answer.body);
+    }
+    assert!(bodies.iter().all(|b| *b == bodies[0]));
+    assert_eq!(upstream.of("effect", Some("pg-1")).len(), 1);
+    assert_eq!(schema.count("idempotency_key").await, 1);
 }

@@ -54,6 +54,12 @@ pub(crate) struct ProxyArgs {
     /// left minus this.
     #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = parse_margin)]
     margin: Duration,
+    /// Scope idempotency keys (and rate limits) by this request header, e.g. `Authorization`
+    /// or `X-Api-Key`: one caller's key never replays another caller's answer. Only a hash of
+    /// the value is kept. Without it every caller shares one scope (`default`), as do requests
+    /// without the header.
+    #[arg(long, value_name = "NAME")]
+    scope_header: Option<String>,
     /// The header carrying a keyed request's effect key to the upstream (the same for every
     /// forward of one key; a caller's own is removed).
     #[arg(long, value_name = "NAME", default_value = DEFAULT_EFFECT_KEY_HEADER)]
@@ -106,6 +112,7 @@ pub(crate) struct Settings {
     pub(crate) timeouts: TimeoutHeaders,
     pub(crate) margin: Duration,
     pub(crate) effect_key_header: HeaderName,
+    pub(crate) scope_header: Option<HeaderName>,
     pub(crate) max_timeout: Duration,
     pub(crate) lease: Duration,
     pub(crate) max_inflight: usize,
@@ -148,6 +155,11 @@ impl ProxyArgs {
             .map(|name| header("--timeout-header", name))
             .collect::<Result<Vec<_>, _>>()?;
         let effect_key_header = header("--effect-key-header", &self.effect_key_header)?;
+        let scope_header = self
+            .scope_header
+            .as_deref()
+            .map(|name| header("--scope-header", name))
+            .transpose()?;
         if effect_key_header == backstop::server::idempotency::IDEMPOTENCY_KEY {
             return Err(invalid(
                 "--effect-key-header cannot be Idempotency-Key: the caller's key is forwarded \
@@ -174,6 +186,7 @@ impl ProxyArgs {
             timeouts: TimeoutHeaders::new(timeouts),
             margin: self.margin,
             effect_key_header,
+            scope_header,
             max_timeout: self.max_timeout,
             lease: self.lease,
             max_inflight: self.max_inflight,

@@ -427,7 +427,8 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// `X-Forwarded-For` (the caller's address appended), `X-Forwarded-Host` (the `Host` the
-/// caller asked for, which the upstream's own replaces) and `X-Forwarded-Proto`.
+/// caller asked for, which the upstream's own replaces) and `X-Forwarded-Proto` (`http`,
+/// unless the caller's says otherwise).
 fn forwarded_headers(headers: &mut HeaderMap, peer: Option<SocketAddr>, authority: Option<&str>) {
     const FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
     const HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -448,7 +449,10 @@ fn forwarded_headers(headers: &mut HeaderMap, peer: Option<SocketAddr>, authorit
     if let Some(host) = host {
         headers.insert(HOST, host);
     }
-    headers.insert(PROTO, HeaderValue::from_static("http"));
+    // A proxy in front of this one (one that ends TLS) said it first.
+    if !headers.contains_key(&PROTO) {
+        headers.insert(PROTO, HeaderValue::from_static("http"));
+    }
 }
 
 #[cfg(test)]

@@ -21,15 +21,15 @@ use std::time::Duration;
 use backstop::admission::{Gate, KeyedTokenBucket, QueueConfig, Quota};
 use backstop::clock::SystemClock;
 use backstop::db::sqlite::{Db, SqliteOptions};
-use backstop::idempotency::Sweeper;
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
+use backstop::idempotency::{Fingerprint, Sweeper};
 use backstop::policy::MethodPolicies;
 use backstop::server::listen::{ConnectionInfo, ListenConfig, Listener};
 use backstop::server::problem::Protocol;
 use backstop::server::{
     DEFAULT_MAX_TENANTS, DEFAULT_MIN_SERVICE, DeadlineLayer, IdempotencyLayer, RateLimitLayer,
-    ServerStack,
+    ServerStack, Tenant,
 };
 use backstop_payment::config::StoreLocation;
 use bytes::Bytes;
@@ -240,7 +240,11 @@ fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::Se
         max_waiters: settings.queue_size,
         ..QueueConfig::default()
     };
-    ServerStack::new(SERVICE_NAME, store)
+    let mut stack = ServerStack::new(SERVICE_NAME, store);
+    if let Some(name) = settings.scope_header.clone() {
+        stack = stack.authenticate(move |head| Ok(scope_of(head.headers.get(&name))));
+    }
+    stack
         .deadline(DeadlineLayer::new(backstop::policy::DEFAULT_TIMEOUT).max(settings.max_timeout))
         .rate_limit(rate_limit(table))
         .gate(Gate::new(settings.max_inflight, DEFAULT_MIN_SERVICE).with_queue(queue))
@@ -249,6 +253,18 @@ fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::Se
         .lease(settings.lease)
         .peer_from(|ext| ext.get::<ConnectionInfo>().map(ConnectionInfo::peer))
         .into_layer()
+}
+
+/// The scope of a request's keys: a hash of its scope header's value, so that the value (a
+/// credential, often) is never stored; `default` without one.
+fn scope_of(value: Option<&http::HeaderValue>) -> Tenant {
+    match value {
+        Some(value) => {
+            let hash = Fingerprint::of_bytes("scope", value.as_bytes()).to_hex();
+            Tenant::new(format!("h:{}", &hash[..32]))
+        }
+        None => Tenant::new(Tenant::DEFAULT),
+    }
 }
 
 /// The rate classes' buckets: the routes file's quotas, and no practical limit for the
@@ -463,5 +479,27 @@ impl Service<Request<Incoming>> for Admin {
 impl std::fmt::Debug for Admin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admin").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scope_is_a_hash_of_the_header_never_the_value() {
+        let value = http::HeaderValue::from_static("Bearer sk_live_123");
+        let scope = scope_of(Some(&value));
+        assert!(scope.as_str().starts_with("h:"));
+        assert_eq!(scope.as_str().len(), 34);
+        assert!(!scope.as_str().contains("sk_live"));
+        assert_eq!(
+            scope,
+            scope_of(Some(&value)),
+            "the same caller, the same scope"
+        );
+        let other = http::HeaderValue::from_static("Bearer sk_live_456");
+        assert_ne!(scope, scope_of(Some(&other)));
+        assert_eq!(scope_of(None).as_str(), Tenant::DEFAULT);
     }
 }
