@@ -952,3 +952,62 @@ async fn two_proxies_sharing_postgresql_forward_a_key_once() {
     assert_eq!(upstream.of("effect", Some("pg-1")).len(), 1);
     assert_eq!(schema.count("idempotency_key").await, 1);
 }
+
+#[tokio::test]
+async fn an_answer_lost_on_the_way_back_is_not_forwarded_again_unless_the_upstream_dedups() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+    let body = r#"{"amount":11}"#;
+
+    // The upstream executes the effect and closes the connection without answering.
+    for (path, key) in [("/v1/charges", "lost-1"), ("/dedup/charges", "lost-2")] {
+        let lost = send(
+            charge(&http, &proxy.base, path, key, body)
+                .header("X-Upstream-Drop", "1")
+                .header("X-Request-Timeout", "2000"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(lost.status, 502, "{}", String::from_utf8_lossy(&lost.body));
+        assert_eq!(lost.json()["code"], "upstream_outcome_unknown");
+    }
+
+    // By default the key is never forwarded again: once the run's lease ends, its outcome is
+    // unknown for good.
+    let retry = send(charge(&http, &proxy.base, "/v1/charges", "lost-1", body))
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        500,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    assert_eq!(retry.json()["code"], "outcome_unknown");
+    assert_eq!(upstream.of("received", Some("lost-1")).len(), 1);
+
+    // Where the upstream deduplicates by the effect key, the retry is forwarded again under
+    // the same one and gets the upstream's answer to the first forward.
+    let retry = send(charge(&http, &proxy.base, "/dedup/charges", "lost-2", body))
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    let received = upstream.of("received", Some("lost-2"));
+    assert_eq!(received.len(), 2);
+    assert_eq!(received[0]["effect_key"], received[1]["effect_key"]);
+    assert_eq!(upstream.of("effect", Some("lost-2")).len(), 1);
+    assert_eq!(
+        retry.json()["effect_id"],
+        upstream.of("effect", Some("lost-2"))[0]["effect_id"]
+    );
+}

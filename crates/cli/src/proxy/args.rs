@@ -64,6 +64,11 @@ pub(crate) struct ProxyArgs {
     /// forward of one key; a caller's own is removed).
     #[arg(long, value_name = "NAME", default_value = DEFAULT_EFFECT_KEY_HEADER)]
     effect_key_header: String,
+    /// How long an idle connection to the upstream is kept for the next request: keep it
+    /// below the upstream's own keep-alive timeout (Node's is 5 s), or a request may be
+    /// written on a connection the upstream is closing.
+    #[arg(long, value_name = "DURATION", default_value = "4s", value_parser = parse_idle)]
+    upstream_idle_timeout: Duration,
     /// Longest budget a caller may ask for; longer ones are cut to it.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_max_timeout)]
     max_timeout: Duration,
@@ -113,6 +118,7 @@ pub(crate) struct Settings {
     pub(crate) margin: Duration,
     pub(crate) effect_key_header: HeaderName,
     pub(crate) scope_header: Option<HeaderName>,
+    pub(crate) upstream_idle_timeout: Duration,
     pub(crate) max_timeout: Duration,
     pub(crate) lease: Duration,
     pub(crate) max_inflight: usize,
@@ -187,6 +193,7 @@ impl ProxyArgs {
             margin: self.margin,
             effect_key_header,
             scope_header,
+            upstream_idle_timeout: self.upstream_idle_timeout,
             max_timeout: self.max_timeout,
             lease: self.lease,
             max_inflight: self.max_inflight,
@@ -258,6 +265,14 @@ fn parse_lease(s: &str) -> Result<Duration, String> {
         s,
         Duration::from_millis(100)..=Duration::from_secs(3600),
         "100ms..=1h",
+    )
+}
+
+fn parse_idle(s: &str) -> Result<Duration, String> {
+    within(
+        s,
+        Duration::from_millis(100)..=Duration::from_secs(600),
+        "100ms..=10min",
     )
 }
 

@@ -165,6 +165,23 @@ pub(crate) struct ForwardSettings {
     pub(crate) timeouts: TimeoutHeaders,
     pub(crate) margin: Duration,
     pub(crate) effect_key_header: HeaderName,
+    /// How long an idle pooled connection to the upstream is kept.
+    pub(crate) idle_timeout: Duration,
+}
+
+/// A pooled client with the settings of the library's
+/// [`connect::pooled`](backstop::client::connect::pooled) (`TCP_NODELAY`, 5 s connect timeout),
+/// but idle connections kept only `idle`: shorter than the upstream keeps them, so that a
+/// request is never written on a connection the upstream is closing. That race would leave a
+/// keyed request's outcome unknown although the upstream never read it.
+fn pooled(http2: bool, idle: Duration) -> connect::HttpClient<UpstreamBody> {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(idle)
+        .http2_only(http2)
+        .build(connector)
 }
 
 impl<St: ProxyStore> Forwarder<St> {
@@ -173,7 +190,7 @@ impl<St: ProxyStore> Forwarder<St> {
     pub(crate) fn new(upstreams: &[Uri], settings: ForwardSettings) -> Self {
         let balanced = |http2: bool| -> Upstream {
             let endpoints =
-                connect::endpoints(connect::pooled::<UpstreamBody>(http2), upstreams.to_vec())
+                connect::endpoints(pooled(http2, settings.idle_timeout), upstreams.to_vec())
                     .expect("upstream URLs are checked when read");
             connect::balanced(endpoints, connect::DEFAULT_BUFFER)
         };

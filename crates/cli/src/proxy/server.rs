@@ -141,6 +141,7 @@ async fn serve<St: ProxyStore>(
             timeouts: settings.timeouts.clone(),
             margin: settings.margin,
             effect_key_header: settings.effect_key_header.clone(),
+            idle_timeout: settings.upstream_idle_timeout,
         },
     );
     let stack = stack(store.clone(), &settings);

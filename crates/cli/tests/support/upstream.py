@@ -20,6 +20,8 @@ How a request is served:
 - `X-Upstream-Sleep-Ms: N` makes it take N ms after its effect (watching the connection, so a
   dropped request is seen at once);
 - `X-Upstream-Status: N` answers status N instead of 201;
+- `X-Upstream-Drop: 1` closes the connection after the effect without answering (the answer
+  lost on its way back);
 - POST: executes the effect, answers 201 with JSON naming the effect (a new id each time);
 - GET: answers 200 with JSON echoing the method, path and headers.
 """
@@ -138,6 +140,9 @@ class Handler(BaseHTTPRequestHandler):
             with LOCK:
                 DONE[effect_key] = (status, payload)
         if not self.slow(fields):
+            return
+        if self.headers.get("X-Upstream-Drop"):
+            self.close_connection = True
             return
         self.answer(status, payload)
 
