@@ -963,22 +963,18 @@ async fn an_answer_lost_on_the_way_back_is_not_forwarded_again_unless_the_upstre
     let proxy = Proxy::start(dir.path(), &upstream.url).await;
     let http = client();
     let body = r#"{"amount":11}"#;
-
     // The upstream executes the effect and closes the connection without answering.
-    for (path, key) in [("/v1/charges", "lost-1"), ("/dedup/charges", "lost-2")] {
-        let lost = send(
-            charge(&http, &proxy.base, path, key, body)
-                .header("X-Upstream-Drop", "1")
-                .header("X-Request-Timeout", "2000"),
-        )
-        .await
-        .unwrap();
-        assert_eq!(lost.status, 502, "{}", String::from_utf8_lossy(&lost.body));
-        assert_eq!(lost.json()["code"], "upstream_outcome_unknown");
-    }
+    let lossy = |path: &str, key: &str| {
+        charge(&http, &proxy.base, path, key, body)
+            .header("X-Upstream-Drop", "1")
+            .header("X-Request-Timeout", "2000")
+    };
 
-    // By default the key is never forwarded again: once the run's lease ends, its outcome is
-    // unknown for good.
+    // By default the key is never forwarded again: the caller learns that the outcome is
+    // unknown, and so does its retry once the run's lease ends.
+    let lost = send(lossy("/v1/charges", "lost-1")).await.unwrap();
+    assert_eq!(lost.status, 502, "{}", String::from_utf8_lossy(&lost.body));
+    assert_eq!(lost.json()["code"], "upstream_outcome_unknown");
     let retry = send(charge(&http, &proxy.base, "/v1/charges", "lost-1", body))
         .await
         .unwrap();
@@ -991,23 +987,91 @@ async fn an_answer_lost_on_the_way_back_is_not_forwarded_again_unless_the_upstre
     assert_eq!(retry.json()["code"], "outcome_unknown");
     assert_eq!(upstream.of("received", Some("lost-1")).len(), 1);
 
-    // Where the upstream deduplicates by the effect key, the retry is forwarded again under
-    // the same one and gets the upstream's answer to the first forward.
-    let retry = send(charge(&http, &proxy.base, "/dedup/charges", "lost-2", body))
-        .await
-        .unwrap();
+    // Where the upstream deduplicates by the effect key, the proxy's own retry sends it again
+    // under the same one (from the retry budget) and gets the upstream's answer to the first.
+    let recovered = send(lossy("/dedup/charges", "lost-2")).await.unwrap();
     assert_eq!(
-        retry.status,
+        recovered.status,
         201,
         "{}",
-        String::from_utf8_lossy(&retry.body)
+        String::from_utf8_lossy(&recovered.body)
     );
     let received = upstream.of("received", Some("lost-2"));
     assert_eq!(received.len(), 2);
     assert_eq!(received[0]["effect_key"], received[1]["effect_key"]);
-    assert_eq!(upstream.of("effect", Some("lost-2")).len(), 1);
-    assert_eq!(
-        retry.json()["effect_id"],
-        upstream.of("effect", Some("lost-2"))[0]["effect_id"]
-    );
+    let effects = upstream.of("effect", Some("lost-2"));
+    assert_eq!(effects.len(), 1);
+    assert_eq!(recovered.json()["effect_id"], effects[0]["effect_id"]);
+    let again = send(charge(&http, &proxy.base, "/dedup/charges", "lost-2", body))
+        .await
+        .unwrap();
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(upstream.of("received", Some("lost-2")).len(), 2);
+
+    // The retry is counted as the client stack counts its own.
+    let metrics = http
+        .get(format!("{}/metrics", proxy.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let retries = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("rpc_client_retries_total")
+                && l.contains(r#"service="upstream""#)
+                && l.contains(r#"method="DedupCharge""#)
+        })
+        .unwrap_or_else(|| panic!("no retry counted:\n{metrics}"));
+    assert!(retries.ends_with(" 1"), "{retries}");
+}
+
+#[tokio::test]
+async fn retries_are_spent_only_where_sending_again_is_safe() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+    let received = |path: &str| {
+        upstream
+            .of("received", None)
+            .into_iter()
+            .filter(|e| e["path"] == path)
+            .count()
+    };
+
+    // A safe route: a 503 is tried again, up to its attempts (3 by default).
+    let read = send(
+        http.get(format!("{}/v1/charges/c-9", proxy.base))
+            .header("X-Upstream-Status", "503"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(read.status, 503, "the upstream's last answer");
+    assert_eq!(received("/v1/charges/c-9"), 3);
+
+    // A keyed route whose upstream does not deduplicate, and a route no one declared: sent
+    // once, whatever the answer.
+    let keyed = send(
+        charge(&http, &proxy.base, "/v1/charges", "busy-1", "{}")
+            .header("X-Upstream-Status", "503"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(keyed.status, 503);
+    assert_eq!(upstream.of("received", Some("busy-1")).len(), 1);
+    let unknown = send(
+        http.post(format!("{}/v2/other", proxy.base))
+            .header("X-Upstream-Status", "503")
+            .body("x"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(unknown.status, 503);
+    assert_eq!(received("/v2/other"), 1);
 }

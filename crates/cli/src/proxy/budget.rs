@@ -87,6 +87,14 @@ impl TimeoutHeaders {
         Ok(())
     }
 
+    /// Removes every timeout header (`grpc-timeout` and the configured ones) of `headers`.
+    pub(crate) fn strip(&self, headers: &mut HeaderMap) {
+        headers.remove(GRPC_TIMEOUT);
+        for name in self.names.iter() {
+            headers.remove(name);
+        }
+    }
+
     /// On the way out: removes every timeout header of `headers` and writes `remaining` in
     /// `form` (`grpc-timeout` for a caller that sent none). `None` when `remaining` cannot be
     /// written (less than a millisecond in a header of milliseconds).
@@ -96,10 +104,7 @@ impl TimeoutHeaders {
         form: &BudgetForm,
         remaining: Duration,
     ) -> Option<()> {
-        headers.remove(GRPC_TIMEOUT);
-        for name in self.names.iter() {
-            headers.remove(name);
-        }
+        self.strip(headers);
         match form {
             BudgetForm::Millis(name) => {
                 let millis = remaining.as_millis();

@@ -1,27 +1,37 @@
-//! The forwarder: the service at the bottom of the server stack, sending each request to the
-//! upstream over pooled connections (HTTP/1.1, or HTTP/2 with prior knowledge for gRPC) and
-//! handing back its answer.
+//! The forwarder: the service at the bottom of the server stack. It sends each request to the
+//! upstream through the library's client stack ([`ClientStack`]: deadline, retries paid from
+//! the upstream's retry budget, hedging, circuit breaker, transparent re-send of attempts that
+//! never left) over pooled connections (HTTP/1.1, or HTTP/2 with prior knowledge for gRPC),
+//! balanced over the upstream endpoints, and hands back its answer.
 //!
-//! What it adds to the request: the remaining budget minus the hop's margin, in the caller's
-//! header form ([`budget`](super::budget)); on a keyed route the record's effect key
-//! ([`Lease::effect_key`]: the same for every run of the key), in the effect key header, which
-//! a caller can never set itself; `X-Forwarded-For`, `-Host` and `-Proto`. Hop-by-hop headers
-//! are removed both ways.
+//! The client stack runs each route by the routes file's policy as far as sending again is
+//! safe ([`RouteTable::client_policies`](super::policy::RouteTable::client_policies)): a keyed
+//! route whose upstream does not deduplicate by the effect key is sent once, whatever it
+//! says; the others keep their attempts and hedging (an unsafe route retries only answers
+//! that say nothing ran).
+//!
+//! What it adds to the request: the remaining budget minus the hop's margin (learned by the
+//! client stack, at least `--margin`), in the caller's header form ([`budget`](super::budget));
+//! on a keyed route the record's effect key ([`Lease::effect_key`]: the same for every run of
+//! the key), in the effect key header, which a caller can never set itself;
+//! `X-Forwarded-For`, `-Host` and `-Proto`. Hop-by-hop headers are removed both ways.
 //!
 //! What it answers itself, as problem+json (or gRPC status):
 //!
 //! - 504 `deadline_exceeded` when the budget left cannot cover the margin: nothing is sent;
-//! - 503 `upstream_unavailable` + `Retry-After` when no connection to the upstream could be
-//!   made: nothing reached it, and on a keyed route the key stays unused;
-//! - 502 `upstream_failed` when a pass-through request was sent and no answer came back;
+//! - when no attempt reached the upstream (no connection could be made, or the circuit is
+//!   open): 503 `upstream_unavailable` (or `circuit_open`) + `Retry-After`, and on a keyed
+//!   route the key stays unused;
+//! - 502 `upstream_failed` (504 when the deadline ended the wait) when a request of a route
+//!   that is not keyed was sent and no answer came back;
 //! - on a keyed route, a request sent without an answer coming back is an error
 //!   ([`OutcomeUnknown`]), not an answer: the idempotency layer then keeps the key's record
 //!   running, so no retry forwards it again (a retry learns `outcome_unknown` when the lease
 //!   ends), or, on a route whose upstream deduplicates by the effect key, marks it failed so a
 //!   retry forwards it again under the same effect key. The caller gets 502
-//!   `upstream_outcome_unknown`.
+//!   `upstream_outcome_unknown` (504 `deadline_exceeded` when the deadline ended the wait).
 //!
-//! When the deadline passes the deadline layer drops this future, and with it the upstream
+//! When the deadline passes, the attempt in flight is dropped, and with it the upstream
 //! request: its HTTP/1.1 connection is closed (an HTTP/2 stream reset), so the upstream sees
 //! the request cancelled.
 //!
@@ -33,11 +43,13 @@ use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use backstop::client::connect::{self, Balanced};
-use backstop::deadline::Deadline;
+use backstop::client::{ClientService, ClientStack, Destination, Error as ClientError, StackError};
+use backstop::deadline::{Deadline, GRPC_TIMEOUT, decode_grpc_timeout};
 use backstop::idempotency::postgres::PostgresStore;
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::idempotency::{Store, StoreError};
@@ -82,6 +94,12 @@ pub(crate) const UPSTREAM_FAILED: &str = "upstream_failed";
 /// Problem code: a keyed request was sent and no answer came back.
 pub(crate) const UPSTREAM_OUTCOME_UNKNOWN: &str = "upstream_outcome_unknown";
 
+/// The client stack's destination: the `service` label of the `rpc_client_*` metrics.
+pub(crate) const UPSTREAM_DESTINATION: &str = "upstream";
+
+/// Largest request body kept to send again (a retry, a hedge): a keyed body's cap.
+const REPLAY_CAP: usize = backstop::server::idempotency::DEFAULT_MAX_BODY;
+
 /// `Retry-After` of an upstream that could not be reached.
 const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -118,16 +136,18 @@ impl ProxyStore for PostgresStore {
 /// A keyed request was sent to the upstream and no answer came back: its effect may have
 /// happened.
 #[derive(Debug, thiserror::Error)]
-#[error("the upstream did not answer a keyed request it was sent: {0}")]
-pub(crate) struct OutcomeUnknown(#[source] pub(crate) BoxError);
+#[error("the upstream did not answer a keyed request it was sent")]
+pub(crate) struct OutcomeUnknown {
+    /// Whether the request's deadline ended the wait (else the connection broke).
+    pub(crate) deadline: bool,
+    #[source]
+    pub(crate) source: BoxError,
+}
 
 /// Sends requests to the upstream; see the [module docs](self).
 pub(crate) struct Forwarder<St> {
-    http1: Upstream,
-    h2c: Upstream,
-    protocol: UpstreamProtocol,
+    client: ClientService<Transport>,
     policies: Arc<MethodPolicies>,
-    timeouts: TimeoutHeaders,
     margin: Duration,
     effect_key_header: HeaderName,
     store: PhantomData<fn() -> St>,
@@ -136,11 +156,8 @@ pub(crate) struct Forwarder<St> {
 impl<St> Clone for Forwarder<St> {
     fn clone(&self) -> Self {
         Self {
-            http1: self.http1.clone(),
-            h2c: self.h2c.clone(),
-            protocol: self.protocol,
+            client: self.client.clone(),
             policies: self.policies.clone(),
-            timeouts: self.timeouts.clone(),
             margin: self.margin,
             effect_key_header: self.effect_key_header.clone(),
             store: PhantomData,
@@ -151,9 +168,107 @@ impl<St> Clone for Forwarder<St> {
 impl<St> std::fmt::Debug for Forwarder<St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Forwarder")
-            .field("protocol", &self.protocol)
             .field("margin", &self.margin)
             .finish_non_exhaustive()
+    }
+}
+
+/// The bottom of the client stack: the balanced, pooled upstream connections, one set per
+/// protocol. It writes each attempt's budget (the `grpc-timeout` the client stack set) in the
+/// caller's header form, and counts the attempts that may have reached the upstream.
+#[derive(Clone)]
+pub(crate) struct Transport {
+    http1: Upstream,
+    h2c: Upstream,
+    protocol: UpstreamProtocol,
+    timeouts: TimeoutHeaders,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("protocol", &self.protocol)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Request extension: how many of a request's attempts may have reached the upstream (sent, or
+/// in flight when dropped); an attempt that could not connect did not.
+#[derive(Debug, Clone, Default)]
+struct Reach(Arc<AtomicUsize>);
+
+impl Reach {
+    fn maybe_reached(&self) -> bool {
+        self.0.load(Ordering::Acquire) > 0
+    }
+}
+
+impl<B> Service<Request<B>> for Transport
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<Incoming>;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<Response<Incoming>, BoxError>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // The balancers' readiness is awaited per attempt, bounded by its deadline.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let (mut parts, body) = request.into_parts();
+        // The client stack wrote what is left of the budget, minus the margin, as
+        // `grpc-timeout`: the upstream gets it in the caller's form.
+        let form = parts
+            .extensions
+            .get::<BudgetForm>()
+            .cloned()
+            .unwrap_or(BudgetForm::Absent);
+        let budget = parts
+            .headers
+            .get(GRPC_TIMEOUT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| decode_grpc_timeout(v).ok());
+        match budget {
+            Some(budget) => {
+                let budget = budget.max(Duration::from_millis(1));
+                let _ = self.timeouts.write(&mut parts.headers, &form, budget);
+            }
+            None => self.timeouts.strip(&mut parts.headers),
+        }
+        let http2 = match self.protocol {
+            UpstreamProtocol::Auto => Protocol::of(&parts.headers).is_grpc(),
+            UpstreamProtocol::Http1 => false,
+            UpstreamProtocol::H2c => true,
+        };
+        parts.version = if http2 {
+            Version::HTTP_2
+        } else {
+            Version::HTTP_11
+        };
+        let reach = parts.extensions.get::<Reach>().cloned();
+        if let Some(reach) = &reach {
+            reach.0.fetch_add(1, Ordering::AcqRel);
+        }
+        let body: UpstreamBody = body.map_err(|e| -> BoxError { e.into() }).boxed_unsync();
+        let upstream = if http2 {
+            self.h2c.clone()
+        } else {
+            self.http1.clone()
+        };
+        let sent: BoxFuture<'static, Result<Response<Incoming>, BoxError>> =
+            Box::pin(upstream.oneshot(Request::from_parts(parts, body)));
+        Box::pin(async move {
+            let result = sent.await;
+            if let (Err(error), Some(reach)) = (&result, &reach) {
+                if never_sent(&**error) {
+                    reach.0.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            result
+        })
     }
 }
 
@@ -161,7 +276,10 @@ impl<St> std::fmt::Debug for Forwarder<St> {
 #[derive(Debug, Clone)]
 pub(crate) struct ForwardSettings {
     pub(crate) protocol: UpstreamProtocol,
+    /// The server stack's table (which route a request is).
     pub(crate) policies: Arc<MethodPolicies>,
+    /// The client stack's table (how each route is sent: attempts, hedging).
+    pub(crate) client_policies: MethodPolicies,
     pub(crate) timeouts: TimeoutHeaders,
     pub(crate) margin: Duration,
     pub(crate) effect_key_header: HeaderName,
@@ -185,25 +303,33 @@ fn pooled(http2: bool, idle: Duration) -> connect::HttpClient<UpstreamBody> {
 }
 
 impl<St: ProxyStore> Forwarder<St> {
-    /// A forwarder balancing over `upstreams` (each `http://HOST:PORT`). Call it inside the
-    /// runtime: the balancers' workers are spawned on it.
-    pub(crate) fn new(upstreams: &[Uri], settings: ForwardSettings) -> Self {
+    /// A forwarder balancing over `upstreams` (each `http://HOST:PORT`) through the library's
+    /// client stack. Call it inside the runtime: the balancers' workers are spawned on it.
+    pub(crate) fn new(upstreams: &[Uri], settings: ForwardSettings) -> Result<Self, StackError> {
         let balanced = |http2: bool| -> Upstream {
             let endpoints =
                 connect::endpoints(pooled(http2, settings.idle_timeout), upstreams.to_vec())
                     .expect("upstream URLs are checked when read");
             connect::balanced(endpoints, connect::DEFAULT_BUFFER)
         };
-        Self {
+        let transport = Transport {
             http1: balanced(false),
             h2c: balanced(true),
             protocol: settings.protocol,
-            policies: settings.policies,
             timeouts: settings.timeouts,
+        };
+        let destination = Destination::new(UPSTREAM_DESTINATION).margin_floor(settings.margin);
+        let client = ClientStack::builder(&destination, settings.client_policies)
+            .replay_cap(REPLAY_CAP)
+            .build()?
+            .layer(transport);
+        Ok(Self {
+            client,
+            policies: settings.policies,
             margin: settings.margin,
             effect_key_header: settings.effect_key_header,
             store: PhantomData,
-        }
+        })
     }
 
     async fn forward<B>(
@@ -224,31 +350,20 @@ impl<St: ProxyStore> Forwarder<St> {
             Ok(response)
         };
 
-        // The budget the upstream gets: what is left minus the hop's margin.
+        // Too little budget left for the way to the upstream: nothing is sent.
         let deadline = parts
             .extensions
             .get::<Deadline>()
             .copied()
             .or_else(Deadline::current);
-        let form = parts
-            .extensions
-            .get::<BudgetForm>()
-            .cloned()
-            .unwrap_or(BudgetForm::Absent);
-        if let Some(deadline) = deadline {
-            let written = deadline.child(self.margin).ok().and_then(|child| {
-                self.timeouts
-                    .write(&mut parts.headers, &form, child.remaining())
-            });
-            if written.is_none() {
-                return refuse(Problem::from_status(
-                    &Status::new(
-                        Code::DeadlineExceeded,
-                        "the budget left cannot cover the way to the upstream",
-                    )
-                    .with_problem(backstop::status::problem::DEADLINE_EXCEEDED),
-                ));
-            }
+        if deadline.is_some_and(|deadline| deadline.child(self.margin).is_err()) {
+            return refuse(Problem::from_status(
+                &Status::new(
+                    Code::DeadlineExceeded,
+                    "the budget left cannot cover the way to the upstream",
+                )
+                .with_problem(backstop::status::problem::DEADLINE_EXCEEDED),
+            ));
         }
 
         // A caller never chooses the effect key; a keyed request carries its record's.
@@ -302,50 +417,52 @@ impl<St: ProxyStore> Forwarder<St> {
             parts.uri.authority().map(|a| a.as_str()),
         );
 
-        let http2 = match self.protocol {
-            UpstreamProtocol::Auto => protocol.is_grpc(),
-            UpstreamProtocol::Http1 => false,
-            UpstreamProtocol::H2c => true,
-        };
         let path = parts
             .uri
             .path_and_query()
             .map_or("/", |p| p.as_str())
             .to_owned();
+        parts.uri = path.parse().unwrap_or_else(|_| Uri::from_static("/"));
+        let reach = Reach::default();
+        parts.extensions.insert(reach.clone());
         let body: UpstreamBody = body.map_err(|e| -> BoxError { e.into() }).boxed_unsync();
-        let mut upstream_request = Request::new(body);
-        *upstream_request.method_mut() = parts.method;
-        *upstream_request.uri_mut() = path.parse().unwrap_or_else(|_| Uri::from_static("/"));
-        *upstream_request.version_mut() = if http2 {
-            Version::HTTP_2
-        } else {
-            Version::HTTP_11
-        };
-        *upstream_request.headers_mut() = parts.headers;
-        let upstream = if http2 { self.h2c } else { self.http1 };
-
-        let sent: BoxFuture<'static, Result<Response<Incoming>, BoxError>> =
-            Box::pin(upstream.oneshot(upstream_request));
+        let sent: BoxFuture<'static, Result<Response<Incoming>, ClientError>> =
+            Box::pin(self.client.oneshot(Request::from_parts(parts, body)));
         match sent.await {
             Ok(response) => {
                 let (mut head, body) = response.into_parts();
                 strip_hop_by_hop(&mut head.headers);
                 Ok(Response::from_parts(head, ResponseBody::inner(body)))
             }
-            Err(error) if never_sent(&*error) => {
-                tracing::warn!(error = %chain(&*error), "upstream unreachable");
-                refuse(Problem::from_status(
-                    &Status::new(Code::Unavailable, "the upstream cannot be reached")
+            Err(error) if !reach.maybe_reached() => {
+                tracing::warn!(error = %chain(&error), "nothing reached the upstream");
+                let status = error.status();
+                let status = if error.is_deadline()
+                    || status.problem() == backstop::status::problem::CIRCUIT_OPEN
+                {
+                    status.clone()
+                } else {
+                    Status::new(Code::Unavailable, "the upstream cannot be reached")
                         .with_problem(UPSTREAM_UNAVAILABLE)
-                        .with_pushback(UNAVAILABLE_RETRY_AFTER),
-                ))
+                        .with_pushback(status.pushback().unwrap_or(UNAVAILABLE_RETRY_AFTER))
+                };
+                refuse(Problem::from_status(&status))
             }
             Err(error) if keyed => {
-                tracing::warn!(error = %chain(&*error), "keyed request sent, no answer");
-                Err(OutcomeUnknown(error))
+                tracing::warn!(error = %chain(&error), "keyed request sent, no answer");
+                Err(OutcomeUnknown {
+                    deadline: error.is_deadline(),
+                    source: Box::new(error),
+                })
+            }
+            Err(error) if error.is_deadline() => {
+                tracing::debug!(error = %chain(&error), "the deadline passed upstream");
+                Ok(Problem::from_status(error.status())
+                    .into_response_for::<Bytes>(protocol)
+                    .map(ResponseBody::full))
             }
             Err(error) => {
-                tracing::warn!(error = %chain(&*error), "request sent, no answer");
+                tracing::warn!(error = %chain(&error), "request sent, no answer");
                 Ok(Problem::new(StatusCode::BAD_GATEWAY, UPSTREAM_FAILED)
                     .grpc_code(Code::Unavailable)
                     .detail("the upstream did not answer")
@@ -375,16 +492,26 @@ where
     }
 }
 
-/// The answer to a keyed request the upstream got and did not answer.
-pub(crate) fn outcome_unknown<B: From<Bytes>>(protocol: Protocol) -> Response<B> {
-    Problem::new(StatusCode::BAD_GATEWAY, UPSTREAM_OUTCOME_UNKNOWN)
-        .grpc_code(Code::Unknown)
-        .detail(
-            "the request was sent to the upstream and no answer came back: its effect may \
-             have happened. A retry with the same Idempotency-Key is never forwarded again \
-             unless the upstream deduplicates by the effect key",
+/// The answer to a keyed request the upstream got and did not answer: 504
+/// `deadline_exceeded` when its deadline ended the wait, else 502 `upstream_outcome_unknown`.
+pub(crate) fn outcome_unknown<B: From<Bytes>>(
+    error: &OutcomeUnknown,
+    protocol: Protocol,
+) -> Response<B> {
+    const DETAIL: &str = "the request was sent to the upstream and no answer came back: its \
+                          effect may have happened. A retry with the same Idempotency-Key is \
+                          never forwarded again unless the upstream deduplicates by the effect key";
+    let problem = if error.deadline {
+        Problem::from_status(
+            &Status::new(Code::DeadlineExceeded, DETAIL)
+                .with_problem(backstop::status::problem::DEADLINE_EXCEEDED),
         )
-        .into_response_for(protocol)
+    } else {
+        Problem::new(StatusCode::BAD_GATEWAY, UPSTREAM_OUTCOME_UNKNOWN)
+            .grpc_code(Code::Unknown)
+            .detail(DETAIL)
+    };
+    problem.into_response_for(protocol)
 }
 
 /// Whether `error` says the request never reached the upstream: no connection could be made.

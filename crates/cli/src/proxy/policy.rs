@@ -361,6 +361,43 @@ impl RouteTable {
         })
     }
 
+    /// The table the client stack sends requests upstream by: each route's policy as far as
+    /// sending it again is safe. A keyed route whose upstream does not deduplicate by the
+    /// effect key is sent once (its promise is "forwarded at most once"); a keyed route whose
+    /// upstream does, a safe one and an unsafe one keep their attempts and hedging (an unsafe
+    /// route retries only answers that say nothing ran, as the library validates). The
+    /// timeouts are `max_timeout`: the budget is the server stack's, never cut again by a
+    /// route's timeout.
+    pub(crate) fn client_policies(&self, max_timeout: Duration) -> MethodPolicies {
+        let sent = |route: &Route| -> MethodPolicy {
+            let policy = &route.policy;
+            let policy = if policy.requires_key() && !route.upstream_dedups() {
+                let mut once = MethodPolicy::builder(policy.name(), Idempotency::Unsafe)
+                    .rate_class(policy.rate_class());
+                if let Some(ttl) = policy.key_ttl() {
+                    once = once.key_ttl(ttl);
+                }
+                once.build()
+            } else {
+                policy.clone()
+            };
+            policy.to_builder().timeout(max_timeout).build()
+        };
+        let fallback = self.routes.last().expect("the fallback");
+        let mut table = MethodPolicies::new(sent(fallback));
+        for route in &self.routes {
+            table = match &route.matches {
+                Some(RouteMatch::Route(method, pattern)) => {
+                    table.route(method.clone(), pattern, sent(route))
+                }
+                Some(RouteMatch::Path(path)) => table.method(path.clone(), sent(route)),
+                Some(RouteMatch::Service(service)) => table.service(service.clone(), sent(route)),
+                None => table,
+            };
+        }
+        table
+    }
+
     /// Each route's effective policy, in words and as the library's table, for
     /// `--check-config`.
     pub(crate) fn explain(&self) -> String {
@@ -375,11 +412,16 @@ impl RouteTable {
                  upstream gets what is left minus the margin",
                 humantime::format_duration(policy.timeout())
             );
+            let ttl = humantime::format_duration(policy.key_ttl().unwrap_or(KEY_TTL_SYNC));
             let what = match policy.idempotency() {
+                Idempotency::Keyed if route.upstream_dedups() => format!(
+                    "keyed: requires an Idempotency-Key; forwarded, and forwarded again only \
+                     under the same effect key, while its record lives (key_ttl {ttl}); \
+                     answers replayed byte for byte"
+                ),
                 Idempotency::Keyed => format!(
                     "keyed: requires an Idempotency-Key; forwarded at most once per key while \
-                     its record lives (key_ttl {}), answers replayed byte for byte",
-                    humantime::format_duration(policy.key_ttl().unwrap_or(KEY_TTL_SYNC))
+                     its record lives (key_ttl {ttl}), answers replayed byte for byte"
                 ),
                 Idempotency::Safe => "safe: passed through (no side effect declared)".into(),
                 Idempotency::Unsafe => "unsafe: passed through, sent once".into(),
@@ -396,19 +438,28 @@ impl RouteTable {
                     "  a key whose forward the proxy lost in a crash: {crash}"
                 );
             }
-            let _ = writeln!(
-                out,
-                "  attempts {} (hedging {}), rate class {}",
-                policy.max_attempts(),
-                if policy.hedging() { "on" } else { "off" },
-                policy.rate_class()
-            );
+            let sending = if policy.requires_key() && !route.upstream_dedups() {
+                "sent to the upstream once (its upstream does not deduplicate by the effect \
+                 key)"
+                    .to_owned()
+            } else if policy.max_attempts() == 1 {
+                "sent to the upstream once".to_owned()
+            } else {
+                format!(
+                    "up to {} attempts on {} (retries paid from the upstream's retry budget), \
+                     hedging {}",
+                    policy.max_attempts(),
+                    policy
+                        .retryable()
+                        .iter()
+                        .map(|code| code.as_str())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    if policy.hedging() { "on" } else { "off" },
+                )
+            };
+            let _ = writeln!(out, "  {sending}; rate class {}", policy.rate_class());
         }
-        let _ = writeln!(
-            out,
-            "note: this proxy sends each request to the upstream once; the attempts and \
-             hedging columns are the table's, for clients and later versions"
-        );
         out
     }
 }
@@ -566,6 +617,8 @@ mod tests {
             "answered 500 outcome_unknown",
             "forwarded again with the same effect key",
             "idempotency",
+            "sent to the upstream once (its upstream does not deduplicate",
+            "up to 3 attempts on UNAVAILABLE",
         ] {
             assert!(text.contains(want), "{want} missing from:\n{text}");
         }

@@ -88,6 +88,9 @@ pub(crate) enum ProxyError {
     /// The idempotency store could not be set up.
     #[error("cannot set up the idempotency store")]
     Store(#[source] backstop::idempotency::StoreError),
+    /// The client stack towards the upstream refused the routes' policies.
+    #[error("cannot build the client towards the upstream")]
+    Client(#[source] backstop::client::StackError),
     /// A listener's task failed.
     #[error("the proxy failed")]
     Serve(#[source] tokio::task::JoinError),
@@ -138,12 +141,14 @@ async fn serve<St: ProxyStore>(
         ForwardSettings {
             protocol: settings.protocol,
             policies: policies.clone(),
+            client_policies: table.client_policies(settings.max_timeout),
             timeouts: settings.timeouts.clone(),
             margin: settings.margin,
             effect_key_header: settings.effect_key_header.clone(),
             idle_timeout: settings.upstream_idle_timeout,
         },
-    );
+    )
+    .map_err(ProxyError::Client)?;
     let stack = stack(store.clone(), &settings);
     let detached = Detached::default();
     let front = Front {
@@ -361,7 +366,7 @@ where
         let call = self.stack.clone().oneshot(request);
         let answer = move |result: Result<Response<B>, OutcomeUnknown>| match result {
             Ok(response) => boxed(response),
-            Err(_) => full(outcome_unknown(protocol)),
+            Err(error) => full(outcome_unknown(&error, protocol)),
         };
         if !keyed {
             return Box::pin(async move { Ok(answer(call.await)) });
