@@ -55,6 +55,7 @@ idempotency = "safe"
 [[policies.route]]
 match = "/shop.v1.Orders/Create"
 idempotency = "keyed"
+timeout = "3s"
 
 [proxy]
 replay_headers = ["x-upstream"]
@@ -680,6 +681,19 @@ async fn unknown_routes_pass_through_and_callers_cannot_choose_the_effect_key() 
         assert!(!post.replayed());
     }
     assert_eq!(upstream.of("effect", Some("not-a-keyed-route")).len(), 2);
+    // A body larger than what the proxy keeps to send again streams through, once.
+    let large = vec![b'x'; 3 << 20];
+    let upload = send(http.post(format!("{}/v2/upload", proxy.base)).body(large))
+        .await
+        .unwrap();
+    assert_eq!(upload.status, 201);
+    let uploads: Vec<Value> = upstream
+        .of("received", None)
+        .into_iter()
+        .filter(|e| e["path"] == "/v2/upload")
+        .collect();
+    assert_eq!(uploads.len(), 1);
+    assert_eq!(uploads[0]["body_len"], 3 << 20);
     // The upstream's own status passes through.
     let teapot = send(
         http.get(format!("{}/brew", proxy.base))
@@ -834,9 +848,14 @@ async fn a_keyed_grpc_method_is_forwarded_once_over_h2c_and_streams_pass_through
     let effects = upstream.of("effect", Some("g-1"));
     assert_eq!(effects.len(), 1, "{effects:?}");
     assert_eq!(effects[0]["effect_key"].as_str().map(str::len), Some(32));
-    // The caller's 20 s budget, less what the proxy spent, reached the upstream.
-    let left = effects[0]["time_remaining"].as_f64().unwrap();
-    assert!(left > 10.0 && left < 20.0, "{left}");
+    // The caller's 20 s budget (not the route's 3 s), less what the proxy spent, reached the
+    // upstream.
+    let left = effects[0]["time_remaining"].as_f64();
+    assert!(
+        left.is_some_and(|left| left > 3.0 && left < 20.0),
+        "{:?}",
+        effects[0]
+    );
 
     // A streaming method is not keyed: it passes through.
     let out = python::output_of(
@@ -1074,4 +1093,50 @@ async fn retries_are_spent_only_where_sending_again_is_safe() {
     .unwrap();
     assert_eq!(unknown.status, 503);
     assert_eq!(received("/v2/other"), 1);
+}
+
+#[tokio::test]
+async fn a_failing_upstream_gets_no_retry_storm() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    let http = client();
+
+    // 100 reads of a safe route (3 attempts each allowed) while the upstream answers 503.
+    const READS: usize = 100;
+    let mut callers = Vec::new();
+    for c in 0..10 {
+        let (http, base) = (http.clone(), proxy.base.clone());
+        callers.push(tokio::spawn(async move {
+            let mut refused = 0;
+            for i in 0..READS / 10 {
+                let answer = send(
+                    http.get(format!("{base}/v1/charges/s-{c}-{i}"))
+                        .header("X-Upstream-Status", "503"),
+                )
+                .await
+                .unwrap();
+                assert_eq!(answer.status, 503);
+                if answer.json()["code"] == "circuit_open" {
+                    assert!(answer.headers.contains_key("retry-after"));
+                    refused += 1;
+                }
+            }
+            refused
+        }));
+    }
+    let mut refused = 0;
+    for caller in callers {
+        refused += caller.await.unwrap();
+    }
+    // Retries come from the budget (10 % of requests plus a burst of 20), stop when the storm
+    // alarm trips, and the breaker stops sending at all once most calls fail: nowhere near the
+    // 300 sends three attempts each would make.
+    let sent = upstream.of("received", None).len();
+    assert!(sent <= READS + READS / 10 + 20, "{sent} sends");
+    assert!(refused > 0, "the circuit opened");
+    assert!(sent + refused >= READS, "{sent} sent, {refused} refused");
 }

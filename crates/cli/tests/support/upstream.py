@@ -68,7 +68,8 @@ class Handler(BaseHTTPRequestHandler):
             "grpc_timeout": h.get("grpc-timeout"),
             "x_request_timeout": h.get("X-Request-Timeout"),
             "x_forwarded_for": h.get("X-Forwarded-For"),
-            "body": body.decode("utf-8", "replace"),
+            "body": body[:4096].decode("utf-8", "replace"),
+            "body_len": len(body),
         }
 
     def read_body(self):
