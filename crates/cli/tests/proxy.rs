@@ -740,7 +740,7 @@ async fn sigterm_lets_a_request_in_flight_finish() {
     let http = client();
     let pending = tokio::spawn(send(
         charge(&http, &proxy.base, "/v1/charges", "drain-1", "{}")
-            .header("X-Upstream-Sleep-Ms", "1000"),
+            .header("X-Upstream-Sleep-Ms", "3000"),
     ));
     wait_for("the effect", async || {
         (!upstream.of("effect", Some("drain-1")).is_empty()).then_some(())
@@ -752,6 +752,16 @@ async fn sigterm_lets_a_request_in_flight_finish() {
         .status()
         .expect("kill -TERM");
     assert!(sent.success());
+    // While it drains, the admin port says so (and still serves the metrics).
+    wait_for("/readyz to say draining", async || {
+        let r = http
+            .get(format!("{}/readyz", proxy.admin))
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 503).then_some(())
+    })
+    .await;
     let answer = pending.await.unwrap().unwrap();
     assert_eq!(answer.status, 201);
     let status = tokio::time::timeout(PATIENCE, proxy.child.wait())

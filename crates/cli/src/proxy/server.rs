@@ -172,12 +172,12 @@ async fn serve<St: ProxyStore>(
     limits.max_connections = settings.max_connections;
     limits.drain_timeout = settings.drain_timeout;
 
+    // The proxied port stops first; the admin port answers (`/readyz` 503, `/metrics`) until
+    // the drain is over.
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = move || {
-        let mut stop_rx = stop_rx.clone();
-        async move {
-            let _ = stop_rx.wait_for(|stop| *stop).await;
-        }
+    let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
+    let stopped = |mut stop_rx: watch::Receiver<bool>| async move {
+        let _ = stop_rx.wait_for(|stop| *stop).await;
     };
     let (ready_tx, ready_rx) = watch::channel(true);
     let admin_service = Admin {
@@ -185,10 +185,11 @@ async fn serve<St: ProxyStore>(
         ready: ready_rx,
     };
     let proxy_task = tokio::spawn(
-        Listener::new(LISTENER_NAME, listener, limits.clone()).serve(front, stopped()),
+        Listener::new(LISTENER_NAME, listener, limits.clone()).serve(front, stopped(stop_rx)),
     );
     let admin_task = tokio::spawn(
-        Listener::new(ADMIN_NAME, admin, ListenConfig::default()).serve(admin_service, stopped()),
+        Listener::new(ADMIN_NAME, admin, ListenConfig::default())
+            .serve(admin_service, stopped(admin_stop_rx)),
     );
     let upstreams: Vec<String> = settings.upstreams.iter().map(ToString::to_string).collect();
     tracing::info!(
@@ -208,7 +209,7 @@ async fn serve<St: ProxyStore>(
         "shutting down: draining in-flight requests"
     );
     let _ = stop_tx.send(true);
-    let (proxied, admin) = tokio::join!(proxy_task, admin_task);
+    let proxied = proxy_task.await;
     // Keyed requests whose callers went away run on: give them the same bound to record
     // their answers.
     if tokio::time::timeout(settings.drain_timeout, detached.idle())
@@ -221,6 +222,8 @@ async fn serve<St: ProxyStore>(
              once their leases end"
         );
     }
+    let _ = admin_stop_tx.send(true);
+    let admin = admin_task.await;
     sweeper.abort();
     upkeep.abort();
     tracing::info!("proxy stopped");
