@@ -1150,3 +1150,60 @@ async fn a_failing_upstream_gets_no_retry_storm() {
     assert!(refused > 0, "the circuit opened");
     assert!(sent + refused >= READS, "{sent} sent, {refused} refused");
 }
+
+#[tokio::test]
+async fn beyond_max_inflight_requests_queue_or_get_503_with_retry_after() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let mut command = Proxy::command(dir.path(), &upstream.url);
+    command.args(["--max-inflight", "2", "--queue-size", "2"]);
+    let proxy = Proxy::spawn(command).await;
+    let http = client();
+
+    // Twelve slow requests at once against two places and a queue of two.
+    let mut calls = Vec::new();
+    for i in 0..12 {
+        let request = charge(
+            &http,
+            &proxy.base,
+            "/v1/charges",
+            &format!("busy-{i}"),
+            "{}",
+        )
+        .header("X-Upstream-Sleep-Ms", "500")
+        .header("X-Request-Timeout", "5000");
+        calls.push(tokio::spawn(send(request)));
+    }
+    let (mut served, mut shed) = (0, 0);
+    for call in calls {
+        let answer = call.await.unwrap().unwrap();
+        match answer.status {
+            201 => served += 1,
+            503 => {
+                assert_eq!(answer.json()["code"], "overloaded");
+                let wait: u64 = answer.headers["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!(wait >= 1, "{wait}");
+                shed += 1;
+            }
+            other => panic!("{other}: {}", String::from_utf8_lossy(&answer.body)),
+        }
+    }
+    assert_eq!(served + shed, 12);
+    assert!(served >= 2 && shed >= 1, "{served} served, {shed} shed");
+    // The upstream never had more than two of them at once, and saw only the served ones.
+    let received = upstream.of("received", None);
+    assert_eq!(received.len(), served);
+    let most = received
+        .iter()
+        .filter_map(|e| e["in_flight"].as_u64())
+        .max()
+        .unwrap();
+    assert!(most <= 2, "{most} at once");
+}

@@ -7,7 +7,7 @@ until killed. Every request appends JSON lines to FILE, one per event, so that a
 what reached the upstream and what it did:
 
 - `received`: a request arrived (method, path, the idempotency, effect key and timeout headers,
-  the body);
+  the body, how many requests the upstream was serving then, this one included);
 - `effect`: a POST executed its effect (once per request, or once per effect key under
   `/dedup/`);
 - `deduped`: a POST under `/dedup/` carried an effect key already executed: the stored answer
@@ -40,6 +40,7 @@ LOCK = threading.Lock()
 EVENTS = None
 DONE = {}  # effect key -> (status, body) of /dedup/ effects
 COUNTER = [0]
+IN_FLIGHT = [0]  # requests being served now
 
 
 def record(event, **fields):
@@ -70,6 +71,7 @@ class Handler(BaseHTTPRequestHandler):
             "x_forwarded_for": h.get("X-Forwarded-For"),
             "body": body[:4096].decode("utf-8", "replace"),
             "body_len": len(body),
+            "in_flight": IN_FLIGHT[0],
         }
 
     def read_body(self):
@@ -111,6 +113,22 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def do_GET(self):
+        self.serving(self.get)
+
+    def do_POST(self):
+        self.serving(self.post)
+
+    def serving(self, handler):
+        """Runs `handler`, counted in IN_FLIGHT while it runs."""
+        with LOCK:
+            IN_FLIGHT[0] += 1
+        try:
+            handler()
+        finally:
+            with LOCK:
+                IN_FLIGHT[0] -= 1
+
+    def get(self):
         body = self.read_body()
         fields = self.fields(body)
         record("received", **fields)
@@ -119,7 +137,7 @@ class Handler(BaseHTTPRequestHandler):
         status = int(self.headers.get("X-Upstream-Status") or 200)
         self.answer(status, {"echo": fields, "headers": dict(self.headers.items())})
 
-    def do_POST(self):
+    def post(self):
         body = self.read_body()
         fields = self.fields(body)
         record("received", **fields)
