@@ -288,7 +288,7 @@ pub(crate) struct ForwardSettings {
 }
 
 /// A pooled client with the settings of the library's
-/// [`connect::pooled`](backstop::client::connect::pooled) (`TCP_NODELAY`, 5 s connect timeout),
+/// [`connect::pooled`] (`TCP_NODELAY`, 5 s connect timeout),
 /// but idle connections kept only `idle`: shorter than the upstream keeps them, so that a
 /// request is never written on a connection the upstream is closing. That race would leave a
 /// keyed request's outcome unknown although the upstream never read it.
