@@ -50,7 +50,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "backstop",
     version,
-    about = "backstop's reference payment system: the payment service, a PSP simulator, a load driver and an exactly-once checker"
+    about = "backstop's reference payment system: the payment service, a PSP simulator, a load driver and an exactly-once checker; and a reverse proxy giving any service the same promises"
 )]
 struct Cli {
     /// Log lines on stderr: `text` (readable) or `json` (one object a line). Default: text on

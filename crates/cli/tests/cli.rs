@@ -91,7 +91,15 @@ fn logs_are_json_off_a_terminal_and_text_on_request() {
 }
 
 /// Every subcommand of `backstop`, as `backstop --help` should list it.
-const SUBCOMMANDS: [&str; 6] = ["serve", "psp", "load", "reconcile", "storm", "chaos"];
+const SUBCOMMANDS: [&str; 7] = [
+    "serve",
+    "psp",
+    "load",
+    "reconcile",
+    "storm",
+    "chaos",
+    "proxy",
+];
 
 fn help(args: &[&str]) -> String {
     let out = run(args, &[]);
