@@ -1207,3 +1207,56 @@ async fn beyond_max_inflight_requests_queue_or_get_503_with_retry_after() {
         .unwrap();
     assert!(most <= 2, "{most} at once");
 }
+
+#[tokio::test]
+async fn at_five_times_the_upstreams_capacity_goodput_stays_near_it() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Four workers, 100 ms a request: 40 requests a second.
+    let upstream = Upstream::start_script(dir.path(), "upstream.py", &["--workers", "4"]).await;
+    let mut command = Proxy::command(dir.path(), &upstream.url);
+    command.args(["--max-inflight", "4"]);
+    let proxy = Proxy::spawn(command).await;
+    let http = client();
+
+    // 200 requests a second for three seconds, open loop, each with a one second budget.
+    const OFFERED: usize = 600;
+    let mut ticks = tokio::time::interval(Duration::from_millis(5));
+    let mut calls = Vec::with_capacity(OFFERED);
+    for i in 0..OFFERED {
+        ticks.tick().await;
+        let request = http
+            .get(format!("{}/v1/charges/o-{i}", proxy.base))
+            .header("X-Upstream-Sleep-Ms", "100")
+            .header("X-Request-Timeout", "1000");
+        calls.push(tokio::spawn(send(request)));
+    }
+    let (mut served, mut shed, mut late) = (0, 0, 0);
+    for call in calls {
+        let answer = call.await.unwrap().unwrap();
+        match answer.status {
+            200 => served += 1,
+            503 => shed += 1,
+            504 => late += 1,
+            other => panic!("{other}: {}", String::from_utf8_lossy(&answer.body)),
+        }
+    }
+    eprintln!("goodput: {served} served, {shed} shed, {late} late of {OFFERED}");
+    // Three seconds of capacity are 120 requests: most of them are served, in time, and the
+    // excess is refused at once instead of waiting until its budget is gone.
+    assert!(served >= 72, "{served} served, {shed} shed, {late} late");
+    assert!(shed > served, "{served} served, {shed} shed, {late} late");
+    assert!(
+        late <= OFFERED / 20,
+        "{served} served, {shed} shed, {late} late"
+    );
+    let most = upstream
+        .of("received", None)
+        .iter()
+        .filter_map(|e| e["in_flight"].as_u64())
+        .max()
+        .unwrap();
+    assert!(most <= 4, "{most} at once");
+}

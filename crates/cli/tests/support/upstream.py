@@ -1,6 +1,6 @@
 """An upstream for `backstop proxy` tests, written with Python's standard library only.
 
-    python3 upstream.py --events FILE [--port 0]
+    python3 upstream.py --events FILE [--port 0] [--workers N]
 
 Prints `listening HOST:PORT` once it accepts connections, then serves HTTP/1.1 (keep-alive)
 until killed. Every request appends JSON lines to FILE, one per event, so that a test can see
@@ -17,6 +17,8 @@ what reached the upstream and what it did:
 
 How a request is served:
 
+- with `--workers N`, at most N requests are served at once, the others wait for a worker
+  (a service with a fixed capacity: the wait is part of its latency);
 - `X-Upstream-Sleep-Ms: N` makes it take N ms after its effect (watching the connection, so a
   dropped request is seen at once);
 - `X-Upstream-Status: N` answers status N instead of 201;
@@ -41,6 +43,7 @@ EVENTS = None
 DONE = {}  # effect key -> (status, body) of /dedup/ effects
 COUNTER = [0]
 IN_FLIGHT = [0]  # requests being served now
+WORKERS = None  # a semaphore with --workers
 
 
 def record(event, **fields):
@@ -119,7 +122,9 @@ class Handler(BaseHTTPRequestHandler):
         self.serving(self.post)
 
     def serving(self, handler):
-        """Runs `handler`, counted in IN_FLIGHT while it runs."""
+        """Runs `handler` on a worker (with --workers), counted in IN_FLIGHT while it runs."""
+        if WORKERS is not None:
+            WORKERS.acquire()
         with LOCK:
             IN_FLIGHT[0] += 1
         try:
@@ -127,6 +132,8 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with LOCK:
                 IN_FLIGHT[0] -= 1
+            if WORKERS is not None:
+                WORKERS.release()
 
     def get(self):
         body = self.read_body()
@@ -167,12 +174,15 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
-    global EVENTS
+    global EVENTS, WORKERS
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", required=True)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     EVENTS = args.events
+    if args.workers > 0:
+        WORKERS = threading.BoundedSemaphore(args.workers)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     server.daemon_threads = True
     host, port = server.server_address[:2]
