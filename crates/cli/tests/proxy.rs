@@ -445,6 +445,29 @@ async fn the_same_key_with_another_body_is_refused_and_not_forwarded() {
     assert_eq!(other.json()["code"], "idempotency_key_reused");
     assert_eq!(upstream.of("received", Some("reuse-1")).len(), 1);
 
+    // A body that is not JSON, or none, is compared byte for byte.
+    for (key, body) in [("form-1", "amount=1&currency=EUR"), ("empty-1", "")] {
+        let form = |body: &str| {
+            http.post(format!("{}/v1/charges", proxy.base))
+                .header("Idempotency-Key", key)
+                .header("Content-Type", "application/x-www-form-urlencoded")
+                .body(body.to_owned())
+        };
+        let first = send(form(body)).await.unwrap();
+        assert_eq!(
+            first.status,
+            201,
+            "{}",
+            String::from_utf8_lossy(&first.body)
+        );
+        let again = send(form(body)).await.unwrap();
+        assert_eq!((again.status, again.replayed()), (201, true));
+        assert_eq!(again.body, first.body);
+        let other = send(form("amount=2")).await.unwrap();
+        assert_eq!(other.json()["code"], "idempotency_key_reused");
+        assert_eq!(upstream.of("received", Some(key)).len(), 1);
+    }
+
     // A keyed route without a key is refused before anything is forwarded.
     let keyless = send(
         http.post(format!("{}/v1/charges", proxy.base))
@@ -455,7 +478,7 @@ async fn the_same_key_with_another_body_is_refused_and_not_forwarded() {
     .unwrap();
     assert_eq!(keyless.status, 400);
     assert_eq!(keyless.json()["code"], "missing_idempotency_key");
-    assert_eq!(upstream.of("received", None).len(), 1);
+    assert_eq!(upstream.of("received", None).len(), 3);
 }
 
 /// Sends a keyed request that the upstream holds, waits for its effect, kills the proxy with

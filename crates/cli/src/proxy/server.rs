@@ -241,7 +241,11 @@ fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, Pr
 /// The library's server stack as the proxy configures it.
 fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::ServerStackLayer<St> {
     let table = &settings.table;
-    let mut idempotency = IdempotencyLayer::new(store.clone()).clock(SystemClock);
+    // Whatever the upstream takes: JSON is compared in its canonical form, the rest byte for
+    // byte.
+    let mut idempotency = IdempotencyLayer::new(store.clone())
+        .clock(SystemClock)
+        .any_body(true);
     for name in REPLAYED.iter().chain(&table.replay_headers) {
         idempotency = idempotency.store_header(name.clone());
     }

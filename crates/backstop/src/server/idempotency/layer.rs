@@ -33,6 +33,8 @@ pub(super) struct Shared<St> {
     pub(super) lease: Duration,
     pub(super) max_body: usize,
     pub(super) max_message: usize,
+    /// Whether an HTTP body that is not JSON is fingerprinted byte for byte (else refused).
+    pub(super) any_body: bool,
     pub(super) stored_headers: Vec<HeaderName>,
     /// Wakes this instance's waiters for a key when its attempt settles.
     pub(super) settled: Settled,
@@ -80,6 +82,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 lease: super::DEFAULT_LEASE,
                 max_body: DEFAULT_MAX_BODY,
                 max_message: DEFAULT_MAX_MESSAGE,
+                any_body: false,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
                 settled: Settled::default(),
                 max_clock_skew: super::DEFAULT_MAX_CLOCK_SKEW,
@@ -177,6 +180,14 @@ impl<St: Store> IdempotencyLayer<St> {
         self.edit(|s| s.max_message = bytes)
     }
 
+    /// Accepts keyed HTTP requests whose body is not JSON (an empty body, a form, binary),
+    /// fingerprinting it byte for byte as sent (default: refused, 400 `invalid_body`). A JSON
+    /// body is still compared in its canonical form, so `{"a":1}` and `{ "a": 1 }` stay one
+    /// request. For a service, such as a proxy, whose bodies this layer cannot choose.
+    pub fn any_body(self, accept: bool) -> Self {
+        self.edit(|s| s.any_body = accept)
+    }
+
     /// Also stores and replays this response header (beyond `Content-Type` and `Location`).
     pub fn store_header(self, name: HeaderName) -> Self {
         self.edit(|s| {
@@ -225,6 +236,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     lease: old.lease,
                     max_body: old.max_body,
                     max_message: old.max_message,
+                    any_body: old.any_body,
                     stored_headers: old.stored_headers.clone(),
                     settled: Settled::default(),
                     max_clock_skew: old.max_clock_skew,

@@ -11,7 +11,8 @@
 //! 2. buffers the body up to a cap (1 MiB unless set), checking `Content-Length` before reading
 //!    anything: 413 `body_too_large`;
 //! 3. fingerprints `"METHOD path"` and the body's canonical JSON: 400 `invalid_body` when the
-//!    body is not JSON;
+//!    body is not JSON (unless the layer takes [any body](IdempotencyLayer::any_body): then
+//!    its bytes);
 //! 4. claims `(tenant, key)` in the [`Store`] — records are scoped by the [`Tenant`] extension,
 //!    so one tenant's key can never replay another tenant's response — and answers by the claim:
 //!    - **claimed**: runs the inner service with the rebuilt body and the [`IdempotencyKey`],
@@ -622,8 +623,19 @@ where
     let fingerprint = match protocol {
         // `read_body` checked the frame: the message follows its prefix.
         Protocol::Grpc => Fingerprint::of_bytes_operation(verb, path, &body[PREFIX_LEN..]),
-        Protocol::Http => Fingerprint::of_json_operation(verb, path, &body)
-            .map_err(|_| bad_request(INVALID_BODY, "the request body must be JSON", protocol))?,
+        Protocol::Http => match Fingerprint::of_json_operation(verb, path, &body) {
+            Ok(fingerprint) => fingerprint,
+            // Not JSON: its bytes, when the layer takes any body. No JSON body's canonical
+            // form is a body that is not JSON, so the two never collide.
+            Err(_) if shared.any_body => Fingerprint::of_bytes_operation(verb, path, &body),
+            Err(_) => {
+                return Err(bad_request(
+                    INVALID_BODY,
+                    "the request body must be JSON",
+                    protocol,
+                ));
+            }
+        },
     };
     Ok(Prepared {
         key,

@@ -198,6 +198,34 @@ async fn non_json_body_is_400_invalid_body() {
 }
 
 #[tokio::test]
+async fn a_layer_taking_any_body_fingerprints_other_bodies_byte_for_byte() {
+    let store = MemoryStore::new();
+    let handler = Handler::new(StatusCode::CREATED);
+    let svc = layer(&store).any_body(true).layer(handler.service());
+    let (s1, _, b1) = send(&svc, post(Some("k1"), "amount=100")).await;
+    assert_eq!(s1, StatusCode::CREATED);
+    let (s2, h2, b2) = send(&svc, post(Some("k1"), "amount=100")).await;
+    assert_eq!((s2, b2), (StatusCode::CREATED, b1));
+    assert_eq!(h2[IDEMPOTENT_REPLAYED], "true");
+    let (s3, _, bytes) = send(&svc, post(Some("k1"), "amount=200")).await;
+    assert_eq!(s3, StatusCode::CONFLICT);
+    assert_eq!(problem_code(&bytes), "idempotency_key_reused");
+    // An empty body is a body too.
+    let (s4, _, _) = send(&svc, post(Some("k2"), "")).await;
+    assert_eq!(s4, StatusCode::CREATED);
+    let (s5, h5, _) = send(&svc, post(Some("k2"), "")).await;
+    assert_eq!(s5, StatusCode::CREATED);
+    assert_eq!(h5[IDEMPOTENT_REPLAYED], "true");
+    // JSON is still compared in its canonical form.
+    let (s6, _, _) = send(&svc, post(Some("k3"), PAY)).await;
+    let respelled = r#"{ "amount_cents": 100, "order_id": "o-1" }"#;
+    let (s7, h7, _) = send(&svc, post(Some("k3"), respelled)).await;
+    assert_eq!((s6, s7), (StatusCode::CREATED, StatusCode::CREATED));
+    assert_eq!(h7[IDEMPOTENT_REPLAYED], "true");
+    assert_eq!(handler.calls(), 3);
+}
+
+#[tokio::test]
 async fn success_is_stored_and_replayed_byte_for_byte() {
     let store = MemoryStore::new();
     let handler = Handler::new(StatusCode::CREATED);
