@@ -168,18 +168,23 @@ struct Proxy {
 impl Proxy {
     /// The command for a proxy in front of `upstream` keeping its records in `dir`.
     fn command(dir: &Path, upstream: &str) -> Command {
+        Self::command_at(dir, upstream, "127.0.0.1:0")
+    }
+
+    /// [`command`](Self::command), listening on `listen`.
+    fn command_at(dir: &Path, upstream: &str, listen: &str) -> Command {
         let store = format!("sqlite://{}", dir.join("proxy.db").display());
-        Self::command_on(dir, &[upstream], &store)
+        Self::command_on(dir, &[upstream], &store, listen)
     }
 
     /// The command for a proxy in front of `upstreams` keeping its records in `store`.
-    fn command_on(dir: &Path, upstreams: &[&str], store: &str) -> Command {
+    fn command_on(dir: &Path, upstreams: &[&str], store: &str, listen: &str) -> Command {
         let routes = dir.join("routes.toml");
         if !routes.exists() {
             std::fs::write(&routes, ROUTES).unwrap();
         }
         let mut command = Command::new(BIN);
-        command.args(["proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]);
+        command.args(["proxy", "--listen", listen, "--admin", "127.0.0.1:0"]);
         for upstream in upstreams {
             command.args(["--upstream", upstream]);
         }
@@ -949,7 +954,13 @@ async fn several_upstreams_share_the_requests() {
     let one = Upstream::start(dir.path()).await;
     let two = Upstream::start(dir.path()).await;
     let store = format!("sqlite://{}", dir.path().join("proxy.db").display());
-    let proxy = Proxy::spawn(Proxy::command_on(dir.path(), &[&one.url, &two.url], &store)).await;
+    let proxy = Proxy::spawn(Proxy::command_on(
+        dir.path(),
+        &[&one.url, &two.url],
+        &store,
+        "127.0.0.1:0",
+    ))
+    .await;
     let http = client();
     for i in 0..40 {
         let answer = send(http.get(format!("{}/v1/charges/c-{i}", proxy.base)))
@@ -974,8 +985,20 @@ async fn two_proxies_sharing_postgresql_forward_a_key_once() {
     let dir = tempfile::tempdir().unwrap();
     let upstream = Upstream::start(dir.path()).await;
     let store = schema.store_url(None);
-    let first = Proxy::spawn(Proxy::command_on(dir.path(), &[&upstream.url], &store)).await;
-    let second = Proxy::spawn(Proxy::command_on(dir.path(), &[&upstream.url], &store)).await;
+    let first = Proxy::spawn(Proxy::command_on(
+        dir.path(),
+        &[&upstream.url],
+        &store,
+        "127.0.0.1:0",
+    ))
+    .await;
+    let second = Proxy::spawn(Proxy::command_on(
+        dir.path(),
+        &[&upstream.url],
+        &store,
+        "127.0.0.1:0",
+    ))
+    .await;
     let http = client();
 
     let mut calls = Vec::new();
@@ -1282,4 +1305,119 @@ async fn at_five_times_the_upstreams_capacity_goodput_stays_near_it() {
         .max()
         .unwrap();
     assert!(most <= 4, "{most} at once");
+}
+
+/// Sends `key` until a final answer (201, or 500 `outcome_unknown`), through whatever proxy
+/// answers at `base`, retrying with the same key and body after anything else.
+async fn until_final(http: &reqwest::Client, base: &str, path: &str, key: &str) -> Answer {
+    let body = format!(r#"{{"key":"{key}"}}"#);
+    let give_up = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let request = charge(http, base, path, key, &body)
+            .header("X-Upstream-Sleep-Ms", "150")
+            .header("X-Request-Timeout", "2000")
+            .timeout(Duration::from_secs(10));
+        if let Ok(answer) = send(request).await {
+            let code = answer.json()["code"].clone();
+            if answer.status == 201 || code == "outcome_unknown" {
+                return answer;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "{key}: no final answer"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn keys_retried_through_sigkills_of_the_proxy_are_executed_at_most_once() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    // One address for every incarnation of the proxy, so that clients find the next one.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let start = || {
+        Proxy::spawn(Proxy::command_at(
+            dir.path(),
+            &upstream.url,
+            &format!("127.0.0.1:{port}"),
+        ))
+    };
+    let mut proxy = start().await;
+    let base = format!("http://127.0.0.1:{port}");
+    assert_eq!(proxy.base, base);
+
+    // Thirty keys, half on a route whose upstream deduplicates by the effect key, each sent
+    // until it has a final answer while the proxy is killed with SIGKILL and started again.
+    let http = client();
+    let mut clients = Vec::new();
+    for i in 0..30 {
+        let (http, base) = (http.clone(), base.clone());
+        let path = if i % 2 == 0 {
+            "/v1/charges"
+        } else {
+            "/dedup/charges"
+        };
+        let key = format!("chaos-{i}");
+        clients.push(tokio::spawn(async move {
+            // Spread over the kills (load shaping, not synchronisation).
+            tokio::time::sleep(Duration::from_millis(60 * i)).await;
+            let answer = until_final(&http, &base, path, &key).await;
+            (path, key, answer)
+        }));
+    }
+    for _ in 0..4 {
+        // Each kill lands while requests are at the upstream, a few requests after the last.
+        let seen = upstream.of("received", None).len();
+        wait_for("requests at the upstream", async || {
+            (upstream.of("received", None).len() >= seen + 4).then_some(())
+        })
+        .await;
+        proxy.kill9().await;
+        proxy = start().await;
+    }
+    let mut finals = Vec::new();
+    for client in clients {
+        finals.push(client.await.unwrap());
+    }
+
+    let (mut acked, mut unknown) = (0, 0);
+    for (path, key, answer) in &finals {
+        let effects = upstream.of("effect", Some(key)).len();
+        assert!(effects <= 1, "{key}: executed {effects} times");
+        if answer.status == 201 {
+            acked += 1;
+            assert_eq!(effects, 1, "{key}: acknowledged, so executed");
+            // Every later retry gets the acknowledged answer, byte for byte.
+            let replay = until_final(&http, &base, path, key).await;
+            assert_eq!(replay.body, answer.body, "{key}");
+            assert!(replay.replayed(), "{key}");
+        } else {
+            unknown += 1;
+            assert_eq!(
+                *path, "/v1/charges",
+                "{key}: a deduplicating route always converges"
+            );
+        }
+        let received = upstream.of("received", Some(key));
+        let effect_keys: std::collections::BTreeSet<_> = received
+            .iter()
+            .map(|e| e["effect_key"].to_string())
+            .collect();
+        assert_eq!(
+            effect_keys.len(),
+            1,
+            "{key}: one effect key for every forward"
+        );
+    }
+    eprintln!("chaos: {acked} acknowledged, {unknown} outcome_unknown, 4 kills");
+    assert_eq!(acked + unknown, 30);
 }
