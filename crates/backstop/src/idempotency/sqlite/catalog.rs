@@ -13,6 +13,9 @@ use crate::idempotency::window::{HighWater, Summary, TABLE_PREFIX, Window};
 /// sealed window until its records have expired.
 pub(super) const LEGACY_TABLE: &str = "idempotency_key";
 
+/// Keys a window's summary is sized for when its class has no summarised window yet.
+const DEFAULT_EXPECTED_KEYS: usize = 1_000_000;
+
 /// One table holding records, with its statements written out once.
 #[derive(Debug)]
 pub(super) struct Table {
@@ -21,6 +24,9 @@ pub(super) struct Table {
     pub(super) name: String,
     /// Set once the table is sealed and summarised.
     pub(super) summary: Option<Arc<Summary>>,
+    /// For a window this process created empty: the keys inserted so far, kept by the claims
+    /// that insert them, so that sealing it costs no scan.
+    pub(super) building: Option<Arc<Mutex<Option<Summary>>>>,
     pub(super) sql: Arc<TableSql>,
 }
 
@@ -31,12 +37,26 @@ impl Table {
             name,
             window,
             summary: None,
+            building: None,
         }
     }
 
     /// Whether the table may hold `key` in `scope`: false only when its summary rules it out.
     pub(super) fn may_hold(&self, scope: &str, key: &str) -> bool {
         self.summary.as_ref().is_none_or(|s| s.may_hold(scope, key))
+    }
+
+    /// Notes a key inserted into it (by a claim or a takeover's move).
+    pub(super) fn inserted(&self, scope: &str, key: &str) {
+        if let Some(building) = &self.building {
+            if let Some(summary) = building
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_mut()
+            {
+                summary.insert(scope, key);
+            }
+        }
     }
 
     /// Whether nothing is inserted into it any more at the store's time `high_water_ms`.
@@ -49,6 +69,7 @@ impl Table {
             window: self.window,
             name: self.name.clone(),
             summary,
+            building: self.building.clone(),
             sql: Arc::clone(&self.sql),
         }
     }
@@ -230,8 +251,9 @@ impl Tables {
         *current = Arc::new(Catalog { tables });
     }
 
-    /// Adds `window`'s table (created and committed), if it is not there yet.
-    pub(super) fn add(&self, window: Window) {
+    /// Adds `window`'s table (created and committed), if it is not there yet; `empty` when
+    /// this process created it, so its summary is kept as claims insert.
+    pub(super) fn add(&self, window: Window, empty: bool) {
         self.change(|c| {
             let mut tables: Vec<Table> = c
                 .tables
@@ -239,7 +261,20 @@ impl Tables {
                 .map(|t| t.clone_with(t.summary.clone()))
                 .collect();
             if c.find(window).is_none() {
-                tables.push(Table::new(window.table_name(), Some(window)));
+                let mut table = Table::new(window.table_name(), Some(window));
+                if empty {
+                    // Sized like the class's last summarised window, with room to grow.
+                    let expected = c
+                        .tables
+                        .iter()
+                        .filter(|t| t.window.is_some_and(|w| w.class_ms == window.class_ms))
+                        .find_map(|t| t.summary.as_ref().map(|s| s.keys() + s.keys() / 2))
+                        .unwrap_or(DEFAULT_EXPECTED_KEYS)
+                        .max(DEFAULT_EXPECTED_KEYS / 10);
+                    table.building =
+                        Some(Arc::new(Mutex::new(Some(Summary::with_capacity(expected)))));
+                }
+                tables.push(table);
             }
             tables
         });
@@ -271,13 +306,14 @@ impl Tables {
         });
     }
 
-    /// Installs `summary` for the table `name`, if it still exists.
+    /// Installs `summary` for the table `name`, if it still exists and has none yet (two
+    /// upkeeps may race; the first one's stays).
     pub(super) fn summarise(&self, name: &str, summary: Arc<Summary>) {
         self.change(|c| {
             c.tables
                 .iter()
                 .map(|t| {
-                    if t.name == name {
+                    if t.name == name && t.summary.is_none() {
                         t.clone_with(Some(Arc::clone(&summary)))
                     } else {
                         t.clone_with(t.summary.clone())

@@ -165,6 +165,7 @@ pub(super) fn decide(
         job.expires_at
     ])?;
     if inserted == 1 {
+        current.inserted(&job.scope, &job.key);
         return Ok(Found::Claimed(job.lease_until));
     }
     match select(conn, &current.sql, job)? {
@@ -258,6 +259,7 @@ fn answer(
             phase,
             phase_data
         ])?;
+    move_to.inserted(&job.scope, &job.key);
     let point = phase.map(|phase| RecoveryPoint {
         phase,
         data: Bytes::from(phase_data.unwrap_or_default()),

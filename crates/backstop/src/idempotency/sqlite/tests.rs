@@ -218,7 +218,10 @@ async fn a_key_is_found_across_windows() {
     store.upkeep(T0 + HOUR + 30).await.unwrap();
     let snapshot = store.tables.snapshot();
     let sealed = snapshot.find(Window::of(DAY, T0)).expect("window");
-    assert!(sealed.summary.is_some());
+    // Kept by the claim that inserted it (the window was created by this store).
+    let summary = sealed.summary.as_ref().expect("summarised");
+    assert_eq!(summary.keys(), 1);
+    assert!(summary.may_hold("s", "k"));
     assert_eq!(
         store
             .claim(request("k", T0 + 2 * HOUR, DAY as u64))
@@ -447,4 +450,56 @@ async fn window_tables_have_the_seed_schema() {
             "phase_data",
         ]
     );
+}
+
+/// A summary kept by the claims, and one read back from a window made by an earlier process,
+/// hold every key the window holds.
+#[tokio::test]
+async fn summaries_hold_every_key_of_their_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.db");
+    let keys: Vec<String> = (0..500).map(|i| format!("key-{i}")).collect();
+    let first = SqliteStore::open(&path, SqliteOptions::default())
+        .await
+        .unwrap();
+    for (i, key) in keys.iter().enumerate() {
+        claim_at(&first, key, T0 + i as i64, DAY as u64).await;
+    }
+    for store in [
+        first.clone(),
+        SqliteStore::open(&path, SqliteOptions::default())
+            .await
+            .unwrap(),
+    ] {
+        store.upkeep(T0 + HOUR).await.unwrap();
+        let snapshot = store.tables.snapshot();
+        let summary = snapshot
+            .find(Window::of(DAY, T0))
+            .and_then(|t| t.summary.clone())
+            .expect("summarised");
+        // Every key still in the window (the first pass below moves 20 out).
+        let held = tables_of(&store)
+            .await
+            .into_iter()
+            .find(|(name, _)| *name == day_window(T0))
+            .map(|(_, n)| n)
+            .unwrap();
+        assert_eq!(summary.keys(), held as usize);
+        assert!(
+            keys[keys.len() - held as usize..]
+                .iter()
+                .all(|k| summary.may_hold("s", k))
+        );
+        // And a claim still finds each key behind it (taking the first 20 over, into the
+        // next window).
+        for key in keys.iter().take(20) {
+            assert!(matches!(
+                store
+                    .claim(request(key, T0 + HOUR + 1, DAY as u64))
+                    .await
+                    .unwrap(),
+                Claim::InProgress { .. } | Claim::Claimed(_)
+            ));
+        }
+    }
 }

@@ -6,8 +6,8 @@
 //! barrier answers. So a window ending by the barrier's time is sealed for good, and the read
 //! pool sees all of it.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
 
 use rusqlite::{Connection, params};
 
@@ -21,10 +21,20 @@ impl SqliteStore {
     /// once committed.
     pub(super) async fn create_window(&self, window: Window) -> Result<(), StoreError> {
         let sql = create_sql(window);
-        self.db
-            .write_deferred(move |conn| conn.execute_batch(&sql))
+        let name = window.table_name();
+        let created = self
+            .db
+            .write_deferred(move |conn| {
+                let existed: bool = conn.query_row(
+                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+                    [&name],
+                    |r| r.get(0),
+                )?;
+                conn.execute_batch(&sql)?;
+                Ok(!existed)
+            })
             .await?;
-        self.tables.add(window);
+        self.tables.add(window, created);
         Ok(())
     }
 
@@ -93,7 +103,22 @@ impl SqliteStore {
             .filter(|t| t.summary.is_none() && t.sealed_at(sealed_by))
         {
             let name = table.name.clone();
-            let summary = self.db.read(move |conn| summarise(conn, &name)).await;
+            // Kept by the claims since the window was created: complete, as the barrier
+            // passed its end. Else (a window from before this process) read it.
+            let summary = match &table.building {
+                Some(building) => {
+                    match building
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take()
+                    {
+                        Some(summary) => Ok(summary),
+                        // Another upkeep took it and installs it.
+                        None => continue,
+                    }
+                }
+                None => self.db.read(move |conn| summarise(conn, &name)).await,
+            };
             match summary {
                 Ok(summary) => {
                     summarised += 1;
