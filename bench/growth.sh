@@ -103,6 +103,8 @@ fill_sqlite() {
     echo "PRAGMA cache_size=-4000000; PRAGMA synchronous=OFF;"
     for off in $offsets; do
       local name=idempotency_window_${class}_$(( index - off )) done=0
+      # The first window takes the remainder, so the windows hold N in all.
+      [ "$off" = "${offsets%%[[:space:]]*}" ] && per=$(( n - n / count * (count - 1) )) || per=$(( n / count ))
       [ "$off" = 0 ] || echo "${ddl//$tmpl/$name};"
       while [ "$done" -lt "$per" ]; do
         local k=$(( per - done < chunk ? per - done : chunk ))
@@ -126,7 +128,7 @@ fill_sqlite() {
   for t in $(sqlite3 "$db" "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'idempotency_window_%'"); do
     total=$(( total + $(sqlite3 "$db" "SELECT count(*) FROM $t") ))
   done
-  [ "$total" -gt $(( per * count )) ] || { echo "fill of $db failed ($total records)" >&2; exit 1; }
+  [ "$total" -gt "$n" ] || { echo "fill of $db failed ($total records)" >&2; exit 1; }
 }
 
 # pg_url SCHEMA: the PostgreSQL URL whose search_path is SCHEMA.
