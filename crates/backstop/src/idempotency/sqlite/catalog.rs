@@ -17,7 +17,7 @@ pub(super) const LEGACY_TABLE: &str = "idempotency_key";
 const DEFAULT_EXPECTED_KEYS: usize = 1_000_000;
 
 /// One table holding records, with its statements written out once.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Table {
     /// `None`: the legacy table.
     pub(super) window: Option<Window>,
@@ -62,16 +62,6 @@ impl Table {
     /// Whether nothing is inserted into it any more at the store's time `high_water_ms`.
     pub(super) fn sealed_at(&self, high_water_ms: i64) -> bool {
         self.window.is_none_or(|w| w.sealed_at(high_water_ms))
-    }
-
-    fn clone_with(&self, summary: Option<Arc<Summary>>) -> Table {
-        Table {
-            window: self.window,
-            name: self.name.clone(),
-            summary,
-            building: self.building.clone(),
-            sql: Arc::clone(&self.sql),
-        }
     }
 }
 
@@ -255,11 +245,7 @@ impl Tables {
     /// this process created it, so its summary is kept as claims insert.
     pub(super) fn add(&self, window: Window, empty: bool) {
         self.change(|c| {
-            let mut tables: Vec<Table> = c
-                .tables
-                .iter()
-                .map(|t| t.clone_with(t.summary.clone()))
-                .collect();
+            let mut tables = c.tables.to_vec();
             if c.find(window).is_none() {
                 let mut table = Table::new(window.table_name(), Some(window));
                 if empty {
@@ -286,7 +272,7 @@ impl Tables {
             c.tables
                 .iter()
                 .filter(|t| t.name != name)
-                .map(|t| t.clone_with(t.summary.clone()))
+                .cloned()
                 .collect()
         });
     }
@@ -294,11 +280,7 @@ impl Tables {
     /// Puts back a table whose drop rolled back.
     pub(super) fn restore(&self, name: &str, window: Option<Window>) {
         self.change(|c| {
-            let mut tables: Vec<Table> = c
-                .tables
-                .iter()
-                .map(|t| t.clone_with(t.summary.clone()))
-                .collect();
+            let mut tables = c.tables.to_vec();
             if !c.tables.iter().any(|t| t.name == name) {
                 tables.push(Table::new(name.to_owned(), window));
             }
@@ -313,11 +295,11 @@ impl Tables {
             c.tables
                 .iter()
                 .map(|t| {
+                    let mut t = t.clone();
                     if t.name == name && t.summary.is_none() {
-                        t.clone_with(Some(Arc::clone(&summary)))
-                    } else {
-                        t.clone_with(t.summary.clone())
+                        t.summary = Some(Arc::clone(&summary));
                     }
+                    t
                 })
                 .collect()
         });

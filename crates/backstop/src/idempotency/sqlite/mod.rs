@@ -74,8 +74,7 @@ mod upkeep;
 
 use catalog::{Catalog, LEGACY_TABLE, Tables};
 use records::{
-    ClaimJob, Found, Row6, bytes_column, corrupt, fenced, headers_json, point_columns,
-    response_from,
+    ClaimJob, Found, corrupt, existing_columns, fenced, headers_json, point_columns, response_from,
 };
 
 /// Name under which [`MIGRATION`] was recorded by the single-table layout.
@@ -450,14 +449,7 @@ impl Store for SqliteStore {
                             .prepare_cached(&table.sql.get)?
                             .query_row(params![s, k], |r| {
                                 Ok((
-                                    r.get::<_, String>(0)?,
-                                    r.get::<_, String>(1)?,
-                                    r.get::<_, i64>(2)?,
-                                    Row6 {
-                                        status: r.get(3)?,
-                                        body: bytes_column(r, 4)?,
-                                        headers: r.get(5)?,
-                                    },
+                                    existing_columns(r)?,
                                     r.get::<_, i64>(6)?,
                                     r.get::<_, i64>(7)?,
                                     point_columns(r, 8)?,
@@ -480,7 +472,7 @@ impl Store for SqliteStore {
                 read => break read?,
             }
         };
-        let Some((fp, status, lease_until_ms, raw, created_at_ms, expires_at_ms, point)) = row
+        let Some(((fp, status, lease_until_ms, raw), created_at_ms, expires_at_ms, point)) = row
         else {
             return Ok(None);
         };

@@ -112,22 +112,26 @@ pub(super) fn point_columns(row: &Row<'_>, at: usize) -> rusqlite::Result<Option
 }
 
 /// `fingerprint, status, lease_until` and the response columns of the key in one table.
-type Existing = (String, String, i64, Row6);
+pub(super) type Existing = (String, String, i64, Row6);
+
+/// Reads [`Existing`] from the first six columns of `row`, as both `select` and `get` lay them
+/// out.
+pub(super) fn existing_columns(row: &Row<'_>) -> rusqlite::Result<Existing> {
+    Ok((
+        row.get(0)?,
+        row.get(1)?,
+        row.get(2)?,
+        Row6 {
+            status: row.get(3)?,
+            body: bytes_column(row, 4)?,
+            headers: row.get(5)?,
+        },
+    ))
+}
 
 fn select(conn: &Connection, sql: &TableSql, job: &ClaimJob) -> rusqlite::Result<Option<Existing>> {
     conn.prepare_cached(&sql.select)?
-        .query_row(params![job.scope, job.key], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-                Row6 {
-                    status: r.get(3)?,
-                    body: bytes_column(r, 4)?,
-                    headers: r.get(5)?,
-                },
-            ))
-        })
+        .query_row(params![job.scope, job.key], existing_columns)
         .optional()
 }
 
