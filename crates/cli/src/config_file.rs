@@ -10,6 +10,9 @@
 //! The file's settings are applied by handing them to the same parser as the command line, as
 //! `--key=value` for each setting that neither a flag nor a variable gave, so a setting means
 //! exactly what its flag means and is checked by the same rules.
+//!
+//! One key is not a flag: the `[policies]` table, the service's method table (see
+//! [`crate::serve_policies`]), which only the file can hold.
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -31,15 +34,31 @@ const NOT_SETTINGS: [&str; 3] = ["config", "print-config", "help"];
 /// Settings whose values are secrets: never printed.
 const SECRETS: [&str; 1] = ["api-key"];
 
-/// The settings `file` holds, as `--key=value` arguments for every one that the command line
-/// and the environment left unset (`serve` is the subcommand's definition, `matches` what the
+/// The key of the method table, the one key that is not a flag.
+pub(crate) const POLICIES: &str = "policies";
+
+/// What a config file holds: its flags' settings and its method table.
+#[derive(Debug, Default)]
+pub(crate) struct FileSettings {
+    /// `--key=value` arguments for every setting that the command line and the environment
+    /// left unset.
+    pub(crate) args: Vec<OsString>,
+    /// The `[policies]` table, as written.
+    pub(crate) policies: Option<Value>,
+}
+
+/// The settings `file` holds (`serve` is the subcommand's definition, `matches` what the
 /// command line and environment gave it).
 pub(crate) fn file_args(
     file: &Path,
     serve: &Command,
     matches: &ArgMatches,
-) -> Result<Vec<OsString>, clap::Error> {
-    let table = read(file)?;
+) -> Result<FileSettings, clap::Error> {
+    let mut table = read(file)?;
+    let policies = table.remove(POLICIES);
+    if policies.as_ref().is_some_and(|p| !p.is_table()) {
+        return Err(invalid(file, "`policies` is a table: [policies]"));
+    }
     let mut args = Vec::new();
     for (key, value) in &table {
         let arg = serve
@@ -87,7 +106,12 @@ pub(crate) fn file_args(
         }
         args.extend(values.into_iter().map(OsString::from));
     }
-    Ok(args)
+    Ok(FileSettings { args, policies })
+}
+
+/// A config file's error, naming the file, as clap reports a flag's.
+pub(crate) fn file_error(file: &Path, message: &str) -> clap::Error {
+    invalid(file, message)
 }
 
 /// The file as a TOML table.
@@ -138,13 +162,16 @@ fn invalid(file: &Path, message: &str) -> clap::Error {
 
 /// The settings in effect as a config file (TOML), each with where it came from: the command
 /// line, an environment variable, the file (`from_file`: the keys taken from it) or the
-/// default. Secrets are left out (the merchants of `extra_merchants` and of the `api-key`
-/// flags are named, their keys never); passwords in URLs are masked.
+/// default, and the method table in effect (`policies`: the file's table as written, else
+/// the service's own, shown as comments). Secrets are left out (the merchants of
+/// `extra_merchants` and of the `api-key` flags are named, their keys never); passwords in
+/// URLs are masked.
 pub(crate) fn print(
     serve: &Command,
     matches: &ArgMatches,
     from_file: &BTreeSet<String>,
     merchants: &[String],
+    policies: (Option<&Value>, &backstop::policy::MethodPolicies),
 ) -> String {
     let mut out = String::from("# backstop serve: the settings in effect\n");
     for arg in serve.get_arguments() {
@@ -199,6 +226,17 @@ pub(crate) fn print(
             "# merchants with API keys (from every source): {}",
             merchants.join(", ")
         );
+    }
+    let (written, table) = policies;
+    let _ = writeln!(out, "\n# the method table in effect:");
+    for line in table.to_string().lines() {
+        let _ = writeln!(out, "#   {line}");
+    }
+    if let Some(Value::Table(section)) = written {
+        let mut file = Table::new();
+        file.insert(POLICIES.to_owned(), Value::Table(section.clone()));
+        let _ = writeln!(out, "# from the config file:");
+        out.push_str(&toml::to_string(&file).unwrap_or_default());
     }
     out
 }

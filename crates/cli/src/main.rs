@@ -36,6 +36,7 @@ mod psp;
 mod reconcile;
 mod report;
 mod serve;
+mod serve_policies;
 mod storm;
 
 /// glibc's allocator serialises frees of memory allocated on another thread behind an arena
@@ -155,10 +156,16 @@ async fn main() -> ExitCode {
     }
     let result: Result<(), Box<dyn Error>> = match cli.command {
         Command::Serve(args) => {
-            let config = args
+            let mut config = args
                 .config()
                 .unwrap_or_else(|error| usage_error(error, "serve"));
+            if let (Some(section), Some(file)) = (matches.policies.clone(), args.config_file()) {
+                if let Err(message) = serve_policies::apply(&mut config, section) {
+                    usage_error(config_file::file_error(file, &message), "serve");
+                }
+            }
             if args.print_config() {
+                let table = backstop_payment::server::method_policies(&config);
                 let merchants: Vec<String> =
                     config.api_keys.iter().map(|k| k.merchant.clone()).collect();
                 print!(
@@ -167,7 +174,8 @@ async fn main() -> ExitCode {
                         &serve_command(),
                         &matches.serve,
                         &matches.from_file,
-                        &merchants
+                        &merchants,
+                        (matches.policies.as_ref(), &table),
                     )
                 );
                 return ExitCode::SUCCESS;
@@ -239,6 +247,8 @@ fn usage_error(error: clap::Error, subcommand: &str) -> ! {
 struct Matches {
     serve: ArgMatches,
     from_file: BTreeSet<String>,
+    /// The config file's `[policies]` table.
+    policies: Option<toml::Value>,
 }
 
 /// `serve`'s definition, as the full command builds it.
@@ -262,6 +272,7 @@ fn parse() -> (Cli, Matches) {
         let none = Matches {
             serve: ArgMatches::default(),
             from_file: BTreeSet::new(),
+            policies: None,
         };
         return (cli, none);
     };
@@ -269,10 +280,14 @@ fn parse() -> (Cli, Matches) {
         let found = Matches {
             serve,
             from_file: BTreeSet::new(),
+            policies: None,
         };
         return (cli, found);
     };
-    let extra = config_file::file_args(file, &serve_command(), &serve)
+    let config_file::FileSettings {
+        args: extra,
+        policies,
+    } = config_file::file_args(file, &serve_command(), &serve)
         .unwrap_or_else(|error| usage_error(error, "serve"));
     let from_file = extra
         .iter()
@@ -292,7 +307,14 @@ fn parse() -> (Cli, Matches) {
         .subcommand_matches("serve")
         .cloned()
         .unwrap_or_default();
-    (cli, Matches { serve, from_file })
+    (
+        cli,
+        Matches {
+            serve,
+            from_file,
+            policies,
+        },
+    )
 }
 
 /// Resolves on ctrl-c, or SIGTERM on unix.

@@ -47,7 +47,7 @@ const FILE: &str = r#"
 max-inflight = 64
 tenant-rate = 5
 tenant-burst = 50
-store = "postgres://app:s3cret@127.0.0.1:5432/test?password=other"
+store = "postgres://app:s3cret@127.0.0.1:5432/test?password=pw-2nd"
 api-key = ["acme=file-key-1", "globex=file-key-2"]
 no-slow-start = true
 drain-timeout = "3s"
@@ -118,7 +118,7 @@ fn secrets_are_never_printed() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     let printed = stdout(&out);
-    for secret in ["s3cret", "other", "file-key-1", "file-key-2", "env-key-3"] {
+    for secret in ["s3cret", "pw-2nd", "file-key-1", "file-key-2", "env-key-3"] {
         assert!(!printed.contains(secret), "{secret} printed:\n{printed}");
     }
     assert_eq!(
@@ -251,5 +251,114 @@ fn the_packaged_config_is_valid_and_keeps_the_state_in_the_state_directory() {
         setting(&printed, "http"),
         ("\"127.0.0.1:8081\"".into(), "config file".into())
     );
+    assert!(!dir.path().join("backstop.db").exists());
+}
+
+const POLICIES: &str = r#"
+[[policies.route]]
+match = "POST /v1/payments"
+timeout = "20s"
+key_ttl = "30d"
+rate_class = "charges"
+
+[policies.rate_class.charges]
+rate = 1
+burst = 1
+"#;
+
+#[tokio::test]
+async fn the_files_policies_table_is_the_one_the_service_runs_by() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("pay.db");
+    std::fs::write(
+        dir.path().join("backstop.toml"),
+        format!("store = {:?}\n{POLICIES}", store.display().to_string()),
+    )
+    .unwrap();
+    let mut command = serve_command();
+    command
+        .current_dir(dir.path())
+        .args(["--config", "backstop.toml"]);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let process = serve_process::spawn(command, &http).await;
+    let pay = |key: &'static str| {
+        http.post(format!("{}/v1/payments", process.base))
+            .header("idempotency-key", key)
+            .json(&serde_json::json!({"order_id": key, "amount_cents": 100}))
+            .send()
+    };
+    // The `charges` class holds one payment per merchant (burst 1, one a second): the first
+    // is served, the next one is refused before its handler runs, with the wait named.
+    let first = pay("policy-1").await.unwrap();
+    assert_eq!(first.status(), 201, "{:?}", first.text().await);
+    let second = pay("policy-2").await.unwrap();
+    assert_eq!(second.status(), 429);
+    assert!(second.headers().contains_key("retry-after"));
+    // Reads spend the default class, untouched by the file.
+    let read = http
+        .get(format!("{}/v1/payments/pi_unknown", process.base))
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(read.status(), 429);
+}
+
+#[test]
+fn the_printed_policies_read_back_as_the_same_table() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("first.toml"), POLICIES).unwrap();
+    let first = run(
+        &["serve", "--config", "first.toml", "--print-config"],
+        &[],
+        dir.path(),
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    let printed = stdout(&first);
+    for want in ["#   ", "Charge", "charges", "30d "] {
+        assert!(printed.contains(want), "{want} missing from\n{printed}");
+    }
+    std::fs::write(dir.path().join("second.toml"), &first.stdout).unwrap();
+    let second = run(
+        &["serve", "--config", "second.toml", "--print-config"],
+        &[],
+        dir.path(),
+    );
+    assert!(second.status.success(), "{}", stderr(&second));
+    // The settings (now from the file) and the table in effect are the same.
+    let table = |printed: &str| -> Vec<String> {
+        printed
+            .lines()
+            .filter(|l| !l.starts_with('#') || l.starts_with("#   "))
+            .map(|l| l.split(" # ").next().unwrap_or(l).trim_end().to_owned())
+            .collect()
+    };
+    assert_eq!(table(&stdout(&first)), table(&stdout(&second)));
+}
+
+#[test]
+fn a_policies_table_the_service_cannot_run_by_is_refused_before_it_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    for (body, expected) in [
+        (
+            "[[policies.route]]\nmatch = \"POST /v1/payments\"\nidempotency = \"unsafe\"\n",
+            "route POST /v1/payments is keyed by the service's handler and stays so",
+        ),
+        (
+            "[[policies.route]]\nmatch = \"DELETE /v1/payments/{intent_id}\"\n",
+            "the service has no such entry",
+        ),
+        (
+            "[[policies.route]]\nmatch = \"POST /v1/payments\"\ntimeot = \"1s\"\n",
+            "unknown field `timeot`",
+        ),
+        ("policies = 3\n", "`policies` is a table"),
+    ] {
+        std::fs::write(dir.path().join("bad.toml"), body).unwrap();
+        let out = run(&["serve", "--config", "bad.toml"], &[], dir.path());
+        assert_eq!(out.status.code(), Some(2), "{body}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains("config file bad.toml"), "{body}: {err}");
+        assert!(err.contains(expected), "{body}: {err}");
+    }
     assert!(!dir.path().join("backstop.db").exists());
 }

@@ -6,8 +6,10 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::num::NonZeroU32;
 
-use backstop::admission::QueueConfig;
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
+use backstop::admission::{QueueConfig, Quota};
+use backstop::policy::MethodPolicies;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -256,6 +258,14 @@ pub struct Config {
     /// How many instances share the Redis quota: with `FailurePolicy::Open` each falls back to
     /// rate / instances.
     pub instances: NonZeroU32,
+    /// The method policy table the server stack runs by, when a config file gives one;
+    /// `None`: [`method_policies`](crate::server::method_policies) builds it from the settings
+    /// above. [`validate`](Self::validate) holds it to the service's rules
+    /// ([`check_policies`](crate::server::check_policies)).
+    pub policies: Option<MethodPolicies>,
+    /// Per-merchant quotas of the rate classes the policies name, each with its own buckets;
+    /// the `default` class spends `tenant_rate` and `tenant_burst`.
+    pub rate_classes: BTreeMap<String, Quota>,
 }
 
 impl Config {
@@ -289,6 +299,8 @@ impl Config {
             redis_failure: FailurePolicy::Open,
             redis_timeout: backstop::admission::redis::DEFAULT_TIMEOUT,
             instances: NonZeroU32::MIN,
+            policies: None,
+            rate_classes: BTreeMap::new(),
         }
     }
 
@@ -335,6 +347,10 @@ impl Config {
         }
         if self.default_timeout.is_zero() || self.lease.is_zero() || self.key_ttl < self.lease {
             return Err(ConfigError::Durations);
+        }
+        if let Some(policies) = &self.policies {
+            crate::server::check_policies(policies, &self.rate_classes)
+                .map_err(ConfigError::Policies)?;
         }
         Ok(())
     }
@@ -396,6 +412,10 @@ pub enum ConfigError {
     /// Zero timeout or lease, or a key TTL shorter than the lease.
     #[error("timeouts and leases must be positive and the key TTL at least the lease")]
     Durations,
+    /// A policy table the service cannot run by (see
+    /// [`check_policies`](crate::server::check_policies)).
+    #[error("policies: {0}")]
+    Policies(String),
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 mod args;
 mod budget;
 mod forward;
-mod policy;
+pub(crate) mod policy;
 mod server;
 
 use std::error::Error;

@@ -32,7 +32,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use backstop::policy::{
-    Idempotency, KEY_TTL_SYNC, MAX_ATTEMPTS_CAP, MethodPolicies, MethodPolicy, Takeover,
+    Idempotency, KEY_TTL_SYNC, MAX_ATTEMPTS_CAP, MethodPolicies, MethodPolicy, MethodPolicyBuilder,
+    Takeover,
 };
 use http::Method;
 use serde::{Deserialize, Deserializer};
@@ -68,29 +69,29 @@ pub(crate) struct ProxySection {
 pub(crate) struct PoliciesSection {
     /// The policy of requests no route names.
     #[serde(default)]
-    fallback: Option<RouteSpec>,
+    pub(crate) fallback: Option<RouteSpec>,
     /// The routes, matched in the library's order (exact path, then HTTP route, then gRPC
     /// service, then the fallback).
     #[serde(default, rename = "route")]
-    routes: Vec<RouteSpec>,
+    pub(crate) routes: Vec<RouteSpec>,
     /// Quotas of the rate classes the routes name.
     #[serde(default, rename = "rate_class")]
-    rate_classes: BTreeMap<String, RateSpec>,
+    pub(crate) rate_classes: BTreeMap<String, RateSpec>,
 }
 
 /// One `[[policies.route]]` (or the `[policies.fallback]`, which has no `match`).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RouteSpec {
+pub(crate) struct RouteSpec {
     /// `METHOD /path/{param}`, `/pkg.Service/Method` (or an HTTP path, any method), or
     /// `/pkg.Service/*` (every method of a gRPC service).
     #[serde(rename = "match")]
-    matches: Option<String>,
+    pub(crate) matches: Option<String>,
     /// The route's name in `--check-config` and the policy table (default: the `match`
     /// text). The metrics label a request by the `match` text.
-    name: Option<String>,
+    pub(crate) name: Option<String>,
     /// `safe`, `keyed` or `unsafe` (default).
-    idempotency: Option<IdempotencySpec>,
+    pub(crate) idempotency: Option<IdempotencySpec>,
     /// Budget of a request that brings none.
     #[serde(default, deserialize_with = "duration")]
     timeout: Option<Duration>,
@@ -108,12 +109,13 @@ struct RouteSpec {
     rate_class: Option<String>,
     /// The upstream deduplicates by the effect key header: after a crash of the proxy, a retry
     /// forwards again (with the same effect key) instead of answering `outcome_unknown`.
-    upstream_dedups_by_effect_key: Option<bool>,
+    pub(crate) upstream_dedups_by_effect_key: Option<bool>,
 }
 
+/// A route's `idempotency`.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "lowercase")]
-enum IdempotencySpec {
+pub(crate) enum IdempotencySpec {
     Safe,
     Keyed,
     Unsafe,
@@ -171,7 +173,8 @@ impl std::fmt::Display for RouteMatch {
 }
 
 impl RouteMatch {
-    fn parse(text: &str) -> Result<RouteMatch, String> {
+    /// Parses a `match` text.
+    pub(crate) fn parse(text: &str) -> Result<RouteMatch, String> {
         let text = text.trim();
         if let Some((method, pattern)) = text.split_once(char::is_whitespace) {
             let method = Method::from_bytes(method.as_bytes())
@@ -480,47 +483,23 @@ fn build(spec: &RouteSpec, matches: Option<RouteMatch>) -> Result<Route, String>
             .as_ref()
             .map_or_else(|| FALLBACK_NAME.to_owned(), ToString::to_string)
     });
-    let what = || match &matches {
+    let what = match &matches {
         Some(m) => format!("route {m}"),
         None => "[policies.fallback]".to_owned(),
     };
     let idempotency: Idempotency = spec.idempotency.unwrap_or(IdempotencySpec::Unsafe).into();
     let mut builder = MethodPolicy::builder(name, idempotency);
-    if let Some(timeout) = spec.timeout {
-        builder = builder.timeout(timeout);
+    if idempotency == Idempotency::Keyed {
+        builder = builder.key_ttl(KEY_TTL_SYNC);
     }
-    if let Some(retries) = spec.retries {
-        if retries >= MAX_ATTEMPTS_CAP {
-            return Err(format!(
-                "{}: retries {retries} is more than {} (at most {MAX_ATTEMPTS_CAP} attempts)",
-                what(),
-                MAX_ATTEMPTS_CAP - 1
-            ));
-        }
-        builder = builder.max_attempts(retries + 1);
-    }
-    if let Some(hedging) = spec.hedging {
-        builder = builder.hedging(hedging);
-    }
-    if let Some(delay) = spec.hedge_delay {
-        builder = builder.hedge_delay(delay);
-    }
-    if let Some(class) = &spec.rate_class {
-        builder = builder.rate_class(class.clone());
-    }
-    match (idempotency, spec.key_ttl) {
-        (Idempotency::Keyed, ttl) => builder = builder.key_ttl(ttl.unwrap_or(KEY_TTL_SYNC)),
-        (_, Some(_)) => return Err(format!("{}: key_ttl is for keyed routes", what())),
-        (_, None) => {}
-    }
+    builder = spec.apply(builder, idempotency, &what)?;
     match (idempotency, spec.upstream_dedups_by_effect_key) {
         // The forwarder commits a phase before it forwards, so the takeover resumes from it
         // with the same effect key.
         (Idempotency::Keyed, Some(true)) => builder = builder.takeover(Takeover::Resume),
         (_, Some(true)) => {
             return Err(format!(
-                "{}: upstream_dedups_by_effect_key is for keyed routes",
-                what()
+                "{what}: upstream_dedups_by_effect_key is for keyed routes"
             ));
         }
         _ => {}
@@ -529,6 +508,47 @@ fn build(spec: &RouteSpec, matches: Option<RouteMatch>) -> Result<Route, String>
         matches,
         policy: builder.build(),
     })
+}
+
+impl RouteSpec {
+    /// The settings this spec gives that tune a policy of class `idempotency` (timeout,
+    /// retries, hedging, rate class, key TTL), applied onto `builder`; `what` names the spec
+    /// in errors. The class itself, the name and the takeover are the caller's.
+    pub(crate) fn apply(
+        &self,
+        mut builder: MethodPolicyBuilder,
+        idempotency: Idempotency,
+        what: &str,
+    ) -> Result<MethodPolicyBuilder, String> {
+        if let Some(timeout) = self.timeout {
+            builder = builder.timeout(timeout);
+        }
+        if let Some(retries) = self.retries {
+            if retries >= MAX_ATTEMPTS_CAP {
+                return Err(format!(
+                    "{what}: retries {retries} is more than {} (at most {MAX_ATTEMPTS_CAP} \
+                     attempts)",
+                    MAX_ATTEMPTS_CAP - 1
+                ));
+            }
+            builder = builder.max_attempts(retries + 1);
+        }
+        if let Some(hedging) = self.hedging {
+            builder = builder.hedging(hedging);
+        }
+        if let Some(delay) = self.hedge_delay {
+            builder = builder.hedge_delay(delay);
+        }
+        if let Some(class) = &self.rate_class {
+            builder = builder.rate_class(class.clone());
+        }
+        match (idempotency, self.key_ttl) {
+            (Idempotency::Keyed, Some(ttl)) => builder = builder.key_ttl(ttl),
+            (_, Some(_)) => return Err(format!("{what}: key_ttl is for keyed routes")),
+            (_, None) => {}
+        }
+        Ok(builder)
+    }
 }
 
 #[cfg(test)]

@@ -43,7 +43,8 @@ mod leases;
 mod routers;
 
 pub use self::routers::{
-    GrpcService, Routers, SERVICE_NAME, build_routers, method_policies, rate_limit_layer,
+    GrpcService, POLICY_ENTRIES, Routers, SERVICE_NAME, build_routers, check_policies,
+    default_policies, method_policies, rate_limit_layer,
 };
 
 use self::leases::OpenLeases;

@@ -43,19 +43,36 @@ const MIN_SERVICE: Duration = Duration::from_millis(20);
 
 /// The per-merchant rate limit: buckets in Redis shared by all instances when `--redis` is set,
 /// else in this process. Call it inside the runtime (Redis connects lazily, on first use).
+/// Each rate class of `config.rate_classes` gets buckets of its own (in Redis under the prefix
+/// followed by the class's name).
 pub fn rate_limit_layer(config: &Config) -> Result<RateLimitLayer, RedisLimitError> {
     let quota = Quota::per_second(config.tenant_rate, config.tenant_burst);
-    Ok(match &config.redis {
-        Some(redis) => RateLimitLayer::shared(
+    let Some(redis) = &config.redis else {
+        let buckets = |quota| KeyedTokenBucket::new(quota, MAX_TENANT_BUCKETS);
+        let mut layer = RateLimitLayer::new(buckets(quota));
+        for (class, &quota) in &config.rate_classes {
+            layer = layer.class(class.clone(), buckets(quota));
+        }
+        return Ok(layer);
+    };
+    let shared = |redis: &backstop::admission::redis::RedisConfig, quota| {
+        Ok::<_, RedisLimitError>(
             SharedLimiter::new(
                 RedisTokenBucket::new(redis, quota)?,
                 config.redis_failure,
                 config.instances,
             )
             .timeout(config.redis_timeout),
-        ),
-        None => RateLimitLayer::new(KeyedTokenBucket::new(quota, MAX_TENANT_BUCKETS)),
-    })
+        )
+    };
+    let mut layer = RateLimitLayer::shared(shared(redis, quota)?);
+    for (class, &quota) in &config.rate_classes {
+        let own = redis
+            .clone()
+            .prefix(format!("{}class:{class}:", redis.key_prefix()));
+        layer = layer.shared_class(class.clone(), shared(&own, quota)?);
+    }
+    Ok(layer)
 }
 
 /// The two routers of the service, behind one server stack (so HTTP and gRPC share the gate,
@@ -101,12 +118,98 @@ fn gate(config: &Config) -> Gate {
     gate.with_queue(config.queue.clone())
 }
 
+/// The entries of the service's method table, as a policy file names them: a config file's
+/// `[policies]` may tune these (and the fallback), and only these.
+pub const POLICY_ENTRIES: [&str; 4] = [
+    "POST /v1/payments",
+    "GET /v1/payments/{intent_id}",
+    grpc::CHARGE,
+    grpc::GET_CHARGE,
+];
+
 /// The policy of every method the service serves, for its server stack and its clients alike:
-/// `Charge` (`POST /v1/payments` and `payment.v1.Payment/Charge`) is `Keyed`, its keys kept
-/// `config.key_ttl`, retried after the answers its error tables call retryable and hedged;
-/// the reads (`GET /v1/payments/{intent_id}` and `GetCharge`) are `Safe`; anything else is
-/// `Unsafe`. Validated: `Config::validate` keeps the key TTL positive.
+/// `config.policies` when a config file gave the table, else [`default_policies`].
 pub fn method_policies(config: &Config) -> MethodPolicies {
+    config
+        .policies
+        .clone()
+        .unwrap_or_else(|| default_policies(config))
+}
+
+/// Why the service cannot run by `policies`, checked before it starts: `Charge` (by either
+/// protocol) stays `Keyed`, since the handler moves money only under a claimed key, and keeps
+/// resuming a dead run's key under the same effect key (the PSP charges once); every entry
+/// [`POLICY_ENTRIES`] names keeps its policy's name, which the metrics, the dashboard and the
+/// alerts go by; and every rate class a policy names has a quota in `rate_classes`.
+pub fn check_policies(
+    policies: &MethodPolicies,
+    rate_classes: &std::collections::BTreeMap<String, Quota>,
+) -> Result<(), String> {
+    policies.validate().map_err(|e| e.to_string())?;
+    let charges = [
+        (
+            "POST /v1/payments",
+            policies.for_route(&Method::POST, "/v1/payments"),
+        ),
+        (grpc::CHARGE, policies.for_path(grpc::CHARGE)),
+    ];
+    for (entry, policy) in charges {
+        if policy.idempotency() != Idempotency::Keyed {
+            return Err(format!(
+                "{entry} moves money: it stays keyed (idempotency = \"keyed\")"
+            ));
+        }
+        if policy.takeover() != Takeover::Resume {
+            return Err(format!(
+                "{entry} resumes a dead run's key under the same effect key: its takeover \
+                 stays `resume`"
+            ));
+        }
+    }
+    let names = [
+        (
+            "POST /v1/payments",
+            policies.for_route(&Method::POST, "/v1/payments"),
+            "Charge",
+        ),
+        (
+            "GET /v1/payments/{intent_id}",
+            policies.for_route(&Method::GET, "/v1/payments/{intent_id}"),
+            "GetPayment",
+        ),
+        (grpc::CHARGE, policies.for_path(grpc::CHARGE), "Charge"),
+        (
+            grpc::GET_CHARGE,
+            policies.for_path(grpc::GET_CHARGE),
+            "GetCharge",
+        ),
+    ];
+    for (entry, policy, name) in names {
+        if policy.name() != name {
+            return Err(format!(
+                "{entry} is named {name} (its metrics and alerts go by it), not {:?}",
+                policy.name()
+            ));
+        }
+    }
+    for policy in policies.iter() {
+        let class = policy.rate_class();
+        if class != backstop::policy::DEFAULT_RATE_CLASS && !rate_classes.contains_key(class) {
+            return Err(format!(
+                "{} spends rate class `{class}`, which has no quota",
+                policy.name()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The service's own table: `Charge` (`POST /v1/payments` and `payment.v1.Payment/Charge`)
+/// is `Keyed`, its keys kept `config.key_ttl`, retried after the answers its error tables
+/// call retryable and hedged; the reads (`GET /v1/payments/{intent_id}` and `GetCharge`) are
+/// `Safe`; anything else is `Unsafe`. Validated: `Config::validate` keeps the key TTL
+/// positive.
+pub fn default_policies(config: &Config) -> MethodPolicies {
     let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
         .timeout(config.default_timeout)
         .key_ttl(config.key_ttl)
