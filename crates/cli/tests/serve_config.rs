@@ -5,6 +5,8 @@
 
 #[path = "support/serve_process.rs"]
 mod serve_process;
+#[path = "../../backstop/tests/support/services.rs"]
+mod services;
 
 use std::path::Path;
 use std::process::Output;
@@ -268,11 +270,53 @@ burst = 1
 
 #[tokio::test]
 async fn the_files_policies_table_is_the_one_the_service_runs_by() {
+    policies_in_effect("").await;
+}
+
+#[tokio::test]
+async fn a_rate_class_of_the_files_table_is_shared_through_redis() {
+    if !services::redis() {
+        return;
+    }
+    let prefix = format!("serve-config-{}-{}:", std::process::id(), rand_suffix());
+    policies_in_effect(&format!(
+        "redis = {:?}\nredis-prefix = {prefix:?}\n",
+        services::redis_url()
+    ))
+    .await;
+    // The class's buckets are Redis's, under the prefix and the class's name.
+    let client = redis::Client::open(services::redis_url()).unwrap();
+    let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}class:charges:*"))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(
+        !keys.is_empty(),
+        "no bucket of class charges under {prefix}"
+    );
+}
+
+/// A suffix that keeps two runs of the suite apart in a shared Redis.
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// A service started from a file holding `settings` and [`POLICIES`] refuses a merchant's
+/// second payment by the `charges` class, and not its reads.
+async fn policies_in_effect(settings: &str) {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("pay.db");
     std::fs::write(
         dir.path().join("backstop.toml"),
-        format!("store = {:?}\n{POLICIES}", store.display().to_string()),
+        format!(
+            "store = {:?}\n{settings}{POLICIES}",
+            store.display().to_string()
+        ),
     )
     .unwrap();
     let mut command = serve_command();
