@@ -21,7 +21,8 @@ use crate::deadline::Margin;
 use crate::hedge::{HedgePolicy, LatencyWindow};
 use crate::policy::{Idempotency, InvalidPolicy, MethodPolicies, MethodPolicy};
 use crate::retry::{
-    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, RetryThrottle, StormAlarm, StormConfig,
+    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, RetrySwitch, RetryThrottle,
+    StormAlarm, StormConfig,
 };
 
 /// What limits a destination's retries and hedges (and transparent re-sends, which the budget
@@ -57,6 +58,7 @@ pub struct Destination {
     name: Arc<str>,
     budget: RetryBudget,
     storm: Option<StormAlarm>,
+    switch: Option<RetrySwitch>,
     throttle: Option<AdaptiveThrottle>,
     retry_throttle: Option<RetryThrottle>,
     margin: Arc<Margin>,
@@ -82,6 +84,7 @@ impl Destination {
                 metrics::SharedString::from(Arc::clone(&name)),
                 StormConfig::default(),
             )),
+            switch: None,
             throttle: None,
             retry_throttle: None,
             name,
@@ -124,6 +127,15 @@ impl Destination {
         self.storm = config.map(|config| {
             StormAlarm::new(metrics::SharedString::from(Arc::clone(&self.name)), config)
         });
+        self
+    }
+
+    /// The fleet's retry switch (none unless set), shared by every destination of the
+    /// process: while it is off, no retry and no hedge is sent; while it sets a budget, each
+    /// logical request deposits at most that ratio into this destination's budget (see
+    /// [`RetrySwitch`]).
+    pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
+        self.switch = switch;
         self
     }
 
@@ -190,6 +202,11 @@ impl Destination {
     /// The storm alarm, if any.
     pub fn storm(&self) -> Option<&StormAlarm> {
         self.storm.as_ref()
+    }
+
+    /// The fleet's retry switch, if any.
+    pub fn switch(&self) -> Option<&RetrySwitch> {
+        self.switch.as_ref()
     }
 
     /// The adaptive throttle, if any.
@@ -459,6 +476,7 @@ impl ClientStackBuilder {
             .method_policy(policy)
             .budget(d.budget.clone())
             .storm_alarm(d.storm.clone())
+            .retry_switch(d.switch.clone())
             .throttle(d.throttle.clone())
             .retry_throttle(d.retry_throttle.clone())
             .build()?;
@@ -466,6 +484,7 @@ impl ClientStackBuilder {
             HedgePolicy::new(d.budget.clone(), service, method)
                 .latencies(d.latencies.clone())
                 .storm_alarm(d.storm.clone())
+                .retry_switch(d.switch.clone())
                 .retry_throttle(d.retry_throttle.clone())
                 .min_delay(policy.min_hedge_delay())
                 .fixed_delay(policy.hedge_delay())

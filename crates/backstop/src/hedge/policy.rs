@@ -10,13 +10,14 @@ use metrics::SharedString;
 use tokio::time::Instant;
 
 use super::latency::LatencyWindow;
-use crate::retry::{RetryBudget, RetryThrottle, StormAlarm};
+use crate::retry::{RetryBudget, RetrySwitch, RetryThrottle, StormAlarm};
 
 /// How a destination is hedged.
 #[derive(Debug, Clone)]
 pub struct HedgePolicy {
     budget: RetryBudget,
     storm: Option<StormAlarm>,
+    switch: Option<RetrySwitch>,
     retry_throttle: Option<RetryThrottle>,
     latencies: Arc<LatencyWindow>,
     quantile: f64,
@@ -46,6 +47,7 @@ impl HedgePolicy {
         Self {
             budget,
             storm: None,
+            switch: None,
             retry_throttle: None,
             latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
             quantile: 0.95,
@@ -61,6 +63,12 @@ impl HedgePolicy {
     /// would be sent counts as a retry asked for.
     pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
         self.storm = alarm;
+        self
+    }
+
+    /// Sends no hedge while `switch` (the fleet's retry switch) is off.
+    pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
+        self.switch = switch;
         self
     }
 
@@ -137,7 +145,8 @@ impl HedgePolicy {
     /// take half of its margin in calm weather), but none is sent while the alarm is tripped;
     /// and it takes a token from the retry budget only while the budget holds at least half
     /// its burst, leaving the rest to retries (taken when `true`); with a gRPC retry
-    /// throttle, only while that holds more than half its tokens.
+    /// throttle, only while that holds more than half its tokens. None while the fleet's
+    /// retry switch is off.
     pub fn try_hedge_at(&self, now: Instant) -> bool {
         let storming = self
             .storm
@@ -147,7 +156,8 @@ impl HedgePolicy {
             .retry_throttle
             .as_ref()
             .is_some_and(|t| !t.allows_retry());
-        !storming && !throttled && hedge_token(&self.budget)
+        let switched_off = self.switch.as_ref().is_some_and(|s| !s.allows_retries());
+        !storming && !throttled && !switched_off && hedge_token(&self.budget)
     }
 }
 

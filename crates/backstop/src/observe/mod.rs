@@ -74,6 +74,10 @@ pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
 /// Gauge: the storm alarm per destination, labelled `service` and `level` (`warning`,
 /// `tripped`): 1 while at or above that level, else 0.
 pub const RPC_CLIENT_STORM_ALARM: &str = "rpc_client_storm_alarm";
+/// Gauge: the fleet's retry setting this process applies (see
+/// [`RetrySwitch`](crate::retry::RetrySwitch)), labelled `setting` (`on`, `off`, `budget`):
+/// 1 for the setting in effect, 0 for the others.
+pub const RPC_CLIENT_RETRY_SWITCH: &str = "rpc_client_retry_switch";
 /// Gauge: retry-budget tokens a destination has left now (retries and hedges it may still
 /// send), label `service`.
 pub const RPC_CLIENT_RETRY_BUDGET_TOKENS: &str = "rpc_client_retry_budget_tokens";
@@ -175,6 +179,8 @@ pub mod label {
     pub const VERSION: &str = "version";
     /// The storm alarm level, on [`RPC_CLIENT_STORM_ALARM`](super::RPC_CLIENT_STORM_ALARM).
     pub const LEVEL: &str = "level";
+    /// The retry switch's setting, on [`RPC_CLIENT_RETRY_SWITCH`](super::RPC_CLIENT_RETRY_SWITCH).
+    pub const SETTING: &str = "setting";
     /// The kind of injected fault, on
     /// [`RPC_SERVER_FAULTS_INJECTED_TOTAL`](super::RPC_SERVER_FAULTS_INJECTED_TOTAL).
     pub const FAULT: &str = "fault";
@@ -240,6 +246,8 @@ pub mod event {
     pub const RPC_TRANSPARENT_RETRY: &str = "rpc_transparent_retry";
     /// Client: the storm alarm of a destination changed level.
     pub const RPC_STORM_ALARM: &str = "rpc_storm_alarm";
+    /// Client: the fleet's retry switch changed setting in this process.
+    pub const RPC_RETRY_SWITCH: &str = "rpc_retry_switch";
     /// Server: one request served (the server metrics layer's event).
     pub const RPC_SERVER_REQUEST: &str = "rpc_server_request";
     /// Field: timestamp.
@@ -319,6 +327,10 @@ pub fn describe_metrics() {
     describe_gauge!(
         RPC_CLIENT_STORM_ALARM,
         "The storm alarm per destination: 1 while at or above the level, else 0."
+    );
+    describe_gauge!(
+        RPC_CLIENT_RETRY_SWITCH,
+        "The fleet's retry setting this process applies: 1 for the setting in effect."
     );
     describe_gauge!(
         RPC_CLIENT_RETRY_BUDGET_TOKENS,

@@ -153,6 +153,25 @@ impl RetryBudget {
     /// Call it once per logical request, never per attempt: depositing per attempt would let
     /// retries pay for more retries.
     pub fn deposit(&self) {
+        self.deposit_units(self.inner.per_request);
+    }
+
+    /// [`deposit`](Self::deposit), of at most `ratio_cap` tokens when given: a lower ratio
+    /// set for the fleet ([`RetrySwitch`](super::RetrySwitch)); the budget's own ratio when
+    /// that is lower.
+    pub fn deposit_capped(&self, ratio_cap: Option<f64>) {
+        let units = match ratio_cap {
+            // Rounded down like the budget's own ratio; a cap outside [0, 1] is clamped.
+            Some(cap) => ((cap.clamp(0.0, MAX_RATIO) * SCALE as f64).floor() as u64)
+                .min(self.inner.per_request),
+            None => self.inner.per_request,
+        };
+        if units > 0 {
+            self.deposit_units(units);
+        }
+    }
+
+    fn deposit_units(&self, units: u64) {
         let inner = &*self.inner;
         // Relaxed is enough: the balance is a single atomic and every update is a
         // read-modify-write, which always acts on the latest value; no other memory is
@@ -160,11 +179,11 @@ impl RetryBudget {
         let deposited = inner
             .tokens
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
-                (t < inner.max).then(|| t.saturating_add(inner.per_request).min(inner.max))
+                (t < inner.max).then(|| t.saturating_add(units).min(inner.max))
             });
         // A full budget (the usual case) changes nothing and reports nothing.
         if let Ok(before) = deposited {
-            self.report(before.saturating_add(inner.per_request).min(inner.max));
+            self.report(before.saturating_add(units).min(inner.max));
         }
     }
 

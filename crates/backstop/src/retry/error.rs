@@ -28,11 +28,13 @@ pub enum StopReason {
     Storm,
     /// Adaptive throttling rejected the attempt locally: it was not sent.
     Throttled,
+    /// The fleet's [retry switch](super::RetrySwitch) is off: no retries, no hedges.
+    SwitchedOff,
 }
 
 impl StopReason {
     /// Every reason, in declaration order.
-    pub const ALL: [StopReason; 8] = [
+    pub const ALL: [StopReason; 9] = [
         StopReason::NonRetryable,
         StopReason::MaxAttempts,
         StopReason::BudgetExhausted,
@@ -41,10 +43,12 @@ impl StopReason {
         StopReason::CircuitOpen,
         StopReason::Storm,
         StopReason::Throttled,
+        StopReason::SwitchedOff,
     ];
 
     /// The reason code used in metrics and logs: `non_retryable`, `max_attempts`,
-    /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open`, `storm` or `throttled`.
+    /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open`, `storm`, `throttled` or
+    /// `switched_off`.
     pub const fn as_str(self) -> &'static str {
         match self {
             StopReason::NonRetryable => "non_retryable",
@@ -55,6 +59,7 @@ impl StopReason {
             StopReason::CircuitOpen => "circuit_open",
             StopReason::Storm => "storm",
             StopReason::Throttled => "throttled",
+            StopReason::SwitchedOff => "switched_off",
         }
     }
 }
@@ -104,7 +109,8 @@ mod tests {
                 "pushback",
                 "circuit_open",
                 "storm",
-                "throttled"
+                "throttled",
+                "switched_off"
             ]
         );
         assert_eq!(StopReason::Pushback.to_string(), "pushback");

@@ -8,7 +8,7 @@ use rand::{Rng, RngExt};
 use tokio::time::Instant;
 
 use super::throttle::is_overload_refusal;
-use super::{RetryError, RetryPolicy, StopReason};
+use super::{RetryError, RetryPolicy, RetrySwitch, StopReason};
 use crate::deadline::Deadline;
 use crate::observe::{event, label};
 use crate::status::{Code, Outcome, RetryClass, Status, problem};
@@ -199,7 +199,8 @@ impl RetryPolicy {
     ///
     /// Creating it counts one logical request: it deposits into the budget.
     pub fn attempts(&self, deadline: Deadline) -> Attempts {
-        self.budget.deposit();
+        self.budget
+            .deposit_capped(self.switch.as_ref().and_then(RetrySwitch::ratio_cap));
         self.metrics.request(&self.service, &self.method);
         Attempts {
             deadline,
@@ -258,6 +259,10 @@ impl RetryPolicy {
             .is_some_and(|storm| !storm.retry_wanted_at(now))
         {
             return Err(StopReason::Storm);
+        }
+        // After the alarm: it counts the retries asked for while the switch holds them back.
+        if self.switch.as_ref().is_some_and(|s| !s.allows_retries()) {
+            return Err(StopReason::SwitchedOff);
         }
         let remaining = deadline.remaining_at(now);
         let wait = match status.pushback() {

@@ -11,6 +11,8 @@
 //!   not `max_attempts` times.
 //! - [`StormAlarm`]: the retry ratio per destination over a sliding window; above 0.2 retries
 //!   and hedges stop ([`StopReason::Storm`]) until it falls back to 0.1.
+//! - [`RetrySwitch`]: the fleet's setting (retries and hedges on, off, or within a lower
+//!   budget), set for every process at once through Redis ([`switch`]).
 //! - [`RetryThrottle`] (instead of the budget, when asked for): gRPC's `retryThrottling` token
 //!   bucket, retries sent only while failures have not drained half of it.
 //! - [`AdaptiveThrottle`] (optional): attempts rejected locally, before the transport, with a
@@ -109,6 +111,7 @@ mod metrics;
 mod policy;
 pub mod retry_throttle;
 pub mod storm;
+pub mod switch;
 pub mod throttle;
 mod window;
 
@@ -122,4 +125,5 @@ pub use executor::{Attempt, Attempts, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
 pub use policy::{DEFAULT_MIN_ATTEMPT, PolicyError, RetryPolicy, RetryPolicyBuilder};
 pub use retry_throttle::{RetryThrottle, RetryThrottleError};
 pub use storm::{RPC_CLIENT_STORM_ALARM, StormAlarm, StormConfig, StormConfigError, StormLevel};
+pub use switch::{RetrySetting, RetrySwitch, SettingError};
 pub use throttle::{AdaptiveThrottle, ThrottleError};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use metrics::SharedString;
 
 use super::metrics::PolicyMetrics;
-use super::{AdaptiveThrottle, Backoff, RetryBudget, RetryThrottle, StormAlarm};
+use super::{AdaptiveThrottle, Backoff, RetryBudget, RetrySwitch, RetryThrottle, StormAlarm};
 use crate::policy::{DEFAULT_MAX_ATTEMPTS, Idempotency, MAX_ATTEMPTS_CAP, MethodPolicy};
 use crate::status::Code;
 
@@ -39,6 +39,7 @@ pub struct RetryPolicy {
     pub(super) backoff: Backoff,
     pub(super) budget: RetryBudget,
     pub(super) storm: Option<StormAlarm>,
+    pub(super) switch: Option<RetrySwitch>,
     pub(super) throttle: Option<AdaptiveThrottle>,
     pub(super) retry_throttle: Option<RetryThrottle>,
     pub(super) min_attempt: Duration,
@@ -67,6 +68,7 @@ impl RetryPolicy {
             backoff: Backoff::default(),
             budget: None,
             storm: None,
+            switch: None,
             throttle: None,
             retry_throttle: None,
             min_attempt: DEFAULT_MIN_ATTEMPT,
@@ -95,6 +97,11 @@ impl RetryPolicy {
     /// The destination's storm alarm, if any.
     pub fn storm_alarm(&self) -> Option<&StormAlarm> {
         self.storm.as_ref()
+    }
+
+    /// The fleet's retry switch, if any.
+    pub fn retry_switch(&self) -> Option<&RetrySwitch> {
+        self.switch.as_ref()
     }
 
     /// The destination's adaptive throttle, if any.
@@ -153,6 +160,7 @@ pub struct RetryPolicyBuilder {
     backoff: Backoff,
     budget: Option<RetryBudget>,
     storm: Option<StormAlarm>,
+    switch: Option<RetrySwitch>,
     throttle: Option<AdaptiveThrottle>,
     retry_throttle: Option<RetryThrottle>,
     min_attempt: Duration,
@@ -186,6 +194,14 @@ impl RetryPolicyBuilder {
     /// none): while it is tripped no retry is sent ([`StopReason::Storm`](super::StopReason)).
     pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
         self.storm = alarm;
+        self
+    }
+
+    /// The fleet's retry switch, shared with every policy of the process (default none):
+    /// while it is off no retry is sent ([`StopReason::SwitchedOff`](super::StopReason)), and
+    /// while it sets a budget each logical request deposits at most that ratio.
+    pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
+        self.switch = switch;
         self
     }
 
@@ -253,6 +269,7 @@ impl RetryPolicyBuilder {
             backoff: self.backoff,
             budget: self.budget.unwrap_or_default(),
             storm: self.storm,
+            switch: self.switch,
             throttle: self.throttle,
             retry_throttle: self.retry_throttle,
             min_attempt: self.min_attempt,

@@ -209,6 +209,41 @@ async fn no_hedge_while_the_storm_alarm_is_tripped() {
     assert_eq!(budget.available(), 4.0);
 }
 
+/// While the fleet's retry switch is off a slow attempt is not hedged (no token spent); on
+/// again, it is.
+#[tokio::test(start_paused = true)]
+async fn no_hedge_while_the_retry_switch_is_off() {
+    use crate::retry::{RetrySetting, RetrySwitch};
+
+    let budget = RetryBudget::new(0.1, 5).unwrap();
+    let switch = RetrySwitch::new();
+    switch.set(RetrySetting::Off, "test");
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let svc = {
+        let sent = sent.clone();
+        tower::service_fn(move |_r: Request<Body>| {
+            sent.fetch_add(1, Ordering::SeqCst);
+            async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, BoxError>(Response::new("slow"))
+            }
+        })
+    };
+    let svc = Hedge::new(svc, warmed(&budget).retry_switch(Some(switch.clone())));
+    svc.clone()
+        .oneshot(request(&HedgeAllowance::default()))
+        .await
+        .unwrap();
+    assert_eq!(sent.load(Ordering::SeqCst), 1, "not hedged");
+    assert_eq!(budget.available(), 5.0);
+
+    switch.set(RetrySetting::On, "test");
+    svc.oneshot(request(&HedgeAllowance::default()))
+        .await
+        .unwrap();
+    assert_eq!(sent.load(Ordering::SeqCst), 3, "hedged");
+}
+
 #[test]
 fn try_hedge_at_pays_from_the_budget_and_records_latencies() {
     let budget = RetryBudget::new(0.0, 1).unwrap();

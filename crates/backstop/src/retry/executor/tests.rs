@@ -232,6 +232,71 @@ async fn budget_exhaustion_stops_with_the_reason() {
     assert_eq!((err.attempts, err.reason), (1, StopReason::BudgetExhausted));
 }
 
+/// The fleet's switch: off stops every retry with `switched_off` (the storm alarm still
+/// counting what was asked for), a budget lowers what each request deposits, and on again
+/// retries as before.
+#[tokio::test(start_paused = true)]
+async fn the_retry_switch_stops_or_lowers_retries_and_lets_them_go_again() {
+    use crate::retry::{RetrySetting, RetrySwitch, StormAlarm, StormConfig};
+    let switch = RetrySwitch::new();
+    let alarm = StormAlarm::new("psp", StormConfig::default());
+    let budget = RetryBudget::new(0.5, 0).unwrap();
+    let policy = policy()
+        .budget(budget.clone())
+        .max_attempts(2)
+        .storm_alarm(Some(alarm.clone()))
+        .retry_switch(Some(switch.clone()))
+        .build()
+        .unwrap();
+    let fails_then_succeeds = |a: Attempt| async move {
+        if a.number == 1 {
+            Err(unavailable())
+        } else {
+            Ok(())
+        }
+    };
+    let deadline = || Deadline::after(Duration::from_secs(5));
+
+    switch.set(RetrySetting::Off, "test");
+    let before = budget.available();
+    let err = policy
+        .execute(deadline(), fails_then_succeeds)
+        .await
+        .unwrap_err();
+    assert_eq!((err.attempts, err.reason), (1, StopReason::SwitchedOff));
+    assert_eq!(alarm.ratio(), 1.0, "the retry asked for is counted");
+    assert_eq!(budget.available(), before, "off deposits nothing");
+
+    // A budget of 0.1 below the destination's 0.5: each request deposits 0.1.
+    switch.set(RetrySetting::Budget(0.1), "test");
+    while budget.try_withdraw() {}
+    for _ in 0..5 {
+        let _ = policy
+            .execute(deadline(), |_| async { Ok::<_, Status>(()) })
+            .await;
+    }
+    assert!(
+        (budget.available() - 0.5).abs() < 1e-6,
+        "{}",
+        budget.available()
+    );
+
+    switch.set(RetrySetting::On, "test");
+    policy
+        .execute(deadline(), |_| async { Ok::<_, Status>(()) })
+        .await
+        .unwrap();
+    assert!(
+        (budget.available() - 1.0).abs() < 1e-6,
+        "{}",
+        budget.available()
+    );
+    policy
+        .execute(deadline(), fails_then_succeeds)
+        .await
+        .expect("retried once the switch is on");
+}
+
 #[tokio::test(start_paused = true)]
 async fn codes_outside_the_retryable_list_stop_as_non_retryable() {
     let policy = policy()
