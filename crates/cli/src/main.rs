@@ -35,6 +35,7 @@ mod proxy;
 mod psp;
 mod reconcile;
 mod report;
+mod retries;
 mod serve;
 mod serve_policies;
 mod storm;
@@ -116,6 +117,13 @@ enum Command {
     /// 504 when it runs out; a bounded fair queue answers 503 + Retry-After under overload.
     /// Prometheus metrics on --admin.
     Proxy(Box<proxy::ProxyArgs>),
+    /// Turn the fleet's retries off, on, or down to a budget, for every client at once
+    ///
+    /// Every backstop client watching the same Redis key (serve --redis, load and proxy with
+    /// --retry-switch-redis) applies the setting within a quarter of a second: `off` stops
+    /// retries and hedges, `budget 0.02` holds them to 2 % of requests, `on` lets each
+    /// destination's own budget decide. `--for 10m` ends a setting by itself.
+    Retries(retries::RetriesArgs),
 }
 
 #[tokio::main]
@@ -215,6 +223,7 @@ async fn main() -> ExitCode {
             }
             chaos::run(args).await
         }
+        Command::Retries(args) => retries::run(args).await,
         Command::Proxy(args) => match proxy::run(&args, shutdown_signal()).await {
             Ok(code) => return code,
             Err(error) => Err(error),

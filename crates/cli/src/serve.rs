@@ -161,6 +161,10 @@ pub(crate) struct ServeArgs {
     /// Prefix of the rate-limit keys in Redis (instances sharing limits use the same one).
     #[arg(long, env = "BACKSTOP_REDIS_PREFIX", value_name = "PREFIX", default_value = backstop::admission::redis::DEFAULT_PREFIX)]
     redis_prefix: String,
+    /// The Redis key of the fleet's retry switch (`backstop retries`), which the PSP client
+    /// follows when --redis is set.
+    #[arg(long, env = "BACKSTOP_RETRY_SWITCH_KEY", value_name = "KEY", default_value = backstop::retry::switch::DEFAULT_KEY)]
+    retry_switch_key: String,
     /// How many instances share the Redis limits (sets each one's fallback share).
     #[arg(long, env = "BACKSTOP_INSTANCES", value_name = "N", default_value_t = NonZeroU32::MIN)]
     instances: NonZeroU32,
@@ -276,6 +280,7 @@ impl ServeArgs {
         config.redis_failure = self.redis_failure;
         config.redis_timeout = self.redis_timeout;
         config.instances = self.instances;
+        config.retry_switch_key = self.retry_switch_key.clone();
         Ok(config)
     }
 }

@@ -91,7 +91,7 @@ fn logs_are_json_off_a_terminal_and_text_on_request() {
 }
 
 /// Every subcommand of `backstop`, as `backstop --help` should list it.
-const SUBCOMMANDS: [&str; 7] = [
+const SUBCOMMANDS: [&str; 8] = [
     "serve",
     "psp",
     "load",
@@ -99,6 +99,7 @@ const SUBCOMMANDS: [&str; 7] = [
     "storm",
     "chaos",
     "proxy",
+    "retries",
 ];
 
 fn help(args: &[&str]) -> String {
@@ -234,7 +235,8 @@ fn package_assets_are_the_flags_of_this_binary() {
     let read = |path: &str| {
         std::fs::read_to_string(dir.path().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
     };
-    // A page for the command and each visible subcommand (and storm's two), none for hidden ones.
+    // A page for the command and each visible subcommand (and those of storm and retries),
+    // none for hidden ones.
     let mut pages: Vec<String> = std::fs::read_dir(dir.path().join("man"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -243,7 +245,18 @@ fn package_assets_are_the_flags_of_this_binary() {
     let mut expected: Vec<String> = SUBCOMMANDS
         .iter()
         .map(|name| format!("backstop-{name}.1"))
-        .chain(["backstop.1", "backstop-storm-sim.1", "backstop-storm-run.1"].map(String::from))
+        .chain(
+            [
+                "backstop.1",
+                "backstop-storm-sim.1",
+                "backstop-storm-run.1",
+                "backstop-retries-off.1",
+                "backstop-retries-on.1",
+                "backstop-retries-budget.1",
+                "backstop-retries-status.1",
+            ]
+            .map(String::from),
+        )
         .collect();
     expected.sort();
     assert_eq!(pages, expected);

@@ -258,6 +258,9 @@ pub struct Config {
     /// How many instances share the Redis quota: with `FailurePolicy::Open` each falls back to
     /// rate / instances.
     pub instances: NonZeroU32,
+    /// The Redis key of the fleet's retry switch, followed by the PSP client when `redis` is
+    /// set (see [`backstop::retry::switch`]).
+    pub retry_switch_key: String,
     /// The method policy table the server stack runs by, when a config file gives one;
     /// `None`: [`method_policies`](crate::server::method_policies) builds it from the settings
     /// above. [`validate`](Self::validate) holds it to the service's rules
@@ -299,6 +302,7 @@ impl Config {
             redis_failure: FailurePolicy::Open,
             redis_timeout: backstop::admission::redis::DEFAULT_TIMEOUT,
             instances: NonZeroU32::MIN,
+            retry_switch_key: backstop::retry::switch::DEFAULT_KEY.to_owned(),
             policies: None,
             rate_classes: BTreeMap::new(),
         }

@@ -293,6 +293,16 @@ impl PspClient {
         budget: RetryBudget,
         margin_floor: Duration,
     ) -> Result<Self, ClientError> {
+        Self::with_retry_switch(base_url, budget, margin_floor, None)
+    }
+
+    /// [`new`](Self::new), its retries and hedges also following the fleet's retry `switch`.
+    pub fn with_retry_switch(
+        base_url: &str,
+        budget: RetryBudget,
+        margin_floor: Duration,
+        switch: Option<backstop::retry::RetrySwitch>,
+    ) -> Result<Self, ClientError> {
         let http = reqwest::Client::builder()
             // The PSP is reached directly; a proxy from the environment must not reroute charges.
             .no_proxy()
@@ -310,7 +320,8 @@ impl PspClient {
         let destination = Destination::new(SERVICE_LABEL)
             .budget(budget)
             .margin_floor(margin_floor)
-            .breaker(None);
+            .breaker(None)
+            .retry_switch(switch);
         let contract = MethodPolicy::builder(METHOD_LABEL, Idempotency::Keyed)
             .key_ttl(KEY_TTL_PAYMENTS)
             .retryable([

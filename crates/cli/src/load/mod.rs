@@ -19,7 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use backstop::client::Destination;
-use backstop::retry::AdaptiveThrottle;
+use backstop::retry::switch::DEFAULT_POLL;
+use backstop::retry::{AdaptiveThrottle, RetrySwitch};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
@@ -82,6 +83,13 @@ pub(crate) struct LoadArgs {
     /// (`backstop` policy only; for comparison).
     #[arg(long)]
     no_storm_alarm: bool,
+    /// Follow the fleet's retry switch kept in this Redis (`backstop retries off|on|budget R`;
+    /// `backstop` policy only).
+    #[arg(long, value_name = "URL")]
+    retry_switch_redis: Option<String>,
+    /// The retry switch's key.
+    #[arg(long, value_name = "KEY", default_value = backstop::retry::switch::DEFAULT_KEY)]
+    retry_switch_key: String,
     /// Bearer API key, when the service requires one.
     #[arg(long, value_name = "KEY", env = "BACKSTOP_API_KEY")]
     api_key: Option<String>,
@@ -110,7 +118,19 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         )
         .into());
     }
-    let destination = destination(&args);
+    let mut destination = destination(&args);
+    // Kept for the run: dropping it stops the watch.
+    let _switch_watch = match &args.retry_switch_redis {
+        Some(url) => {
+            let switch = RetrySwitch::new();
+            let watch = switch
+                .watch_redis(url, args.retry_switch_key.clone(), DEFAULT_POLL)
+                .map_err(|e| format!("--retry-switch-redis {url:?}: {e}"))?;
+            destination = destination.retry_switch(Some(switch));
+            Some(watch)
+        }
+        None => None,
+    };
     let driver = Driver::new(
         args.policy,
         &args.target,

@@ -93,6 +93,9 @@ pub enum ServeError {
     /// The Redis rate limiter could not be set up.
     #[error("cannot set up the Redis rate limiter")]
     RateLimit(#[source] backstop::admission::redis::RedisLimitError),
+    /// The fleet's retry switch could not watch Redis.
+    #[error("cannot watch the retry switch in Redis: {0}")]
+    RetrySwitch(String),
     /// The HTTP or gRPC address could not be bound.
     #[error("cannot listen on {addr}")]
     Bind {
@@ -213,8 +216,25 @@ impl Server {
         let metrics = prometheus_handle();
         let budget = RetryBudget::new(PSP_RETRY_RATIO, PSP_RETRY_BURST)
             .expect("constant retry budget is valid");
-        let client = PspClient::new(&psp_url, budget, config.psp_margin_floor)
-            .map_err(ServeError::PspClient)?;
+        // With Redis, the PSP client follows the fleet's retry switch (`backstop retries`);
+        // the watch runs with the other background tasks.
+        let (switch, switch_watch) = match &config.redis {
+            Some(redis) => {
+                let switch = backstop::retry::RetrySwitch::new();
+                let watch = switch
+                    .watch_redis(
+                        redis.url(),
+                        config.retry_switch_key.clone(),
+                        backstop::retry::switch::DEFAULT_POLL,
+                    )
+                    .map_err(|e| ServeError::RetrySwitch(e.to_string()))?;
+                (Some(switch), Some(watch))
+            }
+            None => (None, None),
+        };
+        let client =
+            PspClient::with_retry_switch(&psp_url, budget, config.psp_margin_floor, switch)
+                .map_err(ServeError::PspClient)?;
 
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let state = AppState::new(intents, client.clone(), clock.clone(), metrics.clone());
@@ -245,6 +265,7 @@ impl Server {
                 tokio::time::sleep(PROBE_EVERY).await;
             }
         }));
+        background.extend(switch_watch.map(backstop::retry::switch::SwitchWatch::into_task));
         background.push(crate::resolver::spawn(state.clone()));
         background.push(health.spawn(state.intents().clone()));
         background.push(tokio::spawn(async move {

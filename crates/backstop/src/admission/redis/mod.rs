@@ -148,6 +148,13 @@ impl RedisConfig {
         self
     }
 
+    /// The URL as given, credentials included (for another client of the same Redis, such
+    /// as the [retry switch](crate::retry::RetrySwitch::watch_redis)); log
+    /// [`display_url`](Self::display_url) instead.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     /// The URL with its credentials masked.
     pub fn display_url(&self) -> String {
         redacted(&self.url)

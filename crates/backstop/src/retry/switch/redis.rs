@@ -31,12 +31,22 @@ const READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// [`RetrySwitch::watch_redis`]); it stops when this is dropped.
 #[derive(Debug)]
 pub struct SwitchWatch {
-    task: JoinHandle<()>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl SwitchWatch {
+    /// The watching task, no longer stopped by a drop: for a caller that keeps its
+    /// background tasks together and aborts them at shutdown.
+    pub fn into_task(mut self) -> JoinHandle<()> {
+        self.task.take().expect("taken only here")
+    }
 }
 
 impl Drop for SwitchWatch {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = &self.task {
+            task.abort();
+        }
     }
 }
 
@@ -109,7 +119,7 @@ impl RetrySwitch {
                 }
             }
         });
-        Ok(SwitchWatch { task })
+        Ok(SwitchWatch { task: Some(task) })
     }
 }
 
