@@ -223,7 +223,7 @@ async fn main() -> ExitCode {
             }
             chaos::run(args).await
         }
-        Command::Retries(args) => retries::run(args).await,
+        Command::Retries(args) => retries::run(args, shutdown_signal()).await,
         Command::Proxy(args) => match proxy::run(&args, shutdown_signal()).await {
             Ok(code) => return code,
             Err(error) => Err(error),

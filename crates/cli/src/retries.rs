@@ -42,6 +42,40 @@ enum Action {
     },
     /// Print the setting in effect and how long it lasts
     Status,
+    /// Receive Alertmanager's webhook: set the switch while named alerts fire, on when resolved
+    ///
+    /// Point an Alertmanager receiver at http://ADDR/alertmanager (`webhook_configs`, with
+    /// `send_resolved: true` and a `repeat_interval` shorter than --for). While an alert it
+    /// names fires, the switch holds SETTING for --for, renewed by each notification; when
+    /// every such alert of a notification is resolved, the switch is set on.
+    Webhook(Webhook),
+}
+
+#[derive(Debug, Clone, Args)]
+struct Webhook {
+    /// Address to listen on.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9099")]
+    listen: std::net::SocketAddr,
+    /// An alert name that sets the switch (repeatable).
+    #[arg(
+        long = "alert",
+        value_name = "NAME",
+        default_value = "BackstopRetryStorm"
+    )]
+    alerts: Vec<String>,
+    /// The setting held while such an alert fires: `off` or `budget=R`.
+    #[arg(long, value_name = "SETTING", default_value = "off", value_parser = parse_held)]
+    setting: RetrySetting,
+    /// How long a firing notification holds the setting (renewed by the next one).
+    #[arg(long = "for", value_name = "DURATION", default_value = "15m", value_parser = parse_lasting)]
+    lasting: Duration,
+}
+
+fn parse_held(s: &str) -> Result<RetrySetting, String> {
+    match s.parse::<RetrySetting>().map_err(|e| e.to_string())? {
+        RetrySetting::On => Err("an alert holds `off` or `budget=R`, not `on`".into()),
+        setting => Ok(setting),
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -68,12 +102,18 @@ fn parse_lasting(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// Runs `backstop retries ...`.
-pub(crate) async fn run(args: RetriesArgs) -> Result<(), Box<dyn std::error::Error>> {
+/// Runs `backstop retries ...`; a webhook runs until `shutdown`.
+pub(crate) async fn run(
+    args: RetriesArgs,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let Some(url) = args.redis.as_deref() else {
         return Err("--redis URL (or BACKSTOP_REDIS) names the fleet's Redis".into());
     };
     let (setting, lasting) = match args.action {
+        Action::Webhook(webhook) => {
+            return webhook::run(webhook, url.to_owned(), args.key, shutdown).await;
+        }
         Action::Status => {
             let (setting, left) = read_redis(url, &args.key).await?;
             match setting {
@@ -106,5 +146,114 @@ fn describe(setting: RetrySetting, left: Option<Duration>) -> String {
             humantime::format_duration(Duration::from_secs(left.as_secs().max(1)))
         ),
         _ => what,
+    }
+}
+
+mod webhook {
+    //! Alertmanager's webhook, setting the switch.
+
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use axum::Json;
+    use axum::extract::{DefaultBodyLimit, State};
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use backstop::retry::RetrySetting;
+    use backstop::retry::switch::write_redis;
+    use backstop::server::listen::{ListenConfig, Listener};
+    use serde::Deserialize;
+
+    use super::Webhook;
+
+    /// Largest notification read: Alertmanager's carry a group's alerts, far below this.
+    const MAX_BODY: usize = 1 << 20;
+
+    /// What a notification (webhook payload version 4) says, as far as the switch cares.
+    #[derive(Debug, Deserialize)]
+    struct Notification {
+        alerts: Vec<Alert>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    struct Alert {
+        status: String,
+        #[serde(default)]
+        labels: HashMap<String, String>,
+    }
+
+    struct Hook {
+        settings: Webhook,
+        url: String,
+        key: String,
+    }
+
+    pub(super) async fn run(
+        settings: Webhook,
+        url: String,
+        key: String,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let tcp = tokio::net::TcpListener::bind(settings.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", settings.listen))?;
+        let addr = tcp.local_addr()?;
+        let hook = Arc::new(Hook { settings, url, key });
+        let app = axum::Router::new()
+            .route("/alertmanager", post(notified))
+            .layer(DefaultBodyLimit::max(MAX_BODY))
+            .with_state(hook.clone());
+        tracing::info!(
+            listen = %addr,
+            key = hook.key,
+            alerts = ?hook.settings.alerts,
+            setting = %hook.settings.setting,
+            "retry switch webhook listening"
+        );
+        Listener::new("retries-webhook", tcp, ListenConfig::default())
+            .serve(app, shutdown)
+            .await;
+        Ok(())
+    }
+
+    async fn notified(
+        State(hook): State<Arc<Hook>>,
+        Json(notification): Json<Notification>,
+    ) -> (StatusCode, String) {
+        let named: Vec<&Alert> = notification
+            .alerts
+            .iter()
+            .filter(|a| {
+                a.labels
+                    .get("alertname")
+                    .is_some_and(|name| hook.settings.alerts.contains(name))
+            })
+            .collect();
+        if named.is_empty() {
+            return (
+                StatusCode::OK,
+                "no alert of the switch: nothing set\n".into(),
+            );
+        }
+        let firing = named.iter().any(|a| a.status == "firing");
+        let (setting, lasting) = if firing {
+            (hook.settings.setting, Some(hook.settings.lasting))
+        } else {
+            (RetrySetting::On, None)
+        };
+        match write_redis(&hook.url, &hook.key, setting, lasting).await {
+            Ok(()) => {
+                tracing::warn!(setting = %setting, firing, key = hook.key, "retry switch set by an alert");
+                (StatusCode::OK, format!("set {setting}\n"))
+            }
+            // Alertmanager sends the notification again.
+            Err(error) => {
+                tracing::error!(%error, "retry switch webhook: Redis did not take the setting");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Redis did not take the setting\n".into(),
+                )
+            }
+        }
     }
 }

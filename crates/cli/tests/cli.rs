@@ -254,6 +254,7 @@ fn package_assets_are_the_flags_of_this_binary() {
                 "backstop-retries-on.1",
                 "backstop-retries-budget.1",
                 "backstop-retries-status.1",
+                "backstop-retries-webhook.1",
             ]
             .map(String::from),
         )

@@ -222,3 +222,111 @@ async fn a_service_with_redis_follows_the_switch() {
     assert!(printed.starts_with("budget=0.02"), "{printed}");
     assert!(printed.contains("more)"), "{printed}");
 }
+
+/// `backstop retries webhook`: Alertmanager's notifications set the switch while a named
+/// alert fires (for `--for`), and on once it is resolved; others change nothing; a body that is
+/// not a notification is refused.
+#[tokio::test]
+async fn alertmanager_notifications_set_the_switch() {
+    if !services::redis() {
+        return;
+    }
+    let key = unique_key("webhook");
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "retries", "webhook"])
+        .args(["--listen", "127.0.0.1:0", "--for", "1m"])
+        .args(["--redis", &services::redis_url(), "--key", &key])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = log
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the webhook logs its address");
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if let Some(addr) = v["fields"]["listen"].as_str() {
+            break addr.to_owned();
+        }
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = log.next_line().await {} });
+    let url = format!("http://{addr}/alertmanager");
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let notify = |status: &str, name: &str| {
+        serde_json::json!({
+            "version": "4",
+            "status": status,
+            "receiver": "backstop",
+            "alerts": [{"status": status, "labels": {"alertname": name, "service": "psp"}}],
+        })
+    };
+    let client = redis::Client::open(services::redis_url()).unwrap();
+    let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+    let read = |redis: &mut redis::aio::MultiplexedConnection| {
+        let mut redis = redis.clone();
+        let key = key.clone();
+        async move {
+            let value: Option<String> = redis::cmd("GET")
+                .arg(&key)
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+            (value, ttl)
+        }
+    };
+
+    let r = http
+        .post(&url)
+        .json(&notify("firing", "BackstopRejecting"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(read(&mut redis).await.0, None, "another alert sets nothing");
+
+    let r = http
+        .post(&url)
+        .json(&notify("firing", "BackstopRetryStorm"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (value, ttl) = read(&mut redis).await;
+    assert_eq!(value.as_deref(), Some("off"));
+    assert!((1..=60_000).contains(&ttl), "held for --for: {ttl} ms");
+
+    let r = http
+        .post(&url)
+        .body("{\"alerts\": 3}")
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_client_error(), "{}", r.status());
+    assert_eq!(
+        read(&mut redis).await.0.as_deref(),
+        Some("off"),
+        "unchanged by a bad body"
+    );
+
+    let r = http
+        .post(&url)
+        .json(&notify("resolved", "BackstopRetryStorm"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(read(&mut redis).await.0, None, "on: the key is removed");
+}
