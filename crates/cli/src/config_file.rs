@@ -115,7 +115,7 @@ pub(crate) fn file_error(file: &Path, message: &str) -> clap::Error {
 }
 
 /// The file as a TOML table.
-fn read(file: &Path) -> Result<Table, clap::Error> {
+pub(crate) fn read(file: &Path) -> Result<Table, clap::Error> {
     let mut text = String::new();
     std::fs::File::open(file)
         .and_then(|f| f.take(MAX_FILE + 1).read_to_string(&mut text))

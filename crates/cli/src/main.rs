@@ -188,7 +188,8 @@ async fn main() -> ExitCode {
                 );
                 return ExitCode::SUCCESS;
             }
-            let result = serve::run(config, shutdown_signal()).await;
+            let file = args.config_file().map(std::path::Path::to_path_buf);
+            let result = serve::run(config, file, shutdown_signal()).await;
             // After the drain: the last requests' spans are batched by now.
             #[cfg(feature = "otel")]
             if let Some(export) = export {

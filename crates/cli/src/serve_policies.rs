@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use backstop::admission::Quota;
 use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
 use backstop_payment::config::Config;
-use backstop_payment::server::{POLICY_ENTRIES, check_policies, default_policies};
+use backstop_payment::server::{POLICY_ENTRIES, check_policies, default_policies, method_policies};
 
 use crate::proxy::policy::{PoliciesSection, RouteMatch, RouteSpec};
 
@@ -97,6 +97,29 @@ pub(crate) fn apply(config: &mut Config, section: toml::Value) -> Result<(), Str
     config.policies = Some(table);
     config.rate_classes = rate_classes;
     Ok(())
+}
+
+/// The table `file`'s `[policies]` gives now, over `config` (the settings the service started
+/// with): what a reload puts in effect. The rest of the file is not read again (its settings
+/// take a restart), nor may the rate classes change: their buckets are made at start.
+pub(crate) fn reload(config: &Config, file: &std::path::Path) -> Result<MethodPolicies, String> {
+    let mut table = crate::config_file::read(file).map_err(|e| e.to_string().trim().to_owned())?;
+    let mut next = config.clone();
+    match table.remove(crate::config_file::POLICIES) {
+        Some(section) => apply(&mut next, section)?,
+        None => {
+            next.policies = None;
+            next.rate_classes = BTreeMap::new();
+        }
+    }
+    if next.rate_classes != config.rate_classes {
+        return Err(
+            "the rate classes and their quotas change only with a restart (their buckets are \
+             made at start)"
+                .into(),
+        );
+    }
+    Ok(method_policies(&next))
 }
 
 /// `policy` with what `spec` sets; refused where the spec would change what the service's

@@ -406,3 +406,78 @@ fn a_policies_table_the_service_cannot_run_by_is_refused_before_it_starts() {
     }
     assert!(!dir.path().join("backstop.db").exists());
 }
+
+/// SIGHUP reads the file's `[policies]` again: a valid table is in effect for the next
+/// requests, a refused one leaves the table in effect as it was.
+#[tokio::test]
+async fn sighup_reloads_the_policies_and_a_refused_file_keeps_the_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("pay.db");
+    let file = dir.path().join("backstop.toml");
+    let write = |policies: &str| {
+        std::fs::write(
+            &file,
+            format!("store = {:?}\n{policies}", store.display().to_string()),
+        )
+        .unwrap();
+    };
+    write("");
+    let mut command = serve_command();
+    command
+        .current_dir(dir.path())
+        .args(["--config", "backstop.toml"]);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let mut process = serve_process::spawn(command, &http).await;
+    let pid = process.child.id().expect("running").to_string();
+    let base = process.base.clone();
+    let mut n = 0;
+    let mut pay = || {
+        n += 1;
+        // No grpc-timeout: the budget is the policy's timeout.
+        http.post(format!("{base}/v1/payments"))
+            .header("idempotency-key", format!("reload-{n}"))
+            .json(&serde_json::json!({"order_id": format!("reload-{n}"), "amount_cents": 100}))
+            .send()
+    };
+    assert_eq!(pay().await.unwrap().status(), 201);
+
+    // A budget of 1 ms cannot be served: such a payment is refused before its handler runs.
+    write("[[policies.route]]\nmatch = \"POST /v1/payments\"\ntimeout = \"1ms\"\n");
+    hangup(&pid, &mut process.logs, "policies reloaded").await;
+    let refused = pay().await.unwrap();
+    assert!(!refused.status().is_success(), "{}", refused.status());
+
+    write("[[policies.route]]\nmatch = \"POST /v1/payments\"\nidempotency = \"unsafe\"\n");
+    let line = hangup(&pid, &mut process.logs, "policy reload refused").await;
+    assert!(line.contains("stays so"), "{line}");
+    assert!(
+        !pay().await.unwrap().status().is_success(),
+        "the 1 ms table is still in effect"
+    );
+
+    write("[[policies.route]]\nmatch = \"POST /v1/payments\"\ntimeout = \"10s\"\n");
+    hangup(&pid, &mut process.logs, "policies reloaded").await;
+    assert_eq!(pay().await.unwrap().status(), 201);
+}
+
+/// Sends SIGHUP to `pid` and waits for the log line holding `expect`.
+async fn hangup(
+    pid: &str,
+    logs: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    expect: &str,
+) -> String {
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    loop {
+        let line = tokio::time::timeout(std::time::Duration::from_secs(60), logs.recv())
+            .await
+            .expect("the service logs the reload")
+            .expect("the service runs");
+        if line.contains(expect) {
+            return line;
+        }
+    }
+}

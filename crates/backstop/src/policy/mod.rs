@@ -51,6 +51,7 @@
 //! ```
 
 pub mod defaults;
+mod reload;
 /// Route patterns (`METHOD /literal/{param}`) the table matches by; the server's metrics take
 /// their bounded labels from them too.
 #[cfg_attr(not(feature = "server"), allow(dead_code))]
@@ -61,6 +62,7 @@ pub use self::defaults::{
     DEFAULT_MAX_ATTEMPTS, DEFAULT_RATE_CLASS, DEFAULT_TIMEOUT, KEY_TTL_ASYNC, KEY_TTL_PAYMENTS,
     KEY_TTL_SYNC, MAX_ATTEMPTS_CAP,
 };
+pub use self::reload::ReloadablePolicies;
 pub use self::table::MethodPolicies;
 
 use std::fmt;

@@ -176,8 +176,8 @@ use tower_layer::Layer;
 
 use crate::admission::{Gate, KeyedTokenBucket, Quota};
 use crate::idempotency::Store;
-use crate::policy::MethodPolicies;
 use crate::policy::table::Key;
+use crate::policy::{MethodPolicies, ReloadablePolicies};
 use crate::status::Status;
 
 /// Default concurrency limit of the stack's gate.
@@ -203,7 +203,7 @@ pub const DEFAULT_MAX_TENANTS: NonZeroUsize = NonZeroUsize::new(10_000).unwrap()
 /// [`ServerStack::gate`], [`ServerStack::idempotency`]); [`ServerStack::into_layer`] finishes.
 #[derive(Debug, Clone)]
 pub struct ServerStack<St> {
-    policies: Option<MethodPolicies>,
+    policies: Option<select::TableSource>,
     lease: Option<Duration>,
     matched_path: Option<MatchedPathFn>,
     deadline: DeadlineLayer,
@@ -312,7 +312,15 @@ impl<St: Store> ServerStack<St> {
     /// [`ServerStack::deadline`], [`ServerStack::idempotency`], [`ServerStack::rate_limit`]
     /// or [`ServerStack::metrics`] replaced.
     pub fn policies(mut self, policies: MethodPolicies) -> Self {
-        self.policies = Some(policies);
+        self.policies = Some(select::TableSource::from(policies));
+        self
+    }
+
+    /// [`policies`](Self::policies) from a table that may be replaced while the stack serves
+    /// (a reload of its configuration): each request runs by the table in effect when it
+    /// arrived, in every layer.
+    pub fn reloadable_policies(mut self, policies: ReloadablePolicies) -> Self {
+        self.policies = Some(select::TableSource::Reloadable(policies));
         self
     }
 
@@ -332,7 +340,9 @@ impl<St: Store> ServerStack<St> {
 
     /// The finished layer.
     pub fn into_layer(mut self) -> ServerStackLayer<St> {
-        if let Some(policies) = self.policies.take() {
+        if let Some(source) = self.policies.take() {
+            // The routes' metric labels come from the table the stack is built with.
+            let policies = source.load();
             for (key, _) in policies.entries() {
                 self.metrics = match key {
                     Key::Path(path) => self.metrics.route(Method::POST, path),
@@ -340,14 +350,13 @@ impl<St: Store> ServerStack<St> {
                     Key::Fallback | Key::Service(_) => self.metrics,
                 };
             }
-            let policies = std::sync::Arc::new(policies);
             self.deadline = self
                 .deadline
-                .policies_shared(policies.clone(), self.matched_path);
+                .policies_shared(source.clone(), self.matched_path);
             self.rate_limit = self
                 .rate_limit
-                .policies_shared(policies.clone(), self.matched_path);
-            self.idempotency = self.idempotency.policies_shared(policies);
+                .policies_shared(source.clone(), self.matched_path);
+            self.idempotency = self.idempotency.policies_shared(source);
         }
         if let Some(lease) = self.lease {
             self.idempotency = self.idempotency.lease(lease);

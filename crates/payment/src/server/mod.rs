@@ -156,6 +156,7 @@ pub struct Server {
     store: PaymentStore,
     psp: Option<PspHandle>,
     psp_url: String,
+    policies: backstop::policy::ReloadablePolicies,
     background: Vec<JoinHandle<()>>,
 }
 
@@ -244,6 +245,7 @@ impl Server {
             http: app,
             grpc: grpc_router,
             health,
+            policies,
         } = build_routers(state.clone(), leases.clone(), &config, rate_limit);
         // The first check before any connection is served: a probe never sees the status the
         // store has not been asked for yet.
@@ -309,6 +311,7 @@ impl Server {
             store,
             psp,
             psp_url,
+            policies,
             background,
         })
     }
@@ -326,6 +329,12 @@ impl Server {
     /// Base URL of the service, e.g. `http://127.0.0.1:8081`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The method table the server stack runs by: replace it to reload the policies without a
+    /// restart (hold the new table to [`check_policies`] first).
+    pub fn policies(&self) -> &backstop::policy::ReloadablePolicies {
+        &self.policies
     }
 
     /// Base URL of the PSP the service charges through.

@@ -11,7 +11,7 @@ use axum::handler::Handler;
 use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
 use backstop::admission::{FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, SlowStart};
-use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, Takeover};
+use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, ReloadablePolicies, Takeover};
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
 use backstop::status::Code;
@@ -86,6 +86,9 @@ pub struct Routers {
     pub grpc: GrpcService,
     /// The status `grpc.health.v1` reports: the server checks the store into it and drains it.
     pub health: Health,
+    /// The method table the stack runs by, replaceable while it serves (a reload of the
+    /// config file's `[policies]`; see [`check_policies`] for what the service accepts).
+    pub policies: ReloadablePolicies,
 }
 
 pub use crate::grpc::server::GrpcService;
@@ -256,6 +259,8 @@ pub fn build_routers<St: PaymentBackend>(
     rate_limit: RateLimitLayer,
 ) -> Routers {
     let auth = Authenticator::new(&config.api_keys);
+    let policies = ReloadablePolicies::new(method_policies(config))
+        .expect("Config::validate checked the table");
     let stack = ServerStack::new(SERVICE_NAME, store.clone())
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
@@ -274,7 +279,7 @@ pub fn build_routers<St: PaymentBackend>(
         )
         // Which requests are keyed, their key TTL and their metric names: the same table the
         // clients use, looked up by the route axum matched (gRPC: by the method path).
-        .policies(method_policies(config))
+        .reloadable_policies(policies.clone())
         .lease(config.lease)
         .matched_path_from(matched_path)
         .peer_from(|ext| match ext.get::<ConnectionInfo>() {
@@ -322,7 +327,12 @@ pub fn build_routers<St: PaymentBackend>(
         .merge(payments)
         .fallback(handlers::not_found.layer(unmatched))
         .layer(OneProtocolLayer(Port::Http));
-    Routers { http, grpc, health }
+    Routers {
+        http,
+        grpc,
+        health,
+        policies,
+    }
 }
 
 /// The gRPC port's dispatch: health and reflection ([`health::is_beside`]) to their own router,

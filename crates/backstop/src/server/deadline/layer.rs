@@ -1,11 +1,10 @@
-use std::sync::Arc;
 use std::time::Duration;
 
 use tower_layer::Layer;
 
 use super::{DEFAULT_MAX_TIMEOUT, DEFAULT_TIMEOUT, DeadlineService};
 use crate::policy::MethodPolicies;
-use crate::server::select::{MatchedPathFn, PolicyLookup};
+use crate::server::select::{MatchedPathFn, PolicyLookup, TableSource};
 
 /// Applies [`DeadlineService`] to requests: `grpc-timeout` on arrival, 504 when it passes.
 ///
@@ -36,18 +35,15 @@ impl DeadlineLayer {
     /// [`ServerStack::policies`](crate::server::ServerStack::policies) the stack gives its
     /// table here too.
     pub fn policies(self, policies: MethodPolicies) -> Self {
-        self.policies_shared(Arc::new(policies), None)
+        self.policies_shared(TableSource::from(policies), None)
     }
 
     pub(crate) fn policies_shared(
         mut self,
-        policies: Arc<MethodPolicies>,
+        source: TableSource,
         matched_path: Option<MatchedPathFn>,
     ) -> Self {
-        self.policies = Some(PolicyLookup {
-            policies,
-            matched_path,
-        });
+        self.policies = Some(PolicyLookup::new(source, matched_path));
         self
     }
 

@@ -91,10 +91,7 @@ impl<St> Clone for IntakeLayer<St> {
 impl<St> fmt::Debug for IntakeLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IntakeLayer")
-            .field(
-                "policies",
-                &self.shared.lookup.as_ref().map(|l| &l.policies),
-            )
+            .field("policies", &self.shared.lookup.as_ref().map(|l| &l.source))
             .finish_non_exhaustive()
     }
 }

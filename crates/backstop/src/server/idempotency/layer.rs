@@ -11,7 +11,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
 use crate::policy::{MethodPolicies, Takeover};
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
-use crate::server::select::{MatchedPathFn, PolicyLookup};
+use crate::server::select::{MatchedPathFn, PolicyLookup, TableSource};
 
 /// Applies [`Idempotency`] to the keyed methods of a [`MethodPolicies`] table: the one place
 /// a service says which of its methods are keyed (see [`IdempotencyLayer::policies`]).
@@ -58,10 +58,7 @@ impl<St> Clone for IdempotencyLayer<St> {
 impl<St> fmt::Debug for IdempotencyLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field(
-                "policies",
-                &self.shared.lookup.as_ref().map(|l| &l.policies),
-            )
+            .field("policies", &self.shared.lookup.as_ref().map(|l| &l.source))
             .field("max_body", &self.shared.max_body)
             .field("max_message", &self.shared.max_message)
             .field("stored_headers", &self.shared.stored_headers)
@@ -101,17 +98,12 @@ impl<St: Store> IdempotencyLayer<St> {
     /// but is not keyed has its whole body read by the [intake](Self::intake) before the gate,
     /// within the same caps (a body or message over them is refused as on a keyed route).
     pub fn policies(self, policies: MethodPolicies) -> Self {
-        self.policies_shared(Arc::new(policies))
+        self.policies_shared(TableSource::from(policies))
     }
 
     /// [`policies`](Self::policies), sharing a table other layers read too.
-    pub(crate) fn policies_shared(self, policies: Arc<MethodPolicies>) -> Self {
-        self.edit(|s| {
-            s.lookup = Some(PolicyLookup {
-                policies,
-                matched_path: s.matched_path,
-            })
-        })
+    pub(crate) fn policies_shared(self, source: TableSource) -> Self {
+        self.edit(|s| s.lookup = Some(PolicyLookup::new(source, s.matched_path)))
     }
 
     /// The claim lease of the keyed methods of the [policies](Self::policies) (default 5 s).
@@ -261,12 +253,12 @@ impl<St> Shared<St> {
     /// The one place a request's keyed route is decided.
     pub(super) fn route_of<B>(&self, request: &Request<B>) -> Option<KeyedRoute> {
         let policy = self.lookup.as_ref()?.policy_of(request);
-        self.keyed(policy)
+        self.keyed(&policy)
     }
 
     pub(super) fn route_for(&self, method: &Method, path: &str) -> Option<KeyedRoute> {
-        let policy = self.lookup.as_ref()?.policies.for_route(method, path);
-        self.keyed(policy)
+        let table = self.lookup.as_ref()?.table();
+        self.keyed(table.for_route(method, path))
     }
 
     fn keyed(&self, policy: &crate::policy::MethodPolicy) -> Option<KeyedRoute> {
@@ -285,7 +277,7 @@ impl<St> Shared<St> {
             return IntakeKind::Unread;
         };
         let policy = lookup.policy_of(request);
-        match self.keyed(policy) {
+        match self.keyed(&policy) {
             Some(route) => IntakeKind::Keyed(route),
             None if policy.buffers_body() => IntakeKind::Buffered,
             None => IntakeKind::Unread,

@@ -7,7 +7,7 @@ use crate::admission::KeyedTokenBucket;
 #[cfg(feature = "redis")]
 use crate::admission::redis::SharedLimiter;
 use crate::policy::MethodPolicies;
-use crate::server::select::{MatchedPathFn, PolicyLookup};
+use crate::server::select::{MatchedPathFn, PolicyLookup, TableSource};
 
 /// Applies [`RateLimit`]: per-tenant token buckets, 429 + `Retry-After` when empty.
 ///
@@ -57,22 +57,17 @@ impl RateLimitLayer {
     /// The methods' policies, by which a request finds its rate class: the table the
     /// idempotency layer and the clients use.
     pub fn policies(self, policies: MethodPolicies) -> Self {
-        self.policies_shared(Arc::new(policies), None)
+        self.policies_shared(TableSource::from(policies), None)
     }
 
     /// [`policies`](Self::policies), sharing a table other layers read too, looked up by the
     /// route the application's router matched when `matched_path` finds one.
     pub(crate) fn policies_shared(
         self,
-        policies: Arc<MethodPolicies>,
+        source: TableSource,
         matched_path: Option<MatchedPathFn>,
     ) -> Self {
-        self.edit(|c| {
-            c.lookup = Some(PolicyLookup {
-                policies,
-                matched_path,
-            })
-        })
+        self.edit(|c| c.lookup = Some(PolicyLookup::new(source, matched_path)))
     }
 
     fn with_class(self, class: String, limiter: Limiter) -> Self {

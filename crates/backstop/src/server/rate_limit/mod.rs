@@ -82,7 +82,8 @@ impl Classes {
         if self.limiters.is_empty() {
             return None;
         }
-        let class = self.lookup.as_ref()?.policy_of(request).rate_class();
+        let policy = self.lookup.as_ref()?.policy_of(request);
+        let class = policy.rate_class();
         self.limiters
             .iter()
             .find(|(name, _)| &**name == class)
