@@ -143,12 +143,29 @@ struct Answer {
 }
 
 async fn call(gateway: SocketAddr, path: &str, key: &str, budget: &str) -> Answer {
+    call_as_attempt(gateway, path, key, budget, 1).await
+}
+
+/// [`call`] as the caller's `attempt`th attempt (`grpc-previous-rpc-attempts` on a retry).
+async fn call_as_attempt(
+    gateway: SocketAddr,
+    path: &str,
+    key: &str,
+    budget: &str,
+    attempt: u32,
+) -> Answer {
     let caller = client::connect::pooled::<Full<Bytes>>(false);
-    let request = Request::post(format!("http://{gateway}{path}"))
+    let mut request = Request::post(format!("http://{gateway}{path}"))
         .header("idempotency-key", key)
         .header("grpc-timeout", budget)
         .body(Full::new(Bytes::from_static(b"{}")))
         .unwrap();
+    if attempt > 1 {
+        request.headers_mut().insert(
+            "grpc-previous-rpc-attempts",
+            (attempt - 1).to_string().parse().unwrap(),
+        );
+    }
     let response = caller.request(request).await.unwrap();
     let status = response.status();
     let retry_after = response
@@ -317,4 +334,49 @@ async fn the_stack_accepts_axums_body_as_it_is() {
     assert_eq!(ok.status, StatusCode::CREATED);
     // Even outside the server stack's deadline layer, the stack sent a budget: its method's.
     assert!(told.all()[0] <= Duration::from_secs(2));
+}
+
+/// Retry at one layer: the gateway's call to a failing backend is retried when the gateway's
+/// request is a first attempt, and sent once when it arrived as a retry (the caller retries;
+/// three hops retrying each would multiply), unless the destination keeps its own retries.
+#[tokio::test]
+async fn a_request_that_arrived_as_a_retry_is_served_without_retrying_below() {
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = sent.clone();
+    let failing = Router::new().route(
+        "/v1/charges",
+        post(move || {
+            let count = count.clone();
+            async move {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        }),
+    );
+    let backend = serve(failing).await;
+    let sent_now = || sent.load(std::sync::atomic::Ordering::SeqCst);
+    let policy = keyed_policy(Duration::from_secs(5));
+    let gateway_one_layer = gateway(Gateway::new(
+        backend,
+        &Destination::new("backend"),
+        policy.clone(),
+    ))
+    .await;
+
+    let first = call_as_attempt(gateway_one_layer, "/v1/checkout", "k-first", "5S", 1).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(sent_now(), 3, "a first attempt is retried below");
+
+    let retry = call_as_attempt(gateway_one_layer, "/v1/checkout", "k-retry", "5S", 2).await;
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(sent_now(), 4, "a retry is sent on once");
+
+    let own = Destination::new("backend-own").retry_at_one_layer(false);
+    let gateway_own = gateway(Gateway::new(backend, &own, policy)).await;
+    call_as_attempt(gateway_own, "/v1/checkout", "k-own", "5S", 2).await;
+    assert_eq!(
+        sent_now(),
+        7,
+        "a destination that keeps its retries retries anyway"
+    );
 }

@@ -59,6 +59,7 @@ pub struct Destination {
     budget: RetryBudget,
     storm: Option<StormAlarm>,
     switch: Option<RetrySwitch>,
+    one_layer: bool,
     throttle: Option<AdaptiveThrottle>,
     retry_throttle: Option<RetryThrottle>,
     margin: Arc<Margin>,
@@ -85,6 +86,7 @@ impl Destination {
                 StormConfig::default(),
             )),
             switch: None,
+            one_layer: true,
             throttle: None,
             retry_throttle: None,
             name,
@@ -136,6 +138,14 @@ impl Destination {
     /// [`RetrySwitch`]).
     pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
         self.switch = switch;
+        self
+    }
+
+    /// Retry at one layer (on unless set `false`): a call made while serving a request that
+    /// arrived as a retry or a hedge is sent once, neither retried nor hedged (stop reason
+    /// `retried_above`): the layer above retries (see [`inbound`](crate::retry::inbound)).
+    pub fn retry_at_one_layer(mut self, on: bool) -> Self {
+        self.one_layer = on;
         self
     }
 
@@ -477,6 +487,7 @@ impl ClientStackBuilder {
             .budget(d.budget.clone())
             .storm_alarm(d.storm.clone())
             .retry_switch(d.switch.clone())
+            .retry_at_one_layer(d.one_layer)
             .throttle(d.throttle.clone())
             .retry_throttle(d.retry_throttle.clone())
             .build()?;
@@ -485,6 +496,7 @@ impl ClientStackBuilder {
                 .latencies(d.latencies.clone())
                 .storm_alarm(d.storm.clone())
                 .retry_switch(d.switch.clone())
+                .retry_at_one_layer(d.one_layer)
                 .retry_throttle(d.retry_throttle.clone())
                 .min_delay(policy.min_hedge_delay())
                 .fixed_delay(policy.hedge_delay())

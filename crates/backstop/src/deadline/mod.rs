@@ -197,6 +197,7 @@ impl Deadline {
     pub fn scope<F: Future>(self, fut: F) -> Scoped<F> {
         Scoped {
             deadline: Some(self),
+            previous: None,
             inner: fut,
         }
     }
@@ -264,6 +265,8 @@ impl Deadline {
 pub fn carry<F: Future>(fut: F) -> Scoped<F> {
     Scoped {
         deadline: Deadline::current(),
+        // And whether the request arrived as a retry (retry at one layer).
+        previous: Some(crate::retry::inbound::previous_attempts()),
         inner: fut,
     }
 }
@@ -274,6 +277,7 @@ pin_project_lite::pin_project! {
     #[must_use = "futures do nothing unless polled"]
     pub struct Scoped<F> {
         deadline: Option<Deadline>,
+        previous: Option<u32>,
         #[pin]
         inner: F,
     }
@@ -284,9 +288,14 @@ impl<F: Future> Future for Scoped<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
-        match *this.deadline {
-            Some(deadline) => deadline.enter(|| this.inner.poll(cx)),
-            None => this.inner.poll(cx),
+        let mut inner = this.inner;
+        let mut poll = || match *this.deadline {
+            Some(deadline) => deadline.enter(|| inner.as_mut().poll(cx)),
+            None => inner.as_mut().poll(cx),
+        };
+        match *this.previous {
+            Some(previous) => crate::retry::inbound::enter(previous, poll),
+            None => poll(),
         }
     }
 }

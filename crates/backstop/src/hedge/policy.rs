@@ -18,6 +18,7 @@ pub struct HedgePolicy {
     budget: RetryBudget,
     storm: Option<StormAlarm>,
     switch: Option<RetrySwitch>,
+    one_layer: bool,
     retry_throttle: Option<RetryThrottle>,
     latencies: Arc<LatencyWindow>,
     quantile: f64,
@@ -48,6 +49,7 @@ impl HedgePolicy {
             budget,
             storm: None,
             switch: None,
+            one_layer: true,
             retry_throttle: None,
             latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
             quantile: 0.95,
@@ -69,6 +71,13 @@ impl HedgePolicy {
     /// Sends no hedge while `switch` (the fleet's retry switch) is off.
     pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
         self.switch = switch;
+        self
+    }
+
+    /// Hedge at one layer (default on): no hedge for a call made while serving a request that
+    /// arrived as a retry or a hedge (see [`inbound`](crate::retry::inbound)).
+    pub fn retry_at_one_layer(mut self, on: bool) -> Self {
+        self.one_layer = on;
         self
     }
 
@@ -146,7 +155,7 @@ impl HedgePolicy {
     /// and it takes a token from the retry budget only while the budget holds at least half
     /// its burst, leaving the rest to retries (taken when `true`); with a gRPC retry
     /// throttle, only while that holds more than half its tokens. None while the fleet's
-    /// retry switch is off.
+    /// retry switch is off, nor for a request that arrived as a retry (at one layer).
     pub fn try_hedge_at(&self, now: Instant) -> bool {
         let storming = self
             .storm
@@ -157,7 +166,8 @@ impl HedgePolicy {
             .as_ref()
             .is_some_and(|t| !t.allows_retry());
         let switched_off = self.switch.as_ref().is_some_and(|s| !s.allows_retries());
-        !storming && !throttled && !switched_off && hedge_token(&self.budget)
+        let retried_above = self.one_layer && crate::retry::inbound::previous_attempts() > 0;
+        !storming && !throttled && !switched_off && !retried_above && hedge_token(&self.budget)
     }
 }
 

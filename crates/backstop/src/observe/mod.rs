@@ -498,6 +498,7 @@ mod tests {
         want.push((RPC_CLIENT_BREAKER_STATE.to_owned(), "gauge", None));
         want.push((BACKSTOP_BUILD_INFO.to_owned(), "gauge", None));
         want.push((RPC_CLIENT_STORM_ALARM.to_owned(), "gauge", None));
+        want.push((RPC_CLIENT_RETRY_SWITCH.to_owned(), "gauge", None));
         want.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(got, want);
     }

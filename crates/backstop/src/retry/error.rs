@@ -30,11 +30,14 @@ pub enum StopReason {
     Throttled,
     /// The fleet's [retry switch](super::RetrySwitch) is off: no retries, no hedges.
     SwitchedOff,
+    /// The request this call serves arrived as a retry: the layer above retries, this one
+    /// does not ([`inbound`](super::inbound)).
+    RetriedAbove,
 }
 
 impl StopReason {
     /// Every reason, in declaration order.
-    pub const ALL: [StopReason; 9] = [
+    pub const ALL: [StopReason; 10] = [
         StopReason::NonRetryable,
         StopReason::MaxAttempts,
         StopReason::BudgetExhausted,
@@ -44,11 +47,12 @@ impl StopReason {
         StopReason::Storm,
         StopReason::Throttled,
         StopReason::SwitchedOff,
+        StopReason::RetriedAbove,
     ];
 
     /// The reason code used in metrics and logs: `non_retryable`, `max_attempts`,
-    /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open`, `storm`, `throttled` or
-    /// `switched_off`.
+    /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open`, `storm`, `throttled`,
+    /// `switched_off` or `retried_above`.
     pub const fn as_str(self) -> &'static str {
         match self {
             StopReason::NonRetryable => "non_retryable",
@@ -60,6 +64,7 @@ impl StopReason {
             StopReason::Storm => "storm",
             StopReason::Throttled => "throttled",
             StopReason::SwitchedOff => "switched_off",
+            StopReason::RetriedAbove => "retried_above",
         }
     }
 }
@@ -110,7 +115,8 @@ mod tests {
                 "circuit_open",
                 "storm",
                 "throttled",
-                "switched_off"
+                "switched_off",
+                "retried_above"
             ]
         );
         assert_eq!(StopReason::Pushback.to_string(), "pushback");

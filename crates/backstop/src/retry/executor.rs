@@ -264,6 +264,9 @@ impl RetryPolicy {
         if self.switch.as_ref().is_some_and(|s| !s.allows_retries()) {
             return Err(StopReason::SwitchedOff);
         }
+        if self.one_layer && super::inbound::previous_attempts() > 0 {
+            return Err(StopReason::RetriedAbove);
+        }
         let remaining = deadline.remaining_at(now);
         let wait = match status.pushback() {
             Some(pushback) => {

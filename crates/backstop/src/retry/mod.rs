@@ -11,6 +11,8 @@
 //!   not `max_attempts` times.
 //! - [`StormAlarm`]: the retry ratio per destination over a sliding window; above 0.2 retries
 //!   and hedges stop ([`StopReason::Storm`]) until it falls back to 0.1.
+//! - [`inbound`]: retry at one layer: a request that arrived as a retry is served without the
+//!   calls it makes retrying again.
 //! - [`RetrySwitch`]: the fleet's setting (retries and hedges on, off, or within a lower
 //!   budget), set for every process at once through Redis ([`switch`]).
 //! - [`RetryThrottle`] (instead of the budget, when asked for): gRPC's `retryThrottling` token
@@ -107,6 +109,7 @@ mod backoff;
 pub mod budget;
 mod error;
 mod executor;
+pub mod inbound;
 mod metrics;
 mod policy;
 pub mod retry_throttle;

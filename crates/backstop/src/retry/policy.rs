@@ -40,6 +40,7 @@ pub struct RetryPolicy {
     pub(super) budget: RetryBudget,
     pub(super) storm: Option<StormAlarm>,
     pub(super) switch: Option<RetrySwitch>,
+    pub(super) one_layer: bool,
     pub(super) throttle: Option<AdaptiveThrottle>,
     pub(super) retry_throttle: Option<RetryThrottle>,
     pub(super) min_attempt: Duration,
@@ -69,6 +70,7 @@ impl RetryPolicy {
             budget: None,
             storm: None,
             switch: None,
+            one_layer: true,
             throttle: None,
             retry_throttle: None,
             min_attempt: DEFAULT_MIN_ATTEMPT,
@@ -161,6 +163,7 @@ pub struct RetryPolicyBuilder {
     budget: Option<RetryBudget>,
     storm: Option<StormAlarm>,
     switch: Option<RetrySwitch>,
+    one_layer: bool,
     throttle: Option<AdaptiveThrottle>,
     retry_throttle: Option<RetryThrottle>,
     min_attempt: Duration,
@@ -202,6 +205,14 @@ impl RetryPolicyBuilder {
     /// while it sets a budget each logical request deposits at most that ratio.
     pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
         self.switch = switch;
+        self
+    }
+
+    /// Retry at one layer (default on): a call made while serving a request that arrived as a
+    /// retry ([`inbound::previous_attempts`](super::inbound::previous_attempts) above 0) is
+    /// sent once ([`StopReason::RetriedAbove`](super::StopReason)). `false` retries it anyway.
+    pub fn retry_at_one_layer(mut self, on: bool) -> Self {
+        self.one_layer = on;
         self
     }
 
@@ -270,6 +281,7 @@ impl RetryPolicyBuilder {
             budget: self.budget.unwrap_or_default(),
             storm: self.storm,
             switch: self.switch,
+            one_layer: self.one_layer,
             throttle: self.throttle,
             retry_throttle: self.retry_throttle,
             min_attempt: self.min_attempt,

@@ -31,6 +31,8 @@ pin_project! {
             #[pin]
             inner: F,
             deadline: Deadline,
+            // Attempts before this one (`grpc-previous-rpc-attempts`): retry at one layer.
+            previous: u32,
             // When the request arrived, if answers say how long the server held them.
             arrived: Option<Instant>,
             protocol: Protocol,
@@ -50,6 +52,7 @@ impl<F, B> ResponseFuture<F, B> {
     pub(super) fn running(
         inner: F,
         deadline: Deadline,
+        previous: u32,
         arrived: Option<Instant>,
         protocol: Protocol,
     ) -> Self {
@@ -57,6 +60,7 @@ impl<F, B> ResponseFuture<F, B> {
             kind: Kind::Running {
                 inner,
                 deadline,
+                previous,
                 arrived,
                 protocol,
                 sleep: None,
@@ -85,13 +89,18 @@ where
             KindProj::Running {
                 inner,
                 deadline,
+                previous,
                 arrived,
                 protocol,
                 mut sleep,
             } => {
                 // The handler and every layer below see the request's deadline as
-                // `Deadline::current()`: a client call made there sends what is left of it.
-                if let Poll::Ready(result) = deadline.enter(|| inner.poll(cx)) {
+                // `Deadline::current()`: a client call made there sends what is left of it;
+                // and whether it arrived as a retry, so such a call does not retry again.
+                let previous = *previous;
+                let polled =
+                    deadline.enter(|| crate::retry::inbound::enter(previous, || inner.poll(cx)));
+                if let Poll::Ready(result) = polled {
                     let arrived = *arrived;
                     return Poll::Ready(result.map(|mut response| {
                         stamp(&mut response, arrived);

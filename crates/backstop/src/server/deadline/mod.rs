@@ -127,7 +127,18 @@ where
                 let deadline = Deadline::after_at(arrived, budget);
                 request.extensions_mut().insert(deadline);
                 let stamp = self.server_timing.then_some(arrived);
-                ResponseFuture::running(self.inner.call(request), deadline, stamp, protocol)
+                let previous = crate::retry::inbound::parse(
+                    request
+                        .headers()
+                        .get(&crate::retry::inbound::PREVIOUS_ATTEMPTS),
+                );
+                ResponseFuture::running(
+                    self.inner.call(request),
+                    deadline,
+                    previous,
+                    stamp,
+                    protocol,
+                )
             }
             Err(status) => {
                 ResponseFuture::rejected(Problem::from_status(&status).into_response_for(protocol))
