@@ -61,6 +61,7 @@ fn each_claim_is_deterministic_for_a_seed() {
         (ScenarioKind::Burst, 0.1, Some(15)),
         (ScenarioKind::HedgeDrift, 0.5, Some(20)),
         (ScenarioKind::HiddenQueue, 0.1, Some(10)),
+        (ScenarioKind::Amplification, 0.2, Some(15)),
     ];
     for (kind, scale, seconds) in small {
         let a = json(&run(kind, scale, seconds, 5));
@@ -202,4 +203,25 @@ fn hidden_queue_caps_throughput_where_no_server_metric_shows_it() {
     assert!(server("streams-20") < 1_000.0 && client("streams-20") > 10_000.0);
     assert!(figure(&report, "streams-20", "pending in the client") > 5_000.0);
     assert_eq!(figure(&report, "pool-240", "pending in the client"), 0.0);
+}
+
+/// Three layers of 3 attempts in front of a failing hop: naive clients send it about 27
+/// attempts per user request; budgets at every layer still compound; retrying at one layer
+/// with the budget (and the storm alarm) holds it to 1.1 or less.
+#[test]
+fn amplification_naive_multiplies_backstop_retries_at_one_layer() {
+    let report = run(ScenarioKind::Amplification, 1.0, Some(20), 1);
+    let per_request = |p| figure(&report, p, "attempts at the deepest hop");
+    assert!(per_request("naive") >= 20.0, "{}", per_request("naive"));
+    assert!(
+        per_request("backstop") <= 1.1,
+        "{}",
+        per_request("backstop")
+    );
+    assert!(per_request("budget-one-layer") < per_request("budget-every-hop"));
+    assert!(per_request("budget-every-hop") > 1.2);
+    // Before the failure every variant sends one attempt per user request.
+    for p in ["naive", "budget-every-hop", "backstop"] {
+        assert!((figure(&report, p, "... before it fails") - 1.0).abs() < 0.01);
+    }
 }
