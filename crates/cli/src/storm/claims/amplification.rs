@@ -519,7 +519,7 @@ impl Chain {
         let summary = series::summarise(name, &mut self.rows, &self.totals, interval, focus);
         let extra = vec![
             (
-                "attempts at the deepest hop per user request while it fails".into(),
+                "attempts at C per user request, C failing".into(),
                 format!("{:.2}", summary.focus_amplification),
             ),
             (

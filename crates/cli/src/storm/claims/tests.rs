@@ -211,7 +211,7 @@ fn hidden_queue_caps_throughput_where_no_server_metric_shows_it() {
 #[test]
 fn amplification_naive_multiplies_backstop_retries_at_one_layer() {
     let report = run(ScenarioKind::Amplification, 1.0, Some(20), 1);
-    let per_request = |p| figure(&report, p, "attempts at the deepest hop");
+    let per_request = |p| figure(&report, p, "attempts at C per user request");
     assert!(per_request("naive") >= 20.0, "{}", per_request("naive"));
     assert!(
         per_request("backstop") <= 1.1,

@@ -88,7 +88,8 @@ pub(super) fn build(knobs: Knobs) -> Claim {
         parts,
         notes: vec![
             format!(
-                "{workers} workers, 50 ms per request (40 ms downstream): capacity {mu:.0}/s; offered 50, 70, 80, 90 and 95 % of it; from {SLOW:.0} s to {FAST:.0} s the downstream takes 200 ms (capacity {:.0}/s)",
+                "{workers} workers, 50 ms per request (40 ms downstream): capacity {mu:.0}/s; offered 50, 70, 80, 90 and 95 % of it; from {SLOW:.0} s to {FAST:.0} s the downstream takes {:.0} ms (capacity {:.0}/s)",
+                slow.mean().as_secs_f64() * 1e3,
                 capacity(workers, local, slow.mean())
             ),
             "every level: the same clients (3 attempts, the library's backoff: full jitter from 50 ms doubling to 2 s; a 1 s timeout per attempt; no budget, no storm alarm) and the same server (a FIFO queue that works for clients that left). Figures after the slowdown: goodput over the last 20 s against the first attempts offered, the worst p99, and retries per first attempt".to_owned(),
@@ -152,7 +153,8 @@ fn conclude(runs: &mut [VariantRun]) -> String {
         ];
     }
     format!(
-        "what the numbers show: after the same 2 s slowdown the same jittered retries {} and {}: jitter spreads retries in time but adds them all the same, and without headroom the backlog's timeouts bring retries that keep it from draining",
+        "what the numbers show: after the same {:.0} s slowdown the same jittered retries {} and {}: jitter spreads retries in time but adds them all the same, and without headroom the backlog's timeouts bring retries that keep it from draining",
+        FAST - SLOW,
         if survived.is_empty() {
             "survive at no level".to_owned()
         } else {
