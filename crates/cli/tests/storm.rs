@@ -201,3 +201,13 @@ fn a_claim_writes_its_figures_and_its_finding() {
         "a clear error"
     );
 }
+
+#[test]
+fn a_claim_too_short_to_show_its_point_is_refused() {
+    let out = sim(&["--scenario", "cold", "--duration", "15s"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap().trim(),
+        "error: scenario cold needs --duration of at least 25s to show what it is about"
+    );
+}

@@ -69,7 +69,9 @@ pub(crate) struct SimArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_interval)]
     interval: Option<Duration>,
     /// Logical requests per second offered, before --scale (default: the scenario's: 2000 for
-    /// slowdown and outage-recovery, 1000 for littles-law and hedging).
+    /// slowdown, outage-recovery and cold, 1000 for littles-law, hedging and jitter, 800 for
+    /// burst, 2500 for hidden-queue, 200 for amplification; utilization and hedge-drift set
+    /// theirs from the capacity).
     #[arg(long, value_name = "PER_SEC", value_parser = parse_rate)]
     rate: Option<f64>,
     /// Multiplies the offered load and the server's workers (e.g. 50 for 100,000/s in the

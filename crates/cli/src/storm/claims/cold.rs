@@ -90,8 +90,8 @@ pub(super) fn build(knobs: Knobs) -> Result<Claim, crate::storm::SimError> {
                 rate * knobs.scale
             ),
             format!(
-                "the cold downstream: warmth is its successes of the last ~2 s over {:.0}; cold, a call takes up to 4x longer (cache misses) and it serves {:.0} calls at once without slowing ({:.0} warm): beyond that every call slows in proportion (pools, JIT). Failed and cut-off calls warm nothing",
-                cold.warm_after, cold.cold_concurrency, cold.warm_concurrency
+                "the cold downstream: warmth is its successes of the last ~2 s over {:.0}; cold, a call takes up to {:.0}x longer (cache misses) and it serves {:.0} calls at once without slowing ({:.0} warm): beyond that every call slows in proportion (pools, JIT). Failed and cut-off calls warm nothing",
+                cold.warm_after, cold.cold_factor, cold.cold_concurrency, cold.warm_concurrency
             ),
             "both variants: the library's clients (1 s deadline, budget, storm alarm) and `serve`'s gate; slow-start keeps the gate's slow start (floor 4, doubling per round trip on successes), no-slow-start lets every worker call the downstream at its return".to_owned(),
         ],

@@ -98,7 +98,7 @@ pub(super) fn build(knobs: Knobs) -> Claim {
                 "{:.0}/s offered, 20 ms calls; from {STALL:.0} s the downstream hangs and at {RESET:.0} s every hung call fails at once (a reset of all its connections); it refuses every call (1 ms) until {BACK:.0} s",
                 rate * knobs.scale
             ),
-            "clients: 5 attempts, backoff ceilings 200 ms, 400 ms, 800 ms, 1.6 s, 3.2 s (cap 5 s, floor 10 ms), a 5 s timeout per attempt, no budget and no storm alarm, so that the jitter alone differs: none (the ceiling itself), full (uniform below the ceiling), equal (upper half), decorrelated (up to 3x the previous delay). Peak: the most retries sent in one row (100 ms rows unless --interval says otherwise), per second. Drained: from the downstream's return until retries stay at or below 10 % of first attempts".to_owned(),
+            "clients: 5 attempts, backoff ceilings 200 ms, 400 ms, 800 ms and 1.6 s (cap 5 s, floor 10 ms), a 5 s timeout per attempt, no budget and no storm alarm, so that the jitter alone differs: none (the ceiling itself), full (uniform below the ceiling), equal (upper half), decorrelated (up to 3x the previous delay). Peak: the most retries sent in one row (100 ms rows unless --interval says otherwise), per second. Drained: from the downstream's return until retries stay at or below 10 % of first attempts".to_owned(),
         ],
         conclude,
     }

@@ -30,6 +30,13 @@ pub(super) struct Claim {
 
 /// Simulates claim `kind` (the variants `policy` selects, or `all`).
 pub(super) fn simulate(kind: ScenarioKind, knobs: Knobs, policy: &str) -> Result<Report, SimError> {
+    let shortest = min_duration(kind);
+    if knobs.duration.is_some_and(|d| d.as_secs_f64() < shortest) {
+        return Err(SimError::Unfit(format!(
+            "scenario {} needs --duration of at least {shortest:.0}s to show what it is about",
+            kind.as_str()
+        )));
+    }
     let claim = match kind {
         ScenarioKind::Jitter => jitter::build(knobs),
         ScenarioKind::Utilization => utilization::build(knobs),
@@ -42,7 +49,10 @@ pub(super) fn simulate(kind: ScenarioKind, knobs: Knobs, policy: &str) -> Result
         | ScenarioKind::LittlesLaw
         | ScenarioKind::OutageRecovery
         | ScenarioKind::Hedging => {
-            unreachable!("built by `Scenario::build`")
+            return Err(SimError::Unfit(format!(
+                "{} is a scenario of its own, not one of the chapter's claims",
+                kind.as_str()
+            )));
         }
     };
     let names: Vec<&str> = claim
@@ -80,6 +90,20 @@ pub(super) fn simulate(kind: ScenarioKind, knobs: Knobs, policy: &str) -> Result
         notes,
         runs,
     })
+}
+
+/// The shortest run, in seconds, in which claim `kind` still shows what it is about: past its
+/// event and long enough after it for the figures read there.
+fn min_duration(kind: ScenarioKind) -> f64 {
+    match kind {
+        ScenarioKind::Jitter => 17.0,
+        ScenarioKind::Utilization => 35.0,
+        ScenarioKind::Cold => 25.0,
+        ScenarioKind::Burst => 20.0,
+        ScenarioKind::HedgeDrift => 60.0,
+        ScenarioKind::Amplification => 11.0,
+        _ => 0.0,
+    }
 }
 
 /// The run named `name`, if it was run.

@@ -56,10 +56,10 @@ fn json(report: &Report) -> String {
 fn each_claim_is_deterministic_for_a_seed() {
     let small = [
         (ScenarioKind::Jitter, 0.1, Some(20)),
-        (ScenarioKind::Utilization, 0.1, Some(25)),
+        (ScenarioKind::Utilization, 0.1, Some(35)),
         (ScenarioKind::Cold, 0.1, Some(25)),
-        (ScenarioKind::Burst, 0.1, Some(15)),
-        (ScenarioKind::HedgeDrift, 0.5, Some(20)),
+        (ScenarioKind::Burst, 0.1, Some(20)),
+        (ScenarioKind::HedgeDrift, 0.5, Some(60)),
         (ScenarioKind::HiddenQueue, 0.1, Some(10)),
         (ScenarioKind::Amplification, 0.2, Some(15)),
     ];
