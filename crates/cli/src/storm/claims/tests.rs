@@ -225,3 +225,23 @@ fn amplification_naive_multiplies_backstop_retries_at_one_layer() {
         assert!((figure(&report, p, "... before it fails") - 1.0).abs() < 0.01);
     }
 }
+
+/// The load schedule: arrivals follow the rate of the moment (800/s, 1500/s for the burst's
+/// 2 s, 800/s again; here at scale 0.2).
+#[test]
+fn arrivals_follow_the_load_schedule() {
+    let report = run(ScenarioKind::Burst, 0.2, Some(20), 1);
+    let run = by(&report, "queue-800");
+    let rate = |from: f64, to: f64| {
+        let rows: Vec<_> = run
+            .rows
+            .iter()
+            .filter(|r| r.t >= from && r.t < to)
+            .collect();
+        rows.iter().map(|r| r.offered_originals).sum::<u64>() as f64 / rows.len() as f64
+    };
+    let (before, burst, after) = (rate(0.0, 10.0), rate(10.0, 12.0), rate(12.0, 20.0));
+    assert!((before - 160.0).abs() < 16.0, "{before}");
+    assert!((burst - 300.0).abs() < 40.0, "{burst}");
+    assert!((after - 160.0).abs() < 16.0, "{after}");
+}

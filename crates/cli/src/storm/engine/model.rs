@@ -224,3 +224,35 @@ pub(crate) struct Run {
     /// Counts over the whole run.
     pub(crate) totals: Totals,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cold() -> Cold {
+        Cold {
+            latency: LogNormal::new(Duration::from_millis(50), Duration::from_millis(150)).unwrap(),
+            cold_factor: 10.0,
+            cold_concurrency: 5.0,
+            warm_concurrency: 1_000.0,
+            warm_after: 1_000.0,
+            tau: Duration::from_secs(2),
+        }
+    }
+
+    #[test]
+    fn a_cold_downstream_is_slower_and_narrower_until_warm() {
+        let c = cold();
+        // Warm and not crowded: the plain latency.
+        assert_eq!(c.factor(1.0, 1), 1.0);
+        assert_eq!(c.factor(1.0, 1_000), 1.0);
+        // Cold: cache misses, and crowded beyond 5 calls.
+        assert_eq!(c.factor(0.0, 1), 10.0);
+        assert_eq!(c.factor(0.0, 50), 100.0);
+        // Half warm: 5.5x slower, 502.5 calls wide.
+        assert!((c.factor(0.5, 100) - 5.5).abs() < 1e-9);
+        // Warmth is clamped.
+        assert_eq!(c.factor(-1.0, 1), c.factor(0.0, 1));
+        assert_eq!(c.factor(2.0, 1), c.factor(1.0, 1));
+    }
+}
