@@ -211,3 +211,21 @@ fn a_claim_too_short_to_show_its_point_is_refused() {
         "error: scenario cold needs --duration of at least 25s to show what it is about"
     );
 }
+
+#[test]
+fn an_amplification_run_too_large_is_refused() {
+    let out = sim(&[
+        "--scenario",
+        "amplification",
+        "--scale",
+        "1000",
+        "--duration",
+        "1h",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("more than an amplification run may simulate"),
+        "{stderr}"
+    );
+}

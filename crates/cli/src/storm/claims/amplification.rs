@@ -34,6 +34,9 @@ const LOCAL: u64 = 1_000_000;
 /// How long the deepest hop takes to answer (or to fail).
 const DEEPEST: u64 = 5_000_000;
 
+/// The most user requests one run may simulate.
+const MAX_REQUESTS: f64 = 2_000_000.0;
+
 /// How every hop's client retries: 3 attempts in every case.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Kind {
@@ -107,14 +110,14 @@ pub(super) fn simulate(knobs: Knobs, policy: &str) -> Result<Report, SimError> {
     }
     let rate = knobs.rate.unwrap_or(200.0) * knobs.scale;
     let duration = knobs.duration.unwrap_or(Duration::from_secs(30));
-    // Up to 27 deepest calls and 13 calls in all per user request in a naive chain.
+    // A naive chain makes up to 27 deepest calls and 13 calls in all per user request, each
+    // a few events: beyond `MAX_REQUESTS` a run takes minutes.
     let requests = rate * duration.as_secs_f64();
-    if requests > 10_000_000.0 {
-        return Err(SimError::TooLarge {
-            requests,
-            rate,
-            seconds: duration.as_secs_f64(),
-        });
+    if requests > MAX_REQUESTS {
+        return Err(SimError::Unfit(format!(
+            "{requests:.0} user requests ({rate:.0}/s for {:.0} s) is more than an amplification run may simulate ({MAX_REQUESTS:.0}); lower --scale, --rate or --duration",
+            duration.as_secs_f64()
+        )));
     }
     let interval = knobs.interval;
     let runs: Vec<VariantRun> = selected
@@ -192,7 +195,7 @@ struct Call {
     remaining: Duration,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     Arrival,
     /// Send the next attempt of a call.
@@ -203,7 +206,7 @@ enum Event {
 }
 
 /// How an attempt was answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Answer {
     Ok,
     Failed,
@@ -220,12 +223,15 @@ struct Chain {
     base: Instant,
     now: u64,
     seq: u64,
-    heap: BinaryHeap<Reverse<(u64, u64, usize)>>,
-    events: Vec<Option<Event>>,
+    /// Events by (time, sequence): the sequence is unique, so the event itself never decides.
+    heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
     rng: StdRng,
     hops: Vec<Hop>,
     alarms: Vec<StormAlarm>,
     calls: Vec<Option<Call>>,
+    /// Slots of calls that ended. No event names a call after it ends (one attempt at a
+    /// time, no timeouts), so a slot can be reused at once.
+    free: Vec<usize>,
     info: CallInfo<'static>,
     rows: Vec<Row>,
     /// Attempts reaching the deepest hop, per row.
@@ -291,11 +297,11 @@ impl Chain {
             now: 0,
             seq: 0,
             heap: BinaryHeap::new(),
-            events: Vec::new(),
             rng: StdRng::seed_from_u64(seed),
             hops,
             alarms,
             calls: Vec::new(),
+            free: Vec::new(),
             info: CallInfo::new(),
             deepest: vec![0; rows.len()],
             rows,
@@ -316,9 +322,7 @@ impl Chain {
             return;
         }
         self.seq += 1;
-        self.events.push(Some(event));
-        self.heap
-            .push(Reverse((t, self.seq, self.events.len() - 1)));
+        self.heap.push(Reverse((t, self.seq, event)));
     }
 
     fn run(&mut self) {
@@ -330,11 +334,8 @@ impl Chain {
             let t = ((i as u64 + 1) * self.interval).min(self.end);
             self.schedule(t, Event::Tick(i));
         }
-        while let Some(Reverse((t, _, id))) = self.heap.pop() {
+        while let Some(Reverse((t, _, event))) = self.heap.pop() {
             self.now = t;
-            let Some(event) = self.events[id].take() else {
-                continue;
-            };
             match event {
                 Event::Arrival => self.arrival(),
                 Event::Send(call) => self.send(call),
@@ -366,8 +367,16 @@ impl Chain {
     }
 
     fn insert(&mut self, call: Call) -> usize {
-        self.calls.push(Some(call));
-        self.calls.len() - 1
+        match self.free.pop() {
+            Some(id) => {
+                self.calls[id] = Some(call);
+                id
+            }
+            None => {
+                self.calls.push(Some(call));
+                self.calls.len() - 1
+            }
+        }
     }
 
     fn policy(&self, call: &Call) -> &RetryPolicy {
@@ -471,6 +480,7 @@ impl Chain {
         let Some(call) = self.calls[id].take() else {
             return;
         };
+        self.free.push(id);
         match call.parent {
             Some(parent) => {
                 let answer = match (ok, self.kind.one_layer) {
