@@ -149,3 +149,83 @@ fn report_writes_a_page_with_a_run_per_policy() {
     assert!(csv.lines().any(|l| l.starts_with("naive,")), "{csv}");
     assert!(csv.lines().any(|l| l.starts_with("backstop,")), "{csv}");
 }
+
+/// A claim runs from one command: its page has a run per variant, the scenario's own figures
+/// in the summaries and the sentence on what they show; `--policy` picks one run, and a
+/// policy the claim does not have is refused with its choices.
+#[test]
+fn a_claim_writes_its_figures_and_its_finding() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = [
+        "--scenario",
+        "amplification",
+        "--scale",
+        "0.2",
+        "--duration",
+        "15s",
+    ];
+    let out = sim(&[&small[..], &["--report", dir.path().to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{out:?}");
+    let page = std::fs::read_to_string(dir.path().join("index.html")).unwrap();
+    assert!(page.contains("<svg"), "charts are drawn");
+    for needle in [
+        "naive",
+        "budget-every-hop",
+        "budget-one-layer",
+        "backstop-every-hop",
+        "attempts at C per user request, C failing",
+        "what the numbers show",
+    ] {
+        assert!(page.contains(needle), "{needle} missing from the page");
+    }
+    let out = sim(&[&small[..], &["--policy", "backstop", "--json"]].concat());
+    assert!(out.status.success(), "{out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["runs"].as_array().unwrap().len(), 1);
+    assert_eq!(report["runs"][0]["policy"], "backstop");
+
+    let out = sim(&["--scenario", "burst", "--policy", "huge", "--scale", "0.1"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(
+        stderr.trim(),
+        "error: scenario burst has no policy `huge`; choose all, queue-25, queue-100, queue-400, sustained-queue-100, sustained-rate-limit"
+    );
+    // A base load at or above the capacity leaves no burst to size a queue for.
+    let out = sim(&["--scenario", "burst", "--rate", "1000"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8(out.stderr)
+            .unwrap()
+            .contains("lower --rate"),
+        "a clear error"
+    );
+}
+
+#[test]
+fn a_claim_too_short_to_show_its_point_is_refused() {
+    let out = sim(&["--scenario", "cold", "--duration", "15s"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap().trim(),
+        "error: scenario cold needs --duration of at least 25s to show what it is about"
+    );
+}
+
+#[test]
+fn an_amplification_run_too_large_is_refused() {
+    let out = sim(&[
+        "--scenario",
+        "amplification",
+        "--scale",
+        "1000",
+        "--duration",
+        "1h",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("more than an amplification run may simulate"),
+        "{stderr}"
+    );
+}

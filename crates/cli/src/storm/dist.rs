@@ -6,6 +6,8 @@ use rand::{Rng, RngExt};
 
 /// The standard normal quantile at 0.99.
 const Z99: f64 = 2.326_347_874;
+/// The standard normal quantile at 0.95.
+const Z95: f64 = 1.644_853_627;
 
 /// A log-normal latency given by its mean and its p99, the two figures an incident report
 /// quotes ("600 ms mean, 1.5 s p99").
@@ -52,6 +54,11 @@ impl LogNormal {
     /// The configured mean.
     pub(crate) fn mean(&self) -> Duration {
         self.mean
+    }
+
+    /// The 95th percentile.
+    pub(crate) fn p95(&self) -> Duration {
+        Duration::from_secs_f64((self.mu + Z95 * self.sigma).exp())
     }
 
     /// One draw, in nanoseconds.

@@ -4,6 +4,7 @@
 //! discrete-event simulation whose clients and server admission are the library's own policy
 //! types, so a policy is judged by the code that ships.
 
+mod claims;
 mod dist;
 mod engine;
 mod output;
@@ -53,7 +54,8 @@ pub(crate) struct SimArgs {
     /// Which variant to run: `all`, or one of the scenario's (slowdown: `naive`, `backstop`;
     /// outage-recovery: `naive`, `backstop`, `backstop-no-slow-start`,
     /// `backstop-no-retry-after`, `backstop-no-alarm`, `backstop-no-alarm-no-retry-after`;
-    /// hedging: `p95`, `p50`, `p50-budget`; littles-law: `limit-N...`).
+    /// hedging: `p95`, `p50`, `p50-budget`; littles-law: `limit-N...`; the others list theirs
+    /// when given one they do not have).
     #[arg(long, default_value = "all")]
     policy: String,
     /// Seeds the simulation: the same seed gives the same output.
@@ -62,11 +64,14 @@ pub(crate) struct SimArgs {
     /// Simulated time, e.g. `60s` (default: the scenario's).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     duration: Option<Duration>,
-    /// Length of one row of the series, e.g. `1s`, `500ms`.
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_interval)]
-    interval: Duration,
+    /// Length of one row of the series, e.g. `1s`, `500ms` (default: 100ms for jitter, 1s for
+    /// the others).
+    #[arg(long, value_name = "DURATION", value_parser = parse_interval)]
+    interval: Option<Duration>,
     /// Logical requests per second offered, before --scale (default: the scenario's: 2000 for
-    /// slowdown and outage-recovery, 1000 for littles-law and hedging).
+    /// slowdown, outage-recovery and cold, 1000 for littles-law, hedging and jitter, 800 for
+    /// burst, 2500 for hidden-queue, 200 for amplification; utilization and hedge-drift set
+    /// theirs from the capacity).
     #[arg(long, value_name = "PER_SEC", value_parser = parse_rate)]
     rate: Option<f64>,
     /// Multiplies the offered load and the server's workers (e.g. 50 for 100,000/s in the
@@ -136,6 +141,9 @@ pub(crate) struct VariantRun {
     pub(crate) policy: String,
     pub(crate) rows: Vec<Row>,
     pub(crate) summary: Summary,
+    /// The scenario's own figures for this run (e.g. the peak retry rate per 100 ms), in
+    /// order, beside the common summary.
+    pub(crate) extra: Vec<(String, String)>,
 }
 
 /// Everything one `storm sim` computed.
@@ -186,6 +194,9 @@ pub(crate) enum SimError {
         policy: String,
         choices: String,
     },
+    /// A scenario that cannot be scaled down this far.
+    #[error("{0}")]
+    Unfit(String),
     /// Offered load times duration is beyond [`MAX_LOGICAL`].
     #[error(
         "{requests:.0} logical requests ({rate:.0}/s for {seconds:.0} s) is more than one run may simulate ({MAX_LOGICAL:.0}); lower --scale, --rate or --duration"
@@ -203,21 +214,17 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
         scale: args.scale,
         duration: args.duration,
         rate: args.rate,
-        interval: args.interval,
+        interval: args
+            .interval
+            .unwrap_or_else(|| args.scenario.default_interval()),
         seed: args.seed,
         limit: args.limit,
         throttle: args.throttle,
     };
-    let scenario = Scenario::build(args.scenario, knobs);
-    let seconds = scenario.model.duration.as_secs_f64();
-    let requests = scenario.model.rate * seconds;
-    if requests > MAX_LOGICAL {
-        return Err(SimError::TooLarge {
-            requests,
-            rate: scenario.model.rate,
-            seconds,
-        });
-    }
+    let Some(scenario) = Scenario::build(args.scenario, knobs) else {
+        return claims::simulate(args.scenario, knobs, &args.policy);
+    };
+    check_size(&scenario.model)?;
     let selected: Vec<_> = scenario
         .variants
         .iter()
@@ -242,6 +249,21 @@ pub(crate) fn simulate(args: &SimArgs) -> Result<Report, SimError> {
     })
 }
 
+/// Fails when `model` asks for more logical requests than one run may simulate.
+fn check_size(model: &engine::Model) -> Result<(), SimError> {
+    let seconds = model.duration.as_secs_f64();
+    let peak = model.load.iter().map(|&(_, f)| f).fold(1.0, f64::max);
+    let requests = model.rate * peak * seconds;
+    if requests > MAX_LOGICAL {
+        return Err(SimError::TooLarge {
+            requests,
+            rate: model.rate * peak,
+            seconds,
+        });
+    }
+    Ok(())
+}
+
 /// Simulates each of `variants` of `scenario`.
 fn run_variants(scenario: &Scenario, variants: &[&scenario::Variant]) -> Vec<VariantRun> {
     let interval = scenario.model.interval.as_secs_f64();
@@ -260,6 +282,7 @@ fn run_variants(scenario: &Scenario, variants: &[&scenario::Variant]) -> Vec<Var
                 policy: variant.name.clone(),
                 rows: run.rows,
                 summary,
+                extra: Vec::new(),
             }
         })
         .collect()
@@ -298,43 +321,45 @@ fn to_report(sim: &Report) -> crate::report::Report {
 pub(crate) fn report_run(run: &VariantRun, name: String, interval_s: f64) -> crate::report::Run {
     let per_s = |n: u64| n as f64 / interval_s;
     let s = &run.summary;
+    let mut summary: Vec<(String, String)> = run.extra.clone();
+    summary.extend([
+        ("success".into(), format!("{:.1} %", 100.0 * s.success)),
+        (
+            "attempts per request".into(),
+            format!("{:.2}", s.amplification),
+        ),
+        (
+            "goodput in the window".into(),
+            format!(
+                "{:.0} /s of {:.0} /s capacity",
+                s.focus_goodput, s.focus_capacity
+            ),
+        ),
+        (
+            "wasted work in the window".into(),
+            format!("{:.0} /s", s.focus_wasted),
+        ),
+        ("peak queue".into(), s.peak_queue.to_string()),
+        (
+            "r x A0 x p'(A*)".into(),
+            format!("{:.2} ({})", s.stability.gain, s.stability.verdict),
+        ),
+        (
+            "recovery".into(),
+            s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
+        ),
+        (
+            "back to capacity".into(),
+            s.to_capacity_s.map_or("-".into(), |r| format!("{r:.0} s")),
+        ),
+        (
+            "in flight an interval after the return".into(),
+            s.return_inflight.map_or("-".into(), |n| n.to_string()),
+        ),
+    ]);
     crate::report::Run {
         name,
-        summary: vec![
-            ("success".into(), format!("{:.1} %", 100.0 * s.success)),
-            (
-                "attempts per request".into(),
-                format!("{:.2}", s.amplification),
-            ),
-            (
-                "goodput in the window".into(),
-                format!(
-                    "{:.0} /s of {:.0} /s capacity",
-                    s.focus_goodput, s.focus_capacity
-                ),
-            ),
-            (
-                "wasted work in the window".into(),
-                format!("{:.0} /s", s.focus_wasted),
-            ),
-            ("peak queue".into(), s.peak_queue.to_string()),
-            (
-                "r x A0 x p'(A*)".into(),
-                format!("{:.2} ({})", s.stability.gain, s.stability.verdict),
-            ),
-            (
-                "recovery".into(),
-                s.recovery_s.map_or("-".into(), |r| format!("{r:.0} s")),
-            ),
-            (
-                "back to capacity".into(),
-                s.to_capacity_s.map_or("-".into(), |r| format!("{r:.0} s")),
-            ),
-            (
-                "in flight an interval after the return".into(),
-                s.return_inflight.map_or("-".into(), |n| n.to_string()),
-            ),
-        ],
+        summary,
         rows: run
             .rows
             .iter()
@@ -367,7 +392,7 @@ mod tests {
             seed: 7,
             duration: Some(Duration::from_secs(seconds)),
             rate: None,
-            interval: Duration::from_secs(1),
+            interval: Some(Duration::from_secs(1)),
             scale,
             limit: ServerLimit::Fixed,
             throttle: false,

@@ -158,7 +158,20 @@ pub(crate) fn table(out: &mut impl Write, report: &Report) -> io::Result<()> {
         side_by_side(out, report)?;
     }
     writeln!(out)?;
-    summaries(out, report)
+    summaries(out, report)?;
+    extras(out, report)
+}
+
+/// The scenario's own figures, run by run.
+fn extras(out: &mut impl Write, report: &Report) -> io::Result<()> {
+    for run in report.runs.iter().filter(|r| !r.extra.is_empty()) {
+        writeln!(out)?;
+        writeln!(out, "{}", run.policy)?;
+        for (key, value) in &run.extra {
+            writeln!(out, "  {key:<44} {value}")?;
+        }
+    }
+    Ok(())
 }
 
 /// The policies' load, goodput and queue next to each other, interval by interval.

@@ -23,6 +23,24 @@ pub(crate) enum ScenarioKind {
     OutageRecovery,
     /// Hedging at the p95 of recent latencies against hedging at the p50.
     Hedging,
+    /// Retry pulses after a synchronized failure: no jitter against full, equal and
+    /// decorrelated jitter on the same outage (100 ms rows by default).
+    Jitter,
+    /// The same jittered retries after the same short slowdown at 50 to 95 % utilization.
+    Utilization,
+    /// A downstream that is slow and narrow when cold, after an outage, with and without the
+    /// server's slow start.
+    Cold,
+    /// Queue sizes below, at and above (lambda_peak - mu) x T_burst under a burst, and a queue
+    /// against a rate limit under sustained overload.
+    Burst,
+    /// Hedging after a fixed delay (the unloaded p95) as load rises, with and without a budget.
+    HedgeDrift,
+    /// A client's connection (MAX_CONCURRENT_STREAMS) or pool as a hidden concurrency limit.
+    HiddenQueue,
+    /// Three hops of retrying clients in front of a failing one: attempts reaching it per
+    /// user request.
+    Amplification,
 }
 
 impl ScenarioKind {
@@ -33,6 +51,21 @@ impl ScenarioKind {
             ScenarioKind::LittlesLaw => "littles-law",
             ScenarioKind::OutageRecovery => "outage-recovery",
             ScenarioKind::Hedging => "hedging",
+            ScenarioKind::Jitter => "jitter",
+            ScenarioKind::Utilization => "utilization",
+            ScenarioKind::Cold => "cold",
+            ScenarioKind::Burst => "burst",
+            ScenarioKind::HedgeDrift => "hedge-drift",
+            ScenarioKind::HiddenQueue => "hidden-queue",
+            ScenarioKind::Amplification => "amplification",
+        }
+    }
+
+    /// The length of a row unless `--interval` says otherwise: pulses need 100 ms rows.
+    pub(crate) fn default_interval(self) -> Duration {
+        match self {
+            ScenarioKind::Jitter => 100 * MS,
+            _ => SECOND,
         }
     }
 }
@@ -83,16 +116,16 @@ pub(crate) struct Scenario {
     pub(crate) notes: Vec<String>,
 }
 
-const MS: Duration = Duration::from_millis(1);
-const SECOND: Duration = Duration::from_secs(1);
+pub(super) const MS: Duration = Duration::from_millis(1);
+pub(super) const SECOND: Duration = Duration::from_secs(1);
 
-fn lognormal(mean_ms: u32, p99_ms: u32) -> LogNormal {
+pub(super) fn lognormal(mean_ms: u32, p99_ms: u32) -> LogNormal {
     LogNormal::new(mean_ms * MS, p99_ms * MS).expect("the scenario's shapes are valid")
 }
 
 /// No budget, no jitter, a fixed per-attempt timeout, retry at once (whatever the server's
 /// Retry-After says), 3 attempts.
-fn naive_client(timeout: Duration) -> ClientConfig {
+pub(super) fn naive_client(timeout: Duration) -> ClientConfig {
     ClientConfig {
         max_attempts: 3,
         // The smallest backoff the library accepts: "retry immediately".
@@ -110,12 +143,13 @@ fn naive_client(timeout: Duration) -> ClientConfig {
         deadlines: Deadlines::PerAttempt,
         honours_pushback: false,
         hedge_quantile: None,
+        hedge_delay: None,
     }
 }
 
 /// The library's defaults: 3 attempts, full-jitter backoff, a 0.1 budget with 20 of burst, the
 /// storm alarm, one deadline shared by the attempts and told to the server.
-fn backstop_client(timeout: Duration, throttle: bool) -> ClientConfig {
+pub(super) fn backstop_client(timeout: Duration, throttle: bool) -> ClientConfig {
     ClientConfig {
         max_attempts: 3,
         backoff: Backoff::default(),
@@ -126,6 +160,7 @@ fn backstop_client(timeout: Duration, throttle: bool) -> ClientConfig {
         deadlines: Deadlines::Shared,
         honours_pushback: true,
         hedge_quantile: None,
+        hedge_delay: None,
     }
 }
 
@@ -159,7 +194,7 @@ fn live_backstop_client(timeout: Duration, storm_alarm: bool) -> ClientConfig {
 
 /// An unbounded first-come first-served queue in front of `workers`; no deadline known, no
 /// slow start; a refusal (none happen: the queue keeps everyone) would say 1 s.
-fn naive_server(workers: usize) -> ServerConfig {
+pub(super) fn naive_server(workers: usize) -> ServerConfig {
     ServerConfig {
         limit: LimitKind::Fixed(workers),
         slow_start: None,
@@ -167,6 +202,7 @@ fn naive_server(workers: usize) -> ServerConfig {
         min_service: Duration::ZERO,
         retry_after: RetryAfter::Fixed(SECOND),
         fair_queue: false,
+        max_queue: None,
     }
 }
 
@@ -177,7 +213,7 @@ const SLOW_START_FLOOR: usize = backstop_payment::config::DEFAULT_SLOW_START_FLO
 /// or Gradient2) behind a slow start (floor 4), its fair queue (every wait bounded by the
 /// caller's deadline less the expected service, sojourn drops, adaptive LIFO), and refusals
 /// whose Retry-After is computed from the queue.
-fn backstop_server(workers: usize, limit: ServerLimit) -> ServerConfig {
+pub(super) fn backstop_server(workers: usize, limit: ServerLimit) -> ServerConfig {
     ServerConfig {
         limit: match limit {
             ServerLimit::Fixed => LimitKind::Fixed(workers),
@@ -191,6 +227,7 @@ fn backstop_server(workers: usize, limit: ServerLimit) -> ServerConfig {
         min_service: 20 * MS,
         retry_after: RetryAfter::Computed,
         fair_queue: true,
+        max_queue: None,
     }
 }
 
@@ -229,6 +266,7 @@ fn live_model(seed: u64, scale: f64, seconds: f64, rate: f64, phases: Vec<Phase>
         rate,
         local: LIVE_LOCAL,
         phases,
+        load: Vec::new(),
         seed,
     }
 }
@@ -380,23 +418,25 @@ pub(crate) fn live_outage(seed: u64, scale: f64) -> Scenario {
     }
 }
 
-fn scaled(n: f64, scale: f64) -> usize {
+pub(super) fn scaled(n: f64, scale: f64) -> usize {
     ((n * scale).round() as usize).max(1)
 }
 
 /// Capacity of `workers` each busy for `local + downstream` on average, per second.
-fn capacity(workers: usize, local: Duration, downstream: Duration) -> f64 {
+pub(super) fn capacity(workers: usize, local: Duration, downstream: Duration) -> f64 {
     workers as f64 / (local + downstream).as_secs_f64()
 }
 
 impl Scenario {
-    /// Builds scenario `kind` with `knobs`.
-    pub(crate) fn build(kind: ScenarioKind, knobs: Knobs) -> Scenario {
+    /// Builds scenario `kind` with `knobs`; `None` for the kinds that are not one model run
+    /// by several variants (see `claims`).
+    pub(crate) fn build(kind: ScenarioKind, knobs: Knobs) -> Option<Scenario> {
         match kind {
-            ScenarioKind::Slowdown => slowdown(knobs),
-            ScenarioKind::LittlesLaw => littles_law(knobs),
-            ScenarioKind::OutageRecovery => outage_recovery(knobs),
-            ScenarioKind::Hedging => hedging(knobs),
+            ScenarioKind::Slowdown => Some(slowdown(knobs)),
+            ScenarioKind::LittlesLaw => Some(littles_law(knobs)),
+            ScenarioKind::OutageRecovery => Some(outage_recovery(knobs)),
+            ScenarioKind::Hedging => Some(hedging(knobs)),
+            _ => None,
         }
     }
 
@@ -406,7 +446,7 @@ impl Scenario {
     }
 }
 
-fn model(
+pub(super) fn model(
     knobs: &Knobs,
     default: Duration,
     rate: f64,
@@ -419,6 +459,7 @@ fn model(
         rate: rate * knobs.scale,
         local,
         phases,
+        load: Vec::new(),
         seed: knobs.seed,
     }
 }

@@ -34,6 +34,10 @@ pub(crate) struct Row {
     /// p99 latency, in ms, of the logical requests that ended in this interval (success or
     /// not); 0 when none did.
     pub(crate) p99_ms: f64,
+    /// p99, in ms, of the server's time on the attempts it answered in this interval (from a
+    /// worker's start to the answer: what the server's latency metric shows, the wait before
+    /// a worker not included); 0 when none.
+    pub(crate) service_p99_ms: f64,
     /// Retries and hedges sent per first attempt sent.
     pub(crate) retry_ratio: f64,
     /// `attempts_failed` over the attempts sent.

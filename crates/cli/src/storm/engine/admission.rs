@@ -64,6 +64,7 @@ pub(crate) struct FifoGate {
     limit: Box<dyn Limit>,
     deadline_aware: bool,
     min_service: u64,
+    max_queue: Option<usize>,
     /// Waiting keys and when their wait ends (`u64::MAX` for never); entries whose wait ended
     /// are skipped lazily.
     queue: VecDeque<(u64, u64)>,
@@ -77,6 +78,7 @@ impl FifoGate {
             limit: config.limit.build(config.slow_start),
             deadline_aware: config.deadline_aware,
             min_service: nanos(config.min_service),
+            max_queue: config.max_queue,
             queue: VecDeque::new(),
             waiting: 0,
             inflight: 0,
@@ -90,6 +92,9 @@ impl Admission for FifoGate {
         if self.waiting == 0 && self.inflight < self.limit.limit() {
             self.inflight += 1;
             return Arrive::Run;
+        }
+        if self.max_queue.is_some_and(|max| self.waiting >= max) {
+            return Arrive::Refuse;
         }
         let expire = match (self.deadline_aware, deadline) {
             (true, Some(deadline)) => {

@@ -17,7 +17,8 @@ mod slab;
 use std::time::Duration;
 
 pub(crate) use self::model::{
-    ClientConfig, Deadlines, Downstream, LimitKind, Model, Phase, RetryAfter, Run, ServerConfig,
+    ClientConfig, Cold, Deadlines, Downstream, LimitKind, Model, Phase, RetryAfter, Run,
+    ServerConfig,
 };
 
 use self::admission::{Admission, FifoGate, QueueGate};

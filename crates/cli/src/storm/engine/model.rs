@@ -17,6 +17,9 @@ pub(crate) struct Model {
     pub(crate) interval: Duration,
     /// Logical requests per second (Poisson arrivals).
     pub(crate) rate: f64,
+    /// `rate` multiplied by each factor from its instant on (a burst, a ramp of load); empty
+    /// for a constant rate. In time order.
+    pub(crate) load: Vec<(Duration, f64)>,
     /// The server's own part of every request, on top of the downstream call.
     pub(crate) local: Duration,
     /// The downstream from each phase's start on; the first starts at 0.
@@ -47,6 +50,51 @@ pub(crate) enum Downstream {
         /// The pushback the failure carries to the client.
         pushback: Option<Duration>,
     },
+    /// Hangs, and every call started in the phase fails together at `at` (a dependency that
+    /// stops answering and then resets all its connections at once): the failures, and so the
+    /// retries, are synchronized.
+    StalledUntil {
+        /// When the hung calls fail.
+        at: Duration,
+    },
+    /// A dependency whose capacity warms with recent traffic (caches, connection pools, JIT).
+    Cold(Cold),
+}
+
+/// A downstream that is slower and serves fewer calls at once when cold, and warms with the
+/// calls it serves successfully.
+///
+/// Warmth `w` in `[0, 1]` is the count of recent successes (decaying with `tau`) over
+/// `warm_after`. A call's latency is a draw of `latency`, times `1 + (cold_factor - 1)(1 - w)`
+/// (cache misses), times `max(1, in flight / concurrency(w))` where `concurrency` grows from
+/// `cold_concurrency` to `warm_concurrency` with `w` (calls beyond what it can hold at once
+/// share it).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cold {
+    /// Latency when warm and not crowded.
+    pub(crate) latency: LogNormal,
+    /// How much slower a call is when fully cold.
+    pub(crate) cold_factor: f64,
+    /// Calls it serves at once without slowing, cold.
+    pub(crate) cold_concurrency: f64,
+    /// Calls it serves at once without slowing, warm.
+    pub(crate) warm_concurrency: f64,
+    /// Recent successes that make it fully warm.
+    pub(crate) warm_after: f64,
+    /// How fast warmth fades without traffic.
+    pub(crate) tau: Duration,
+}
+
+impl Cold {
+    /// The latency factor of a call started with `inflight` calls at the downstream (itself
+    /// included) and warmth `w`.
+    pub(crate) fn factor(&self, w: f64, inflight: usize) -> f64 {
+        let w = w.clamp(0.0, 1.0);
+        let concurrency =
+            self.cold_concurrency + (self.warm_concurrency - self.cold_concurrency) * w;
+        let crowded = (inflight as f64 / concurrency.max(1.0)).max(1.0);
+        (1.0 + (self.cold_factor - 1.0) * (1.0 - w)) * crowded
+    }
 }
 
 /// How clients call: the retry policy's knobs, the timeout, hedging.
@@ -71,6 +119,9 @@ pub(crate) struct ClientConfig {
     pub(crate) honours_pushback: bool,
     /// Hedge once at this quantile of recent latencies (through the library's hedging policy).
     pub(crate) hedge_quantile: Option<f64>,
+    /// Hedge once after this fixed delay instead (the policy's `fixed_delay`, a gRPC
+    /// `hedgingDelay`); takes precedence over `hedge_quantile`.
+    pub(crate) hedge_delay: Option<Duration>,
 }
 
 /// How a client's timeout bounds its attempts.
@@ -115,6 +166,10 @@ pub(crate) struct ServerConfig {
     /// Waiters go through the library's fair queue (sojourn drops, adaptive LIFO) instead of
     /// one first-come first-served line; only with `deadline_aware`.
     pub(crate) fair_queue: bool,
+    /// At most this many wait in the first-come first-served line (without the fair queue);
+    /// an arrival that finds it full is refused. `Some(0)` is a rate limit: what cannot start
+    /// at once is refused. `None`: unbounded.
+    pub(crate) max_queue: Option<usize>,
 }
 
 /// Which library limit sizes the server.
@@ -168,4 +223,36 @@ pub(crate) struct Run {
     pub(crate) rows: Vec<Row>,
     /// Counts over the whole run.
     pub(crate) totals: Totals,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cold() -> Cold {
+        Cold {
+            latency: LogNormal::new(Duration::from_millis(50), Duration::from_millis(150)).unwrap(),
+            cold_factor: 10.0,
+            cold_concurrency: 5.0,
+            warm_concurrency: 1_000.0,
+            warm_after: 1_000.0,
+            tau: Duration::from_secs(2),
+        }
+    }
+
+    #[test]
+    fn a_cold_downstream_is_slower_and_narrower_until_warm() {
+        let c = cold();
+        // Warm and not crowded: the plain latency.
+        assert_eq!(c.factor(1.0, 1), 1.0);
+        assert_eq!(c.factor(1.0, 1_000), 1.0);
+        // Cold: cache misses, and crowded beyond 5 calls.
+        assert_eq!(c.factor(0.0, 1), 10.0);
+        assert_eq!(c.factor(0.0, 50), 100.0);
+        // Half warm: 5.5x slower, 502.5 calls wide.
+        assert!((c.factor(0.5, 100) - 5.5).abs() < 1e-9);
+        // Warmth is clamped.
+        assert_eq!(c.factor(-1.0, 1), c.factor(0.0, 1));
+        assert_eq!(c.factor(2.0, 1), c.factor(1.0, 1));
+    }
 }

@@ -136,6 +136,14 @@ pub(super) struct Sim<'a> {
     in_system: u64,
     area: f64,
     last_change: u64,
+    /// Server-side times (ms, a worker's start to its answer) of the current interval: what
+    /// the server's own latency metric shows.
+    service: Vec<u32>,
+    /// A cold downstream's recent successes (decayed to `heat_at`) and its fading time, if the
+    /// model has one.
+    heat: f64,
+    heat_at: u64,
+    cold_tau: Option<f64>,
 }
 
 impl<'a> Sim<'a> {
@@ -178,14 +186,20 @@ impl<'a> Sim<'a> {
             .keyed(true)
             .build()
             .expect("attempts checked by the scenario");
-        let hedge = client.hedge_quantile.map(|q| {
+        let hedges = client.hedge_quantile.is_some() || client.hedge_delay.is_some();
+        let hedge = hedges.then(|| {
             HedgePolicy::new(budget, "sim", "call")
-                .quantile(q)
+                .quantile(client.hedge_quantile.unwrap_or(0.95))
+                .fixed_delay(client.hedge_delay)
                 .storm_alarm(storm.clone())
                 .latencies(Arc::new(LatencyWindow::new(
                     HedgePolicy::WINDOW,
                     HedgePolicy::MIN_SAMPLES,
                 )))
+        });
+        let cold = model.phases.iter().find_map(|p| match p.downstream {
+            super::Downstream::Cold(c) => Some(c),
+            _ => None,
         });
         let interval = nanos(model.interval).max(1);
         let end = nanos(model.duration);
@@ -224,6 +238,11 @@ impl<'a> Sim<'a> {
             in_system: 0,
             area: 0.0,
             last_change: 0,
+            service: Vec::new(),
+            // Warm at the start: twice what makes it fully warm.
+            heat: cold.map_or(0.0, |c| 2.0 * c.warm_after),
+            heat_at: 0,
+            cold_tau: cold.map(|c| c.tau.as_secs_f64()),
         }
     }
 
@@ -261,10 +280,7 @@ impl<'a> Sim<'a> {
     }
 
     pub(super) fn run(mut self) -> Run {
-        if self.model.rate > 0.0 {
-            let first = exponential_nanos(&mut self.rng, self.model.rate);
-            self.schedule(first, Kind::Arrival, 0);
-        }
+        self.next_arrival();
         for i in 1..=self.rows.len() as u64 {
             self.schedule((i * self.interval).min(self.end), Kind::Tick, i - 1);
         }
@@ -273,6 +289,8 @@ impl<'a> Sim<'a> {
             let kind = Kind::from_u8((payload >> 56) as u8);
             let key = Key::unpack(payload & ((1 << 56) - 1));
             match kind {
+                // Payload 1: no request, the rate changed: draw the next arrival at the new one.
+                Kind::Arrival if payload & 1 == 1 => self.next_arrival(),
                 Kind::Arrival => self.arrival(),
                 Kind::Send => self.send(key),
                 Kind::Hedge => self.hedge(key),
@@ -290,6 +308,48 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// The arrival rate at `t`, and when it next changes.
+    fn rate_at(&self, t: u64) -> (f64, Option<u64>) {
+        let mut factor = 1.0;
+        for &(from, f) in &self.model.load {
+            let from = nanos(from);
+            if from > t {
+                return (self.model.rate * factor, Some(from));
+            }
+            factor = f;
+        }
+        (self.model.rate * factor, None)
+    }
+
+    /// Schedules the next arrival from now. Where the rate changes before it, a redraw at the
+    /// change instead: exact for Poisson arrivals, which have no memory.
+    fn next_arrival(&mut self) {
+        let (rate, change) = self.rate_at(self.now);
+        let next = (rate > 0.0).then(|| self.now + exponential_nanos(&mut self.rng, rate).max(1));
+        match (next, change) {
+            (Some(next), Some(change)) if change <= next => {
+                self.schedule(change, Kind::Arrival, 1);
+            }
+            (None, Some(change)) => self.schedule(change, Kind::Arrival, 1),
+            (Some(next), _) => self.schedule(next, Kind::Arrival, 0),
+            (None, None) => {}
+        }
+    }
+
+    /// A cold downstream's warmth now, in `[0, 1]`.
+    fn warmth(&mut self, cold: &super::model::Cold) -> f64 {
+        self.decay_heat();
+        (self.heat / cold.warm_after).min(1.0)
+    }
+
+    fn decay_heat(&mut self) {
+        if let Some(tau) = self.cold_tau {
+            let dt = (self.now - self.heat_at) as f64 / NANOS as f64;
+            self.heat *= (-dt / tau).exp();
+            self.heat_at = self.now;
+        }
+    }
+
     fn set_in_system(&mut self, delta: i64) {
         self.area += self.in_system as f64 * (self.now - self.last_change) as f64;
         self.last_change = self.now;
@@ -302,6 +362,8 @@ impl<'a> Sim<'a> {
             .storm
             .as_ref()
             .map(|s| s.level_at(self.at(self.now)).as_str());
+        let service_p99 = p99(&mut self.service);
+        self.service.clear();
         let p99 = p99(&mut self.latencies);
         self.latencies.clear();
         let row = &mut self.rows[i];
@@ -309,6 +371,7 @@ impl<'a> Sim<'a> {
         row.inflight = self.admission.inflight() as u64;
         row.limit = self.admission.limit() as u64;
         row.p99_ms = p99;
+        row.service_p99_ms = service_p99;
         row.storm = storm.unwrap_or("off");
         self.totals.peak_queue = self.totals.peak_queue.max(row.queue);
     }

@@ -9,15 +9,13 @@ use backstop::retry::RetryError;
 use backstop::status::{Code, Status};
 
 use super::{Att, Kind, Logical, ServerState, Sim};
-use crate::storm::dist::exponential_nanos;
 use crate::storm::engine::admission::WorkOutcome;
 use crate::storm::engine::slab::Key;
 use crate::storm::engine::{Deadlines, NANOS, nanos};
 
 impl Sim<'_> {
     pub(super) fn arrival(&mut self) {
-        let next = self.now + exponential_nanos(&mut self.rng, self.model.rate).max(1);
-        self.schedule(next, Kind::Arrival, 0);
+        self.next_arrival();
         let timeout = nanos(self.client.timeout);
         // A fixed per-attempt timeout leaves the logical request as long as all its attempts
         // could take: the per-attempt timeouts are what ends each one.

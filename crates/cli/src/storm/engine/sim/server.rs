@@ -101,6 +101,14 @@ impl Sim<'_> {
         let (work, mut outcome) = match phase.downstream {
             Downstream::Latency(d) => (d.sample_nanos(&mut self.rng), WorkOutcome::Served),
             Downstream::Failing { after, .. } => (nanos(after), WorkOutcome::Failed),
+            Downstream::StalledUntil { at } => (nanos(at).saturating_sub(now), WorkOutcome::Failed),
+            Downstream::Cold(cold) => {
+                let w = self.warmth(&cold);
+                // Admission counted this call among those running already.
+                let factor = cold.factor(w, self.admission.inflight());
+                let draw = cold.latency.sample_nanos(&mut self.rng) as f64;
+                ((draw * factor).min(3.6e12) as u64, WorkOutcome::Served)
+            }
         };
         let deadline_aware = self.server.deadline_aware;
         let Some(att) = self.atts.get(akey) else {
@@ -130,6 +138,12 @@ impl Sim<'_> {
         self.set_in_system(-1);
         self.totals.sojourn += (now - sent_at) as f64 / NANOS as f64;
         self.totals.served += 1;
+        self.service
+            .push(u32::try_from((now - started) / 1_000_000).unwrap_or(u32::MAX));
+        if outcome == WorkOutcome::Served && self.cold_tau.is_some() {
+            self.decay_heat();
+            self.heat += 1.0;
+        }
         let result = match outcome {
             WorkOutcome::Served => Ok(()),
             WorkOutcome::Failed => {
