@@ -102,6 +102,7 @@ pub mod replay;
 pub mod retry;
 mod select;
 pub mod service_config;
+pub mod slots;
 mod stack;
 pub mod transparent;
 

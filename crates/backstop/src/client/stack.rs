@@ -16,6 +16,7 @@ use super::observer::{AttemptObserver, Observer};
 use super::replay::DEFAULT_REPLAY_CAP;
 use super::retry::{AttemptLimit, Config as RetryConfig, Retry};
 use super::select::{MethodTable, Resolved, SelectMethod};
+use super::slots::{CallSlots, Slotted};
 use super::transparent::TransparentRetry;
 use crate::deadline::Margin;
 use crate::hedge::{HedgePolicy, LatencyWindow};
@@ -60,6 +61,7 @@ pub struct Destination {
     storm: Option<StormAlarm>,
     switch: Option<RetrySwitch>,
     one_layer: bool,
+    slots: Option<CallSlots>,
     throttle: Option<AdaptiveThrottle>,
     retry_throttle: Option<RetryThrottle>,
     margin: Arc<Margin>,
@@ -87,6 +89,7 @@ impl Destination {
             )),
             switch: None,
             one_layer: true,
+            slots: None,
             throttle: None,
             retry_throttle: None,
             name,
@@ -147,6 +150,22 @@ impl Destination {
     pub fn retry_at_one_layer(mut self, on: bool) -> Self {
         self.one_layer = on;
         self
+    }
+
+    /// At most `limit` attempts in flight to the destination at once (none unless set): the
+    /// others wait their turn in a queue the metrics show, each wait bounded by its attempt's
+    /// deadline (see [`CallSlots`]). Set it at or below the transport's own limit (an HTTP/2
+    /// connection's `MAX_CONCURRENT_STREAMS`, a pool's size), whose queue is otherwise hidden.
+    pub fn max_in_flight(mut self, limit: Option<std::num::NonZeroUsize>) -> Self {
+        self.slots = limit.map(|limit| {
+            CallSlots::new(metrics::SharedString::from(Arc::clone(&self.name)), limit)
+        });
+        self
+    }
+
+    /// The call slots, if [`max_in_flight`](Self::max_in_flight) set them.
+    pub fn call_slots(&self) -> Option<&CallSlots> {
+        self.slots.as_ref()
     }
 
     /// Client-side adaptive throttling (off unless set): attempts are rejected locally, never
@@ -266,6 +285,8 @@ pub enum StackError {
 /// 5. [attempt timeout](super::deadline::AttemptTimeout): `grpc-timeout` minus the margin;
 /// 6. [circuit breaker](super::breaker);
 /// 7. [transparent retry](super::transparent): once, for attempts that never left;
+/// 8. [call slots](super::slots): at most so many attempts in flight, if the destination
+///    sets it, the wait for a slot measured (a transparent re-send waits for one anew);
 ///
 /// and below it the transport ([connection management](super::connect), or a tonic channel).
 #[derive(Debug, Clone)]
@@ -285,7 +306,9 @@ pub type HttpService<B = http_body_util::Full<bytes::Bytes>> =
 
 /// The service a [`ClientStack`] makes of a transport `S`.
 pub type ClientService<S> = SelectMethod<
-    IdempotencyKeyService<SetDeadline<Retry<Hedge<AttemptTimeout<Breaker<TransparentRetry<S>>>>>>>,
+    IdempotencyKeyService<
+        SetDeadline<Retry<Hedge<AttemptTimeout<Breaker<TransparentRetry<Slotted<S>>>>>>>,
+    >,
 >;
 
 impl ClientStack {
@@ -380,7 +403,8 @@ impl<S: Clone> Layer<S> for ClientStack {
         // The layers' own settings are the fallback's; a call for another method carries its
         // own, chosen by `SelectMethod`.
         let fallback = &self.table.resolved[0];
-        let transparent = TransparentRetry::new(transport, Some(d.budget.clone()));
+        let slotted = Slotted::new(transport, d.slots.clone());
+        let transparent = TransparentRetry::new(slotted, Some(d.budget.clone()));
         let breaker = match &d.breaker {
             Some(b) => Breaker::new(transparent, b.clone()),
             None => Breaker::disabled(transparent),

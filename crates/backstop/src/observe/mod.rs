@@ -74,6 +74,12 @@ pub const RPC_CLIENT_RETRY_STOPS_TOTAL: &str = "rpc_client_retry_stops_total";
 /// Gauge: the storm alarm per destination, labelled `service` and `level` (`warning`,
 /// `tripped`): 1 while at or above that level, else 0.
 pub const RPC_CLIENT_STORM_ALARM: &str = "rpc_client_storm_alarm";
+/// Gauge: attempts waiting for one of their destination's call slots now (see
+/// [`CallSlots`](crate::client::slots::CallSlots)), label `service`.
+pub const RPC_CLIENT_PENDING_REQUESTS: &str = "rpc_client_pending_requests";
+/// Client: how long each attempt waited for a call slot, in seconds (zero when one was free),
+/// label `service`.
+pub const RPC_CLIENT_PENDING_SECONDS: &str = "rpc_client_pending_seconds";
 /// Gauge: the fleet's retry setting this process applies (see
 /// [`RetrySwitch`](crate::retry::RetrySwitch)), labelled `setting` (`on`, `off`, `budget`):
 /// 1 for the setting in effect, 0 for the others.
@@ -126,8 +132,9 @@ pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
 
 /// Every histogram the library records: durations in seconds, each to be exported as a
 /// histogram over [`LATENCY_BUCKETS_SECONDS`] (see [Durations are histograms](self#durations-are-histograms)).
-pub const DURATION_METRICS: [&str; 3] = [
+pub const DURATION_METRICS: [&str; 4] = [
     RPC_CLIENT_ATTEMPT_DURATION_SECONDS,
+    RPC_CLIENT_PENDING_SECONDS,
     RPC_SERVER_DURATION_SECONDS,
     RPC_SERVER_QUEUE_DELAY_SECONDS,
 ];
@@ -329,6 +336,16 @@ pub fn describe_metrics() {
         "The storm alarm per destination: 1 while at or above the level, else 0."
     );
     describe_gauge!(
+        RPC_CLIENT_PENDING_REQUESTS,
+        Unit::Count,
+        "Attempts waiting for a call slot of their destination now."
+    );
+    describe_histogram!(
+        RPC_CLIENT_PENDING_SECONDS,
+        Unit::Seconds,
+        "How long each attempt waited for a call slot of its destination."
+    );
+    describe_gauge!(
         RPC_CLIENT_RETRY_SWITCH,
         "The fleet's retry setting this process applies: 1 for the setting in effect."
     );
@@ -499,6 +516,16 @@ mod tests {
         want.push((BACKSTOP_BUILD_INFO.to_owned(), "gauge", None));
         want.push((RPC_CLIENT_STORM_ALARM.to_owned(), "gauge", None));
         want.push((RPC_CLIENT_RETRY_SWITCH.to_owned(), "gauge", None));
+        want.push((
+            RPC_CLIENT_PENDING_REQUESTS.to_owned(),
+            "gauge",
+            Some(Unit::Count),
+        ));
+        want.push((
+            RPC_CLIENT_PENDING_SECONDS.to_owned(),
+            "histogram",
+            Some(Unit::Seconds),
+        ));
         want.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(got, want);
     }

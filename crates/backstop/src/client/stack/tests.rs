@@ -689,3 +689,38 @@ async fn adaptive_throttling_sends_less_to_a_shedding_server() {
     );
     assert_eq!(rejected, 0);
 }
+
+/// A destination's call slots hold the stack's attempts: past the limit they wait in sight,
+/// and every call is served in turn.
+#[tokio::test(start_paused = true)]
+async fn attempts_past_the_destinations_slots_wait_in_sight() {
+    use tower::ServiceExt;
+    let dest = Destination::new("slots").max_in_flight(std::num::NonZeroUsize::new(1));
+    let slots = dest.call_slots().unwrap().clone();
+    let policy = MethodPolicy::builder("Get", Idempotency::Safe)
+        .timeout(std::time::Duration::from_secs(5))
+        .build();
+    let transport = tower::service_fn(|_r: http::Request<_>| async {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        Ok::<_, std::io::Error>(http::Response::new(()))
+    });
+    let svc = ClientStack::builder(&dest, policy)
+        .build()
+        .unwrap()
+        .layer(transport);
+    let get = || {
+        http::Request::get("http://slots/x")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap()
+    };
+    let calls: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(svc.clone().oneshot(get())))
+        .collect();
+    tokio::task::yield_now().await;
+    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    assert_eq!((slots.in_flight(), slots.waiting()), (1, 2));
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap().status(), 200);
+    }
+    assert_eq!((slots.in_flight(), slots.waiting()), (0, 0));
+}
