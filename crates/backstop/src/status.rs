@@ -43,7 +43,8 @@ pub const GRPC_RETRY_PUSHBACK_MS: &str = "grpc-retry-pushback-ms";
 // Typed header names: looking a `&str` up in a `HeaderMap` parses it first, on every answer.
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
-static GRPC_RETRY_PUSHBACK_MS_NAME: HeaderName = HeaderName::from_static(GRPC_RETRY_PUSHBACK_MS);
+pub(crate) static GRPC_RETRY_PUSHBACK_MS_NAME: HeaderName =
+    HeaderName::from_static(GRPC_RETRY_PUSHBACK_MS);
 
 /// Longest `grpc-message` kept in a status read from an answer, in bytes.
 const MAX_MESSAGE: usize = 256;

@@ -140,6 +140,8 @@ struct Answer {
     status: StatusCode,
     code: Option<String>,
     retry_after: Option<u64>,
+    /// The answer says "do not retry" (`grpc-retry-pushback-ms: -1`).
+    no_retry: bool,
 }
 
 async fn call(gateway: SocketAddr, path: &str, key: &str, budget: &str) -> Answer {
@@ -172,6 +174,10 @@ async fn call_as_attempt(
         .headers()
         .get("retry-after")
         .map(|v| v.to_str().unwrap().parse().unwrap());
+    let no_retry = response
+        .headers()
+        .get("grpc-retry-pushback-ms")
+        .is_some_and(|v| v == "-1");
     let body = response.into_body().collect().await.unwrap().to_bytes();
     let code = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
@@ -180,6 +186,7 @@ async fn call_as_attempt(
         status,
         code,
         retry_after,
+        no_retry,
     }
 }
 
@@ -366,10 +373,18 @@ async fn a_request_that_arrived_as_a_retry_is_served_without_retrying_below() {
     let first = call_as_attempt(gateway_one_layer, "/v1/checkout", "k-first", "5S", 1).await;
     assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(sent_now(), 3, "a first attempt is retried below");
+    assert!(
+        first.no_retry,
+        "retried here: the caller is told not to retry too"
+    );
 
     let retry = call_as_attempt(gateway_one_layer, "/v1/checkout", "k-retry", "5S", 2).await;
     assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(sent_now(), 4, "a retry is sent on once");
+    assert!(
+        !retry.no_retry,
+        "sent once: the caller's retries are the ones that count"
+    );
 
     let own = Destination::new("backend-own").retry_at_one_layer(false);
     let gateway_own = gateway(Gateway::new(backend, &own, policy)).await;

@@ -111,7 +111,7 @@ impl Error {
             }
         };
         Self(Box::new(Inner {
-            status: for_caller(&last),
+            status: for_caller(&last, reason, attempts),
             last,
             reason,
             attempts,
@@ -139,12 +139,13 @@ impl Error {
             return Ok(response);
         };
         let stopped = response.extensions().get::<RetryStopped>().copied();
+        let (reason, attempts) = (stopped.map(|s| s.reason), stopped.map_or(1, |s| s.attempts));
         Err(Self(Box::new(Inner {
-            status: for_caller(&last),
+            status: for_caller(&last, reason, attempts),
             source: Box::new(last.clone()),
             last,
-            reason: stopped.map(|s| s.reason),
-            attempts: stopped.map_or(1, |s| s.attempts),
+            reason,
+            attempts,
         })))
     }
 
@@ -192,7 +193,13 @@ impl Error {
 /// The answer for the caller of a call whose last attempt ended in `last`: a timeout is this
 /// hop's timeout too, an unavailable peer makes this hop unavailable (with a `Retry-After`),
 /// and any other refusal the peer answered is passed on as it is.
-fn for_caller(last: &Status) -> Status {
+///
+/// Retries happen at one layer, the one nearest the failure: an unavailable peer this hop
+/// already retried (`attempts` above one), or whose retries stopped for the destination's
+/// sake (budget, storm alarm, retry switch), or which itself asked for no retry, makes the
+/// answer "do not retry" ([`Status::no_retry`]): the caller retrying too would multiply the
+/// attempts the peer gets, hop by hop.
+fn for_caller(last: &Status, reason: Option<StopReason>, attempts: u32) -> Status {
     if !matches!(last.code(), Code::DeadlineExceeded | Code::Unavailable) {
         return last.clone();
     }
@@ -219,9 +226,19 @@ fn for_caller(last: &Status) -> Status {
             "the service called is unavailable",
         )
     };
-    Status::new(Code::Unavailable, message)
+    let answer = Status::new(Code::Unavailable, message)
         .with_problem(problem)
-        .with_pushback(retry_after)
+        .with_pushback(retry_after);
+    let retried_here = attempts > 1
+        || matches!(
+            reason,
+            Some(StopReason::BudgetExhausted | StopReason::Storm | StopReason::SwitchedOff)
+        );
+    if retried_here || last.no_retry() {
+        answer.with_no_retry()
+    } else {
+        answer
+    }
 }
 
 impl From<BoxError> for Error {

@@ -106,6 +106,12 @@ impl RetryPolicy {
         self.switch.as_ref()
     }
 
+    /// Whether retries happen at one layer (see
+    /// [`RetryPolicyBuilder::retry_at_one_layer`]).
+    pub fn retries_at_one_layer(&self) -> bool {
+        self.one_layer
+    }
+
     /// The destination's adaptive throttle, if any.
     pub fn throttle(&self) -> Option<&AdaptiveThrottle> {
         self.throttle.as_ref()

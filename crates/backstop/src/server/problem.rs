@@ -255,7 +255,8 @@ impl Problem {
     }
 
     /// Asks the client not to retry at all: a gRPC answer carries `grpc-retry-pushback-ms: -1`
-    /// (gRPC's "do not retry"); an HTTP answer, which has no such word, its `Retry-After`.
+    /// (gRPC's "do not retry"); an HTTP answer, which has no such word, carries the same header
+    /// beside its `Retry-After` (for clients that read only that).
     pub fn no_retry(mut self) -> Self {
         self.no_retry = true;
         self
@@ -328,6 +329,11 @@ impl Problem {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
         if let Some(wait) = self.retry_after {
             headers.insert(header::RETRY_AFTER, RetryAfter(wait).header_value());
+        }
+        // HTTP has no word for "do not retry": gRPC's travels beside `Retry-After`, and
+        // backstop clients (and gRPC-aware proxies) read it first.
+        if self.no_retry {
+            headers.insert(GRPC_PUSHBACK, HeaderValue::from_static("-1"));
         }
         response
     }
@@ -534,6 +540,7 @@ mod tests {
         assert_eq!(grpc.headers()[GRPC_PUSHBACK], "-1");
         let http: Response<Bytes> = Problem::from_status(&status).into_http_response();
         assert_eq!(http.headers()[header::RETRY_AFTER], "45");
+        assert_eq!(http.headers()[GRPC_PUSHBACK], "-1");
         // The client reads a negative pushback as "do not retry".
         #[cfg(feature = "client")]
         assert_eq!(

@@ -222,7 +222,10 @@ where
                         Ok(current) => current,
                         Err(stopped) => {
                             told(this.config, this.parts, this.key).end_stopped(&stopped);
-                            return done(this.step, stop(this.last.take(), stopped));
+                            return done(
+                                this.step,
+                                stop(this.last.take(), stopped, policy.retries_at_one_layer()),
+                            );
                         }
                     };
                     if matches!(this.content, Content::Once(None)) {
@@ -233,7 +236,10 @@ where
                             Ok(_) => continue,
                             Err(stopped) => {
                                 told(this.config, this.parts, this.key).end_stopped(&stopped);
-                                return done(this.step, stop(this.last.take(), stopped));
+                                return done(
+                                    this.step,
+                                    stop(this.last.take(), stopped, policy.retries_at_one_layer()),
+                                );
                             }
                         }
                     }
@@ -386,7 +392,8 @@ where
                 }
                 Err(stopped) => {
                     tell.end_stopped(&stopped);
-                    return done(this.step, stop(this.last.take(), stopped));
+                    let one_layer = policy.retries_at_one_layer();
+                    return done(this.step, stop(this.last.take(), stopped, one_layer));
                 }
             }
         }
@@ -502,12 +509,25 @@ pub(super) fn attempt_request<B>(
 
 /// The call's result once the attempts stopped: the last failed response, if the last attempt
 /// got one, marked with why they stopped; else the error.
+///
+/// With retries at one layer (`one_layer`), an unavailable answer this layer already retried
+/// (or stopped retrying for the destination's sake) also says "do not retry"
+/// (`grpc-retry-pushback-ms: -1`), so that a handler relaying it as it is keeps its own
+/// caller from retrying on top: the answer to a handler's `?` says the same (see
+/// [`Error`](crate::client::Error)).
 pub(super) fn stop<ResB>(
     last: Option<Box<Response<ResB>>>,
     stopped: RetryError,
+    one_layer: bool,
 ) -> Result<Response<ResB>, BoxError> {
     match last.map(|last| *last) {
         Some(mut response) => {
+            if one_layer && retried_here(&stopped) {
+                response.headers_mut().insert(
+                    &crate::status::GRPC_RETRY_PUSHBACK_MS_NAME,
+                    HeaderValue::from_static("-1"),
+                );
+            }
             response.extensions_mut().insert(RetryStopped {
                 reason: stopped.reason,
                 attempts: stopped.attempts,
@@ -516,6 +536,17 @@ pub(super) fn stop<ResB>(
         }
         None => Err(Box::new(stopped)),
     }
+}
+
+/// Whether an unavailable peer was retried at this layer, or its retries stopped for the
+/// destination's sake: then the layers above must not retry it too.
+fn retried_here(stopped: &RetryError) -> bool {
+    stopped.last.code() == Code::Unavailable
+        && (stopped.attempts > 1
+            || matches!(
+                stopped.reason,
+                StopReason::BudgetExhausted | StopReason::Storm | StopReason::SwitchedOff
+            ))
 }
 
 /// The attempt succeeded, as the observer is told.

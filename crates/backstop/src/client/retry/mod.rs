@@ -274,7 +274,7 @@ where
                 }
                 Err(stopped) => {
                     future::told(&config, &parts, &key).end_stopped(&stopped);
-                    return Box::pin(std::future::ready(future::stop(None, stopped)));
+                    return Box::pin(std::future::ready(future::stop(None, stopped, false)));
                 }
             }
         } else {
