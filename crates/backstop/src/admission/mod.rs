@@ -64,6 +64,7 @@ mod queue;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod retry_after;
+mod shedding;
 mod slow_start;
 mod token_bucket;
 
@@ -75,5 +76,6 @@ pub use queue::{
     UnknownDiscipline,
 };
 pub use retry_after::{RetryAfter, RetryAfterError};
+pub use shedding::{InvalidShedding, Shedding, SheddingConfig};
 pub use slow_start::{SlowStart, SlowStartState};
 pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};
