@@ -18,7 +18,6 @@ const SLOTS: usize = 10;
 /// gate has been shedding without a break for [`sustain`](Self::sustain). The share is
 /// looked at whenever a request is admitted or refused, and whenever someone asks.
 #[derive(Debug, Clone, Copy, PartialEq)]
-#[non_exhaustive]
 pub struct SheddingConfig {
     /// Length of the sliding window the refused share is measured over. Default 10 s.
     pub window: Duration,
