@@ -534,6 +534,17 @@ impl Gate {
         Ok(state.queue.next_check(ticket, now))
     }
 
+    /// A permit if a slot is free and nobody waits; `None` is no refusal (nothing is counted):
+    /// the caller goes on to [`Gate::enter_as`].
+    pub(crate) fn try_admit(&self) -> Option<GatePermit> {
+        let now = Instant::now();
+        let mut state = self.shared.lock();
+        (state.running < state.limit && state.queue.is_empty()).then(|| {
+            state.queue.admitted_directly(now);
+            self.shared.admit(&mut state, now, Duration::ZERO)
+        })
+    }
+
     /// Enters the gate only if a slot is free and nobody waits.
     pub fn try_enter(&self) -> Result<GatePermit, Overloaded> {
         let now = Instant::now();

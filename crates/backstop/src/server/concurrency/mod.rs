@@ -88,7 +88,7 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // A free slot admits the request at once: the ready inner service is called here, so
         // it needs no clone and the request no waiting state.
-        if let Ok(permit) = self.gate.try_enter() {
+        if let Some(permit) = self.gate.try_admit() {
             return ResponseFuture::admitted(self.inner.call(request), permit);
         }
         let deadline = request
