@@ -8,7 +8,9 @@
 //!   cannot cover the expected service time and, once a standing queue forms, drops waiters
 //!   past a short sojourn target and serves the newest first. A refused request gets
 //!   [`Overloaded`] with its reason, answered `503` / `UNAVAILABLE` + `Retry-After` estimated
-//!   from the queue (or "do not retry" while the server sheds hard). The bound is fixed or
+//!   from the queue (or "do not retry" while the server sheds hard, or while its [`Shedding`]
+//!   window says the overload is sustained: then a listener may also push clients to other
+//!   instances, see [`PushAway`](crate::server::listen::PushAway)). The bound is fixed or
 //!   found: a [`Gradient2`] limit lowers itself when the latency of admitted requests rises
 //!   above its baseline, and grows back when it falls.
 //!   Around either, a [`SlowStart`] drops the bound to a small floor while most requests fail
