@@ -6,7 +6,8 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
-use backstop::admission::{Discipline, QueueConfig};
+use backstop::admission::{Discipline, QueueConfig, SheddingConfig};
+use backstop::server::listen::PushAway;
 use backstop_payment::config::{ApiKey, Config, LimitMode, PspTarget, StoreLocation};
 use backstop_payment::server::{self, ServeError};
 use clap::Args;
@@ -121,6 +122,28 @@ pub(crate) struct ServeArgs {
     /// the limit).
     #[arg(long, env = "BACKSTOP_SLOW_START_FLOOR", value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
     slow_start_floor: usize,
+    /// Share (percent) of the requests the gate refuses, over --shed-window, above which it
+    /// counts as shedding; once that lasts --shed-sustain the overload is sustained: refusals
+    /// tell gRPC clients not to retry (`grpc-retry-pushback-ms: -1`) and connections are
+    /// pushed away (--push-away-percent). 100 never counts as shedding.
+    #[arg(long, env = "BACKSTOP_SHED_THRESHOLD", value_name = "PERCENT", default_value_t = SheddingConfig::DEFAULT_THRESHOLD * 100.0, value_parser = parse_percent, allow_negative_numbers = true)]
+    shed_threshold: f64,
+    /// Sliding window the refused share is measured over (at least 10ms).
+    #[arg(long, env = "BACKSTOP_SHED_WINDOW", value_name = "DURATION", default_value = "10s", value_parser = parse_shed_window)]
+    shed_window: Duration,
+    /// How long shedding must last without a break to count as sustained overload.
+    #[arg(long, env = "BACKSTOP_SHED_SUSTAIN", value_name = "DURATION", default_value = "5s", value_parser = parse_shed_sustain)]
+    shed_sustain: Duration,
+    /// Turn pushing clients away off. With it (the default), under sustained overload a share
+    /// of each port's connections is asked to reconnect, so that clients rebalance across
+    /// instances: HTTP/2 (gRPC) connections get a graceful GOAWAY (requests in flight finish),
+    /// HTTP/1.1 responses `Connection: close`.
+    #[arg(long, env = "BACKSTOP_NO_PUSH_AWAY")]
+    no_push_away: bool,
+    /// Most connections pushed away per second, in percent of each port's open connections
+    /// (above 0, at most 100; at least one connection a second).
+    #[arg(long, env = "BACKSTOP_PUSH_AWAY_PERCENT", value_name = "PERCENT", default_value_t = PushAway::DEFAULT_SHARE * 100.0, value_parser = parse_push_percent, allow_negative_numbers = true)]
+    push_away_percent: f64,
     /// For experiments: abort this percentage (0 to 100) of the payment requests at random with
     /// 503 problem+json `fault_injected` / gRPC UNAVAILABLE, before any work (no quota spent,
     /// the idempotency key left unused). Off (0) by default.
@@ -249,6 +272,13 @@ impl ServeArgs {
             ..QueueConfig::default()
         };
         config.slow_start = (!self.no_slow_start).then_some(self.slow_start_floor);
+        config.shedding = SheddingConfig {
+            window: self.shed_window,
+            threshold: self.shed_threshold / 100.0,
+            sustain: self.shed_sustain,
+            ..SheddingConfig::default()
+        };
+        config.push_away = (!self.no_push_away).then_some(self.push_away_percent / 100.0);
         config.fault_abort_percent = self.fault_abort_percent;
         config.tenant_rate = self.tenant_rate;
         config.tenant_burst = self.tenant_burst;
@@ -331,6 +361,35 @@ fn parse_sweep_every(s: &str) -> Result<Duration, String> {
         return Err(format!("{s} is outside 1s..=1d"));
     }
     Ok(every)
+}
+
+/// Longest accepted --shed-window / --shed-sustain.
+const MAX_SHED_DURATION: Duration = Duration::from_secs(3600);
+
+fn parse_shed_window(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 10s or 1m: {e}"))?;
+    if !(Duration::from_millis(10)..=MAX_SHED_DURATION).contains(&d) {
+        return Err(format!("{s} is outside 10ms..=1h"));
+    }
+    Ok(d)
+}
+
+fn parse_shed_sustain(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 5s or 1m: {e}"))?;
+    if d > MAX_SHED_DURATION {
+        return Err(format!("{s} is longer than 1h"));
+    }
+    Ok(d)
+}
+
+fn parse_push_percent(s: &str) -> Result<f64, String> {
+    let percent = parse_percent(s)?;
+    if percent == 0.0 {
+        return Err("0 pushes nothing: use --no-push-away to turn it off".to_owned());
+    }
+    Ok(percent)
 }
 
 fn parse_percent(s: &str) -> Result<f64, String> {
@@ -610,6 +669,40 @@ mod tests {
         let c = parse(&["--queue-size", "0"]).unwrap();
         let err = c.validate().unwrap_err();
         assert!(err.to_string().contains("--queue-size"), "{err}");
+    }
+
+    #[test]
+    fn shedding_and_push_away_flags() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.shedding, SheddingConfig::default());
+        assert_eq!(c.push_away, Some(PushAway::DEFAULT_SHARE));
+        let c = parse(&[
+            "--shed-threshold",
+            "50",
+            "--shed-window",
+            "30s",
+            "--shed-sustain",
+            "0s",
+            "--push-away-percent",
+            "25",
+        ])
+        .unwrap();
+        assert_eq!(c.shedding.threshold, 0.5);
+        assert_eq!(c.shedding.window, Duration::from_secs(30));
+        assert_eq!(c.shedding.sustain, Duration::ZERO);
+        assert_eq!(c.push_away, Some(0.25));
+        assert_eq!(parse(&["--no-push-away"]).unwrap().push_away, None);
+        for bad in [
+            &["--push-away-percent", "0"][..],
+            &["--push-away-percent", "101"],
+            &["--shed-threshold", "-1"],
+            &["--shed-window", "1ms"],
+            &["--shed-sustain", "2h"],
+            &["--shed-window", "soon"],
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains(bad[0]), "{bad:?}: {err}");
+        }
     }
 
     #[test]

@@ -7,8 +7,9 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::num::NonZeroU32;
 
 use backstop::admission::redis::{FailurePolicy, RedisConfig};
-use backstop::admission::{QueueConfig, Quota};
+use backstop::admission::{QueueConfig, Quota, SheddingConfig};
 use backstop::policy::MethodPolicies;
+use backstop::server::listen::PushAway;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -222,6 +223,15 @@ pub struct Config {
     /// the store is down) the limit drops to this floor, and once they succeed again it ramps
     /// back up, doubling per round trip. `None` turns it off.
     pub slow_start: Option<usize>,
+    /// When the gate sheds under sustained overload (the share of requests it refused over a
+    /// sliding window, above a threshold for long enough): its refusals then ask clients not
+    /// to retry, and `push_away` pushes connections elsewhere.
+    pub shedding: SheddingConfig,
+    /// Share of each listener's open connections (at least one) pushed per second to
+    /// reconnect, so that clients rebalance across instances, while the overload is
+    /// sustained: HTTP/2 ones get a graceful `GOAWAY`, HTTP/1.1 ones `Connection: close`.
+    /// `None` turns it off.
+    pub push_away: Option<f64>,
     /// Percentage of payment requests aborted at random with 503 / `UNAVAILABLE` before any
     /// work (fault injection, for experiments); 0 injects nothing.
     pub fault_abort_percent: f64,
@@ -287,6 +297,8 @@ impl Config {
             min_inflight: 8,
             queue: QueueConfig::default(),
             slow_start: Some(DEFAULT_SLOW_START_FLOOR),
+            shedding: SheddingConfig::default(),
+            push_away: Some(PushAway::DEFAULT_SHARE),
             fault_abort_percent: 0.0,
             tenant_rate: NonZeroU32::new(1000).expect("non-zero"),
             tenant_burst: NonZeroU32::new(2000).expect("non-zero"),
@@ -340,6 +352,15 @@ impl Config {
         // A floor above the limit is capped by it (a small --max-inflight keeps the default).
         if self.slow_start == Some(0) {
             return Err(ConfigError::SlowStartFloor);
+        }
+        self.shedding
+            .validate()
+            .map_err(|_| ConfigError::Shedding)?;
+        if self
+            .push_away
+            .is_some_and(|share| !(share > 0.0 && share <= 1.0))
+        {
+            return Err(ConfigError::PushAwayShare);
         }
         if !(0.0..=100.0).contains(&self.fault_abort_percent) {
             return Err(ConfigError::FaultPercent);
@@ -402,6 +423,12 @@ pub enum ConfigError {
     /// `--slow-start-floor` zero.
     #[error("--slow-start-floor must be at least 1")]
     SlowStartFloor,
+    /// A shedding window under 10 ms or a threshold outside 0 to 1.
+    #[error("--shed-window must be at least 10ms and --shed-threshold between 0 and 1")]
+    Shedding,
+    /// A push-away share outside (0, 1].
+    #[error("--push-away-share must be above 0 and at most 1")]
+    PushAwayShare,
     /// `--fault-abort-percent` outside 0 to 100.
     #[error("--fault-abort-percent must be between 0 and 100")]
     FaultPercent,
@@ -533,6 +560,26 @@ mod tests {
         assert_eq!(c.validate(), Err(ConfigError::InflightBounds));
         c.min_inflight = 256;
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn shedding_and_push_away_are_checked() {
+        let mut c = Config::new(StoreLocation::Sqlite("x.db".into()));
+        assert_eq!(c.push_away, Some(PushAway::DEFAULT_SHARE), "on by default");
+        assert_eq!(c.validate(), Ok(()));
+        for share in [0.0, 1.5, f64::NAN] {
+            c.push_away = Some(share);
+            assert_eq!(c.validate(), Err(ConfigError::PushAwayShare), "{share}");
+        }
+        c.push_away = None;
+        assert_eq!(c.validate(), Ok(()));
+        c.shedding.threshold = 2.0;
+        assert_eq!(c.validate(), Err(ConfigError::Shedding));
+        c.shedding = SheddingConfig {
+            window: Duration::from_millis(1),
+            ..SheddingConfig::default()
+        };
+        assert_eq!(c.validate(), Err(ConfigError::Shedding));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 
 use super::limit::{FixedLimit, Limit};
 use super::queue::{AdmissionQueue, Admitted, DropReason, Pushback, QueueConfig, Ticket};
+use super::shedding::{Shedding, SheddingConfig};
 use crate::deadline::Deadline;
 use crate::observe::{self, label, reject_reason};
 use crate::status::Status;
@@ -89,6 +90,8 @@ struct State {
     queue: AdmissionQueue<Notify>,
     /// A fixed Retry-After instead of the queue's estimate.
     retry_after: Option<Duration>,
+    /// Every admission and refusal, to tell a sustained overload.
+    shedding: Shedding,
 }
 
 /// The gate's metrics for one `service`.
@@ -138,6 +141,7 @@ impl Shared {
     /// Hands out a slot; `sojourn` is how long the request waited for it.
     fn admit(self: &Arc<Self>, state: &mut State, now: Instant, sojourn: Duration) -> GatePermit {
         state.running += 1;
+        state.shedding.record(true);
         if let Some(gauges) = self.gauges.get() {
             gauges.with(|h| {
                 h.limit.set(state.limit as f64);
@@ -160,10 +164,12 @@ impl Shared {
             Some(wait) => Pushback { wait, retry: true },
             None => state.queue.pushback(now, state.limit, rand::random()),
         };
+        state.shedding.record(false);
         Overloaded {
             retry_after: wait,
             reason,
-            retry,
+            // Under sustained overload a retry only comes back to be refused again.
+            retry: retry && !state.shedding.is_sustained(),
         }
     }
 
@@ -306,7 +312,9 @@ pub struct Overloaded {
     /// Why the queue refused or dropped the request; `None` when it never queued (the gate was
     /// full and the caller would not wait).
     pub reason: Option<DropReason>,
-    /// `false` while the server sheds hard: the caller should not retry this request at all.
+    /// `false` while the server sheds hard (its queue has been overloaded for
+    /// [`QueueConfig::hard_shed_after`], or its [`Shedding`] says the overload is sustained):
+    /// the caller should not retry this request at all.
     pub retry: bool,
 }
 
@@ -362,6 +370,8 @@ impl Gate {
                     running: 0,
                     queue,
                     retry_after: None,
+                    shedding: Shedding::new(SheddingConfig::default())
+                        .expect("the default shedding settings are valid"),
                 }),
                 limiter,
                 gauges: OnceLock::new(),
@@ -392,6 +402,21 @@ impl Gate {
     pub fn with_retry_after(self, retry_after: Duration) -> Self {
         self.shared.lock().retry_after = Some(retry_after);
         self
+    }
+
+    /// Tells sustained overload by `shedding` (its settings, or a handle shared with others)
+    /// instead of the default [`SheddingConfig`]. While the overload is sustained, refusals
+    /// ask clients not to retry ([`Overloaded::retry`] is `false`).
+    pub fn with_shedding(self, shedding: Shedding) -> Self {
+        self.shared.lock().shedding = shedding;
+        self
+    }
+
+    /// The gate's record of its admissions and refusals: whether it sheds under sustained
+    /// overload. A [`Listener`](crate::server::listen::Listener) given it pushes clients
+    /// away meanwhile.
+    pub fn shedding(&self) -> Shedding {
+        self.shared.lock().shedding.clone()
     }
 
     /// Publishes the limit, the requests holding a slot, the requests waiting and the time
@@ -507,6 +532,17 @@ impl Gate {
             return Err(refused);
         }
         Ok(state.queue.next_check(ticket, now))
+    }
+
+    /// A permit if a slot is free and nobody waits; `None` is no refusal (nothing is counted):
+    /// the caller goes on to [`Gate::enter_as`].
+    pub(crate) fn try_admit(&self) -> Option<GatePermit> {
+        let now = Instant::now();
+        let mut state = self.shared.lock();
+        (state.running < state.limit && state.queue.is_empty()).then(|| {
+            state.queue.admitted_directly(now);
+            self.shared.admit(&mut state, now, Duration::ZERO)
+        })
     }
 
     /// Enters the gate only if a slot is free and nobody waits.
@@ -783,6 +819,37 @@ mod tests {
             "slow work, even abandoned, says latency rose"
         );
         assert_eq!(gate.inflight(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sustained_shedding_asks_not_to_retry() {
+        let shedding = Shedding::new(SheddingConfig {
+            sustain: Duration::from_secs(1),
+            min_requests: 2,
+            ..SheddingConfig::default()
+        })
+        .unwrap();
+        let gate = Gate::new(1, MS)
+            .with_retry_after(3 * MS)
+            .with_shedding(shedding.clone());
+        let held = gate.try_enter().unwrap();
+        let refused = gate.try_enter().unwrap_err();
+        assert!(refused.retry, "shedding, but not for long yet");
+        assert!(gate.shedding().is_shedding());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let refused = gate.try_enter().unwrap_err();
+        assert!(
+            !refused.retry && refused.retry_after == 3 * MS,
+            "{refused:?}"
+        );
+        assert!(Status::from(refused).no_retry());
+        assert!(shedding.is_sustained(), "the handle is shared");
+        drop(held);
+        // Admitted again: once the share falls to the threshold, refusals may be retried.
+        for _ in 0..10 {
+            gate.try_enter().unwrap().finish();
+        }
+        assert!(!shedding.is_shedding());
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //!   cannot cover the expected service time and, once a standing queue forms, drops waiters
 //!   past a short sojourn target and serves the newest first. A refused request gets
 //!   [`Overloaded`] with its reason, answered `503` / `UNAVAILABLE` + `Retry-After` estimated
-//!   from the queue (or "do not retry" while the server sheds hard). The bound is fixed or
+//!   from the queue (or "do not retry" while the server sheds hard, or while its [`Shedding`]
+//!   window says the overload is sustained: then a listener may also push clients to other
+//!   instances, see [`PushAway`](crate::server::listen::PushAway)). The bound is fixed or
 //!   found: a [`Gradient2`] limit lowers itself when the latency of admitted requests rises
 //!   above its baseline, and grows back when it falls.
 //!   Around either, a [`SlowStart`] drops the bound to a small floor while most requests fail
@@ -64,6 +66,7 @@ mod queue;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod retry_after;
+mod shedding;
 mod slow_start;
 mod token_bucket;
 
@@ -75,5 +78,6 @@ pub use queue::{
     UnknownDiscipline,
 };
 pub use retry_after::{RetryAfter, RetryAfterError};
+pub use shedding::{InvalidShedding, Shedding, SheddingConfig};
 pub use slow_start::{SlowStart, SlowStartState};
 pub use token_bucket::{Denied, InvalidQuota, Quota, TokenBucket};

@@ -114,6 +114,9 @@ pub const RPC_SERVER_CONNECTIONS: &str = "rpc_server_connections";
 /// Server: connections refused or closed by the connection cap, labelled `reason` (see
 /// [`connection_rejected`]).
 pub const RPC_SERVER_CONNECTIONS_REJECTED_TOTAL: &str = "rpc_server_connections_rejected_total";
+/// Server: connections asked to go elsewhere under sustained overload (HTTP/2 `GOAWAY`,
+/// HTTP/1.1 `Connection: close`), labelled `protocol` (see [`protocol`]).
+pub const RPC_SERVER_CONNECTIONS_PUSHED_TOTAL: &str = "rpc_server_connections_pushed_total";
 /// Server: idempotency claims, labelled `result` (see [`claim_result`]).
 pub const IDEMPOTENCY_CLAIMS_TOTAL: &str = "idempotency_claims_total";
 /// Server: injected faults, labelled `fault` (`abort`, `delay`).
@@ -191,6 +194,16 @@ pub mod label {
     /// The kind of injected fault, on
     /// [`RPC_SERVER_FAULTS_INJECTED_TOTAL`](super::RPC_SERVER_FAULTS_INJECTED_TOTAL).
     pub const FAULT: &str = "fault";
+    /// The HTTP version of a connection, see [`protocol`](super::protocol).
+    pub const PROTOCOL: &str = "protocol";
+}
+
+/// Values of the `protocol` label on [`RPC_SERVER_CONNECTIONS_PUSHED_TOTAL`].
+pub mod protocol {
+    /// HTTP/1.0 or HTTP/1.1.
+    pub const HTTP1: &str = "http1";
+    /// HTTP/2 (gRPC, h2c).
+    pub const HTTP2: &str = "http2";
 }
 
 /// Values of the `reason` label on [`RPC_SERVER_REJECTED_TOTAL`].
@@ -413,6 +426,11 @@ pub fn describe_metrics() {
         "Connections refused or evicted by the connection cap, by reason."
     );
     describe_counter!(
+        RPC_SERVER_CONNECTIONS_PUSHED_TOTAL,
+        Unit::Count,
+        "Connections asked to go elsewhere under sustained overload, by protocol."
+    );
+    describe_counter!(
         IDEMPOTENCY_CLAIMS_TOTAL,
         Unit::Count,
         "Idempotency key claims by result (claimed, replay, conflict, in_progress)."
@@ -494,6 +512,7 @@ mod tests {
                 "counter",
                 Unit::Count,
             ),
+            (RPC_SERVER_CONNECTIONS_PUSHED_TOTAL, "counter", Unit::Count),
             (RPC_SERVER_DURATION_SECONDS, "histogram", Unit::Seconds),
             (RPC_SERVER_INFLIGHT, "gauge", Unit::Count),
             (RPC_SERVER_CONCURRENCY_LIMIT, "gauge", Unit::Count),
@@ -595,6 +614,7 @@ mod tests {
             RPC_SERVER_REQUESTS_TOTAL,
             RPC_SERVER_REJECTED_TOTAL,
             RPC_SERVER_CONNECTIONS_REJECTED_TOTAL,
+            RPC_SERVER_CONNECTIONS_PUSHED_TOTAL,
             IDEMPOTENCY_CLAIMS_TOTAL,
             RATE_LIMIT_REDIS_UNAVAILABLE_TOTAL,
         ] {

@@ -33,7 +33,7 @@ use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::observe;
 use backstop::retry::RetryBudget;
-use backstop::server::listen::{ListenConfig, Listener};
+use backstop::server::listen::{ListenConfig, Listener, PushAway};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -246,6 +246,7 @@ impl Server {
             grpc: grpc_router,
             health,
             policies,
+            shedding,
         } = build_routers(state.clone(), leases.clone(), &config, rate_limit);
         // The first check before any connection is served: a probe never sees the status the
         // store has not been asked for yet.
@@ -253,6 +254,9 @@ impl Server {
         let mut limits = ListenConfig::default();
         limits.max_connections = config.max_connections;
         limits.drain_timeout = config.drain_timeout;
+        limits.push_away = config
+            .push_away
+            .and_then(|share| PushAway::new(shedding).with_share(share).ok());
 
         let mut background = vec![Sweeper::spawn(
             store.clone(),

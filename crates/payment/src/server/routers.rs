@@ -10,7 +10,9 @@ use axum::Router;
 use axum::handler::Handler;
 use axum::routing::{get, post};
 use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimiter};
-use backstop::admission::{FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, SlowStart};
+use backstop::admission::{
+    FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, Shedding, SlowStart,
+};
 use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, ReloadablePolicies, Takeover};
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
@@ -89,6 +91,9 @@ pub struct Routers {
     /// The method table the stack runs by, replaceable while it serves (a reload of the
     /// config file's `[policies]`; see [`check_policies`] for what the service accepts).
     pub policies: ReloadablePolicies,
+    /// The gate's record of its refusals: while it sheds under sustained overload, the
+    /// listeners push clients away.
+    pub shedding: Shedding,
 }
 
 pub use crate::grpc::server::GrpcService;
@@ -118,7 +123,13 @@ fn gate(config: &Config) -> Gate {
             Gate::with_limit(SlowStart::new(adaptive(), floor), MIN_SERVICE)
         }
     };
-    gate.with_queue(config.queue.clone())
+    let gate = gate.with_queue(config.queue.clone());
+    // `Config::validate` refuses bad settings first; a gate built without it keeps the
+    // default ones.
+    match Shedding::new(config.shedding) {
+        Ok(shedding) => gate.with_shedding(shedding),
+        Err(_) => gate,
+    }
 }
 
 /// The entries of the service's method table, as a policy file names them: a config file's
@@ -261,6 +272,7 @@ pub fn build_routers<St: PaymentBackend>(
     let auth = Authenticator::new(&config.api_keys);
     let policies = ReloadablePolicies::new(method_policies(config))
         .expect("Config::validate checked the table");
+    let gate = gate(config);
     let stack = ServerStack::new(SERVICE_NAME, store.clone())
         .deadline(DeadlineLayer::new(config.default_timeout))
         .tenant(auth.layer())
@@ -271,7 +283,7 @@ pub fn build_routers<St: PaymentBackend>(
                 .unwrap_or_default(),
         )
         .rate_limit(rate_limit)
-        .gate(gate(config))
+        .gate(gate.clone())
         .idempotency(
             IdempotencyLayer::new(store)
                 .clock(state.clock.clone())
@@ -332,6 +344,7 @@ pub fn build_routers<St: PaymentBackend>(
         grpc,
         health,
         policies,
+        shedding: gate.shedding(),
     }
 }
 

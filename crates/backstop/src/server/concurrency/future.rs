@@ -129,9 +129,9 @@ where
                 } => {
                     let admitted = match enter {
                         Some(enter) => std::task::ready!(enter.as_mut().poll(cx)),
-                        None => match gate.try_enter() {
-                            Ok(permit) => Ok(permit),
-                            Err(_) => {
+                        None => match gate.try_admit() {
+                            Some(permit) => Ok(permit),
+                            None => {
                                 let (gate, deadline) = (gate.clone(), *deadline);
                                 let tenant =
                                     Tenant::from_extensions(request.extensions()).to_owned();

@@ -14,7 +14,8 @@
 //! `rpc_server_rejected_total{reason}` with the queue's reason: `deadline`, `sojourn`, `full`,
 //! `tenant_share`, or `overloaded` when the request did not queue. The wait is estimated from
 //! the queue and the limit, with jitter; while the server sheds hard it is long, and a gRPC
-//! answer says "do not retry" (`grpc-retry-pushback-ms: -1`). The permit is held until the
+//! answer says "do not retry" (`grpc-retry-pushback-ms: -1`), as it does under sustained
+//! overload ([`Gate::shedding`]). A refused request counts once toward that overload. The permit is held until the
 //! inner future completes or is dropped. A request served hands its permit back as finished
 //! work, so its latency teaches an adaptive limit ([`Gate::with_limit`]) and the queue's
 //! expected service time; a failure (500, 502, 503, gRPC `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`,
@@ -88,7 +89,7 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // A free slot admits the request at once: the ready inner service is called here, so
         // it needs no clone and the request no waiting state.
-        if let Ok(permit) = self.gate.try_enter() {
+        if let Some(permit) = self.gate.try_admit() {
             return ResponseFuture::admitted(self.inner.call(request), permit);
         }
         let deadline = request

@@ -162,6 +162,30 @@ async fn request_without_deadline_uses_the_default_budget() {
     assert_eq!(start.elapsed(), Duration::from_millis(50));
 }
 
+#[tokio::test(start_paused = true)]
+async fn each_request_counts_once_toward_sustained_overload() {
+    let gate = Gate::new(1, Duration::from_millis(10));
+    let release = Arc::new(Semaphore::new(0));
+    let svc = GateLayer::new(gate.clone())
+        .layer(held(release.clone()))
+        .map_response(flat);
+    let first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
+    tokio::task::yield_now().await;
+    // Tried at once, then through the queue: one refusal all the same.
+    let res = svc
+        .oneshot(request(Duration::from_millis(5)))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        gate.shedding().refused_share(),
+        0.5,
+        "one admitted, one refused"
+    );
+    release.add_permits(1);
+    first.await.unwrap().unwrap();
+}
+
 #[test]
 fn overload_is_counted_as_rejected() {
     let ((), m) = with_metrics(|| async {

@@ -17,6 +17,7 @@ use tokio::task::JoinSet;
 use tower_service::Service;
 
 use super::connection::serve_connection;
+use super::push::Pushed;
 use super::registry::{Metrics, Registry};
 use super::{BoxError, ListenConfig, Listener};
 
@@ -53,6 +54,7 @@ impl Listener {
             config,
             open: Registry::default(),
             metrics: Metrics::new(&name),
+            pushed: Pushed::new(),
         });
         let (drain_tx, drain_rx) = watch::channel(false);
         let mut conns = JoinSet::new();
@@ -137,6 +139,7 @@ pub(super) struct Shared {
     pub(super) config: ListenConfig,
     pub(super) open: Registry,
     pub(super) metrics: Metrics,
+    pub(super) pushed: Mutex<Pushed>,
 }
 
 /// The executor of HTTP/2 streams: hyper runs each stream's request on a task of its own, which

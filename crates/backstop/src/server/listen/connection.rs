@@ -57,6 +57,7 @@ pub(super) async fn serve_connection<S, B>(
     let _ = stream.set_nodelay(true);
     let service = ConnService {
         inner: service,
+        shared: Arc::clone(&shared),
         info: ConnectionInfo {
             peer,
             conn: Arc::clone(&conn_state),
@@ -73,17 +74,24 @@ pub(super) async fn serve_connection<S, B>(
     let mut idle = std::pin::pin!(idle);
     let slow_head = head_too_slow(&conn_state, shared.config.header_read_timeout);
     let mut slow_head = std::pin::pin!(slow_head);
-    let stop = tokio::select! {
-        result = conn.as_mut() => {
-            if let Err(error) = result {
-                tracing::debug!(%peer, %error, "connection ended with an error");
+    let stop = loop {
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
+                }
+                break Stop::Done;
             }
-            Stop::Done
+            () = conn_state.close.notified() => break Stop::Close,
+            () = &mut slow_head => break Stop::Close,
+            () = &mut idle => break Stop::Idle,
+            _ = drain.wait_for(|draining| *draining) => break Stop::Drain,
+            () = conn_state.go_away.notified() => {
+                // Pushed away (HTTP/2): the requests in flight finish and the connection ends
+                // as any other, the client opening a new one for its next requests.
+                conn.as_mut().graceful_shutdown();
+            }
         }
-        () = conn_state.close.notified() => Stop::Close,
-        () = &mut slow_head => Stop::Close,
-        () = &mut idle => Stop::Idle,
-        _ = drain.wait_for(|draining| *draining) => Stop::Drain,
     };
     match stop {
         Stop::Done | Stop::Close => {}
@@ -133,10 +141,12 @@ impl Drop for InFlight {
     }
 }
 
-/// The service of one connection: adds [`ConnectionInfo`] and counts requests in flight.
+/// The service of one connection: adds [`ConnectionInfo`], counts requests in flight and
+/// pushes the connection away under overload.
 #[derive(Clone)]
 struct ConnService<S> {
     inner: S,
+    shared: Arc<Shared>,
     info: ConnectionInfo,
 }
 
@@ -149,14 +159,20 @@ where
     type Future = ResponseFuture<Oneshot<S, Request<Incoming>>>;
 
     fn call(&self, mut request: Request<Incoming>) -> Self::Future {
-        if request.version() == http::Version::HTTP_2 {
+        let http2 = request.version() == http::Version::HTTP_2;
+        if http2 {
             self.info.conn.http2.store(true, Ordering::Relaxed);
         }
         let in_flight = InFlight::start(&self.info.conn);
         request.extensions_mut().insert(self.info.clone());
+        let push = self.shared.config.push_away.is_some().then(|| Push {
+            shared: Arc::clone(&self.shared),
+            http2,
+        });
         ResponseFuture {
             inner: self.inner.clone().oneshot(request),
             in_flight: Some(in_flight),
+            push,
         }
     }
 }
@@ -167,6 +183,31 @@ pin_project! {
         #[pin]
         inner: F,
         in_flight: Option<InFlight>,
+        push: Option<Push>,
+    }
+}
+
+/// What a response needs to push its connection away.
+struct Push {
+    shared: Arc<Shared>,
+    http2: bool,
+}
+
+impl Push {
+    /// Pushes the connection away with `response` if the listener says so now.
+    fn apply<B>(&self, conn: &ConnState, response: &mut Response<B>) {
+        if !self.shared.push_now(conn, self.http2) {
+            return;
+        }
+        if self.http2 {
+            // `Connection` is not an HTTP/2 header: the connection task sends `GOAWAY`.
+            conn.go_away.notify_one();
+        } else {
+            response.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
     }
 }
 
@@ -178,8 +219,13 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let result = ready!(this.inner.poll(cx));
+        let mut result = ready!(this.inner.poll(cx));
         let in_flight = this.in_flight.take();
+        if let (Some(push), Some(in_flight), Ok(response)) =
+            (this.push.as_ref(), in_flight.as_ref(), result.as_mut())
+        {
+            push.apply(&in_flight.0, response);
+        }
         Poll::Ready(result.map(|response| {
             response.map(|inner| InFlightBody {
                 inner,

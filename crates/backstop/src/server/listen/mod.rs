@@ -33,6 +33,10 @@
 //! requests dropped (and so cancelled). [`Listener::serve`] returns once every connection task
 //! has ended, so whatever a dropped request does on drop has already been started.
 //!
+//! Under sustained overload ([`ListenConfig::push_away`]), a share of the connections are asked
+//! to reconnect, so that clients rebalance across instances: HTTP/2 ones get a graceful
+//! `GOAWAY`, HTTP/1 ones `Connection: close` on a response (see [`PushAway`]).
+//!
 //! Every request carries a [`ConnectionInfo`] extension: the peer address, and a way to close
 //! its connection at once without an answer.
 //!
@@ -60,6 +64,7 @@
 // timers in `timeouts`.
 mod accept;
 mod connection;
+mod push;
 mod registry;
 #[cfg(test)]
 mod test_support;
@@ -72,6 +77,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+pub use push::{InvalidPushAway, PushAway};
 use registry::ConnState;
 
 /// Boxed error of a service or body.
@@ -106,6 +112,9 @@ pub struct ListenConfig {
     pub accept_backoff_max: Duration,
     /// Bound on draining the connections at shutdown. Default 10 s.
     pub drain_timeout: Duration,
+    /// Pushes a share of the connections to reconnect (elsewhere) while a gate sheds under
+    /// sustained overload (see [`PushAway`]). Default `None`: never.
+    pub push_away: Option<PushAway>,
 }
 
 impl Default for ListenConfig {
@@ -120,6 +129,7 @@ impl Default for ListenConfig {
             accept_backoff: Duration::from_millis(5),
             accept_backoff_max: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(10),
+            push_away: None,
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use super::accept::Shared;
-use crate::observe::{self, connection_rejected, label};
+use crate::observe::{self, connection_rejected, label, protocol};
 
 // Admission is the registry's side of what the connection tasks share.
 impl Shared {
@@ -75,6 +75,11 @@ impl Registry {
         self.conns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Connections open now.
+    pub(super) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
     pub(super) fn evict_idle(&self, metrics: &Metrics) -> bool {
         Registry::evict_in(&self.lock(), metrics)
     }
@@ -115,6 +120,10 @@ pub(super) struct ConnState {
     evicted: AtomicBool,
     /// Notified to close the connection at once.
     pub(super) close: Notify,
+    /// Set once the connection was pushed away under overload.
+    pub(super) pushed: AtomicBool,
+    /// Notified to shut an HTTP/2 connection down gracefully (`GOAWAY`).
+    pub(super) go_away: Notify,
 }
 
 impl ConnState {
@@ -128,6 +137,8 @@ impl ConnState {
             started: AtomicU64::new(0),
             evicted: Default::default(),
             close: Notify::new(),
+            pushed: Default::default(),
+            go_away: Notify::new(),
         }
     }
 }
@@ -150,6 +161,20 @@ impl Metrics {
             name: name.to_owned(),
             open: metrics::gauge!(observe::RPC_SERVER_CONNECTIONS, label::SERVICE => name.to_owned()),
         }
+    }
+
+    pub(super) fn pushed(&self, http2: bool) {
+        let protocol = if http2 {
+            protocol::HTTP2
+        } else {
+            protocol::HTTP1
+        };
+        metrics::counter!(
+            observe::RPC_SERVER_CONNECTIONS_PUSHED_TOTAL,
+            label::SERVICE => self.name.clone(),
+            label::PROTOCOL => protocol,
+        )
+        .increment(1);
     }
 
     fn rejected(&self, reason: &'static str) {
