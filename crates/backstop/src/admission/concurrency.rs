@@ -447,7 +447,32 @@ impl Gate {
         cost: usize,
         deadline: &Deadline,
     ) -> Result<GatePermit, Overloaded> {
-        let (reply, ticket, mut check_at) = match self.join(tenant, cost, deadline)? {
+        self.enter_with(tenant, cost, deadline, false).await
+    }
+
+    /// [`Gate::enter_as`] for a request that is a retry (it came with
+    /// `grpc-previous-rpc-attempts`): when the gate must shed, retries go first. Without a
+    /// free slot, a retry is refused ([`DropReason::Retry`]) instead of queued while the queue
+    /// is half full or the gate sheds under sustained overload, so first attempts keep the
+    /// rest of the queue: a retry's work was already asked for once, and shedding it sheds
+    /// load that the retrying client multiplied (Google SRE's criticality).
+    pub async fn enter_retry_as(
+        &self,
+        tenant: &str,
+        cost: usize,
+        deadline: &Deadline,
+    ) -> Result<GatePermit, Overloaded> {
+        self.enter_with(tenant, cost, deadline, true).await
+    }
+
+    async fn enter_with(
+        &self,
+        tenant: &str,
+        cost: usize,
+        deadline: &Deadline,
+        retry: bool,
+    ) -> Result<GatePermit, Overloaded> {
+        let (reply, ticket, mut check_at) = match self.join(tenant, cost, deadline, retry)? {
             Joined::Admitted(permit) => return Ok(permit),
             Joined::Queued {
                 reply,
@@ -487,7 +512,13 @@ impl Gate {
     }
 
     /// Admits at once, queues, or refuses: the synchronous half of [`Gate::enter_as`].
-    fn join(&self, tenant: &str, cost: usize, deadline: &Deadline) -> Result<Joined, Overloaded> {
+    fn join(
+        &self,
+        tenant: &str,
+        cost: usize,
+        deadline: &Deadline,
+        retry: bool,
+    ) -> Result<Joined, Overloaded> {
         let shared = &self.shared;
         let now = Instant::now();
         let mut state = shared.lock();
@@ -498,6 +529,12 @@ impl Gate {
                 now,
                 Duration::ZERO,
             )));
+        }
+        if retry
+            && (state.shedding.is_sustained()
+                || state.queue.len() * 2 >= state.queue.config().max_waiters)
+        {
+            return Err(Shared::refusal(&mut state, now, Some(DropReason::Retry)));
         }
         let (notify, reply) = oneshot::channel();
         let pushed = state
@@ -603,6 +640,44 @@ mod tests {
     use tokio::time::Instant;
 
     const MS: Duration = Duration::from_millis(1);
+
+    /// Criticality: without a free slot, a retry is refused once the queue is half full,
+    /// while first attempts still queue up to the bound; with room to spare a retry waits too.
+    #[tokio::test(start_paused = true)]
+    async fn retries_are_shed_before_first_attempts() {
+        let gate = Gate::new(1, MS).with_queue(QueueConfig {
+            max_waiters: 4,
+            ..QueueConfig::default()
+        });
+        let d = Deadline::after(Duration::from_secs(10));
+        let held = gate.enter(&d).await.unwrap();
+        // A quarter full: the retry still waits its turn.
+        let first = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.enter_as("a", 0, &d).await.map(drop) }
+        });
+        tokio::task::yield_now().await;
+        let retry = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.enter_retry_as("a", 0, &d).await.map(drop) }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(gate.queued(), 2, "a retry waits while the queue has room");
+        // Half full now: the next retry is refused at once, a first attempt still queues.
+        let err = gate.enter_retry_as("b", 0, &d).await.unwrap_err();
+        assert_eq!(err.reason, Some(DropReason::Retry));
+        assert_eq!(err.reason_label(), "retry");
+        let third = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.enter_as("c", 0, &d).await.map(drop) }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(gate.queued(), 3);
+        drop(held);
+        for waiter in [first, retry, third] {
+            waiter.await.unwrap().unwrap();
+        }
+    }
 
     #[tokio::test(start_paused = true)]
     async fn waits_at_most_remaining_minus_min_service() {

@@ -64,16 +64,21 @@ pub enum DropReason {
     Deadline,
     /// Waited longer than the queue allows (its target while overloaded, else its interval).
     Sojourn,
+    /// A retry refused before first attempts: the gate had no free slot while its queue was
+    /// half full or the gate was shedding under sustained overload (see
+    /// [`Gate::enter_retry_as`](super::Gate::enter_retry_as)).
+    Retry,
 }
 
 impl DropReason {
-    /// The metric label: `full`, `tenant_share`, `deadline` or `sojourn`.
+    /// The metric label: `full`, `tenant_share`, `deadline`, `sojourn` or `retry`.
     pub const fn as_str(self) -> &'static str {
         match self {
             DropReason::Full => reject_reason::FULL,
             DropReason::TenantShare => reject_reason::TENANT_SHARE,
             DropReason::Deadline => reject_reason::DEADLINE,
             DropReason::Sojourn => reject_reason::SOJOURN,
+            DropReason::Retry => reject_reason::RETRY,
         }
     }
 }

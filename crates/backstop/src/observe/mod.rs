@@ -217,6 +217,8 @@ pub mod reject_reason {
     pub const DEADLINE: &str = "deadline";
     /// Waited in the gate's queue longer than it allows (a standing queue formed): 503.
     pub const SOJOURN: &str = "sojourn";
+    /// A retry refused before first attempts while the gate sheds (criticality): 503.
+    pub const RETRY: &str = "retry";
     /// The gate's queue is at its bound, by count or by memory: 503.
     pub const FULL: &str = "full";
     /// The tenant holds more than its share of the gate's queue: 503.

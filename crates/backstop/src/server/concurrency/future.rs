@@ -136,8 +136,18 @@ where
                                 let tenant =
                                     Tenant::from_extensions(request.extensions()).to_owned();
                                 let cost = waiting_cost(request);
+                                // Retries are shed before first attempts.
+                                let retry = crate::retry::inbound::parse(
+                                    request
+                                        .headers()
+                                        .get(&crate::retry::inbound::PREVIOUS_ATTEMPTS),
+                                ) > 0;
                                 let waiting: Enter = Box::pin(async move {
-                                    gate.enter_as(&tenant, cost, &deadline).await
+                                    if retry {
+                                        gate.enter_retry_as(&tenant, cost, &deadline).await
+                                    } else {
+                                        gate.enter_as(&tenant, cost, &deadline).await
+                                    }
                                 });
                                 *enter = Some(waiting);
                                 continue;
