@@ -886,12 +886,16 @@ async fn a_keyed_grpc_method_is_forwarded_once_over_h2c_and_streams_pass_through
     let effects = upstream.of("effect", Some("g-1"));
     assert_eq!(effects.len(), 1, "{effects:?}");
     assert_eq!(effects[0]["effect_key"].as_str().map(str::len), Some(32));
-    // The caller's 20 s budget (not the route's 3 s) reached the upstream. Written back in the
-    // unit the caller used, it can come out a fraction of that unit above what was left (seen:
-    // 20.085 s), so the bound allows one second over.
+    // The caller's budget (not the route's 3 s), less what the proxy spent and its margin,
+    // reaches the upstream, never more. A grpcio caller rounds its own budget up (20 s goes
+    // out as up to 20.1 s), so this call is sent with exactly 20 s.
+    let grpc_status = grpc_unary(target, "/shop.v1.Orders/Create", "g-budget", "20S").await;
+    assert_eq!(grpc_status.as_deref(), Some("0"));
+    let effects = upstream.of("effect", Some("g-budget"));
+    assert_eq!(effects.len(), 1, "{effects:?}");
     let left = effects[0]["time_remaining"].as_f64();
     assert!(
-        left.is_some_and(|left| left > 3.0 && left < 21.0),
+        left.is_some_and(|left| left > 3.0 && left < 20.0),
         "{:?}",
         effects[0]
     );
@@ -906,6 +910,38 @@ async fn a_keyed_grpc_method_is_forwarded_once_over_h2c_and_streams_pass_through
     .await;
     let messages: Vec<String> = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(messages, ["update:0", "update:1", "update:2"]);
+}
+
+/// One unary gRPC call over h2c to `target` with `Idempotency-Key: key` and exactly
+/// `grpc-timeout: timeout`, an empty message; the call's `grpc-status`.
+async fn grpc_unary(target: &str, path: &str, key: &str, timeout: &str) -> Option<String> {
+    use http_body_util::BodyExt;
+    let tcp = tokio::net::TcpStream::connect(target).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("http://{target}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-timeout", timeout)
+        .header("idempotency-key", key)
+        // An empty message: not compressed, length zero.
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(&[
+            0, 0, 0, 0, 0,
+        ])))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let (head, body) = response.into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned().unwrap_or_default();
+    head.headers
+        .get("grpc-status")
+        .or_else(|| trailers.get("grpc-status"))
+        .map(|v| v.to_str().unwrap().to_owned())
 }
 
 #[tokio::test]
