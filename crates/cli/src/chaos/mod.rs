@@ -8,6 +8,13 @@
 //! it again at once; then checks the history (see [`check`]) and prints the counts and the
 //! first violation with its whole history. Everything stays on loopback and is bounded by
 //! `--max-time`.
+//!
+//! With `--target proxy` the instances are `backstop proxy` in front of an upstream the user
+//! started (`--upstream`), on one keyed route, and the payments are requests to that route;
+//! the charges checked are the effects the upstream lists at `--ledger` (a JSON array of
+//! objects with the `key` each effect's request carried): at most one per key, one per
+//! acknowledged key, every answer of a key the same bytes. A 500 `outcome_unknown` is a final
+//! refusal there (a key forwarded before a crash, to an upstream that does not deduplicate).
 
 mod check;
 mod fleet;
@@ -36,8 +43,8 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use check::{Answer, History, Payment, PspCharge, RunningIntent, Violation};
-use fleet::{Addresses, Fleet, Launch};
+use check::{Answer, History, Payment, Promise, PspCharge, RunningIntent, Violation};
+use fleet::{Addresses, Fleet, Launch, Role};
 use workload::{Workload, millis};
 
 /// Most running intents listed after a run (more means something is badly wrong anyway).
@@ -47,9 +54,43 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 /// Upper bound of the time-to-final-answer histogram.
 const HOUR_MS: u64 = 3_600_000;
 
+/// What a chaos run puts under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Target {
+    /// `backstop serve` in front of an in-process PSP.
+    Serve,
+    /// `backstop proxy` in front of `--upstream`.
+    Proxy,
+}
+
 /// Flags of `backstop chaos`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct ChaosArgs {
+    /// What runs under test: `serve` (the payment service, in front of an in-process PSP) or
+    /// `proxy` (`backstop proxy` in front of `--upstream`, its effects read from `--ledger`).
+    #[arg(long, value_name = "TARGET", value_enum, default_value_t = Target::Serve)]
+    target: Target,
+    /// With `--target proxy`: the upstream, `http://HOST:PORT`, started by you; it executes an
+    /// effect for each request it gets and lists them at `--ledger`.
+    #[arg(long, value_name = "URL")]
+    upstream: Option<String>,
+    /// With `--target proxy`: where the upstream lists the effects it executed, a JSON array
+    /// of objects with `key` (the `Idempotency-Key` the request carried); `effect_key` and
+    /// `effect_id` are shown when present. Default: the upstream's `/_effects`.
+    #[arg(long, value_name = "URL")]
+    ledger: Option<String>,
+    /// With `--target proxy`: the path every payment is POSTed to, declared keyed in the
+    /// proxy's routes.
+    #[arg(long, value_name = "PATH", default_value = "/v1/charges")]
+    path: String,
+    /// With `--target proxy`: the upstream deduplicates by the effect key, and the route says
+    /// so (after a crash the proxy forwards a key again, under the same effect key).
+    #[arg(long)]
+    upstream_dedups: bool,
+    /// A header added to every payment request, `NAME: VALUE` (repeatable): e.g. a delay the
+    /// upstream understands, so that kills land while requests are at the upstream.
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
     /// `sqlite` (one instance on a file in a temporary directory) or a PostgreSQL URL
     /// (`postgres://USER@HOST:PORT/DB`: the instances share a schema created for the run).
     #[arg(long, value_name = "STORE", default_value = "sqlite")]
@@ -120,6 +161,26 @@ enum StoreKind {
 
 impl ChaosArgs {
     fn store_kind(&self) -> Result<StoreKind, String> {
+        match (self.target, &self.upstream) {
+            (Target::Proxy, None) => {
+                return Err("--target proxy needs --upstream URL (an upstream you started)".into());
+            }
+            (Target::Serve, Some(_)) => {
+                return Err("--upstream is for --target proxy".into());
+            }
+            (Target::Proxy, Some(url)) => {
+                if !url.starts_with("http://") {
+                    return Err(format!("--upstream must be an http:// URL, got {url:?}"));
+                }
+                if !self.path.starts_with('/') || self.path.contains(['{', '}', ' ']) {
+                    return Err(format!(
+                        "--path must be a plain path starting with /, got {:?}",
+                        self.path
+                    ));
+                }
+            }
+            (Target::Serve, None) => {}
+        }
         let kind = if self.store == "sqlite" {
             StoreKind::Sqlite
         } else if self.store.starts_with("postgres://") || self.store.starts_with("postgresql://") {
@@ -180,6 +241,7 @@ struct Kill {
 /// What a run prints.
 #[derive(Debug, Serialize)]
 struct Summary {
+    target: &'static str,
     store: &'static str,
     instances: usize,
     seed: u64,
@@ -277,21 +339,41 @@ async fn run_in(
     dir: &tempfile::TempDir,
     schema: Option<&Schema>,
 ) -> Result<Summary, Box<dyn Error>> {
-    let psp = psp::spawn(PspConfig {
-        faults: args.faults(),
-        seed: Some(psp_seed),
-        ..PspConfig::default()
-    })
-    .await?;
     let sqlite_path = dir.path().join("backstop.db");
     let store = match (kind, schema) {
         (StoreKind::Postgres(url), Some(schema)) => schema.store_url(url),
         _ => format!("sqlite://{}", sqlite_path.display()),
     };
+    // The PSP behind `serve`, or the upstream's ledger behind a proxy: where charges are read.
+    let (charges, role) = match (args.target, &args.upstream) {
+        (Target::Proxy, Some(upstream)) => {
+            let config = dir.path().join("routes.toml");
+            std::fs::write(&config, proxy_routes(args))?;
+            let ledger = args
+                .ledger
+                .clone()
+                .unwrap_or_else(|| format!("{}/_effects", upstream.trim_end_matches('/')));
+            let role = Role::Proxy {
+                upstream: upstream.clone(),
+                config,
+            };
+            (Charges::Ledger(ledger), role)
+        }
+        _ => {
+            let psp = psp::spawn(PspConfig {
+                faults: args.faults(),
+                seed: Some(psp_seed),
+                ..PspConfig::default()
+            })
+            .await?;
+            let role = Role::Serve { psp: psp.url() };
+            (Charges::Psp(psp), role)
+        }
+    };
     let launch = Launch {
         bin: std::env::current_exe()?,
         store: store.clone(),
-        psp: psp.url(),
+        role,
         log_dir: dir.path().to_owned(),
     };
     let mut fleet = Fleet::start(launch, args.instances.get()).await?;
@@ -304,6 +386,9 @@ async fn run_in(
         run_id: run_id.to_owned(),
         seed,
         deadline: started + args.max_time,
+        path: args.payment_path().to_owned(),
+        headers: args.headers.clone(),
+        outcome_unknown_is_final: args.target == Target::Proxy,
     };
     let progress = Arc::new(AtomicUsize::new(0));
     let mut clients = tokio::spawn(workload::run(
@@ -366,17 +451,41 @@ async fn run_in(
     let workload_time = started.elapsed();
 
     let mut history = History {
+        promise: match args.target {
+            Target::Serve => Promise::Payments,
+            Target::Proxy => Promise::Effects,
+        },
         payments,
         running: Vec::new(),
         psp_charges: 0,
     };
-    verify(&mut history, &fleet.addresses(), &psp, args).await;
+    let ledger = match &charges {
+        Charges::Psp(_) => None,
+        Charges::Ledger(url) => Some(read_ledger(url, run_id).await?),
+    };
+    verify(
+        &mut history,
+        &fleet.addresses(),
+        &charges,
+        ledger.as_ref(),
+        args,
+    )
+    .await;
     fleet.stop().await;
-    history.running = running_intents(kind, &sqlite_path, &store).await?;
-    let psp_charges = psp.store().count().await?;
+    let (psp_charges, psp_faults) = match charges {
+        Charges::Psp(psp) => {
+            history.running = running_intents(kind, &sqlite_path, &store).await?;
+            let total = psp.store().count().await?;
+            let faults = psp.faults().drawn();
+            psp.shutdown().await;
+            (total, faults)
+        }
+        Charges::Ledger(_) => {
+            let total = ledger.as_ref().map_or(0, Ledger::total);
+            (total, FaultCounts::default())
+        }
+    };
     history.psp_charges = psp_charges;
-    let psp_faults = psp.faults().drawn();
-    psp.shutdown().await;
 
     let violations = check::check(&history);
     Ok(summarize(
@@ -393,9 +502,87 @@ async fn run_in(
     ))
 }
 
+/// Where a run reads what was charged.
+enum Charges {
+    /// The in-process PSP behind `serve`.
+    Psp(PspHandle),
+    /// The upstream's list of effects at this URL, behind a proxy.
+    Ledger(String),
+}
+
+/// The upstream's effects of one run, by `Idempotency-Key`.
+#[derive(Debug, Default)]
+struct Ledger {
+    by_key: std::collections::HashMap<String, Vec<PspCharge>>,
+}
+
+impl Ledger {
+    /// Every effect of the run's keys.
+    fn total(&self) -> u64 {
+        self.by_key.values().map(|e| e.len() as u64).sum()
+    }
+
+    /// Reads a ledger's JSON: an array of effects, each with `key`; only the keys of run
+    /// `run_id` are kept (an upstream may have served others).
+    fn parse(json: &str, run_id: &str) -> Result<Ledger, String> {
+        let effects: Vec<serde_json::Value> = serde_json::from_str(json)
+            .map_err(|e| format!("the ledger is not a JSON array of effects: {e}"))?;
+        let prefix = format!("key-{run_id}-");
+        let mut ledger = Ledger::default();
+        for effect in effects {
+            let Some(key) = effect["key"].as_str() else {
+                return Err(format!("a ledger entry has no \"key\": {effect}"));
+            };
+            if !key.starts_with(&prefix) {
+                continue;
+            }
+            let text = |field: &str| effect[field].as_str().unwrap_or_default().to_owned();
+            ledger
+                .by_key
+                .entry(key.to_owned())
+                .or_default()
+                .push(PspCharge {
+                    charge_id: text("effect_id"),
+                    effect_key: text("effect_key"),
+                });
+        }
+        Ok(ledger)
+    }
+}
+
+/// GETs the ledger at `url` (after the workload, while nothing is in flight).
+async fn read_ledger(url: &str, run_id: &str) -> Result<Ledger, Box<dyn Error>> {
+    let http = workload::client(Duration::from_secs(10));
+    let response = http
+        .get(url)
+        .send()
+        .await
+        .map_err(|e| format!("cannot read the ledger at {url}: {e}"))?;
+    if !response.status().is_success() {
+        return Err(format!("the ledger at {url} answered {}", response.status()).into());
+    }
+    let text = response.text().await?;
+    Ok(Ledger::parse(&text, run_id).map_err(|e| format!("{url}: {e}"))?)
+}
+
+/// The routes file of the proxies of a run: the payments' path, keyed.
+fn proxy_routes(args: &ChaosArgs) -> String {
+    format!(
+        "[[policies.route]]\nmatch = \"POST {}\"\nname = \"ChaosPayment\"\nidempotency = \"keyed\"\nupstream_dedups_by_effect_key = {}\n",
+        args.path, args.upstream_dedups
+    )
+}
+
 /// After the workload: looks up and replays every acknowledged payment, converges the ones
-/// left with an unknown outcome, and reads the PSP's charges of every order.
-async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, args: &ChaosArgs) {
+/// left with an unknown outcome, and reads the charges of every order (the PSP's, or behind a
+/// proxy the upstream's effects).
+async fn verify(
+    history: &mut History,
+    addresses: &Addresses,
+    charges: &Charges,
+    ledger: Option<&Ledger>,
+    args: &ChaosArgs,
+) {
     let deadline = Instant::now() + args.settle;
     let http = workload::client(args.timeout);
     let gate = Arc::new(Semaphore::new(args.concurrency.get()));
@@ -408,12 +595,25 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
             .iter()
             .find(|a| a.acknowledged())
             .map(|a| a.body.clone());
-        let intent = payment
-            .attempts
-            .iter()
-            .rev()
-            .find_map(|a| check::intent_id(&a.body));
-        let store = psp.store().clone();
+        // Behind a proxy nothing is looked up: the upstream's answers are its own.
+        let intent = match charges {
+            Charges::Psp(_) => payment
+                .attempts
+                .iter()
+                .rev()
+                .find_map(|a| check::intent_id(&a.body)),
+            Charges::Ledger(_) => None,
+        };
+        let store = match charges {
+            Charges::Psp(psp) => Some(psp.store().clone()),
+            Charges::Ledger(_) => None,
+        };
+        let effects = ledger
+            .and_then(|l| l.by_key.get(&key))
+            .cloned()
+            .unwrap_or_default();
+        let path = args.payment_path().to_owned();
+        let headers = args.headers.clone();
         let timeout = args.timeout;
         checks.spawn(async move {
             let Ok(_permit) = gate.acquire_owned().await else {
@@ -435,26 +635,33 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
                 Some(_) => {
                     let body = workload::body(&order_id);
                     send(&addresses, deadline, |base| {
-                        http.post(format!("{base}/v1/payments"))
+                        let mut request = http
+                            .post(format!("{base}{path}"))
                             .header("content-type", "application/json")
                             .header("idempotency-key", &key)
-                            .header("grpc-timeout", workload::grpc_timeout(timeout))
-                            .body(body.clone())
+                            .header("grpc-timeout", workload::grpc_timeout(timeout));
+                        for (name, value) in &headers {
+                            request = request.header(name, value);
+                        }
+                        request.body(body.clone())
                     })
                     .await
                 }
                 None => None,
             };
-            let charges = store
-                .list(Some(psp_reference(DEFAULT_MERCHANT, &order_id)))
-                .await
-                .unwrap_or_default()
-                .into_iter()
-                .map(|c| PspCharge {
-                    charge_id: c.charge_id,
-                    effect_key: c.effect_key,
-                })
-                .collect();
+            let charges = match store {
+                Some(store) => store
+                    .list(Some(psp_reference(DEFAULT_MERCHANT, &order_id)))
+                    .await
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|c| PspCharge {
+                        charge_id: c.charge_id,
+                        effect_key: c.effect_key,
+                    })
+                    .collect(),
+                None => effects,
+            };
             (index, lookup, replay, charges)
         });
     }
@@ -561,6 +768,10 @@ fn summarize(
         kills: kills.clone(),
     });
     Summary {
+        target: match args.target {
+            Target::Serve => "serve",
+            Target::Proxy => "proxy",
+        },
         store: match kind {
             StoreKind::Sqlite => "sqlite",
             StoreKind::Postgres(_) => "postgres",
@@ -602,15 +813,23 @@ fn print(summary: &Summary, json: bool) -> Result<(), Box<dyn Error>> {
         return Ok(());
     }
     let s = summary;
-    println!(
-        "chaos on {} with {} instance(s), seed {}, PSP seed {} (commit-then-timeout {}, commit-then-drop {})",
-        s.store,
-        s.instances,
-        s.seed,
-        s.psp_seed,
-        s.commit_then_timeout_rate,
-        s.commit_then_drop_rate
-    );
+    let proxy = s.target == "proxy";
+    if proxy {
+        println!(
+            "chaos on proxy, {} with {} instance(s), seed {}",
+            s.store, s.instances, s.seed
+        );
+    } else {
+        println!(
+            "chaos on {} with {} instance(s), seed {}, PSP seed {} (commit-then-timeout {}, commit-then-drop {})",
+            s.store,
+            s.instances,
+            s.seed,
+            s.psp_seed,
+            s.commit_then_timeout_rate,
+            s.commit_then_drop_rate
+        );
+    }
     println!(
         "payments      {} (acknowledged {}, refused {}, unfinished {})",
         s.payments, s.acknowledged, s.refused, s.unfinished
@@ -620,10 +839,14 @@ fn print(summary: &Summary, json: bool) -> Result<(), Box<dyn Error>> {
         s.attempts, s.attempts_per_payment, s.retried, s.unanswered
     );
     println!("kills         {} (SIGKILL, restarted at once)", s.kills);
-    println!(
-        "psp           {} charges; faults injected: {} commit-then-timeout, {} commit-then-drop",
-        s.psp_charges, s.psp_faults.commit_then_timeout, s.psp_faults.commit_then_drop
-    );
+    if proxy {
+        println!("upstream      {} effects of the run's keys", s.psp_charges);
+    } else {
+        println!(
+            "psp           {} charges; faults injected: {} commit-then-timeout, {} commit-then-drop",
+            s.psp_charges, s.psp_faults.commit_then_timeout, s.psp_faults.commit_then_drop
+        );
+    }
     println!(
         "final answer  p50 {} ms, p99 {} ms, max {} ms",
         s.final_answer_p50_ms, s.final_answer_p99_ms, s.final_answer_max_ms
@@ -654,7 +877,12 @@ fn print(summary: &Summary, json: bool) -> Result<(), Box<dyn Error>> {
             if let Some(r) = &p.replay {
                 println!("  replay: {} {}", r.status, r.body);
             }
-            println!("  PSP charges: {}", p.charges.len());
+            let what = if proxy {
+                "upstream effects"
+            } else {
+                "PSP charges"
+            };
+            println!("  {what}: {}", p.charges.len());
             for c in &p.charges {
                 println!("    {} (effect key {})", c.charge_id, c.effect_key);
             }
@@ -709,6 +937,28 @@ impl Schema {
         let _ = connection.await;
         Ok(())
     }
+}
+
+impl ChaosArgs {
+    /// Where each payment is POSTed.
+    fn payment_path(&self) -> &str {
+        match self.target {
+            Target::Serve => "/v1/payments",
+            Target::Proxy => &self.path,
+        }
+    }
+}
+
+/// `NAME: VALUE`, a valid header.
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not a header like `X-Delay: 50`"))?;
+    let (name, value) = (name.trim(), value.trim());
+    http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a header name"))?;
+    http::HeaderValue::from_str(value).map_err(|_| format!("{value:?} is not a header value"))?;
+    Ok((name.to_owned(), value.to_owned()))
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -782,6 +1032,78 @@ mod tests {
         assert_eq!(
             pg.store_kind().unwrap(),
             StoreKind::Postgres("postgres://u@h/db".into())
+        );
+    }
+
+    #[test]
+    fn the_proxy_target_needs_an_upstream_and_reads_its_ledger() {
+        let no_upstream = parse(&["--target", "proxy"]).unwrap();
+        assert!(no_upstream.store_kind().unwrap_err().contains("--upstream"));
+        let serve_upstream = parse(&["--upstream", "http://127.0.0.1:9"]).unwrap();
+        assert!(
+            serve_upstream
+                .store_kind()
+                .unwrap_err()
+                .contains("--target proxy")
+        );
+        let https = parse(&["--target", "proxy", "--upstream", "https://x"]).unwrap();
+        assert!(https.store_kind().unwrap_err().contains("http://"));
+        let pattern = parse(&[
+            "--target",
+            "proxy",
+            "--upstream",
+            "http://x",
+            "--path",
+            "/a/{id}",
+        ]);
+        assert!(
+            pattern
+                .unwrap()
+                .store_kind()
+                .unwrap_err()
+                .contains("--path")
+        );
+        assert!(parse(&["--header", "no colon"]).is_err());
+        assert!(parse(&["--header", "bad name: 1"]).is_err());
+
+        let args = parse(&[
+            "--target",
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--header",
+            "X-Upstream-Sleep-Ms: 50",
+            "--upstream-dedups",
+        ])
+        .unwrap();
+        assert_eq!(args.store_kind().unwrap(), StoreKind::Sqlite);
+        assert_eq!(args.payment_path(), "/v1/charges");
+        assert_eq!(args.headers, [("X-Upstream-Sleep-Ms".into(), "50".into())]);
+        let routes = proxy_routes(&args);
+        assert!(routes.contains(r#"match = "POST /v1/charges""#), "{routes}");
+        assert!(
+            routes.contains("upstream_dedups_by_effect_key = true"),
+            "{routes}"
+        );
+
+        let ledger = Ledger::parse(
+            r#"[{"key":"key-r1-0","effect_key":"k","effect_id":"e"},{"key":"key-r1-0"},
+                {"key":"key-other-0"},{"key":"key-r1-1","n":3}]"#,
+            "r1",
+        )
+        .unwrap();
+        assert_eq!(ledger.total(), 3);
+        assert_eq!(ledger.by_key["key-r1-0"].len(), 2);
+        assert_eq!(ledger.by_key["key-r1-0"][0].effect_key, "k");
+        assert!(
+            Ledger::parse("{}", "r1")
+                .unwrap_err()
+                .contains("JSON array")
+        );
+        assert!(
+            Ledger::parse(r#"[{"n":1}]"#, "r1")
+                .unwrap_err()
+                .contains("key")
         );
     }
 
