@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use backstop::admission::QueueConfig;
+use backstop::client::breaker::BreakerConfig;
 use backstop_payment::config::StoreLocation;
 use clap::Args;
 use clap::error::ErrorKind;
@@ -69,6 +70,14 @@ pub(crate) struct ProxyArgs {
     /// written on a connection the upstream is closing.
     #[arg(long, value_name = "DURATION", default_value = "4s", value_parser = parse_idle)]
     upstream_idle_timeout: Duration,
+    /// With several `--upstream`s, each has a circuit breaker of its own: it opens when at
+    /// least this many requests to the endpoint in 10 s ended, half of them failed (a 5xx, or
+    /// no answer), and the endpoint is left out of the balancing while it is open.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    endpoint_breaker_min_requests: u32,
+    /// How long an endpoint's open breaker leaves it out before one request probes it.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_open_for)]
+    endpoint_breaker_open_for: Duration,
     /// Longest budget a caller may ask for; longer ones are cut to it.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_max_timeout)]
     max_timeout: Duration,
@@ -120,6 +129,8 @@ pub(crate) struct Settings {
     pub(crate) scope_header: Option<HeaderName>,
     pub(crate) upstream_idle_timeout: Duration,
     pub(crate) max_timeout: Duration,
+    /// The breaker of each upstream endpoint (with more than one).
+    pub(crate) endpoint_breaker: BreakerConfig,
     pub(crate) lease: Duration,
     pub(crate) max_inflight: usize,
     pub(crate) queue_size: usize,
@@ -177,6 +188,10 @@ impl ProxyArgs {
             ("--max-inflight", self.max_inflight),
             ("--queue-size", self.queue_size),
             ("--max-connections", self.max_connections),
+            (
+                "--endpoint-breaker-min-requests",
+                self.endpoint_breaker_min_requests as usize,
+            ),
         ] {
             if n == 0 {
                 return Err(invalid(format!("{flag} must be at least 1")));
@@ -195,6 +210,11 @@ impl ProxyArgs {
             scope_header,
             upstream_idle_timeout: self.upstream_idle_timeout,
             max_timeout: self.max_timeout,
+            endpoint_breaker: BreakerConfig {
+                min_requests: self.endpoint_breaker_min_requests,
+                open_for: self.endpoint_breaker_open_for,
+                ..BreakerConfig::default()
+            },
             lease: self.lease,
             max_inflight: self.max_inflight,
             queue_size: self.queue_size,
@@ -250,6 +270,14 @@ fn within(
 
 fn parse_margin(s: &str) -> Result<Duration, String> {
     within(s, Duration::ZERO..=Duration::from_secs(10), "0s..=10s")
+}
+
+fn parse_open_for(s: &str) -> Result<Duration, String> {
+    within(
+        s,
+        Duration::from_millis(10)..=Duration::from_secs(600),
+        "10ms..=10m",
+    )
 }
 
 fn parse_max_timeout(s: &str) -> Result<Duration, String> {

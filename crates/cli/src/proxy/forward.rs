@@ -47,8 +47,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use backstop::client::breaker::{BreakerConfig, CircuitOpen};
 use backstop::client::connect::{self, Balanced};
-use backstop::client::{ClientService, ClientStack, Destination, Error as ClientError, StackError};
+use backstop::client::{ClientService, ClientStack, Destination, Error as ClientError};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, decode_grpc_timeout};
 use backstop::idempotency::postgres::PostgresStore;
 use backstop::idempotency::sqlite::SqliteStore;
@@ -70,6 +71,7 @@ use hyper::body::Incoming;
 use tower::{BoxError, Service, ServiceExt};
 
 use super::budget::{BudgetForm, TimeoutHeaders};
+use super::endpoints;
 
 /// A boxed future that can move between threads.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -303,6 +305,8 @@ pub(crate) struct ForwardSettings {
     pub(crate) effect_key_header: HeaderName,
     /// How long an idle pooled connection to the upstream is kept.
     pub(crate) idle_timeout: Duration,
+    /// The breaker of each endpoint, with several.
+    pub(crate) endpoint_breaker: BreakerConfig,
 }
 
 /// A pooled client with the settings of the library's
@@ -323,12 +327,15 @@ fn pooled(http2: bool, idle: Duration) -> connect::HttpClient<UpstreamBody> {
 impl<St: ProxyStore> Forwarder<St> {
     /// A forwarder balancing over `upstreams` (each `http://HOST:PORT`) through the library's
     /// client stack. Call it inside the runtime: the balancers' workers are spawned on it.
-    pub(crate) fn new(upstreams: &[Uri], settings: ForwardSettings) -> Result<Self, StackError> {
+    pub(crate) fn new(
+        upstreams: &[Uri],
+        settings: ForwardSettings,
+    ) -> Result<Self, super::server::ProxyError> {
+        // One breaker per endpoint, whichever protocol reaches it.
+        let breakers = endpoints::breakers(upstreams, settings.endpoint_breaker)
+            .map_err(super::server::ProxyError::Breaker)?;
         let balanced = |http2: bool| -> Upstream {
-            let endpoints =
-                connect::endpoints(pooled(http2, settings.idle_timeout), upstreams.to_vec())
-                    .expect("upstream URLs are checked when read");
-            connect::balanced(endpoints, connect::DEFAULT_BUFFER)
+            endpoints::balanced(pooled(http2, settings.idle_timeout), upstreams, &breakers)
         };
         let destination = Destination::new(UPSTREAM_DESTINATION).margin_floor(settings.margin);
         let transport = Transport {
@@ -340,7 +347,8 @@ impl<St: ProxyStore> Forwarder<St> {
         };
         let client = ClientStack::builder(&destination, settings.client_policies)
             .replay_cap(REPLAY_CAP)
-            .build()?
+            .build()
+            .map_err(super::server::ProxyError::Client)?
             .layer(transport);
         Ok(Self {
             client,
@@ -533,10 +541,14 @@ pub(crate) fn outcome_unknown<B: From<Bytes>>(
     problem.into_response_for(protocol)
 }
 
-/// Whether `error` says the request never reached the upstream: no connection could be made.
+/// Whether `error` says the request never reached the upstream: no connection could be made,
+/// or the endpoint's breaker refused it.
 fn never_sent(error: &(dyn StdError + 'static)) -> bool {
     let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
     while let Some(e) = cause {
+        if e.is::<CircuitOpen>() {
+            return true;
+        }
         if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
             return client.is_connect();
         }

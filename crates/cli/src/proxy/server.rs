@@ -91,6 +91,9 @@ pub(crate) enum ProxyError {
     /// The client stack towards the upstream refused the routes' policies.
     #[error("cannot build the client towards the upstream")]
     Client(#[source] backstop::client::StackError),
+    /// An upstream endpoint's breaker could not be made.
+    #[error("invalid upstream endpoint breaker")]
+    Breaker(#[source] backstop::client::breaker::BreakerError),
     /// A listener's task failed.
     #[error("the proxy failed")]
     Serve(#[source] tokio::task::JoinError),
@@ -146,9 +149,9 @@ async fn serve<St: ProxyStore>(
             margin: settings.margin,
             effect_key_header: settings.effect_key_header.clone(),
             idle_timeout: settings.upstream_idle_timeout,
+            endpoint_breaker: settings.endpoint_breaker,
         },
-    )
-    .map_err(ProxyError::Client)?;
+    )?;
     let stack = stack(store.clone(), &settings);
     let detached = Detached::default();
     let front = Front {
