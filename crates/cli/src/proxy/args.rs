@@ -89,6 +89,17 @@ pub(crate) struct ProxyArgs {
     /// 503 + Retry-After.
     #[arg(long, value_name = "N", default_value_t = 1024)]
     max_inflight: usize,
+    /// Turn slow start off. With it (the default), when half of the recent requests fail (the
+    /// upstream answers 5xx, cannot be reached, or its circuit is open) the limit drops to
+    /// --slow-start-floor, and once requests succeed again it ramps back up to --max-inflight,
+    /// doubling per round trip, instead of releasing the whole queue at once onto an upstream
+    /// that is just back.
+    #[arg(long)]
+    no_slow_start: bool,
+    /// Requests forwarded at once during an outage, where slow start ramps up from (capped by
+    /// --max-inflight).
+    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
+    slow_start_floor: usize,
     /// Most requests waiting for one of the --max-inflight places.
     #[arg(long, value_name = "N", default_value_t = QueueConfig::DEFAULT_MAX_WAITERS)]
     queue_size: usize,
@@ -129,6 +140,8 @@ pub(crate) struct Settings {
     pub(crate) scope_header: Option<HeaderName>,
     pub(crate) upstream_idle_timeout: Duration,
     pub(crate) max_timeout: Duration,
+    /// Slow start's floor, or `None` without slow start.
+    pub(crate) slow_start: Option<usize>,
     /// The breaker of each upstream endpoint (with more than one).
     pub(crate) endpoint_breaker: BreakerConfig,
     pub(crate) lease: Duration,
@@ -188,6 +201,7 @@ impl ProxyArgs {
             ("--max-inflight", self.max_inflight),
             ("--queue-size", self.queue_size),
             ("--max-connections", self.max_connections),
+            ("--slow-start-floor", self.slow_start_floor),
             (
                 "--endpoint-breaker-min-requests",
                 self.endpoint_breaker_min_requests as usize,
@@ -210,6 +224,7 @@ impl ProxyArgs {
             scope_header,
             upstream_idle_timeout: self.upstream_idle_timeout,
             max_timeout: self.max_timeout,
+            slow_start: (!self.no_slow_start).then_some(self.slow_start_floor),
             endpoint_breaker: BreakerConfig {
                 min_requests: self.endpoint_breaker_min_requests,
                 open_for: self.endpoint_breaker_open_for,
@@ -346,6 +361,35 @@ mod tests {
         assert_eq!(s.effect_key_header, "idempotency-effect-key");
         assert_eq!(s.margin, Duration::from_millis(5));
         assert_eq!(s.table.routes.len(), 1, "the fallback alone");
+        assert_eq!(
+            s.slow_start,
+            Some(backstop_payment::config::DEFAULT_SLOW_START_FLOOR)
+        );
+        assert_eq!(s.endpoint_breaker.min_requests, 20);
+        assert_eq!(s.endpoint_breaker.open_for, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn slow_start_and_endpoint_breakers() {
+        let up = ["--upstream", "http://h:1"];
+        let with = |more: &[&str]| settings(&[&up[..], more].concat());
+        assert_eq!(with(&["--no-slow-start"]).unwrap().slow_start, None);
+        assert_eq!(
+            with(&["--slow-start-floor", "3"]).unwrap().slow_start,
+            Some(3)
+        );
+        assert!(with(&["--slow-start-floor", "0"]).is_err());
+        let s = with(&[
+            "--endpoint-breaker-min-requests",
+            "4",
+            "--endpoint-breaker-open-for",
+            "1s",
+        ])
+        .unwrap();
+        assert_eq!(s.endpoint_breaker.min_requests, 4);
+        assert_eq!(s.endpoint_breaker.open_for, Duration::from_secs(1));
+        assert!(with(&["--endpoint-breaker-min-requests", "0"]).is_err());
+        assert!(with(&["--endpoint-breaker-open-for", "1ms"]).is_err());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backstop::admission::{Gate, KeyedTokenBucket, QueueConfig, Quota};
+use backstop::admission::{FixedLimit, Gate, KeyedTokenBucket, QueueConfig, Quota, SlowStart};
 use backstop::clock::SystemClock;
 use backstop::db::sqlite::{Db, SqliteOptions};
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
@@ -263,12 +263,25 @@ fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::Se
     stack
         .deadline(DeadlineLayer::new(backstop::policy::DEFAULT_TIMEOUT).max(settings.max_timeout))
         .rate_limit(rate_limit(table))
-        .gate(Gate::new(settings.max_inflight, DEFAULT_MIN_SERVICE).with_queue(queue))
+        .gate(gate(settings).with_queue(queue))
         .idempotency(idempotency)
         .policies(table.policies.clone())
         .lease(settings.lease)
         .peer_from(|ext| ext.get::<ConnectionInfo>().map(ConnectionInfo::peer))
         .into_layer()
+}
+
+/// The admission gate: `--max-inflight` places, behind a slow start unless it is turned off
+/// (the upstream failing most requests drops the limit to the floor, and it ramps back up as
+/// they succeed again).
+fn gate(settings: &Settings) -> Gate {
+    match settings.slow_start {
+        Some(floor) => Gate::with_limit(
+            SlowStart::new(FixedLimit::new(settings.max_inflight), floor),
+            DEFAULT_MIN_SERVICE,
+        ),
+        None => Gate::new(settings.max_inflight, DEFAULT_MIN_SERVICE),
+    }
 }
 
 /// The scope of a request's keys: a hash of its scope header's value, so that the value (a

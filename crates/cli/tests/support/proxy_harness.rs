@@ -361,8 +361,8 @@ impl Proxy {
 
 /// The common case: a temporary directory, the Python HTTP upstream, a proxy in front of it
 /// and a client. Fields drop in reverse order of need: the proxy before the upstream, the
-/// directory last. A test that destructures one binds `dir: _dir`: with `..` the directory
-/// (and the upstream's events in it) would be deleted at once.
+/// directory last. A test that destructures one binds every field (`dir: _dir`): with `..`
+/// the fields left out are dropped at once (the upstream killed, the directory deleted).
 pub(crate) struct Rig {
     pub(crate) http: reqwest::Client,
     pub(crate) proxy: Proxy,
