@@ -18,6 +18,8 @@
 
 mod check;
 mod fleet;
+mod ledger;
+mod summary;
 mod workload;
 
 use std::error::Error;
@@ -36,23 +38,21 @@ use backstop_payment::psp::faults::FaultCounts;
 use backstop_payment::psp::{self, Faults, PspConfig, PspHandle};
 use backstop_payment::psp_client::psp_reference;
 use clap::Args;
-use hdrhistogram::Histogram;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use check::{Answer, History, Payment, Promise, PspCharge, RunningIntent, Violation};
+use check::{Answer, History, Promise, PspCharge, RunningIntent};
 use fleet::{Addresses, Fleet, Launch, Role};
+use ledger::{Ledger, proxy_routes, read_ledger};
+use summary::{Kill, Summary, print, summarize};
 use workload::{Workload, millis};
 
 /// Most running intents listed after a run (more means something is badly wrong anyway).
 const RUNNING_LIMIT: u32 = 1000;
 /// How often a run on a terminal says how far it got.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
-/// Upper bound of the time-to-final-answer histogram.
-const HOUR_MS: u64 = 3_600_000;
 
 /// What a chaos run puts under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -227,64 +227,6 @@ impl ChaosArgs {
     }
 }
 
-/// One SIGKILL and restart.
-#[derive(Debug, Clone, Serialize)]
-struct Kill {
-    /// Milliseconds since the start of the run.
-    at_ms: u64,
-    /// Which instance.
-    instance: usize,
-    /// How long the new process took to listen, in milliseconds.
-    restart_ms: u64,
-}
-
-/// What a run prints.
-#[derive(Debug, Serialize)]
-struct Summary {
-    target: &'static str,
-    store: &'static str,
-    instances: usize,
-    seed: u64,
-    psp_seed: u64,
-    commit_then_timeout_rate: f64,
-    commit_then_drop_rate: f64,
-    payments: usize,
-    acknowledged: usize,
-    refused: usize,
-    unfinished: usize,
-    attempts: usize,
-    attempts_per_payment: f64,
-    /// Payments that needed more than one attempt.
-    retried: usize,
-    /// Attempts that got no answer (connection refused or cut, timed out).
-    unanswered: usize,
-    kills: usize,
-    psp_charges: u64,
-    /// Faults the PSP injected, by kind.
-    psp_faults: FaultCounts,
-    final_answer_p50_ms: u64,
-    final_answer_p99_ms: u64,
-    final_answer_max_ms: u64,
-    workload_secs: f64,
-    elapsed_secs: f64,
-    violations: usize,
-    /// The first violation, and the whole history of its payment.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    first_violation: Option<Evidence>,
-    /// Where the logs (and SQLite store) are, when kept.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kept: Option<String>,
-}
-
-/// A violation with everything recorded about its order.
-#[derive(Debug, Serialize)]
-struct Evidence {
-    violation: Violation,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    payment: Option<Payment>,
-    kills: Vec<Kill>,
-}
-
 /// Runs the chaos check; an error when the run could not be made or found a violation.
 pub(crate) async fn run(args: ChaosArgs) -> Result<(), Box<dyn Error>> {
     let kind = args.store_kind()?;
@@ -348,7 +290,7 @@ async fn run_in(
     let (charges, role) = match (args.target, &args.upstream) {
         (Target::Proxy, Some(upstream)) => {
             let config = dir.path().join("routes.toml");
-            std::fs::write(&config, proxy_routes(args))?;
+            std::fs::write(&config, proxy_routes(&args.path, args.upstream_dedups))?;
             let ledger = args
                 .ledger
                 .clone()
@@ -510,69 +452,6 @@ enum Charges {
     Ledger(String),
 }
 
-/// The upstream's effects of one run, by `Idempotency-Key`.
-#[derive(Debug, Default)]
-struct Ledger {
-    by_key: std::collections::HashMap<String, Vec<PspCharge>>,
-}
-
-impl Ledger {
-    /// Every effect of the run's keys.
-    fn total(&self) -> u64 {
-        self.by_key.values().map(|e| e.len() as u64).sum()
-    }
-
-    /// Reads a ledger's JSON: an array of effects, each with `key`; only the keys of run
-    /// `run_id` are kept (an upstream may have served others).
-    fn parse(json: &str, run_id: &str) -> Result<Ledger, String> {
-        let effects: Vec<serde_json::Value> = serde_json::from_str(json)
-            .map_err(|e| format!("the ledger is not a JSON array of effects: {e}"))?;
-        let prefix = format!("key-{run_id}-");
-        let mut ledger = Ledger::default();
-        for effect in effects {
-            let Some(key) = effect["key"].as_str() else {
-                return Err(format!("a ledger entry has no \"key\": {effect}"));
-            };
-            if !key.starts_with(&prefix) {
-                continue;
-            }
-            let text = |field: &str| effect[field].as_str().unwrap_or_default().to_owned();
-            ledger
-                .by_key
-                .entry(key.to_owned())
-                .or_default()
-                .push(PspCharge {
-                    charge_id: text("effect_id"),
-                    effect_key: text("effect_key"),
-                });
-        }
-        Ok(ledger)
-    }
-}
-
-/// GETs the ledger at `url` (after the workload, while nothing is in flight).
-async fn read_ledger(url: &str, run_id: &str) -> Result<Ledger, Box<dyn Error>> {
-    let http = workload::client(Duration::from_secs(10));
-    let response = http
-        .get(url)
-        .send()
-        .await
-        .map_err(|e| format!("cannot read the ledger at {url}: {e}"))?;
-    if !response.status().is_success() {
-        return Err(format!("the ledger at {url} answered {}", response.status()).into());
-    }
-    let text = response.text().await?;
-    Ok(Ledger::parse(&text, run_id).map_err(|e| format!("{url}: {e}"))?)
-}
-
-/// The routes file of the proxies of a run: the payments' path, keyed.
-fn proxy_routes(args: &ChaosArgs) -> String {
-    format!(
-        "[[policies.route]]\nmatch = \"POST {}\"\nname = \"ChaosPayment\"\nidempotency = \"keyed\"\nupstream_dedups_by_effect_key = {}\n",
-        args.path, args.upstream_dedups
-    )
-}
-
 /// After the workload: looks up and replays every acknowledged payment, converges the ones
 /// left with an unknown outcome, and reads the charges of every order (the PSP's, or behind a
 /// proxy the upstream's effects).
@@ -728,173 +607,6 @@ async fn running_intents(
             order_id: i.order_id,
         })
         .collect())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn summarize(
-    args: &ChaosArgs,
-    kind: &StoreKind,
-    seed: u64,
-    psp_seed: u64,
-    history: &History,
-    violations: &[Violation],
-    kills: Vec<Kill>,
-    (psp_charges, psp_faults): (u64, FaultCounts),
-    workload_time: Duration,
-    elapsed: Duration,
-) -> Summary {
-    let payments = &history.payments;
-    let attempts: usize = payments.iter().map(|p| p.attempts.len()).sum();
-    let acknowledged = payments
-        .iter()
-        .filter(|p| p.final_answer().is_some_and(|a| a.acknowledged()))
-        .count();
-    let unfinished = payments
-        .iter()
-        .filter(|p| p.final_answer().is_none())
-        .count();
-    // Up to an hour in milliseconds, 3 significant figures; longer is clamped.
-    let mut histogram =
-        Histogram::<u64>::new_with_bounds(1, HOUR_MS, 3).expect("valid histogram bounds");
-    for ms in payments.iter().filter_map(|p| p.final_after_ms) {
-        histogram.saturating_record(ms.clamp(1, HOUR_MS));
-    }
-    let first_violation = violations.first().map(|violation| Evidence {
-        violation: violation.clone(),
-        payment: payments
-            .iter()
-            .find(|p| p.order_id == violation.order_id())
-            .cloned(),
-        kills: kills.clone(),
-    });
-    Summary {
-        target: match args.target {
-            Target::Serve => "serve",
-            Target::Proxy => "proxy",
-        },
-        store: match kind {
-            StoreKind::Sqlite => "sqlite",
-            StoreKind::Postgres(_) => "postgres",
-        },
-        instances: args.instances.get(),
-        seed,
-        psp_seed,
-        commit_then_timeout_rate: args.commit_then_timeout_rate,
-        commit_then_drop_rate: args.commit_then_drop_rate,
-        payments: payments.len(),
-        acknowledged,
-        refused: payments.len() - acknowledged - unfinished,
-        unfinished,
-        attempts,
-        attempts_per_payment: attempts as f64 / payments.len().max(1) as f64,
-        retried: payments.iter().filter(|p| p.attempts.len() > 1).count(),
-        unanswered: payments
-            .iter()
-            .flat_map(|p| &p.attempts)
-            .filter(|a| a.status.is_none())
-            .count(),
-        kills: kills.len(),
-        psp_charges,
-        psp_faults,
-        final_answer_p50_ms: histogram.value_at_quantile(0.50),
-        final_answer_p99_ms: histogram.value_at_quantile(0.99),
-        final_answer_max_ms: histogram.max(),
-        workload_secs: workload_time.as_secs_f64(),
-        elapsed_secs: elapsed.as_secs_f64(),
-        violations: violations.len(),
-        first_violation,
-        kept: None,
-    }
-}
-
-fn print(summary: &Summary, json: bool) -> Result<(), Box<dyn Error>> {
-    if json {
-        println!("{}", serde_json::to_string(summary)?);
-        return Ok(());
-    }
-    let s = summary;
-    let proxy = s.target == "proxy";
-    if proxy {
-        println!(
-            "chaos on proxy, {} with {} instance(s), seed {}",
-            s.store, s.instances, s.seed
-        );
-    } else {
-        println!(
-            "chaos on {} with {} instance(s), seed {}, PSP seed {} (commit-then-timeout {}, commit-then-drop {})",
-            s.store,
-            s.instances,
-            s.seed,
-            s.psp_seed,
-            s.commit_then_timeout_rate,
-            s.commit_then_drop_rate
-        );
-    }
-    println!(
-        "payments      {} (acknowledged {}, refused {}, unfinished {})",
-        s.payments, s.acknowledged, s.refused, s.unfinished
-    );
-    println!(
-        "attempts      {} ({:.2} per payment; {} payments retried, {} attempts unanswered)",
-        s.attempts, s.attempts_per_payment, s.retried, s.unanswered
-    );
-    println!("kills         {} (SIGKILL, restarted at once)", s.kills);
-    if proxy {
-        println!("upstream      {} effects of the run's keys", s.psp_charges);
-    } else {
-        println!(
-            "psp           {} charges; faults injected: {} commit-then-timeout, {} commit-then-drop",
-            s.psp_charges, s.psp_faults.commit_then_timeout, s.psp_faults.commit_then_drop
-        );
-    }
-    println!(
-        "final answer  p50 {} ms, p99 {} ms, max {} ms",
-        s.final_answer_p50_ms, s.final_answer_p99_ms, s.final_answer_max_ms
-    );
-    println!(
-        "elapsed       {:.1} s (workload {:.1} s)",
-        s.elapsed_secs, s.workload_secs
-    );
-    println!("violations    {}", s.violations);
-    if let Some(kept) = &s.kept {
-        println!("kept          {kept}");
-    }
-    if let Some(evidence) = &s.first_violation {
-        println!();
-        println!("first violation: {}", evidence.violation);
-        if let Some(p) = &evidence.payment {
-            println!("  key {}", p.key);
-            for a in &p.attempts {
-                let status = a.status.map_or("no answer".to_owned(), |s| s.to_string());
-                println!(
-                    "  +{} ms  instance {}  {} after {} ms  {}",
-                    a.at_ms, a.instance, status, a.took_ms, a.body
-                );
-            }
-            if let Some(l) = &p.lookup {
-                println!("  lookup: {} {}", l.status, l.body);
-            }
-            if let Some(r) = &p.replay {
-                println!("  replay: {} {}", r.status, r.body);
-            }
-            let what = if proxy {
-                "upstream effects"
-            } else {
-                "PSP charges"
-            };
-            println!("  {what}: {}", p.charges.len());
-            for c in &p.charges {
-                println!("    {} (effect key {})", c.charge_id, c.effect_key);
-            }
-        }
-        let kills: Vec<String> = evidence
-            .kills
-            .iter()
-            .map(|k| format!("+{} ms #{}", k.at_ms, k.instance))
-            .collect();
-        println!("  kills: {}", kills.join(", "));
-    }
-    Ok(())
 }
 
 /// A PostgreSQL schema created for one run.
@@ -1079,32 +791,6 @@ mod tests {
         assert_eq!(args.store_kind().unwrap(), StoreKind::Sqlite);
         assert_eq!(args.payment_path(), "/v1/charges");
         assert_eq!(args.headers, [("X-Upstream-Sleep-Ms".into(), "50".into())]);
-        let routes = proxy_routes(&args);
-        assert!(routes.contains(r#"match = "POST /v1/charges""#), "{routes}");
-        assert!(
-            routes.contains("upstream_dedups_by_effect_key = true"),
-            "{routes}"
-        );
-
-        let ledger = Ledger::parse(
-            r#"[{"key":"key-r1-0","effect_key":"k","effect_id":"e"},{"key":"key-r1-0"},
-                {"key":"key-other-0"},{"key":"key-r1-1","n":3}]"#,
-            "r1",
-        )
-        .unwrap();
-        assert_eq!(ledger.total(), 3);
-        assert_eq!(ledger.by_key["key-r1-0"].len(), 2);
-        assert_eq!(ledger.by_key["key-r1-0"][0].effect_key, "k");
-        assert!(
-            Ledger::parse("{}", "r1")
-                .unwrap_err()
-                .contains("JSON array")
-        );
-        assert!(
-            Ledger::parse(r#"[{"n":1}]"#, "r1")
-                .unwrap_err()
-                .contains("key")
-        );
     }
 
     #[test]
