@@ -274,10 +274,11 @@ async fn keys_retried_through_sigkills_of_the_proxy_are_executed_at_most_once() 
             .iter()
             .map(|e| e["effect_key"].to_string())
             .collect();
-        assert_eq!(
-            effect_keys.len(),
-            1,
-            "{key}: one effect key for every forward"
+        // None when a kill landed between the key's claim and its forward: the retry then
+        // learns `outcome_unknown` (nothing says the forward did not happen), never forwards.
+        assert!(
+            effect_keys.len() <= 1,
+            "{key}: one effect key for every forward: {received:?}"
         );
     }
     eprintln!("chaos: {acked} acknowledged, {unknown} outcome_unknown, 4 kills");
