@@ -1,8 +1,14 @@
 //! `deploy/`: every metric the Prometheus rules and the Grafana dashboard use exists in the
 //! `/metrics` of a real `backstop serve` that has seen a little traffic (successes, a PSP
 //! failing until the client stops retrying, tenant rate-limit refusals, an unknown route), and
-//! both files are well formed.
+//! of a real `backstop proxy` in front of the Python upstream (all but the payment service's
+//! own), and both files are well formed.
 
+#[path = "support/proxy_harness.rs"]
+mod proxy_harness;
+#[path = "../../backstop/tests/support/python.rs"]
+#[allow(dead_code)]
+mod python;
 #[path = "support/serve_process.rs"]
 mod serve_process;
 
@@ -473,9 +479,9 @@ fn missing(
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
-    // What the two files read, recording rules resolved to the rules that define them.
+/// The metric names the rules and the dashboard read (recording rules resolved to the rules
+/// that define them, which must exist).
+fn used_names() -> BTreeSet<String> {
     let file = rules();
     let recorded: BTreeSet<String> = file
         .groups
@@ -501,6 +507,29 @@ async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
         exported.len() >= 15,
         "too few names extracted: {exported:?}"
     );
+    exported
+}
+
+/// Scrapes `metrics` until every name of `wanted` is there or a (generous) minute passes (the
+/// resolver publishes its gauges from a background task); the names still missing.
+async fn scrape_until_present(
+    wanted: &BTreeSet<String>,
+    mut metrics: impl AsyncFnMut() -> String,
+) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (samples, types) = exposition(&metrics().await);
+        let missing = missing(wanted, &samples, &types);
+        if missing.is_empty() || tokio::time::Instant::now() > deadline {
+            return missing;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
+    let exported = used_names();
 
     // A service whose PSP fails the first charge until the client stops retrying, then
     // answers; a tenant rate that refuses once its burst is spent; a connection cap that
@@ -551,17 +580,7 @@ async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
         idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
     }
 
-    // The resolver publishes its gauges from a background task: scrape until every name is
-    // there or the (generous) deadline passes.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let missing = loop {
-        let (samples, types) = exposition(&serve.metrics().await);
-        let missing = missing(&exported, &samples, &types);
-        if missing.is_empty() || tokio::time::Instant::now() > deadline {
-            break missing;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let missing = scrape_until_present(&exported, async || serve.metrics().await).await;
     assert!(
         missing.is_empty(),
         "used in deploy/ but not in the live /metrics: {missing:?}"
@@ -575,6 +594,104 @@ async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
     assert!(
         metrics.lines().any(|l| l == build_info),
         "{build_info} missing from\n{metrics}"
+    );
+    drop(idle);
+}
+
+/// The proxy's routes: the test upstream's, and a route of a tight rate class.
+const PROXY_ROUTES: &str = r#"
+[[policies.route]]
+match = "GET /v1/charges/{id}"
+idempotency = "safe"
+
+[[policies.route]]
+match = "POST /v1/charges"
+idempotency = "keyed"
+
+[[policies.route]]
+match = "POST /v1/limited"
+idempotency = "keyed"
+rate_class = "tight"
+
+[policies.rate_class.tight]
+rate = 1
+burst = 2
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_exports_every_metric_but_the_payment_services_own() {
+    use proxy_harness::{Proxy, Upstream, call, charge, client, python_ready};
+    if !python_ready().await {
+        return;
+    }
+    // The dashboard and the rules work unchanged for the proxy, but for the payment intents'
+    // panels and alerts: the proxy has no intents.
+    let (payments, exported): (BTreeSet<_>, BTreeSet<_>) = used_names()
+        .into_iter()
+        .partition(|name| name.starts_with("payment_"));
+    assert_eq!(
+        payments.iter().map(String::as_str).collect::<Vec<_>>(),
+        [
+            "payment_intents_running",
+            "payment_intents_running_oldest_age_seconds"
+        ]
+    );
+
+    // Keyed requests, reads retried while the upstream fails, a rate class refusing once its
+    // burst is spent, a connection cap evicting idle connections.
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let proxy = Proxy::options(dir.path(), &[&upstream.url])
+        .routes(PROXY_ROUTES)
+        .args(&["--max-connections", "4"])
+        .start()
+        .await;
+    // A connection per request: the cap must not evict a pooled one.
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    call(charge(&http, &proxy.base, "/v1/charges", "k-1", "{}"))
+        .await
+        .assert_status(201);
+    let failing = http
+        .get(format!("{}/v1/charges/c-1", proxy.base))
+        .header("X-Upstream-Status", "503");
+    call(failing).await.assert_status(503);
+    call(http.get(format!("{}/v1/charges/c-2", proxy.base)))
+        .await
+        .assert_status(200);
+    let mut refused = false;
+    for i in 0..1000 {
+        let limited = charge(&http, &proxy.base, "/v1/limited", &format!("l-{i}"), "{}");
+        if call(limited).await.status == 429 {
+            refused = true;
+            break;
+        }
+    }
+    assert!(refused, "the rate class never refused");
+    let addr = proxy.base.trim_start_matches("http://").to_owned();
+    let mut idle = Vec::new();
+    for _ in 0..6 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+
+    let scrape = client();
+    let missing = scrape_until_present(&exported, async || {
+        scrape
+            .get(format!("{}/metrics", proxy.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    })
+    .await;
+    assert!(
+        missing.is_empty(),
+        "used in deploy/ but not in the proxy's /metrics: {missing:?}"
     );
     drop(idle);
 }

@@ -87,9 +87,25 @@ pub(crate) struct RunningIntent {
     pub(crate) order_id: String,
 }
 
+/// What a run's answers and effects are checked against.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Promise {
+    /// `serve`: each payment charged once at the PSP, its acknowledgement naming the charge
+    /// and read back as stored.
+    #[default]
+    Payments,
+    /// `proxy`: each key's request executed at most once by the upstream (once when
+    /// acknowledged), every answer of a key the same bytes. The `charges` are the upstream's
+    /// effects; nothing is looked up.
+    Effects,
+}
+
 /// What the run recorded.
 #[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct History {
+    /// What the run promises.
+    pub(crate) promise: Promise,
     /// Every logical payment.
     pub(crate) payments: Vec<Payment>,
     /// Intents left `running`.
@@ -108,6 +124,18 @@ pub(crate) enum Violation {
         order_id: String,
         /// How many charges.
         charges: usize,
+    },
+    /// A key's request was executed more than once by the upstream (behind a proxy).
+    DoubleEffect {
+        /// The order.
+        order_id: String,
+        /// How many effects.
+        effects: usize,
+    },
+    /// An acknowledged request has no effect at the upstream (behind a proxy).
+    AcknowledgedNotExecuted {
+        /// The order.
+        order_id: String,
     },
     /// An acknowledged payment has no charge at the PSP.
     AcknowledgedNotCharged {
@@ -165,6 +193,8 @@ impl Violation {
         match self {
             Violation::UnattributedCharges { .. } => "",
             Violation::DoubleCharge { order_id, .. }
+            | Violation::DoubleEffect { order_id, .. }
+            | Violation::AcknowledgedNotExecuted { order_id }
             | Violation::AcknowledgedNotCharged { order_id }
             | Violation::AcknowledgedNotStored { order_id, .. }
             | Violation::AcknowledgementWrong { order_id, .. }
@@ -180,6 +210,15 @@ impl std::fmt::Display for Violation {
         match self {
             Violation::DoubleCharge { order_id, charges } => {
                 write!(f, "{order_id}: charged {charges} times at the PSP")
+            }
+            Violation::DoubleEffect { order_id, effects } => {
+                write!(f, "{order_id}: executed {effects} times by the upstream")
+            }
+            Violation::AcknowledgedNotExecuted { order_id } => {
+                write!(
+                    f,
+                    "{order_id}: acknowledged, but the upstream has no effect"
+                )
             }
             Violation::AcknowledgedNotCharged { order_id } => {
                 write!(f, "{order_id}: acknowledged, but the PSP has no charge")
@@ -224,7 +263,10 @@ impl std::fmt::Display for Violation {
 pub(crate) fn check(history: &History) -> Vec<Violation> {
     let mut violations = Vec::new();
     for payment in &history.payments {
-        check_payment(payment, &mut violations);
+        match history.promise {
+            Promise::Payments => check_payment(payment, &mut violations),
+            Promise::Effects => check_effects(payment, &mut violations),
+        }
     }
     let attributed: u64 = history
         .payments
@@ -308,6 +350,61 @@ fn check_payment(payment: &Payment, violations: &mut Vec<Violation>) {
     }
 }
 
+/// Behind a proxy: at most one effect per key, one when acknowledged, and every
+/// acknowledgement and the replay after the run the first one again.
+fn check_effects(payment: &Payment, violations: &mut Vec<Violation>) {
+    let order_id = || payment.order_id.clone();
+    if payment.charges.len() > 1 {
+        violations.push(Violation::DoubleEffect {
+            order_id: order_id(),
+            effects: payment.charges.len(),
+        });
+    }
+    if payment.final_answer().is_none() {
+        violations.push(Violation::NoFinalAnswer {
+            order_id: order_id(),
+        });
+    }
+    let mut acks = payment.acknowledgements();
+    let Some(first) = acks.next() else {
+        return;
+    };
+    if let Some(other) = answers_differ(first, acks, payment.replay.as_ref()) {
+        violations.push(Violation::AnswersDiffer {
+            order_id: order_id(),
+            first: Answer {
+                status: first.status.unwrap_or_default(),
+                body: first.body.clone(),
+            },
+            other,
+        });
+    }
+    if payment.charges.is_empty() {
+        violations.push(Violation::AcknowledgedNotExecuted {
+            order_id: order_id(),
+        });
+    }
+}
+
+/// The first of `others` and `replay` that is not `first`'s answer byte for byte.
+fn answers_differ<'a>(
+    first: &Attempt,
+    others: impl Iterator<Item = &'a Attempt>,
+    replay: Option<&Answer>,
+) -> Option<Answer> {
+    let first = Answer {
+        status: first.status.unwrap_or_default(),
+        body: first.body.clone(),
+    };
+    others
+        .map(|a| Answer {
+            status: a.status.unwrap_or_default(),
+            body: a.body.clone(),
+        })
+        .chain(replay.cloned())
+        .find(|other| *other != first)
+}
+
 /// Whether `body` is a payment of `order_id`, succeeded, charged as `charge_id`.
 fn names_succeeded_charge(body: &str, order_id: &str, charge_id: &str) -> bool {
     let Ok(json) = serde_json::from_str::<serde_json::Value>(body) else {
@@ -369,6 +466,7 @@ mod tests {
     fn one(payment: Payment) -> Vec<Violation> {
         let psp_charges = payment.charges.len() as u64;
         check(&History {
+            promise: Promise::Payments,
             payments: vec![payment],
             running: Vec::new(),
             psp_charges,
@@ -500,6 +598,7 @@ mod tests {
         p.final_after_ms = None;
         p.charges.clear();
         let history = History {
+            promise: Promise::Payments,
             payments: vec![p],
             running: vec![RunningIntent {
                 intent_id: "i-o-1".into(),
@@ -524,6 +623,7 @@ mod tests {
     #[test]
     fn charges_under_no_order_of_the_run_are_reported() {
         let history = History {
+            promise: Promise::Payments,
             payments: vec![good("o-1"), good("o-2")],
             running: Vec::new(),
             psp_charges: 3,
@@ -545,5 +645,71 @@ mod tests {
             Some("i-9")
         );
         assert_eq!(intent_id("connection reset"), None);
+    }
+
+    /// Behind a proxy: a key acknowledged after a dropped connection, executed once.
+    fn proxied(order: &str) -> Payment {
+        let body = r#"{"effect_id":"e-1","n":1}"#.to_owned();
+        Payment {
+            order_id: order.to_owned(),
+            key: format!("key-{order}"),
+            attempts: vec![attempt(None, "connection reset"), attempt(Some(201), &body)],
+            final_after_ms: Some(30),
+            lookup: None,
+            replay: Some(Answer { status: 201, body }),
+            charges: vec![PspCharge {
+                charge_id: "e-1".into(),
+                effect_key: "k-1".into(),
+            }],
+        }
+    }
+
+    fn effects(payments: Vec<Payment>) -> Vec<Violation> {
+        let psp_charges = payments.iter().map(|p| p.charges.len() as u64).sum();
+        check(&History {
+            promise: Promise::Effects,
+            payments,
+            running: Vec::new(),
+            psp_charges,
+        })
+    }
+
+    #[test]
+    fn behind_a_proxy_effects_are_counted_and_nothing_is_looked_up() {
+        assert_eq!(effects(vec![proxied("o-1")]), []);
+
+        // An outcome the proxy cannot know is a final refusal; executed once or not at all.
+        let mut unknown = proxied("o-2");
+        unknown.attempts[1] = attempt(Some(500), r#"{"code":"outcome_unknown"}"#);
+        unknown.replay = None;
+        assert_eq!(effects(vec![unknown.clone()]), []);
+        unknown.charges.clear();
+        assert_eq!(effects(vec![unknown]), []);
+
+        let mut twice = proxied("o-3");
+        twice.charges.push(twice.charges[0].clone());
+        assert_eq!(
+            effects(vec![twice]),
+            [Violation::DoubleEffect {
+                order_id: "o-3".into(),
+                effects: 2
+            }]
+        );
+
+        let mut never = proxied("o-4");
+        never.charges.clear();
+        assert_eq!(
+            effects(vec![never]),
+            [Violation::AcknowledgedNotExecuted {
+                order_id: "o-4".into()
+            }]
+        );
+
+        let mut other = proxied("o-5");
+        other.replay.as_mut().unwrap().body.push(' ');
+        assert!(matches!(
+            &effects(vec![other])[..],
+            [Violation::AnswersDiffer { .. }]
+        ));
     }
 }

@@ -1,6 +1,6 @@
-//! The `serve` children of a chaos run: started on loopback ports chosen by the OS, killed
-//! with SIGKILL and started again on the same store, with the live addresses shared with the
-//! clients.
+//! The children of a chaos run (`serve` instances, or `proxy` instances in front of an
+//! upstream): started on loopback ports chosen by the OS, killed with SIGKILL and started
+//! again on the same store, with the live addresses shared with the clients.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -17,7 +17,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum FleetError {
     /// The executable could not be spawned.
-    #[error("cannot start `{}` serve", .bin.display())]
+    #[error("cannot start `{}`", .bin.display())]
     Spawn {
         /// The executable.
         bin: PathBuf,
@@ -86,10 +86,62 @@ pub(crate) struct Launch {
     pub(crate) bin: PathBuf,
     /// `--store` of every instance.
     pub(crate) store: String,
-    /// `--psp` of every instance.
-    pub(crate) psp: String,
+    /// What the instances are.
+    pub(crate) role: Role,
     /// Where the instances' logs go (one file per instance, appended across restarts).
     pub(crate) log_dir: PathBuf,
+}
+
+/// What a chaos run's instances are.
+#[derive(Debug, Clone)]
+pub(crate) enum Role {
+    /// `backstop serve` in front of the PSP at this URL.
+    Serve {
+        /// `--psp`.
+        psp: String,
+    },
+    /// `backstop proxy` in front of an upstream.
+    Proxy {
+        /// `--upstream`.
+        upstream: String,
+        /// `--config`: the routes file.
+        config: PathBuf,
+    },
+}
+
+impl Role {
+    /// The subcommand and its flags (besides `--store`).
+    fn args(&self) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = Vec::new();
+        match self {
+            Role::Serve { psp } => {
+                args.extend(
+                    ["serve", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"].map(Into::into),
+                );
+                args.extend(["--psp".into(), psp.into()]);
+                // The run measures exactly-once, not the merchant's rate limit.
+                args.extend(
+                    ["--tenant-rate", "1000000", "--tenant-burst", "1000000"].map(Into::into),
+                );
+            }
+            Role::Proxy { upstream, config } => {
+                args.extend(
+                    ["proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"].map(Into::into),
+                );
+                args.extend(["--upstream".into(), upstream.into()]);
+                args.extend(["--config".into(), config.into()]);
+            }
+        }
+        args
+    }
+
+    /// The filter of the logs kept: the address line, and warnings.
+    fn log_filter(&self) -> &'static str {
+        match self {
+            Role::Serve { .. } => "warn,backstop_payment::server=info",
+            Role::Proxy { .. } => "warn,backstop::proxy::server=info",
+        }
+    }
 }
 
 /// The running instances.
@@ -143,13 +195,10 @@ impl Fleet {
     pub(crate) async fn restart(&mut self, index: usize) -> Result<String, FleetError> {
         let log = self.log_path(index);
         let mut child = Command::new(&self.launch.bin)
-            .args(["--log-format", "json", "serve"])
-            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
-            .args(["--store", &self.launch.store, "--psp", &self.launch.psp])
-            // The run measures exactly-once, not the merchant's rate limit.
-            .args(["--tenant-rate", "1000000", "--tenant-burst", "1000000"])
-            // The address line, and warnings.
-            .env("RUST_LOG", "warn,backstop_payment::server=info")
+            .args(["--log-format", "json"])
+            .args(self.launch.role.args())
+            .args(["--store", &self.launch.store])
+            .env("RUST_LOG", self.launch.role.log_filter())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -211,16 +260,19 @@ impl Fleet {
 
 /// The log file of instance `index`.
 pub(crate) fn log_path(dir: &Path, index: usize) -> PathBuf {
-    dir.join(format!("serve-{index}.log"))
+    dir.join(format!("instance-{index}.log"))
 }
 
-/// The HTTP address in `serve`'s "payment service listening" JSON log line.
+/// The HTTP address in `serve`'s "payment service listening" JSON log line, or `proxy`'s
+/// "proxy listening" one.
 fn listening_address(line: &str) -> Option<String> {
     let json: serde_json::Value = serde_json::from_str(line).ok()?;
-    if json["fields"]["message"] != "payment service listening" {
-        return None;
-    }
-    json["fields"]["http"].as_str().map(str::to_owned)
+    let field = match json["fields"]["message"].as_str()? {
+        "payment service listening" => "http",
+        "proxy listening" => "listen",
+        _ => return None,
+    };
+    json["fields"][field].as_str().map(str::to_owned)
 }
 
 #[cfg(test)]
@@ -236,5 +288,7 @@ mod tests {
             None
         );
         assert_eq!(listening_address("not json"), None);
+        let proxy = r#"{"fields":{"message":"proxy listening","listen":"127.0.0.1:8080","admin":"127.0.0.1:9901"}}"#;
+        assert_eq!(listening_address(proxy).as_deref(), Some("127.0.0.1:8080"));
     }
 }

@@ -8,9 +8,18 @@
 //! it again at once; then checks the history (see [`check`]) and prints the counts and the
 //! first violation with its whole history. Everything stays on loopback and is bounded by
 //! `--max-time`.
+//!
+//! With `--target proxy` the instances are `backstop proxy` in front of an upstream the user
+//! started (`--upstream`), on one keyed route, and the payments are requests to that route;
+//! the charges checked are the effects the upstream lists at `--ledger` (a JSON array of
+//! objects with the `key` each effect's request carried): at most one per key, one per
+//! acknowledged key, every answer of a key the same bytes. A 500 `outcome_unknown` is a final
+//! refusal there (a key forwarded before a crash, to an upstream that does not deduplicate).
 
 mod check;
 mod fleet;
+mod ledger;
+mod summary;
 mod workload;
 
 use std::error::Error;
@@ -29,27 +38,59 @@ use backstop_payment::psp::faults::FaultCounts;
 use backstop_payment::psp::{self, Faults, PspConfig, PspHandle};
 use backstop_payment::psp_client::psp_reference;
 use clap::Args;
-use hdrhistogram::Histogram;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use check::{Answer, History, Payment, PspCharge, RunningIntent, Violation};
-use fleet::{Addresses, Fleet, Launch};
+use check::{Answer, History, Promise, PspCharge, RunningIntent};
+use fleet::{Addresses, Fleet, Launch, Role};
+use ledger::{Ledger, proxy_routes, read_ledger};
+use summary::{Kill, Summary, print, summarize};
 use workload::{Workload, millis};
 
 /// Most running intents listed after a run (more means something is badly wrong anyway).
 const RUNNING_LIMIT: u32 = 1000;
 /// How often a run on a terminal says how far it got.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
-/// Upper bound of the time-to-final-answer histogram.
-const HOUR_MS: u64 = 3_600_000;
+
+/// What a chaos run puts under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Target {
+    /// `backstop serve` in front of an in-process PSP.
+    Serve,
+    /// `backstop proxy` in front of `--upstream`.
+    Proxy,
+}
 
 /// Flags of `backstop chaos`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct ChaosArgs {
+    /// What runs under test: `serve` (the payment service, in front of an in-process PSP) or
+    /// `proxy` (`backstop proxy` in front of `--upstream`, its effects read from `--ledger`).
+    #[arg(long, value_name = "TARGET", value_enum, default_value_t = Target::Serve)]
+    target: Target,
+    /// With `--target proxy`: the upstream, `http://HOST:PORT`, started by you; it executes an
+    /// effect for each request it gets and lists them at `--ledger`.
+    #[arg(long, value_name = "URL")]
+    upstream: Option<String>,
+    /// With `--target proxy`: where the upstream lists the effects it executed, a JSON array
+    /// of objects with `key` (the `Idempotency-Key` the request carried); `effect_key` and
+    /// `effect_id` are shown when present. Default: the upstream's `/_effects`.
+    #[arg(long, value_name = "URL")]
+    ledger: Option<String>,
+    /// With `--target proxy`: the path every payment is POSTed to, declared keyed in the
+    /// proxy's routes.
+    #[arg(long, value_name = "PATH", default_value = "/v1/charges")]
+    path: String,
+    /// With `--target proxy`: the upstream deduplicates by the effect key, and the route says
+    /// so (after a crash the proxy forwards a key again, under the same effect key).
+    #[arg(long)]
+    upstream_dedups: bool,
+    /// A header added to every payment request, `NAME: VALUE` (repeatable): e.g. a delay the
+    /// upstream understands, so that kills land while requests are at the upstream.
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
     /// `sqlite` (one instance on a file in a temporary directory) or a PostgreSQL URL
     /// (`postgres://USER@HOST:PORT/DB`: the instances share a schema created for the run).
     #[arg(long, value_name = "STORE", default_value = "sqlite")]
@@ -120,6 +161,26 @@ enum StoreKind {
 
 impl ChaosArgs {
     fn store_kind(&self) -> Result<StoreKind, String> {
+        match (self.target, &self.upstream) {
+            (Target::Proxy, None) => {
+                return Err("--target proxy needs --upstream URL (an upstream you started)".into());
+            }
+            (Target::Serve, Some(_)) => {
+                return Err("--upstream is for --target proxy".into());
+            }
+            (Target::Proxy, Some(url)) => {
+                if !url.starts_with("http://") {
+                    return Err(format!("--upstream must be an http:// URL, got {url:?}"));
+                }
+                if !self.path.starts_with('/') || self.path.contains(['{', '}', ' ']) {
+                    return Err(format!(
+                        "--path must be a plain path starting with /, got {:?}",
+                        self.path
+                    ));
+                }
+            }
+            (Target::Serve, None) => {}
+        }
         let kind = if self.store == "sqlite" {
             StoreKind::Sqlite
         } else if self.store.starts_with("postgres://") || self.store.starts_with("postgresql://") {
@@ -164,63 +225,6 @@ impl ChaosArgs {
             ..Faults::default()
         }
     }
-}
-
-/// One SIGKILL and restart.
-#[derive(Debug, Clone, Serialize)]
-struct Kill {
-    /// Milliseconds since the start of the run.
-    at_ms: u64,
-    /// Which instance.
-    instance: usize,
-    /// How long the new process took to listen, in milliseconds.
-    restart_ms: u64,
-}
-
-/// What a run prints.
-#[derive(Debug, Serialize)]
-struct Summary {
-    store: &'static str,
-    instances: usize,
-    seed: u64,
-    psp_seed: u64,
-    commit_then_timeout_rate: f64,
-    commit_then_drop_rate: f64,
-    payments: usize,
-    acknowledged: usize,
-    refused: usize,
-    unfinished: usize,
-    attempts: usize,
-    attempts_per_payment: f64,
-    /// Payments that needed more than one attempt.
-    retried: usize,
-    /// Attempts that got no answer (connection refused or cut, timed out).
-    unanswered: usize,
-    kills: usize,
-    psp_charges: u64,
-    /// Faults the PSP injected, by kind.
-    psp_faults: FaultCounts,
-    final_answer_p50_ms: u64,
-    final_answer_p99_ms: u64,
-    final_answer_max_ms: u64,
-    workload_secs: f64,
-    elapsed_secs: f64,
-    violations: usize,
-    /// The first violation, and the whole history of its payment.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    first_violation: Option<Evidence>,
-    /// Where the logs (and SQLite store) are, when kept.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kept: Option<String>,
-}
-
-/// A violation with everything recorded about its order.
-#[derive(Debug, Serialize)]
-struct Evidence {
-    violation: Violation,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    payment: Option<Payment>,
-    kills: Vec<Kill>,
 }
 
 /// Runs the chaos check; an error when the run could not be made or found a violation.
@@ -277,21 +281,41 @@ async fn run_in(
     dir: &tempfile::TempDir,
     schema: Option<&Schema>,
 ) -> Result<Summary, Box<dyn Error>> {
-    let psp = psp::spawn(PspConfig {
-        faults: args.faults(),
-        seed: Some(psp_seed),
-        ..PspConfig::default()
-    })
-    .await?;
     let sqlite_path = dir.path().join("backstop.db");
     let store = match (kind, schema) {
         (StoreKind::Postgres(url), Some(schema)) => schema.store_url(url),
         _ => format!("sqlite://{}", sqlite_path.display()),
     };
+    // The PSP behind `serve`, or the upstream's ledger behind a proxy: where charges are read.
+    let (charges, role) = match (args.target, &args.upstream) {
+        (Target::Proxy, Some(upstream)) => {
+            let config = dir.path().join("routes.toml");
+            std::fs::write(&config, proxy_routes(&args.path, args.upstream_dedups))?;
+            let ledger = args
+                .ledger
+                .clone()
+                .unwrap_or_else(|| format!("{}/_effects", upstream.trim_end_matches('/')));
+            let role = Role::Proxy {
+                upstream: upstream.clone(),
+                config,
+            };
+            (Charges::Ledger(ledger), role)
+        }
+        _ => {
+            let psp = psp::spawn(PspConfig {
+                faults: args.faults(),
+                seed: Some(psp_seed),
+                ..PspConfig::default()
+            })
+            .await?;
+            let role = Role::Serve { psp: psp.url() };
+            (Charges::Psp(psp), role)
+        }
+    };
     let launch = Launch {
         bin: std::env::current_exe()?,
         store: store.clone(),
-        psp: psp.url(),
+        role,
         log_dir: dir.path().to_owned(),
     };
     let mut fleet = Fleet::start(launch, args.instances.get()).await?;
@@ -304,6 +328,9 @@ async fn run_in(
         run_id: run_id.to_owned(),
         seed,
         deadline: started + args.max_time,
+        path: args.payment_path().to_owned(),
+        headers: args.headers.clone(),
+        outcome_unknown_is_final: args.target == Target::Proxy,
     };
     let progress = Arc::new(AtomicUsize::new(0));
     let mut clients = tokio::spawn(workload::run(
@@ -366,17 +393,41 @@ async fn run_in(
     let workload_time = started.elapsed();
 
     let mut history = History {
+        promise: match args.target {
+            Target::Serve => Promise::Payments,
+            Target::Proxy => Promise::Effects,
+        },
         payments,
         running: Vec::new(),
         psp_charges: 0,
     };
-    verify(&mut history, &fleet.addresses(), &psp, args).await;
+    let ledger = match &charges {
+        Charges::Psp(_) => None,
+        Charges::Ledger(url) => Some(read_ledger(url, run_id).await?),
+    };
+    verify(
+        &mut history,
+        &fleet.addresses(),
+        &charges,
+        ledger.as_ref(),
+        args,
+    )
+    .await;
     fleet.stop().await;
-    history.running = running_intents(kind, &sqlite_path, &store).await?;
-    let psp_charges = psp.store().count().await?;
+    let (psp_charges, psp_faults) = match charges {
+        Charges::Psp(psp) => {
+            history.running = running_intents(kind, &sqlite_path, &store).await?;
+            let total = psp.store().count().await?;
+            let faults = psp.faults().drawn();
+            psp.shutdown().await;
+            (total, faults)
+        }
+        Charges::Ledger(_) => {
+            let total = ledger.as_ref().map_or(0, Ledger::total);
+            (total, FaultCounts::default())
+        }
+    };
     history.psp_charges = psp_charges;
-    let psp_faults = psp.faults().drawn();
-    psp.shutdown().await;
 
     let violations = check::check(&history);
     Ok(summarize(
@@ -393,9 +444,24 @@ async fn run_in(
     ))
 }
 
+/// Where a run reads what was charged.
+enum Charges {
+    /// The in-process PSP behind `serve`.
+    Psp(PspHandle),
+    /// The upstream's list of effects at this URL, behind a proxy.
+    Ledger(String),
+}
+
 /// After the workload: looks up and replays every acknowledged payment, converges the ones
-/// left with an unknown outcome, and reads the PSP's charges of every order.
-async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, args: &ChaosArgs) {
+/// left with an unknown outcome, and reads the charges of every order (the PSP's, or behind a
+/// proxy the upstream's effects).
+async fn verify(
+    history: &mut History,
+    addresses: &Addresses,
+    charges: &Charges,
+    ledger: Option<&Ledger>,
+    args: &ChaosArgs,
+) {
     let deadline = Instant::now() + args.settle;
     let http = workload::client(args.timeout);
     let gate = Arc::new(Semaphore::new(args.concurrency.get()));
@@ -408,12 +474,25 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
             .iter()
             .find(|a| a.acknowledged())
             .map(|a| a.body.clone());
-        let intent = payment
-            .attempts
-            .iter()
-            .rev()
-            .find_map(|a| check::intent_id(&a.body));
-        let store = psp.store().clone();
+        // Behind a proxy nothing is looked up: the upstream's answers are its own.
+        let intent = match charges {
+            Charges::Psp(_) => payment
+                .attempts
+                .iter()
+                .rev()
+                .find_map(|a| check::intent_id(&a.body)),
+            Charges::Ledger(_) => None,
+        };
+        let store = match charges {
+            Charges::Psp(psp) => Some(psp.store().clone()),
+            Charges::Ledger(_) => None,
+        };
+        let effects = ledger
+            .and_then(|l| l.by_key.get(&key))
+            .cloned()
+            .unwrap_or_default();
+        let path = args.payment_path().to_owned();
+        let headers = args.headers.clone();
         let timeout = args.timeout;
         checks.spawn(async move {
             let Ok(_permit) = gate.acquire_owned().await else {
@@ -435,26 +514,33 @@ async fn verify(history: &mut History, addresses: &Addresses, psp: &PspHandle, a
                 Some(_) => {
                     let body = workload::body(&order_id);
                     send(&addresses, deadline, |base| {
-                        http.post(format!("{base}/v1/payments"))
+                        let mut request = http
+                            .post(format!("{base}{path}"))
                             .header("content-type", "application/json")
                             .header("idempotency-key", &key)
-                            .header("grpc-timeout", workload::grpc_timeout(timeout))
-                            .body(body.clone())
+                            .header("grpc-timeout", workload::grpc_timeout(timeout));
+                        for (name, value) in &headers {
+                            request = request.header(name, value);
+                        }
+                        request.body(body.clone())
                     })
                     .await
                 }
                 None => None,
             };
-            let charges = store
-                .list(Some(psp_reference(DEFAULT_MERCHANT, &order_id)))
-                .await
-                .unwrap_or_default()
-                .into_iter()
-                .map(|c| PspCharge {
-                    charge_id: c.charge_id,
-                    effect_key: c.effect_key,
-                })
-                .collect();
+            let charges = match store {
+                Some(store) => store
+                    .list(Some(psp_reference(DEFAULT_MERCHANT, &order_id)))
+                    .await
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|c| PspCharge {
+                        charge_id: c.charge_id,
+                        effect_key: c.effect_key,
+                    })
+                    .collect(),
+                None => effects,
+            };
             (index, lookup, replay, charges)
         });
     }
@@ -523,152 +609,6 @@ async fn running_intents(
         .collect())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn summarize(
-    args: &ChaosArgs,
-    kind: &StoreKind,
-    seed: u64,
-    psp_seed: u64,
-    history: &History,
-    violations: &[Violation],
-    kills: Vec<Kill>,
-    (psp_charges, psp_faults): (u64, FaultCounts),
-    workload_time: Duration,
-    elapsed: Duration,
-) -> Summary {
-    let payments = &history.payments;
-    let attempts: usize = payments.iter().map(|p| p.attempts.len()).sum();
-    let acknowledged = payments
-        .iter()
-        .filter(|p| p.final_answer().is_some_and(|a| a.acknowledged()))
-        .count();
-    let unfinished = payments
-        .iter()
-        .filter(|p| p.final_answer().is_none())
-        .count();
-    // Up to an hour in milliseconds, 3 significant figures; longer is clamped.
-    let mut histogram =
-        Histogram::<u64>::new_with_bounds(1, HOUR_MS, 3).expect("valid histogram bounds");
-    for ms in payments.iter().filter_map(|p| p.final_after_ms) {
-        histogram.saturating_record(ms.clamp(1, HOUR_MS));
-    }
-    let first_violation = violations.first().map(|violation| Evidence {
-        violation: violation.clone(),
-        payment: payments
-            .iter()
-            .find(|p| p.order_id == violation.order_id())
-            .cloned(),
-        kills: kills.clone(),
-    });
-    Summary {
-        store: match kind {
-            StoreKind::Sqlite => "sqlite",
-            StoreKind::Postgres(_) => "postgres",
-        },
-        instances: args.instances.get(),
-        seed,
-        psp_seed,
-        commit_then_timeout_rate: args.commit_then_timeout_rate,
-        commit_then_drop_rate: args.commit_then_drop_rate,
-        payments: payments.len(),
-        acknowledged,
-        refused: payments.len() - acknowledged - unfinished,
-        unfinished,
-        attempts,
-        attempts_per_payment: attempts as f64 / payments.len().max(1) as f64,
-        retried: payments.iter().filter(|p| p.attempts.len() > 1).count(),
-        unanswered: payments
-            .iter()
-            .flat_map(|p| &p.attempts)
-            .filter(|a| a.status.is_none())
-            .count(),
-        kills: kills.len(),
-        psp_charges,
-        psp_faults,
-        final_answer_p50_ms: histogram.value_at_quantile(0.50),
-        final_answer_p99_ms: histogram.value_at_quantile(0.99),
-        final_answer_max_ms: histogram.max(),
-        workload_secs: workload_time.as_secs_f64(),
-        elapsed_secs: elapsed.as_secs_f64(),
-        violations: violations.len(),
-        first_violation,
-        kept: None,
-    }
-}
-
-fn print(summary: &Summary, json: bool) -> Result<(), Box<dyn Error>> {
-    if json {
-        println!("{}", serde_json::to_string(summary)?);
-        return Ok(());
-    }
-    let s = summary;
-    println!(
-        "chaos on {} with {} instance(s), seed {}, PSP seed {} (commit-then-timeout {}, commit-then-drop {})",
-        s.store,
-        s.instances,
-        s.seed,
-        s.psp_seed,
-        s.commit_then_timeout_rate,
-        s.commit_then_drop_rate
-    );
-    println!(
-        "payments      {} (acknowledged {}, refused {}, unfinished {})",
-        s.payments, s.acknowledged, s.refused, s.unfinished
-    );
-    println!(
-        "attempts      {} ({:.2} per payment; {} payments retried, {} attempts unanswered)",
-        s.attempts, s.attempts_per_payment, s.retried, s.unanswered
-    );
-    println!("kills         {} (SIGKILL, restarted at once)", s.kills);
-    println!(
-        "psp           {} charges; faults injected: {} commit-then-timeout, {} commit-then-drop",
-        s.psp_charges, s.psp_faults.commit_then_timeout, s.psp_faults.commit_then_drop
-    );
-    println!(
-        "final answer  p50 {} ms, p99 {} ms, max {} ms",
-        s.final_answer_p50_ms, s.final_answer_p99_ms, s.final_answer_max_ms
-    );
-    println!(
-        "elapsed       {:.1} s (workload {:.1} s)",
-        s.elapsed_secs, s.workload_secs
-    );
-    println!("violations    {}", s.violations);
-    if let Some(kept) = &s.kept {
-        println!("kept          {kept}");
-    }
-    if let Some(evidence) = &s.first_violation {
-        println!();
-        println!("first violation: {}", evidence.violation);
-        if let Some(p) = &evidence.payment {
-            println!("  key {}", p.key);
-            for a in &p.attempts {
-                let status = a.status.map_or("no answer".to_owned(), |s| s.to_string());
-                println!(
-                    "  +{} ms  instance {}  {} after {} ms  {}",
-                    a.at_ms, a.instance, status, a.took_ms, a.body
-                );
-            }
-            if let Some(l) = &p.lookup {
-                println!("  lookup: {} {}", l.status, l.body);
-            }
-            if let Some(r) = &p.replay {
-                println!("  replay: {} {}", r.status, r.body);
-            }
-            println!("  PSP charges: {}", p.charges.len());
-            for c in &p.charges {
-                println!("    {} (effect key {})", c.charge_id, c.effect_key);
-            }
-        }
-        let kills: Vec<String> = evidence
-            .kills
-            .iter()
-            .map(|k| format!("+{} ms #{}", k.at_ms, k.instance))
-            .collect();
-        println!("  kills: {}", kills.join(", "));
-    }
-    Ok(())
-}
-
 /// A PostgreSQL schema created for one run.
 #[derive(Debug)]
 struct Schema {
@@ -709,6 +649,28 @@ impl Schema {
         let _ = connection.await;
         Ok(())
     }
+}
+
+impl ChaosArgs {
+    /// Where each payment is POSTed.
+    fn payment_path(&self) -> &str {
+        match self.target {
+            Target::Serve => "/v1/payments",
+            Target::Proxy => &self.path,
+        }
+    }
+}
+
+/// `NAME: VALUE`, a valid header.
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not a header like `X-Delay: 50`"))?;
+    let (name, value) = (name.trim(), value.trim());
+    http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a header name"))?;
+    http::HeaderValue::from_str(value).map_err(|_| format!("{value:?} is not a header value"))?;
+    Ok((name.to_owned(), value.to_owned()))
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -783,6 +745,52 @@ mod tests {
             pg.store_kind().unwrap(),
             StoreKind::Postgres("postgres://u@h/db".into())
         );
+    }
+
+    #[test]
+    fn the_proxy_target_needs_an_upstream_and_reads_its_ledger() {
+        let no_upstream = parse(&["--target", "proxy"]).unwrap();
+        assert!(no_upstream.store_kind().unwrap_err().contains("--upstream"));
+        let serve_upstream = parse(&["--upstream", "http://127.0.0.1:9"]).unwrap();
+        assert!(
+            serve_upstream
+                .store_kind()
+                .unwrap_err()
+                .contains("--target proxy")
+        );
+        let https = parse(&["--target", "proxy", "--upstream", "https://x"]).unwrap();
+        assert!(https.store_kind().unwrap_err().contains("http://"));
+        let pattern = parse(&[
+            "--target",
+            "proxy",
+            "--upstream",
+            "http://x",
+            "--path",
+            "/a/{id}",
+        ]);
+        assert!(
+            pattern
+                .unwrap()
+                .store_kind()
+                .unwrap_err()
+                .contains("--path")
+        );
+        assert!(parse(&["--header", "no colon"]).is_err());
+        assert!(parse(&["--header", "bad name: 1"]).is_err());
+
+        let args = parse(&[
+            "--target",
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--header",
+            "X-Upstream-Sleep-Ms: 50",
+            "--upstream-dedups",
+        ])
+        .unwrap();
+        assert_eq!(args.store_kind().unwrap(), StoreKind::Sqlite);
+        assert_eq!(args.payment_path(), "/v1/charges");
+        assert_eq!(args.headers, [("X-Upstream-Sleep-Ms".into(), "50".into())]);
     }
 
     #[test]

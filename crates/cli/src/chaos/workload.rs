@@ -34,6 +34,13 @@ pub(crate) struct Workload {
     pub(crate) seed: u64,
     /// When the whole workload gives up.
     pub(crate) deadline: Instant,
+    /// Where each payment is POSTed.
+    pub(crate) path: String,
+    /// Headers added to every payment request.
+    pub(crate) headers: Vec<(String, String)>,
+    /// Whether 500 `outcome_unknown` is a final answer (a proxy's key whose forward may have
+    /// run: it never changes) rather than one to try again.
+    pub(crate) outcome_unknown_is_final: bool,
 }
 
 /// Runs the workload against `addresses` and returns every payment with its attempts.
@@ -105,9 +112,20 @@ enum Next {
 }
 
 /// What `status` (with `body` and `Retry-After`) means for the payment.
-fn classify(status: Option<u16>, body: &str, retry_after: Option<Duration>) -> Next {
+fn classify(
+    status: Option<u16>,
+    body: &str,
+    retry_after: Option<Duration>,
+    outcome_unknown_is_final: bool,
+) -> Next {
     match status {
         Some(200 | 201) => Next::Final,
+        Some(500)
+            if outcome_unknown_is_final
+                && problem_code(body).as_deref() == Some("outcome_unknown") =>
+        {
+            Next::Final
+        }
         // Another attempt with the key is still running (here or on a killed instance whose
         // lease has not expired): come back.
         Some(409) if problem_code(body).as_deref() == Some("request_in_progress") => {
@@ -160,14 +178,15 @@ async fn pay(
             continue;
         };
         let sent = Instant::now();
-        let answer = http
-            .post(format!("{base}/v1/payments"))
+        let mut request = http
+            .post(format!("{base}{}", workload.path))
             .header("content-type", "application/json")
             .header("idempotency-key", &payment.key)
-            .header("grpc-timeout", grpc_timeout(workload.timeout))
-            .body(body.clone())
-            .send()
-            .await;
+            .header("grpc-timeout", grpc_timeout(workload.timeout));
+        for (name, value) in &workload.headers {
+            request = request.header(name, value);
+        }
+        let answer = request.body(body.clone()).send().await;
         let (status, text, retry_after) = match answer {
             Ok(response) => {
                 let status = response.status().as_u16();
@@ -195,6 +214,7 @@ async fn pay(
             status,
             &payment.attempts[payment.attempts.len() - 1].body,
             retry_after,
+            workload.outcome_unknown_is_final,
         ) {
             Next::Final => {
                 payment.final_after_ms = Some(millis(first.elapsed()));
@@ -235,21 +255,32 @@ pub(crate) fn millis(d: Duration) -> u64 {
 mod tests {
     use super::*;
 
+    fn classify_serve(status: Option<u16>, body: &str, retry_after: Option<Duration>) -> Next {
+        classify(status, body, retry_after, false)
+    }
+
     #[test]
     fn what_is_final_and_what_is_retried() {
-        assert_eq!(classify(Some(201), "{}", None), Next::Final);
-        assert_eq!(classify(Some(200), "{}", None), Next::Final);
-        assert_eq!(classify(Some(402), "{}", None), Next::Final);
-        assert_eq!(classify(Some(422), "{}", None), Next::Final);
+        assert_eq!(classify_serve(Some(201), "{}", None), Next::Final);
+        assert_eq!(classify_serve(Some(200), "{}", None), Next::Final);
+        assert_eq!(classify_serve(Some(402), "{}", None), Next::Final);
+        assert_eq!(classify_serve(Some(422), "{}", None), Next::Final);
         let after = Some(Duration::from_secs(3));
         let in_progress = r#"{"code":"request_in_progress"}"#;
-        assert_eq!(classify(Some(409), in_progress, after), Next::Retry(after));
+        assert_eq!(
+            classify_serve(Some(409), in_progress, after),
+            Next::Retry(after)
+        );
         let conflict = r#"{"code":"order_conflict"}"#;
-        assert_eq!(classify(Some(409), conflict, None), Next::Final);
-        assert_eq!(classify(Some(503), "", after), Next::Retry(after));
-        assert_eq!(classify(Some(504), "{}", None), Next::Retry(None));
-        assert_eq!(classify(Some(429), "{}", None), Next::Retry(None));
-        assert_eq!(classify(None, "reset", None), Next::Retry(None));
+        assert_eq!(classify_serve(Some(409), conflict, None), Next::Final);
+        assert_eq!(classify_serve(Some(503), "", after), Next::Retry(after));
+        assert_eq!(classify_serve(Some(504), "{}", None), Next::Retry(None));
+        assert_eq!(classify_serve(Some(429), "{}", None), Next::Retry(None));
+        assert_eq!(classify_serve(None, "reset", None), Next::Retry(None));
+        let unknown = r#"{"code":"outcome_unknown"}"#;
+        assert_eq!(classify_serve(Some(500), unknown, None), Next::Retry(None));
+        assert_eq!(classify(Some(500), unknown, None, true), Next::Final);
+        assert_eq!(classify(Some(500), "{}", None, true), Next::Retry(None));
     }
 
     #[test]

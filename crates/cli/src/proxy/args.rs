@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use backstop::admission::QueueConfig;
+use backstop::client::breaker::BreakerConfig;
 use backstop_payment::config::StoreLocation;
 use clap::Args;
 use clap::error::ErrorKind;
@@ -69,6 +70,14 @@ pub(crate) struct ProxyArgs {
     /// written on a connection the upstream is closing.
     #[arg(long, value_name = "DURATION", default_value = "4s", value_parser = parse_idle)]
     upstream_idle_timeout: Duration,
+    /// With several `--upstream`s, each has a circuit breaker of its own: it opens when at
+    /// least this many requests to the endpoint in 10 s ended, half of them failed (a 5xx, or
+    /// no answer), and the endpoint is left out of the balancing while it is open.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    endpoint_breaker_min_requests: u32,
+    /// How long an endpoint's open breaker leaves it out before one request probes it.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_open_for)]
+    endpoint_breaker_open_for: Duration,
     /// Longest budget a caller may ask for; longer ones are cut to it.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_max_timeout)]
     max_timeout: Duration,
@@ -80,6 +89,17 @@ pub(crate) struct ProxyArgs {
     /// 503 + Retry-After.
     #[arg(long, value_name = "N", default_value_t = 1024)]
     max_inflight: usize,
+    /// Turn slow start off. With it (the default), when half of the recent requests fail (the
+    /// upstream answers 5xx, cannot be reached, or its circuit is open) the limit drops to
+    /// --slow-start-floor, and once requests succeed again it ramps back up to --max-inflight,
+    /// doubling per round trip, instead of releasing the whole queue at once onto an upstream
+    /// that is just back.
+    #[arg(long)]
+    no_slow_start: bool,
+    /// Requests forwarded at once during an outage, where slow start ramps up from (capped by
+    /// --max-inflight).
+    #[arg(long, value_name = "N", default_value_t = backstop_payment::config::DEFAULT_SLOW_START_FLOOR)]
+    slow_start_floor: usize,
     /// Most requests waiting for one of the --max-inflight places.
     #[arg(long, value_name = "N", default_value_t = QueueConfig::DEFAULT_MAX_WAITERS)]
     queue_size: usize,
@@ -120,6 +140,10 @@ pub(crate) struct Settings {
     pub(crate) scope_header: Option<HeaderName>,
     pub(crate) upstream_idle_timeout: Duration,
     pub(crate) max_timeout: Duration,
+    /// Slow start's floor, or `None` without slow start.
+    pub(crate) slow_start: Option<usize>,
+    /// The breaker of each upstream endpoint (with more than one).
+    pub(crate) endpoint_breaker: BreakerConfig,
     pub(crate) lease: Duration,
     pub(crate) max_inflight: usize,
     pub(crate) queue_size: usize,
@@ -177,6 +201,11 @@ impl ProxyArgs {
             ("--max-inflight", self.max_inflight),
             ("--queue-size", self.queue_size),
             ("--max-connections", self.max_connections),
+            ("--slow-start-floor", self.slow_start_floor),
+            (
+                "--endpoint-breaker-min-requests",
+                self.endpoint_breaker_min_requests as usize,
+            ),
         ] {
             if n == 0 {
                 return Err(invalid(format!("{flag} must be at least 1")));
@@ -195,6 +224,12 @@ impl ProxyArgs {
             scope_header,
             upstream_idle_timeout: self.upstream_idle_timeout,
             max_timeout: self.max_timeout,
+            slow_start: (!self.no_slow_start).then_some(self.slow_start_floor),
+            endpoint_breaker: BreakerConfig {
+                min_requests: self.endpoint_breaker_min_requests,
+                open_for: self.endpoint_breaker_open_for,
+                ..BreakerConfig::default()
+            },
             lease: self.lease,
             max_inflight: self.max_inflight,
             queue_size: self.queue_size,
@@ -250,6 +285,14 @@ fn within(
 
 fn parse_margin(s: &str) -> Result<Duration, String> {
     within(s, Duration::ZERO..=Duration::from_secs(10), "0s..=10s")
+}
+
+fn parse_open_for(s: &str) -> Result<Duration, String> {
+    within(
+        s,
+        Duration::from_millis(10)..=Duration::from_secs(600),
+        "10ms..=10m",
+    )
 }
 
 fn parse_max_timeout(s: &str) -> Result<Duration, String> {
@@ -318,6 +361,35 @@ mod tests {
         assert_eq!(s.effect_key_header, "idempotency-effect-key");
         assert_eq!(s.margin, Duration::from_millis(5));
         assert_eq!(s.table.routes.len(), 1, "the fallback alone");
+        assert_eq!(
+            s.slow_start,
+            Some(backstop_payment::config::DEFAULT_SLOW_START_FLOOR)
+        );
+        assert_eq!(s.endpoint_breaker.min_requests, 20);
+        assert_eq!(s.endpoint_breaker.open_for, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn slow_start_and_endpoint_breakers() {
+        let up = ["--upstream", "http://h:1"];
+        let with = |more: &[&str]| settings(&[&up[..], more].concat());
+        assert_eq!(with(&["--no-slow-start"]).unwrap().slow_start, None);
+        assert_eq!(
+            with(&["--slow-start-floor", "3"]).unwrap().slow_start,
+            Some(3)
+        );
+        assert!(with(&["--slow-start-floor", "0"]).is_err());
+        let s = with(&[
+            "--endpoint-breaker-min-requests",
+            "4",
+            "--endpoint-breaker-open-for",
+            "1s",
+        ])
+        .unwrap();
+        assert_eq!(s.endpoint_breaker.min_requests, 4);
+        assert_eq!(s.endpoint_breaker.open_for, Duration::from_secs(1));
+        assert!(with(&["--endpoint-breaker-min-requests", "0"]).is_err());
+        assert!(with(&["--endpoint-breaker-open-for", "1ms"]).is_err());
     }
 
     #[test]

@@ -8,11 +8,31 @@
 //! is left of it minus the hop's margin, written the way the caller wrote it (`grpc-timeout`
 //! when the caller sent none), and every other timeout header is removed, so that the
 //! upstream never sees a budget the caller had before the proxy spent part of it.
+//!
+//! The value written is truncated, never rounded up: the upstream must give up before the
+//! proxy does, so it may get a little less than is left, never more. `grpc-timeout` keeps
+//! eight digits of the finest unit they fit (a loss below one part in 10^5); a header of
+//! milliseconds loses less than a millisecond. A budget no value can carry (under a
+//! millisecond in a header of milliseconds) is not sent at all.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use backstop::deadline::{GRPC_TIMEOUT, grpc_timeout_header_value};
+
+/// The `grpc-timeout` units, finest first, with their length in nanoseconds.
+const GRPC_UNITS: [(char, u128); 6] = [
+    ('n', 1),
+    ('u', 1_000),
+    ('m', 1_000_000),
+    ('S', 1_000_000_000),
+    ('M', 60_000_000_000),
+    ('H', 3_600_000_000_000),
+];
+
+/// Largest `grpc-timeout` value: eight digits.
+const GRPC_MAX_VALUE: u128 = 99_999_999;
+
 use backstop::server::Problem;
 use backstop::server::problem::Protocol;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
@@ -96,8 +116,10 @@ impl TimeoutHeaders {
     }
 
     /// On the way out: removes every timeout header of `headers` and writes `remaining` in
-    /// `form` (`grpc-timeout` for a caller that sent none). `None` when `remaining` cannot be
-    /// written (less than a millisecond in a header of milliseconds).
+    /// `form` (`grpc-timeout` for a caller that sent none), truncated so the upstream never
+    /// gets more than `remaining`. `None` when no value of that form can carry `remaining`
+    /// (zero, or less than a millisecond in a header of milliseconds): nothing is written
+    /// then, and the request must not be sent.
     pub(crate) fn write(
         &self,
         headers: &mut HeaderMap,
@@ -105,23 +127,44 @@ impl TimeoutHeaders {
         remaining: Duration,
     ) -> Option<()> {
         self.strip(headers);
-        match form {
-            BudgetForm::Millis(name) => {
-                let millis = remaining.as_millis();
-                if millis == 0 {
-                    return None;
-                }
-                headers.insert(name.clone(), HeaderValue::from(millis as u64));
-            }
-            BudgetForm::GrpcTimeout | BudgetForm::Absent => {
-                headers.insert(
-                    HeaderName::from_static(GRPC_TIMEOUT),
-                    grpc_timeout_header_value(remaining),
-                );
-            }
-        }
+        let (name, value) = match form {
+            BudgetForm::Millis(name) => (name.clone(), millis_at_most(remaining)?),
+            BudgetForm::GrpcTimeout | BudgetForm::Absent => (
+                HeaderName::from_static(GRPC_TIMEOUT),
+                grpc_timeout_at_most(remaining)?,
+            ),
+        };
+        headers.insert(name, value);
         Some(())
     }
+}
+
+/// `d` in whole milliseconds, truncated; `None` under one millisecond.
+fn millis_at_most(d: Duration) -> Option<HeaderValue> {
+    let millis = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    (millis > 0).then(|| HeaderValue::from(millis))
+}
+
+/// `d` as a `grpc-timeout` value that never exceeds it: the finest unit whose truncated value
+/// fits in eight digits (`99999999H` beyond). `None` for zero, which no value carries.
+///
+/// The library's [`grpc_timeout_header_value`] rounds up instead, for a client that sends
+/// its own budget; the proxy passes on a budget someone else gave it.
+pub(crate) fn grpc_timeout_at_most(d: Duration) -> Option<HeaderValue> {
+    let nanos = d.as_nanos();
+    if nanos == 0 {
+        return None;
+    }
+    let (value, unit) = GRPC_UNITS
+        .iter()
+        .map(|&(unit, length)| (nanos / length, unit))
+        .find(|&(value, _)| value <= GRPC_MAX_VALUE)
+        .unwrap_or((GRPC_MAX_VALUE, 'H'));
+    let mut value = HeaderValue::from_str(&format!("{value}{unit}"))
+        .expect("digits and a unit letter make a header value");
+    // As the library's: a budget differs on every request, so HPACK should not index it.
+    value.set_sensitive(true);
+    Some(value)
 }
 
 /// The refusal of a request with a malformed timeout header, in the caller's protocol.
@@ -204,5 +247,70 @@ mod tests {
             .unwrap();
         assert_eq!(out["grpc-timeout"], "250000u");
         assert!(!out.contains_key("x-request-timeout"));
+    }
+
+    #[test]
+    fn grpc_timeout_keeps_eight_digits_of_the_finest_unit_truncated() {
+        let at_most = |d: Duration| grpc_timeout_at_most(d).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(at_most(Duration::ZERO), None);
+        assert_eq!(at_most(Duration::from_nanos(1)).as_deref(), Some("1n"));
+        assert_eq!(
+            at_most(Duration::from_nanos(99_999_999)).as_deref(),
+            Some("99999999n")
+        );
+        // 20 s less 1 ns: 19999999.999 us, written 19999999u, not rounded up to 20 s.
+        assert_eq!(
+            at_most(Duration::from_secs(20) - Duration::from_nanos(1)).as_deref(),
+            Some("19999999u")
+        );
+        assert_eq!(
+            at_most(Duration::from_secs(20)).as_deref(),
+            Some("20000000u")
+        );
+        assert_eq!(
+            at_most(Duration::from_millis(100_000_999)).as_deref(),
+            Some("100000S")
+        );
+        assert_eq!(at_most(Duration::MAX).as_deref(), Some("99999999H"));
+        assert!(
+            grpc_timeout_at_most(Duration::from_secs(1))
+                .unwrap()
+                .is_sensitive()
+        );
+    }
+
+    proptest::proptest! {
+        /// The upstream never gets more than is left, never nothing while something is left,
+        /// and loses less than one part in 10^5 (one nanosecond below 10^8 ns).
+        #[test]
+        fn grpc_timeout_never_rounds_up(nanos in 1u64..=u64::MAX, secs in 0u64..=400_000_000) {
+            for d in [Duration::from_nanos(nanos), Duration::new(secs, (nanos % 1_000_000_000) as u32)] {
+                let Some(value) = grpc_timeout_at_most(d) else {
+                    proptest::prop_assert_eq!(d, Duration::ZERO);
+                    continue;
+                };
+                let sent = backstop::deadline::decode_grpc_timeout(value.to_str().unwrap()).unwrap();
+                proptest::prop_assert!(sent <= d, "{d:?} sent as {value:?}");
+                proptest::prop_assert!(sent > Duration::ZERO, "{d:?} sent as {value:?}");
+                proptest::prop_assert!(
+                    (d - sent).as_nanos() * 100_000 <= d.as_nanos(),
+                    "{d:?} sent as {value:?}: {sent:?}"
+                );
+            }
+        }
+
+        /// In a header of milliseconds: truncated, less than a millisecond lost, refused
+        /// under one.
+        #[test]
+        fn millis_never_round_up(nanos in 0u64..=u64::MAX) {
+            let d = Duration::from_nanos(nanos);
+            match millis_at_most(d) {
+                None => proptest::prop_assert!(d < Duration::from_millis(1)),
+                Some(value) => {
+                    let sent = Duration::from_millis(value.to_str().unwrap().parse().unwrap());
+                    proptest::prop_assert!(sent <= d && d - sent < Duration::from_millis(1));
+                }
+            }
+        }
     }
 }

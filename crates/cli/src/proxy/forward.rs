@@ -47,9 +47,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use backstop::client::breaker::{BreakerConfig, CircuitOpen};
 use backstop::client::connect::{self, Balanced};
-use backstop::client::{ClientService, ClientStack, Destination, Error as ClientError, StackError};
-use backstop::deadline::{Deadline, GRPC_TIMEOUT, decode_grpc_timeout};
+use backstop::client::{ClientService, ClientStack, Destination, Error as ClientError};
+use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, decode_grpc_timeout};
 use backstop::idempotency::postgres::PostgresStore;
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::idempotency::{Store, StoreError};
@@ -70,6 +71,7 @@ use hyper::body::Incoming;
 use tower::{BoxError, Service, ServiceExt};
 
 use super::budget::{BudgetForm, TimeoutHeaders};
+use super::endpoints;
 
 /// A boxed future that can move between threads.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -174,14 +176,17 @@ impl<St> std::fmt::Debug for Forwarder<St> {
 }
 
 /// The bottom of the client stack: the balanced, pooled upstream connections, one set per
-/// protocol. It writes each attempt's budget (the `grpc-timeout` the client stack set) in the
-/// caller's header form, and counts the attempts that may have reached the upstream.
+/// protocol. It writes each attempt's budget (what is left of the request's deadline minus the
+/// client stack's margin) in the caller's header form, and counts the attempts that may have
+/// reached the upstream.
 #[derive(Clone)]
 pub(crate) struct Transport {
     http1: Upstream,
     h2c: Upstream,
     protocol: UpstreamProtocol,
     timeouts: TimeoutHeaders,
+    /// The client stack's margin, the one its `grpc-timeout` was computed with.
+    margin: Arc<Margin>,
 }
 
 impl std::fmt::Debug for Transport {
@@ -219,22 +224,37 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
-        // The client stack wrote what is left of the budget, minus the margin, as
-        // `grpc-timeout`: the upstream gets it in the caller's form.
         let form = parts
             .extensions
             .get::<BudgetForm>()
             .cloned()
             .unwrap_or(BudgetForm::Absent);
-        let budget = parts
-            .headers
-            .get(GRPC_TIMEOUT)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| decode_grpc_timeout(v).ok());
+        // The upstream gets what is left of the deadline minus the margin, now, in the
+        // caller's form. The `grpc-timeout` the client stack wrote is an upper bound too (the
+        // margin may have grown since); it alone would not do, being rounded up.
+        let budget = parts.extensions.get::<Deadline>().map(|deadline| {
+            let left = deadline.remaining().saturating_sub(self.margin.current());
+            parts
+                .headers
+                .get(GRPC_TIMEOUT)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| decode_grpc_timeout(v).ok())
+                .map_or(left, |written| written.min(left))
+        });
         match budget {
             Some(budget) => {
-                let budget = budget.max(Duration::from_millis(1));
-                let _ = self.timeouts.write(&mut parts.headers, &form, budget);
+                if self
+                    .timeouts
+                    .write(&mut parts.headers, &form, budget)
+                    .is_none()
+                {
+                    // Nothing the caller's form can carry is left: the request is not sent.
+                    let exceeded = DeadlineExceeded {
+                        remaining: budget,
+                        margin: self.margin.current(),
+                    };
+                    return Box::pin(async move { Err(BoxError::from(exceeded)) });
+                }
             }
             None => self.timeouts.strip(&mut parts.headers),
         }
@@ -285,6 +305,8 @@ pub(crate) struct ForwardSettings {
     pub(crate) effect_key_header: HeaderName,
     /// How long an idle pooled connection to the upstream is kept.
     pub(crate) idle_timeout: Duration,
+    /// The breaker of each endpoint, with several.
+    pub(crate) endpoint_breaker: BreakerConfig,
 }
 
 /// A pooled client with the settings of the library's
@@ -305,23 +327,28 @@ fn pooled(http2: bool, idle: Duration) -> connect::HttpClient<UpstreamBody> {
 impl<St: ProxyStore> Forwarder<St> {
     /// A forwarder balancing over `upstreams` (each `http://HOST:PORT`) through the library's
     /// client stack. Call it inside the runtime: the balancers' workers are spawned on it.
-    pub(crate) fn new(upstreams: &[Uri], settings: ForwardSettings) -> Result<Self, StackError> {
+    pub(crate) fn new(
+        upstreams: &[Uri],
+        settings: ForwardSettings,
+    ) -> Result<Self, super::server::ProxyError> {
+        // One breaker per endpoint, whichever protocol reaches it.
+        let breakers = endpoints::breakers(upstreams, settings.endpoint_breaker)
+            .map_err(super::server::ProxyError::Breaker)?;
         let balanced = |http2: bool| -> Upstream {
-            let endpoints =
-                connect::endpoints(pooled(http2, settings.idle_timeout), upstreams.to_vec())
-                    .expect("upstream URLs are checked when read");
-            connect::balanced(endpoints, connect::DEFAULT_BUFFER)
+            endpoints::balanced(pooled(http2, settings.idle_timeout), upstreams, &breakers)
         };
+        let destination = Destination::new(UPSTREAM_DESTINATION).margin_floor(settings.margin);
         let transport = Transport {
             http1: balanced(false),
             h2c: balanced(true),
             protocol: settings.protocol,
             timeouts: settings.timeouts,
+            margin: destination.margin().clone(),
         };
-        let destination = Destination::new(UPSTREAM_DESTINATION).margin_floor(settings.margin);
         let client = ClientStack::builder(&destination, settings.client_policies)
             .replay_cap(REPLAY_CAP)
-            .build()?
+            .build()
+            .map_err(super::server::ProxyError::Client)?
             .layer(transport);
         Ok(Self {
             client,
@@ -514,10 +541,14 @@ pub(crate) fn outcome_unknown<B: From<Bytes>>(
     problem.into_response_for(protocol)
 }
 
-/// Whether `error` says the request never reached the upstream: no connection could be made.
+/// Whether `error` says the request never reached the upstream: no connection could be made,
+/// or the endpoint's breaker refused it.
 fn never_sent(error: &(dyn StdError + 'static)) -> bool {
     let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
     while let Some(e) = cause {
+        if e.is::<CircuitOpen>() {
+            return true;
+        }
         if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
             return client.is_connect();
         }

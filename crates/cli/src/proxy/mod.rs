@@ -6,6 +6,7 @@
 //!   `--check-config`;
 //! - `budget`: deadlines across the hop (timeout headers in, the same form out);
 //! - `forward`: the service at the bottom of the stack, sending requests upstream;
+//! - `endpoints`: the upstream endpoints, balanced, each behind a breaker of its own;
 //! - `server`: the wiring (store, stack, listeners, drain).
 //!
 //! What the proxy promises on a keyed route: a request is forwarded at most once per
@@ -19,6 +20,7 @@
 
 mod args;
 mod budget;
+mod endpoints;
 mod forward;
 pub(crate) mod policy;
 mod server;

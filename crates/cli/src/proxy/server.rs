@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backstop::admission::{Gate, KeyedTokenBucket, QueueConfig, Quota};
+use backstop::admission::{FixedLimit, Gate, KeyedTokenBucket, QueueConfig, Quota, SlowStart};
 use backstop::clock::SystemClock;
 use backstop::db::sqlite::{Db, SqliteOptions};
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
@@ -91,6 +91,9 @@ pub(crate) enum ProxyError {
     /// The client stack towards the upstream refused the routes' policies.
     #[error("cannot build the client towards the upstream")]
     Client(#[source] backstop::client::StackError),
+    /// An upstream endpoint's breaker could not be made.
+    #[error("invalid upstream endpoint breaker")]
+    Breaker(#[source] backstop::client::breaker::BreakerError),
     /// A listener's task failed.
     #[error("the proxy failed")]
     Serve(#[source] tokio::task::JoinError),
@@ -146,9 +149,9 @@ async fn serve<St: ProxyStore>(
             margin: settings.margin,
             effect_key_header: settings.effect_key_header.clone(),
             idle_timeout: settings.upstream_idle_timeout,
+            endpoint_breaker: settings.endpoint_breaker,
         },
-    )
-    .map_err(ProxyError::Client)?;
+    )?;
     let stack = stack(store.clone(), &settings);
     let detached = Detached::default();
     let front = Front {
@@ -260,12 +263,25 @@ fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::Se
     stack
         .deadline(DeadlineLayer::new(backstop::policy::DEFAULT_TIMEOUT).max(settings.max_timeout))
         .rate_limit(rate_limit(table))
-        .gate(Gate::new(settings.max_inflight, DEFAULT_MIN_SERVICE).with_queue(queue))
+        .gate(gate(settings).with_queue(queue))
         .idempotency(idempotency)
         .policies(table.policies.clone())
         .lease(settings.lease)
         .peer_from(|ext| ext.get::<ConnectionInfo>().map(ConnectionInfo::peer))
         .into_layer()
+}
+
+/// The admission gate: `--max-inflight` places, behind a slow start unless it is turned off
+/// (the upstream failing most requests drops the limit to the floor, and it ramps back up as
+/// they succeed again).
+fn gate(settings: &Settings) -> Gate {
+    match settings.slow_start {
+        Some(floor) => Gate::with_limit(
+            SlowStart::new(FixedLimit::new(settings.max_inflight), floor),
+            DEFAULT_MIN_SERVICE,
+        ),
+        None => Gate::new(settings.max_inflight, DEFAULT_MIN_SERVICE),
+    }
 }
 
 /// The scope of a request's keys: a hash of its scope header's value, so that the value (a

@@ -25,7 +25,9 @@ How a request is served:
 - `X-Upstream-Drop: 1` closes the connection after the effect without answering (the answer
   lost on its way back);
 - POST: executes the effect, answers 201 with JSON naming the effect (a new id each time);
-- GET: answers 200 with JSON echoing the method, path and headers.
+- GET: answers 200 with JSON echoing the method, path and headers;
+- `GET /_effects`: the effect ledger, a JSON array of every `effect` event so far (what
+  `backstop chaos --target proxy` reads); not recorded itself.
 """
 
 import argparse
@@ -116,7 +118,17 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def do_GET(self):
+        if self.path == "/_effects":
+            self.ledger()
+            return
         self.serving(self.get)
+
+    def ledger(self):
+        with LOCK:
+            with open(EVENTS, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        effects = [e for e in map(json.loads, filter(None, lines)) if e["event"] == "effect"]
+        self.answer(200, effects)
 
     def do_POST(self):
         self.serving(self.post)
@@ -173,6 +185,15 @@ class Handler(BaseHTTPRequestHandler):
         self.answer(status, payload)
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A proxy killed mid-request resets its connections: expected, not worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def main():
     global EVENTS, WORKERS
     parser = argparse.ArgumentParser()
@@ -183,8 +204,7 @@ def main():
     EVENTS = args.events
     if args.workers > 0:
         WORKERS = threading.BoundedSemaphore(args.workers)
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", args.port), Handler)
     host, port = server.server_address[:2]
     print(f"listening {host}:{port}", flush=True)
     sys.stdout.flush()
