@@ -364,13 +364,14 @@ impl PostgresStore {
     }
 
     /// Whether the claim found no partition for its window (nothing written): created now,
-    /// and the claim runs again.
+    /// and the claim runs again. This instance may have thought it existed (its clock behind
+    /// the database's, a window of another class): it is created, not looked up.
     async fn window_needed(&self, req: &ClaimRequest, row: &ClaimRow) -> Result<bool, StoreError> {
         let Some(index) = row.need_window else {
             return Ok(false);
         };
         let class_ms = class_of(duration_ms(req.ttl));
-        self.ensure_window(Window { class_ms, index }).await?;
+        self.create_window(Window { class_ms, index }).await?;
         Ok(true)
     }
 }

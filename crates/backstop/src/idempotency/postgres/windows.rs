@@ -54,8 +54,10 @@ pub(super) const CLOSED_SUFFIX: &str = "_closed";
 /// for claims still running normally.
 pub(super) const SEAL_GRACE_MS: i64 = 10_000;
 
-/// Session advisory lock held by the instance that expires windows: one at a time.
-const EXPIRE_LOCK: i64 = 0x6261_636b_7374_6f70_u64 as i64 ^ 0x5749_4e44;
+/// Session advisory lock held by the instance that expires windows, one at a time: per
+/// parent table (advisory locks are database-wide; stores in other schemas expire apart).
+const EXPIRE_LOCK_SQL: &str = "SELECT hashtextextended('backstop_idempotency_expire', \
+    to_regclass('idempotency_record')::oid::int8)";
 
 /// How long a window's DDL waits for a lock before giving up (the next expiry tries again).
 const DDL_LOCK_TIMEOUT: &str = "2s";
@@ -128,12 +130,17 @@ pub(super) fn create_sql(window: Window) -> String {
 }
 
 impl PostgresStore {
-    /// Creates `window`'s partition if it does not exist yet (any number of instances may race
-    /// to), and remembers it.
+    /// Creates `window`'s partition unless this instance knows it exists, and remembers it.
     pub(super) async fn ensure_window(&self, window: Window) -> Result<(), StoreError> {
         if self.windows.knows(window) {
             return Ok(());
         }
+        self.create_window(window).await
+    }
+
+    /// Creates `window`'s partition if it does not exist yet (any number of instances may race
+    /// to), and remembers it.
+    pub(super) async fn create_window(&self, window: Window) -> Result<(), StoreError> {
         let sql = create_sql(window);
         let mut client = self.pool.get().await.map_err(db::Error::connect)?;
         let tx = client.transaction().await?;
@@ -197,8 +204,9 @@ pub(super) async fn expire(
     limit: usize,
 ) -> Result<usize, StoreError> {
     let client = store.pool.get().await.map_err(db::Error::connect)?;
+    let lock: i64 = client.query_one(EXPIRE_LOCK_SQL, &[]).await?.get(0);
     let locked: bool = client
-        .query_one("SELECT pg_try_advisory_lock($1)", &[&EXPIRE_LOCK])
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&lock])
         .await?
         .get(0);
     if !locked {
@@ -207,7 +215,7 @@ pub(super) async fn expire(
     let mut held = Holding(Some(client));
     let expired = expire_locked(store, held.client(), now_ms, limit).await;
     held.client()
-        .execute("SELECT pg_advisory_unlock($1)", &[&EXPIRE_LOCK])
+        .execute("SELECT pg_advisory_unlock($1)", &[&lock])
         .await?;
     // Unlocked: the connection may serve again.
     held.0.take();
