@@ -585,3 +585,26 @@ async fn get_via(store: &PostgresStore, k: &str) -> Option<crate::idempotency::R
         .await
         .unwrap()
 }
+
+/// Expiry creates the next window of a class ahead of time, in the last half of its current
+/// window, so the first claims of a window do not wait for its DDL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_creates_the_next_window_ahead() {
+    if !crate::test_services::postgres() {
+        return;
+    }
+    let schema = Schema::create("windows_ahead").await;
+    // An instance whose clock stands three quarters into a window of day keys (1 hour wide),
+    // give or take the time this test takes.
+    let width = Window::of(DAY, 0).width_ms();
+    let clock = schema.clock().await;
+    let offset = width - clock % width - width / 4;
+    let store = schema.store(offset).await;
+    claimed(&store, req("k", DAY, 5_000, T0)).await;
+    let current =
+        Window::from_table_name(&schema.table_of("k").await.expect("stored")).expect("a window");
+    store.expire(T0, 100).await.unwrap();
+    assert!(schema.exists(&current.next().table_name()).await);
+    drop(store);
+    schema.drop().await;
+}

@@ -195,7 +195,8 @@ impl Drop for Holding {
 }
 
 /// [`Store::expire`](crate::idempotency::Store::expire) for [`PostgresStore`]: one instance
-/// at a time (the others answer 0), leftovers of an interrupted drop finished, every sealed
+/// at a time (the others answer 0), the next window of each class created in the last half of
+/// its current one, leftovers of an interrupted drop finished, every sealed
 /// window whose records may all be swept dropped whole, and the single-table layout's records
 /// swept one by one (at most `limit`).
 pub(super) async fn expire(
@@ -248,6 +249,15 @@ async fn expire_locked(
         .into_iter()
         .map(|row| row.get(0))
         .collect();
+    // Upkeep: the next window of each class in the last half of its current one.
+    for name in &partitions {
+        if let Some(w) = Window::from_table_name(name) {
+            let (start, end) = (w.start_ms(), w.end_ms());
+            if (start..end).contains(&clock) && clock >= end - w.width_ms() / 2 {
+                store.ensure_window(w.next()).await?;
+            }
+        }
+    }
     let mut total = 0;
     let mut legacy = false;
     for name in partitions {
