@@ -111,16 +111,18 @@ use crate::db::postgres::{
 use crate::deadline::Deadline;
 use crate::idempotency::window::{Window, class_of};
 
-/// Name under which [`MIGRATION`] is recorded by [`migrate`].
+/// Name under which [`MIGRATION`] was recorded by the single-table layout.
 pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 
-/// The `idempotency_key` table and its expiry index.
+/// The single-table layout's `idempotency_key` table and its expiry index (earlier releases;
+/// a new database gets [`MIGRATION_V3`] only).
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
 
 /// Name under which [`MIGRATION_V2`] is recorded.
 pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2_phases";
 
-/// The recovery point of a record: the last phase its handler committed and what it recorded.
+/// The recovery point of a record: the last phase its handler committed and what it recorded
+/// (applied to a single-table database before [`MIGRATION_V3`] attaches its table).
 pub const MIGRATION_V2: &str = "ALTER TABLE idempotency_key \
 ADD COLUMN IF NOT EXISTS phase TEXT, ADD COLUMN IF NOT EXISTS phase_data BYTEA;";
 
