@@ -529,7 +529,7 @@ impl Store for PostgresStore {
 
     async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let fingerprint = req.fingerprint.to_hex();
-        self.prepare_window(duration_ms(req.ttl)).await?;
+        self.prepare_window(duration_ms(req.ttl)).await;
         for _ in 0..CLAIM_ATTEMPTS {
             let op = self.claim_op(&req, &fingerprint);
             // Committed without waiting for the WAL flush: the handler's first phase, which
@@ -644,7 +644,7 @@ impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let start = self.start_by();
         let fingerprint = req.fingerprint.to_hex();
-        self.prepare_window(duration_ms(req.ttl)).await?;
+        self.prepare_window(duration_ms(req.ttl)).await;
         for _ in 0..CLAIM_ATTEMPTS {
             let op = self.claim_op(&req, &fingerprint);
             let row = match self.writer.run(op, start).await? {

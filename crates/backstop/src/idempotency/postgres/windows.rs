@@ -34,6 +34,7 @@ use std::sync::PoisonError;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use deadpool_postgres::Object;
+use tokio::time::timeout_at;
 
 use super::PostgresStore;
 use crate::db::postgres::{self as db, tokio_postgres};
@@ -142,10 +143,26 @@ impl PostgresStore {
     /// to), and remembers it.
     pub(super) async fn create_window(&self, window: Window) -> Result<(), StoreError> {
         let sql = create_sql(window);
-        let mut client = self.pool.get().await.map_err(db::Error::connect)?;
-        let tx = client.transaction().await?;
-        tx.batch_execute(&sql).await?;
-        tx.commit().await?;
+        // Bounded as the claim it is made for: by the request's deadline or the store's
+        // timeout. A connection given up mid-DDL is discarded, never reused.
+        let until = self.operation_deadline();
+        let mut client = timeout_at(until, self.pool.get())
+            .await
+            .map_err(|_| db::Error::Timeout)?
+            .map_err(db::Error::connect)?;
+        let made = timeout_at(until, async {
+            let tx = client.transaction().await?;
+            tx.batch_execute(&sql).await?;
+            tx.commit().await
+        })
+        .await;
+        match made {
+            Ok(made) => made?,
+            Err(_) => {
+                drop(Object::take(client));
+                return Err(db::Error::Timeout.into());
+            }
+        }
         tracing::debug!(window = %window.table_name(), "idempotency window ready");
         self.windows.learn(window);
         Ok(())
@@ -154,10 +171,16 @@ impl PostgresStore {
     /// Before a claim of TTL `ttl_ms`: the window it will most likely go to exists, and in the
     /// last half of a window the next one is created in the background, so that the first
     /// claims of a window do not wait for its DDL.
-    pub(super) async fn prepare_window(&self, ttl_ms: i64) -> Result<(), StoreError> {
+    ///
+    /// Best effort: a window this instance has not seen yet is usually there already (made
+    /// ahead by another instance), so a failure to create it (its DDL waiting behind a detach)
+    /// does not fail the claim; a claim that does find it missing creates it and says so.
+    pub(super) async fn prepare_window(&self, ttl_ms: i64) {
         let now = self.windows.local_clock_ms();
         let window = Window::of(ttl_ms, now);
-        self.ensure_window(window).await?;
+        if let Err(error) = self.ensure_window(window).await {
+            tracing::debug!(%error, window = %window.table_name(), "idempotency window not made");
+        }
         let next = window.next();
         if now >= window.end_ms() - window.width_ms() / 2
             && !self.windows.knows(next)
@@ -172,7 +195,6 @@ impl PostgresStore {
                 store.windows.ahead_running.store(false, Ordering::Release);
             });
         }
-        Ok(())
     }
 }
 
