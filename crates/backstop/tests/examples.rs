@@ -14,8 +14,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-const EXAMPLES: [&str; 5] = [
+const EXAMPLES: [&str; 6] = [
     "two_hop",
+    "amplification",
     "axum_server",
     "tonic_server",
     "tonic_client",
@@ -152,6 +153,18 @@ async fn two_hop() {
             "caller gave 500 ms: 201 Created",
             "gRPC caller gave 100 ms: DeadlineExceeded",
             "ok: ",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn amplification() {
+    run(
+        "amplification",
+        &[
+            "naive (3 attempts at each of 3 hops): 2",
+            "ok: naive >= 20, backstop's retries alone <= 1.1",
         ],
     )
     .await;
