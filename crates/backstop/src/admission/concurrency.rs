@@ -573,6 +573,7 @@ impl Gate {
 
     /// A permit if a slot is free and nobody waits; `None` is no refusal (nothing is counted):
     /// the caller goes on to [`Gate::enter_as`].
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
     pub(crate) fn try_admit(&self) -> Option<GatePermit> {
         let now = Instant::now();
         let mut state = self.shared.lock();
