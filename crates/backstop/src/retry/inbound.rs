@@ -12,7 +12,7 @@
 //!
 //! A destination that must keep its own retries (a call that cannot be repeated from above,
 //! say) turns this off with
-//! [`Destination::retry_at_one_layer(false)`](crate::client::stack::Destination::retry_at_one_layer).
+//! [`Destination::retry_at_one_layer(false)`](crate::client::Destination::retry_at_one_layer).
 //!
 //! ```
 //! use backstop::retry::inbound;

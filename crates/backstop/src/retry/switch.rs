@@ -8,7 +8,7 @@
 //! every client at once, "no more retries" or "at most 2 %".
 //!
 //! A [`RetrySwitch`] holds that setting in the process. Give the same switch to every
-//! [`Destination`](crate::client::stack::Destination) (or [`RetryPolicy`](super::RetryPolicy)
+//! [`Destination`](crate::client::Destination) (or [`RetryPolicy`](super::RetryPolicy)
 //! and [`HedgePolicy`](crate::hedge::HedgePolicy)) and set it from wherever the fleet's setting
 //! lives; with the `redis` feature, [`watch_redis`](RetrySwitch::watch_redis) keeps it equal
 //! to one Redis key that `backstop retries off|on|budget R` sets for every process watching
