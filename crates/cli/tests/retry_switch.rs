@@ -6,6 +6,12 @@
 //! (few enough that no client's storm alarm trips, so only the switch stops their retries) and
 //! serves every retry, counting the retries it sees by the `grpc-previous-rpc-attempts` header.
 
+#[path = "support/proxy_harness.rs"]
+#[allow(dead_code)]
+mod proxy_harness;
+#[path = "../../backstop/tests/support/python.rs"]
+#[allow(dead_code)]
+mod python;
 #[path = "support/serve_process.rs"]
 mod serve_process;
 #[path = "../../backstop/tests/support/services.rs"]
@@ -329,4 +335,34 @@ async fn alertmanager_notifications_set_the_switch() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(read(&mut redis).await.0, None, "on: the key is removed");
+}
+
+/// `backstop proxy --retry-switch-redis` follows the switch too (its retries and hedges to the
+/// upstream), as its metrics show.
+#[tokio::test]
+async fn a_proxy_follows_the_switch() {
+    if !services::redis() {
+        return;
+    }
+    let key = unique_key("proxy");
+    let dir = tempfile::tempdir().unwrap();
+    // No upstream needs to answer: the switch is read from Redis alone.
+    let proxy = proxy_harness::Proxy::options(dir.path(), &["http://127.0.0.1:9"])
+        .args(&[
+            "--retry-switch-redis",
+            &services::redis_url(),
+            "--retry-switch-key",
+            &key,
+        ])
+        .start()
+        .await;
+    retries(&["off", "--for", "1m"], &key);
+    proxy_harness::wait_for("the proxy to apply the switch", async || {
+        proxy
+            .metrics()
+            .await
+            .contains("rpc_client_retry_switch{setting=\"off\"} 1")
+            .then_some(())
+    })
+    .await;
 }

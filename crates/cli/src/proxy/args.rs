@@ -114,6 +114,13 @@ pub(crate) struct ProxyArgs {
     /// How often expired idempotency records are deleted.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_sweep)]
     sweep_every: Duration,
+    /// Follow the fleet's retry switch kept in this Redis (`backstop retries off|on|budget R`):
+    /// the retries and hedges to the upstream stop or lower with the fleet's.
+    #[arg(long, value_name = "URL")]
+    retry_switch_redis: Option<String>,
+    /// The retry switch's key.
+    #[arg(long, value_name = "KEY", default_value = backstop::retry::switch::DEFAULT_KEY)]
+    retry_switch_key: String,
 }
 
 /// What `backstop proxy` was asked to do.
@@ -150,6 +157,8 @@ pub(crate) struct Settings {
     pub(crate) max_connections: usize,
     pub(crate) drain_timeout: Duration,
     pub(crate) sweep_every: Duration,
+    /// The Redis URL and key of the fleet's retry switch, when followed.
+    pub(crate) retry_switch: Option<(String, String)>,
 }
 
 impl ProxyArgs {
@@ -236,6 +245,10 @@ impl ProxyArgs {
             max_connections: self.max_connections,
             drain_timeout: self.drain_timeout,
             sweep_every: self.sweep_every,
+            retry_switch: self
+                .retry_switch_redis
+                .clone()
+                .map(|url| (url, self.retry_switch_key.clone())),
         })))
     }
 }

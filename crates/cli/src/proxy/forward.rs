@@ -307,6 +307,8 @@ pub(crate) struct ForwardSettings {
     pub(crate) idle_timeout: Duration,
     /// The breaker of each endpoint, with several.
     pub(crate) endpoint_breaker: BreakerConfig,
+    /// The fleet's retry switch, when followed.
+    pub(crate) retry_switch: Option<backstop::retry::RetrySwitch>,
 }
 
 /// A pooled client with the settings of the library's
@@ -337,7 +339,9 @@ impl<St: ProxyStore> Forwarder<St> {
         let balanced = |http2: bool| -> Upstream {
             endpoints::balanced(pooled(http2, settings.idle_timeout), upstreams, &breakers)
         };
-        let destination = Destination::new(UPSTREAM_DESTINATION).margin_floor(settings.margin);
+        let destination = Destination::new(UPSTREAM_DESTINATION)
+            .margin_floor(settings.margin)
+            .retry_switch(settings.retry_switch);
         let transport = Transport {
             http1: balanced(false),
             h2c: balanced(true),

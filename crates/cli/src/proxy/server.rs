@@ -94,6 +94,9 @@ pub(crate) enum ProxyError {
     /// An upstream endpoint's breaker could not be made.
     #[error("invalid upstream endpoint breaker")]
     Breaker(#[source] backstop::client::breaker::BreakerError),
+    /// The fleet's retry switch could not watch Redis.
+    #[error("--retry-switch-redis: {0}")]
+    RetrySwitch(String),
     /// A listener's task failed.
     #[error("the proxy failed")]
     Serve(#[source] tokio::task::JoinError),
@@ -139,6 +142,17 @@ async fn serve<St: ProxyStore>(
     let admin_addr = local_addr(&admin, settings.admin)?;
     let table = &settings.table;
     let policies = Arc::new(table.policies.clone());
+    // Watched for as long as the proxy serves (dropped with this function's frame).
+    let (retry_switch, _switch_watch) = match &settings.retry_switch {
+        Some((url, key)) => {
+            let switch = backstop::retry::RetrySwitch::new();
+            let watch = switch
+                .watch_redis(url, key.clone(), backstop::retry::switch::DEFAULT_POLL)
+                .map_err(|e| ProxyError::RetrySwitch(e.to_string()))?;
+            (Some(switch), Some(watch))
+        }
+        None => (None, None),
+    };
     let forwarder = Forwarder::<St>::new(
         &settings.upstreams,
         ForwardSettings {
@@ -150,6 +164,7 @@ async fn serve<St: ProxyStore>(
             effect_key_header: settings.effect_key_header.clone(),
             idle_timeout: settings.upstream_idle_timeout,
             endpoint_breaker: settings.endpoint_breaker,
+            retry_switch,
         },
     )?;
     let stack = stack(store.clone(), &settings);
