@@ -7,7 +7,6 @@
 //! serves every retry, counting the retries it sees by the `grpc-previous-rpc-attempts` header.
 
 #[path = "support/proxy_harness.rs"]
-#[allow(dead_code)]
 mod proxy_harness;
 #[path = "../../backstop/tests/support/python.rs"]
 #[allow(dead_code)]
