@@ -576,6 +576,24 @@ fn chain(error: &(dyn StdError + 'static)) -> String {
 /// Headers of one connection, never forwarded (RFC 9110 section 7.6.1), with those the
 /// `Connection` header names. `TE: trailers` stays: gRPC needs it.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none of them: one pass over the names costs less than a hashed
+    // lookup per name (twice per request, measured under callgrind).
+    let hop_by_hop = |name: &HeaderName| {
+        matches!(
+            name.as_str(),
+            "connection"
+                | "transfer-encoding"
+                | "upgrade"
+                | "proxy-authenticate"
+                | "trailer"
+                | "keep-alive"
+                | "proxy-connection"
+                | "te"
+        )
+    };
+    if !headers.keys().any(hop_by_hop) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -654,6 +672,33 @@ mod tests {
         h.insert(header::TE, "gzip".parse().unwrap());
         strip_hop_by_hop(&mut h);
         assert!(!h.contains_key(header::TE));
+    }
+
+    #[test]
+    fn each_hop_by_hop_header_alone_is_stripped_and_the_rest_kept() {
+        for name in [
+            "connection",
+            "transfer-encoding",
+            "upgrade",
+            "proxy-authenticate",
+            "trailer",
+            "keep-alive",
+            "proxy-connection",
+            "te",
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+            h.insert(HeaderName::from_static(name), "x".parse().unwrap());
+            strip_hop_by_hop(&mut h);
+            assert!(!h.contains_key(name), "{name} stays on its hop");
+            assert_eq!(h.len(), 1, "{name}: the rest is kept");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        h.insert("idempotency-key", "k".parse().unwrap());
+        let before = h.clone();
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h, before);
     }
 
     #[test]
