@@ -108,7 +108,7 @@ pub(crate) mod protocol;
 pub mod sqlite;
 pub mod store;
 pub mod sweeper;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(feature = "sqlite")]
 pub mod window;
 
 pub use fingerprint::{Fingerprint, FingerprintError};
