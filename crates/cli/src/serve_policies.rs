@@ -145,8 +145,8 @@ fn tuned(
         if wanted != idempotency {
             return Err(format!(
                 "{what} is {} by the service's handler and stays so (not {})",
-                class_name(idempotency),
-                class_name(wanted)
+                idempotency.as_str(),
+                wanted.as_str()
             ));
         }
     }
@@ -157,14 +157,6 @@ fn tuned(
         ));
     }
     Ok(spec.apply(policy.to_builder(), idempotency, what)?.build())
-}
-
-fn class_name(idempotency: Idempotency) -> &'static str {
-    match idempotency {
-        Idempotency::Safe => "safe",
-        Idempotency::Keyed => "keyed",
-        Idempotency::Unsafe => "unsafe",
-    }
 }
 
 #[cfg(test)]
