@@ -1,7 +1,8 @@
 //! The forwarder: the service at the bottom of the server stack. It sends each request to the
-//! upstream through the library's client stack ([`ClientStack`](backstop::client::ClientStack): deadline, retries paid from
-//! the upstream's retry budget, hedging, circuit breaker, transparent re-send of attempts that
-//! never left) over pooled connections (HTTP/1.1, or HTTP/2 with prior knowledge for gRPC),
+//! upstream through the library's client stack
+//! ([`ClientStack`](backstop::client::ClientStack): deadline, retries paid from the upstream's
+//! retry budget, hedging, circuit breaker, transparent re-send of attempts that never left)
+//! over pooled connections (HTTP/1.1, or HTTP/2 with prior knowledge for gRPC),
 //! balanced over the upstream endpoints, and hands back its answer.
 //!
 //! The client stack runs each route by the routes file's policy as far as sending again is

@@ -372,14 +372,25 @@ mod tests {
                 "{error}"
             );
         }
-        // Hidden by a new, more exact route that is not keyed.
-        let hidden = format!("{IN_EFFECT}\n[[policies.route]]\nmatch = \"POST /v1/charges/c1\"\n");
-        let error = check(&hidden).unwrap_err();
-        assert!(error.contains("route Charge"), "{error}");
-        assert!(
-            error.contains("unsafe by route POST /v1/charges/c1"),
-            "{error}"
-        );
+        // Hidden by a new route that is not keyed: one declared first (the first route that
+        // matches wins), or an exact path (which wins over every route).
+        for (hiding, name) in [
+            ("match = \"POST /v1/charges/c1\"", "POST /v1/charges/c1"),
+            ("match = \"/v1/charges/0\"", "/v1/charges/0"),
+        ] {
+            let hidden = format!("[[policies.route]]\n{hiding}\n{IN_EFFECT}");
+            let error = check(&hidden).unwrap_err();
+            assert!(error.contains("route Charge"), "{error}");
+            assert!(
+                error.contains(&format!("unsafe by route {name}")),
+                "{error}"
+            );
+        }
+        // Declared after the keyed route, a route it covers is never reached: nothing changes.
+        check(&format!(
+            "{IN_EFFECT}\n[[policies.route]]\nmatch = \"POST /v1/charges/c1\"\n"
+        ))
+        .unwrap();
         // The fallback too.
         let keyed_fallback = "[policies.fallback]\nidempotency = \"keyed\"\n";
         let in_effect = RouteTable::parse(keyed_fallback).unwrap();
