@@ -26,6 +26,7 @@ mod api_keys;
 mod chaos;
 mod config_file;
 mod error_chain;
+mod hangups;
 mod load;
 mod logging;
 #[cfg(feature = "otel")]

@@ -13,6 +13,7 @@ use backstop_payment::server::{self, ServeError};
 use clap::Args;
 use clap::error::ErrorKind;
 
+use crate::hangups::Hangups;
 use crate::{api_keys, serve_policies};
 
 /// Flags of `backstop serve`.
@@ -436,72 +437,46 @@ pub(crate) async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     // Watched before the service answers anything: a SIGHUP that came first would stop it.
-    let hangups = Hangups::watch();
+    let hangups = Hangups::watch("the policies");
     let server = server::Server::bind(config.clone()).await?;
-    let reloads = tokio::spawn(hangups.reload(config, config_file, server.policies().clone()));
+    let reloads = tokio::spawn(reload_on_hangup(
+        hangups,
+        config,
+        config_file,
+        server.policies().clone(),
+    ));
     let result = server.run(shutdown).await;
     reloads.abort();
     result
 }
 
-/// SIGHUP, watched (where there are signals).
-struct Hangups {
-    #[cfg(unix)]
-    signal: Option<tokio::signal::unix::Signal>,
-}
-
-impl Hangups {
-    fn watch() -> Self {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            let signal = signal(SignalKind::hangup())
-                .inspect_err(|_| {
-                    tracing::warn!("cannot watch SIGHUP: the policies reload only with a restart");
-                })
-                .ok();
-            Self { signal }
+/// Reloads the policies on each SIGHUP (without a config file, says there is nothing to
+/// reload: a hangup must not stop the service).
+async fn reload_on_hangup(
+    mut hangups: Hangups,
+    config: Config,
+    file: Option<std::path::PathBuf>,
+    policies: backstop::policy::ReloadablePolicies,
+) {
+    while hangups.recv().await.is_some() {
+        let Some(file) = &file else {
+            tracing::warn!("SIGHUP: no --config file, nothing to reload");
+            continue;
+        };
+        let reloaded = serve_policies::reload(&config, file)
+            .and_then(|table| policies.replace(table).map_err(|e| e.to_string()));
+        match reloaded {
+            Ok(()) => tracing::info!(
+                file = %file.display(),
+                table = %policies.load(),
+                "policies reloaded"
+            ),
+            Err(error) => tracing::error!(
+                file = %file.display(),
+                %error,
+                "policy reload refused; the table in effect stays"
+            ),
         }
-        #[cfg(not(unix))]
-        Self {}
-    }
-
-    /// Reloads the policies on each SIGHUP (without a config file, says there is nothing to
-    /// reload: a hangup must not stop the service).
-    async fn reload(
-        self,
-        config: Config,
-        file: Option<std::path::PathBuf>,
-        policies: backstop::policy::ReloadablePolicies,
-    ) {
-        #[cfg(unix)]
-        {
-            let Some(mut hangups) = self.signal else {
-                return;
-            };
-            while hangups.recv().await.is_some() {
-                let Some(file) = &file else {
-                    tracing::warn!("SIGHUP: no --config file, nothing to reload");
-                    continue;
-                };
-                let reloaded = serve_policies::reload(&config, file)
-                    .and_then(|table| policies.replace(table).map_err(|e| e.to_string()));
-                match reloaded {
-                    Ok(()) => tracing::info!(
-                        file = %file.display(),
-                        table = %policies.load(),
-                        "policies reloaded"
-                    ),
-                    Err(error) => tracing::error!(
-                        file = %file.display(),
-                        %error,
-                        "policy reload refused; the table in effect stays"
-                    ),
-                }
-            }
-        }
-        #[cfg(not(unix))]
-        let _ = (config, file, policies);
     }
 }
 

@@ -2,7 +2,8 @@
 //! `/metrics` of a real `backstop serve` that has seen a little traffic (successes, a PSP
 //! failing until the client stops retrying, tenant rate-limit refusals, an unknown route), and
 //! of a real `backstop proxy` in front of the Python upstream (all but the payment service's
-//! own), and both files are well formed.
+//! own), and both files are well formed. A few metrics appear only in some configurations
+//! ([`CONDITIONAL`]): each is checked to be the library's, and shown live by the test named.
 
 #[path = "support/proxy_harness.rs"]
 mod proxy_harness;
@@ -303,6 +304,7 @@ fn alerts_say_what_to_do_and_page_on_a_retry_storm() {
         "BackstopAttemptLatencyHigh",
         "BackstopRejecting",
         "BackstopIntentsLeftRunning",
+        "BackstopRetriesSwitchedOff",
     ] {
         assert!(alerts.contains_key(name), "missing alert {name}");
     }
@@ -510,6 +512,64 @@ fn used_names() -> BTreeSet<String> {
     exported
 }
 
+/// Metrics the rules or the dashboard use that a process exports only in some configurations,
+/// and where each is shown live.
+const CONDITIONAL: [(&str, &str); 4] = [
+    (
+        backstop::observe::RPC_SERVER_CONNECTIONS_PUSHED_TOTAL,
+        "under sustained overload: tests/push_away.rs",
+    ),
+    (
+        backstop::observe::RPC_CLIENT_RETRY_SWITCH,
+        "following the fleet's retry switch (serve with --redis, the proxy with \
+         --retry-switch-redis): tests/retry_switch.rs, and the proxy's test here",
+    ),
+    (
+        backstop::observe::RPC_CLIENT_PENDING_REQUESTS,
+        "a destination with call slots (Destination::max_in_flight), which neither serve nor \
+         the proxy sets: the library's client::slots tests",
+    ),
+    (
+        backstop::observe::RPC_CLIENT_PENDING_SECONDS,
+        "as rpc_client_pending_requests",
+    ),
+];
+
+/// Whether `name` (a histogram's series by its exposed name) is one of [`CONDITIONAL`].
+fn conditional(name: &str) -> bool {
+    CONDITIONAL.iter().any(|(family, _)| {
+        name == *family
+            || name
+                .strip_prefix(family)
+                .is_some_and(|suffix| ["_bucket", "_sum", "_count"].contains(&suffix))
+    })
+}
+
+#[test]
+fn conditional_metrics_are_used_and_are_the_librarys() {
+    let used = used_names();
+    for (family, live) in CONDITIONAL {
+        assert!(
+            used.iter()
+                .any(|name| conditional(name) && name.starts_with(family)),
+            "{family} ({live}) is used by no panel or rule: drop it from CONDITIONAL"
+        );
+    }
+    // Their panels are there.
+    let titles: Vec<String> = panels(&dashboard())
+        .iter()
+        .filter_map(|p| p["title"].as_str().map(str::to_owned))
+        .collect();
+    for title in [
+        "Connections pushed away",
+        "Retry switch",
+        "Waiting for a call slot",
+        "Call-slot wait p99",
+    ] {
+        assert!(titles.iter().any(|t| t == title), "no panel {title:?}");
+    }
+}
+
 /// Scrapes `metrics` until every name of `wanted` is there or a (generous) minute passes (the
 /// resolver publishes its gauges from a background task); the names still missing.
 async fn scrape_until_present(
@@ -529,7 +589,10 @@ async fn scrape_until_present(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_in_the_rules_and_the_dashboard_is_exported() {
-    let exported = used_names();
+    let exported: BTreeSet<String> = used_names()
+        .into_iter()
+        .filter(|name| !conditional(name))
+        .collect();
 
     // A service whose PSP fails the first charge until the client stops retrying, then
     // answers; a tenant rate that refuses once its burst is spent; a connection cap that
@@ -626,8 +689,11 @@ async fn the_proxy_exports_every_metric_but_the_payment_services_own() {
     }
     // The dashboard and the rules work unchanged for the proxy, but for the payment intents'
     // panels and alerts: the proxy has no intents.
+    // Of the metrics shown only in some configurations, the retry switch's is here: the
+    // proxy follows one (Redis need not answer for the gauge to show the setting, `on`).
     let (payments, exported): (BTreeSet<_>, BTreeSet<_>) = used_names()
         .into_iter()
+        .filter(|name| !conditional(name) || name == backstop::observe::RPC_CLIENT_RETRY_SWITCH)
         .partition(|name| name.starts_with("payment_"));
     assert_eq!(
         payments.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -643,7 +709,14 @@ async fn the_proxy_exports_every_metric_but_the_payment_services_own() {
     let upstream = Upstream::start(dir.path()).await;
     let proxy = Proxy::options(dir.path(), &[&upstream.url])
         .routes(PROXY_ROUTES)
-        .args(&["--max-connections", "4"])
+        .args(&[
+            "--max-connections",
+            "4",
+            "--retry-switch-redis",
+            "redis://127.0.0.1:6379",
+            "--retry-switch-key",
+            &format!("backstop:test:deploy:{}", std::process::id()),
+        ])
         .start()
         .await;
     // A connection per request: the cap must not evict a pooled one.

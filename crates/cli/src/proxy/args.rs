@@ -37,6 +37,12 @@ pub(crate) struct ProxyArgs {
     /// The routes file (TOML): each route's idempotency class, timeout, attempts, hedging and
     /// rate class. Without it every request passes through with the defaults (10 s budget,
     /// nothing keyed). See `--check-config`.
+    ///
+    /// On SIGHUP it is read and checked again, and its routes replace those in effect (log
+    /// `policies reloaded`); a file that is refused is logged (`policy reload refused`) and the
+    /// routes in effect stay. A reload refuses to un-key a keyed route (its keys' records
+    /// promise a retry the first answer), to change the rate classes or `[proxy]
+    /// replay_headers` (made at start); the flags are not read again.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Where keyed requests' records live: `sqlite://PATH` (or `sqlite:PATH`, or a bare path;
@@ -140,6 +146,8 @@ pub(crate) struct Settings {
     pub(crate) upstreams: Vec<Uri>,
     pub(crate) protocol: UpstreamProtocol,
     pub(crate) table: RouteTable,
+    /// The routes file, read again on SIGHUP.
+    pub(crate) config: Option<PathBuf>,
     pub(crate) store: StoreLocation,
     pub(crate) timeouts: TimeoutHeaders,
     pub(crate) margin: Duration,
@@ -226,6 +234,7 @@ impl ProxyArgs {
             upstreams,
             protocol: self.upstream_protocol,
             table,
+            config: self.config.clone(),
             store,
             timeouts: TimeoutHeaders::new(timeouts),
             margin: self.margin,

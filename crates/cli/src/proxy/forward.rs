@@ -1,14 +1,16 @@
 //! The forwarder: the service at the bottom of the server stack. It sends each request to the
-//! upstream through the library's client stack ([`ClientStack`]: deadline, retries paid from
-//! the upstream's retry budget, hedging, circuit breaker, transparent re-send of attempts that
-//! never left) over pooled connections (HTTP/1.1, or HTTP/2 with prior knowledge for gRPC),
+//! upstream through the library's client stack
+//! ([`ClientStack`](backstop::client::ClientStack): deadline, retries paid from the upstream's
+//! retry budget, hedging, circuit breaker, transparent re-send of attempts that never left)
+//! over pooled connections (HTTP/1.1, or HTTP/2 with prior knowledge for gRPC),
 //! balanced over the upstream endpoints, and hands back its answer.
 //!
 //! The client stack runs each route by the routes file's policy as far as sending again is
 //! safe ([`RouteTable::client_policies`](super::policy::RouteTable::client_policies)): a keyed
 //! route whose upstream does not deduplicate by the effect key is sent once, whatever it
 //! says; the others keep their attempts and hedging (an unsafe route retries only answers
-//! that say nothing ran).
+//! that say nothing ran). The routes are those in effect when the request is forwarded
+//! ([`Routes`]: replaced together with the server stack's on a reload).
 //!
 //! What it adds to the request: the remaining budget minus the hop's margin (learned by the
 //! client stack, at least `--margin`), in the caller's header form ([`budget`](super::budget));
@@ -49,12 +51,11 @@ use std::time::Duration;
 
 use backstop::client::breaker::{BreakerConfig, CircuitOpen};
 use backstop::client::connect::{self, Balanced};
-use backstop::client::{ClientService, ClientStack, Destination, Error as ClientError};
+use backstop::client::{Destination, Error as ClientError};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, decode_grpc_timeout};
 use backstop::idempotency::postgres::PostgresStore;
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::idempotency::{Store, StoreError};
-use backstop::policy::{MethodPolicies, Takeover};
 use backstop::server::Problem;
 use backstop::server::body::ResponseBody;
 use backstop::server::idempotency::{NothingDone, Phases};
@@ -72,6 +73,8 @@ use tower::{BoxError, Service, ServiceExt};
 
 use super::budget::{BudgetForm, TimeoutHeaders};
 use super::endpoints;
+use super::policy::RouteTable;
+use super::routes::{ClientMaker, Routes};
 
 /// A boxed future that can move between threads.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -148,8 +151,7 @@ pub(crate) struct OutcomeUnknown {
 
 /// Sends requests to the upstream; see the [module docs](self).
 pub(crate) struct Forwarder<St> {
-    client: ClientService<Transport>,
-    policies: Arc<MethodPolicies>,
+    routes: Routes,
     margin: Duration,
     effect_key_header: HeaderName,
     store: PhantomData<fn() -> St>,
@@ -158,8 +160,7 @@ pub(crate) struct Forwarder<St> {
 impl<St> Clone for Forwarder<St> {
     fn clone(&self) -> Self {
         Self {
-            client: self.client.clone(),
-            policies: self.policies.clone(),
+            routes: self.routes.clone(),
             margin: self.margin,
             effect_key_header: self.effect_key_header.clone(),
             store: PhantomData,
@@ -296,10 +297,10 @@ where
 #[derive(Debug, Clone)]
 pub(crate) struct ForwardSettings {
     pub(crate) protocol: UpstreamProtocol,
-    /// The server stack's table (which route a request is).
-    pub(crate) policies: Arc<MethodPolicies>,
-    /// The client stack's table (how each route is sent: attempts, hedging).
-    pub(crate) client_policies: MethodPolicies,
+    /// The routes file's table (the client stack's is made from it).
+    pub(crate) table: RouteTable,
+    /// The client stack's timeout (the budget is the server stack's).
+    pub(crate) max_timeout: Duration,
     pub(crate) timeouts: TimeoutHeaders,
     pub(crate) margin: Duration,
     pub(crate) effect_key_header: HeaderName,
@@ -349,18 +350,25 @@ impl<St: ProxyStore> Forwarder<St> {
             timeouts: settings.timeouts,
             margin: destination.margin().clone(),
         };
-        let client = ClientStack::builder(&destination, settings.client_policies)
-            .replay_cap(REPLAY_CAP)
-            .build()
-            .map_err(super::server::ProxyError::Client)?
-            .layer(transport);
+        let maker = ClientMaker {
+            destination,
+            transport,
+            replay_cap: REPLAY_CAP,
+            max_timeout: settings.max_timeout,
+        };
+        let routes =
+            Routes::new(settings.table, maker).map_err(super::server::ProxyError::Client)?;
         Ok(Self {
-            client,
-            policies: settings.policies,
+            routes,
             margin: settings.margin,
             effect_key_header: settings.effect_key_header,
             store: PhantomData,
         })
+    }
+
+    /// The routes it forwards by, shared with the server stack.
+    pub(crate) fn routes(&self) -> &Routes {
+        &self.routes
     }
 
     async fn forward<B>(
@@ -401,15 +409,13 @@ impl<St: ProxyStore> Forwarder<St> {
         parts.headers.remove(&self.effect_key_header);
         let phases = parts.extensions.get::<Phases<St>>().cloned();
         let keyed = phases.is_some();
+        let routes = self.routes.current();
         if let Some(phases) = &phases {
-            let takeover = self
-                .policies
-                .for_route(&parts.method, parts.uri.path())
-                .takeover();
             // Before the request leaves, on a route whose upstream deduplicates by the effect
             // key: the claim and this point become durable in one commit, and a run that
             // takes the key over after a crash forwards again under the same key.
-            if takeover != Takeover::Refuse && phases.recovery_point().is_none() {
+            if routes.resumes(&parts.method, parts.uri.path()) && phases.recovery_point().is_none()
+            {
                 match phases
                     .commit(FORWARDED, Bytes::new(), St::no_writes())
                     .await
@@ -457,8 +463,11 @@ impl<St: ProxyStore> Forwarder<St> {
         let reach = Reach::default();
         parts.extensions.insert(reach.clone());
         let body: UpstreamBody = body.map_err(|e| -> BoxError { e.into() }).boxed_unsync();
+        let client = routes
+            .client_for(&parts.method, parts.uri.path(), keyed)
+            .clone();
         let sent: BoxFuture<'static, Result<Response<Incoming>, ClientError>> =
-            Box::pin(self.client.oneshot(Request::from_parts(parts, body)));
+            Box::pin(client.oneshot(Request::from_parts(parts, body)));
         match sent.await {
             Ok(response) => {
                 let (mut head, body) = response.into_parts();

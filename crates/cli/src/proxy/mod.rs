@@ -7,6 +7,7 @@
 //! - `budget`: deadlines across the hop (timeout headers in, the same form out);
 //! - `forward`: the service at the bottom of the stack, sending requests upstream;
 //! - `endpoints`: the upstream endpoints, balanced, each behind a breaker of its own;
+//! - `routes`: the routes in effect for both stacks, and their reload on SIGHUP;
 //! - `server`: the wiring (store, stack, listeners, drain).
 //!
 //! What the proxy promises on a keyed route: a request is forwarded at most once per
@@ -23,6 +24,7 @@ mod budget;
 mod endpoints;
 mod forward;
 pub(crate) mod policy;
+mod routes;
 mod server;
 
 use std::error::Error;
@@ -53,7 +55,9 @@ pub(crate) async fn run(
             }
         },
         Mode::Run(settings) => {
-            server::run(*settings, shutdown).await?;
+            // Watched before anything is bound: a SIGHUP that came first would stop the proxy.
+            let hangups = crate::hangups::Hangups::watch("the routes");
+            server::run(*settings, hangups, shutdown).await?;
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -23,7 +23,8 @@
 //! The section is self-contained (`[policies]` and below), so that another command's config
 //! file can hold the same table. Every key is checked: one this file does not know is an error
 //! naming it, and the table is validated by the library's own rules
-//! ([`MethodPolicies::validate`]) before anything starts.
+//! ([`MethodPolicies::validate`]) before anything starts, and again before a reload on SIGHUP
+//! puts it in effect (see [`super::routes`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -132,7 +133,7 @@ impl From<IdempotencySpec> for Idempotency {
 }
 
 /// `[policies.rate_class.NAME]`.
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RateSpec {
     /// Requests per second.

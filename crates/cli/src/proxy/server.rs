@@ -24,7 +24,6 @@ use backstop::db::sqlite::{Db, SqliteOptions};
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
 use backstop::idempotency::{Fingerprint, Sweeper};
-use backstop::policy::MethodPolicies;
 use backstop::server::listen::{ConnectionInfo, ListenConfig, Listener};
 use backstop::server::problem::Protocol;
 use backstop::server::{
@@ -49,6 +48,8 @@ use super::forward::{
     BoxFuture, ForwardSettings, Forwarder, OutcomeUnknown, ProxyStore, outcome_unknown,
 };
 use super::policy::RouteTable;
+use super::routes::{self, Routes};
+use crate::hangups::Hangups;
 
 /// `service` label of the request metrics.
 pub(crate) const SERVICE_NAME: &str = "proxy";
@@ -103,8 +104,10 @@ pub(crate) enum ProxyError {
 }
 
 /// Binds both ports, opens the store, and proxies until `shutdown` resolves; then drains.
+/// Each of `hangups` reloads the routes file.
 pub(crate) async fn run(
     settings: Settings,
+    hangups: Hangups,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ProxyError> {
     // Both ports first: a busy one fails before a store file is created.
@@ -119,13 +122,13 @@ pub(crate) async fn run(
         StoreLocation::Sqlite(path) => {
             let db = Db::open(path, SqliteOptions::default()).map_err(ProxyError::Db)?;
             let store = SqliteStore::new(db).await.map_err(ProxyError::Store)?;
-            serve(store, settings, listener, admin, shutdown).await
+            serve(store, settings, hangups, listener, admin, shutdown).await
         }
         StoreLocation::Postgres(url) => {
             let store = PostgresStore::connect(url, PostgresOptions::default())
                 .await
                 .map_err(ProxyError::Store)?;
-            serve(store, settings, listener, admin, shutdown).await
+            serve(store, settings, hangups, listener, admin, shutdown).await
         }
     }
 }
@@ -133,6 +136,7 @@ pub(crate) async fn run(
 async fn serve<St: ProxyStore>(
     store: St,
     settings: Settings,
+    hangups: Hangups,
     listener: TcpListener,
     admin: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -141,7 +145,6 @@ async fn serve<St: ProxyStore>(
     let addr = local_addr(&listener, settings.listen)?;
     let admin_addr = local_addr(&admin, settings.admin)?;
     let table = &settings.table;
-    let policies = Arc::new(table.policies.clone());
     // Watched for as long as the proxy serves (dropped with this function's frame).
     let (retry_switch, _switch_watch) = match &settings.retry_switch {
         Some((url, key)) => {
@@ -157,8 +160,8 @@ async fn serve<St: ProxyStore>(
         &settings.upstreams,
         ForwardSettings {
             protocol: settings.protocol,
-            policies: policies.clone(),
-            client_policies: table.client_policies(settings.max_timeout),
+            table: table.clone(),
+            max_timeout: settings.max_timeout,
             timeouts: settings.timeouts.clone(),
             margin: settings.margin,
             effect_key_header: settings.effect_key_header.clone(),
@@ -167,11 +170,12 @@ async fn serve<St: ProxyStore>(
             retry_switch,
         },
     )?;
-    let stack = stack(store.clone(), &settings);
+    let routes = forwarder.routes().clone();
+    let stack = stack(store.clone(), &settings, &routes);
     let detached = Detached::default();
     let front = Front {
         stack: stack.layer(forwarder),
-        policies,
+        routes: routes.clone(),
         timeouts: settings.timeouts.clone(),
         detached: detached.clone(),
     };
@@ -219,8 +223,14 @@ async fn serve<St: ProxyStore>(
         keyed = table.routes.iter().filter(|r| r.policy.requires_key()).count(),
         "proxy listening"
     );
+    let reloads = tokio::spawn(routes::reload_on_hangup(
+        hangups,
+        settings.config.clone(),
+        routes,
+    ));
 
     shutdown.await;
+    reloads.abort();
     let _ = ready_tx.send(false);
     tracing::info!(
         drain_ms = settings.drain_timeout.as_millis() as u64,
@@ -256,8 +266,12 @@ fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, Pr
         .map_err(|source| ProxyError::Bind { addr, source })
 }
 
-/// The library's server stack as the proxy configures it.
-fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::ServerStackLayer<St> {
+/// The library's server stack as the proxy configures it, reading the routes in effect.
+fn stack<St: ProxyStore>(
+    store: St,
+    settings: &Settings,
+    routes: &Routes,
+) -> backstop::server::ServerStackLayer<St> {
     let table = &settings.table;
     // Whatever the upstream takes: JSON is compared in its canonical form, the rest byte for
     // byte.
@@ -280,7 +294,7 @@ fn stack<St: ProxyStore>(store: St, settings: &Settings) -> backstop::server::Se
         .rate_limit(rate_limit(table))
         .gate(gate(settings).with_queue(queue))
         .idempotency(idempotency)
-        .policies(table.policies.clone())
+        .reloadable_policies(routes.server_policies().clone())
         .lease(settings.lease)
         .peer_from(|ext| ext.get::<ConnectionInfo>().map(ConnectionInfo::peer))
         .into_layer()
@@ -367,7 +381,7 @@ fn full(response: Response<Bytes>) -> Response<AnswerBody> {
 #[derive(Clone)]
 struct Front<S> {
     stack: S,
-    policies: Arc<MethodPolicies>,
+    routes: Routes,
     timeouts: TimeoutHeaders,
     detached: Detached,
 }
@@ -398,7 +412,9 @@ where
         }
         let protocol = Protocol::of(request.headers());
         let keyed = self
-            .policies
+            .routes
+            .server_policies()
+            .load()
             .for_route(request.method(), request.uri().path())
             .requires_key();
         let call = self.stack.clone().oneshot(request);

@@ -235,12 +235,18 @@ impl ProxyOptions {
         self
     }
 
-    /// The command these options make.
-    pub(crate) fn command(&self) -> Command {
-        let routes = self.dir.join(format!(
+    /// The routes file the proxy reads (`--config`): named by its first content, so that
+    /// proxies started alike share one.
+    pub(crate) fn routes_file(&self) -> PathBuf {
+        self.dir.join(format!(
             "routes-{:016x}.toml",
             fxhash(self.routes.as_bytes())
-        ));
+        ))
+    }
+
+    /// The command these options make.
+    pub(crate) fn command(&self) -> Command {
+        let routes = self.routes_file();
         if !routes.exists() {
             std::fs::write(&routes, &self.routes).unwrap();
         }
@@ -278,7 +284,8 @@ pub(crate) struct Proxy {
     pub(crate) base: String,
     /// `http://` and the admin address (`/metrics`, `/readyz`).
     pub(crate) admin: String,
-    _logs: mpsc::UnboundedReceiver<String>,
+    /// Its log lines (JSON) after "proxy listening".
+    logs: mpsc::UnboundedReceiver<String>,
 }
 
 impl Proxy {
@@ -337,13 +344,56 @@ impl Proxy {
             child,
             base: format!("http://{}", field("listen")),
             admin: format!("http://{}", field("admin")),
-            _logs: logs,
+            logs,
         }
     }
 
     /// SIGKILL, and wait for the process to be gone.
     pub(crate) async fn kill9(&mut self) {
         self.child.kill().await.expect("SIGKILL");
+    }
+
+    /// The next log line whose message is `message`, as JSON, waiting for it at most
+    /// [`PATIENCE`].
+    pub(crate) async fn log(&mut self, message: &str) -> Value {
+        tokio::time::timeout(PATIENCE, async {
+            loop {
+                let line = self.logs.recv().await.expect("the proxy runs");
+                let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                    continue;
+                };
+                if v["fields"]["message"] == message {
+                    return v;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("gave up waiting for the log line {message:?}"))
+    }
+
+    /// Sends SIGHUP and waits for the log line of its reload (`policies reloaded`) or its
+    /// refusal (`policy reload refused; ...`), whichever comes; that line, as JSON.
+    pub(crate) async fn hangup(&mut self) -> Value {
+        let pid = self.child.id().expect("the proxy runs").to_string();
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        tokio::time::timeout(PATIENCE, async {
+            loop {
+                let line = self.logs.recv().await.expect("the proxy runs");
+                let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                    continue;
+                };
+                let message = v["fields"]["message"].as_str().unwrap_or_default();
+                if message == "policies reloaded" || message.starts_with("policy reload refused") {
+                    return v;
+                }
+            }
+        })
+        .await
+        .expect("the proxy logs the reload")
     }
 
     /// The proxy's `/metrics` page.
