@@ -44,3 +44,55 @@ median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[i
 ratio() { echo "scale=2; $1 / $2" | bc -l | sed "s/^\./0./"; }
 # rss_kib PID FIELD: VmRSS or VmHWM of PID in KiB.
 rss_kib() { awk -v f="$2:" '$1==f {print $2}' "/proc/$1/status"; }
+
+# A free TCP port on 127.0.0.1 (for a server that cannot be told to pick its own).
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# wait_port PORT: until something listens on 127.0.0.1:PORT (a minute at most).
+wait_port() {
+  for _ in $(seq 1200); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return
+    sleep 0.05
+  done
+  echo "nothing listens on port $1" >&2
+  exit 1
+}
+
+# nginx_conf DIR PORT UPSTREAM [DIRECTIVE...]: writes DIR/nginx.conf for the proxy benchmarks:
+# nginx (one worker, no access log) on 127.0.0.1:PORT as the reverse proxy of UPSTREAM
+# (host:port), keep-alive to it; each extra argument is a main-context directive
+# ("master_process off;").
+nginx_conf() {
+  local dir=$1 port=$2 upstream=$3
+  shift 3
+  mkdir -p "$dir"
+  {
+    printf '%s\n' "$@"
+    cat <<CONF
+worker_processes 1;
+daemon off;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $dir/body;
+  proxy_temp_path $dir/proxy;
+  fastcgi_temp_path $dir/fastcgi;
+  uwsgi_temp_path $dir/uwsgi;
+  scgi_temp_path $dir/scgi;
+  upstream bench { server $upstream; keepalive 128; }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://bench;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+CONF
+  } >"$dir/nginx.conf"
+}

@@ -47,41 +47,14 @@ start_proxy() {
   case $mode in
     nginx)
       local port
-      port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-      mkdir -p "$work/nginx"
-      cat >"$work/nginx/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $work/nginx/nginx.pid;
-error_log $work/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $work/nginx/body;
-  proxy_temp_path $work/nginx/proxy;
-  fastcgi_temp_path $work/nginx/fastcgi;
-  uwsgi_temp_path $work/nginx/uwsgi;
-  scgi_temp_path $work/nginx/scgi;
-  upstream bench { server $upstream; keepalive 128; }
-  server {
-    listen 127.0.0.1:$port;
-    location / {
-      proxy_pass http://bench;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-    }
-  }
-}
-EOF
+      port=$(free_port)
+      nginx_conf "$work/nginx" "$port" "$upstream"
       (taskset -c 0 nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" >"$work/proxy.out" 2>&1 &
         echo $! >"$work/proxy.pid")
       proxy_pid=$(cat "$work/proxy.pid")
       addr=127.0.0.1:$port
       # nginx logs nothing when it listens: wait for the port.
-      for _ in $(seq 200); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-        sleep 0.05
-      done
+      wait_port "$port"
       ;;
     passthrough | keyed)
       local config=()

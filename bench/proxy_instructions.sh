@@ -33,51 +33,14 @@ trap cleanup EXIT
 pids+=("$(cat "$work/upstream.pid")")
 upstream=$(wait_addr "$work/upstream.out" 's/^listening on //p')
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-wait_port() {
-  for _ in $(seq 1200); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return
-    sleep 0.05
-  done
-  echo "nothing listens on port $1" >&2
-  exit 1
-}
-
 printf '| proxy | requests | instructions | instructions per request |\n|---|---:|---:|---:|\n'
 for mode in $modes; do
   rm -f "$work"/cg.*
   port=$(free_port)
   case $mode in
     nginx)
-      mkdir -p "$work/nginx"
       # master_process off: the worker is the process callgrind runs.
-      cat >"$work/nginx/nginx.conf" <<EOF
-worker_processes 1;
-master_process off;
-daemon off;
-pid $work/nginx/nginx.pid;
-error_log $work/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $work/nginx/body;
-  proxy_temp_path $work/nginx/proxy;
-  fastcgi_temp_path $work/nginx/fastcgi;
-  uwsgi_temp_path $work/nginx/uwsgi;
-  scgi_temp_path $work/nginx/scgi;
-  upstream bench { server $upstream; keepalive 128; }
-  server {
-    listen 127.0.0.1:$port;
-    location / {
-      proxy_pass http://bench;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-    }
-  }
-}
-EOF
+      nginx_conf "$work/nginx" "$port" "$upstream" "master_process off;"
       cmd=(nginx -p "$work/nginx" -c "$work/nginx/nginx.conf")
       ;;
     passthrough)
