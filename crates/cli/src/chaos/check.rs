@@ -290,42 +290,10 @@ pub(crate) fn check(history: &History) -> Vec<Violation> {
 
 fn check_payment(payment: &Payment, violations: &mut Vec<Violation>) {
     let order_id = || payment.order_id.clone();
-    if payment.charges.len() > 1 {
-        violations.push(Violation::DoubleCharge {
-            order_id: order_id(),
-            charges: payment.charges.len(),
-        });
-    }
-    if payment.final_answer().is_none() {
-        violations.push(Violation::NoFinalAnswer {
-            order_id: order_id(),
-        });
-    }
-    let mut acks = payment.acknowledgements();
-    let Some(first) = acks.next() else {
+    let double = |order_id, charges| Violation::DoubleCharge { order_id, charges };
+    let Some(first) = check_answers(payment, double, violations) else {
         return;
     };
-    let first_answer = Answer {
-        status: first.status.unwrap_or_default(),
-        body: first.body.clone(),
-    };
-    // Every acknowledgement of the key, and the replay after the run, is the first one again.
-    let others = acks
-        .map(|a| Answer {
-            status: a.status.unwrap_or_default(),
-            body: a.body.clone(),
-        })
-        .chain(payment.replay.clone());
-    for other in others {
-        if other != first_answer {
-            violations.push(Violation::AnswersDiffer {
-                order_id: order_id(),
-                first: first_answer.clone(),
-                other,
-            });
-            break;
-        }
-    }
     let Some(charge) = payment.charges.first() else {
         violations.push(Violation::AcknowledgedNotCharged {
             order_id: order_id(),
@@ -353,12 +321,28 @@ fn check_payment(payment: &Payment, violations: &mut Vec<Violation>) {
 /// Behind a proxy: at most one effect per key, one when acknowledged, and every
 /// acknowledgement and the replay after the run the first one again.
 fn check_effects(payment: &Payment, violations: &mut Vec<Violation>) {
+    let double = |order_id, effects| Violation::DoubleEffect { order_id, effects };
+    if check_answers(payment, double, violations).is_none() {
+        return;
+    }
+    if payment.charges.is_empty() {
+        violations.push(Violation::AcknowledgedNotExecuted {
+            order_id: payment.order_id.clone(),
+        });
+    }
+}
+
+/// What every target is checked for: at most one effect (`double` names the violation), a
+/// final answer, and every acknowledgement and the replay after the run the first one again.
+/// Answers the first acknowledgement, if the key had one.
+fn check_answers<'p>(
+    payment: &'p Payment,
+    double: impl FnOnce(String, usize) -> Violation,
+    violations: &mut Vec<Violation>,
+) -> Option<&'p Attempt> {
     let order_id = || payment.order_id.clone();
     if payment.charges.len() > 1 {
-        violations.push(Violation::DoubleEffect {
-            order_id: order_id(),
-            effects: payment.charges.len(),
-        });
+        violations.push(double(order_id(), payment.charges.len()));
     }
     if payment.final_answer().is_none() {
         violations.push(Violation::NoFinalAnswer {
@@ -366,9 +350,7 @@ fn check_effects(payment: &Payment, violations: &mut Vec<Violation>) {
         });
     }
     let mut acks = payment.acknowledgements();
-    let Some(first) = acks.next() else {
-        return;
-    };
+    let first = acks.next()?;
     if let Some(other) = answers_differ(first, acks, payment.replay.as_ref()) {
         violations.push(Violation::AnswersDiffer {
             order_id: order_id(),
@@ -379,11 +361,7 @@ fn check_effects(payment: &Payment, violations: &mut Vec<Violation>) {
             other,
         });
     }
-    if payment.charges.is_empty() {
-        violations.push(Violation::AcknowledgedNotExecuted {
-            order_id: order_id(),
-        });
-    }
+    Some(first)
 }
 
 /// The first of `others` and `replay` that is not `first`'s answer byte for byte.
