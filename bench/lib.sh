@@ -96,3 +96,30 @@ http {
 CONF
   } >"$dir/nginx.conf"
 }
+
+# previous_build COMMIT ARTIFACT CARGO_ARGS...: COMMIT's build of ARTIFACT (a path under the
+# profile's directory, e.g. examples/http_bench_server or backstop), made once in a temporary
+# `git worktree` with its own target directory (profile `profiling`, or `release` at commits
+# before it existed, whose release kept line tables) and cached as
+# $CARGO_TARGET_DIR/previous/COMMIT/NAME; prints that path.
+previous_build() {
+  local commit=$1 artifact=$2
+  shift 2
+  local cache profile
+  cache=$(realpath -m "${CARGO_TARGET_DIR:-target}")/previous/$commit
+  local built=$cache/$(basename "$artifact")
+  if [ ! -x "$built" ]; then
+    echo "== building $artifact of $commit in $cache" >&2
+    mkdir -p "$cache"
+    [ -d "$cache/src" ] || git worktree add --detach "$cache/src" "$commit" >&2
+    if git show "$commit:Cargo.toml" | grep -q '^\[profile\.profiling\]'; then
+      profile=profiling
+    else
+      profile=release
+    fi
+    (cd "$cache/src" && CARGO_TARGET_DIR="$cache/target" cargo build --profile "$profile" -q "$@")
+    cp "$cache/target/$profile/$artifact" "$built"
+    git worktree remove --force "$cache/src"
+  fi
+  echo "$built"
+}

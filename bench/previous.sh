@@ -23,23 +23,7 @@ results=${4:-target/bench-previous.txt}
 mkdir -p "$(dirname "$results")"
 : >"$results"
 target=$(realpath -m "${CARGO_TARGET_DIR:-target}")
-cache=$target/previous/$commit
-old=$cache/http_bench_server
-
-if [ ! -x "$old" ]; then
-  echo "== building http_bench_server of $commit in $cache" >&2
-  mkdir -p "$cache"
-  [ -d "$cache/src" ] || git worktree add --detach "$cache/src" "$commit" >&2
-  if git show "$commit:Cargo.toml" | grep -q '^\[profile\.profiling\]'; then
-    profile=profiling
-  else
-    profile=release
-  fi
-  (cd "$cache/src" && CARGO_TARGET_DIR="$cache/target" cargo build --profile "$profile" -q \
-    -p backstop --example http_bench_server)
-  cp "$cache/target/$profile/examples/http_bench_server" "$old"
-  git worktree remove --force "$cache/src"
-fi
+old=$(previous_build "$commit" examples/http_bench_server -p backstop --example http_bench_server)
 cargo build --profile profiling -q -p backstop --features postgres --example http_bench_server
 new=$target/profiling/examples/http_bench_server
 work=$(mktemp -d)

@@ -11,8 +11,11 @@
 # req/s compares what each proxy does with one core. Neither logs each request (nginx
 # access_log off, backstop RUST_LOG=warn). Every request carries a fresh Idempotency-Key
 # (bench/payments.lua); only the keyed mode acts on it. Medians of ROUNDS rounds.
+# With PREVIOUS=COMMIT, a fourth mode `previous` runs COMMIT's `backstop proxy` pass-through
+# (built once, bench/lib.sh previous_build) beside this tree's, so a regression shows as a ratio.
+# Both builds use the `profiling` profile (release code generation, with line tables).
 # Needs nginx and wrk (apt-get install nginx-light wrk).
-# Usage: bench/proxy.sh [SECONDS] [CONNECTIONS] [ROUNDS]
+# Usage: [MODES="..."] [PREVIOUS=COMMIT] bench/proxy.sh [SECONDS] [CONNECTIONS] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
@@ -22,8 +25,14 @@ rounds=${3:-3}
 modes=${MODES:-nginx passthrough keyed}
 command -v nginx >/dev/null || { echo "needs nginx (apt-get install nginx-light)" >&2; exit 1; }
 command -v wrk >/dev/null || { echo "needs wrk (apt-get install wrk)" >&2; exit 1; }
-cargo build --release -q -p backstop-cli -p backstop --bin backstop --example http_bench_server
-target=${CARGO_TARGET_DIR:-target}/release
+cargo build --profile profiling -q -p backstop-cli -p backstop --bin backstop \
+  --example http_bench_server
+target=${CARGO_TARGET_DIR:-target}/profiling
+if [ -n "${PREVIOUS:-}" ]; then
+  previous=$(git rev-parse --short=7 "$PREVIOUS^{commit}")
+  previous_bin=$(previous_build "$previous" backstop -p backstop-cli --bin backstop)
+  modes="$modes previous"
+fi
 work=$(mktemp -d)
 pids=()
 cleanup() {
@@ -56,11 +65,12 @@ start_proxy() {
       # nginx logs nothing when it listens: wait for the port.
       wait_port "$port"
       ;;
-    passthrough | keyed)
-      local config=()
+    passthrough | keyed | previous)
+      local config=() bin=$target/backstop
       [ "$mode" = keyed ] && config=(--config "$work/keyed.toml")
+      [ "$mode" = previous ] && bin=$previous_bin
       (RUST_LOG=warn,backstop::proxy::server=info TOKIO_WORKER_THREADS=1 taskset -c 0 \
-        "$target/backstop" --log-format json proxy --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
+        "$bin" --log-format json proxy --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --upstream "http://$upstream" --store "sqlite://$work/$mode-$round.db" "${config[@]}" \
         >"$work/proxy.out" 2>&1 & echo $! >"$work/proxy.pid")
       proxy_pid=$(cat "$work/proxy.pid")
