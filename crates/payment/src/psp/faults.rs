@@ -34,8 +34,12 @@ pub struct Faults {
     pub latency: Duration,
     /// Probability of `500` without charging.
     pub error_rate: f64,
-    /// Probability of `503` + `Retry-After: 1` without charging.
+    /// Probability of `503` + `Retry-After` without charging.
     pub unavailable_rate: f64,
+    /// The `Retry-After` of those `503`s, in whole seconds (`None`: 1 s). A pushback longer
+    /// than the caller's deadline leaves it nothing to retry within. Set in process only
+    /// (`/admin/faults` clears it).
+    pub pushback: Option<Duration>,
     /// Probability of charging durably, then answering only after the caller's deadline
     /// (plus one second; 30 s when the caller sent none).
     pub commit_then_timeout_rate: f64,

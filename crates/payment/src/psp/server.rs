@@ -145,7 +145,8 @@ async fn create_charge(
     let fault = state.faults.draw();
     // Held until the answer is sent: a slow call counts against `slow_above` while it waits.
     let charging = state.faults.charging();
-    if let Some(wake) = wake_at(&state.faults.faults(), arrived, charging.in_flight) {
+    let faults = state.faults.faults();
+    if let Some(wake) = wake_at(&faults, arrived, charging.in_flight) {
         match (deadline, wake) {
             (Some(deadline), wake) if wake.is_none_or(|wake| deadline <= wake) => {
                 // The caller gives up before we would answer: do not start the charge.
@@ -180,7 +181,7 @@ async fn create_charge(
                 "psp_unavailable",
                 "injected unavailability; nothing was charged",
             )
-            .retry_after_one_second());
+            .retry_after(faults.pushback.unwrap_or(Duration::from_secs(1))));
         }
         Fault::None | Fault::CommitThenTimeout | Fault::CommitThenDrop => {}
     }
@@ -500,7 +501,8 @@ struct Problem {
     status: StatusCode,
     code: &'static str,
     detail: String,
-    retry_after: bool,
+    /// Whole seconds sent as `Retry-After`, if any.
+    retry_after: Option<u64>,
 }
 
 fn problem(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Problem {
@@ -508,13 +510,18 @@ fn problem(status: StatusCode, code: &'static str, detail: impl Into<String>) ->
         status,
         code,
         detail: detail.into(),
-        retry_after: false,
+        retry_after: None,
     }
 }
 
 impl Problem {
-    fn retry_after_one_second(mut self) -> Self {
-        self.retry_after = true;
+    fn retry_after_one_second(self) -> Self {
+        self.retry_after(Duration::from_secs(1))
+    }
+
+    /// `Retry-After` in whole seconds, at least one.
+    fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after.as_secs().max(1));
         self
     }
 }
@@ -534,10 +541,10 @@ impl IntoResponse for Problem {
             body.to_string(),
         )
             .into_response();
-        if self.retry_after {
+        if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()
-                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }

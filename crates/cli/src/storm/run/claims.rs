@@ -36,6 +36,7 @@ fn base() -> Plan {
         burst: None,
         series_interval: None,
         probe: None,
+        probe_rate: 2_000.0,
     }
 }
 
@@ -48,6 +49,9 @@ fn probe() -> Variant {
         vec![],
     )
 }
+
+/// Twice what 16 places at 100 ms can serve.
+const PROBE_RATE: f64 = 320.0;
 
 /// A variant offered `share` of the measured capacity.
 fn at_share(
@@ -73,8 +77,11 @@ const QUEUED: [&str; 7] = [
     "10000",
 ];
 
-/// The PSP stalls for 1 s and then fails every stalled charge at once: the cohort's naive
-/// clients retry after the same backoff, jittered or not. Rows of 100 ms show the pulse.
+/// The PSP stalls for 1 s and then refuses every stalled charge at once: the cohort's naive
+/// clients retry after the same backoff, jittered or not. Rows of 100 ms show the pulse. The
+/// refusal's pushback (10 s) outlasts every deadline, so that the service's own PSP client
+/// does not retry the cohort itself and passes each refusal on at once (the naive client
+/// ignores the pushback).
 pub(super) fn jitter() -> Plan {
     let serve = vec!["--max-inflight", "1000", "--no-slow-start"];
     let client = |mode| {
@@ -91,7 +98,8 @@ pub(super) fn jitter() -> Plan {
         phases: vec![
             healthy(S(0), NORMAL),
             Phase {
-                error: true,
+                unavailable: true,
+                pushback: Some(S(10)),
                 hold: Some(S(1)),
                 ..healthy(S(8), NORMAL)
             },
@@ -104,6 +112,7 @@ pub(super) fn jitter() -> Plan {
                 variant(name, serve.clone(), client(mode))
             })
             .collect(),
+        rate: Some(100.0),
         series_interval: Some(MS(100)),
         ..base()
     }
@@ -129,6 +138,7 @@ pub(super) fn utilization() -> Plan {
             at_share("backstop-90%", 0.9, &QUEUED, &[]),
         ],
         probe: Some(probe()),
+        probe_rate: PROBE_RATE,
         ..base()
     }
 }
@@ -208,6 +218,7 @@ pub(super) fn hedge_drift() -> Plan {
             at_share("load-90%-no-budget", 0.9, &QUEUED, &unbudgeted),
         ],
         probe: Some(probe()),
+        probe_rate: PROBE_RATE,
         ..base()
     }
 }

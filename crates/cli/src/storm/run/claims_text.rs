@@ -10,9 +10,11 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
     let what = match result.scenario {
         LiveScenario::Slowdown | LiveScenario::Overload | LiveScenario::Outage => return None,
         LiveScenario::Jitter => format!(
-            "Retry pulses. The PSP holds every charge arriving during 1 s (of 200/s offered), \
-             then fails the whole stalled cohort with a 500 at the same moment; the service \
-             answers the cohort's naive clients together, and each retries after a backoff of \
+            "Retry pulses. The PSP holds every charge arriving during 1 s (of 100/s offered), \
+             then refuses the whole stalled cohort at the same moment (503 with a pushback of \
+             10 s, longer than any deadline, so that the service's own PSP client does not \
+             retry them itself); the service answers the cohort's naive clients together, and \
+             each retries, ignoring the pushback, after a backoff of \
              {JITTER_BACKOFF} (doubling): without jitter, or with the library's full, equal or \
              decorrelated jitter. The load's series is kept in rows of 100 ms, and \
              `retry_pulse_share` is the share of all the run's retries sent within its busiest \
@@ -20,7 +22,10 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              when jittered (full: uniform over 1 s; equal: over its second half; \
              decorrelated: over 1 to 3 s). The spread of the cohort's own answers (the service \
              writing each one to SQLite on a shared 2-core machine) widens the lockstep pulse a \
-             little; the backoff is long against it so that the modes stay apart."
+             little; the backoff is long against it so that the modes stay apart. The naive \
+             client sends each retry with a fresh key for the same order, which the service \
+             refuses (409, the order's first intent holds it): the figure is about when the \
+             retries arrive, not what they get."
         ),
         LiveScenario::Utilization => "The same client policy at two utilizations. Capacity is \
              measured first (16 places, the PSP at 100 ms); then the naive client with full \
@@ -48,9 +53,11 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              top (a second `backstop load`): lambda_peak = 300/s against mu <= 16 places / \
              100 ms = 160/s, so Q >= (lambda_peak - mu) x T_burst asks for about 140 to 150 \
              waiting places. The service keeps a FIFO queue of 200 in one variant and of 20 in \
-             the other; what does not fit is refused at once (`rejected`, the library's client \
-             retrying within its budget). The queue's peak is the service's gauge, sampled once \
-             a second, so it can miss the very top."
+             the other; what does not fit is refused at once (`attempts_refused`, counted by \
+             the clients; the library's client retries them after the pushback, within its \
+             budget, and `not_ok` counts the requests that failed in the end, the burst's \
+             included). The queue's peak is the service's gauge, sampled once a second, so it \
+             can miss the very top."
             .to_owned(),
         LiveScenario::HedgeDrift => format!(
             "Hedge drift with load. Capacity is measured first (16 places, the PSP at 100 ms); \

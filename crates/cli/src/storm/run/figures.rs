@@ -80,12 +80,13 @@ pub(super) fn of(
             put("timeouts", outcome(load, "timeout") as f64);
         }
         LiveScenario::Burst => {
-            let rejected = outcome(load, "rejected")
-                + variant
-                    .burst_load
-                    .as_ref()
-                    .map_or(0, |b| outcome(b, "rejected"));
-            put("rejected", rejected as f64);
+            // Attempts the server refused (its queue full), the burst's load included.
+            let refused = |l: &Value| l["attempt_outcomes"]["rejected"].as_u64().unwrap_or(0);
+            let refused = refused(load) + variant.burst_load.as_ref().map_or(0, refused);
+            put("attempts_refused", refused as f64);
+            let not_ok = |l: &Value| count(l, "logical_requests").saturating_sub(outcome(l, "ok"));
+            let not_ok = not_ok(load) + variant.burst_load.as_ref().map_or(0, not_ok);
+            put("not_ok", not_ok as f64);
             let peak = |f: fn(&Second) -> Option<f64>| {
                 variant.seconds.iter().filter_map(f).reduce(f64::max)
             };

@@ -9,8 +9,10 @@ use super::{LiveScenario, claims};
 pub(super) struct Phase {
     pub(super) at: Duration,
     pub(super) latency: Duration,
-    /// Every charge answered `503` + `Retry-After: 1`.
+    /// Every charge answered `503` + `Retry-After` (1 s unless `pushback` says otherwise).
     pub(super) unavailable: bool,
+    /// The `Retry-After` of those `503`s.
+    pub(super) pushback: Option<Duration>,
     /// Every charge answered `500`.
     pub(super) error: bool,
     /// A stall: charges arriving within this long of the phase's start are held until then,
@@ -27,6 +29,7 @@ pub(super) const fn healthy(at: Duration, latency: Duration) -> Phase {
         at,
         latency,
         unavailable: false,
+        pushback: None,
         error: false,
         hold: None,
         slow_above: 0,
@@ -84,6 +87,9 @@ pub(super) struct Plan {
     pub(super) series_interval: Option<Duration>,
     /// The server and client the capacity is measured with (`None`: the first variant's).
     pub(super) probe: Option<Variant>,
+    /// The rate offered while measuring the capacity: far above it, but not so far that
+    /// refusing the excess takes the cores the service needs.
+    pub(super) probe_rate: f64,
 }
 
 pub(super) const MS: fn(u64) -> Duration = Duration::from_millis;
@@ -100,6 +106,7 @@ pub(super) fn plan(scenario: LiveScenario) -> Plan {
             burst: None,
             series_interval: None,
             probe: None,
+            probe_rate: 2_000.0,
             phases: vec![
                 healthy(S(0), normal),
                 healthy(S(10), MS(600)),
@@ -122,6 +129,7 @@ pub(super) fn plan(scenario: LiveScenario) -> Plan {
             burst: None,
             series_interval: None,
             probe: None,
+            probe_rate: 2_000.0,
             phases: vec![healthy(S(0), normal)],
             variants: vec![variant("backstop", vec!["--max-inflight", "16"], vec![])],
         },
@@ -133,6 +141,7 @@ pub(super) fn plan(scenario: LiveScenario) -> Plan {
             burst: None,
             series_interval: None,
             probe: None,
+            probe_rate: 2_000.0,
             phases: vec![
                 healthy(S(0), normal),
                 Phase {

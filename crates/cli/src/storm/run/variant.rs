@@ -15,14 +15,17 @@ use super::plan::{Phase, Plan, S, Variant, healthy};
 use super::server::Server;
 use super::{Second, VariantResult};
 
-/// Offers far more than the service can take for a few seconds and counts what it served.
+/// Offers far more than the service can take for a few seconds and counts what it served per
+/// second while it was offered that: the whole seconds after the first (which fills the
+/// places), so that neither the start nor what the queue serves after the offer ends counts.
 pub(super) async fn measure_capacity(
     plan: &Plan,
     work: &Path,
     scale: f64,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let probe = Plan {
-        duration: S(5).mul_f64(scale.max(0.2)),
+        // At least 3 s: two whole seconds to count.
+        duration: S(5).mul_f64(scale.max(0.6)),
         recovery_at: None,
         ..plan.clone()
     };
@@ -33,8 +36,19 @@ pub(super) async fn measure_capacity(
         .as_ref()
         .or(plan.variants.first())
         .ok_or("the plan has no variant")?;
-    let (measured, _) = run_variant(&probe, variant, 2_000.0, &dir).await?;
-    Ok(measured.goodput_per_s)
+    let (measured, _) = run_variant(&probe, variant, plan.probe_rate, &dir).await?;
+    Ok(steady_goodput(&measured.seconds, probe.duration).unwrap_or(measured.goodput_per_s))
+}
+
+/// The mean goodput of the whole seconds from the second one until `duration`.
+fn steady_goodput(seconds: &[Second], duration: Duration) -> Option<f64> {
+    let end = duration.as_secs_f64();
+    let steady: Vec<f64> = seconds
+        .iter()
+        .filter(|s| s.t_s >= 1.0 && s.t_s + 1.0 <= end)
+        .map(|s| s.ok as f64)
+        .collect();
+    (!steady.is_empty()).then(|| steady.iter().sum::<f64>() / steady.len() as f64)
 }
 
 /// Runs one variant; also returns the load's series rows as written (finer than a second
@@ -198,6 +212,7 @@ fn faults_of(phase: Phase, start: Instant) -> Faults {
     Faults {
         latency: phase.latency,
         unavailable_rate: rate(phase.unavailable),
+        pushback: phase.pushback,
         error_rate: rate(phase.error),
         hold_until: phase.hold.map(|hold| start + phase.at + hold),
         slow_above: phase.slow_above,
@@ -299,6 +314,24 @@ mod tests {
         ];
         assert_eq!(recovery(&seconds, S(1), 100.0), Some(3.0));
         assert_eq!(recovery(&seconds[..3], S(1), 100.0), None);
+    }
+
+    #[test]
+    fn capacity_is_what_the_whole_seconds_after_the_first_served() {
+        let second = |t: f64, ok: u64| Second {
+            t_s: t,
+            ok,
+            ..Second::default()
+        };
+        // Filling up, two steady seconds, then the queue draining after the offer ended.
+        let seconds = [
+            second(0.0, 60),
+            second(1.0, 150),
+            second(2.0, 160),
+            second(3.0, 300),
+        ];
+        assert_eq!(steady_goodput(&seconds, S(3)), Some(155.0));
+        assert_eq!(steady_goodput(&seconds[..1], S(3)), None);
     }
 
     #[test]
