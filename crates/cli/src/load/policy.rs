@@ -47,8 +47,9 @@ pub(crate) enum Driver {
     /// backstop's client stack, one destination (budget, breaker, latency window) for every
     /// logical request.
     Backstop(StackClient),
-    /// The naive loop over a plain client, its delays drawn from the backoff if it has one.
-    Naive(Client, Option<Backoff>),
+    /// The naive loop over a plain client, its delays drawn from the backoff if it has one
+    /// (shared: every logical request clones the driver).
+    Naive(std::sync::Arc<(Client, Option<Backoff>)>),
 }
 
 /// When the `backstop` policy hedges.
@@ -81,7 +82,7 @@ impl Driver {
             }
             PolicyKind::Naive => target
                 .client(api_key)
-                .map(|client| Driver::Naive(client, naive_backoff)),
+                .map(|client| Driver::Naive(std::sync::Arc::new((client, naive_backoff)))),
         }
     }
 
@@ -98,7 +99,8 @@ impl Driver {
                 }
                 tally.logical(end);
             }
-            Driver::Naive(client, backoff) => {
+            Driver::Naive(naive_loop) => {
+                let (client, backoff) = &**naive_loop;
                 naive(client, backoff.as_ref(), logical, timeout, tally).await;
             }
         }
