@@ -155,7 +155,7 @@ async fn hedge_drift_rises_the_load_and_the_budget_caps_the_hedges() {
     let result = run("hedge-drift", "0.2", None).await;
     let v = variants(
         &result,
-        &["load-30%", "load-60%", "load-90%", "load-90%-no-budget"],
+        &["load-30%", "load-90%", "load-110%", "load-110%-no-budget"],
         &["hedge_share", "load_share", "retries_and_hedges"],
     );
     let rate = |v: &Value| v["rate"].as_f64().unwrap();

@@ -204,8 +204,10 @@ pub(super) fn burst() -> Plan {
     }
 }
 
-/// A fixed hedge delay at rising load (30%, 60%, 90% of the measured capacity), with the
-/// library's retry budget, and at 90% without it.
+/// A fixed hedge delay at rising load (30%, 90% and 110% of the measured capacity), with the
+/// library's retry budget, and at 110% without it. `load` spaces its requests evenly and the
+/// PSP's latency is constant, so below capacity the queue hardly waits (no hedge drift to
+/// see); past it the FIFO queue's wait grows through the run.
 pub(super) fn hedge_drift() -> Plan {
     let hedged = ["--fixed-hedge-delay", HEDGE_DELAY];
     let unbudgeted = ["--fixed-hedge-delay", HEDGE_DELAY, "--no-retry-budget"];
@@ -213,9 +215,9 @@ pub(super) fn hedge_drift() -> Plan {
         rate: None,
         variants: vec![
             at_share("load-30%", 0.3, &QUEUED, &hedged),
-            at_share("load-60%", 0.6, &QUEUED, &hedged),
             at_share("load-90%", 0.9, &QUEUED, &hedged),
-            at_share("load-90%-no-budget", 0.9, &QUEUED, &unbudgeted),
+            at_share("load-110%", 1.1, &QUEUED, &hedged),
+            at_share("load-110%-no-budget", 1.1, &QUEUED, &unbudgeted),
         ],
         probe: Some(probe()),
         probe_rate: PROBE_RATE,

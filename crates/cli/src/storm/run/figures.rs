@@ -57,6 +57,16 @@ pub(super) fn of(
                 if let Some(ok) = per_second(&variant.seconds, from, to, |s| s.ok as f64) {
                     put("late_goodput_share", ok / variant.rate);
                 }
+                // From the end of the slowdown to the first second the server's queue gauge
+                // read empty.
+                let drained = variant
+                    .seconds
+                    .iter()
+                    .filter(|s| s.t_s >= at.as_secs_f64())
+                    .find(|s| s.queue == Some(0.0));
+                if let Some(s) = drained {
+                    put("queue_drained_s", s.t_s - at.as_secs_f64());
+                }
             }
         }
         LiveScenario::Cold => {
@@ -80,8 +90,12 @@ pub(super) fn of(
             put("timeouts", outcome(load, "timeout") as f64);
         }
         LiveScenario::Burst => {
-            // Attempts the server refused (its queue full), the burst's load included.
-            let refused = |l: &Value| l["attempt_outcomes"]["rejected"].as_u64().unwrap_or(0);
+            // Attempts the server refused (429, or 503 with its queue full: the PSP is healthy
+            // throughout), the burst's load included.
+            let refused = |l: &Value| {
+                let of = |k: &str| l["attempt_outcomes"][k].as_u64().unwrap_or(0);
+                of("rejected") + of("retryable")
+            };
             let refused = refused(load) + variant.burst_load.as_ref().map_or(0, refused);
             put("attempts_refused", refused as f64);
             let not_ok = |l: &Value| count(l, "logical_requests").saturating_sub(outcome(l, "ok"));

@@ -25,7 +25,7 @@
 //!   10 s, with and without the server's slow start;
 //! - `burst`: 1 s of twice the base load on top of it, against a server queue that holds the
 //!   excess (`Q >= (lambda_peak - mu) x T_burst`) and one that does not;
-//! - `hedge-drift`: a fixed hedge delay at 30%, 60% and 90% of the measured capacity, with
+//! - `hedge-drift`: a fixed hedge delay at 30%, 90% and 110% of the measured capacity, with
 //!   and without the retry budget;
 //! - `hidden-queue`: the library's client with no limit of its own, and with
 //!   `Destination::max_in_flight` near and below what the load needs.
