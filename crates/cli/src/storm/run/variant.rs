@@ -106,7 +106,16 @@ pub(super) async fn run_variant(
             }
         }
     };
-    let summary = load_summary(&output)?;
+    let summary = match load_summary(&output) {
+        Ok(summary) => summary,
+        Err(e) => {
+            // The burst's load is of no use without the first: stop it with its task.
+            if let Some(task) = burst {
+                task.abort();
+            }
+            return Err(e);
+        }
+    };
     let burst = match (burst, plan.burst) {
         (Some(task), Some(b)) => {
             let output = task.await??;
