@@ -47,6 +47,7 @@ impl PspArgs {
             unavailable_rate: self.unavailable_rate,
             commit_then_timeout_rate: self.commit_then_timeout_rate,
             commit_then_drop_rate: self.commit_then_drop_rate,
+            ..Faults::default()
         };
         faults
             .validate()

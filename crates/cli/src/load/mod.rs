@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use backstop::client::Destination;
 use backstop::retry::switch::DEFAULT_POLL;
-use backstop::retry::{AdaptiveThrottle, RetrySwitch};
+use backstop::retry::{AdaptiveThrottle, Backoff, Jitter, RetryBudget, RetrySwitch};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
@@ -28,7 +28,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use self::logical::Logical;
-use self::policy::{Driver, PolicyKind};
+use self::policy::{Driver, Hedge, PolicyKind};
 use self::report::Tally;
 use self::series::Series;
 use self::target::Target;
@@ -75,6 +75,28 @@ pub(crate) struct LoadArgs {
     /// only). Unset: hedge at the p95.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     hedge_delay: Option<Duration>,
+    /// Hedge every attempt still unanswered after exactly this long, e.g. `150ms` (a gRPC
+    /// `hedgingDelay`, whatever the latency does; `backstop` policy only). Unset: hedge at the
+    /// rolling p95 (see `--hedge-delay`).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, conflicts_with = "hedge_delay")]
+    fixed_hedge_delay: Option<Duration>,
+    /// Take away the retry budget: retries and hedges then stop only on the attempt limit and
+    /// the storm alarm (`backstop` policy only; for comparison).
+    #[arg(long)]
+    no_retry_budget: bool,
+    /// Most attempts in flight to the service at once (`Destination::max_in_flight`; the
+    /// others wait in the client, counted by `rpc_client_pending_requests`, whose peak the
+    /// summary reports as `client_pending_peak`; `backstop` policy only), as an HTTP/2
+    /// connection's stream limit or a fixed pool would impose.
+    #[arg(long, value_name = "N")]
+    max_in_flight: Option<std::num::NonZeroUsize>,
+    /// Jitter the naive loop's backoff with the library's mode: `none`, `full`, `equal` or
+    /// `decorrelated` (`naive` policy only; unset: its fixed 50 ms, 100 ms delays).
+    #[arg(long, value_name = "MODE", value_parser = parse_jitter)]
+    jitter: Option<Jitter>,
+    /// First delay of the naive loop's backoff, doubled each retry (`naive` policy only).
+    #[arg(long, value_name = "DURATION", default_value = "50ms", value_parser = parse_duration)]
+    backoff: Duration,
     /// Reject attempts locally, before they are sent, with client-side adaptive throttling
     /// (K = 2 over 2 minutes) while the service refuses load (`backstop` policy only).
     #[arg(long)]
@@ -101,6 +123,10 @@ pub(crate) struct LoadArgs {
     /// longer than five minutes).
     #[arg(long, value_name = "PATH")]
     series: Option<std::path::PathBuf>,
+    /// Width of the series' intervals, e.g. `100ms` (at least 10 ms; widened for long runs
+    /// so that a series keeps at most a few hundred rows).
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_interval)]
+    series_interval: Duration,
 }
 
 /// Runs the load and prints the summary.
@@ -131,14 +157,39 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
         }
         None => None,
     };
+    let naive_backoff = match args.jitter {
+        // A cap past every delay 3 attempts draw: the ceilings stay base and 2 x base.
+        Some(jitter) => Some(
+            Backoff::new(args.backoff, args.backoff * 8, jitter, Duration::ZERO)
+                .map_err(|e| format!("--backoff: {e}"))?,
+        ),
+        None => None,
+    };
     let driver = Driver::new(
         args.policy,
         &args.target,
         args.api_key.clone(),
         args.timeout,
         destination.clone(),
-        args.hedge_delay.unwrap_or_default(),
+        Hedge {
+            floor: args.hedge_delay.unwrap_or_default(),
+            fixed: args.fixed_hedge_delay,
+        },
+        naive_backoff,
     )?;
+    // The peak of the client's pending queue (what `rpc_client_pending_requests` shows),
+    // sampled every 10 ms while the load runs.
+    let pending_peak = Arc::new(AtomicU64::new(0));
+    let _pending_watch = destination.call_slots().cloned().map(|slots| {
+        let peak = pending_peak.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            loop {
+                tick.tick().await;
+                peak.fetch_max(slots.waiting() as u64, Ordering::Relaxed);
+            }
+        }))
+    });
     // Opened before the run: a path that cannot be written fails now, not after the load.
     let series_file = match &args.series {
         Some(path) => Some(
@@ -157,7 +208,11 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
     let start = Instant::now();
     let series = series_file.is_some().then(|| {
         let run = args.duration + args.warmup;
-        Arc::new(std::sync::Mutex::new(Series::new(start, run)))
+        Arc::new(std::sync::Mutex::new(Series::new(
+            start,
+            run,
+            args.series_interval,
+        )))
     });
     let mut tally = Tally::new();
     let mut tasks = JoinSet::new();
@@ -222,6 +277,9 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
     if args.policy == PolicyKind::Backstop {
         summary.storm_alarm(destination.storm());
     }
+    if destination.call_slots().is_some() {
+        summary.client_pending_peak(pending_peak.load(Ordering::Relaxed));
+    }
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {
@@ -250,7 +308,19 @@ fn destination(args: &LoadArgs) -> Destination {
     if args.throttle {
         destination = destination.throttle(Some(AdaptiveThrottle::default()));
     }
-    destination
+    if args.no_retry_budget {
+        destination = destination.budget(RetryBudget::unlimited());
+    }
+    destination.max_in_flight(args.max_in_flight)
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 fn merge(tally: &mut Tally, done: Result<Tally, tokio::task::JoinError>) {
@@ -315,6 +385,26 @@ fn parse_rate(s: &str) -> Result<f64, String> {
         return Err(format!("rate must be in (0, 10000000], got {s}"));
     }
     Ok(rate)
+}
+
+fn parse_jitter(s: &str) -> Result<Jitter, String> {
+    match s {
+        "none" => Ok(Jitter::None),
+        "full" => Ok(Jitter::Full),
+        "equal" => Ok(Jitter::Equal),
+        "decorrelated" => Ok(Jitter::Decorrelated),
+        _ => Err(format!(
+            "{s:?} is not a jitter mode: none, full, equal or decorrelated"
+        )),
+    }
+}
+
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(10) {
+        return Err(format!("{s} is shorter than 10ms"));
+    }
+    Ok(d)
 }
 
 fn parse_warmup(s: &str) -> Result<Duration, String> {
@@ -405,6 +495,10 @@ mod tests {
         for bad in ["0s", "5", "2 days", "-1s"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+        assert_eq!(parse_interval("100ms"), Ok(Duration::from_millis(100)));
+        assert!(parse_interval("5ms").is_err());
+        assert_eq!(parse_jitter("equal"), Ok(Jitter::Equal));
+        assert!(parse_jitter("some").is_err());
         assert_eq!(parse_warmup("0s"), Ok(Duration::ZERO));
         assert_eq!(parse_warmup("2s"), Ok(Duration::from_secs(2)));
         for bad in ["5", "2 days", "-1s"] {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use backstop::client::Destination;
 use backstop::deadline::Deadline;
 use backstop::idempotency::IdempotencyKey;
-use backstop::retry::StopReason;
+use backstop::retry::{Backoff, StopReason};
 use backstop::status::{Outcome, RetryClass, Status};
 use clap::ValueEnum;
 use tokio::time::Instant;
@@ -47,32 +47,42 @@ pub(crate) enum Driver {
     /// backstop's client stack, one destination (budget, breaker, latency window) for every
     /// logical request.
     Backstop(StackClient),
-    /// The naive loop over a plain client.
-    Naive(Client),
+    /// The naive loop over a plain client, its delays drawn from the backoff if it has one
+    /// (shared: every logical request clones the driver).
+    Naive(std::sync::Arc<(Client, Option<Backoff>)>),
+}
+
+/// When the `backstop` policy hedges.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Hedge {
+    /// Never sooner than this, whatever the rolling p95.
+    pub(crate) floor: Duration,
+    /// Exactly this long after the attempt (instead of the p95).
+    pub(crate) fixed: Option<Duration>,
 }
 
 impl Driver {
     /// The driver of `kind` for `target`; `timeout` is each logical request's deadline,
-    /// `destination` (breaker, storm alarm, throttle) is shared by every logical request and
-    /// no attempt is hedged before `hedge_delay` (`backstop` only).
+    /// `destination` (breaker, storm alarm, throttle) is shared by every logical request,
+    /// `hedge` says when an attempt is hedged (`backstop` only) and `naive_backoff` draws the
+    /// naive loop's delays (`naive` only).
     pub(crate) fn new(
         kind: PolicyKind,
         target: &Target,
         api_key: Option<String>,
         timeout: Duration,
         destination: Destination,
-        hedge_delay: Duration,
+        hedge: Hedge,
+        naive_backoff: Option<Backoff>,
     ) -> Result<Driver, String> {
         match kind {
-            PolicyKind::Backstop => StackClient::new(
-                target,
-                api_key.as_deref(),
-                timeout,
-                &destination,
-                hedge_delay,
-            )
-            .map(Driver::Backstop),
-            PolicyKind::Naive => target.client(api_key).map(Driver::Naive),
+            PolicyKind::Backstop => {
+                StackClient::new(target, api_key.as_deref(), timeout, &destination, hedge)
+                    .map(Driver::Backstop)
+            }
+            PolicyKind::Naive => target
+                .client(api_key)
+                .map(|client| Driver::Naive(std::sync::Arc::new((client, naive_backoff)))),
         }
     }
 
@@ -89,13 +99,23 @@ impl Driver {
                 }
                 tally.logical(end);
             }
-            Driver::Naive(client) => naive(client, logical, timeout, tally).await,
+            Driver::Naive(naive_loop) => {
+                let (client, backoff) = &**naive_loop;
+                naive(client, backoff.as_ref(), logical, timeout, tally).await;
+            }
         }
     }
 }
 
-async fn naive(client: &Client, logical: &Logical, timeout: Duration, tally: &mut Tally) {
+async fn naive(
+    client: &Client,
+    backoff: Option<&Backoff>,
+    logical: &Logical,
+    timeout: Duration,
+    tally: &mut Tally,
+) {
     let mut delay = NAIVE_DELAY;
+    let mut prev = Duration::ZERO;
     for number in 1..=NAIVE_ATTEMPTS {
         // The bug under study: a new key and a new full timeout on every attempt.
         let key = IdempotencyKey::generate();
@@ -134,8 +154,16 @@ async fn naive(client: &Client, logical: &Logical, timeout: Duration, tally: &mu
             }
             Err(_) if number == NAIVE_ATTEMPTS => Some(StopReason::MaxAttempts),
             Err(_) => {
-                tokio::time::sleep(delay).await;
-                delay *= 2;
+                match backoff {
+                    Some(backoff) => {
+                        prev = backoff.delay(number - 1, prev, &mut rand::rng());
+                        tokio::time::sleep(prev).await;
+                    }
+                    None => {
+                        tokio::time::sleep(delay).await;
+                        delay *= 2;
+                    }
+                }
                 continue;
             }
         };

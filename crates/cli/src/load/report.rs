@@ -276,6 +276,7 @@ impl Tally {
             latency_ms,
             stop_reasons: self.stop_reasons.clone(),
             storm_alarm: None,
+            client_pending_peak: None,
         }
     }
 }
@@ -358,6 +359,10 @@ pub(crate) struct Summary {
     /// The destination's storm alarm at the end of the run, if it had one.
     #[serde(skip_serializing_if = "Option::is_none")]
     storm_alarm: Option<StormAlarmState>,
+    /// Most attempts seen waiting for one of the client's own slots (`--max-in-flight`), if
+    /// it had a limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    client_pending_peak: Option<u64>,
 }
 
 /// The storm alarm as a run left it.
@@ -379,6 +384,11 @@ impl Summary {
             trips: alarm.trips(),
             ratio: alarm.ratio(),
         });
+    }
+
+    /// Adds the peak of the client's pending queue.
+    pub(crate) fn client_pending_peak(&mut self, peak: u64) {
+        self.client_pending_peak = Some(peak);
     }
 
     /// Human-readable summary.
@@ -417,6 +427,9 @@ impl Summary {
                 "storm alarm: {}  trips {}  retry ratio asked {:.3}",
                 storm.level, storm.trips, storm.ratio
             );
+        }
+        if let Some(peak) = self.client_pending_peak {
+            let _ = writeln!(out, "client pending peak: {peak}");
         }
         let _ = writeln!(out, "attempt  count       p50 ms     p99 ms");
         for l in &self.latency_ms {

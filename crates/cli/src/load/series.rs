@@ -70,12 +70,13 @@ impl Row {
 
 impl Series {
     /// A series for a run starting at `start` that schedules requests for `run` (answers may
-    /// come up to a deadline later; the rows grow as needed, within [`MAX_ROWS`]).
-    pub(crate) fn new(start: Instant, run: Duration) -> Series {
+    /// come up to a deadline later; the rows grow as needed, within [`MAX_ROWS`]), in rows of
+    /// `interval`, widened if the run would need more than half of [`MAX_ROWS`].
+    pub(crate) fn new(start: Instant, run: Duration, interval: Duration) -> Series {
         let per_row = run.div_f64(MAX_ROWS as f64 / 2.0);
         Series {
             start,
-            width: per_row.max(Duration::from_secs(1)),
+            width: per_row.max(interval),
             rows: Vec::new(),
         }
     }
@@ -131,7 +132,8 @@ impl Series {
             "t_s,originals,retries,hedges,ok,rejected,timeout,failed,p50_ms,p99_ms"
         )?;
         for (i, row) in self.rows.iter().enumerate() {
-            let t = self.width.as_secs_f64() * i as f64;
+            // In whole milliseconds first, so that 0.1 s rows print as 0.3, not 0.30000000000000004.
+            let t = (self.width.as_millis() * i as u128) as f64 / 1000.0;
             let quantile = |q: f64| {
                 if row.latency.is_empty() {
                     String::new()
@@ -166,7 +168,7 @@ mod tests {
     #[test]
     fn attempts_count_where_they_were_sent_and_answers_where_they_ended() {
         let start = Instant::now();
-        let mut series = Series::new(start, Duration::from_secs(10));
+        let mut series = Series::new(start, Duration::from_secs(10), Duration::from_secs(1));
         let s = Duration::from_secs;
         let ms = Duration::from_millis;
         series.record(
@@ -210,7 +212,11 @@ mod tests {
     #[test]
     fn long_runs_widen_the_interval_and_stay_bounded() {
         let start = Instant::now();
-        let mut series = Series::new(start, Duration::from_secs(24 * 3600));
+        let mut series = Series::new(
+            start,
+            Duration::from_secs(24 * 3600),
+            Duration::from_secs(1),
+        );
         assert!(series.width > Duration::from_secs(1));
         series.record(
             &[],

@@ -41,6 +41,7 @@ use tower::ServiceExt;
 use tower::util::MapRequest;
 
 use super::logical::Logical;
+use super::policy::Hedge;
 use super::report::{AttemptOutcome, AttemptRecord, LogicalRecord};
 use super::target::{Target, from_tonic};
 
@@ -54,11 +55,16 @@ const MAX_BODY: usize = 64 * 1024;
 /// unknown over gRPC), `ABORTED` (the same key still running: 409 `request_in_progress`),
 /// `RESOURCE_EXHAUSTED` (over the merchant's quota, with pushback) and `DEADLINE_EXCEEDED`
 /// (504 `payment_outcome_unknown` over HTTP: "retry with the same key"); no hedge sooner
-/// than `hedge_delay`.
-fn charge_policy(timeout: Duration, hedge_delay: Duration) -> MethodPolicy {
-    MethodPolicy::builder("Charge", Idempotency::Keyed)
+/// than `hedge.floor`, or exactly `hedge.fixed` after the attempt.
+fn charge_policy(timeout: Duration, hedge: Hedge) -> MethodPolicy {
+    let builder = MethodPolicy::builder("Charge", Idempotency::Keyed)
         .timeout(timeout)
-        .min_hedge_delay(hedge_delay)
+        .min_hedge_delay(hedge.floor);
+    let builder = match hedge.fixed {
+        Some(delay) => builder.hedge_delay(delay),
+        None => builder,
+    };
+    builder
         .key_ttl(KEY_TTL_PAYMENTS)
         .retryable([
             Code::Unavailable,
@@ -113,15 +119,15 @@ type GrpcTransport =
 
 impl StackClient {
     /// The stack for `Charge` on `target` through `destination`: each logical request's
-    /// deadline is `timeout`; no hedge before `hedge_delay`.
+    /// deadline is `timeout`; `hedge` says when an attempt is hedged.
     pub(crate) fn new(
         target: &Target,
         api_key: Option<&str>,
         timeout: Duration,
         destination: &Destination,
-        hedge_delay: Duration,
+        hedge: Hedge,
     ) -> Result<Self, String> {
-        let stack = ClientStack::builder(destination, charge_policy(timeout, hedge_delay))
+        let stack = ClientStack::builder(destination, charge_policy(timeout, hedge))
             .observer(Arc::new(Tell))
             .build()
             .map_err(|e| format!("client stack: {e}"))?;

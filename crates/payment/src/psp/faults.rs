@@ -7,15 +7,18 @@
 //!    rates of [`Faults`], taken in the order error, unavailable, commit-then-timeout,
 //!    commit-then-drop.
 //!
-//! Latency is not drawn: it applies to every charge request.
+//! Latency is not drawn: it applies to every charge request, as do the two shapes of a sick
+//! dependency a schedule can set ([`Faults::hold_until`], [`Faults::slow_above`]).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 
 /// The most faults the scripted queue holds; longer scripts are refused.
 pub const MAX_SCRIPTED: usize = 1024;
@@ -31,13 +34,27 @@ pub struct Faults {
     pub latency: Duration,
     /// Probability of `500` without charging.
     pub error_rate: f64,
-    /// Probability of `503` + `Retry-After: 1` without charging.
+    /// Probability of `503` + `Retry-After` without charging.
     pub unavailable_rate: f64,
+    /// The `Retry-After` of those `503`s, in whole seconds (`None`: 1 s). A pushback longer
+    /// than the caller's deadline leaves it nothing to retry within. Set in process only
+    /// (`/admin/faults` clears it).
+    pub pushback: Option<Duration>,
     /// Probability of charging durably, then answering only after the caller's deadline
     /// (plus one second; 30 s when the caller sent none).
     pub commit_then_timeout_rate: f64,
     /// Probability of charging durably, then closing the connection without an answer.
     pub commit_then_drop_rate: f64,
+    /// A stall: charge requests arriving before this instant are held until it (or until the
+    /// caller's deadline, if that comes first), then answered as drawn, so that every call of
+    /// the stall ends at the same moment. Set in process only (`/admin/faults` clears it).
+    pub hold_until: Option<Instant>,
+    /// A dependency that is slower the more calls it holds (a cold cache, a pool still
+    /// growing, each call contending with the others): with more than this many charge
+    /// requests in flight, each one's latency is multiplied by `(in flight / slow_above)^2`,
+    /// so that past the knee more calls at once serve fewer per second. 0 turns it off. Set in
+    /// process only (`/admin/faults` clears it).
+    pub slow_above: u32,
 }
 
 impl Faults {
@@ -122,6 +139,22 @@ impl Fault {
 #[derive(Debug, Clone)]
 pub struct FaultControl {
     inner: Arc<Mutex<FaultState>>,
+    /// Charge requests being handled now, for [`Faults::slow_above`].
+    charging: Arc<AtomicUsize>,
+}
+
+/// One charge request being handled: counted in flight until dropped.
+#[derive(Debug)]
+pub struct Charging {
+    count: Arc<AtomicUsize>,
+    /// Charge requests in flight when this one arrived, itself included.
+    pub in_flight: usize,
+}
+
+impl Drop for Charging {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 #[derive(Debug)]
@@ -174,6 +207,7 @@ impl FaultControl {
                 next: VecDeque::new(),
                 drawn: FaultCounts::default(),
             })),
+            charging: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -222,6 +256,15 @@ impl FaultControl {
             state.rng = StdRng::seed_from_u64(seed);
         }
         Ok(())
+    }
+
+    /// Counts a charge request in flight until the guard is dropped.
+    pub fn charging(&self) -> Charging {
+        let in_flight = self.charging.fetch_add(1, Ordering::Relaxed) + 1;
+        Charging {
+            count: self.charging.clone(),
+            in_flight,
+        }
     }
 
     /// The faults drawn so far, by kind.
@@ -291,6 +334,7 @@ mod tests {
             unavailable_rate: unavailable,
             commit_then_timeout_rate: timeout,
             commit_then_drop_rate: drop,
+            ..Faults::default()
         }
     }
 
@@ -386,6 +430,17 @@ mod tests {
             .script(std::iter::repeat_n(Fault::None, MAX_SCRIPTED))
             .unwrap();
         assert_eq!(control.scripted().len(), MAX_SCRIPTED);
+    }
+
+    #[test]
+    fn charges_in_flight_are_counted_until_dropped() {
+        let control = FaultControl::new(Faults::default(), Some(0)).unwrap();
+        let first = control.charging();
+        let second = control.charging();
+        assert_eq!((first.in_flight, second.in_flight), (1, 2));
+        drop(first);
+        drop(second);
+        assert_eq!(control.charging().in_flight, 1);
     }
 
     #[test]

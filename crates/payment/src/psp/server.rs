@@ -109,6 +109,21 @@ async fn hold(shutdown: &watch::Receiver<bool>, until: Instant) -> bool {
     }
 }
 
+/// When a charge request that arrived at `arrived`, with `in_flight` charge requests being
+/// handled (itself included), is answered: `None` at once, `Some(None)` beyond any instant
+/// representable.
+fn wake_at(faults: &Faults, arrived: Instant, in_flight: usize) -> Option<Option<Instant>> {
+    if let Some(until) = faults.hold_until.filter(|until| *until > arrived) {
+        return Some(Some(until));
+    }
+    let mut latency = faults.latency;
+    let knee = faults.slow_above as usize;
+    if knee > 0 && in_flight > knee {
+        latency = latency.mul_f64((in_flight as f64 / knee as f64).powi(2));
+    }
+    (!latency.is_zero()).then(|| arrived.checked_add(latency))
+}
+
 async fn create_charge(
     State(state): State<AppState>,
     Extension(kill): Extension<ConnKill>,
@@ -128,9 +143,10 @@ async fn create_charge(
         .map(str::to_owned);
 
     let fault = state.faults.draw();
-    let latency = state.faults.faults().latency;
-    if !latency.is_zero() {
-        let wake = arrived.checked_add(latency);
+    // Held until the answer is sent: a slow call counts against `slow_above` while it waits.
+    let charging = state.faults.charging();
+    let faults = state.faults.faults();
+    if let Some(wake) = wake_at(&faults, arrived, charging.in_flight) {
         match (deadline, wake) {
             (Some(deadline), wake) if wake.is_none_or(|wake| deadline <= wake) => {
                 // The caller gives up before we would answer: do not start the charge.
@@ -165,7 +181,7 @@ async fn create_charge(
                 "psp_unavailable",
                 "injected unavailability; nothing was charged",
             )
-            .retry_after_one_second());
+            .retry_after(faults.pushback.unwrap_or(Duration::from_secs(1))));
         }
         Fault::None | Fault::CommitThenTimeout | Fault::CommitThenDrop => {}
     }
@@ -441,6 +457,7 @@ async fn put_faults(
         unavailable_rate: wanted.unavailable_rate,
         commit_then_timeout_rate: wanted.commit_then_timeout_rate,
         commit_then_drop_rate: wanted.commit_then_drop_rate,
+        ..Faults::default()
     };
     if let Err(error) = state.faults.apply(faults, wanted.next, wanted.seed) {
         return Err(problem(
@@ -484,7 +501,8 @@ struct Problem {
     status: StatusCode,
     code: &'static str,
     detail: String,
-    retry_after: bool,
+    /// Whole seconds sent as `Retry-After`, if any.
+    retry_after: Option<u64>,
 }
 
 fn problem(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Problem {
@@ -492,13 +510,18 @@ fn problem(status: StatusCode, code: &'static str, detail: impl Into<String>) ->
         status,
         code,
         detail: detail.into(),
-        retry_after: false,
+        retry_after: None,
     }
 }
 
 impl Problem {
-    fn retry_after_one_second(mut self) -> Self {
-        self.retry_after = true;
+    fn retry_after_one_second(self) -> Self {
+        self.retry_after(Duration::from_secs(1))
+    }
+
+    /// `Retry-After` in whole seconds, at least one.
+    fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after.as_secs().max(1));
         self
     }
 }
@@ -518,10 +541,10 @@ impl IntoResponse for Problem {
             body.to_string(),
         )
             .into_response();
-        if self.retry_after {
+        if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()
-                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                .insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }
@@ -673,5 +696,36 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(IDEMPOTENCY_KEY, long);
         assert!(effect_key(&headers).is_err());
+    }
+
+    #[test]
+    fn a_stall_releases_every_call_together_and_a_cold_one_slows_with_load() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        let latency = Faults {
+            latency: ms(100),
+            ..Faults::default()
+        };
+        assert_eq!(wake_at(&Faults::default(), now, 50), None);
+        assert_eq!(wake_at(&latency, now, 50), Some(Some(now + ms(100))));
+        // Held until the stall ends, whatever the latency, for every arrival before it.
+        let stall = Faults {
+            hold_until: Some(now + ms(700)),
+            ..latency
+        };
+        assert_eq!(wake_at(&stall, now, 1), Some(Some(now + ms(700))));
+        assert_eq!(wake_at(&stall, now + ms(500), 1), Some(Some(now + ms(700))));
+        assert_eq!(
+            wake_at(&stall, now + ms(800), 1),
+            Some(Some(now + ms(900))),
+            "after the stall only the latency applies"
+        );
+        // Cold: sixteen times as slow with four times the knee in flight, unchanged below it.
+        let cold = Faults {
+            slow_above: 8,
+            ..latency
+        };
+        assert_eq!(wake_at(&cold, now, 8), Some(Some(now + ms(100))));
+        assert_eq!(wake_at(&cold, now, 32), Some(Some(now + ms(1_600))));
     }
 }

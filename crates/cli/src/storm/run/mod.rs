@@ -14,13 +14,32 @@
 //! - `outage`: the PSP refuses everything for 10 s, then comes back slow (a cold start);
 //!   the time until goodput is back, with and without the client's storm alarm and the
 //!   server's slow start.
+//!
+//! And the live counterparts of `storm sim`'s chapter claims (see [`claims`]):
+//! - `jitter`: the PSP stalls for 1 s, then fails the whole stalled cohort at once; naive
+//!   clients retry after a 1 s backoff without jitter, or with full, equal or decorrelated
+//!   jitter. The figure is the share of the retries sent in the busiest 300 ms;
+//! - `utilization`: the same client and the same 4 s slowdown at 70% and at 90% of the
+//!   measured capacity;
+//! - `cold`: the PSP is down for 5 s, then back cold (slower the more calls it holds) for
+//!   10 s, with and without the server's slow start;
+//! - `burst`: 1 s of twice the base load on top of it, against a server queue that holds the
+//!   excess (`Q >= (lambda_peak - mu) x T_burst`) and one that does not;
+//! - `hedge-drift`: a fixed hedge delay at 30%, 90% and 110% of the measured capacity, with
+//!   and without the retry budget;
+//! - `hidden-queue`: the library's client with no limit of its own, and with
+//!   `Destination::max_in_flight` near and below what the load needs.
 
+mod claims;
+mod claims_text;
+mod figures;
 mod output;
 mod plan;
 mod report;
 mod server;
 mod variant;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
@@ -63,6 +82,18 @@ pub(crate) enum LiveScenario {
     Overload,
     /// The PSP refuses everything for 10 s, then comes back with cold-start latency.
     Outage,
+    /// A stalled cohort fails at once: retries without jitter vs full, equal, decorrelated.
+    Jitter,
+    /// The same client and slowdown at 70% and at 90% of the measured capacity.
+    Utilization,
+    /// The PSP comes back cold (slower with more calls at once): slow start on or off.
+    Cold,
+    /// A 1 s burst against a queue that holds its excess and one that does not.
+    Burst,
+    /// A fixed hedge delay as load rises, with and without the retry budget.
+    HedgeDrift,
+    /// A client-side limit on attempts in flight, and the waits it hides.
+    HiddenQueue,
 }
 
 /// One second of one variant: the load's series and the server's samples.
@@ -120,6 +151,12 @@ pub(crate) struct VariantResult {
     pub(crate) peak_rss_mib: Option<f64>,
     /// Intents left `running` once the load stopped.
     pub(crate) intents_running: Option<u64>,
+    /// The summary of the burst's own `load`, for a scenario with a burst (its counts are in
+    /// `seconds`, `goodput_per_s` and `attempts_per_logical` too).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) burst_load: Option<Value>,
+    /// The scenario's own figures (e.g. the hedge share), by name.
+    pub(crate) figures: BTreeMap<String, f64>,
     /// Per second.
     pub(crate) seconds: Vec<Second>,
 }
@@ -164,6 +201,11 @@ pub(crate) async fn execute(
     plan.recovery_at = plan.recovery_at.map(|d| d.mul_f64(scale));
     for phase in &mut plan.phases {
         phase.at = phase.at.mul_f64(scale);
+        phase.hold = phase.hold.map(|d| d.mul_f64(scale));
+    }
+    if let Some(burst) = &mut plan.burst {
+        burst.at = burst.at.mul_f64(scale);
+        burst.duration = burst.duration.mul_f64(scale);
     }
     let work = tempfile::tempdir()?;
     let capacity = match plan.rate {
@@ -178,7 +220,10 @@ pub(crate) async fn execute(
     for (i, variant) in plan.variants.iter().enumerate() {
         let dir = work.path().join(format!("{i}-{}", variant.name));
         std::fs::create_dir_all(&dir)?;
-        variants.push(run_variant(&plan, variant, rate, &dir).await?);
+        let rate = (rate * variant.rate_share).max(1.0);
+        let (mut result, fine) = run_variant(&plan, variant, rate, &dir).await?;
+        result.figures = figures::of(scenario, &plan, capacity, &result, &fine);
+        variants.push(result);
     }
     Ok(RunResult {
         scenario,

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use super::RunResult;
-use super::report::scenario_name;
+use super::report::{figure, scenario_name};
 
 pub(super) fn write_out(dir: &Path, result: &RunResult) -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(dir)
@@ -45,14 +45,20 @@ pub(super) fn render(result: &RunResult) -> String {
         out.push_str(&format!("measured capacity {capacity:.1}/s\n"));
     }
     out.push_str(&format!(
-        "{:<16} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}\n",
+        "{:<20} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}\n",
         "variant", "rate/s", "goodput/s", "attempts", "not ok", "recovery", "peak RSS", "running"
     ));
     for v in &result.variants {
-        let logical = v.load["logical_requests"].as_u64().unwrap_or(0);
-        let not_ok = logical.saturating_sub(v.load["outcomes"]["ok"].as_u64().unwrap_or(0));
+        // The burst's own load counts too.
+        let not_ok: u64 = std::iter::once(&v.load)
+            .chain(&v.burst_load)
+            .map(|load| {
+                let logical = load["logical_requests"].as_u64().unwrap_or(0);
+                logical.saturating_sub(load["outcomes"]["ok"].as_u64().unwrap_or(0))
+            })
+            .sum();
         out.push_str(&format!(
-            "{:<16} {:>8.0} {:>10.1} {:>9.3} {:>9} {:>9} {:>10} {:>9}\n",
+            "{:<20} {:>8.0} {:>10.1} {:>9.3} {:>9} {:>9} {:>10} {:>9}\n",
             v.name,
             v.rate,
             v.goodput_per_s,
@@ -63,6 +69,14 @@ pub(super) fn render(result: &RunResult) -> String {
                 .map_or("-".to_owned(), |m| format!("{m:.0} MiB")),
             v.intents_running.map_or("-".to_owned(), |n| n.to_string()),
         ));
+    }
+    for v in result.variants.iter().filter(|v| !v.figures.is_empty()) {
+        let figures: Vec<String> = v
+            .figures
+            .iter()
+            .map(|(name, x)| format!("{name} {}", figure(*x)))
+            .collect();
+        out.push_str(&format!("{}: {}\n", v.name, figures.join(", ")));
     }
     out
 }

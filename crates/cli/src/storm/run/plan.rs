@@ -2,14 +2,38 @@
 
 use std::time::Duration;
 
-use super::LiveScenario;
+use super::{LiveScenario, claims};
 
 /// How the PSP behaves from `at` on.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Phase {
     pub(super) at: Duration,
     pub(super) latency: Duration,
+    /// Every charge answered `503` + `Retry-After` (1 s unless `pushback` says otherwise).
     pub(super) unavailable: bool,
+    /// The `Retry-After` of those `503`s.
+    pub(super) pushback: Option<Duration>,
+    /// Every charge answered `500`.
+    pub(super) error: bool,
+    /// A stall: charges arriving within this long of the phase's start are held until then,
+    /// and all answered together (see `Faults::hold_until`).
+    pub(super) hold: Option<Duration>,
+    /// Slower the more calls it holds (see `Faults::slow_above`; 0: off).
+    pub(super) slow_above: u32,
+}
+
+/// A healthy PSP answering after `latency`, from `at` on: what a phase is unless it says
+/// otherwise.
+pub(super) const fn healthy(at: Duration, latency: Duration) -> Phase {
+    Phase {
+        at,
+        latency,
+        unavailable: false,
+        pushback: None,
+        error: false,
+        hold: None,
+        slow_above: 0,
+    }
 }
 
 /// One side of a comparison: the flags its `serve` and `load` get.
@@ -18,6 +42,31 @@ pub(super) struct Variant {
     pub(super) name: &'static str,
     pub(super) serve: Vec<&'static str>,
     pub(super) load: Vec<&'static str>,
+    /// Its offered rate, as a share of the plan's (or of the measured capacity).
+    pub(super) rate_share: f64,
+}
+
+/// A variant offered the plan's rate.
+pub(super) fn variant(
+    name: &'static str,
+    serve: Vec<&'static str>,
+    load: Vec<&'static str>,
+) -> Variant {
+    Variant {
+        name,
+        serve,
+        load,
+        rate_share: 1.0,
+    }
+}
+
+/// A second `load`, started `at` and running for `duration` at `rate` on top of the first:
+/// a burst.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Burst {
+    pub(super) at: Duration,
+    pub(super) duration: Duration,
+    pub(super) rate: f64,
 }
 
 /// A scenario made concrete.
@@ -31,6 +80,16 @@ pub(super) struct Plan {
     pub(super) recovery_at: Option<Duration>,
     pub(super) phases: Vec<Phase>,
     pub(super) variants: Vec<Variant>,
+    /// A burst on top of the load, if the scenario has one.
+    pub(super) burst: Option<Burst>,
+    /// Width of the load's series rows (`--series-interval`) when a scenario needs them finer
+    /// than a second; they are summed into seconds for the summary.
+    pub(super) series_interval: Option<Duration>,
+    /// The server and client the capacity is measured with (`None`: the first variant's).
+    pub(super) probe: Option<Variant>,
+    /// The rate offered while measuring the capacity: far above it, but not so far that
+    /// refusing the excess takes the cores the service needs.
+    pub(super) probe_rate: f64,
 }
 
 pub(super) const MS: fn(u64) -> Duration = Duration::from_millis;
@@ -44,34 +103,22 @@ pub(super) fn plan(scenario: LiveScenario) -> Plan {
             capacity_multiple: 1.0,
             duration: S(40),
             recovery_at: Some(S(30)),
+            burst: None,
+            series_interval: None,
+            probe: None,
+            probe_rate: 2_000.0,
             phases: vec![
-                Phase {
-                    at: S(0),
-                    latency: normal,
-                    unavailable: false,
-                },
-                Phase {
-                    at: S(10),
-                    latency: MS(600),
-                    unavailable: false,
-                },
-                Phase {
-                    at: S(30),
-                    latency: normal,
-                    unavailable: false,
-                },
+                healthy(S(0), normal),
+                healthy(S(10), MS(600)),
+                healthy(S(30), normal),
             ],
             variants: vec![
-                Variant {
-                    name: "naive",
-                    serve: vec!["--max-inflight", "64"],
-                    load: vec!["--policy", "naive"],
-                },
-                Variant {
-                    name: "backstop",
-                    serve: vec!["--max-inflight", "64"],
-                    load: vec![],
-                },
+                variant(
+                    "naive",
+                    vec!["--max-inflight", "64"],
+                    vec!["--policy", "naive"],
+                ),
+                variant("backstop", vec!["--max-inflight", "64"], vec![]),
             ],
         },
         LiveScenario::Overload => Plan {
@@ -79,68 +126,57 @@ pub(super) fn plan(scenario: LiveScenario) -> Plan {
             capacity_multiple: 3.0,
             duration: S(20),
             recovery_at: None,
-            phases: vec![Phase {
-                at: S(0),
-                latency: normal,
-                unavailable: false,
-            }],
-            variants: vec![Variant {
-                name: "backstop",
-                serve: vec!["--max-inflight", "16"],
-                load: vec![],
-            }],
+            burst: None,
+            series_interval: None,
+            probe: None,
+            probe_rate: 2_000.0,
+            phases: vec![healthy(S(0), normal)],
+            variants: vec![variant("backstop", vec!["--max-inflight", "16"], vec![])],
         },
         LiveScenario::Outage => Plan {
             rate: Some(200.0),
             capacity_multiple: 1.0,
             duration: S(40),
             recovery_at: Some(S(20)),
+            burst: None,
+            series_interval: None,
+            probe: None,
+            probe_rate: 2_000.0,
             phases: vec![
+                healthy(S(0), normal),
                 Phase {
-                    at: S(0),
-                    latency: normal,
-                    unavailable: false,
-                },
-                Phase {
-                    at: S(10),
-                    latency: normal,
                     unavailable: true,
+                    ..healthy(S(10), normal)
                 },
                 // Back, cold: slow for a while before it is warm again.
-                Phase {
-                    at: S(20),
-                    latency: MS(400),
-                    unavailable: false,
-                },
-                Phase {
-                    at: S(25),
-                    latency: normal,
-                    unavailable: false,
-                },
+                healthy(S(20), MS(400)),
+                healthy(S(25), normal),
             ],
             variants: vec![
-                Variant {
-                    name: "backstop",
-                    serve: vec!["--max-inflight", "64"],
-                    load: vec![],
-                },
-                Variant {
-                    name: "no-slow-start",
-                    serve: vec!["--max-inflight", "64", "--no-slow-start"],
-                    load: vec![],
-                },
-                Variant {
-                    name: "no-storm-alarm",
-                    serve: vec!["--max-inflight", "64"],
-                    load: vec!["--no-storm-alarm"],
-                },
-                Variant {
-                    name: "naive",
-                    serve: vec!["--max-inflight", "64"],
-                    load: vec!["--policy", "naive"],
-                },
+                variant("backstop", vec!["--max-inflight", "64"], vec![]),
+                variant(
+                    "no-slow-start",
+                    vec!["--max-inflight", "64", "--no-slow-start"],
+                    vec![],
+                ),
+                variant(
+                    "no-storm-alarm",
+                    vec!["--max-inflight", "64"],
+                    vec!["--no-storm-alarm"],
+                ),
+                variant(
+                    "naive",
+                    vec!["--max-inflight", "64"],
+                    vec!["--policy", "naive"],
+                ),
             ],
         },
+        LiveScenario::Jitter => claims::jitter(),
+        LiveScenario::Utilization => claims::utilization(),
+        LiveScenario::Cold => claims::cold(),
+        LiveScenario::Burst => claims::burst(),
+        LiveScenario::HedgeDrift => claims::hedge_drift(),
+        LiveScenario::HiddenQueue => claims::hidden_queue(),
     }
 }
 
@@ -150,11 +186,7 @@ mod tests {
 
     #[test]
     fn every_scenario_has_variants_and_ordered_phases() {
-        for scenario in [
-            LiveScenario::Slowdown,
-            LiveScenario::Overload,
-            LiveScenario::Outage,
-        ] {
+        for &scenario in <LiveScenario as clap::ValueEnum>::value_variants() {
             let plan = plan(scenario);
             assert!(!plan.variants.is_empty());
             assert!(plan.phases.windows(2).all(|w| w[0].at < w[1].at));

@@ -31,7 +31,10 @@ pub(super) fn to_report(result: &RunResult) -> report::Report {
                     "intents left running".into(),
                     v.intents_running.map_or("-".into(), |n| n.to_string()),
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(v.figures.iter().map(|(k, x)| (k.clone(), figure(*x))))
+            .collect(),
             rows: v
                 .seconds
                 .iter()
@@ -53,9 +56,11 @@ pub(super) fn to_report(result: &RunResult) -> report::Report {
         })
         .collect();
     // The simulator's mirror of the same scenario, beside the measured runs.
-    for sim in crate::storm::simulate_all(&mirror(result)) {
-        let name = format!("sim: {}", sim.policy);
-        runs.push(crate::storm::report_run(&sim, name, 1.0));
+    if let Some(mirror) = mirror(result) {
+        for sim in crate::storm::simulate_all(&mirror) {
+            let name = format!("sim: {}", sim.policy);
+            runs.push(crate::storm::report_run(&sim, name, 1.0));
+        }
     }
     report::Report {
         format: String::new(),
@@ -70,14 +75,24 @@ const MIRROR_SEED: u64 = 1;
 
 /// `storm sim`'s mirror of the scenario `result` ran: the same rate (or the same multiple of
 /// the measured capacity), places, PSP phases, deadlines and variants, on the same time scale.
-fn mirror(result: &RunResult) -> scenario::Scenario {
+/// The claims' scenarios have none: `storm sim --scenario NAME` is their deterministic version,
+/// at its own parameters.
+fn mirror(result: &RunResult) -> Option<scenario::Scenario> {
     let scale = result.time_scale;
     match result.scenario {
-        LiveScenario::Slowdown => scenario::live_slowdown(MIRROR_SEED, scale),
-        LiveScenario::Overload => {
-            scenario::live_overload(MIRROR_SEED, scale, result.capacity_per_s)
-        }
-        LiveScenario::Outage => scenario::live_outage(MIRROR_SEED, scale),
+        LiveScenario::Slowdown => Some(scenario::live_slowdown(MIRROR_SEED, scale)),
+        LiveScenario::Overload => Some(scenario::live_overload(
+            MIRROR_SEED,
+            scale,
+            result.capacity_per_s,
+        )),
+        LiveScenario::Outage => Some(scenario::live_outage(MIRROR_SEED, scale)),
+        LiveScenario::Jitter
+        | LiveScenario::Utilization
+        | LiveScenario::Cold
+        | LiveScenario::Burst
+        | LiveScenario::HedgeDrift
+        | LiveScenario::HiddenQueue => None,
     }
 }
 
@@ -86,10 +101,28 @@ pub(super) fn scenario_name(scenario: LiveScenario) -> &'static str {
         LiveScenario::Slowdown => "slowdown",
         LiveScenario::Overload => "overload",
         LiveScenario::Outage => "outage",
+        LiveScenario::Jitter => "jitter",
+        LiveScenario::Utilization => "utilization",
+        LiveScenario::Cold => "cold",
+        LiveScenario::Burst => "burst",
+        LiveScenario::HedgeDrift => "hedge-drift",
+        LiveScenario::HiddenQueue => "hidden-queue",
+    }
+}
+
+/// A figure as the report shows it: shares and ratios with three decimals, counts whole.
+pub(super) fn figure(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.3}")
     }
 }
 
 fn describe(result: &RunResult) -> String {
+    if let Some(text) = super::claims_text::describe(result) {
+        return text;
+    }
     let what = match result.scenario {
         LiveScenario::Slowdown => {
             "The PSP's latency goes from 100 ms to 600 ms for half the run, then back, under a \
@@ -103,6 +136,13 @@ fn describe(result: &RunResult) -> String {
              start) before it is warm again; recovery is the time from its return until a whole \
              second serves 90% of the offered load."
         }
+        // Described by `claims_text`.
+        LiveScenario::Jitter
+        | LiveScenario::Utilization
+        | LiveScenario::Cold
+        | LiveScenario::Burst
+        | LiveScenario::HedgeDrift
+        | LiveScenario::HiddenQueue => "",
     };
     let mut text = format!(
         "{what}\n\nMeasured on loopback: a real `backstop serve` (SQLite), the PSP simulator and \
@@ -179,6 +219,13 @@ fn describe(result: &RunResult) -> String {
                 5.0 * scale
             )
         }
+        // Described by `claims_text`.
+        LiveScenario::Jitter
+        | LiveScenario::Utilization
+        | LiveScenario::Cold
+        | LiveScenario::Burst
+        | LiveScenario::HedgeDrift
+        | LiveScenario::HiddenQueue => String::new(),
     });
     text
 }
@@ -206,6 +253,8 @@ mod tests {
                 recovery_s: None,
                 peak_rss_mib: None,
                 intents_running: Some(0),
+                burst_load: None,
+                figures: std::collections::BTreeMap::from([("hedge_share".to_owned(), 0.25)]),
                 seconds: vec![Second {
                     t_s: 0.0,
                     originals: 200,
@@ -230,12 +279,12 @@ mod tests {
             LiveScenario::Outage,
         ] {
             let live: Vec<&str> = plan(scenario).variants.iter().map(|v| v.name).collect();
-            let mirror = mirror(&measured(scenario, 1.0));
+            let mirror = mirror(&measured(scenario, 1.0)).expect("mirrored");
             assert_eq!(mirror.names(), live, "{scenario:?}");
             assert_eq!(mirror.model.duration, plan(scenario).duration);
         }
         // The overload mirror offers three times the measured capacity.
-        let overload = mirror(&measured(LiveScenario::Overload, 0.5));
+        let overload = mirror(&measured(LiveScenario::Overload, 0.5)).expect("mirrored");
         assert!((overload.model.rate - 3.0 * 143.6).abs() < 1e-9);
         assert_eq!(overload.model.duration, S(10));
     }
@@ -272,6 +321,42 @@ mod tests {
                 report.description.contains("In this scenario:"),
                 "{}",
                 report.description
+            );
+        }
+    }
+
+    /// The claims' scenarios have no simulated mirror: their report holds the measured runs,
+    /// their figures, and says which `storm sim` scenario is the deterministic version.
+    #[test]
+    fn a_claims_report_holds_the_measured_runs_and_names_its_simulation() {
+        for scenario in [
+            LiveScenario::Jitter,
+            LiveScenario::Utilization,
+            LiveScenario::Cold,
+            LiveScenario::Burst,
+            LiveScenario::HedgeDrift,
+            LiveScenario::HiddenQueue,
+        ] {
+            let result = measured(scenario, 0.1);
+            let report = to_report(&result);
+            let names: Vec<&str> = report.runs.iter().map(|r| r.name.as_str()).collect();
+            let live: Vec<&str> = plan(scenario).variants.iter().map(|v| v.name).collect();
+            assert_eq!(names, live, "{scenario:?}");
+            let name = scenario_name(scenario);
+            assert!(
+                report
+                    .description
+                    .contains(&format!("storm sim --scenario {name}")),
+                "{}",
+                report.description
+            );
+            assert!(
+                report.runs[0]
+                    .summary
+                    .iter()
+                    .any(|(k, v)| k == "hedge_share" && v == "0.250"),
+                "{:?}",
+                report.runs[0].summary
             );
         }
     }
