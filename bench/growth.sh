@@ -7,7 +7,8 @@
 #             defaults). Keys are random, as client-made UUIDs are, in the filled records and in
 #             the new ones, so every claim lands at a random place in the key index. Unpinned,
 #             wrk -t2 -c64, ROUNDS interleaved rounds, medians.
-#   sweep   - `backstop serve` (SQLite) at half its capacity while its sweeper expires EXPIRED
+#   sweep   - `backstop serve` (SQLite; SWEEP_STORE=postgres: PostgreSQL, each run in a schema
+#             of its own, results named sweep_pg_*) at half its capacity while its sweeper expires EXPIRED
 #             (1 million) records, held in the three windows before the current one, against the same service holding the same records
 #             unexpired: the p99 of the payments in each. Capacity is wrk's closed-loop rate
 #             (64 connections) in this run; half of it is offered by wrk with 64 connections
@@ -65,7 +66,7 @@ start_serve() {
   mkdir -p "$d"
   rm -f "$d/serve.log"
   (cd "$d" && exec "$dir/backstop" --log-format json serve --http 127.0.0.1:0 \
-    --grpc 127.0.0.1:0 --store backstop.db --tenant-rate 10000000 --tenant-burst 10000000 \
+    --grpc 127.0.0.1:0 --store "${serve_store:-backstop.db}" --tenant-rate 10000000 --tenant-burst 10000000 \
     "$@" >serve.log 2>&1 & echo $! >"$work/pid")
   pid=$(cat "$work/pid")
   addr=$(wait_addr "$d/serve.log" 's/.*"message":"payment service listening".*"http":"\([^"]*\)".*/\1/p')
@@ -137,6 +138,8 @@ pg_url() { echo "$pg?options=-c%20search_path%3D$1"; }
 # fill_pg SCHEMA N: as fill_sqlite, in one statement; the indexes are built after the rows
 # (the same indexes the migration made, under the same names).
 fill_pg() {
+  local expires=${3:-keep}
+  [ "$expires" = keep ] && expires=t.expires_at
   psql -q -v ON_ERROR_STOP=1 "$(pg_url "$1")" <<SQL >/dev/null
 SET maintenance_work_mem = '1GB';
 ALTER TABLE idempotency_key DROP CONSTRAINT idempotency_key_pkey;
@@ -144,7 +147,7 @@ DROP INDEX idx_idem_expires;
 INSERT INTO idempotency_key
   SELECT t.scope, substr(md5(random()::text), 1, 16) || '-fill-' || g, md5(random()::text) ||
     md5(random()::text), t.status, t.lease_until, t.http_status, t.response_body,
-    t.response_headers, t.created_at, t.expires_at
+    t.response_headers, t.created_at, $expires
   FROM generate_series(1, $2) AS g, (SELECT * FROM idempotency_key WHERE key = 'template') AS t;
 ALTER TABLE idempotency_key ADD PRIMARY KEY (scope, key);
 CREATE INDEX idx_idem_expires ON idempotency_key (expires_at);
@@ -243,8 +246,31 @@ paced() {
   wrk -t2 -c64 -d"${1}s" --latency -s bench/payments_paced.lua "http://$addr" -- "$3" - "$2"
 }
 
+# sweep_store NAME: sets serve_store for the sweep part (SWEEP_STORE=postgres: a fresh schema
+# of $pg; SQLite otherwise, serve's file).
+sweep_store() {
+  serve_store=backstop.db
+  if [ "${SWEEP_STORE:-sqlite}" = postgres ]; then
+    psql -q -v ON_ERROR_STOP=1 "$pg" -c "DROP SCHEMA IF EXISTS bench_sweep_$1 CASCADE" \
+      -c "CREATE SCHEMA bench_sweep_$1" >/dev/null 2>&1
+    serve_store=$(pg_url "bench_sweep_$1")
+  fi
+}
+
+# fill_sweep DIR NAME N EXPIRES: the sweep part's records in the store sweep_store chose.
+fill_sweep() {
+  if [ "${SWEEP_STORE:-sqlite}" = postgres ]; then
+    fill_pg "bench_sweep_$2" "$3" "$4"
+  else
+    fill_sqlite "$1/backstop.db" "$3" "$4" "1 2 3"
+  fi
+}
+
 part_sweep() {
-  echo "== sweep: $expired expired records swept while serving at half capacity" >&2
+  local store=${SWEEP_STORE:-sqlite} pre=sweep
+  [ "$store" = postgres ] && pre=sweep_pg
+  echo "== sweep ($store): $expired expired records swept while serving at half capacity" >&2
+  sweep_store capacity
   start_serve "$work/capacity"
   local o
   o=$(wrk -t2 -c64 -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "cap$$")
@@ -255,12 +281,13 @@ part_sweep() {
   rate=$(echo "$capacity / 2" | bc)
   # 64 connections, each waiting `pause` ms before its next request (plus ~2 ms of latency).
   pause=$(( 64000 / rate - 2 ))
-  result sweep_capacity_rps "$capacity"
-  result sweep_rate "$rate"
+  result "${pre}_capacity_rps" "$capacity"
+  result "${pre}_rate" "$rate"
   declare -A p99 served
   for round in $(seq "$rounds"); do
     for kind in unexpired sweeping; do
       local d=$work/sweep-$kind-$round lead=8000 fill_start expires
+      sweep_store "$kind$round"
       start_serve "$d" --sweep-every 1s
       template
       stop
@@ -272,7 +299,7 @@ part_sweep() {
       else
         expires=keep
       fi
-      fill_sqlite "$d/backstop.db" "$expired" "$expires" "1 2 3"
+      fill_sweep "$d" "$kind$round" "$expired" "$expires"
       [ "$kind" = unexpired ] && fill_ms=$(( $(now_ms) - fill_start ))
       if [ "$kind" = sweeping ]; then
         local wait_ms=$(( expires - lead - $(now_ms) ))
@@ -291,7 +318,7 @@ part_sweep() {
         pause=$(( 64000 / rate - latency_ms ))
         [ "$pause" -ge 1 ] || pause=1
         calibrated=1
-        result sweep_pause_ms "$pause"
+        result "${pre}_pause_ms" "$pause"
       fi
       o=$(paced "$sweep_secs" "$pause" "$kind$round$$")
       load_end=$(now_ms)
@@ -316,7 +343,7 @@ part_sweep() {
           echo "the sweep ($began ms + $sweep_ms ms) was not inside the measured run" >&2
           exit 1
         fi
-        result "sweep_round${round}_ms" "$sweep_ms"
+        result "${pre}_round${round}_ms" "$sweep_ms"
       fi
       p99[$kind]+="$lp "
       served[$kind]+="$r "
@@ -324,10 +351,18 @@ part_sweep() {
     done
   done
   for kind in unexpired sweeping; do
-    result "sweep_p99_${kind}_ms" "$(median <<<"${p99[$kind]}")"
-    result "sweep_${kind}_rps" "$(median <<<"${served[$kind]}")"
+    result "${pre}_p99_${kind}_ms" "$(median <<<"${p99[$kind]}")"
+    result "${pre}_${kind}_rps" "$(median <<<"${served[$kind]}")"
   done
-  result sweep_records "$expired"
+  result "${pre}_records" "$expired"
+  if [ "$store" = postgres ]; then
+    local k r
+    for k in capacity unexpired sweeping; do
+      for r in "" $(seq "$rounds"); do
+        psql -q "$pg" -c "DROP SCHEMA IF EXISTS bench_sweep_$k$r CASCADE" >/dev/null 2>&1
+      done
+    done
+  fi
 }
 
 part_rss() {
@@ -367,9 +402,12 @@ if [[ $parts == *records* ]]; then
   done
 fi
 if [[ $parts == *sweep* ]]; then
-  printf '| serve p99 at %s/s (half of %.0f), sweeping %s vs not | %s vs %s ms | %sx |\n' \
-    "$(v sweep_rate)" "$(v sweep_capacity_rps)" "$expired" "$(v sweep_p99_sweeping_ms)" \
-    "$(v sweep_p99_unexpired_ms)" "$(ratio "$(v sweep_p99_sweeping_ms)" "$(v sweep_p99_unexpired_ms)")"
+  pre=sweep
+  [ "${SWEEP_STORE:-sqlite}" = postgres ] && pre=sweep_pg
+  printf '| serve p99 at %s/s (half of %.0f), sweeping %s vs not, %s | %s vs %s ms | %sx |\n' \
+    "$(v ${pre}_rate)" "$(v ${pre}_capacity_rps)" "$expired" "${SWEEP_STORE:-sqlite}" \
+    "$(v ${pre}_p99_sweeping_ms)" "$(v ${pre}_p99_unexpired_ms)" \
+    "$(ratio "$(v ${pre}_p99_sweeping_ms)" "$(v ${pre}_p99_unexpired_ms)")"
 fi
 if [[ $parts == *rss* ]]; then
   printf '| serve RSS after %s payments vs 10k | %s vs %s KiB | %sx |\n' "$(v rss_payments)" \
