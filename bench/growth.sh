@@ -2,8 +2,9 @@
 # How cost grows with work, each comparison side by side in one run:
 #   records - keyed POST (bench/http.sh's keyed mode: the full server stack, a trivial handler)
 #             on a store already holding RECORDS (10 million) live idempotency records, against
-#             an empty one; on SQLite they are spread over the 24 time windows of their TTL
-#             class, as a store that has taken records for a whole TTL keeps them; on SQLite (FULL, group commit) and on PostgreSQL (the store's
+#             an empty one; they are spread over the 24 time windows of their TTL class (tables
+#             on SQLite, partitions on PostgreSQL), as a store that has taken records for a
+#             whole TTL keeps them; on SQLite (FULL, group commit) and on PostgreSQL (the store's
 #             defaults). Keys are random, as client-made UUIDs are, in the filled records and in
 #             the new ones, so every claim lands at a random place in the key index. Unpinned,
 #             wrk -t2 -c64, ROUNDS interleaved rounds, medians.
@@ -134,24 +135,45 @@ fill_sqlite() {
 # pg_url SCHEMA: the PostgreSQL URL whose search_path is SCHEMA.
 pg_url() { echo "$pg?options=-c%20search_path%3D$1"; }
 
-# fill_pg SCHEMA N: as fill_sqlite, in one statement; the indexes are built after the rows
-# (the same indexes the migration made, under the same names).
+# fill_pg SCHEMA N: as fill_sqlite with OFFSETS 0..23, spread over the 24 windows of the
+# template's TTL class (its own window and the 23 before it, each a partition of
+# idempotency_record); each window before the template's is filled, then given the key, index
+# and constraints the store gives a window, then attached, as the store's own DDL would.
 fill_pg() {
-  psql -q -v ON_ERROR_STOP=1 "$(pg_url "$1")" <<SQL >/dev/null
-SET maintenance_work_mem = '1GB';
-ALTER TABLE idempotency_key DROP CONSTRAINT idempotency_key_pkey;
-DROP INDEX idx_idem_expires;
-INSERT INTO idempotency_key
-  SELECT t.scope, substr(md5(random()::text), 1, 16) || '-fill-' || g, md5(random()::text) ||
-    md5(random()::text), t.status, t.lease_until, t.http_status, t.response_body,
-    t.response_headers, t.created_at, t.expires_at
-  FROM generate_series(1, $2) AS g, (SELECT * FROM idempotency_key WHERE key = 'template') AS t;
-ALTER TABLE idempotency_key ADD PRIMARY KEY (scope, key);
-CREATE INDEX idx_idem_expires ON idempotency_key (expires_at);
-VACUUM ANALYZE idempotency_key;
-CHECKPOINT;
-SQL
+  local url tmpl class index n=$2 count=24
+  url=$(pg_url "$1")
+  tmpl=$(psql -Atq -v ON_ERROR_STOP=1 "$url" -c "SELECT tableoid::regclass::text FROM idempotency_record WHERE key = 'template'")
+  case $tmpl in idempotency_window_*_*) ;; *) echo "fill of $1: template in '$tmpl'" >&2; exit 1 ;; esac
+  class=${tmpl#idempotency_window_}
+  index=${tmpl##*_}
+  class=${class%_*}
+  {
+    echo "SET maintenance_work_mem = '1GB';"
+    for off in $(seq 0 $(( count - 1 ))); do
+      local w=$(( index - off )) per name
+      name=idempotency_window_${class}_$w
+      # The template's window takes the remainder, so the windows hold N in all.
+      [ "$off" = 0 ] && per=$(( n - n / count * (count - 1) )) || per=$(( n / count ))
+      [ "$off" = 0 ] || echo "CREATE TABLE $name (LIKE idempotency_record INCLUDING DEFAULTS);"
+      echo "INSERT INTO $name
+          SELECT t.scope, substr(md5(random()::text), 1, 16) || '-fill-$w-' || g,
+            md5(random()::text) || md5(random()::text), t.status, t.lease_until, t.http_status,
+            t.response_body, t.response_headers, t.created_at, t.expires_at, t.phase,
+            t.phase_data, $class, $w
+          FROM generate_series(1, $per) AS g, (SELECT * FROM $tmpl WHERE key = 'template') AS t;"
+      [ "$off" = 0 ] || echo "ALTER TABLE $name ADD PRIMARY KEY (scope, key),
+          ADD CONSTRAINT ${name}_status CHECK (status IN ('running', 'succeeded', 'failed')),
+          ADD CONSTRAINT ${name}_bound CHECK (class_ms = $class AND win = $w);
+        CREATE INDEX ${name}_expires ON $name (expires_at);
+        ALTER TABLE idempotency_record ATTACH PARTITION $name
+          FOR VALUES FROM ($class, $w) TO ($class, $(( w + 1 )));"
+    done
+    echo "VACUUM ANALYZE; CHECKPOINT;"
+  } | psql -q -v ON_ERROR_STOP=1 "$url" >/dev/null
   sync
+  local total
+  total=$(psql -Atq "$url" -c "SELECT count(*) FROM idempotency_record")
+  [ "$total" -gt "$n" ] || { echo "fill of $1 failed ($total records)" >&2; exit 1; }
 }
 
 # keyed_run MODE DB ROUND: wrk against the bench server; sets $r and $p.
@@ -196,7 +218,7 @@ part_records() {
       table=${kind#*:}
       if [ "$mode" = keyed_postgres ]; then
         [ "$table" = empty ] &&
-          psql -q "$pg" -c "TRUNCATE bench_growth_empty.idempotency_key" >/dev/null
+          psql -q "$pg" -c "TRUNCATE bench_growth_empty.idempotency_record" >/dev/null
         keyed_run "$mode" "$(pg_url "bench_growth_$table")" "$round"
       elif [ "$table" = empty ]; then
         keyed_run "$mode" "$work/empty-$mode-$round.db" "$round"

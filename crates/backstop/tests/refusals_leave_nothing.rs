@@ -407,7 +407,7 @@ mod postgres {
         .unwrap();
         let rows = || {
             let schema = schema.clone();
-            async move { schema.count("idempotency_key").await }
+            async move { schema.count("idempotency_record").await }
         };
         super::refusals_leave_no_row(store, rows).await;
     }

@@ -586,7 +586,7 @@ async fn two_proxies_sharing_postgresql_forward_a_key_once() {
     }
     assert!(bodies.iter().all(|b| *b == bodies[0]));
     assert_eq!(upstream.effects("pg-1").len(), 1);
-    assert_eq!(schema.count("idempotency_key").await, 1);
+    assert_eq!(schema.count("idempotency_record").await, 1);
 }
 
 #[tokio::test]

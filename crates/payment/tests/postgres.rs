@@ -74,7 +74,7 @@ async fn payments_on_postgres_charge_once_and_replay() {
     assert_eq!(h.charges("order-3").await.len(), 1);
     assert_eq!(h.intent_count().await, 2);
     assert_eq!(schema.count("payment_intent").await, 2);
-    assert_eq!(schema.count("idempotency_key").await, 2);
+    assert_eq!(schema.count("idempotency_record").await, 2);
     let ready = h.get("/readyz", &[]).await;
     assert_eq!(ready.status, StatusCode::OK);
 }
@@ -106,8 +106,8 @@ async fn instances_share_the_tables() {
     let (a, b) = (a.expect("a starts").spawn(), b.expect("b starts").spawn());
     let migrations = schema.count("backstop_migration").await;
     assert_eq!(
-        migrations, 4,
-        "idempotency_key and its phase columns, payment_intent and its live-order index, once each"
+        migrations, 3,
+        "idempotency_record (windows), payment_intent and its live-order index, once each"
     );
 
     let post = |base: String| {

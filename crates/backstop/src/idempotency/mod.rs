@@ -108,7 +108,7 @@ pub(crate) mod protocol;
 pub mod sqlite;
 pub mod store;
 pub mod sweeper;
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub mod window;
 
 pub use fingerprint::{Fingerprint, FingerprintError};

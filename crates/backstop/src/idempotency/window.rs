@@ -30,15 +30,17 @@
 //!
 //! Once the store's time has passed a window's end, no record is inserted into it any more
 //! (the store's time never goes back, see [`HighWater`]): the window is **sealed**, and its
-//! key set only shrinks. A [`Summary`] (a Bloom filter) built from it after it sealed answers
-//! "not here" for nearly every key that is not, and never for one that is: a claim skips a
-//! sealed window its summary rules out. A window without a summary is read.
+//! key set only shrinks. A `Summary` (a Bloom filter; the SQLite store keeps them) built from
+//! it after it sealed answers "not here" for nearly every key that is not, and never for one
+//! that is: a claim skips a sealed window its summary rules out. A window without a summary is
+//! read. (The PostgreSQL store keeps no summaries: a claim probes each window's key index.)
 //!
 //! The design, with its boundary, drop and crash cases, is model-checked in
 //! `protocol::windows_check`.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
+#[cfg(feature = "sqlite")]
 use fastbloom::BloomFilter;
 
 /// The TTL classes, in milliseconds: 1 minute, 1 hour, 1 day, 7 days, 30 days, 365 days.
@@ -55,7 +57,7 @@ pub const CLASS_LADDER: [i64; 6] = [
 /// `class / WINDOWS_PER_CLASS`.
 pub const WINDOWS_PER_CLASS: i64 = 24;
 
-/// False-positive rate of a [`Summary`]: the share of claims for a key a sealed window does
+/// False-positive rate of a `Summary` (SQLite store): the share of claims for a key a sealed window does
 /// not hold that still read that window's index.
 pub const SUMMARY_FALSE_POSITIVES: f64 = 0.01;
 
@@ -168,11 +170,13 @@ impl HighWater {
 
 /// The keys a sealed window held when it was summarised: a Bloom filter over `(scope, key)`.
 /// "Not here" is certain; "maybe" is wrong for about [`SUMMARY_FALSE_POSITIVES`] of absent keys.
+#[cfg(feature = "sqlite")]
 pub struct Summary {
     filter: BloomFilter,
     keys: usize,
 }
 
+#[cfg(feature = "sqlite")]
 impl std::fmt::Debug for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Summary")
@@ -182,6 +186,7 @@ impl std::fmt::Debug for Summary {
     }
 }
 
+#[cfg(feature = "sqlite")]
 impl Summary {
     /// An empty summary sized for `expected` keys.
     pub fn with_capacity(expected: usize) -> Summary {
@@ -273,6 +278,7 @@ mod tests {
         assert_eq!(hw.get(), 12);
     }
 
+    #[cfg(feature = "sqlite")]
     #[test]
     fn a_summary_never_misses_a_key() {
         let mut summary = Summary::with_capacity(10_000);

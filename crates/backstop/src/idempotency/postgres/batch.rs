@@ -30,6 +30,11 @@ pub(super) enum Op {
         lease_until: i64,
         now: i64,
         expires_at: i64,
+        /// The TTL class and its window width: which windows it goes to.
+        class_ms: i64,
+        width_ms: i64,
+        /// Added to the database's clock for placement (0 but in tests).
+        clock_offset_ms: i64,
     },
     Complete {
         scope: String,
@@ -83,15 +88,18 @@ pub(super) struct ClaimRow {
     /// The record's recovery point.
     pub(super) phase: Option<String>,
     pub(super) phase_data: Option<Vec<u8>>,
+    /// The window the claim would write into has no partition: nothing was written.
+    pub(super) need_window: Option<i64>,
 }
 
 impl ClaimRow {
     /// From `taken, lease_until, fingerprint, status, http_status, response_body,
-    /// response_headers, created_at, phase, phase_data` starting at column `at`. A taken row's
-    /// `status` is the record's status before the takeover (`None` for a fresh insert).
+    /// response_headers, created_at, phase, phase_data, need_window` starting at column `at`. A
+    /// taken row's `status` is the record's status before the takeover (`None` for a fresh
+    /// insert).
     fn read(row: &Row, at: usize) -> Result<ClaimRow, tokio_postgres::Error> {
         Ok(ClaimRow {
-            taken: row.try_get(at)?,
+            taken: row.try_get::<_, Option<bool>>(at)?.unwrap_or(false),
             lease_until: row.try_get(at + 1)?,
             fingerprint: row.try_get(at + 2)?,
             status: row.try_get(at + 3)?,
@@ -101,6 +109,7 @@ impl ClaimRow {
             created_at: row.try_get(at + 7)?,
             phase: row.try_get(at + 8)?,
             phase_data: row.try_get(at + 9)?,
+            need_window: row.try_get(at + 10)?,
         })
     }
 }
@@ -199,6 +208,8 @@ fn claim_many<'a>(
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
+        let (mut classes, mut widths, mut offset) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), 0i64);
         for &i in &indices {
             if let Op::Claim {
                 scope,
@@ -207,6 +218,9 @@ fn claim_many<'a>(
                 lease_until,
                 now,
                 expires_at,
+                class_ms,
+                width_ms,
+                clock_offset_ms,
             } = ops[i]
             {
                 scopes.push(scope.as_str());
@@ -215,10 +229,19 @@ fn claim_many<'a>(
                 leases.push(*lease_until);
                 nows.push(*now);
                 expiries.push(*expires_at);
+                classes.push(*class_ms);
+                widths.push(*width_ms);
+                // One store's claims: one offset.
+                offset = *clock_offset_ms;
             }
         }
         let rows = client
-            .query(&stmt, &[&scopes, &keys, &fps, &leases, &nows, &expiries])
+            .query(
+                &stmt,
+                &[
+                    &scopes, &keys, &fps, &leases, &nows, &expiries, &classes, &widths, &offset,
+                ],
+            )
             .await?;
         // The keys are distinct (see `run_in_transaction`).
         let by_key: HashMap<(&str, &str), usize> =
@@ -229,14 +252,7 @@ fn claim_many<'a>(
             let Some(&i) = by_key.get(&(scope, key)) else {
                 continue;
             };
-            let found = ClaimRow::read(&row, 2)?;
-            // A takeover returns the lease it took and the record as it stood: the lease wins.
-            match answers.get(&i) {
-                Some(seen) if seen.taken => {}
-                _ => {
-                    answers.insert(i, found);
-                }
-            }
+            answers.insert(i, ClaimRow::read(&row, 2)?);
         }
         Ok(answers
             .into_iter()
@@ -342,12 +358,25 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
             lease_until,
             now,
             expires_at,
+            class_ms,
+            width_ms,
+            clock_offset_ms,
         } => {
             let stmt = client.prepare_cached(CLAIM_SQL).await?;
             let row = client
                 .query_opt(
                     &stmt,
-                    &[scope, key, fingerprint, lease_until, now, expires_at],
+                    &[
+                        scope,
+                        key,
+                        fingerprint,
+                        lease_until,
+                        now,
+                        expires_at,
+                        class_ms,
+                        width_ms,
+                        clock_offset_ms,
+                    ],
                 )
                 .await?;
             Ok(Outcome::Claim(match row {
@@ -378,8 +407,8 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
                         keep_until,
                     ],
                 )
-                .await?;
-            Ok(Outcome::Changed(n))
+                .await;
+            Ok(Outcome::Changed(closed_is_lost(n)?))
         }
         Op::Fail {
             scope,
@@ -390,8 +419,8 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
             let stmt = client.prepare_cached(FAIL_SQL).await?;
             let n = client
                 .execute(&stmt, &[scope, key, token, keep_until])
-                .await?;
-            Ok(Outcome::Changed(n))
+                .await;
+            Ok(Outcome::Changed(closed_is_lost(n)?))
         }
         Op::Release { scope, key, token } => {
             let stmt = client.prepare_cached(RELEASE_SQL).await?;
@@ -399,4 +428,25 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
             Ok(Outcome::Changed(n))
         }
     }
+}
+
+/// A completion of a record in a window closed for its drop (every record in it had expired
+/// and no lease was live) changes nothing: the record is as good as swept.
+pub(super) fn closed_is_lost(
+    changed: Result<u64, tokio_postgres::Error>,
+) -> Result<u64, tokio_postgres::Error> {
+    match changed {
+        Err(e) if in_closed_window(&e) => Ok(0),
+        changed => changed,
+    }
+}
+
+/// Whether `e` is a write refused by a window closed for its drop (see `windows.rs`).
+pub(super) fn in_closed_window(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_some_and(|db| {
+        *db.code() == tokio_postgres::error::SqlState::CHECK_VIOLATION
+            && db
+                .constraint()
+                .is_some_and(|c| c.ends_with(super::windows::CLOSED_SUFFIX))
+    })
 }

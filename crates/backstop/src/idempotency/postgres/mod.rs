@@ -1,21 +1,36 @@
 //! PostgreSQL backend (feature `postgres`): [`PostgresStore`], shared by every instance of a
 //! service.
 //!
-//! The table is the SQLite store's, column for column (`BYTEA` for the body, `BIGINT` for unix
-//! milliseconds), created by a versioned [`migrate`] that several instances may run at once:
+//! # Windows
+//!
+//! Records live in **time windows** ([`window`](crate::idempotency::window) says how they are
+//! sized and why): `idempotency_record` is partitioned by range on `(class_ms, win)`, one
+//! partition per TTL class and window (`idempotency_window_{class_ms}_{index}`), created ahead
+//! of time by the store. A claim writes into the window of the database's clock, so writes
+//! touch one small index; [`Store::expire`] (what the [`Sweeper`](super::Sweeper) calls) drops a
+//! sealed window whose records have all expired, detached concurrently, instead of deleting its
+//! records one by one at random places of a large index (`windows.rs` has the steps).
+//!
+//! Every partition has the columns, key and expiry index the single table had:
 //!
 //! ```sql
-#![doc = include_str!("migration_v1.sql")]
+#![doc = include_str!("migration_v3.sql")]
 //! ```
+//!
+//! created by versioned migrations that several instances may run at once. A database written
+//! by an earlier release keeps its `idempotency_key` table as the sealed window `(0, 0)`:
+//! claims still find its records, a takeover moves them out, expiry sweeps them record by
+//! record, and the table is dropped once all have expired.
 //!
 //! Every decision is one statement, correct under READ COMMITTED with any number of instances:
 //!
-//! - **claim** is one `INSERT ... ON CONFLICT (scope, key) DO UPDATE ... WHERE <takeover>`:
-//!   the insert, or the takeover of a `failed` record or an ended lease with the same
-//!   fingerprint. PostgreSQL locks the conflicting row and re-checks the `WHERE` on its latest
-//!   version, so of N concurrent takeovers (any pools, any instances) exactly one wins; the same
-//!   statement returns the record as it stood when nothing was taken. There is no
-//!   check-then-insert anywhere.
+//! - **claim** is one call of `backstop_idempotency_claim`: the key's advisory lock
+//!   (`pg_advisory_xact_lock` on a hash of scope and key, held by the claim's transaction), then
+//!   the record in whichever window holds it (read under its row lock, with a snapshot taken
+//!   after the advisory lock), then the insert into the current window or the takeover of a
+//!   `failed` record or an ended lease with the same fingerprint, which moves it into the
+//!   current window. All claims of a key hold its lock, so across windows and instances a key
+//!   is claimed once, and of N concurrent takeovers exactly one wins.
 //! - **complete / fail / release** are one `UPDATE` / `DELETE` fenced by `lease_until`.
 //! - **sweep** deletes rows picked with `FOR UPDATE SKIP LOCKED` and re-checks the condition on
 //!   the row it deletes: sweepers on several instances split the work, never wait on each other,
@@ -68,6 +83,9 @@
 
 mod batch;
 mod sql;
+#[cfg(test)]
+mod tests;
+mod windows;
 
 use std::fmt;
 use std::time::Duration;
@@ -77,8 +95,11 @@ use deadpool_postgres::{Object, Pool};
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-use self::batch::{ClaimRow, Op, Outcome};
+use std::sync::Arc;
+
+use self::batch::{ClaimRow, Op, Outcome, closed_is_lost};
 use self::sql::{GET_SQL, PHASE_SQL, SWEEP_SQL};
+use self::windows::Windows;
 use super::store::{Ending, PriorRun, RecoveryPoint, Resume, duration_ms};
 use super::{
     Claim, ClaimRequest, Fingerprint, IdempotencyKey, Lease, Record, RecordStatus, Store,
@@ -88,19 +109,29 @@ use crate::db::postgres::{
     self as db, SharedTransactions, StartBy, Writer, WriterStats, migrate, tokio_postgres,
 };
 use crate::deadline::Deadline;
+use crate::idempotency::window::{Window, class_of};
 
-/// Name under which [`MIGRATION`] is recorded by [`migrate`].
+/// Name under which [`MIGRATION`] was recorded by the single-table layout.
 pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 
-/// The `idempotency_key` table and its expiry index.
+/// The single-table layout's `idempotency_key` table and its expiry index (earlier releases;
+/// a new database gets [`MIGRATION_V3`] only).
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
 
 /// Name under which [`MIGRATION_V2`] is recorded.
 pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2_phases";
 
-/// The recovery point of a record: the last phase its handler committed and what it recorded.
+/// The recovery point of a record: the last phase its handler committed and what it recorded
+/// (applied to a single-table database before [`MIGRATION_V3`] attaches its table).
 pub const MIGRATION_V2: &str = "ALTER TABLE idempotency_key \
 ADD COLUMN IF NOT EXISTS phase TEXT, ADD COLUMN IF NOT EXISTS phase_data BYTEA;";
+
+/// Name under which [`MIGRATION_V3`] is recorded.
+pub const MIGRATION_V3_NAME: &str = "backstop_idempotency_record_v3_windows";
+
+/// Records in time windows: the partitioned `idempotency_record` table (with the single-table
+/// layout's table attached as a sealed window, if the database has one) and the claim function.
+pub const MIGRATION_V3: &str = include_str!("migration_v3.sql");
 
 /// The writes a phase commits with a [`PostgresStore`] record: a closure given the pooled
 /// connection inside the record's transaction (after the lease was checked). An error rolls
@@ -164,6 +195,7 @@ pub struct PostgresStore {
     /// Claims deferred to the first phase, phases and finishes: the caller's writes with ours.
     shared: SharedTransactions,
     timeout: Duration,
+    windows: Arc<Windows>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -195,10 +227,35 @@ impl PostgresStore {
     }
 
     /// A store on an existing pool (shared with the application's own tables); applies the
-    /// migration and starts the writers.
+    /// migrations and starts the writers. A database of the single-table layout gets its
+    /// phase columns if it lacks them, and keeps its table as a sealed window.
     pub async fn new(pool: Pool, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
-        migrate(&pool, MIGRATION_NAME, MIGRATION).await?;
-        migrate(&pool, MIGRATION_V2_NAME, MIGRATION_V2).await?;
+        PostgresStore::with_clock_offset(pool, options, 0).await
+    }
+
+    /// [`PostgresStore::new`] placing records `clock_offset_ms` past the database's clock: tests
+    /// move an instance into the future instead of waiting for its windows to seal.
+    async fn with_clock_offset(
+        pool: Pool,
+        options: PostgresOptions,
+        clock_offset_ms: i64,
+    ) -> Result<PostgresStore, StoreError> {
+        let legacy = db::with_client(&pool, Instant::now() + options.timeout, |c| {
+            Box::pin(async move {
+                c.query_one(
+                    "SELECT coalesce((SELECT NOT relispartition FROM pg_class \
+                         WHERE oid = to_regclass('idempotency_key')), false)",
+                    &[],
+                )
+                .await
+            })
+        })
+        .await?
+        .get::<_, bool>(0);
+        if legacy {
+            migrate(&pool, MIGRATION_V2_NAME, MIGRATION_V2).await?;
+        }
+        migrate(&pool, MIGRATION_V3_NAME, MIGRATION_V3).await?;
         let max_batch = if options.group_commit {
             options.max_batch
         } else {
@@ -210,6 +267,7 @@ impl PostgresStore {
             shared: SharedTransactions::start(pool.clone(), writers, max_batch, options.timeout),
             pool,
             timeout: options.timeout,
+            windows: Arc::new(Windows::with_offset(clock_offset_ms)),
         })
     }
 
@@ -287,6 +345,36 @@ impl PostgresStore {
             Outcome::Changed(n) => Ok(n),
             Outcome::Claim(_) => Ok(0),
         }
+    }
+}
+
+impl PostgresStore {
+    /// The claim statement of `req`.
+    fn claim_op(&self, req: &ClaimRequest, fingerprint: &str) -> Op {
+        let class_ms = class_of(duration_ms(req.ttl));
+        Op::Claim {
+            scope: req.scope.clone(),
+            key: req.key.as_str().to_owned(),
+            fingerprint: fingerprint.to_owned(),
+            lease_until: req.lease_until_ms(),
+            now: req.now_ms,
+            expires_at: req.expires_at_ms(),
+            class_ms,
+            width_ms: Window { class_ms, index: 0 }.width_ms(),
+            clock_offset_ms: self.windows.clock_offset_ms,
+        }
+    }
+
+    /// Whether the claim found no partition for its window (nothing written): created now,
+    /// and the claim runs again. This instance may have thought it existed (its clock behind
+    /// the database's, a window of another class): it is created, not looked up.
+    async fn window_needed(&self, req: &ClaimRequest, row: &ClaimRow) -> Result<bool, StoreError> {
+        let Some(index) = row.need_window else {
+            return Ok(false);
+        };
+        let class_ms = class_of(duration_ms(req.ttl));
+        self.create_window(Window { class_ms, index }).await?;
+        Ok(true)
     }
 }
 
@@ -441,15 +529,9 @@ impl Store for PostgresStore {
 
     async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let fingerprint = req.fingerprint.to_hex();
+        self.prepare_window(duration_ms(req.ttl)).await;
         for _ in 0..CLAIM_ATTEMPTS {
-            let op = Op::Claim {
-                scope: req.scope.clone(),
-                key: req.key.as_str().to_owned(),
-                fingerprint: fingerprint.clone(),
-                lease_until: req.lease_until_ms(),
-                now: req.now_ms,
-                expires_at: req.expires_at_ms(),
-            };
+            let op = self.claim_op(&req, &fingerprint);
             // Committed without waiting for the WAL flush: the handler's first phase, which
             // waits for it, makes the claim durable too.
             let found = self
@@ -469,6 +551,9 @@ impl Store for PostgresStore {
                 }
                 Err(Abort::LeaseLost) => ClaimRow::default(),
             };
+            if self.window_needed(&req, &row).await? {
+                continue;
+            }
             if let Some(claim) = decide(&req, &fingerprint, row)? {
                 return Ok(claim);
             }
@@ -496,10 +581,11 @@ impl Store for PostgresStore {
                 Box::pin(async move {
                     let stmt = c.prepare_cached(PHASE_SQL).await.map_err(Abort::Store)?;
                     let data: &[u8] = &point.data;
-                    let marked = c
-                        .execute(&stmt, &[&scope, &key, &token, &point.phase, &data])
-                        .await
-                        .map_err(Abort::Store)?;
+                    let marked = closed_is_lost(
+                        c.execute(&stmt, &[&scope, &key, &token, &point.phase, &data])
+                            .await,
+                    )
+                    .map_err(Abort::Store)?;
                     if marked != 1 {
                         return Err(Abort::LeaseLost);
                     }
@@ -558,19 +644,16 @@ impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let start = self.start_by();
         let fingerprint = req.fingerprint.to_hex();
+        self.prepare_window(duration_ms(req.ttl)).await;
         for _ in 0..CLAIM_ATTEMPTS {
-            let op = Op::Claim {
-                scope: req.scope.clone(),
-                key: req.key.as_str().to_owned(),
-                fingerprint: fingerprint.clone(),
-                lease_until: req.lease_until_ms(),
-                now: req.now_ms,
-                expires_at: req.expires_at_ms(),
-            };
+            let op = self.claim_op(&req, &fingerprint);
             let row = match self.writer.run(op, start).await? {
                 Outcome::Claim(row) => row,
                 Outcome::Changed(_) => ClaimRow::default(),
             };
+            if self.window_needed(&req, &row).await? {
+                continue;
+            }
             if let Some(claim) = decide(&req, &fingerprint, row)? {
                 return Ok(claim);
             }
@@ -665,6 +748,12 @@ impl Store for PostgresStore {
             expires_at_ms: row.try_get(7)?,
             point: point_of(row.try_get(8)?, row.try_get(9)?),
         }))
+    }
+
+    /// Drops each sealed window whose records have all expired (see the module docs), and
+    /// sweeps the single-table layout's records one by one.
+    async fn expire(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
+        windows::expire(self, now_ms, limit).await
     }
 
     async fn sweep(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {

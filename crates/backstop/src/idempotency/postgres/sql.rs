@@ -1,63 +1,41 @@
 //! The idempotency store's SQL, apart from the writer that sends it.
 //!
-//! Each decision is one statement on `idempotency_key`, correct under READ COMMITTED with any
-//! number of instances (see the parent module). The `*_MANY_SQL` variants run the same
-//! decision for many records at once: a batch sends claims of distinct keys as one statement
-//! over arrays (`unnest ... WITH ORDINALITY`), completions as another, and so on.
+//! Records live in `idempotency_record`, partitioned by TTL class and time window (see
+//! `windows.rs`). Each decision is one statement, correct under READ COMMITTED with any number
+//! of instances (see the parent module). The `*_MANY_SQL` variants run the same decision for
+//! many records at once: a batch sends claims of distinct keys as one statement over arrays
+//! (`unnest ... WITH ORDINALITY`), completions as another, and so on.
 
-/// `INSERT` a running record, or take over a failed / expired one with the same fingerprint by
-/// a conditional `DO UPDATE` (the row lock makes concurrent takeovers see each other: exactly one
-/// wins); when neither happened, return the record as it stood.
+/// The claim (`backstop_idempotency_claim`, migration v3): under the key's advisory lock, the
+/// record wherever it is, then an insert into the current window or a takeover that moves the
+/// record there; when neither happened, the record as it stood. `$1..$8`: scope, key,
+/// fingerprint, lease_until, now, expires_at, class_ms, width_ms; `$9` the clock offset.
 ///
-/// A taken record's status before the claim (none for an insert) comes from `prior`, which
-/// locks the record first and reads its latest committed version, before the insert is
-/// tried. Read in `RETURNING` from the statement's snapshot instead, it was the record as it
-/// stood when the statement began: a record released (deleted) or failed by a transaction that
-/// committed while the claim waited for its row came out `running`, and the claim looked like
-/// the takeover of an abandoned run.
-pub(super) const CLAIM_SQL: &str = "\
-WITH prior AS ( \
-  SELECT status FROM idempotency_key WHERE scope = $1 AND key = $2 FOR UPDATE), \
-taken AS ( \
-  INSERT INTO idempotency_key AS k \
-    (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
-  SELECT $1::text, $2::text, $3::text, 'running', $4::int8, $5::int8, $6::int8 \
-    WHERE (SELECT count(*) FROM prior) >= 0 \
-  ON CONFLICT (scope, key) DO UPDATE SET status = 'running', \
-    lease_until = GREATEST(EXCLUDED.lease_until, k.lease_until + 1), \
-    expires_at = GREATEST(k.expires_at, EXCLUDED.expires_at), \
-    http_status = NULL, response_body = NULL, response_headers = NULL \
-  WHERE k.fingerprint = EXCLUDED.fingerprint \
-    AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
-  RETURNING k.lease_until, k.created_at, k.phase, k.phase_data, \
-    (SELECT status FROM prior) AS prior) \
-SELECT true, lease_until, NULL::text, prior, NULL::integer, NULL::bytea, NULL::text, \
-  created_at, phase, phase_data FROM taken \
-UNION ALL \
-SELECT false, lease_until, fingerprint, status, http_status, response_body, response_headers, \
-  created_at, phase, phase_data \
-  FROM idempotency_key \
-  WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM taken)";
+/// Returns `taken, lease_until, fingerprint, status, http_status, response_body,
+/// response_headers, created_at, phase, phase_data, need_window`. A taken row's status is the
+/// record's before the takeover, read under its row lock (none for an insert).
+pub(super) const CLAIM_SQL: &str =
+    "SELECT * FROM backstop_idempotency_claim($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 /// Records a phase's recovery point, if the lease still holds the record.
 pub(super) const PHASE_SQL: &str = "\
-UPDATE idempotency_key SET phase = $4, phase_data = $5 \
+UPDATE idempotency_record SET phase = $4, phase_data = $5 \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Store the response, if the lease (fencing token) still holds the record.
 pub(super) const COMPLETE_SQL: &str = "\
-UPDATE idempotency_key SET status = 'succeeded', http_status = $4, response_body = $5, \
+UPDATE idempotency_record SET status = 'succeeded', http_status = $4, response_body = $5, \
   response_headers = $6, expires_at = GREATEST(expires_at, $7) \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Mark failed, if the lease still holds the record.
 pub(super) const FAIL_SQL: &str = "\
-UPDATE idempotency_key SET status = 'failed', expires_at = GREATEST(expires_at, $4) \
+UPDATE idempotency_record SET status = 'failed', expires_at = GREATEST(expires_at, $4) \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Forget the key, if the lease still holds the record.
 pub(super) const RELEASE_SQL: &str = "\
-DELETE FROM idempotency_key \
+DELETE FROM idempotency_record \
 WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
 
 /// Opens a batch's transaction, pinning how its array statements are planned (`SET LOCAL`:
@@ -73,48 +51,23 @@ pub(super) const BEGIN_SQL: &str = "BEGIN; \
 SET LOCAL enable_seqscan = off; SET LOCAL enable_hashjoin = off; \
 SET LOCAL enable_mergejoin = off; SET LOCAL plan_cache_mode = force_generic_plan";
 
-/// [`CLAIM_SQL`] for many distinct keys at once. Returns `scope, key, taken, lease_until,
-/// fingerprint, status, http_status, response_body, response_headers`: a row per key taken,
-/// and a row per key that already had a record as of the statement's snapshot (the
-/// record as it stood; a takeover has both). A key with neither vanished in between.
+/// [`CLAIM_SQL`] for many distinct keys at once. Returns `scope, key` and the columns of
+/// [`CLAIM_SQL`], a row per key.
 ///
-/// Answers are matched to callers by key rather than by joining the inputs to what was taken:
-/// with hash joins off (see [`BEGIN_SQL`]) that join would compare every pair of rows.
-///
-/// As in [`CLAIM_SQL`], `prior` locks the existing records (in the batch's key order, as the
-/// insert does) and reads their latest committed status before the insert is tried.
+/// The keys are claimed in the order of their advisory locks' hashes, so two batches (on this
+/// instance or another) take those locks in one order and cannot deadlock each other on them.
 pub(super) const CLAIM_MANY_SQL: &str = "\
-WITH input AS ( \
-  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[], $6::int8[]) \
-    WITH ORDINALITY AS u(scope, key, fingerprint, lease_until, now, expires_at, ord)), \
-prior AS ( \
-  SELECT k.scope, k.key, k.status FROM input i \
-    JOIN idempotency_key k ON k.scope = i.scope AND k.key = i.key \
-  ORDER BY i.ord FOR UPDATE OF k), \
-taken AS ( \
-  INSERT INTO idempotency_key AS k \
-    (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
-  SELECT scope, key, fingerprint, 'running', lease_until, now, expires_at FROM input \
-    WHERE (SELECT count(*) FROM prior) >= 0 ORDER BY ord \
-  ON CONFLICT (scope, key) DO UPDATE SET status = 'running', \
-    lease_until = GREATEST(EXCLUDED.lease_until, k.lease_until + 1), \
-    expires_at = GREATEST(k.expires_at, EXCLUDED.expires_at), \
-    http_status = NULL, response_body = NULL, response_headers = NULL \
-  WHERE k.fingerprint = EXCLUDED.fingerprint \
-    AND (k.status = 'failed' OR (k.status = 'running' AND k.lease_until <= EXCLUDED.created_at)) \
-  RETURNING k.scope, k.key, k.lease_until, k.created_at, k.phase, k.phase_data, \
-    (SELECT p.status FROM prior p WHERE p.scope = k.scope AND p.key = k.key) AS prior) \
-SELECT scope, key, true, lease_until, NULL::text, prior, NULL::integer, NULL::bytea, \
-  NULL::text, created_at, phase, phase_data \
-FROM taken \
-UNION ALL \
-SELECT k.scope, k.key, false, k.lease_until, k.fingerprint, k.status, k.http_status, \
-  k.response_body, k.response_headers, k.created_at, k.phase, k.phase_data \
-FROM input i JOIN idempotency_key k ON k.scope = i.scope AND k.key = i.key";
+SELECT u.scope, u.key, c.* FROM ( \
+  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[], $6::int8[], \
+    $7::int8[], $8::int8[]) \
+    AS i(scope, key, fingerprint, lease_until, now, expires_at, class_ms, width_ms) \
+  ORDER BY hashtextextended(i.key, hashtext(i.scope)), i.scope, i.key OFFSET 0) u \
+CROSS JOIN LATERAL backstop_idempotency_claim(u.scope, u.key, u.fingerprint, u.lease_until, \
+  u.now, u.expires_at, u.class_ms, u.width_ms, $9) c";
 
 /// [`COMPLETE_SQL`] for many records; returns the `ord` of each input that was applied.
 pub(super) const COMPLETE_MANY_SQL: &str = "\
-UPDATE idempotency_key k SET status = 'succeeded', http_status = u.http_status, \
+UPDATE idempotency_record k SET status = 'succeeded', http_status = u.http_status, \
   response_body = u.body, response_headers = u.headers, \
   expires_at = GREATEST(k.expires_at, u.keep_until) \
 FROM unnest($1::text[], $2::text[], $3::int8[], $4::int4[], $5::bytea[], $6::text[], $7::int8[]) \
@@ -124,7 +77,7 @@ RETURNING u.ord";
 
 /// [`FAIL_SQL`] for many records.
 pub(super) const FAIL_MANY_SQL: &str = "\
-UPDATE idempotency_key k SET status = 'failed', expires_at = GREATEST(k.expires_at, u.keep_until) \
+UPDATE idempotency_record k SET status = 'failed', expires_at = GREATEST(k.expires_at, u.keep_until) \
 FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[]) \
   WITH ORDINALITY AS u(scope, key, token, keep_until, ord) \
 WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
@@ -132,22 +85,22 @@ RETURNING u.ord";
 
 /// [`RELEASE_SQL`] for many records.
 pub(super) const RELEASE_MANY_SQL: &str = "\
-DELETE FROM idempotency_key k \
+DELETE FROM idempotency_record k \
 USING unnest($1::text[], $2::text[], $3::int8[]) WITH ORDINALITY AS u(scope, key, token, ord) \
 WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
 RETURNING u.ord";
 
 /// A record, for `get`.
 pub(super) const GET_SQL: &str = "SELECT fingerprint, status, lease_until, http_status, response_body, \
-     response_headers, created_at, expires_at, phase, phase_data FROM idempotency_key \
+     response_headers, created_at, expires_at, phase, phase_data FROM idempotency_record \
      WHERE scope = $1 AND key = $2";
 
 /// Expired records, up to `$2`, never a running one whose lease is live; rows other
 /// sweepers hold are skipped rather than waited for.
 pub(super) const SWEEP_SQL: &str = "\
-DELETE FROM idempotency_key \
+DELETE FROM idempotency_record \
 WHERE (scope, key) IN ( \
-    SELECT scope, key FROM idempotency_key \
+    SELECT scope, key FROM idempotency_record \
     WHERE expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1) \
     ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
   AND expires_at <= $1 AND NOT (status = 'running' AND lease_until > $1)";
@@ -170,22 +123,57 @@ mod tests {
         client
     }
 
-    /// A new schema holding the store's table, with a record of `k` running under a live
+    /// A TTL class whose windows are decades wide: the current one stays the same for the
+    /// length of any test.
+    const CLASS: i64 = 1_000 * 365 * 86_400_000;
+
+    fn width() -> i64 {
+        crate::idempotency::window::Window {
+            class_ms: CLASS,
+            index: 0,
+        }
+        .width_ms()
+    }
+
+    /// A new schema holding the store's tables and the current window of [`CLASS`].
+    async fn schema_with_window(client: &tokio_postgres::Client, schema: &str) {
+        let now_ms = i64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis(),
+        )
+        .unwrap();
+        let window = crate::idempotency::window::Window {
+            class_ms: CLASS,
+            index: now_ms / width(),
+        };
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} BEGIN; {} COMMIT;",
+                super::super::MIGRATION_V3,
+                super::super::windows::create_sql(window),
+            ))
+            .await
+            .expect("create tables");
+    }
+
+    /// A new schema holding the store's tables, with a record of `k` running under a live
     /// lease (until 10 000). Answers the schema's name.
     async fn schema_with_a_running_record(prefix: &str) -> String {
         let schema = format!("{prefix}_{}_{}", std::process::id(), rand::random::<u32>());
         let client = connect("public").await;
+        schema_with_window(&client, &schema).await;
         client
             .batch_execute(&format!(
-                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} {} \
-                 INSERT INTO idempotency_key \
-                   (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
-                 VALUES ('s', 'k', 'f', 'running', 10000, 1000, 999999);",
-                super::super::MIGRATION,
-                super::super::MIGRATION_V2
+                "INSERT INTO idempotency_record (scope, key, fingerprint, status, lease_until, \
+                   created_at, expires_at, class_ms, win) \
+                 SELECT 's', 'k', 'f', 'running', 10000, 1000, 999999, {CLASS}, \
+                   (extract(epoch FROM clock_timestamp()) * 1000)::int8 / {}",
+                width()
             ))
             .await
-            .expect("create table");
+            .expect("insert the record");
         schema
     }
 
@@ -243,8 +231,8 @@ mod tests {
         rows
     }
 
-    const RELEASE: &str = "DELETE FROM idempotency_key WHERE key = 'k';";
-    const FAIL: &str = "UPDATE idempotency_key SET status = 'failed' WHERE key = 'k';";
+    const RELEASE: &str = "DELETE FROM idempotency_record WHERE key = 'k';";
+    const FAIL: &str = "UPDATE idempotency_record SET status = 'failed' WHERE key = 'k';";
 
     fn claim_one(
         client: &tokio_postgres::Client,
@@ -253,7 +241,20 @@ mod tests {
         Box::pin(async move {
             let (lease, now, expires) = (7_000_i64, 2_000_i64, 999_999_i64);
             client
-                .query(CLAIM_SQL, &[&"s", &"k", &"f", &lease, &now, &expires])
+                .query(
+                    CLAIM_SQL,
+                    &[
+                        &"s",
+                        &"k",
+                        &"f",
+                        &lease,
+                        &now,
+                        &expires,
+                        &CLASS,
+                        &width(),
+                        &0_i64,
+                    ],
+                )
                 .await
         })
     }
@@ -274,6 +275,9 @@ mod tests {
                         &vec![7_000_i64, 7_000],
                         &vec![2_000_i64, 2_000],
                         &vec![999_999_i64, 999_999],
+                        &vec![CLASS, CLASS],
+                        &vec![width(), width()],
+                        &0_i64,
                     ],
                 )
                 .await?;
@@ -291,9 +295,9 @@ mod tests {
         let row = rows
             .iter()
             .filter(|row| key_at.is_none_or(|i| row.get::<_, &str>(i) == "k"))
-            .find(|row| row.get::<_, bool>(at))
+            .find(|row| row.get::<_, Option<bool>>(at) == Some(true))
             .expect("the claim of k was taken");
-        (row.get(at), row.get(at + 3))
+        (true, row.get(at + 3))
     }
 
     /// A record released while a claim of its key waits for it: the claim inserts a new record,
@@ -345,20 +349,9 @@ mod tests {
             std::process::id(),
             rand::random::<u32>()
         );
-        client
-            .batch_execute(&format!(
-                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} {}",
-                super::super::MIGRATION,
-                super::super::MIGRATION_V2
-            ))
-            .await
-            .expect("create table");
+        schema_with_window(&client, &schema).await;
         let (s, k, n) = ("'{s,s,s,s}'", "'{a,b,c,d}'", "'{5,5,5,5}'");
         let statements = [
-            (
-                CLAIM_MANY_SQL,
-                format!("{s}, {k}, '{{f,f,f,f}}', {n}, {n}, {n}"),
-            ),
             (
                 COMPLETE_MANY_SQL,
                 format!("{s}, {k}, {n}, '{{201,201,201,201}}', '{{x,x,x,x}}', '{{h,h,h,h}}', {n}"),
@@ -392,8 +385,8 @@ mod tests {
             .await
             .expect("drop schema");
         for plan in plans {
-            assert!(plan.contains("idempotency_key_pkey"), "{plan}");
-            for whole_table in ["Seq Scan on idempotency_key", "Hash", "Merge"] {
+            assert!(plan.contains("_pkey"), "{plan}");
+            for whole_table in ["Seq Scan on idempotency_window", "Hash", "Merge"] {
                 assert!(!plan.contains(whole_table), "{plan}");
             }
         }
