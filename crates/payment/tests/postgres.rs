@@ -53,22 +53,24 @@ async fn payments_on_postgres_charge_once_and_replay() {
         .map(|_| {
             let (http, base) = (h.http.clone(), h.base.clone());
             tokio::spawn(async move {
-                http.post(format!("{base}/v1/payments"))
+                let response = http
+                    .post(format!("{base}/v1/payments"))
                     .header("content-type", "application/json")
                     .header("idempotency-key", "key-3")
                     .body(body("order-3", 300))
                     .send()
                     .await
-                    .expect("sent")
-                    .status()
+                    .expect("sent");
+                let status = response.status();
+                (status, response.text().await.unwrap_or_default())
             })
         })
         .collect();
     for t in tasks {
-        let status = t.await.unwrap();
+        let (status, text) = t.await.unwrap();
         assert!(
             status == StatusCode::CREATED || status == StatusCode::CONFLICT,
-            "{status}"
+            "{status}: {text}"
         );
     }
     assert_eq!(h.charges("order-3").await.len(), 1);

@@ -36,6 +36,12 @@ END $$;
 -- function reading a fresh snapshot) the record in whichever window holds it, and the insert
 -- into the current window or the takeover that moves the record there. A window missing for
 -- the placement time is answered in `need_window`, with nothing written.
+--
+-- The record's row is locked only for a takeover. A claim that finds the key held, done or
+-- under another request's parameters answers from what it read: holding the advisory lock
+-- while waiting for the row's lock (which a phase or a completion of the holder takes without
+-- the advisory lock, in a transaction shared with other requests' units) would wait in the
+-- opposite order to a claim of the same key in that shared transaction, a deadlock.
 CREATE FUNCTION backstop_idempotency_claim(
   p_scope text, p_key text, p_fingerprint text, p_lease_until bigint, p_now bigint,
   p_expires_at bigint, p_class_ms bigint, p_width_ms bigint, p_clock_offset_ms bigint)
@@ -54,8 +60,15 @@ BEGIN
   current_win := ((extract(epoch FROM clock_timestamp()) * 1000)::bigint + p_clock_offset_ms)
     / p_width_ms;
   SELECT * INTO held FROM idempotency_record r
-    WHERE r.scope = p_scope AND r.key = p_key FOR UPDATE;
+    WHERE r.scope = p_scope AND r.key = p_key;
   existed := FOUND;
+  IF existed AND held.fingerprint = p_fingerprint AND (held.status = 'failed'
+      OR (held.status = 'running' AND held.lease_until <= p_now)) THEN
+    -- A takeover: read the record again under its lock (a completion may have landed since).
+    SELECT * INTO held FROM idempotency_record r
+      WHERE r.scope = p_scope AND r.key = p_key FOR UPDATE;
+    existed := FOUND;
+  END IF;
   IF existed AND NOT (held.fingerprint = p_fingerprint AND (held.status = 'failed'
       OR (held.status = 'running' AND held.lease_until <= p_now))) THEN
     RETURN QUERY SELECT false, held.lease_until, held.fingerprint, held.status,

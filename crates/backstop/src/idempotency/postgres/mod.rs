@@ -140,8 +140,8 @@ pub type PostgresWrites<T> =
     Box<dyn for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>> + Send>;
 
 /// How many times a claim runs again when the record changed under it (released, swept, or
-/// freed between its statement's snapshot and its row lock). Each retry needs another writer to
-/// have changed the row in between.
+/// freed between its statement's snapshot and its row lock) or when it lost a deadlock. Each
+/// retry needs another writer to have changed the row, or to have committed, in between.
 const CLAIM_ATTEMPTS: usize = 8;
 
 /// Time kept between a store operation giving up and the request's deadline.
@@ -378,6 +378,18 @@ impl PostgresStore {
     }
 }
 
+/// Whether a claim was chosen to end a deadlock: its statement was rolled back (nothing
+/// written) and it runs again. A claim holds its key's advisory lock in a transaction it may
+/// share with other requests' units, whose row locks it may then wait for (a takeover), so two
+/// shared transactions can each wait for the other.
+fn lost_a_deadlock(error: &db::Error) -> bool {
+    let lost = error.code() == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED);
+    if lost {
+        tracing::debug!(target: "backstop::idempotency", "claim ended a deadlock; claiming again");
+    }
+    lost
+}
+
 fn corrupt(scope: &str, key: &str, what: &'static str) -> StoreError {
     StoreError::Corrupt {
         scope: scope.to_owned(),
@@ -547,7 +559,11 @@ impl Store for PostgresStore {
             let row = match found {
                 Ok(row) => row,
                 Err(Abort::Store(e)) | Err(Abort::Writes(e)) => {
-                    return Err(StoreError::from(db::Error::from(e)));
+                    let error = db::Error::from(e);
+                    if lost_a_deadlock(&error) {
+                        continue;
+                    }
+                    return Err(StoreError::from(error));
                 }
                 Err(Abort::LeaseLost) => ClaimRow::default(),
             };
@@ -647,9 +663,11 @@ impl Store for PostgresStore {
         self.prepare_window(duration_ms(req.ttl)).await;
         for _ in 0..CLAIM_ATTEMPTS {
             let op = self.claim_op(&req, &fingerprint);
-            let row = match self.writer.run(op, start).await? {
-                Outcome::Claim(row) => row,
-                Outcome::Changed(_) => ClaimRow::default(),
+            let row = match self.writer.run(op, start).await {
+                Ok(Outcome::Claim(row)) => row,
+                Ok(Outcome::Changed(_)) => ClaimRow::default(),
+                Err(error) if lost_a_deadlock(&error) => continue,
+                Err(error) => return Err(error.into()),
             };
             if self.window_needed(&req, &row).await? {
                 continue;

@@ -177,10 +177,11 @@ mod tests {
         schema
     }
 
-    /// Runs a claim of `k` (at 2 000, inside the record's lease) by `claim` while another
-    /// transaction holds the record, changed by `change` but not committed: the claim's
-    /// statement starts while the record stands as it was, and waits for the row. Then the
-    /// change commits, and the claim's rows are answered.
+    /// Runs a claim of `k` (at 12 000, after the record's lease ended: a takeover, the one
+    /// claim that locks the row) by `claim` while another transaction holds the record,
+    /// changed by `change` but not committed: the claim's statement starts while the record
+    /// stands as it was, and waits for the row. Then the change commits, and the claim's rows
+    /// are answered.
     async fn claim_behind(
         prefix: &str,
         change: &str,
@@ -239,7 +240,7 @@ mod tests {
     ) -> futures_util::future::BoxFuture<'_, Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>>
     {
         Box::pin(async move {
-            let (lease, now, expires) = (7_000_i64, 2_000_i64, 999_999_i64);
+            let (lease, now, expires) = (19_000_i64, 12_000_i64, 999_999_i64);
             client
                 .query(
                     CLAIM_SQL,
@@ -272,8 +273,8 @@ mod tests {
                         &vec!["s", "s"],
                         &vec!["j", "k"],
                         &vec!["f", "f"],
-                        &vec![7_000_i64, 7_000],
-                        &vec![2_000_i64, 2_000],
+                        &vec![19_000_i64, 19_000],
+                        &vec![12_000_i64, 12_000],
                         &vec![999_999_i64, 999_999],
                         &vec![CLASS, CLASS],
                         &vec![width(), width()],

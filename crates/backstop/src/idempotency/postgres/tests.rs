@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::sql::{CLAIM_SQL, PHASE_SQL};
 use super::windows::{LEGACY, PARENT};
 use super::{MIGRATION, MIGRATION_V2, PostgresOptions, PostgresStore};
 use crate::db::postgres::{self as db, tokio_postgres};
@@ -104,6 +105,16 @@ impl Schema {
             .await
             .expect("count")
             .get(0)
+    }
+
+    /// A connection of its own in this schema, as a writer's would be.
+    async fn connection(&self) -> tokio_postgres::Client {
+        let client = admin().await;
+        client
+            .batch_execute(&format!("SET search_path = {}", self.name))
+            .await
+            .expect("search path");
+        client
     }
 
     async fn drop(self) {
@@ -605,6 +616,129 @@ async fn expiry_creates_the_next_window_ahead() {
         Window::from_table_name(&schema.table_of("k").await.expect("stored")).expect("a window");
     store.expire(T0, 100).await.unwrap();
     assert!(schema.exists(&current.next().table_name()).await);
+    drop(store);
+    schema.drop().await;
+}
+
+/// A claim of a held key next to the holder's phase, in transactions shared with other units
+/// as the group-commit writers run them: transaction A has written the holder's phase (the
+/// row's lock) and then claims the key for a duplicate; transaction B claims it between. B
+/// must answer "in progress" without waiting for A's row lock while it holds the key's
+/// advisory lock, or A (waiting for that advisory lock) and B deadlock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_of_a_held_key_never_waits_for_the_holders_row_lock() {
+    if !crate::test_services::postgres() {
+        return;
+    }
+    let schema = Schema::create("windows_deadlock").await;
+    let store = schema.store(0).await;
+    let lease = claimed(&store, req("k", DAY, 60_000, T0)).await;
+    let claim_of = |now: i64| {
+        let r = req("k", DAY, 60_000, now);
+        let class_ms = class_of(DAY);
+        (
+            r.scope.clone(),
+            r.fingerprint.to_hex(),
+            r.lease_until_ms(),
+            r.expires_at_ms(),
+            class_ms,
+            Window { class_ms, index: 0 }.width_ms(),
+        )
+    };
+    async fn claim(
+        client: &tokio_postgres::Client,
+        now: i64,
+        (scope, fingerprint, lease_until, expires_at, class_ms, width_ms): (
+            String,
+            String,
+            i64,
+            i64,
+            i64,
+            i64,
+        ),
+    ) -> Result<Option<bool>, tokio_postgres::Error> {
+        let row = client
+            .query_one(
+                CLAIM_SQL,
+                &[
+                    &scope,
+                    &"k",
+                    &fingerprint,
+                    &lease_until,
+                    &now,
+                    &expires_at,
+                    &class_ms,
+                    &width_ms,
+                    &0_i64,
+                ],
+            )
+            .await?;
+        Ok(row.get("taken"))
+    }
+
+    let (a, b) = (schema.connection().await, schema.connection().await);
+    a.batch_execute("BEGIN").await.unwrap();
+    let phase: &[u8] = b"charged";
+    let marked = a
+        .execute(
+            PHASE_SQL,
+            &[&"merchant-1", &"k", &lease.lease_until_ms, &"psp", &phase],
+        )
+        .await
+        .unwrap();
+    assert_eq!(marked, 1, "the holder's phase locks its row");
+
+    b.batch_execute("BEGIN").await.unwrap();
+    let b_pid: i32 = b
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let b = Arc::new(b);
+    let b_claim = tokio::spawn({
+        let (b, args) = (b.clone(), claim_of(T0 + 1));
+        async move { claim(&b, T0 + 1, args).await }
+    });
+    // B either answers or ends up waiting for a lock: then A's claim makes the cycle.
+    let waiting = loop {
+        if b_claim.is_finished() {
+            break false;
+        }
+        let event: Option<String> = schema
+            .client
+            .query_one(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+                &[&b_pid],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if event.as_deref() == Some("Lock") {
+            break true;
+        }
+        tokio::task::yield_now().await;
+    };
+    let a = Arc::new(a);
+    let a_claim = tokio::spawn({
+        let (a, args) = (a.clone(), claim_of(T0 + 2));
+        async move { claim(&a, T0 + 2, args).await }
+    });
+    let b_answer = b_claim.await.unwrap();
+    b.batch_execute(if b_answer.is_ok() {
+        "COMMIT"
+    } else {
+        "ROLLBACK"
+    })
+    .await
+    .unwrap();
+    let a_answer = a_claim.await.unwrap();
+    a.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        !waiting,
+        "B waited for a lock while holding the key's advisory lock"
+    );
+    assert_eq!(b_answer.expect("B's claim"), Some(false), "in progress");
+    assert_eq!(a_answer.expect("A's claim"), Some(false), "in progress");
     drop(store);
     schema.drop().await;
 }
