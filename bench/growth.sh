@@ -19,7 +19,8 @@
 # PARTS picks the parts (default "records sweep rss"); PG is the PostgreSQL database the records
 # part uses (default postgres://postgres@127.0.0.1:5432/test; PG=none skips it). Prints a table
 # and writes `name value` lines to OUT (default target/bench-growth.txt) for bench/targets.sh.
-# SQLITE_MODES lists the SQLite modes of http_bench_server the records part runs (default keyed).
+# SQLITE_MODES lists the SQLite modes of http_bench_server the records part runs (default keyed;
+# empty: PostgreSQL only).
 # Needs wrk, sqlite3 and psql (apt-get install wrk sqlite3 postgresql-client).
 # Usage: bench/growth.sh [SECONDS] [ROUNDS] [OUT]
 set -euo pipefail
@@ -35,7 +36,7 @@ payments=${PAYMENTS:-1000000}
 sweep_secs=${SWEEP_SECS:-60}
 pg=${PG:-postgres://postgres@127.0.0.1:5432/test}
 # SQLite modes of http_bench_server the records part compares (e.g. "keyed keyed_inline").
-sqlite_modes=${SQLITE_MODES:-keyed}
+sqlite_modes=${SQLITE_MODES-keyed}
 for tool in wrk sqlite3 psql bc python3; do
   command -v "$tool" >/dev/null || { echo "$tool not found" >&2; exit 1; }
 done
@@ -192,11 +193,13 @@ part_records() {
   for m in $sqlite_modes; do kinds="$kinds $m:empty $m:full"; done
   echo "== records: $records live records against an empty table" >&2
   local t=$(( $(now_ms) ))
-  start_keyed keyed "$work/full.db"
-  template
-  stop
-  fill_sqlite "$work/full.db" "$records" keep "$(seq 0 23)"
-  echo "  SQLite filled in $(( ($(now_ms) - t) / 1000 )) s, $(du -m "$work/full.db" | cut -f1) MB" >&2
+  if [ -n "$sqlite_modes" ]; then
+    start_keyed keyed "$work/full.db"
+    template
+    stop
+    fill_sqlite "$work/full.db" "$records" keep "$(seq 0 23)"
+    echo "  SQLite filled in $(( ($(now_ms) - t) / 1000 )) s, $(du -m "$work/full.db" | cut -f1) MB" >&2
+  fi
   if [ "$pg" != none ]; then
     kinds="$kinds keyed_postgres:empty keyed_postgres:full"
     for s in full empty; do

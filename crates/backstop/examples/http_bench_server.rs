@@ -137,6 +137,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "keyed_postgres" => {
             use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
             let store = PostgresStore::connect(&db, PostgresOptions::default()).await?;
+            // As for SQLite: the summaries built before serving.
+            store.summarise().await?;
             router.layer(
                 ServerStack::new("bench", store)
                     .tenant_buckets(buckets())

@@ -40,7 +40,7 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 use fastbloom::BloomFilter;
 
 /// The TTL classes, in milliseconds: 1 minute, 1 hour, 1 day, 7 days, 30 days, 365 days.
@@ -170,13 +170,13 @@ impl HighWater {
 
 /// The keys a sealed window held when it was summarised: a Bloom filter over `(scope, key)`.
 /// "Not here" is certain; "maybe" is wrong for about [`SUMMARY_FALSE_POSITIVES`] of absent keys.
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub struct Summary {
     filter: BloomFilter,
     keys: usize,
 }
 
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl std::fmt::Debug for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Summary")
@@ -186,7 +186,7 @@ impl std::fmt::Debug for Summary {
     }
 }
 
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl Summary {
     /// An empty summary sized for `expected` keys.
     pub fn with_capacity(expected: usize) -> Summary {
@@ -278,7 +278,7 @@ mod tests {
         assert_eq!(hw.get(), 12);
     }
 
-    #[cfg(feature = "sqlite")]
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     #[test]
     fn a_summary_never_misses_a_key() {
         let mut summary = Summary::with_capacity(10_000);

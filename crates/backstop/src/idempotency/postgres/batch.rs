@@ -20,6 +20,37 @@ use super::sql::{
 };
 use crate::db::postgres::{Group, Statement, alone};
 
+/// Where an outcome statement looks for its record: its class (the lease's TTL class, which
+/// the claim placed it in) and the windows from `lo` to `hi`. One window when the claim that
+/// took the record said where it went: the statement then reads that partition alone
+/// (PostgreSQL prunes the others as it runs); every window of the class otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Place {
+    pub(super) class_ms: i64,
+    pub(super) lo: i64,
+    pub(super) hi: i64,
+}
+
+impl Place {
+    /// The record's own window.
+    pub(super) fn window(class_ms: i64, win: i64) -> Place {
+        Place {
+            class_ms,
+            lo: win,
+            hi: win,
+        }
+    }
+
+    /// Any window of the class.
+    pub(super) fn class(class_ms: i64) -> Place {
+        Place {
+            class_ms,
+            lo: i64::MIN,
+            hi: i64::MAX,
+        }
+    }
+}
+
 /// One statement of the store.
 #[derive(Debug)]
 pub(super) enum Op {
@@ -35,6 +66,8 @@ pub(super) enum Op {
         width_ms: i64,
         /// Added to the database's clock for placement (0 but in tests).
         clock_offset_ms: i64,
+        /// The sealed windows this instance's summaries rule out for the key, comma-separated.
+        skip: String,
     },
     Complete {
         scope: String,
@@ -44,17 +77,20 @@ pub(super) enum Op {
         body: bytes::Bytes,
         headers: String,
         keep_until: i64,
+        place: Place,
     },
     Fail {
         scope: String,
         key: String,
         token: i64,
         keep_until: i64,
+        place: Place,
     },
     Release {
         scope: String,
         key: String,
         token: i64,
+        place: Place,
     },
 }
 
@@ -90,11 +126,14 @@ pub(super) struct ClaimRow {
     pub(super) phase_data: Option<Vec<u8>>,
     /// The window the claim would write into has no partition: nothing was written.
     pub(super) need_window: Option<i64>,
+    /// The window a taken record is in now.
+    pub(super) placed_win: Option<i64>,
 }
 
 impl ClaimRow {
     /// From `taken, lease_until, fingerprint, status, http_status, response_body,
-    /// response_headers, created_at, phase, phase_data, need_window` starting at column `at`. A
+    /// response_headers, created_at, phase, phase_data, need_window, placed_win` starting at
+    /// column `at`. A
     /// taken row's `status` is the record's status before the takeover (`None` for a fresh
     /// insert).
     fn read(row: &Row, at: usize) -> Result<ClaimRow, tokio_postgres::Error> {
@@ -110,6 +149,7 @@ impl ClaimRow {
             phase: row.try_get(at + 8)?,
             phase_data: row.try_get(at + 9)?,
             need_window: row.try_get(at + 10)?,
+            placed_win: row.try_get(at + 11)?,
         })
     }
 }
@@ -208,8 +248,12 @@ fn claim_many<'a>(
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
-        let (mut classes, mut widths, mut offset) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), 0i64);
+        let (mut classes, mut widths, mut skips, mut offset) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            0i64,
+        );
         for &i in &indices {
             if let Op::Claim {
                 scope,
@@ -221,6 +265,7 @@ fn claim_many<'a>(
                 class_ms,
                 width_ms,
                 clock_offset_ms,
+                skip,
             } = ops[i]
             {
                 scopes.push(scope.as_str());
@@ -231,6 +276,7 @@ fn claim_many<'a>(
                 expiries.push(*expires_at);
                 classes.push(*class_ms);
                 widths.push(*width_ms);
+                skips.push(skip.as_str());
                 // One store's claims: one offset.
                 offset = *clock_offset_ms;
             }
@@ -240,6 +286,7 @@ fn claim_many<'a>(
                 &stmt,
                 &[
                     &scopes, &keys, &fps, &leases, &nows, &expiries, &classes, &widths, &offset,
+                    &skips,
                 ],
             )
             .await?;
@@ -279,17 +326,23 @@ fn change_many<'a>(
             Vec::with_capacity(n),
         );
         let (mut statuses, mut bodies, mut headers) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut classes, mut los, mut his) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for &i in &indices {
             let (scope, key) = ops[i].row_key();
             scopes.push(scope);
             keys.push(key);
-            match ops[i] {
+            let place = match ops[i] {
                 Op::Complete {
                     token,
                     http_status,
                     body,
                     headers: h,
                     keep_until,
+                    place,
                     ..
                 } => {
                     tokens.push(*token);
@@ -297,16 +350,27 @@ fn change_many<'a>(
                     bodies.push(&body[..]);
                     headers.push(h.as_str());
                     keeps.push(*keep_until);
+                    place
                 }
                 Op::Fail {
-                    token, keep_until, ..
+                    token,
+                    keep_until,
+                    place,
+                    ..
                 } => {
                     tokens.push(*token);
                     keeps.push(*keep_until);
+                    place
                 }
-                Op::Release { token, .. } => tokens.push(*token),
-                Op::Claim { .. } => {}
-            }
+                Op::Release { token, place, .. } => {
+                    tokens.push(*token);
+                    place
+                }
+                Op::Claim { .. } => continue,
+            };
+            classes.push(place.class_ms);
+            los.push(place.lo);
+            his.push(place.hi);
         }
         let rows = match ops[indices[0]] {
             Op::Complete { .. } => {
@@ -316,6 +380,7 @@ fn change_many<'a>(
                         &stmt,
                         &[
                             &scopes, &keys, &tokens, &statuses, &bodies, &headers, &keeps,
+                            &classes, &los, &his,
                         ],
                     )
                     .await?
@@ -323,12 +388,17 @@ fn change_many<'a>(
             Op::Fail { .. } => {
                 let stmt = client.prepare_cached(FAIL_MANY_SQL).await?;
                 client
-                    .query(&stmt, &[&scopes, &keys, &tokens, &keeps])
+                    .query(
+                        &stmt,
+                        &[&scopes, &keys, &tokens, &keeps, &classes, &los, &his],
+                    )
                     .await?
             }
             Op::Release { .. } | Op::Claim { .. } => {
                 let stmt = client.prepare_cached(RELEASE_MANY_SQL).await?;
-                client.query(&stmt, &[&scopes, &keys, &tokens]).await?
+                client
+                    .query(&stmt, &[&scopes, &keys, &tokens, &classes, &los, &his])
+                    .await?
             }
         };
         let mut applied = vec![false; n];
@@ -361,8 +431,10 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
             class_ms,
             width_ms,
             clock_offset_ms,
+            skip,
         } => {
             let stmt = client.prepare_cached(CLAIM_SQL).await?;
+            let skip: Vec<&str> = skip.split(',').filter(|s| !s.is_empty()).collect();
             let row = client
                 .query_opt(
                     &stmt,
@@ -376,6 +448,7 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
                         class_ms,
                         width_ms,
                         clock_offset_ms,
+                        &skip,
                     ],
                 )
                 .await?;
@@ -392,6 +465,7 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
             body,
             headers,
             keep_until,
+            place,
         } => {
             let stmt = client.prepare_cached(COMPLETE_SQL).await?;
             let n = client
@@ -405,6 +479,9 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
                         &&body[..],
                         headers,
                         keep_until,
+                        &place.class_ms,
+                        &place.lo,
+                        &place.hi,
                     ],
                 )
                 .await;
@@ -415,16 +492,38 @@ pub(super) async fn run_one(client: &Object, op: &Op) -> Result<Outcome, tokio_p
             key,
             token,
             keep_until,
+            place,
         } => {
             let stmt = client.prepare_cached(FAIL_SQL).await?;
             let n = client
-                .execute(&stmt, &[scope, key, token, keep_until])
+                .execute(
+                    &stmt,
+                    &[
+                        scope,
+                        key,
+                        token,
+                        keep_until,
+                        &place.class_ms,
+                        &place.lo,
+                        &place.hi,
+                    ],
+                )
                 .await;
             Ok(Outcome::Changed(closed_is_lost(n)?))
         }
-        Op::Release { scope, key, token } => {
+        Op::Release {
+            scope,
+            key,
+            token,
+            place,
+        } => {
             let stmt = client.prepare_cached(RELEASE_SQL).await?;
-            let n = client.execute(&stmt, &[scope, key, token]).await?;
+            let n = client
+                .execute(
+                    &stmt,
+                    &[scope, key, token, &place.class_ms, &place.lo, &place.hi],
+                )
+                .await?;
             Ok(Outcome::Changed(n))
         }
     }

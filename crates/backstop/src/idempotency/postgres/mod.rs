@@ -362,7 +362,24 @@ impl PostgresStore {
             class_ms,
             width_ms: Window { class_ms, index: 0 }.width_ms(),
             clock_offset_ms: self.windows.clock_offset_ms,
+            skip: self.windows.skip_for(&req.scope, req.key.as_str()),
         }
+    }
+
+    /// Decides what a claim statement's `row` means, and remembers where a taken record went.
+    fn decided(
+        &self,
+        req: &ClaimRequest,
+        fingerprint: &str,
+        row: ClaimRow,
+    ) -> Result<Option<Claim>, StoreError> {
+        let placed = row.placed_win;
+        let claim = decide(req, fingerprint, row)?;
+        if let (Some(Claim::Claimed(lease)), Some(win)) = (&claim, placed) {
+            self.windows
+                .placed(&lease.scope, lease.key.as_str(), lease.lease_until_ms, win);
+        }
+        Ok(claim)
     }
 
     /// Whether the claim found no partition for its window (nothing written): created now,
@@ -378,16 +395,21 @@ impl PostgresStore {
     }
 }
 
-/// Whether a claim was chosen to end a deadlock: its statement was rolled back (nothing
-/// written) and it runs again. A claim holds its key's advisory lock in a transaction it may
-/// share with other requests' units, whose row locks it may then wait for (a takeover), so two
-/// shared transactions can each wait for the other.
-fn lost_a_deadlock(error: &db::Error) -> bool {
-    let lost = error.code() == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED);
-    if lost {
-        tracing::debug!(target: "backstop::idempotency", "claim ended a deadlock; claiming again");
+/// Whether a claim's statement was rolled back (nothing written) for a reason that running it
+/// again removes:
+/// - it was chosen to end a deadlock: a claim holds its key's advisory lock in a transaction
+///   it may share with other requests' units, whose row locks it may then wait for (a
+///   takeover), so two shared transactions can each wait for the other;
+/// - its window ended while it ran (SQLSTATE `BK001`, see `windows.rs`): claimed again, it
+///   goes to the next window.
+fn claim_again(error: &db::Error) -> bool {
+    let again = error.code().is_some_and(|code| {
+        *code == tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED || code.code() == "BK001"
+    });
+    if again {
+        tracing::debug!(target: "backstop::idempotency", %error, "claiming again");
     }
-    lost
+    again
 }
 
 fn corrupt(scope: &str, key: &str, what: &'static str) -> StoreError {
@@ -560,7 +582,7 @@ impl Store for PostgresStore {
                 Ok(row) => row,
                 Err(Abort::Store(e)) | Err(Abort::Writes(e)) => {
                     let error = db::Error::from(e);
-                    if lost_a_deadlock(&error) {
+                    if claim_again(&error) {
                         continue;
                     }
                     return Err(StoreError::from(error));
@@ -570,7 +592,7 @@ impl Store for PostgresStore {
             if self.window_needed(&req, &row).await? {
                 continue;
             }
-            if let Some(claim) = decide(&req, &fingerprint, row)? {
+            if let Some(claim) = self.decided(&req, &fingerprint, row)? {
                 return Ok(claim);
             }
         }
@@ -592,14 +614,27 @@ impl Store for PostgresStore {
             lease.lease_until_ms,
         );
         let phase = point.phase.clone();
+        let place = self.windows.place_of(lease, false);
         let outcome = self
             .transaction(self.finish_by(), true, move |c| {
                 Box::pin(async move {
                     let stmt = c.prepare_cached(PHASE_SQL).await.map_err(Abort::Store)?;
                     let data: &[u8] = &point.data;
                     let marked = closed_is_lost(
-                        c.execute(&stmt, &[&scope, &key, &token, &point.phase, &data])
-                            .await,
+                        c.execute(
+                            &stmt,
+                            &[
+                                &scope,
+                                &key,
+                                &token,
+                                &point.phase,
+                                &data,
+                                &place.class_ms,
+                                &place.lo,
+                                &place.hi,
+                            ],
+                        )
+                        .await,
                     )
                     .map_err(Abort::Store)?;
                     if marked != 1 {
@@ -625,6 +660,7 @@ impl Store for PostgresStore {
             lease.lease_until_ms,
         );
         let keep_until = now_ms.saturating_add(duration_ms(lease.ttl));
+        let place = self.windows.place_of(lease, true);
         let op = match ending {
             Ending::Complete(response) => Op::Complete {
                 scope,
@@ -634,14 +670,21 @@ impl Store for PostgresStore {
                 headers: headers_json(&response.headers),
                 body: response.body,
                 keep_until,
+                place,
             },
             Ending::Fail => Op::Fail {
                 scope,
                 key,
                 token,
                 keep_until,
+                place,
             },
-            Ending::Release => Op::Release { scope, key, token },
+            Ending::Release => Op::Release {
+                scope,
+                key,
+                token,
+                place,
+            },
         };
         let outcome = self
             .transaction(self.finish_by(), true, move |c| {
@@ -666,13 +709,13 @@ impl Store for PostgresStore {
             let row = match self.writer.run(op, start).await {
                 Ok(Outcome::Claim(row)) => row,
                 Ok(Outcome::Changed(_)) => ClaimRow::default(),
-                Err(error) if lost_a_deadlock(&error) => continue,
+                Err(error) if claim_again(&error) => continue,
                 Err(error) => return Err(error.into()),
             };
             if self.window_needed(&req, &row).await? {
                 continue;
             }
-            if let Some(claim) = decide(&req, &fingerprint, row)? {
+            if let Some(claim) = self.decided(&req, &fingerprint, row)? {
                 return Ok(claim);
             }
         }
@@ -696,6 +739,7 @@ impl Store for PostgresStore {
             headers: headers_json(&response.headers),
             body: response.body,
             keep_until: now_ms.saturating_add(duration_ms(lease.ttl)),
+            place: self.windows.place_of(lease, true),
         };
         match self.changed(op).await? {
             1 => Ok(()),
@@ -709,6 +753,7 @@ impl Store for PostgresStore {
             key: lease.key.to_string(),
             token: lease.lease_until_ms,
             keep_until: now_ms.saturating_add(duration_ms(lease.ttl)),
+            place: self.windows.place_of(lease, true),
         };
         match self.changed(op).await? {
             1 => Ok(()),
@@ -721,6 +766,7 @@ impl Store for PostgresStore {
             scope: lease.scope.clone(),
             key: lease.key.to_string(),
             token: lease.lease_until_ms,
+            place: self.windows.place_of(lease, true),
         };
         match self.changed(op).await? {
             1 => Ok(()),

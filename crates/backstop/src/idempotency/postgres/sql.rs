@@ -9,34 +9,39 @@
 /// The claim (`backstop_idempotency_claim`, migration v3): under the key's advisory lock, the
 /// record wherever it is, then an insert into the current window or a takeover that moves the
 /// record there; when neither happened, the record as it stood. `$1..$8`: scope, key,
-/// fingerprint, lease_until, now, expires_at, class_ms, width_ms; `$9` the clock offset.
+/// fingerprint, lease_until, now, expires_at, class_ms, width_ms; `$9` the clock offset; `$10`
+/// the windows not to read (sealed, and ruled out for the key by this instance's summaries).
 ///
 /// Returns `taken, lease_until, fingerprint, status, http_status, response_body,
-/// response_headers, created_at, phase, phase_data, need_window`. A taken row's status is the
+/// response_headers, created_at, phase, phase_data, need_window, placed_win`. A taken row's status is the
 /// record's before the takeover, read under its row lock (none for an insert).
 pub(super) const CLAIM_SQL: &str =
-    "SELECT * FROM backstop_idempotency_claim($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+    "SELECT * FROM backstop_idempotency_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 /// Records a phase's recovery point, if the lease still holds the record.
 pub(super) const PHASE_SQL: &str = "\
 UPDATE idempotency_record SET phase = $4, phase_data = $5 \
-WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3 \
+  AND class_ms = $6 AND win BETWEEN $7 AND $8";
 
 /// Store the response, if the lease (fencing token) still holds the record.
 pub(super) const COMPLETE_SQL: &str = "\
 UPDATE idempotency_record SET status = 'succeeded', http_status = $4, response_body = $5, \
   response_headers = $6, expires_at = GREATEST(expires_at, $7) \
-WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3 \
+  AND class_ms = $8 AND win BETWEEN $9 AND $10";
 
 /// Mark failed, if the lease still holds the record.
 pub(super) const FAIL_SQL: &str = "\
 UPDATE idempotency_record SET status = 'failed', expires_at = GREATEST(expires_at, $4) \
-WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3 \
+  AND class_ms = $5 AND win BETWEEN $6 AND $7";
 
 /// Forget the key, if the lease still holds the record.
 pub(super) const RELEASE_SQL: &str = "\
 DELETE FROM idempotency_record \
-WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3";
+WHERE scope = $1 AND key = $2 AND status = 'running' AND lease_until = $3 \
+  AND class_ms = $4 AND win BETWEEN $5 AND $6";
 
 /// Opens a batch's transaction, pinning how its array statements are planned (`SET LOCAL`:
 /// for this transaction only, so a pool shared with the application keeps its settings).
@@ -59,35 +64,41 @@ SET LOCAL enable_mergejoin = off; SET LOCAL plan_cache_mode = force_generic_plan
 pub(super) const CLAIM_MANY_SQL: &str = "\
 SELECT u.scope, u.key, c.* FROM ( \
   SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[], $6::int8[], \
-    $7::int8[], $8::int8[]) \
-    AS i(scope, key, fingerprint, lease_until, now, expires_at, class_ms, width_ms) \
+    $7::int8[], $8::int8[], $10::text[]) \
+    AS i(scope, key, fingerprint, lease_until, now, expires_at, class_ms, width_ms, skip) \
   ORDER BY hashtextextended(i.key, hashtext(i.scope)), i.scope, i.key OFFSET 0) u \
 CROSS JOIN LATERAL backstop_idempotency_claim(u.scope, u.key, u.fingerprint, u.lease_until, \
-  u.now, u.expires_at, u.class_ms, u.width_ms, $9) c";
+  u.now, u.expires_at, u.class_ms, u.width_ms, $9, string_to_array(u.skip, ',')) c";
 
 /// [`COMPLETE_SQL`] for many records; returns the `ord` of each input that was applied.
 pub(super) const COMPLETE_MANY_SQL: &str = "\
 UPDATE idempotency_record k SET status = 'succeeded', http_status = u.http_status, \
   response_body = u.body, response_headers = u.headers, \
   expires_at = GREATEST(k.expires_at, u.keep_until) \
-FROM unnest($1::text[], $2::text[], $3::int8[], $4::int4[], $5::bytea[], $6::text[], $7::int8[]) \
-  WITH ORDINALITY AS u(scope, key, token, http_status, body, headers, keep_until, ord) \
+FROM unnest($1::text[], $2::text[], $3::int8[], $4::int4[], $5::bytea[], $6::text[], $7::int8[], \
+    $8::int8[], $9::int8[], $10::int8[]) \
+  WITH ORDINALITY AS u(scope, key, token, http_status, body, headers, keep_until, class_ms, lo, \
+    hi, ord) \
 WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
+  AND k.class_ms = u.class_ms AND k.win BETWEEN u.lo AND u.hi \
 RETURNING u.ord";
 
 /// [`FAIL_SQL`] for many records.
 pub(super) const FAIL_MANY_SQL: &str = "\
 UPDATE idempotency_record k SET status = 'failed', expires_at = GREATEST(k.expires_at, u.keep_until) \
-FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[]) \
-  WITH ORDINALITY AS u(scope, key, token, keep_until, ord) \
+FROM unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::int8[], $6::int8[], $7::int8[]) \
+  WITH ORDINALITY AS u(scope, key, token, keep_until, class_ms, lo, hi, ord) \
 WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
+  AND k.class_ms = u.class_ms AND k.win BETWEEN u.lo AND u.hi \
 RETURNING u.ord";
 
 /// [`RELEASE_SQL`] for many records.
 pub(super) const RELEASE_MANY_SQL: &str = "\
 DELETE FROM idempotency_record k \
-USING unnest($1::text[], $2::text[], $3::int8[]) WITH ORDINALITY AS u(scope, key, token, ord) \
+USING unnest($1::text[], $2::text[], $3::int8[], $4::int8[], $5::int8[], $6::int8[]) \
+  WITH ORDINALITY AS u(scope, key, token, class_ms, lo, hi, ord) \
 WHERE k.scope = u.scope AND k.key = u.key AND k.status = 'running' AND k.lease_until = u.token \
+  AND k.class_ms = u.class_ms AND k.win BETWEEN u.lo AND u.hi \
 RETURNING u.ord";
 
 /// A record, for `get`.
@@ -254,6 +265,7 @@ mod tests {
                         &CLASS,
                         &width(),
                         &0_i64,
+                        &Vec::<String>::new(),
                     ],
                 )
                 .await
@@ -279,6 +291,7 @@ mod tests {
                         &vec![CLASS, CLASS],
                         &vec![width(), width()],
                         &0_i64,
+                        &vec![String::new(), String::new()],
                     ],
                 )
                 .await?;
@@ -352,13 +365,20 @@ mod tests {
         );
         schema_with_window(&client, &schema).await;
         let (s, k, n) = ("'{s,s,s,s}'", "'{a,b,c,d}'", "'{5,5,5,5}'");
+        // Where: the class, and the windows from 0 to the largest.
+        let place = format!(
+            "'{{{CLASS},{CLASS},{CLASS},{CLASS}}}', '{{0,0,0,0}}', '{{{m},{m},{m},{m}}}'",
+            m = i64::MAX
+        );
         let statements = [
             (
                 COMPLETE_MANY_SQL,
-                format!("{s}, {k}, {n}, '{{201,201,201,201}}', '{{x,x,x,x}}', '{{h,h,h,h}}', {n}"),
+                format!(
+                    "{s}, {k}, {n}, '{{201,201,201,201}}', '{{x,x,x,x}}', '{{h,h,h,h}}', {n}, {place}"
+                ),
             ),
-            (FAIL_MANY_SQL, format!("{s}, {k}, {n}, {n}")),
-            (RELEASE_MANY_SQL, format!("{s}, {k}, {n}")),
+            (FAIL_MANY_SQL, format!("{s}, {k}, {n}, {n}, {place}")),
+            (RELEASE_MANY_SQL, format!("{s}, {k}, {n}, {place}")),
         ];
         let mut plans = Vec::new();
         for (i, (sql, args)) in statements.iter().enumerate() {

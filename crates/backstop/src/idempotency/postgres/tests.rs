@@ -670,6 +670,7 @@ async fn a_claim_of_a_held_key_never_waits_for_the_holders_row_lock() {
                     &class_ms,
                     &width_ms,
                     &0_i64,
+                    &Vec::<String>::new(),
                 ],
             )
             .await?;
@@ -682,7 +683,16 @@ async fn a_claim_of_a_held_key_never_waits_for_the_holders_row_lock() {
     let marked = a
         .execute(
             PHASE_SQL,
-            &[&"merchant-1", &"k", &lease.lease_until_ms, &"psp", &phase],
+            &[
+                &"merchant-1",
+                &"k",
+                &lease.lease_until_ms,
+                &"psp",
+                &phase,
+                &class_of(DAY),
+                &i64::MIN,
+                &i64::MAX,
+            ],
         )
         .await
         .unwrap();
@@ -740,5 +750,108 @@ async fn a_claim_of_a_held_key_never_waits_for_the_holders_row_lock() {
     assert_eq!(b_answer.expect("B's claim"), Some(false), "in progress");
     assert_eq!(a_answer.expect("A's claim"), Some(false), "in progress");
     drop(store);
+    schema.drop().await;
+}
+
+/// Whether a claim of the store is waiting for a table lock.
+async fn a_claim_waits_for_a_lock(schema: &Schema) -> bool {
+    schema
+        .client
+        .query_one(
+            "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE '%backstop_idempotency_claim%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A sealed window's summary rules it out for keys it does not hold: a claim of such a key
+/// does not read it (here, it is not held up by a lock on it), while a key it holds is still
+/// found there. The outcome statements reach the record through the window the claim placed
+/// it in, or through its class's windows once that was forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_summary_keeps_claims_out_of_sealed_windows_without_their_key() {
+    if !crate::test_services::postgres() {
+        return;
+    }
+    let schema = Schema::create("windows_summary").await;
+    // Two hours back: the records go to a window the database's clock has sealed.
+    let past = schema.store(-2 * HOUR).await;
+    let lease = claimed(&past, req("old", DAY, 5_000, T0)).await;
+    past.complete(&lease, response(), T0 + 1).await.unwrap();
+    let sealed = schema.table_of("old").await.expect("stored");
+
+    let store = schema.store(0).await;
+    store.summarise().await.unwrap();
+    // The sealed window, and maybe the one after it (made ahead by the instance in the past).
+    assert!((1..=2).contains(&store.windows.summarised()));
+    assert!(
+        !store
+            .windows
+            .skip_for("merchant-1", "old")
+            .contains(&sealed)
+    );
+    let fresh: Vec<String> = (0..20).map(|i| format!("new-{i}")).collect();
+    let ruled_out = fresh
+        .iter()
+        .filter(|k| store.windows.skip_for("merchant-1", k).contains(&sealed))
+        .count();
+    assert!(ruled_out >= 15, "{ruled_out} of 20 (1 % false positives)");
+
+    // With the sealed window locked, a claim of a key it rules out goes on; one of the key it
+    // holds waits for the lock, and then finds the record.
+    let locker = schema.connection().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {sealed} IN ACCESS EXCLUSIVE MODE"
+        ))
+        .await
+        .unwrap();
+    let key = fresh
+        .iter()
+        .find(|k| store.windows.skip_for("merchant-1", k).contains(&sealed))
+        .expect("a key ruled out")
+        .clone();
+    let claiming = tokio::spawn({
+        let (store, key) = (store.clone(), key.clone());
+        async move { store.claim(req(&key, DAY, 5_000, T0)).await }
+    });
+    while !claiming.is_finished() && !a_claim_waits_for_a_lock(&schema).await {
+        tokio::task::yield_now().await;
+    }
+    let went_on = claiming.is_finished();
+    if !went_on {
+        locker.batch_execute("ROLLBACK").await.unwrap();
+    }
+    assert!(went_on, "a claim read the window its summary rules out");
+    let Claim::Claimed(new) = claiming.await.unwrap().unwrap() else {
+        panic!("a new key is claimed");
+    };
+    let replay = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(req("old", DAY, 5_000, T0 + 2)).await }
+    });
+    while !replay.is_finished() && !a_claim_waits_for_a_lock(&schema).await {
+        tokio::task::yield_now().await;
+    }
+    assert!(!replay.is_finished(), "the window holding the key is read");
+    locker.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(replay.await.unwrap().unwrap(), Claim::Replay(response()));
+
+    // Completed in the window the claim placed it in; and with that forgotten, in its class.
+    assert_ne!(schema.table_of(&key).await, Some(sealed.clone()));
+    store.complete(&new, response(), T0 + 3).await.unwrap();
+    let other = claimed(&store, req("forgotten", DAY, 5_000, T0)).await;
+    store.windows.placements.lock().unwrap().clear();
+    store.complete(&other, response(), T0 + 4).await.unwrap();
+    for key in [key.as_str(), "forgotten"] {
+        assert_eq!(
+            store.claim(req(key, DAY, 5_000, T0 + 5)).await.unwrap(),
+            Claim::Replay(response())
+        );
+    }
+    drop((past, store));
     schema.drop().await;
 }

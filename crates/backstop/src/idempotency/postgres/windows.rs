@@ -27,19 +27,37 @@
 //!
 //! A crash between the steps leaves a closed partition (dropped at the next expiry), a detach
 //! half done (`DETACH ... FINALIZE`, then dropped) or a detached table (dropped).
+//!
+//! # Summaries
+//!
+//! A claim must show that no live window holds its key, and a statement on the parent reads
+//! every partition's key index to show it: with 10 million records in 24 windows, 24 random
+//! index pages per claim, as costly as one large index. Each instance therefore keeps a
+//! [`Summary`] (a Bloom filter) of every sealed window, built once the window has sealed, and
+//! passes the claim the windows it rules out for the key; the claim reads the others only (the
+//! current ones, and about 1 % of the sealed). A sealed window's key set only shrinks (a
+//! takeover moves a record out, never in), so a summary stays right while the window lives.
+//! It is built behind a lock that waits for every transaction still writing into the window,
+//! and the claim refuses an insert whose window ended while it ran (SQLSTATE `BK001`), so no
+//! key can land in a window after its summary was read.
+//!
+//! The outcome statements (phase, completion, failure, release) are aimed at the window the
+//! claim placed the record in, which each instance remembers for the leases it holds.
 
-use std::collections::HashSet;
-use std::sync::Mutex;
-use std::sync::PoisonError;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use deadpool_postgres::Object;
+use futures_util::{StreamExt, pin_mut};
 use tokio::time::timeout_at;
 
 use super::PostgresStore;
+use super::batch::Place;
 use crate::db::postgres::{self as db, tokio_postgres};
-use crate::idempotency::StoreError;
-use crate::idempotency::window::{TABLE_PREFIX, Window};
+use crate::idempotency::store::duration_ms;
+use crate::idempotency::window::{Summary, TABLE_PREFIX, Window, class_of};
+use crate::idempotency::{Lease, StoreError};
 
 /// The partitioned table of records.
 pub(super) const PARENT: &str = "idempotency_record";
@@ -63,7 +81,15 @@ const EXPIRE_LOCK_SQL: &str = "SELECT hashtextextended('backstop_idempotency_exp
 /// How long a window's DDL waits for a lock before giving up (the next expiry tries again).
 const DDL_LOCK_TIMEOUT: &str = "2s";
 
-/// The windows this instance knows to exist, and the clock offset (tests only).
+/// How often, at most, an instance looks for sealed windows to summarise, ms.
+const SUMMARY_CHECK_MS: i64 = 5_000;
+
+/// How many leases' windows an instance remembers; past that it forgets them all (an outcome
+/// statement of a forgotten lease reads every window of its class: slower, as right).
+const PLACEMENTS_CAP: usize = 100_000;
+
+/// The windows this instance knows to exist, their summaries, where its leases' records are,
+/// and the clock offset (tests only).
 #[derive(Debug, Default)]
 pub(super) struct Windows {
     known: Mutex<HashSet<Window>>,
@@ -72,6 +98,13 @@ pub(super) struct Windows {
     pub(super) clock_offset_ms: i64,
     /// Set while a window is being created ahead of time.
     ahead_running: AtomicBool,
+    /// Summaries of sealed windows, by table name.
+    summaries: RwLock<HashMap<String, Arc<Summary>>>,
+    /// Set while summaries are being built; when they were last looked for (local clock, ms).
+    summarising: AtomicBool,
+    summaries_checked_ms: AtomicI64,
+    /// The window of each record this instance holds a lease on: (scope, key, token) -> win.
+    pub(super) placements: Mutex<HashMap<(String, String, i64), i64>>,
 }
 
 impl Windows {
@@ -94,6 +127,67 @@ impl Windows {
         // Only the recent ones matter: forget windows long sealed.
         known.retain(|w| w.class_ms != window.class_ms || w.index + 2 >= window.index);
         known.insert(window);
+    }
+
+    /// The sealed windows the summaries rule out for `key` in `scope`, comma-separated (the
+    /// claim's `p_skip`).
+    pub(super) fn skip_for(&self, scope: &str, key: &str) -> String {
+        let summaries = self
+            .summaries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut skip = String::new();
+        for (name, summary) in summaries.iter() {
+            if !summary.may_hold(scope, key) {
+                if !skip.is_empty() {
+                    skip.push(',');
+                }
+                skip.push_str(name);
+            }
+        }
+        skip
+    }
+
+    /// How many windows have a summary.
+    #[cfg(test)]
+    pub(super) fn summarised(&self) -> usize {
+        self.summaries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Remembers that the record of `lease_until`'s lease on `key` went to window `win`.
+    pub(super) fn placed(&self, scope: &str, key: &str, lease_until: i64, win: i64) {
+        let mut placements = self
+            .placements
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if placements.len() >= PLACEMENTS_CAP {
+            placements.clear();
+        }
+        placements.insert((scope.to_owned(), key.to_owned(), lease_until), win);
+    }
+
+    /// Where an outcome statement of `lease` looks for its record; `done` forgets it (the
+    /// lease's last statement).
+    pub(super) fn place_of(&self, lease: &Lease, done: bool) -> Place {
+        let class_ms = class_of(duration_ms(lease.ttl));
+        let id = (
+            lease.scope.clone(),
+            lease.key.as_str().to_owned(),
+            lease.lease_until_ms,
+        );
+        let mut placements = self
+            .placements
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let win = if done {
+            placements.remove(&id)
+        } else {
+            placements.get(&id).copied()
+        };
+        win.map_or(Place::class(class_ms), |win| Place::window(class_ms, win))
     }
 
     /// This process's guess of the database's clock, unix ms.
@@ -131,6 +225,80 @@ pub(super) fn create_sql(window: Window) -> String {
 }
 
 impl PostgresStore {
+    /// Builds the summaries of sealed windows in the background, at most every
+    /// [`SUMMARY_CHECK_MS`] and one run at a time.
+    pub(super) fn summarise_if_due(&self) {
+        let now = self.windows.local_clock_ms();
+        let last = self.windows.summaries_checked_ms.load(Ordering::Acquire);
+        if now.saturating_sub(last) < SUMMARY_CHECK_MS
+            || tokio::runtime::Handle::try_current().is_err()
+            || self.windows.summarising.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        self.windows
+            .summaries_checked_ms
+            .store(now, Ordering::Release);
+        let store = self.clone();
+        tokio::spawn(async move {
+            if let Err(error) = store.summarise().await {
+                tracing::warn!(%error, "summarising sealed idempotency windows failed");
+            }
+            store.windows.summarising.store(false, Ordering::Release);
+        });
+    }
+
+    /// Summarises every sealed window that has no summary yet, and forgets the summaries of
+    /// windows that are gone. A window whose writers do not finish within the DDL lock timeout
+    /// waits for the next run.
+    ///
+    /// Claims start it in the background every few seconds; call it at start-up to have the
+    /// summaries of a large store built before serving (it reads every sealed window's keys
+    /// once: seconds for 10 million records) instead of while claims read the sealed windows'
+    /// indexes.
+    pub async fn summarise(&self) -> Result<(), StoreError> {
+        let client = self.pool.get().await.map_err(db::Error::connect)?;
+        // The database's own clock, without this instance's offset: a window is sealed for
+        // every instance alike (tests move an instance ahead in time; one moved ahead must not
+        // summarise a window the others still insert into).
+        let clock: i64 = client
+            .query_one(
+                "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8",
+                &[],
+            )
+            .await?
+            .get(0);
+        let partitions = partitions(&client, false).await?;
+        self.windows
+            .summaries
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|name, _| partitions.contains(name));
+        for name in &partitions {
+            let sealed = name == LEGACY
+                || Window::from_table_name(name)
+                    .is_some_and(|w| clock >= w.end_ms().saturating_add(SEAL_GRACE_MS));
+            let known = self
+                .windows
+                .summaries
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(name);
+            if !sealed || known || !is_ours(name) {
+                continue;
+            }
+            if let Some(summary) = summarise_window(&client, name).await? {
+                tracing::debug!(window = %name, keys = summary.keys(), bytes = summary.bytes(), "idempotency window summarised");
+                self.windows
+                    .summaries
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(name.clone(), Arc::new(summary));
+            }
+        }
+        Ok(())
+    }
+
     /// Creates `window`'s partition unless this instance knows it exists, and remembers it.
     pub(super) async fn ensure_window(&self, window: Window) -> Result<(), StoreError> {
         if self.windows.knows(window) {
@@ -176,6 +344,7 @@ impl PostgresStore {
     /// ahead by another instance), so a failure to create it (its DDL waiting behind a detach)
     /// does not fail the claim; a claim that does find it missing creates it and says so.
     pub(super) async fn prepare_window(&self, ttl_ms: i64) {
+        self.summarise_if_due();
         let now = self.windows.local_clock_ms();
         let window = Window::of(ttl_ms, now);
         if let Err(error) = self.ensure_window(window).await {
@@ -196,6 +365,59 @@ impl PostgresStore {
             });
         }
     }
+}
+
+/// The partitions of the parent (`pending`: those half detached instead).
+async fn partitions(client: &Object, pending: bool) -> Result<Vec<String>, tokio_postgres::Error> {
+    Ok(client
+        .query(
+            &format!(
+                "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                 WHERE i.inhparent = '{PARENT}'::regclass AND i.inhdetachpending = $1"
+            ),
+            &[&pending],
+        )
+        .await?
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect())
+}
+
+/// The summary of the sealed window `name`, read after a barrier that waits for every
+/// transaction still writing into it; `None` when that wait timed out.
+async fn summarise_window(client: &Object, name: &str) -> Result<Option<Summary>, StoreError> {
+    let barrier = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'; \
+         LOCK TABLE {name} IN SHARE MODE; COMMIT"
+    );
+    match client.batch_execute(&barrier).await {
+        Ok(()) => {}
+        Err(e) if lock_not_available(&e) => {
+            client.batch_execute("ROLLBACK").await?;
+            return Ok(None);
+        }
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            return Err(e.into());
+        }
+    }
+    let count: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {name}"), &[])
+        .await?
+        .get(0);
+    let mut summary = Summary::with_capacity(usize::try_from(count).unwrap_or(0));
+    let rows = client
+        .query_raw(
+            &format!("SELECT scope, key FROM {name}"),
+            std::iter::empty::<i32>(),
+        )
+        .await?;
+    pin_mut!(rows);
+    while let Some(row) = rows.next().await {
+        let row = row?;
+        summary.insert(row.try_get(0)?, row.try_get(1)?);
+    }
+    Ok(Some(summary))
 }
 
 /// Discards a connection unless defused: one holding a session lock, dropped mid-way (a
@@ -259,18 +481,7 @@ async fn expire_locked(
         .await?
         .get(0);
     finish_interrupted(client).await?;
-    let partitions: Vec<String> = client
-        .query(
-            &format!(
-                "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-                 WHERE i.inhparent = '{PARENT}'::regclass AND NOT i.inhdetachpending"
-            ),
-            &[],
-        )
-        .await?
-        .into_iter()
-        .map(|row| row.get(0))
-        .collect();
+    let partitions = partitions(client, false).await?;
     // Upkeep: the next window of each class in the last half of its current one.
     for name in &partitions {
         if let Some(w) = Window::from_table_name(name) {
@@ -306,18 +517,7 @@ async fn expire_locked(
 
 /// Finishes what an interrupted drop left: a detach half done, a detached table not dropped.
 async fn finish_interrupted(client: &Object) -> Result<(), StoreError> {
-    let pending: Vec<String> = client
-        .query(
-            &format!(
-                "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
-                 WHERE i.inhparent = '{PARENT}'::regclass AND i.inhdetachpending"
-            ),
-            &[],
-        )
-        .await?
-        .into_iter()
-        .map(|row| row.get(0))
-        .collect();
+    let pending = partitions(client, true).await?;
     for name in pending.iter().filter(|n| is_ours(n)) {
         client
             .batch_execute(&format!(

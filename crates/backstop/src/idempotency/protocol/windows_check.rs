@@ -22,7 +22,11 @@
 //!   **summary** of it: a Bloom filter in the store, modelled as the exact set of keys the
 //!   window held when the summary was built (false positives are harmless, false negatives are
 //!   the danger). A claim skips a sealed window whose summary it holds and which does not
-//!   contain the key; a window without a summary in that instance is probed.
+//!   contain the key; a window without a summary in that instance is probed. (The
+//!   PostgreSQL store holds G >= D without trusting time: its claim reads the clock again
+//!   after the insert and fails, writing nothing, if the window ended in between, and a
+//!   summary is read only after a lock on the window that waits for every transaction still
+//!   writing into it; so the summary holds every key the window will ever hold.)
 //! - **Takeover moves the record.** A takeover deletes the record from its old window and
 //!   inserts it (new lease, new expiry) into the current window, in the same transaction.
 //! - **Completion** (succeeded or failed) updates the record in place in its window, setting
