@@ -8,7 +8,8 @@
 #             defaults). Keys are random, as client-made UUIDs are, in the filled records and in
 #             the new ones, so every claim lands at a random place in the key index. Unpinned,
 #             wrk -t2 -c64, ROUNDS interleaved rounds, medians.
-#   sweep   - `backstop serve` (SQLite) at half its capacity while its sweeper expires EXPIRED
+#   sweep   - `backstop serve` (SQLite; SWEEP_STORE=postgres: PostgreSQL, each run in a schema
+#             of its own, results named sweep_pg_*) at half its capacity while its sweeper expires EXPIRED
 #             (1 million) records, held in the three windows before the current one, against the same service holding the same records
 #             unexpired: the p99 of the payments in each. Capacity is wrk's closed-loop rate
 #             (64 connections) in this run; half of it is offered by wrk with 64 connections
@@ -67,7 +68,7 @@ start_serve() {
   mkdir -p "$d"
   rm -f "$d/serve.log"
   (cd "$d" && exec "$dir/backstop" --log-format json serve --http 127.0.0.1:0 \
-    --grpc 127.0.0.1:0 --store backstop.db --tenant-rate 10000000 --tenant-burst 10000000 \
+    --grpc 127.0.0.1:0 --store "${serve_store:-backstop.db}" --tenant-rate 10000000 --tenant-burst 10000000 \
     "$@" >serve.log 2>&1 & echo $! >"$work/pid")
   pid=$(cat "$work/pid")
   addr=$(wait_addr "$d/serve.log" 's/.*"message":"payment service listening".*"http":"\([^"]*\)".*/\1/p')
@@ -136,12 +137,16 @@ fill_sqlite() {
 # pg_url SCHEMA: the PostgreSQL URL whose search_path is SCHEMA.
 pg_url() { echo "$pg?options=-c%20search_path%3D$1"; }
 
-# fill_pg SCHEMA N: as fill_sqlite with OFFSETS 0..23, spread over the 24 windows of the
-# template's TTL class (its own window and the 23 before it, each a partition of
-# idempotency_record); each window before the template's is filled, then given the key, index
-# and constraints the store gives a window, then attached, as the store's own DDL would.
+# fill_pg SCHEMA N [EXPIRES] [OFFSETS]: as fill_sqlite, over the windows OFFSETS (default
+# 0..23: the 24 windows of the template's TTL class, its own and the 23 before it, each a
+# partition of idempotency_record); each window before the template's is filled, then given the
+# key, index and constraints the store gives a window, then attached, as the store's own DDL
+# would. EXPIRES: unix ms, or `keep` (default) for the template's expiry.
 fill_pg() {
-  local url tmpl class index n=$2 count=24
+  local url tmpl class index n=$2 expires=${3:-keep} offsets=${4:-$(seq 0 23)} count first
+  [ "$expires" = keep ] && expires=t.expires_at
+  count=$(wc -w <<<"$offsets")
+  first=${offsets%%[[:space:]]*}
   url=$(pg_url "$1")
   tmpl=$(psql -Atq -v ON_ERROR_STOP=1 "$url" -c "SELECT tableoid::regclass::text FROM idempotency_record WHERE key = 'template'")
   case $tmpl in idempotency_window_*_*) ;; *) echo "fill of $1: template in '$tmpl'" >&2; exit 1 ;; esac
@@ -150,16 +155,16 @@ fill_pg() {
   class=${class%_*}
   {
     echo "SET maintenance_work_mem = '1GB';"
-    for off in $(seq 0 $(( count - 1 ))); do
+    for off in $offsets; do
       local w=$(( index - off )) per name
       name=idempotency_window_${class}_$w
-      # The template's window takes the remainder, so the windows hold N in all.
-      [ "$off" = 0 ] && per=$(( n - n / count * (count - 1) )) || per=$(( n / count ))
+      # The first window takes the remainder, so the windows hold N in all.
+      [ "$off" = "$first" ] && per=$(( n - n / count * (count - 1) )) || per=$(( n / count ))
       [ "$off" = 0 ] || echo "CREATE TABLE $name (LIKE idempotency_record INCLUDING DEFAULTS);"
       echo "INSERT INTO $name
           SELECT t.scope, substr(md5(random()::text), 1, 16) || '-fill-$w-' || g,
             md5(random()::text) || md5(random()::text), t.status, t.lease_until, t.http_status,
-            t.response_body, t.response_headers, t.created_at, t.expires_at, t.phase,
+            t.response_body, t.response_headers, t.created_at, $expires, t.phase,
             t.phase_data, $class, $w
           FROM generate_series(1, $per) AS g, (SELECT * FROM $tmpl WHERE key = 'template') AS t;"
       [ "$off" = 0 ] || echo "ALTER TABLE $name ADD PRIMARY KEY (scope, key),
@@ -268,8 +273,32 @@ paced() {
   wrk -t2 -c64 -d"${1}s" --latency -s bench/payments_paced.lua "http://$addr" -- "$3" - "$2"
 }
 
+# sweep_store KIND ROUND: sets serve_store for the sweep part (SWEEP_STORE=postgres: a fresh
+# schema of $pg; SQLite otherwise, serve's default file).
+sweep_store() {
+  serve_store=backstop.db
+  if [ "${SWEEP_STORE:-sqlite}" = postgres ]; then
+    psql -q -v ON_ERROR_STOP=1 "$pg" -c "DROP SCHEMA IF EXISTS bench_sweep_$1 CASCADE" \
+      -c "CREATE SCHEMA bench_sweep_$1" >/dev/null 2>&1
+    serve_store=$(pg_url "bench_sweep_$1")
+  fi
+}
+
+# fill_sweep DIR KIND N EXPIRES: the sweep part's records, in the three windows before the
+# template's, in the store sweep_store chose.
+fill_sweep() {
+  if [ "${SWEEP_STORE:-sqlite}" = postgres ]; then
+    fill_pg "bench_sweep_$2" "$3" "$4" "1 2 3"
+  else
+    fill_sqlite "$1/backstop.db" "$3" "$4" "1 2 3"
+  fi
+}
+
 part_sweep() {
-  echo "== sweep: $expired expired records swept while serving at half capacity" >&2
+  local store=${SWEEP_STORE:-sqlite} pre=sweep
+  [ "$store" = postgres ] && pre=sweep_pg
+  echo "== sweep ($store): $expired expired records swept while serving at half capacity" >&2
+  sweep_store capacity
   start_serve "$work/capacity"
   local o
   o=$(wrk -t2 -c64 -d"${secs}s" --latency -s bench/payments.lua "http://$addr" -- "cap$$")
@@ -280,12 +309,13 @@ part_sweep() {
   rate=$(echo "$capacity / 2" | bc)
   # 64 connections, each waiting `pause` ms before its next request (plus ~2 ms of latency).
   pause=$(( 64000 / rate - 2 ))
-  result sweep_capacity_rps "$capacity"
-  result sweep_rate "$rate"
+  result "${pre}_capacity_rps" "$capacity"
+  result "${pre}_rate" "$rate"
   declare -A p99 served
   for round in $(seq "$rounds"); do
     for kind in unexpired sweeping; do
       local d=$work/sweep-$kind-$round lead=8000 fill_start expires
+      sweep_store "$kind$round"
       start_serve "$d" --sweep-every 1s
       template
       stop
@@ -297,7 +327,7 @@ part_sweep() {
       else
         expires=keep
       fi
-      fill_sqlite "$d/backstop.db" "$expired" "$expires" "1 2 3"
+      fill_sweep "$d" "$kind$round" "$expired" "$expires"
       [ "$kind" = unexpired ] && fill_ms=$(( $(now_ms) - fill_start ))
       if [ "$kind" = sweeping ]; then
         local wait_ms=$(( expires - lead - $(now_ms) ))
@@ -316,7 +346,7 @@ part_sweep() {
         pause=$(( 64000 / rate - latency_ms ))
         [ "$pause" -ge 1 ] || pause=1
         calibrated=1
-        result sweep_pause_ms "$pause"
+        result "${pre}_pause_ms" "$pause"
       fi
       o=$(paced "$sweep_secs" "$pause" "$kind$round$$")
       load_end=$(now_ms)
@@ -341,7 +371,7 @@ part_sweep() {
           echo "the sweep ($began ms + $sweep_ms ms) was not inside the measured run" >&2
           exit 1
         fi
-        result "sweep_round${round}_ms" "$sweep_ms"
+        result "${pre}_round${round}_ms" "$sweep_ms"
       fi
       p99[$kind]+="$lp "
       served[$kind]+="$r "
@@ -349,10 +379,18 @@ part_sweep() {
     done
   done
   for kind in unexpired sweeping; do
-    result "sweep_p99_${kind}_ms" "$(median <<<"${p99[$kind]}")"
-    result "sweep_${kind}_rps" "$(median <<<"${served[$kind]}")"
+    result "${pre}_p99_${kind}_ms" "$(median <<<"${p99[$kind]}")"
+    result "${pre}_${kind}_rps" "$(median <<<"${served[$kind]}")"
   done
-  result sweep_records "$expired"
+  result "${pre}_records" "$expired"
+  if [ "$store" = postgres ]; then
+    local k r
+    for k in capacity unexpired sweeping; do
+      for r in "" $(seq "$rounds"); do
+        psql -q "$pg" -c "DROP SCHEMA IF EXISTS bench_sweep_$k$r CASCADE" >/dev/null 2>&1
+      done
+    done
+  fi
 }
 
 part_rss() {

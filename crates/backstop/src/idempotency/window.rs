@@ -30,10 +30,10 @@
 //!
 //! Once the store's time has passed a window's end, no record is inserted into it any more
 //! (the store's time never goes back, see [`HighWater`]): the window is **sealed**, and its
-//! key set only shrinks. A `Summary` (a Bloom filter; the SQLite store keeps them) built from
-//! it after it sealed answers "not here" for nearly every key that is not, and never for one
-//! that is: a claim skips a sealed window its summary rules out. A window without a summary is
-//! read. (The PostgreSQL store keeps no summaries: a claim probes each window's key index.)
+//! key set only shrinks. A `Summary` (a Bloom filter, kept in memory by each store instance)
+//! built from it after it sealed answers "not here" for nearly every key that is not, and never
+//! for one that is: a claim skips a sealed window its summary rules out. A window without a
+//! summary is read.
 //!
 //! The design, with its boundary, drop and crash cases, is model-checked in
 //! `protocol::windows_check`.
@@ -57,7 +57,7 @@ pub const CLASS_LADDER: [i64; 6] = [
 /// `class / WINDOWS_PER_CLASS`.
 pub const WINDOWS_PER_CLASS: i64 = 24;
 
-/// False-positive rate of a `Summary` (SQLite store): the share of claims for a key a sealed window does
+/// False-positive rate of a `Summary`: the share of claims for a key a sealed window does
 /// not hold that still read that window's index.
 pub const SUMMARY_FALSE_POSITIVES: f64 = 0.01;
 
