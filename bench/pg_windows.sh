@@ -3,8 +3,12 @@
 # pgbench runs the store's own claim (backstop_idempotency_claim) and completion statements
 # against a schema holding WINDOWS partitions of 1-day keys (the current window and the ones
 # before it), each filled with PER records (random keys, as bench/growth.sh fills them).
-# Prints pgbench's tps. -M prepared: plans cached per connection, as the store's are.
-# Usage: WINDOWS=24 PER=416667 bench/pg_windows.sh [SECONDS] [CLIENTS]
+# The claim is told to skip every sealed window, as an instance whose summaries rule the key
+# out does (SUMMARIES=0: none skipped, every window read); the completion names the record's
+# window as the store does (pgbench variables: parameters, as the store sends them).
+# Prints pgbench's tps for claim + completion, and for the claim alone. -M prepared: plans
+# cached per connection, as the store's are.
+# Usage: WINDOWS=24 PER=416667 [SUMMARIES=1] bench/pg_windows.sh [SECONDS] [CLIENTS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-10}
@@ -41,12 +45,23 @@ index=$(( now / width ))
   done
   echo "VACUUM ANALYZE; CHECKPOINT;"
 } | psql -q -v ON_ERROR_STOP=1 "$url" >/dev/null
+skip="{}"
+if [ "${SUMMARIES:-1}" = 1 ]; then
+  skip="{$(for w in $(seq $(( index - windows + 1 )) $(( index - 1 ))); do
+    printf 'idempotency_window_%s_%s,' "$class" "$w"; done | sed 's/,$//')}"
+fi
 cat >"$work/claim.sql" <<SQL
-\set r random(1, 9223372036854775806)
-SELECT taken FROM backstop_idempotency_claim('merchant-1', :r::text, 'f', 9999999999999, 1, 9999999999999, $class, $width, 0);
-UPDATE idempotency_record SET status = 'succeeded', http_status = 201, response_body = '\x7b7d', response_headers = '[]', expires_at = GREATEST(expires_at, 9999999999999) WHERE scope = 'merchant-1' AND key = :r::text AND status = 'running' AND lease_until = 9999999999999;
+\\set r random(1, 9223372036854775806)
+\\set c $class
+\\set w $index
+SELECT taken FROM backstop_idempotency_claim('merchant-1', :r::text, 'f', 9999999999999, 1, 9999999999999, $class, $width, 0, '$skip');
+UPDATE idempotency_record SET status = 'succeeded', http_status = 201, response_body = '\\x7b7d', response_headers = '[]', expires_at = GREATEST(expires_at, 9999999999999) WHERE scope = 'merchant-1' AND key = :r::text AND status = 'running' AND lease_until = 9999999999999 AND class_ms = :c AND win BETWEEN :w AND :w;
 SQL
+head -4 "$work/claim.sql" >"$work/claim_only.sql"
 records=$(psql -Atq "$url" -c "SELECT count(*) FROM idempotency_record")
-tps=$(pgbench -n -M prepared -c "$clients" -j 2 -T "$secs" -f "$work/claim.sql" "$url" 2>/dev/null |
-  sed -n 's/^tps = \([0-9.]*\).*/\1/p')
-echo "windows=$windows records=$records clients=$clients tps=$tps"
+tps() {
+  pgbench -n -M prepared -c "$clients" -j 2 -T "$secs" -f "$1" "$url" 2>/dev/null |
+    sed -n 's/^tps = \([0-9.]*\).*/\1/p'
+}
+echo "windows=$windows records=$records clients=$clients summaries=${SUMMARIES:-1}" \
+  "claim+complete_tps=$(tps "$work/claim.sql") claim_tps=$(tps "$work/claim_only.sql")"
