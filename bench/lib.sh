@@ -123,3 +123,16 @@ previous_build() {
   fi
   echo "$built"
 }
+
+# start_bare_upstream TARGET WORK [PREFIX...]: the proxy benchmarks' upstream, TARGET's
+# http_bench_server `bare` (POST /v1/payments echoes its JSON) with one tokio worker, run under
+# PREFIX (e.g. `taskset -c 1`); its pid is added to the caller's `pids`, its address put in
+# `upstream`.
+start_bare_upstream() {
+  local target=$1 work=$2
+  shift 2
+  (TOKIO_WORKER_THREADS=1 "$@" "$target/examples/http_bench_server" bare "$work/unused.db" \
+    >"$work/upstream.out" 2>&1 & echo $! >"$work/upstream.pid")
+  pids+=("$(cat "$work/upstream.pid")")
+  upstream=$(wait_addr "$work/upstream.out" 's/^listening on //p')
+}

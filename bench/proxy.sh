@@ -42,10 +42,7 @@ cleanup() {
 trap cleanup EXIT
 
 # The upstream, for the whole run.
-(TOKIO_WORKER_THREADS=1 taskset -c 1 "$target/examples/http_bench_server" bare "$work/unused.db" \
-  >"$work/upstream.out" 2>&1 & echo $! >"$work/upstream.pid")
-pids+=("$(cat "$work/upstream.pid")")
-upstream=$(wait_addr "$work/upstream.out" 's/^listening on //p')
+start_bare_upstream "$target" "$work" taskset -c 1
 
 printf '[[policies.route]]\nmatch = "POST /v1/payments"\nidempotency = "keyed"\n' >"$work/keyed.toml"
 

@@ -28,10 +28,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-(TOKIO_WORKER_THREADS=1 "$target/examples/http_bench_server" bare "$work/unused.db" \
-  >"$work/upstream.out" 2>&1 & echo $! >"$work/upstream.pid")
-pids+=("$(cat "$work/upstream.pid")")
-upstream=$(wait_addr "$work/upstream.out" 's/^listening on //p')
+start_bare_upstream "$target" "$work"
 
 printf '| proxy | requests | instructions | instructions per request |\n|---|---:|---:|---:|\n'
 for mode in $modes; do

@@ -420,6 +420,18 @@ impl PostgresStore {
     }
 }
 
+/// The claim statement of `req`, whose fingerprint is `fingerprint` in hex.
+fn claim_op(req: &ClaimRequest, fingerprint: &str) -> Op {
+    Op::Claim {
+        scope: req.scope.clone(),
+        key: req.key.as_str().to_owned(),
+        fingerprint: fingerprint.to_owned(),
+        lease_until: req.lease_until_ms(),
+        now: req.now_ms,
+        expires_at: req.expires_at_ms(),
+    }
+}
+
 fn abort_error(abort: Abort, lease: &Lease, phase: &str) -> StoreError {
     match abort {
         Abort::LeaseLost => StoreError::lease_lost(lease),
@@ -442,14 +454,7 @@ impl Store for PostgresStore {
     async fn claim_deferred(&self, req: ClaimRequest) -> Result<Claim, StoreError> {
         let fingerprint = req.fingerprint.to_hex();
         for _ in 0..CLAIM_ATTEMPTS {
-            let op = Op::Claim {
-                scope: req.scope.clone(),
-                key: req.key.as_str().to_owned(),
-                fingerprint: fingerprint.clone(),
-                lease_until: req.lease_until_ms(),
-                now: req.now_ms,
-                expires_at: req.expires_at_ms(),
-            };
+            let op = claim_op(&req, &fingerprint);
             // Committed without waiting for the WAL flush: the handler's first phase, which
             // waits for it, makes the claim durable too.
             let found = self
@@ -559,14 +564,7 @@ impl Store for PostgresStore {
         let start = self.start_by();
         let fingerprint = req.fingerprint.to_hex();
         for _ in 0..CLAIM_ATTEMPTS {
-            let op = Op::Claim {
-                scope: req.scope.clone(),
-                key: req.key.as_str().to_owned(),
-                fingerprint: fingerprint.clone(),
-                lease_until: req.lease_until_ms(),
-                now: req.now_ms,
-                expires_at: req.expires_at_ms(),
-            };
+            let op = claim_op(&req, &fingerprint);
             let row = match self.writer.run(op, start).await? {
                 Outcome::Claim(row) => row,
                 Outcome::Changed(_) => ClaimRow::default(),
