@@ -225,7 +225,7 @@ async fn quoted_structured_field_key_is_the_same_key() {
 /// The same key with other parameters must not be answered with the first request's result as
 /// if it were the second's.
 #[tokio::test]
-async fn same_key_with_other_parameters_silently_accepted() {
+async fn same_key_with_other_parameters_is_refused_409_never_replayed() {
     let s = server().await;
     let first = order("o1", 100);
     s.send(s.pay("acme", Some("k-1"), &first)).await;
@@ -413,7 +413,7 @@ async fn tenant_over_quota_gets_429_with_retry_after_and_key_unused() {
 /// Overload must be answered with 503 (own capacity) or 429 (tenant quota) plus Retry-After,
 /// never with 500.
 #[tokio::test]
-async fn overload_answered_with_500() {
+async fn overload_is_answered_503_with_retry_after_never_500() {
     let store = MemoryStore::new();
     let s = start(
         stack(&store).gate(Gate::new(1, Duration::from_millis(50))),

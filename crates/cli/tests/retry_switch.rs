@@ -338,15 +338,19 @@ async fn alertmanager_notifications_set_the_switch() {
 
 /// `backstop proxy --retry-switch-redis` follows the switch too (its retries and hedges to the
 /// upstream), as its metrics show.
+/// A proxy in front of an upstream that answers 503 retries a safe route's request while the
+/// switch is on, sends each request once while it is off, and retries again once it is on.
+/// (Five failing requests in all: fewer than the storm alarm's and the breaker's minimum, so
+/// only the switch decides.)
 #[tokio::test]
-async fn a_proxy_follows_the_switch() {
-    if !services::redis() {
+async fn a_proxy_stops_retrying_while_the_switch_is_off() {
+    if !services::redis() || !proxy_harness::python_ready().await {
         return;
     }
     let key = unique_key("proxy");
     let dir = tempfile::tempdir().unwrap();
-    // No upstream needs to answer: the switch is read from Redis alone.
-    let proxy = proxy_harness::Proxy::options(dir.path(), &["http://127.0.0.1:9"])
+    let upstream = proxy_harness::Upstream::start(dir.path()).await;
+    let proxy = proxy_harness::Proxy::options(dir.path(), &[&upstream.url])
         .args(&[
             "--retry-switch-redis",
             &services::redis_url(),
@@ -355,13 +359,38 @@ async fn a_proxy_follows_the_switch() {
         ])
         .start()
         .await;
+    let http = proxy_harness::client();
+    let failing = async |path: &str| {
+        let answer = proxy_harness::call(
+            http.get(format!("{}{path}", proxy.base))
+                .header("X-Upstream-Status", "503"),
+        )
+        .await;
+        answer.assert_status(503);
+        upstream.received_at(path)
+    };
+    let gauge = async |setting: &str| {
+        let line = format!("rpc_client_retry_switch{{setting=\"{setting}\"}} 1");
+        proxy_harness::wait_for("the proxy to apply the switch", async || {
+            proxy.metrics().await.contains(&line).then_some(())
+        })
+        .await;
+    };
+
+    gauge("on").await;
+    assert!(failing("/v1/charges/on-1").await > 1, "retried while on");
+
     retries(&["off", "--for", "1m"], &key);
-    proxy_harness::wait_for("the proxy to apply the switch", async || {
-        proxy
-            .metrics()
-            .await
-            .contains("rpc_client_retry_switch{setting=\"off\"} 1")
-            .then_some(())
-    })
-    .await;
+    gauge("off").await;
+    for i in 0..3 {
+        let path = format!("/v1/charges/off-{i}");
+        assert_eq!(failing(&path).await, 1, "{path}: sent once while off");
+    }
+
+    retries(&["on"], &key);
+    gauge("on").await;
+    assert!(
+        failing("/v1/charges/on-2").await > 1,
+        "retried again once on"
+    );
 }

@@ -90,7 +90,10 @@ async fn jitter_runs_every_mode_and_lockstep_retries_pulse_hardest() {
     assert!(page.contains("storm sim --scenario jitter") && !page.contains("sim: "));
 }
 
-/// The same client at 70% and 90% of the measured capacity: the rates follow from it.
+/// The same client at 70% and 90% of the measured capacity: the rates follow from it. This
+/// holds the scenario's set-up only: the claim (the queue drains far later at 90 %) is a
+/// matter of time, measured as a benchmark (BENCHMARKS.md, "Live: the claims against the real
+/// service"), never asserted here.
 #[tokio::test]
 async fn utilization_offers_the_same_client_two_shares_of_the_measured_capacity() {
     let result = run("utilization", "0.2", None).await;
@@ -107,9 +110,12 @@ async fn utilization_offers_the_same_client_two_shares_of_the_measured_capacity(
     assert_eq!(v[0]["load_flags"], v[1]["load_flags"], "the same client");
 }
 
-/// Slow start on or off against a PSP back cold: only the server's flag differs.
+/// Slow start on or off against a PSP back cold: only the server's flag differs. This holds
+/// the comparison's set-up only: the claim (goodput while cold) depends on timing and is
+/// measured as a benchmark (BENCHMARKS.md, "Live: the claims against the real service"),
+/// never asserted here.
 #[tokio::test]
-async fn cold_compares_the_same_service_with_and_without_slow_start() {
+async fn cold_runs_the_same_service_with_and_without_slow_start_one_flag_apart() {
     let result = run("cold", "0.2", None).await;
     let v = variants(
         &result,

@@ -6,7 +6,7 @@
 //! | member | rule |
 //! |---|---|
 //! | `order_id` | required string, 1..=128 visible ASCII characters (0x21..=0x7E) |
-//! | `amount_cents` | required JSON integer, 1..=[`MAX_AMOUNT_CENTS`]; a number with no fractional part written with one (`1999.0`, `1.999e3`) is that integer, as JSON Schema's `integer` and the fingerprint's canonical form (RFC 8785) both read it |
+//! | `amount_cents` | required JSON integer, 1..=[`MAX_AMOUNT_CENTS`]; a number with no fractional part written with one (`1999.0`, `1.999e3`) is that integer, as JSON Schema's `integer` and the fingerprint's canonical form (RFC 8785) both read it. The number is read from its text, digit by digit: a fraction that is not zero is refused however small (`999999999999.99999999999999999` is not 10^12, though a double rounds it there) |
 //! | `currency` | optional string of three uppercase ASCII letters, default `"USD"` |
 //!
 //! A member named twice (`{"amount_cents":1,"amount_cents":99999}`) is refused as
@@ -14,8 +14,11 @@
 //!
 //! Anything else is refused before any row is written.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// Largest accepted amount: 10^12 minor units (ten billion in a two-decimal currency), far
 /// below `i64::MAX` and exactly representable by every JSON consumer (< 2^53).
@@ -119,11 +122,15 @@ pub fn parse(body: &[u8]) -> Result<PaymentRequest, RequestError> {
     }
 }
 
+/// An object's members, each value as the text it was sent as: an amount is read from its
+/// digits, not from the binary float `serde_json::Value` would make of it.
+type Members = BTreeMap<String, Box<RawValue>>;
+
 /// The body's top-level value as read by [`TopLevel::deserialize`]: `serde_json::Value` keeps
 /// the last of two members with one name, which would let the second `amount_cents` win.
 enum TopLevel {
     /// An object whose member names are all distinct.
-    Object(Map<String, Value>),
+    Object(Members),
     /// An object naming this member (echo-bounded) more than once.
     Duplicate(String),
     /// Any other JSON value.
@@ -146,11 +153,11 @@ impl<'de> serde::de::Visitor<'de> for TopLevelVisitor {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut access: A) -> Result<TopLevel, A::Error> {
-        let mut map = Map::new();
+        let mut map = Members::new();
         let mut duplicate = None;
         while let Some(name) = access.next_key::<String>()? {
             // Every value is still read, so a malformed document stays malformed_json.
-            let value: Value = access.next_value()?;
+            let value: Box<RawValue> = access.next_value()?;
             if map.contains_key(&name) {
                 duplicate.get_or_insert_with(|| echo(&name));
             } else {
@@ -188,29 +195,27 @@ impl<'de> serde::de::Visitor<'de> for TopLevelVisitor {
     }
 }
 
-fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
+fn validate(map: &Members) -> Result<PaymentRequest, RequestError> {
+    // A member's value as JSON: its text was checked when the body was read.
+    let value = |raw: &RawValue| serde_json::from_str::<Value>(raw.get()).ok();
     if let Some(unknown) = map
         .keys()
         .find(|k| !matches!(k.as_str(), "order_id" | "amount_cents" | "currency"))
     {
         return Err(RequestError::UnknownField(echo(unknown)));
     }
-    let order_id = match map.get("order_id") {
+    let order_id = match map.get("order_id").map(|raw| value(raw)) {
         None => return Err(RequestError::MissingField("order_id")),
-        Some(Value::String(s)) if valid_order_id(s) => s.clone(),
+        Some(Some(Value::String(s))) if valid_order_id(&s) => s,
         Some(_) => return Err(RequestError::InvalidOrderId),
     };
     let amount_cents = match map.get("amount_cents") {
         None => return Err(RequestError::MissingField("amount_cents")),
-        Some(Value::Number(n)) => match whole(n) {
-            Some(a) if (1..=MAX_AMOUNT_CENTS).contains(&a) => a,
-            _ => return Err(RequestError::InvalidAmount),
-        },
-        Some(_) => return Err(RequestError::InvalidAmount),
+        Some(raw) => whole_amount(raw.get()).ok_or(RequestError::InvalidAmount)?,
     };
-    let currency = match map.get("currency") {
+    let currency = match map.get("currency").map(|raw| value(raw)) {
         None => DEFAULT_CURRENCY.to_owned(),
-        Some(Value::String(s)) if valid_currency(s) => s.clone(),
+        Some(Some(Value::String(s))) if valid_currency(&s) => s,
         Some(_) => return Err(RequestError::InvalidCurrency),
     };
     Ok(PaymentRequest {
@@ -220,15 +225,63 @@ fn validate(map: &Map<String, Value>) -> Result<PaymentRequest, RequestError> {
     })
 }
 
-/// The integer `n` denotes, if any: an integer, or a number written with a fraction or an
-/// exponent whose value is whole (`1999.0`, `1.999e3`). Amounts stay far below 2^53, where
-/// every whole double is exact.
-fn whole(n: &serde_json::Number) -> Option<i64> {
-    if let Some(i) = n.as_i64() {
-        return Some(i);
+/// The integer a JSON number's text denotes, if it is whole and in 1..=[`MAX_AMOUNT_CENTS`],
+/// read from its digits, never through a binary float: `1999.0`, `1.999e3` and `199900e-2`
+/// are 1999, while `999999999999.99999999999999999` is refused, though a double rounds it to
+/// 10^12. The text is RFC 8259's `number` (serde_json checked its syntax); anything else
+/// (a string, `null`) is `None`.
+fn whole_amount(text: &str) -> Option<i64> {
+    let text = text.trim_matches([' ', '\t', '\n', '\r']);
+    let unsigned = text.strip_prefix('-').unwrap_or(text);
+    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        Some(at) => (&unsigned[..at], Some(&unsigned[at + 1..])),
+        None => (unsigned, None),
+    };
+    let (int_digits, frac_digits) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = || int_digits.bytes().chain(frac_digits.bytes());
+    if int_digits.is_empty() || !digits().all(|b| b.is_ascii_digit()) {
+        return None;
     }
-    let f = n.as_f64()?;
-    (f.fract() == 0.0 && f.abs() <= MAX_AMOUNT_CENTS as f64).then_some(f as i64)
+    // The value is `significant` x 10^`scale`, with `significant`'s zeros at either end cut.
+    let leading = digits().take_while(|&b| b == b'0').count();
+    let trailing = digits().rev().take_while(|&b| b == b'0').count();
+    let total = int_digits.len() + frac_digits.len();
+    if leading == total || unsigned.len() != text.len() {
+        return None; // zero, or negative: neither is an amount
+    }
+    let significant = total - leading - trailing;
+    // The exponent's own digits can be as many as the body holds: past a few, the value is
+    // either far too large or has a fraction, and both are refused without reading it whole.
+    let exponent: i64 = match exponent {
+        None => 0,
+        Some(e) => {
+            let (negative, e) = match e.as_bytes().first() {
+                Some(b'-') => (true, &e[1..]),
+                Some(b'+') => (false, &e[1..]),
+                _ => (false, e),
+            };
+            let e = e.trim_start_matches('0');
+            if e.len() > 6 || !e.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let magnitude: i64 = if e.is_empty() { 0 } else { e.parse().ok()? };
+            if negative { -magnitude } else { magnitude }
+        }
+    };
+    let scale = exponent - frac_digits.len() as i64 + trailing as i64;
+    if scale < 0 {
+        return None; // a fraction that is not zero
+    }
+    // MAX_AMOUNT_CENTS has 13 digits: a longer whole number is over it.
+    if significant as i64 + scale > 13 {
+        return None;
+    }
+    let mut value: i64 = 0;
+    for b in digits().skip(leading).take(significant) {
+        value = value * 10 + i64::from(b - b'0');
+    }
+    let value = value.checked_mul(10_i64.checked_pow(u32::try_from(scale).ok()?)?)?;
+    (value <= MAX_AMOUNT_CENTS).then_some(value)
 }
 
 /// Validates a request given field by field (the gRPC `ChargeRequest`), by the same rules as
@@ -340,11 +393,33 @@ mod tests {
         for (amount, cents) in [
             ("1999.0", 1999),
             ("1.999e3", 1999),
+            ("1.999E+3", 1999),
+            ("199900e-2", 1999),
+            ("0.01e2", 1),
             ("1e12", MAX_AMOUNT_CENTS),
+            ("1000000000000.000000000000000000", MAX_AMOUNT_CENTS),
+            ("1e000000000000000000000012", MAX_AMOUNT_CENTS),
         ] {
             let r = parse(format!(r#"{{"order_id":"o","amount_cents":{amount}}}"#).as_bytes())
                 .unwrap_or_else(|e| panic!("{amount}: {e}"));
             assert_eq!(r.amount_cents, cents, "{amount}");
+        }
+        // A fraction a double would round away is still a fraction.
+        for amount in [
+            "999999999999.99999999999999999",
+            "1999.0000000000000001",
+            "1.9990000000000000001e3",
+            "5e-1",
+            "1e-999999999999999999999",
+            "1e999999999999999999999",
+            "0e5",
+            "-0",
+        ] {
+            assert_eq!(
+                err(&format!(r#"{{"order_id":"o","amount_cents":{amount}}}"#)),
+                "invalid_amount",
+                "{amount}"
+            );
         }
         for cur in ["\"usd\"", "\"US\"", "\"USDD\"", "null", "1"] {
             assert_eq!(
@@ -431,11 +506,52 @@ mod tests {
             if repeated {
                 proptest::prop_assert_eq!(got.unwrap_err().code(), "duplicate_field");
             } else {
-                let Value::Object(map) = serde_json::from_str::<Value>(&body).unwrap() else {
-                    unreachable!("an object was written");
-                };
+                let map: Members = serde_json::from_str(&body).unwrap();
                 proptest::prop_assert_eq!(got, validate(&map));
             }
+        }
+
+        /// A whole amount parses as itself however it is written: plainly, with zeros after
+        /// a decimal point, or as a mantissa with an exponent.
+        #[test]
+        fn a_whole_amount_is_itself_in_every_notation(
+            cents in 1..=MAX_AMOUNT_CENTS,
+            zeros in 0usize..30,
+            shift in 0usize..14,
+            upper in proptest::bool::ANY,
+        ) {
+            let digits = cents.to_string();
+            let shift = shift.min(digits.len() - 1);
+            let (int, frac) = digits.split_at(digits.len() - shift);
+            let e = if upper { "E" } else { "e" };
+            for text in [
+                digits.clone(),
+                format!("{digits}.{}", "0".repeat(zeros.max(1))),
+                if frac.is_empty() && zeros == 0 {
+                    format!("{int}{e}+{shift}")
+                } else {
+                    format!("{int}.{frac}{}{e}{shift}", "0".repeat(zeros))
+                },
+                format!("{digits}{}{e}-{zeros}", "0".repeat(zeros)),
+            ] {
+                let body = format!(r#"{{"order_id":"o","amount_cents":{text}}}"#);
+                let r = parse(body.as_bytes());
+                proptest::prop_assert_eq!(r.map(|r| r.amount_cents), Ok(cents), "{}", text);
+            }
+        }
+
+        /// A fraction that is not zero is refused wherever its first non-zero digit sits,
+        /// also past what a double can tell apart from the whole number.
+        #[test]
+        fn a_fraction_that_is_not_zero_is_refused(
+            cents in 0..=MAX_AMOUNT_CENTS,
+            zeros in 0usize..40,
+            digit in 1u8..=9,
+            tail in "[0-9]{0,5}",
+        ) {
+            let text = format!("{cents}.{}{digit}{tail}", "0".repeat(zeros));
+            let body = format!(r#"{{"order_id":"o","amount_cents":{text}}}"#);
+            proptest::prop_assert_eq!(parse(body.as_bytes()).unwrap_err(), RequestError::InvalidAmount);
         }
     }
 }
