@@ -102,8 +102,6 @@ struct LogFields {
     idempotency_key: Option<Box<str>>,
     trace_id: Option<Box<str>>,
     peer: Option<SocketAddr>,
-    /// 1 for a first attempt; the caller's `grpc-previous-rpc-attempts` + 1 otherwise.
-    attempt: u32,
     /// The request is a gRPC call: the event carries a `grpc_code`.
     grpc: bool,
 }
@@ -123,9 +121,6 @@ impl LogFields {
                 .map(|k| Box::from(k.as_str())),
             trace_id: trace_id(headers),
             peer: peer_fn.and_then(|f| f(request.extensions())),
-            attempt: header(&PREVIOUS_ATTEMPTS)
-                .and_then(|v| v.trim().parse::<u32>().ok())
-                .map_or(1, |previous| previous.saturating_add(1)),
             grpc: is_grpc(request),
         }
     }
@@ -137,6 +132,9 @@ pub(super) struct Record {
     route: Route,
     start: Instant,
     deadline: Option<Deadline>,
+    /// 1 for a first attempt; the caller's `grpc-previous-rpc-attempts` + 1 otherwise (a value
+    /// that is not a number counts as a first attempt).
+    attempt: u32,
     /// Read from the request only when the log event is enabled.
     log: Option<Box<LogFields>>,
     done: bool,
@@ -163,6 +161,12 @@ impl Record {
             route,
             start: Instant::now(),
             deadline,
+            attempt: request
+                .headers()
+                .get(&PREVIOUS_ATTEMPTS)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u32>().ok())
+                .map_or(1, |previous| previous.saturating_add(1)),
             log,
             done: false,
             #[cfg(feature = "otel")]
@@ -179,7 +183,8 @@ impl Record {
         let now = Instant::now();
         let elapsed = now.saturating_duration_since(self.start);
         self.route.inflight(-1.0);
-        self.route.finished(outcome, elapsed.as_secs_f64());
+        self.route
+            .finished(self.attempt, outcome, elapsed.as_secs_f64());
         let log = self.log.as_deref();
         // A gRPC answer without a code in its head sends it in the trailers after the message,
         // which only a successful call does here.
@@ -207,7 +212,7 @@ impl Record {
                     .unwrap_or(u64::MAX)
             }),
             idempotency_key = log.and_then(|l| l.idempotency_key.as_deref()),
-            attempt = log.map(|l| l.attempt),
+            attempt = log.map(|_| self.attempt),
             peer = log.and_then(|l| l.peer).map(tracing::field::display),
             trace_id = log.and_then(|l| l.trace_id.as_deref()),
             "{}",

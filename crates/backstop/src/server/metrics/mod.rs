@@ -3,7 +3,11 @@
 //! [`MetricsLayer`] sits right inside the deadline layer, so it sees every request, including
 //! the ones refused by the layers below it. Per request it records:
 //!
-//! - `rpc_server_requests_total{service,method,outcome}`: `outcome` is one of `ok`, `retryable`,
+//! - `rpc_server_requests_total{service,method,attempt,outcome}`: `attempt` is the caller's
+//!   attempt number, 1 + its `grpc-previous-rpc-attempts` header (absent: 1), labelled `"1"`
+//!   to `"5"` then `"6+"` as the client labels its own ([`observe::attempt_label`]), so a
+//!   dashboard splits the server's answers and latency by attempt as it splits the client's;
+//!   `outcome` is one of `ok`, `retryable`,
 //!   `fatal`, `timeout`, `rejected`, `cancelled`, read from the answer's head by
 //!   [`Outcome::of_head`], as the client reads the same answer (its `grpc-status` if it has
 //!   one, as every trailers-only gRPC error does, else its HTTP status; a 409 with a pushback
@@ -11,7 +15,7 @@
 //!   carrying the [`Rejected`] extension (set by the rate limiter and the gate) counts as
 //!   `rejected` (its caller sees a 503's `retryable`), and a problem answer as its own
 //!   outcome says;
-//! - `rpc_server_duration_seconds{service,method,outcome}` (histogram);
+//! - `rpc_server_duration_seconds{service,method,attempt,outcome}` (histogram);
 //! - `rpc_server_inflight{service,method}` (gauge);
 //! - one `tracing` event `rpc_server_request` with `service`, `method`, `status`, `outcome`,
 //!   `grpc_code` (gRPC calls only), `duration_ms` (to the microsecond), `deadline_remaining_ms`, `idempotency_key` (from the header, when it is a
@@ -93,9 +97,10 @@ struct Handles {
     /// Identity of the recorder the handles belong to (see [`observe::recorder_id`]).
     recorder: usize,
     inflight: Gauge,
-    /// `rpc_server_requests_total` and `rpc_server_duration_seconds` per outcome, registered on
-    /// the first request with that outcome (as the macros would), indexed by [`Outcome::index`].
-    by_outcome: [OnceLock<(Counter, Histogram)>; Outcome::ALL.len()],
+    /// `rpc_server_requests_total` and `rpc_server_duration_seconds` per attempt label and
+    /// outcome, registered on the first request with those labels (as the macros would),
+    /// indexed by [`finished_index`].
+    finished: [OnceLock<(Counter, Histogram)>; ATTEMPT_LABELS * Outcome::ALL.len()],
     /// `idempotency_claims_total` per claim result, indexed by [`claim_index`].
     claims: [OnceLock<Counter>; 4],
 }
@@ -168,7 +173,7 @@ impl Route {
                 label::SERVICE => self.service_label(),
                 label::METHOD => self.method_label(),
             ),
-            by_outcome: Default::default(),
+            finished: std::array::from_fn(|_| OnceLock::new()),
             claims: Default::default(),
         });
         (handles.recorder == recorder).then_some(handles)
@@ -187,28 +192,31 @@ impl Route {
         }
     }
 
-    /// Counts one finished request in `rpc_server_requests_total` and its duration in
-    /// `rpc_server_duration_seconds`.
-    pub(super) fn finished(&self, outcome: Outcome, seconds: f64) {
+    /// Counts one finished request (`attempt` is 1-based) in `rpc_server_requests_total` and
+    /// its duration in `rpc_server_duration_seconds`.
+    pub(super) fn finished(&self, attempt: u32, outcome: Outcome, seconds: f64) {
         let resolve = || {
             (
                 metrics::counter!(
                     observe::RPC_SERVER_REQUESTS_TOTAL,
                     label::SERVICE => self.service_label(),
                     label::METHOD => self.method_label(),
+                    label::ATTEMPT => observe::attempt_label(attempt),
                     label::OUTCOME => outcome.as_str(),
                 ),
                 metrics::histogram!(
                     observe::RPC_SERVER_DURATION_SECONDS,
                     label::SERVICE => self.service_label(),
                     label::METHOD => self.method_label(),
+                    label::ATTEMPT => observe::attempt_label(attempt),
                     label::OUTCOME => outcome.as_str(),
                 ),
             )
         };
         match self.handles() {
             Some(handles) => {
-                let (requests, duration) = handles.by_outcome[outcome.index()].get_or_init(resolve);
+                let (requests, duration) =
+                    handles.finished[finished_index(attempt, outcome)].get_or_init(resolve);
                 requests.increment(1);
                 duration.record(seconds);
             }
@@ -237,6 +245,16 @@ impl Route {
             _ => resolve().increment(1),
         }
     }
+}
+
+/// Attempt labels a server sees: `"1"` to `"5"` and `"6+"` (never `"0"`).
+const ATTEMPT_LABELS: usize = 6;
+
+/// Index of an attempt's and an outcome's handles in [`Handles::finished`]: attempts past the
+/// fifth share the `"6+"` label, and so one slot.
+fn finished_index(attempt: u32, outcome: Outcome) -> usize {
+    let attempt = (attempt.clamp(1, ATTEMPT_LABELS as u32) - 1) as usize;
+    attempt * Outcome::ALL.len() + outcome.index()
 }
 
 fn claim_index(result: &str) -> Option<usize> {

@@ -67,6 +67,47 @@ fn counts_requests_by_route_and_outcome() {
     }
 }
 
+/// The server labels each request with the caller's attempt, as the client labels its own:
+/// 1 + `grpc-previous-rpc-attempts`, bounded at `6+`; no header (or not a number) is a first
+/// attempt.
+#[test]
+fn requests_are_labelled_with_the_callers_attempt() {
+    let previous = [
+        None,
+        Some("0"),
+        Some("1"),
+        Some("2"),
+        Some("9"),
+        Some("junk"),
+    ];
+    let ((), m) = with_metrics(|| async {
+        for header in previous {
+            let svc = layer().layer(service_fn(|_req: Request<Bytes>| async {
+                Ok::<_, Infallible>(Response::new(Bytes::new()))
+            }));
+            let mut req = request(Method::POST, "/v1/payments");
+            if let Some(value) = header {
+                req.headers_mut()
+                    .insert("grpc-previous-rpc-attempts", value.parse().unwrap());
+            }
+            svc.oneshot(req).await.unwrap();
+        }
+    });
+    for (attempt, count) in [("1", 3), ("2", 1), ("3", 1), ("6+", 1)] {
+        let labels = [("attempt", attempt), ("outcome", "ok")];
+        assert_eq!(
+            m.counter(RPC_SERVER_REQUESTS_TOTAL, &labels),
+            count,
+            "attempt {attempt}"
+        );
+        assert_eq!(
+            m.samples(RPC_SERVER_DURATION_SECONDS, &labels),
+            count as usize
+        );
+    }
+    assert_eq!(m.counter(RPC_SERVER_REQUESTS_TOTAL, &[]), 6);
+}
+
 #[test]
 fn rejected_marker_makes_a_503_rejected() {
     let (_, m) = with_metrics(|| async {
