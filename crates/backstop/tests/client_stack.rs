@@ -124,6 +124,83 @@ async fn one_logical_call_is_attempts_with_one_key_and_a_shrinking_budget() {
     assert!(budgets.windows(2).all(|w| w[1] < w[0]), "{budgets:?}");
 }
 
+/// A server that gave up waiting (504, `DEADLINE_EXCEEDED`) may still have done the work: a
+/// call is sent again after one only when it carries a key (the server tells the retry from a
+/// new call by it) and its method lists the code. A method without a key cannot list it at
+/// all, and a keyed method's default codes leave it out.
+#[tokio::test]
+async fn a_deadline_exceeded_answer_is_retried_only_with_a_key() {
+    use backstop::policy::InvalidPolicy;
+    use backstop::status::Code;
+
+    let unkeyed = MethodPolicy::builder("Transfer", Idempotency::Unsafe)
+        .retryable([Code::DeadlineExceeded])
+        .build()
+        .validate();
+    assert!(
+        matches!(
+            unkeyed,
+            Err(InvalidPolicy::UnsafeRetry {
+                code: Code::DeadlineExceeded,
+                ..
+            })
+        ),
+        "{unkeyed:?}"
+    );
+
+    let recorder = Recorder::default();
+    let app = Router::new()
+        .route(
+            "/v1/charges",
+            post(|State(r): State<Recorder>, headers: HeaderMap| async move {
+                r.push(&headers);
+                // Every first attempt times out; a retry is answered.
+                if !headers.contains_key("grpc-previous-rpc-attempts") {
+                    (StatusCode::GATEWAY_TIMEOUT, "gave up waiting")
+                } else {
+                    (StatusCode::CREATED, "charged")
+                }
+            }),
+        )
+        .with_state(recorder.clone());
+    let addr = serve(app).await;
+    let uri = format!("http://{addr}/v1/charges");
+    let dest = Destination::new("psp");
+    let call = async |policy: MethodPolicy| {
+        let svc = ClientStack::builder(&dest, policy)
+            .build()
+            .unwrap()
+            .layer(client());
+        svc.oneshot(post_charge(&uri, "{}")).await.unwrap()
+    };
+
+    // Keyed, with the default codes: the 504 is the answer.
+    let response = call(charge_contract()).await;
+    assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
+    let stopped = response.extensions().get::<RetryStopped>().unwrap();
+    assert_eq!(stopped.attempts, 1);
+    assert_eq!(recorder.seen().len(), 1);
+
+    // Keyed and listing the code: sent again under the same key, and answered.
+    let listing = MethodPolicy::builder("Charge", Idempotency::Keyed)
+        .timeout(Duration::from_secs(5))
+        .key_ttl(KEY_TTL_PAYMENTS)
+        .retryable([Code::Unavailable, Code::DeadlineExceeded])
+        .build();
+    let response = call(listing).await;
+    assert_eq!(
+        response.status(),
+        StatusCode::CREATED,
+        "{:?}",
+        response.extensions().get::<RetryStopped>()
+    );
+    let seen = recorder.seen();
+    assert_eq!(seen.len(), 3, "the keyed call was sent twice");
+    assert!(seen[1].key.is_some());
+    assert_eq!(seen[1].key, seen[2].key);
+    assert_eq!(seen[2].previous.as_deref(), Some("1"));
+}
+
 #[tokio::test]
 async fn retries_through_the_server_stack_charge_once() {
     let charges = Arc::new(AtomicUsize::new(0));
