@@ -1,13 +1,17 @@
 //! `backstop chaos --target proxy` end to end, at CI scale: keyed requests retried through
 //! SIGKILLs of `backstop proxy` in front of the Python upstream (`support/upstream.py`), which
 //! lists the effects it executed at `/_effects`; the checker reads them and finds no key
-//! executed twice. Bounded: a few dozen keys, three kills, a two-minute cap.
+//! executed twice. Bounded: a few dozen keys, three kills, a two-minute cap. The same with a
+//! fleet: three proxies on one PostgreSQL store (a schema the command creates for the run),
+//! random ones killed.
 
 #[path = "support/proxy_harness.rs"]
 mod proxy_harness;
 #[path = "../../backstop/tests/support/python.rs"]
 #[allow(dead_code)]
 mod python;
+#[path = "../../backstop/tests/support/services.rs"]
+mod services;
 
 use std::process::Stdio;
 
@@ -97,4 +101,27 @@ async fn behind_an_upstream_that_dedups_every_key_is_executed_exactly_once() {
     assert_clean(success, &summary);
     assert_eq!(summary["acknowledged"], PAYMENTS, "{summary:#}");
     assert_eq!(summary["psp_charges"], PAYMENTS, "{summary:#}");
+}
+
+/// Three proxies share one PostgreSQL store; the chaos run spreads its keys over them and
+/// kills random instances. A key claimed through one proxy is never forwarded again through
+/// another, whichever was killed: no key executed twice, every acknowledged key executed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_three_proxies_on_one_postgres_store_executes_no_key_twice() {
+    if !python_ready().await || !services::postgres() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = Upstream::start(dir.path()).await;
+    let store = services::postgres_url();
+    let (success, summary) = chaos(&upstream, &["--store", &store, "--instances", "3"]).await;
+    assert_clean(success, &summary);
+    assert_eq!(summary["store"], "postgres", "{summary:#}");
+    assert_eq!(summary["instances"], 3, "{summary:#}");
+    let refused = summary["refused"].as_u64().expect("refused");
+    assert_eq!(
+        summary["acknowledged"].as_u64().unwrap() + refused,
+        PAYMENTS,
+        "{summary:#}"
+    );
 }
