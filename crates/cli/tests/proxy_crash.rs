@@ -1,7 +1,8 @@
 //! `backstop proxy` through crashes and lost answers, against the Python upstream
 //! (`support/upstream.py`): kill -9 of the proxy mid-request then a retry (outcome unknown,
 //! or forwarded again under the same effect key where the upstream deduplicates), an answer
-//! lost on its way back, and keys retried through several SIGKILLs.
+//! lost on its way back, keys retried through several SIGKILLs, and a SIGTERM under load (the
+//! requests in flight finish, nothing is executed twice).
 
 #[path = "support/proxy_harness.rs"]
 mod proxy_harness;
@@ -283,4 +284,61 @@ async fn keys_retried_through_sigkills_of_the_proxy_are_executed_at_most_once() 
     }
     eprintln!("chaos: {acked} acknowledged, {unknown} outcome_unknown, 4 kills");
     assert_eq!(acked + unknown, 30);
+}
+
+/// SIGTERM while keyed requests are at the upstream: the proxy stops taking new ones, lets
+/// those in flight finish (each answered 201) and exits cleanly; a proxy started again on the
+/// same store replays each key's answer, and the upstream executed each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_lets_requests_in_flight_finish_and_executes_nothing_twice() {
+    const IN_FLIGHT: usize = 10;
+    let Some(rig) = Rig::start(&[]).await else {
+        return;
+    };
+    let Rig {
+        http,
+        mut proxy,
+        upstream,
+        dir,
+    } = rig;
+    let body = r#"{"amount":5}"#;
+    let key = |i: usize| format!("drain-{i}");
+    let mut pending = tokio::task::JoinSet::new();
+    for i in 0..IN_FLIGHT {
+        let request = charge(&http, &proxy.base, "/v1/charges", &key(i), body)
+            .header("X-Upstream-Sleep-Ms", "1500");
+        pending.spawn(send(request));
+    }
+    wait_for("every request to be at the upstream", async || {
+        (upstream.of("effect", None).len() == IN_FLIGHT).then_some(())
+    })
+    .await;
+
+    let pid = proxy.child.id().expect("running").to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(sent.success());
+    for answer in pending.join_all().await {
+        let answer = answer.expect("a request in flight is answered, not cut");
+        answer.assert_status(201);
+    }
+    let status = tokio::time::timeout(PATIENCE, proxy.child.wait())
+        .await
+        .expect("the proxy exits once drained")
+        .unwrap();
+    assert!(status.success(), "{status}");
+
+    let proxy = Proxy::start(dir.path(), &upstream.url).await;
+    for i in 0..IN_FLIGHT {
+        let again = call(charge(&http, &proxy.base, "/v1/charges", &key(i), body)).await;
+        assert_eq!(
+            (again.status, again.replayed()),
+            (201, true),
+            "{}",
+            again.text()
+        );
+        assert_eq!(upstream.effects(&key(i)).len(), 1, "{}", key(i));
+    }
 }

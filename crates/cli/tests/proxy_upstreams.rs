@@ -2,8 +2,10 @@
 //! (`support/upstream.py`): of two, one goes down, the traffic goes to the other, the breaker
 //! of the one that is down opens, and closes again once it is back; an upstream failing most
 //! requests drops the admission limit to slow start's floor, and it ramps back as they
-//! succeed; slow attempts are hedged on safe routes only. Every step waits for a condition,
-//! never a time.
+//! succeed; slow attempts are hedged on safe routes only; with every endpoint down at once,
+//! every breaker opens, requests are answered 503 + `Retry-After` instead of waiting out their
+//! budget, and traffic flows again once one endpoint is back. Every step waits for a
+//! condition, never a time.
 
 #[path = "support/proxy_harness.rs"]
 mod proxy_harness;
@@ -84,6 +86,86 @@ async fn an_upstream_that_goes_down_is_left_out_by_its_breaker_until_it_is_back(
     .await;
     // The upstream as a whole never failed: its own breaker stayed closed.
     assert_eq!(breaker_state(&proxy, "upstream").await, Some(0.0));
+}
+
+/// Both endpoints down at once: their breakers open, then the upstream's own; every request is
+/// answered 503 with `Retry-After` (a budget of 30 s is never waited out: no 504), and once one
+/// endpoint is back on its port the requests reach it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_endpoint_down_every_breaker_opens_and_requests_get_503_until_one_is_back() {
+    if !python_ready().await {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let port_args = ["--port", port.as_str()];
+    let start_one = || Upstream::start_script(dir.path(), "upstream.py", &port_args);
+    let mut one = start_one().await;
+    let mut two = Upstream::start(dir.path()).await;
+    let proxy = Proxy::options(dir.path(), &[&one.url, &two.url])
+        .args(&["--endpoint-breaker-min-requests", "4"])
+        .args(&["--endpoint-breaker-open-for", "1s"])
+        .start()
+        .await;
+    let http = client();
+    let labels = [
+        format!("upstream@127.0.0.1:{port}"),
+        two.url.replace("http://", "upstream@"),
+    ];
+    let get = |n: usize| {
+        http.get(format!("{}/v1/charges/c-{n}", proxy.base))
+            .header("grpc-timeout", "30S")
+    };
+    let read = async |n: usize| call(get(n)).await;
+    read(0).await.assert_status(200);
+
+    one.kill().await;
+    two.kill().await;
+    let mut n = 0;
+    wait_for("every breaker to open", async || {
+        // A wave at once, so that the upstream's breaker sees its minimum of requests.
+        let mut wave = tokio::task::JoinSet::new();
+        for i in 0..8 {
+            wave.spawn(call(get(n * 8 + i + 1)));
+        }
+        n += 1;
+        for answer in wave.join_all().await {
+            answer.assert_status(503);
+            assert!(
+                answer.headers.contains_key("retry-after"),
+                "{}",
+                answer.text()
+            );
+        }
+        let mut open = true;
+        for label in labels.iter().map(String::as_str).chain(["upstream"]) {
+            open &= breaker_state(&proxy, label).await == Some(2.0);
+        }
+        open.then_some(())
+    })
+    .await;
+    for i in 0..5 {
+        let answer = read(1000 + i).await;
+        answer.assert_status(503);
+        assert!(
+            answer.headers.contains_key("retry-after"),
+            "{}",
+            answer.text()
+        );
+    }
+
+    let one = start_one().await;
+    let mut n = 2000;
+    wait_for(
+        "a request to reach the endpoint that came back",
+        async || {
+            n += 1;
+            let answer = read(n).await;
+            (answer.status == 200).then_some(())
+        },
+    )
+    .await;
+    assert!(!one.of("received", None).is_empty());
 }
 
 /// The admission limit (`rpc_server_concurrency_limit`).
