@@ -562,9 +562,10 @@ mod tests {
         assert_ne!(run(3), run(4));
     }
 
-    /// Little's law: 1000/s at 250 ms keeps about 250 requests in flight (L = lambda W), a
-    /// limit sized by lambda x W_p99 x 1.2 serves it; a limit too small refuses the excess,
-    /// and behind an unbounded queue it makes latency and memory grow without bound.
+    /// Little's law: 1000/s at 150 ms (p99 250 ms) keeps about 150 requests in flight
+    /// (L = lambda W), a limit sized by lambda x W_p99 x 1.2 (the chapter's 300) serves it; a
+    /// limit too small refuses the excess, and behind an unbounded queue it makes latency and
+    /// memory grow without bound.
     #[test]
     fn littles_law_holds_and_a_small_limit_hurts() {
         let report = simulate(&args(ScenarioKind::LittlesLaw, 0.2, 20)).unwrap();
@@ -572,11 +573,12 @@ mod tests {
         let small = &report.runs[1].summary;
         let queued = &report.runs[2].summary;
         assert!(enough.little.relative_error < 0.05, "{:?}", enough.little);
-        // 200/s at 250 ms: about 50 in flight.
-        assert!((enough.little.l - 50.0).abs() < 5.0, "{:?}", enough.little);
+        // 200/s at 150 ms: about 30 in flight, and 60 places (200 x 0.25 x 1.2).
+        assert_eq!(report.runs[0].policy, "limit-60");
+        assert!((enough.little.l - 30.0).abs() < 3.0, "{:?}", enough.little);
         assert!(enough.refused == 0 && enough.success > 0.97, "{enough:?}");
-        // 40 places for 50 needed: the gate's queue refuses the excess early, and serves what
-        // 40 places can (160/s of 200/s), no more.
+        // 20 places for 30 needed: the gate's queue refuses the excess early, and serves what
+        // 20 places can (about 133/s of 200/s), no more.
         assert!(small.success < 0.9 && small.refused > 0, "{small:?}");
         assert!(
             small.focus_goodput < 0.85 * enough.focus_goodput,

@@ -516,7 +516,8 @@ fn slowdown(knobs: Knobs) -> Scenario {
 fn littles_law(knobs: Knobs) -> Scenario {
     // Enough workers that only the admission limit binds.
     let workers_cap = scaled(5_000.0, knobs.scale);
-    let latency = lognormal(250, 300);
+    // The chapter's own figures: 1000/s with a p99 of 250 ms, so C = 1000 x 0.25 x 1.2 = 300.
+    let latency = lognormal(150, 250);
     let phases = vec![Phase {
         from: Duration::ZERO,
         downstream: Downstream::Latency(latency),
@@ -524,8 +525,9 @@ fn littles_law(knobs: Knobs) -> Scenario {
     let offered = knobs.rate.unwrap_or(1_000.0);
     let rate = offered * knobs.scale;
     // C = lambda x W_p99 x 1.2
-    let needed = scaled(offered * 0.300 * 1.2, knobs.scale);
-    let small = scaled(offered * 0.2, knobs.scale);
+    let needed = scaled(offered * 0.250 * 1.2, knobs.scale);
+    // Below L = lambda x W (150 in flight on average): too small.
+    let small = scaled(offered * 0.1, knobs.scale);
     let timeout = SECOND;
     let gate = |limit: usize| ServerConfig {
         limit: LimitKind::Fixed(limit),
@@ -573,8 +575,8 @@ fn littles_law(knobs: Knobs) -> Scenario {
         },
         notes: vec![
             format!(
-                "{rate:.0}/s, 250 ms mean (p99 300 ms), 1 s deadline, no retries: L = lambda x W = {:.0} in flight on average; C = lambda x W_p99 x 1.2 = {needed}",
-                rate * 0.250
+                "{rate:.0}/s, 150 ms mean (p99 250 ms), 1 s deadline, no retries: L = lambda x W = {:.0} in flight on average; C = lambda x W_p99 x 1.2 = {needed}",
+                rate * 0.150
             ),
             format!(
                 "limit-{needed}: enough. limit-{small}: too small, the gate refuses what cannot wait. limit-{small}-unbounded-queue: too small behind an unbounded queue: latency and memory grow without bound (memory at {} KiB per waiting request)",
