@@ -14,9 +14,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-const EXAMPLES: [&str; 6] = [
+const EXAMPLES: [&str; 7] = [
     "two_hop",
     "amplification",
+    "sync_retries",
     "axum_server",
     "tonic_server",
     "tonic_client",
@@ -153,6 +154,19 @@ async fn two_hop() {
             "caller gave 500 ms: 201 Created",
             "gRPC caller gave 100 ms: DeadlineExceeded",
             "ok: ",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn sync_retries() {
+    run(
+        "sync_retries",
+        &[
+            "sync retries (a connection held through the sleeps): 16.7 requests/s",
+            "backstop (a call slot per attempt, none while sleeping): 40.0 requests/s",
+            "ok: the sync loop serves a third",
         ],
     )
     .await;
