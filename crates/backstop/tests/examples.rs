@@ -14,10 +14,11 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-const EXAMPLES: [&str; 7] = [
+const EXAMPLES: [&str; 8] = [
     "two_hop",
     "amplification",
     "sync_retries",
+    "fixed_window",
     "axum_server",
     "tonic_server",
     "tonic_client",
@@ -167,6 +168,19 @@ async fn sync_retries() {
             "sync retries (a connection held through the sleeps): 16.7 requests/s",
             "backstop (a call slot per attempt, none while sleeping): 40.0 requests/s",
             "ok: the sync loop serves a third",
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn fixed_window() {
+    run(
+        "fixed_window",
+        &[
+            "fixed window of 100/min: 200 requests passed within 2 s across the boundary",
+            "token bucket of 100/min (burst 100): 103 requests passed within 2 s",
+            "ok: the fixed window let twice its limit through",
         ],
     )
     .await;

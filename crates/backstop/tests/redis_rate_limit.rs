@@ -112,6 +112,62 @@ async fn allows_the_burst_then_denies_with_the_wait() {
     assert_eq!(b.check("globex").await.unwrap(), Ok(()));
 }
 
+/// The race a distributed bucket must not have: clients that read the tokens (GET), decide,
+/// then write them back (SET) all read the same count when their reads come before their
+/// writes, and each takes "the last token". Here every client reads before any writes (the
+/// interleaving that load produces sooner or later, forced so that the count is exact): 20
+/// clients on a bucket of 10 tokens are all let through. The library's bucket reads, decides
+/// and writes in one script, which Redis runs atomically: of the same 20, exactly 10 pass.
+#[tokio::test]
+async fn get_then_set_over_issues_where_the_atomic_script_does_not() {
+    if !services::redis() {
+        return;
+    }
+    const CLIENTS: usize = 20;
+    const TOKENS: u32 = 10;
+    let key = format!("{}tokens", prefix("get_then_set"));
+    let mut conn = raw().await;
+    let _: () = conn.set(&key, TOKENS).await.unwrap();
+    let read_all = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let mut clients = tokio::task::JoinSet::new();
+    for _ in 0..CLIENTS {
+        let (mut conn, key, read_all) = (conn.clone(), key.clone(), read_all.clone());
+        clients.spawn(async move {
+            let tokens: u32 = conn.get(&key).await.unwrap();
+            read_all.wait().await;
+            if tokens == 0 {
+                return false;
+            }
+            let _: () = conn.set(&key, tokens - 1).await.unwrap();
+            true
+        });
+    }
+    let naive = clients
+        .join_all()
+        .await
+        .into_iter()
+        .filter(|&ok| ok)
+        .count();
+    assert_eq!(naive, CLIENTS, "every client read 10 and took one");
+
+    let b = Arc::new(bucket(&prefix("get_then_set_script"), hourly(TOKENS)));
+    let mut clients = tokio::task::JoinSet::new();
+    for _ in 0..CLIENTS {
+        let b = b.clone();
+        clients.spawn(async move { b.check("acme").await.unwrap().is_ok() });
+    }
+    let atomic = clients
+        .join_all()
+        .await
+        .into_iter()
+        .filter(|&ok| ok)
+        .count();
+    assert_eq!(
+        atomic, TOKENS as usize,
+        "the script issues the bucket's tokens, no more"
+    );
+}
+
 #[tokio::test]
 async fn two_instances_share_one_bucket() {
     if !services::redis() {
