@@ -4,6 +4,7 @@
 //! - `args`: the flags and the settings they make;
 //! - `policy`: the routes file, the library's method policy table as TOML, and
 //!   `--check-config`;
+//! - `scope`: whose a key is (a hash of the caller's credentials, or the shared scope);
 //! - `budget`: deadlines across the hop (timeout headers in, the same form out);
 //! - `forward`: the service at the bottom of the stack, sending requests upstream;
 //! - `endpoints`: the upstream endpoints, balanced, each behind a breaker of its own;
@@ -25,6 +26,7 @@ mod endpoints;
 mod forward;
 pub(crate) mod policy;
 mod routes;
+mod scope;
 mod server;
 
 use std::error::Error;
@@ -33,7 +35,8 @@ use std::process::ExitCode;
 
 use self::args::Mode;
 pub(crate) use self::args::ProxyArgs;
-use self::policy::RouteTable;
+use self::policy::{PolicyFileError, RouteTable};
+use self::scope::ScopeHeaders;
 
 /// Runs `backstop proxy` with `args` until `shutdown` resolves, or checks a routes file.
 pub(crate) async fn run(
@@ -44,9 +47,13 @@ pub(crate) async fn run(
         .mode()
         .unwrap_or_else(|error| crate::usage_error(error, "proxy"));
     match mode {
-        Mode::Check(file) => match RouteTable::load(&file) {
-            Ok(table) => {
-                print!("{}", table.explain());
+        Mode::Check(file, scope_flag) => match RouteTable::load(&file).and_then(|table| {
+            let scopes = ScopeHeaders::resolve(scope_flag, table.scope_headers.as_deref())
+                .map_err(|e| PolicyFileError::new(&file, e))?;
+            Ok(table.explain(&scopes))
+        }) {
+            Ok(text) => {
+                print!("{text}");
                 Ok(ExitCode::SUCCESS)
             }
             Err(error) => {
