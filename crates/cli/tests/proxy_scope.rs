@@ -177,6 +177,11 @@ async fn records_written_before_scopes_stay_in_the_shared_scope() {
     let first = order(&before.base, "/v1/charges", "legacy-1", Some("alice-token")).await;
     first.assert_status(201);
     before.kill9().await;
+    assert_eq!(
+        scopes_of(&dir.path().join("proxy.db"), "legacy-1"),
+        ["default"],
+        "the scope every record had before this version"
+    );
 
     // The same store under the default: the record stays in the shared scope until it
     // expires, where a request without credentials finds it...
@@ -190,6 +195,28 @@ async fn records_written_before_scopes_stay_in_the_shared_scope() {
     alice.assert_status(201);
     assert!(!alice.replayed());
     assert_eq!(upstream.effects("legacy-1").len(), 2);
+}
+
+/// The scopes `key` has a record under in the SQLite store at `db` (in whichever of its
+/// tables holds records).
+fn scopes_of(db: &std::path::Path, key: &str) -> Vec<String> {
+    let db = rusqlite::Connection::open(db).unwrap();
+    let tables: Vec<String> = db
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let mut scopes = Vec::new();
+    for table in tables {
+        let Ok(mut select) = db.prepare(&format!("SELECT scope FROM {table} WHERE key = ?1")) else {
+            continue;
+        };
+        let found = select.query_map([key], |row| row.get::<_, String>(0)).unwrap();
+        scopes.extend(found.map(Result::unwrap));
+    }
+    scopes
 }
 
 #[tokio::test]
