@@ -292,7 +292,11 @@ async fn unknown_routes_pass_through_and_callers_cannot_choose_the_effect_key() 
     // An unknown POST without a key is forwarded as it came, each time; one with a key is
     // keyed (the fallback is `auto`), whatever its body.
     for _ in 0..2 {
-        let post = call(http.post(format!("{}/v2/other", proxy.base)).body("not json")).await;
+        let post = call(
+            http.post(format!("{}/v2/other", proxy.base))
+                .body("not json"),
+        )
+        .await;
         assert_eq!(post.status, 201);
         assert!(!post.replayed());
     }

@@ -210,10 +210,13 @@ fn scopes_of(db: &std::path::Path, key: &str) -> Vec<String> {
         .unwrap();
     let mut scopes = Vec::new();
     for table in tables {
-        let Ok(mut select) = db.prepare(&format!("SELECT scope FROM {table} WHERE key = ?1")) else {
+        let Ok(mut select) = db.prepare(&format!("SELECT scope FROM {table} WHERE key = ?1"))
+        else {
             continue;
         };
-        let found = select.query_map([key], |row| row.get::<_, String>(0)).unwrap();
+        let found = select
+            .query_map([key], |row| row.get::<_, String>(0))
+            .unwrap();
         scopes.extend(found.map(Result::unwrap));
     }
     scopes

@@ -212,8 +212,8 @@ impl ProxyArgs {
             .map(|name| header("--timeout-header", name))
             .collect::<Result<Vec<_>, _>>()?;
         let effect_key_header = header("--effect-key-header", &self.effect_key_header)?;
-        let scopes = ScopeHeaders::resolve(scope_flag, table.scope_headers.as_deref())
-            .map_err(&invalid)?;
+        let scopes =
+            ScopeHeaders::resolve(scope_flag, table.scope_headers.as_deref()).map_err(&invalid)?;
         if effect_key_header == backstop::server::idempotency::IDEMPOTENCY_KEY {
             return Err(invalid(
                 "--effect-key-header cannot be Idempotency-Key: the caller's key is forwarded \
@@ -400,7 +400,9 @@ mod tests {
             "Cookie",
         ])
         .unwrap();
-        let names = ["x-api-key", "cookie"].map(HeaderName::from_static).to_vec();
+        let names = ["x-api-key", "cookie"]
+            .map(HeaderName::from_static)
+            .to_vec();
         assert_eq!(s.scopes, ScopeHeaders::resolve(names, None).unwrap());
         assert!(settings(&["--upstream", "http://h:1", "--scope-header", "a b"]).is_err());
         assert_eq!(

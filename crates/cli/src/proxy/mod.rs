@@ -4,7 +4,9 @@
 //! - `args`: the flags and the settings they make;
 //! - `policy`: the routes file, the library's method policy table as TOML, and
 //!   `--check-config`;
+//! - `route_match`: a route's `match`;
 //! - `scope`: whose a key is (a hash of the caller's credentials, or the shared scope);
+//! - `auto`: the default class, keyed when a write carries a key;
 //! - `budget`: deadlines across the hop (timeout headers in, the same form out);
 //! - `forward`: the service at the bottom of the stack, sending requests upstream;
 //! - `endpoints`: the upstream endpoints, balanced, each behind a breaker of its own;
@@ -21,10 +23,12 @@
 //! upstream that honours the effect key.
 
 mod args;
+mod auto;
 mod budget;
 mod endpoints;
 mod forward;
 pub(crate) mod policy;
+mod route_match;
 mod routes;
 mod scope;
 mod server;

@@ -42,17 +42,18 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::num::NonZeroU32;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use backstop::policy::{
     Idempotency, KEY_TTL_SYNC, MAX_ATTEMPTS_CAP, MethodPolicies, MethodPolicy, MethodPolicyBuilder,
     Takeover,
 };
-use backstop::server::problem::Protocol;
 use http::Method;
 use serde::{Deserialize, Deserializer};
 
+use super::auto::twin_path;
+pub(crate) use super::auto::{KeyedTwin, Keying};
+pub(crate) use super::route_match::RouteMatch;
 use super::scope::ScopeHeaders;
 
 /// Largest routes file read.
@@ -186,79 +187,6 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Erro
     Ok(Some(parsed))
 }
 
-/// What a route applies to, as the library's table keys it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RouteMatch {
-    /// An HTTP method and path pattern.
-    Route(Method, String),
-    /// One path, any method: a gRPC method or an HTTP path without parameters.
-    Path(String),
-    /// Every method of a gRPC service.
-    Service(String),
-}
-
-impl std::fmt::Display for RouteMatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RouteMatch::Route(method, pattern) => write!(f, "{method} {pattern}"),
-            RouteMatch::Path(path) => f.write_str(path),
-            RouteMatch::Service(service) => write!(f, "/{service}/*"),
-        }
-    }
-}
-
-impl RouteMatch {
-    /// Parses a `match` text.
-    pub(crate) fn parse(text: &str) -> Result<RouteMatch, String> {
-        let text = text.trim();
-        if let Some((method, pattern)) = text.split_once(char::is_whitespace) {
-            let method = Method::from_bytes(method.as_bytes())
-                .map_err(|_| format!("{method:?} is not an HTTP method"))?;
-            let pattern = pattern.trim();
-            check_path(pattern)?;
-            return Ok(RouteMatch::Route(method, pattern.to_owned()));
-        }
-        check_path(text)?;
-        if let Some(service) = text
-            .strip_prefix('/')
-            .and_then(|rest| rest.strip_suffix("/*"))
-        {
-            if service.is_empty() || service.contains('/') {
-                return Err(format!(
-                    "{text:?}: a gRPC service is written /pkg.Service/*"
-                ));
-            }
-            return Ok(RouteMatch::Service(service.to_owned()));
-        }
-        if text.contains('{') {
-            return Err(format!(
-                "{text:?} has parameters: name the HTTP method too (`POST {text}`)"
-            ));
-        }
-        Ok(RouteMatch::Path(text.to_owned()))
-    }
-}
-
-fn check_path(path: &str) -> Result<(), String> {
-    if !path.starts_with('/') {
-        return Err(format!("{path:?} must start with /"));
-    }
-    if path.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("{path:?} holds a space or a control character"));
-    }
-    for segment in path.split('/') {
-        let opens = segment.matches('{').count();
-        let closes = segment.matches('}').count();
-        let whole = segment.starts_with('{') && segment.ends_with('}') && opens == 1;
-        if (opens > 0 || closes > 0) && !(whole && closes == 1 && segment.len() > 2) {
-            return Err(format!(
-                "{path:?}: a parameter is a whole segment, `{{name}}`"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// One route of the table, as the proxy acts on it.
 #[derive(Debug, Clone)]
 pub(crate) struct Route {
@@ -272,63 +200,7 @@ pub(crate) struct Route {
     pub(crate) shared: bool,
 }
 
-/// The policy an `auto` route's keyed requests run by, and where it is in the table.
-#[derive(Debug, Clone)]
-pub(crate) struct KeyedTwin {
-    /// Its path in the library's table ([`twin_path`]).
-    pub(crate) path: Arc<str>,
-    /// The route's policy, keyed.
-    pub(crate) policy: MethodPolicy,
-}
-
-/// Which requests of a route are keyed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Keying {
-    /// None (safe or unsafe).
-    Never,
-    /// A `POST` or `PATCH` carrying an `Idempotency-Key` (`auto`).
-    WhenSent,
-    /// Every one (keyed).
-    Always,
-}
-
-/// Where an `auto` route's keyed twin is in the library's table: a path no request has (a
-/// request's path starts with `/`, or is `*`), stable across reloads.
-fn twin_path(matches: Option<&RouteMatch>) -> Arc<str> {
-    match matches {
-        Some(matches) => format!("auto-keyed {matches}").into(),
-        None => "auto-keyed fallback".into(),
-    }
-}
-
 impl Route {
-    /// Which of its requests are keyed.
-    pub(crate) fn keying(&self) -> Keying {
-        if self.policy.requires_key() {
-            Keying::Always
-        } else if self.keyed_twin.is_some() {
-            Keying::WhenSent
-        } else {
-            Keying::Never
-        }
-    }
-
-    /// The keyed twin's path a request of `method` with `headers` runs under: on an `auto`
-    /// route, an HTTP `POST` or `PATCH` carrying an `Idempotency-Key`. Not a gRPC call: its
-    /// streams cannot be read whole, so only a route that says `keyed` keys it.
-    pub(crate) fn twin_for(
-        &self,
-        method: &Method,
-        headers: &http::HeaderMap,
-    ) -> Option<&Arc<str>> {
-        let twin = self.keyed_twin.as_ref()?;
-        let writes = *method == Method::POST || *method == Method::PATCH;
-        (writes
-            && headers.contains_key(backstop::server::idempotency::IDEMPOTENCY_KEY)
-            && Protocol::of(headers) == Protocol::Http)
-            .then_some(&twin.path)
-    }
-
     /// Whether the upstream deduplicates this keyed route by the effect key, so a retry after
     /// a crash may forward again.
     pub(crate) fn upstream_dedups(&self) -> bool {
@@ -888,12 +760,22 @@ mod tests {
         assert!(table.policies.for_path(twin).requires_key());
         assert_eq!(table.policies.for_path(twin).name(), FALLBACK_NAME);
         let mut grpc = keyed.clone();
-        grpc.insert("content-type", http::HeaderValue::from_static("application/grpc"));
-        assert!(route.twin_for(&Method::POST, &grpc).is_none(), "gRPC: by a keyed route only");
+        grpc.insert(
+            "content-type",
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        assert!(
+            route.twin_for(&Method::POST, &grpc).is_none(),
+            "gRPC: by a keyed route only"
+        );
         assert!(route.twin_for(&Method::PATCH, &keyed).is_some());
         assert!(route.twin_for(&Method::PUT, &keyed).is_none());
         assert!(route.twin_for(&Method::GET, &keyed).is_none());
-        assert!(route.twin_for(&Method::POST, &http::HeaderMap::new()).is_none());
+        assert!(
+            route
+                .twin_for(&Method::POST, &http::HeaderMap::new())
+                .is_none()
+        );
     }
 
     #[test]
@@ -916,7 +798,10 @@ mod tests {
         assert!(table.route_for(&Method::GET, "/v1/catalog").shared);
         assert_eq!(table.scope_headers.as_ref().unwrap().len(), 2);
         for (text, want) in [
-            ("[proxy]\nscope_headers = [\"bad header\"]\n", "not a header name"),
+            (
+                "[proxy]\nscope_headers = [\"bad header\"]\n",
+                "not a header name",
+            ),
             ("[policies.fallback]\nscope = \"everyone\"\n", "everyone"),
             (
                 "[policies.fallback]\nupstream_dedups_by_effect_key = true\n",

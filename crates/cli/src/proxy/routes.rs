@@ -224,7 +224,11 @@ pub(crate) fn check_reload(in_effect: &RouteTable, next: &RouteTable) -> Result<
             format!("route {}", after.policy.name())
         };
         kept(
-            &format!("route {} ({})", before.policy.name(), describe(&method, &path)),
+            &format!(
+                "route {} ({})",
+                before.policy.name(),
+                describe(&method, &path)
+            ),
             before,
             after,
             &by,

@@ -118,14 +118,22 @@ mod tests {
         assert_eq!(alice.as_str(), "h:96e65690325285ca2fba7778335ae326");
         let mallory = scopes.scope_of(false, &headers(&[("authorization", "Bearer mallory")]));
         assert_ne!(alice, mallory);
-        assert_eq!(scopes.scope_of(false, &headers(&[])).as_str(), Tenant::DEFAULT);
         assert_eq!(
-            scopes.scope_of(false, &headers(&[("x-api-key", "k")])).as_str(),
+            scopes.scope_of(false, &headers(&[])).as_str(),
+            Tenant::DEFAULT
+        );
+        assert_eq!(
+            scopes
+                .scope_of(false, &headers(&[("x-api-key", "k")]))
+                .as_str(),
             Tenant::DEFAULT,
             "not a scope header by default"
         );
         let alice_headers = headers(&[("authorization", "Bearer alice-token")]);
-        assert_eq!(scopes.scope_of(true, &alice_headers).as_str(), Tenant::DEFAULT);
+        assert_eq!(
+            scopes.scope_of(true, &alice_headers).as_str(),
+            Tenant::DEFAULT
+        );
     }
 
     #[test]
@@ -139,9 +147,17 @@ mod tests {
             scopes.scope_of(false, &headers(&[("x-api-key", "k1"), ("cookie", "s=2")]));
         assert_ne!(key, both);
         assert_ne!(both, other_cookie);
-        assert!(scopes.describe().contains("authorization, x-api-key, cookie"));
+        assert!(
+            scopes
+                .describe()
+                .contains("authorization, x-api-key, cookie")
+        );
         let none = ScopeHeaders::resolve(Vec::new(), Some(&[])).unwrap();
-        assert_eq!(none.scope_of(false, &headers(&[("authorization", "a")])).as_str(), "default");
+        assert_eq!(
+            none.scope_of(false, &headers(&[("authorization", "a")]))
+                .as_str(),
+            "default"
+        );
         assert!(none.describe().contains("every caller shares one scope"));
         assert!(ScopeHeaders::resolve(vec![name("x-api-key")], Some(&file)).is_err());
         assert_eq!(

@@ -23,9 +23,9 @@ use std::time::Duration;
 use backstop::admission::{FixedLimit, Gate, KeyedTokenBucket, QueueConfig, Quota, SlowStart};
 use backstop::clock::SystemClock;
 use backstop::db::sqlite::{Db, SqliteOptions};
+use backstop::idempotency::Sweeper;
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
-use backstop::idempotency::Sweeper;
 use backstop::server::listen::{ConnectionInfo, ListenConfig, Listener};
 use backstop::server::problem::Protocol;
 use backstop::server::{
