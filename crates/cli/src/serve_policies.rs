@@ -265,6 +265,14 @@ mod tests {
                 "the proxy's setting",
             ),
             (
+                "[[policies.route]]\nmatch = \"POST /v1/payments\"\nidempotency = \"auto\"\n",
+                "auto is the proxy's",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /v1/payments\"\nscope = \"shared\"\n",
+                "scope is the proxy's setting",
+            ),
+            (
                 "[[policies.route]]\nmatch = \"POST /v1/payments\"\nrate_class = \"gold\"\n",
                 "rate class `gold`",
             ),

@@ -14,8 +14,10 @@
 //! - `server`: the wiring (store, stack, listeners, drain).
 //!
 //! What the proxy promises on a keyed route: a request is forwarded at most once per
-//! `Idempotency-Key` while the key's record lives (its `key_ttl`), and every retry with the
-//! key gets the first answer replayed byte for byte. The exceptions are the ones the upstream
+//! `Idempotency-Key` and scope (the caller, a hash of its credentials: see `scope`) while the
+//! key's record lives (its `key_ttl`), and every retry with the key gets the first answer
+//! replayed byte for byte; a route that names no class keys the writes that carry a key
+//! (`auto`). The exceptions are the ones the upstream
 //! or the route allow: an upstream answer saying the request may run again (5xx, 429, 409 with
 //! `Retry-After`) marks the record failed, an answer saying the request was wrong (another
 //! 4xx) releases it, and a route whose upstream deduplicates by the effect key is forwarded
