@@ -386,11 +386,12 @@ fn full(response: Response<Bytes>) -> Response<AnswerBody> {
 }
 
 /// In front of the stack: a budget in a timeout header read as `grpc-timeout`, the scope
-/// (the [`Tenant`](backstop::server::Tenant) every layer reads), an `auto` route's keyed twin when the request is a
-/// write carrying a key, and a keyed request run on a task of its own. Once a keyed request is forwarded its answer is worth
-/// recording whether or not its caller still waits: a caller that timed out and retries with
-/// the same key then gets it replayed instead of an unknown outcome. Its deadline still
-/// bounds it (the deadline layer runs inside the task).
+/// (the [`Tenant`](backstop::server::Tenant) every layer reads), an `auto` route's keyed
+/// twin when the request is a write carrying a key, and a keyed request run on a task of its
+/// own. Once a keyed request is forwarded its answer is worth recording whether or not its
+/// caller still waits: a caller that timed out and retries with the same key then gets it
+/// replayed instead of an unknown outcome. Its deadline still bounds it (the deadline layer
+/// runs inside the task).
 #[derive(Clone)]
 struct Front<S> {
     stack: S,
