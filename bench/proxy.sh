@@ -2,7 +2,8 @@
 # `backstop proxy` against nginx as the reverse proxy in front of the same fast upstream, in
 # one run, modes interleaved round by round:
 #   nginx        - nginx (Debian's package), one worker, keep-alive to the upstream
-#   passthrough  - backstop proxy, no routes file: every request passes through
+#   passthrough  - backstop proxy, its fallback `unsafe`: every request passes through (without
+#                  it the fallback is `auto` and keys each POST that carries a key)
 #   keyed        - backstop proxy, the route keyed on its embedded SQLite store
 #                  (WAL, synchronous=FULL): each request claims and completes a new key
 # The upstream is the HTTP benchmark's plain axum server (http_bench_server bare: POST
@@ -45,6 +46,7 @@ trap cleanup EXIT
 start_bare_upstream "$target" "$work" taskset -c 1
 
 printf '[[policies.route]]\nmatch = "POST /v1/payments"\nidempotency = "keyed"\n' >"$work/keyed.toml"
+printf '[policies.fallback]\nidempotency = "unsafe"\n' >"$work/passthrough.toml"
 
 # start_proxy MODE ROUND: starts the proxy of MODE on core 0; sets $proxy_pid and $addr.
 start_proxy() {
@@ -63,7 +65,7 @@ start_proxy() {
       wait_port "$port"
       ;;
     passthrough | keyed | previous)
-      local config=() bin=$target/backstop
+      local config=(--config "$work/passthrough.toml") bin=$target/backstop
       [ "$mode" = keyed ] && config=(--config "$work/keyed.toml")
       [ "$mode" = previous ] && bin=$previous_bin
       (RUST_LOG=warn,backstop::proxy::server=info TOKIO_WORKER_THREADS=1 taskset -c 0 \

@@ -41,7 +41,9 @@ for mode in $modes; do
       cmd=(nginx -p "$work/nginx" -c "$work/nginx/nginx.conf")
       ;;
     passthrough)
-      cmd=("$target/backstop" --log-format json proxy
+      # Its fallback `unsafe`: every request passes through, its Idempotency-Key too.
+      printf '[policies.fallback]\nidempotency = "unsafe"\n' >"$work/passthrough.toml"
+      cmd=("$target/backstop" --log-format json proxy --config "$work/passthrough.toml"
         --listen "127.0.0.1:$port" --admin 127.0.0.1:0 --upstream "http://$upstream"
         --store "sqlite://$work/passthrough.db")
       ;;

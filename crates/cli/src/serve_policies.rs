@@ -25,7 +25,7 @@
 use std::collections::BTreeMap;
 
 use backstop::admission::Quota;
-use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
+use backstop::policy::{MethodPolicies, MethodPolicy};
 use backstop_payment::config::Config;
 use backstop_payment::server::{POLICY_ENTRIES, check_policies, default_policies, method_policies};
 
@@ -140,8 +140,18 @@ fn tuned(
         ));
     }
     let idempotency = policy.idempotency();
+    if spec.scope.is_some() {
+        return Err(format!(
+            "{what}: scope is the proxy's setting (the service scopes keys by its tenant)"
+        ));
+    }
     if let Some(wanted) = spec.idempotency {
-        let wanted = Idempotency::from(wanted);
+        let Some(wanted) = wanted.class() else {
+            return Err(format!(
+                "{what} is {} by the service's handler and stays so (auto is the proxy's)",
+                idempotency.as_str()
+            ));
+        };
         if wanted != idempotency {
             return Err(format!(
                 "{what} is {} by the service's handler and stays so (not {})",
@@ -253,6 +263,14 @@ mod tests {
             (
                 "[[policies.route]]\nmatch = \"POST /v1/payments\"\nupstream_dedups_by_effect_key = true\n",
                 "the proxy's setting",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /v1/payments\"\nidempotency = \"auto\"\n",
+                "auto is the proxy's",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /v1/payments\"\nscope = \"shared\"\n",
+                "scope is the proxy's setting",
             ),
             (
                 "[[policies.route]]\nmatch = \"POST /v1/payments\"\nrate_class = \"gold\"\n",

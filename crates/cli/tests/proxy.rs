@@ -289,18 +289,29 @@ async fn unknown_routes_pass_through_and_callers_cannot_choose_the_effect_key() 
         "the fallback's budget goes along"
     );
 
-    // An unknown POST is forwarded as it came, key or no key, and never deduplicated.
+    // An unknown POST without a key is forwarded as it came, each time; one with a key is
+    // keyed (the fallback is `auto`), whatever its body.
     for _ in 0..2 {
         let post = call(
             http.post(format!("{}/v2/other", proxy.base))
-                .header("Idempotency-Key", "not-a-keyed-route")
                 .body("not json"),
         )
         .await;
         assert_eq!(post.status, 201);
         assert!(!post.replayed());
     }
-    assert_eq!(upstream.effects("not-a-keyed-route").len(), 2);
+    assert_eq!(upstream.received_at("/v2/other"), 2);
+    for replayed in [false, true] {
+        let post = call(
+            http.post(format!("{}/v2/other", proxy.base))
+                .header("Idempotency-Key", "an-unrouted-key")
+                .body("not json"),
+        )
+        .await;
+        assert_eq!(post.status, 201);
+        assert_eq!(post.replayed(), replayed);
+    }
+    assert_eq!(upstream.effects("an-unrouted-key").len(), 1);
     // A body larger than what the proxy keeps to send again streams through, once.
     let large = vec![b'x'; 3 << 20];
     let upload = call(http.post(format!("{}/v2/upload", proxy.base)).body(large)).await;

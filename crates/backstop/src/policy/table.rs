@@ -151,6 +151,23 @@ impl MethodPolicies {
         &self.entries[self.select(method, path)].1
     }
 
+    /// Where the policy [`for_route`](Self::for_route) gives is in [`iter`](Self::iter)'s
+    /// order (0: the fallback): for a caller that keeps settings of its own beside each entry.
+    ///
+    /// ```
+    /// use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy};
+    /// use http::Method;
+    ///
+    /// let table = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+    ///     .route(Method::POST, "/v1/orders", MethodPolicy::builder("Order", Idempotency::Keyed).build());
+    /// let mine = ["fallback settings", "order settings"];
+    /// assert_eq!(mine[table.position_for_route(&Method::POST, "/v1/orders")], "order settings");
+    /// assert_eq!(mine[table.position_for_route(&Method::GET, "/v1/orders")], "fallback settings");
+    /// ```
+    pub fn position_for_route(&self, method: &Method, path: &str) -> usize {
+        self.select(method, path)
+    }
+
     /// The policy at `index` of [`select`](Self::select).
     #[cfg_attr(not(feature = "server"), allow(dead_code))]
     pub(crate) fn by_index(&self, index: usize) -> &MethodPolicy {
@@ -340,6 +357,25 @@ mod tests {
         assert_eq!(t.for_request(&post).name(), "other");
         assert_eq!(t.len(), 5);
         assert_eq!(t.iter().next().unwrap().name(), "other");
+    }
+
+    #[test]
+    fn a_position_is_the_index_of_the_policy_for_route() {
+        let t = table().validated().unwrap();
+        for (method, path) in [
+            (Method::POST, "/p.Payment/Charge"),
+            (Method::POST, "/p.Payment/GetCharge"),
+            (Method::GET, "/v1/payments/pi_1"),
+            (Method::POST, "/v1/payments"),
+            (Method::POST, "/elsewhere"),
+        ] {
+            let at = t.position_for_route(&method, path);
+            assert_eq!(
+                t.iter().nth(at).unwrap().name(),
+                t.for_route(&method, path).name()
+            );
+        }
+        assert_eq!(t.position_for_route(&Method::POST, "/elsewhere"), 0);
     }
 
     #[test]

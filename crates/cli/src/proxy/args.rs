@@ -14,6 +14,7 @@ use http::{HeaderName, Uri};
 use super::budget::{DEFAULT_TIMEOUT_HEADERS, TimeoutHeaders};
 use super::forward::{DEFAULT_EFFECT_KEY_HEADER, UpstreamProtocol};
 use super::policy::RouteTable;
+use super::scope::ScopeHeaders;
 
 /// Flags of `backstop proxy`.
 #[derive(Debug, Clone, Args)]
@@ -35,8 +36,9 @@ pub(crate) struct ProxyArgs {
     #[arg(long, value_name = "PROTOCOL", value_enum, default_value_t = UpstreamProtocol::Auto)]
     upstream_protocol: UpstreamProtocol,
     /// The routes file (TOML): each route's idempotency class, timeout, attempts, hedging and
-    /// rate class. Without it every request passes through with the defaults (10 s budget,
-    /// nothing keyed). See `--check-config`.
+    /// rate class. Without it every request passes through with the defaults (10 s budget),
+    /// but a POST or PATCH carrying an `Idempotency-Key`, which is keyed (the `auto` class of a
+    /// route that names none). See `--check-config`.
     ///
     /// On SIGHUP it is read and checked again, and its routes replace those in effect (log
     /// `policies reloaded`); a file that is refused is logged (`policy reload refused`) and the
@@ -61,12 +63,14 @@ pub(crate) struct ProxyArgs {
     /// left minus this.
     #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = parse_margin)]
     margin: Duration,
-    /// Scope idempotency keys (and rate limits) by this request header, e.g. `Authorization`
-    /// or `X-Api-Key`: one caller's key never replays another caller's answer. Only a hash of
-    /// the value is kept. Without it every caller shares one scope (`default`), as do requests
-    /// without the header.
+    /// A request header that identifies the caller (repeatable; replaces the default,
+    /// `Authorization`, as the routes file's `[proxy] scope_headers` does: give one or the
+    /// other). Idempotency keys and rate limits are scoped by a hash of these headers' values:
+    /// one caller's key never replays another caller's answer, and only the hash is kept. A
+    /// request carrying none of them, or on a route with `scope = "shared"`, is in the one
+    /// shared scope (`default`).
     #[arg(long, value_name = "NAME")]
-    scope_header: Option<String>,
+    scope_header: Vec<String>,
     /// The header carrying a keyed request's effect key to the upstream (the same for every
     /// forward of one key; a caller's own is removed).
     #[arg(long, value_name = "NAME", default_value = DEFAULT_EFFECT_KEY_HEADER)]
@@ -132,8 +136,8 @@ pub(crate) struct ProxyArgs {
 /// What `backstop proxy` was asked to do.
 #[derive(Debug)]
 pub(crate) enum Mode {
-    /// `--check-config FILE`.
-    Check(PathBuf),
+    /// `--check-config FILE`, and the `--scope-header`s given with it.
+    Check(PathBuf, Vec<HeaderName>),
     /// Run the proxy.
     Run(Box<Settings>),
 }
@@ -152,7 +156,8 @@ pub(crate) struct Settings {
     pub(crate) timeouts: TimeoutHeaders,
     pub(crate) margin: Duration,
     pub(crate) effect_key_header: HeaderName,
-    pub(crate) scope_header: Option<HeaderName>,
+    /// Whose a key is.
+    pub(crate) scopes: ScopeHeaders,
     pub(crate) upstream_idle_timeout: Duration,
     pub(crate) max_timeout: Duration,
     /// Slow start's floor, or `None` without slow start.
@@ -172,11 +177,20 @@ pub(crate) struct Settings {
 impl ProxyArgs {
     /// The mode and settings these flags describe, or the error to report as a usage error.
     pub(crate) fn mode(&self) -> Result<Mode, clap::Error> {
-        if let Some(file) = &self.check_config {
-            return Ok(Mode::Check(file.clone()));
-        }
         let invalid =
             |message: String| clap::Error::raw(ErrorKind::InvalidValue, format!("{message}\n"));
+        let header = |flag: &str, name: &str| {
+            HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| invalid(format!("{flag}: {name:?} is not a header name")))
+        };
+        let scope_flag = self
+            .scope_header
+            .iter()
+            .map(|name| header("--scope-header", name))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(file) = &self.check_config {
+            return Ok(Mode::Check(file.clone(), scope_flag));
+        }
         let upstreams = self
             .upstream
             .iter()
@@ -192,21 +206,14 @@ impl ProxyArgs {
             _ => store.to_owned(),
         };
         let store = StoreLocation::parse(&store).map_err(|e| invalid(format!("--store: {e}")))?;
-        let header = |flag: &str, name: &str| {
-            HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| invalid(format!("{flag}: {name:?} is not a header name")))
-        };
         let timeouts = self
             .timeout_headers
             .iter()
             .map(|name| header("--timeout-header", name))
             .collect::<Result<Vec<_>, _>>()?;
         let effect_key_header = header("--effect-key-header", &self.effect_key_header)?;
-        let scope_header = self
-            .scope_header
-            .as_deref()
-            .map(|name| header("--scope-header", name))
-            .transpose()?;
+        let scopes =
+            ScopeHeaders::resolve(scope_flag, table.scope_headers.as_deref()).map_err(&invalid)?;
         if effect_key_header == backstop::server::idempotency::IDEMPOTENCY_KEY {
             return Err(invalid(
                 "--effect-key-header cannot be Idempotency-Key: the caller's key is forwarded \
@@ -239,7 +246,7 @@ impl ProxyArgs {
             timeouts: TimeoutHeaders::new(timeouts),
             margin: self.margin,
             effect_key_header,
-            scope_header,
+            scopes,
             upstream_idle_timeout: self.upstream_idle_timeout,
             max_timeout: self.max_timeout,
             slow_start: (!self.no_slow_start).then_some(self.slow_start_floor),
@@ -369,7 +376,7 @@ mod tests {
         argv.extend_from_slice(args);
         match T::try_parse_from(argv)?.args.mode()? {
             Mode::Run(settings) => Ok(*settings),
-            Mode::Check(_) => panic!("not a run"),
+            Mode::Check(..) => panic!("not a run"),
         }
     }
 
@@ -383,6 +390,21 @@ mod tests {
         assert_eq!(s.effect_key_header, "idempotency-effect-key");
         assert_eq!(s.margin, Duration::from_millis(5));
         assert_eq!(s.table.routes.len(), 1, "the fallback alone");
+        assert_eq!(s.scopes, ScopeHeaders::resolve(Vec::new(), None).unwrap());
+        let s = settings(&[
+            "--upstream",
+            "http://h:1",
+            "--scope-header",
+            "x-api-key",
+            "--scope-header",
+            "Cookie",
+        ])
+        .unwrap();
+        let names = ["x-api-key", "cookie"]
+            .map(HeaderName::from_static)
+            .to_vec();
+        assert_eq!(s.scopes, ScopeHeaders::resolve(names, None).unwrap());
+        assert!(settings(&["--upstream", "http://h:1", "--scope-header", "a b"]).is_err());
         assert_eq!(
             s.slow_start,
             Some(backstop_payment::config::DEFAULT_SLOW_START_FLOOR)
@@ -449,7 +471,7 @@ mod tests {
     #[test]
     fn check_config_needs_no_upstream() {
         let t = T::try_parse_from(["proxy", "--check-config", "routes.toml"]).unwrap();
-        assert!(matches!(t.args.mode().unwrap(), Mode::Check(_)));
+        assert!(matches!(t.args.mode().unwrap(), Mode::Check(_, _)));
         assert!(
             T::try_parse_from([
                 "proxy",

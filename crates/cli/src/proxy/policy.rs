@@ -6,7 +6,7 @@
 //!
 //! [[policies.route]]
 //! match = "POST /v1/charges"     # HTTP method and path, `{param}` matching one segment
-//! idempotency = "keyed"          # safe | keyed | unsafe (default unsafe)
+//! idempotency = "keyed"          # safe | keyed | unsafe | auto (default auto)
 //! timeout = "5s"
 //! key_ttl = "24h"
 //! upstream_dedups_by_effect_key = true
@@ -15,10 +15,22 @@
 //! match = "/shop.v1.Orders/Create"   # a gRPC method (or an HTTP path, any method)
 //! idempotency = "keyed"
 //!
+//! [[policies.route]]
+//! match = "GET /v1/catalog"
+//! scope = "shared"                # every caller's keys in one scope (default: per caller)
+//!
 //! [policies.rate_class.payments]
 //! rate = 50                       # requests per second
 //! burst = 100
+//!
+//! [proxy]
+//! scope_headers = ["authorization", "x-api-key"]   # whose a key is (default authorization)
 //! ```
+//!
+//! A route (or the fallback) that names no `idempotency` is `auto`: a `POST` or `PATCH`
+//! carrying an `Idempotency-Key` is keyed, anything else passes through as `unsafe` does. The
+//! server stack sees such a request under the route's keyed twin, an entry of the library's
+//! table at a path no request has ([`Route::keyed_twin`]), chosen by the proxy's front.
 //!
 //! The section is self-contained (`[policies]` and below), so that another command's config
 //! file can hold the same table. Every key is checked: one this file does not know is an error
@@ -38,6 +50,11 @@ use backstop::policy::{
 };
 use http::Method;
 use serde::{Deserialize, Deserializer};
+
+use super::auto::twin_path;
+pub(crate) use super::auto::{KeyedTwin, Keying};
+pub(crate) use super::route_match::RouteMatch;
+use super::scope::ScopeHeaders;
 
 /// Largest routes file read.
 const MAX_FILE: u64 = 1 << 20;
@@ -62,6 +79,9 @@ pub(crate) struct ProxySection {
     /// `Content-Type` and `Location`).
     #[serde(default)]
     pub(crate) replay_headers: Vec<String>,
+    /// The request headers whose values (hashed) make a caller's scope (default
+    /// `authorization`; `[]`: every caller in one scope). See [`super::scope`].
+    pub(crate) scope_headers: Option<Vec<String>>,
 }
 
 /// `[policies]`: the fallback, the routes and the rate classes.
@@ -91,8 +111,10 @@ pub(crate) struct RouteSpec {
     /// The route's name in `--check-config` and the policy table (default: the `match`
     /// text). The metrics label a request by the `match` text.
     pub(crate) name: Option<String>,
-    /// `safe`, `keyed` or `unsafe` (default).
+    /// `safe`, `keyed`, `unsafe` or `auto` (default).
     pub(crate) idempotency: Option<IdempotencySpec>,
+    /// `caller` (default: keys and rate limits per caller) or `shared` (one scope for all).
+    pub(crate) scope: Option<ScopeSpec>,
     /// Budget of a request that brings none.
     #[serde(default, deserialize_with = "duration")]
     timeout: Option<Duration>,
@@ -120,16 +142,29 @@ pub(crate) enum IdempotencySpec {
     Safe,
     Keyed,
     Unsafe,
+    /// Keyed when a `POST` or `PATCH` carries an `Idempotency-Key`, else unsafe: the proxy's
+    /// default.
+    Auto,
 }
 
-impl From<IdempotencySpec> for Idempotency {
-    fn from(spec: IdempotencySpec) -> Self {
-        match spec {
-            IdempotencySpec::Safe => Idempotency::Safe,
-            IdempotencySpec::Keyed => Idempotency::Keyed,
-            IdempotencySpec::Unsafe => Idempotency::Unsafe,
+impl IdempotencySpec {
+    /// The library's class, or `None` for `auto` (the proxy's alone).
+    pub(crate) fn class(self) -> Option<Idempotency> {
+        match self {
+            IdempotencySpec::Safe => Some(Idempotency::Safe),
+            IdempotencySpec::Keyed => Some(Idempotency::Keyed),
+            IdempotencySpec::Unsafe => Some(Idempotency::Unsafe),
+            IdempotencySpec::Auto => None,
         }
     }
+}
+
+/// A route's `scope`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum ScopeSpec {
+    Caller,
+    Shared,
 }
 
 /// `[policies.rate_class.NAME]`.
@@ -152,86 +187,17 @@ fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Erro
     Ok(Some(parsed))
 }
 
-/// What a route applies to, as the library's table keys it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RouteMatch {
-    /// An HTTP method and path pattern.
-    Route(Method, String),
-    /// One path, any method: a gRPC method or an HTTP path without parameters.
-    Path(String),
-    /// Every method of a gRPC service.
-    Service(String),
-}
-
-impl std::fmt::Display for RouteMatch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RouteMatch::Route(method, pattern) => write!(f, "{method} {pattern}"),
-            RouteMatch::Path(path) => f.write_str(path),
-            RouteMatch::Service(service) => write!(f, "/{service}/*"),
-        }
-    }
-}
-
-impl RouteMatch {
-    /// Parses a `match` text.
-    pub(crate) fn parse(text: &str) -> Result<RouteMatch, String> {
-        let text = text.trim();
-        if let Some((method, pattern)) = text.split_once(char::is_whitespace) {
-            let method = Method::from_bytes(method.as_bytes())
-                .map_err(|_| format!("{method:?} is not an HTTP method"))?;
-            let pattern = pattern.trim();
-            check_path(pattern)?;
-            return Ok(RouteMatch::Route(method, pattern.to_owned()));
-        }
-        check_path(text)?;
-        if let Some(service) = text
-            .strip_prefix('/')
-            .and_then(|rest| rest.strip_suffix("/*"))
-        {
-            if service.is_empty() || service.contains('/') {
-                return Err(format!(
-                    "{text:?}: a gRPC service is written /pkg.Service/*"
-                ));
-            }
-            return Ok(RouteMatch::Service(service.to_owned()));
-        }
-        if text.contains('{') {
-            return Err(format!(
-                "{text:?} has parameters: name the HTTP method too (`POST {text}`)"
-            ));
-        }
-        Ok(RouteMatch::Path(text.to_owned()))
-    }
-}
-
-fn check_path(path: &str) -> Result<(), String> {
-    if !path.starts_with('/') {
-        return Err(format!("{path:?} must start with /"));
-    }
-    if path.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("{path:?} holds a space or a control character"));
-    }
-    for segment in path.split('/') {
-        let opens = segment.matches('{').count();
-        let closes = segment.matches('}').count();
-        let whole = segment.starts_with('{') && segment.ends_with('}') && opens == 1;
-        if (opens > 0 || closes > 0) && !(whole && closes == 1 && segment.len() > 2) {
-            return Err(format!(
-                "{path:?}: a parameter is a whole segment, `{{name}}`"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// One route of the table, as the proxy acts on it.
 #[derive(Debug, Clone)]
 pub(crate) struct Route {
     /// What it applies to (`None`: the fallback).
     pub(crate) matches: Option<RouteMatch>,
-    /// Its policy.
+    /// Its policy (an `auto` route's is `unsafe`: a request without a key).
     pub(crate) policy: MethodPolicy,
+    /// An `auto` route's keyed twin.
+    pub(crate) keyed_twin: Option<KeyedTwin>,
+    /// Whether every caller's keys and rate limits share one scope (`scope = "shared"`).
+    pub(crate) shared: bool,
 }
 
 impl Route {
@@ -253,6 +219,8 @@ pub(crate) struct RouteTable {
     pub(crate) rate_classes: BTreeMap<String, RateSpec>,
     /// Headers replayed with a keyed answer, beyond the library's.
     pub(crate) replay_headers: Vec<http::HeaderName>,
+    /// `[proxy] scope_headers`, when the file names them.
+    pub(crate) scope_headers: Option<Vec<http::HeaderName>>,
 }
 
 /// Why a routes file is refused.
@@ -264,7 +232,7 @@ pub(crate) struct PolicyFileError {
 }
 
 impl PolicyFileError {
-    fn new(file: &Path, message: impl Into<String>) -> Self {
+    pub(crate) fn new(file: &Path, message: impl Into<String>) -> Self {
         Self {
             file: file.display().to_string(),
             message: message.into(),
@@ -276,8 +244,8 @@ impl PolicyFileError {
 pub(crate) const FALLBACK_NAME: &str = "other";
 
 impl RouteTable {
-    /// The table of a proxy started without a routes file: every request passed through
-    /// with the defaults.
+    /// The table of a proxy started without a routes file: every request passed through with
+    /// the defaults, but a `POST` or `PATCH` carrying an `Idempotency-Key`, which is keyed.
     pub(crate) fn pass_through() -> RouteTable {
         Self::from_file(ProxyFile::default()).expect("the default table is valid")
     }
@@ -336,6 +304,11 @@ impl RouteTable {
             routes.push(route);
         }
         routes.push(fallback);
+        for route in &routes {
+            if let Some(twin) = &route.keyed_twin {
+                policies = policies.method(&*twin.path, twin.policy.clone());
+            }
+        }
         policies.validate().map_err(|e| e.to_string())?;
         for route in &routes {
             let class = route.policy.rate_class();
@@ -357,12 +330,37 @@ impl RouteTable {
                     .map_err(|_| format!("[proxy] replay_headers: {name:?} is not a header name"))
             })
             .collect::<Result<_, _>>()?;
+        let scope_headers = file
+            .proxy
+            .scope_headers
+            .map(|names| {
+                names
+                    .iter()
+                    .map(|name| {
+                        http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                            format!("[proxy] scope_headers: {name:?} is not a header name")
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .transpose()?;
         Ok(RouteTable {
             policies,
             routes,
             rate_classes: section.rate_classes,
             replay_headers,
+            scope_headers,
         })
+    }
+
+    /// The route a request of `method` to `path` runs by (the library's match).
+    pub(crate) fn route_for(&self, method: &Method, path: &str) -> &Route {
+        let fallback = self.routes.len() - 1;
+        // The table holds the fallback first, the routes in file order, then the twins.
+        match self.policies.position_for_route(method, path) {
+            at @ 1.. if at <= fallback => &self.routes[at - 1],
+            _ => &self.routes[fallback],
+        }
     }
 
     /// The table the client stack sends requests upstream by: each route's policy as far as
@@ -404,9 +402,10 @@ impl RouteTable {
 
     /// Each route's effective policy, in words and as the library's table, for
     /// `--check-config`.
-    pub(crate) fn explain(&self) -> String {
+    pub(crate) fn explain(&self, scopes: &ScopeHeaders) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "{}", self.policies);
+        let _ = writeln!(out, "scope: {}", scopes.describe());
         for route in &self.routes {
             let policy = &route.policy;
             let _ = writeln!(out, "{}:", describe(route));
@@ -428,10 +427,25 @@ impl RouteTable {
                      its record lives (key_ttl {ttl}), answers replayed byte for byte"
                 ),
                 Idempotency::Safe => "safe: passed through (no side effect declared)".into(),
-                Idempotency::Unsafe => "unsafe: passed through, sent once".into(),
+                Idempotency::Unsafe if route.keyed_twin.is_some() => format!(
+                    "auto: a POST or PATCH carrying an Idempotency-Key is keyed, forwarded at \
+                     most once per key while its record lives (key_ttl {ttl}), answers replayed \
+                     byte for byte; anything else passed through as it came (say \
+                     idempotency = \"unsafe\" to pass keys through too)"
+                ),
+                Idempotency::Unsafe => {
+                    "unsafe: passed through, sent once, an Idempotency-Key forwarded as it came"
+                        .into()
+                }
             };
             let _ = writeln!(out, "  {what}");
-            if policy.requires_key() {
+            if route.shared {
+                let _ = writeln!(
+                    out,
+                    "  scope shared: every caller's keys and rate limits in one scope"
+                );
+            }
+            if route.keying() != Keying::Never {
                 let crash = if route.upstream_dedups() {
                     "forwarded again with the same effect key (the upstream deduplicates by it)"
                 } else {
@@ -488,7 +502,27 @@ fn build(spec: &RouteSpec, matches: Option<RouteMatch>) -> Result<Route, String>
         Some(m) => format!("route {m}"),
         None => "[policies.fallback]".to_owned(),
     };
-    let idempotency: Idempotency = spec.idempotency.unwrap_or(IdempotencySpec::Unsafe).into();
+    let shared = spec.scope == Some(ScopeSpec::Shared);
+    let Some(idempotency) = spec.idempotency.unwrap_or(IdempotencySpec::Auto).class() else {
+        // `auto`: unsafe, and keyed by its twin. Its `key_ttl` is its keyed requests'.
+        if spec.upstream_dedups_by_effect_key == Some(true) {
+            return Err(format!(
+                "{what}: upstream_dedups_by_effect_key is for keyed routes (this one is auto: \
+                 say idempotency = \"keyed\")"
+            ));
+        }
+        let keyed = MethodPolicy::builder(name.clone(), Idempotency::Keyed).key_ttl(KEY_TTL_SYNC);
+        let unsafe_ = MethodPolicy::builder(name, Idempotency::Unsafe);
+        return Ok(Route {
+            keyed_twin: Some(KeyedTwin {
+                path: twin_path(matches.as_ref()),
+                policy: spec.apply(keyed, Idempotency::Keyed, &what)?.build(),
+            }),
+            policy: spec.apply(unsafe_, Idempotency::Keyed, &what)?.build(),
+            matches,
+            shared,
+        });
+    };
     let mut builder = MethodPolicy::builder(name, idempotency);
     if idempotency == Idempotency::Keyed {
         builder = builder.key_ttl(KEY_TTL_SYNC);
@@ -508,6 +542,8 @@ fn build(spec: &RouteSpec, matches: Option<RouteMatch>) -> Result<Route, String>
     Ok(Route {
         matches,
         policy: builder.build(),
+        keyed_twin: None,
+        shared,
     })
 }
 
@@ -630,7 +666,8 @@ mod tests {
 
     #[test]
     fn explain_names_every_route_and_its_crash_answer() {
-        let text = RouteTable::parse(FILE).unwrap().explain();
+        let scopes = ScopeHeaders::resolve(Vec::new(), None).unwrap();
+        let text = RouteTable::parse(FILE).unwrap().explain(&scopes);
         for want in [
             "POST /v1/charges (CreateCharge):",
             "POST /v1/refunds/{id}:",
@@ -640,6 +677,8 @@ mod tests {
             "idempotency",
             "sent to the upstream once (its upstream does not deduplicate",
             "up to 3 attempts on UNAVAILABLE",
+            "auto: a POST or PATCH carrying an Idempotency-Key is keyed",
+            "scope: keys and rate limits are scoped by caller, a hash of authorization",
         ] {
             assert!(text.contains(want), "{want} missing from:\n{text}");
         }
@@ -707,11 +746,70 @@ mod tests {
     }
 
     #[test]
-    fn no_file_passes_everything_through() {
+    fn no_file_keys_a_write_that_carries_a_key_and_passes_the_rest_through() {
         let table = RouteTable::pass_through();
         let policy = table.policies.for_route(&Method::POST, "/anything");
         assert_eq!(policy.name(), FALLBACK_NAME);
         assert_eq!(policy.idempotency(), Idempotency::Unsafe);
         assert_eq!(table.routes.len(), 1);
+        let route = table.route_for(&Method::POST, "/anything");
+        assert_eq!(route.keying(), Keying::WhenSent);
+        let mut keyed = http::HeaderMap::new();
+        keyed.insert("idempotency-key", http::HeaderValue::from_static("k1"));
+        let twin = route.twin_for(&Method::POST, &keyed).unwrap();
+        assert!(table.policies.for_path(twin).requires_key());
+        assert_eq!(table.policies.for_path(twin).name(), FALLBACK_NAME);
+        let mut grpc = keyed.clone();
+        grpc.insert(
+            "content-type",
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        assert!(
+            route.twin_for(&Method::POST, &grpc).is_none(),
+            "gRPC: by a keyed route only"
+        );
+        assert!(route.twin_for(&Method::PATCH, &keyed).is_some());
+        assert!(route.twin_for(&Method::PUT, &keyed).is_none());
+        assert!(route.twin_for(&Method::GET, &keyed).is_none());
+        assert!(
+            route
+                .twin_for(&Method::POST, &http::HeaderMap::new())
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn unsafe_passes_keys_through_and_scopes_are_read() {
+        let table = RouteTable::parse(
+            "[policies.fallback]\nidempotency = \"unsafe\"\n\
+             [[policies.route]]\nmatch = \"POST /v1/orders\"\nkey_ttl = \"1h\"\n\
+             [[policies.route]]\nmatch = \"GET /v1/catalog\"\nidempotency = \"safe\"\n\
+             scope = \"shared\"\n\
+             [proxy]\nscope_headers = [\"authorization\", \"x-api-key\"]\n",
+        )
+        .unwrap();
+        let other = table.route_for(&Method::POST, "/v1/other");
+        assert_eq!(other.keying(), Keying::Never);
+        let orders = table.route_for(&Method::POST, "/v1/orders");
+        assert_eq!(orders.keying(), Keying::WhenSent);
+        let twin = orders.keyed_twin.as_ref().unwrap();
+        assert_eq!(twin.policy.key_ttl(), Some(Duration::from_secs(3600)));
+        assert!(!orders.shared);
+        assert!(table.route_for(&Method::GET, "/v1/catalog").shared);
+        assert_eq!(table.scope_headers.as_ref().unwrap().len(), 2);
+        for (text, want) in [
+            (
+                "[proxy]\nscope_headers = [\"bad header\"]\n",
+                "not a header name",
+            ),
+            ("[policies.fallback]\nscope = \"everyone\"\n", "everyone"),
+            (
+                "[policies.fallback]\nupstream_dedups_by_effect_key = true\n",
+                "this one is auto",
+            ),
+        ] {
+            let error = RouteTable::parse(text).unwrap_err();
+            assert!(error.contains(want), "{text:?}: {error}");
+        }
     }
 }

@@ -26,7 +26,7 @@ use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, ReloadablePoli
 use http::Method;
 
 use super::forward::Transport;
-use super::policy::{RouteMatch, RouteTable};
+use super::policy::{Keying, Route, RouteMatch, RouteTable};
 use crate::error_chain::Chain;
 use crate::hangups::Hangups;
 
@@ -71,14 +71,15 @@ impl Generation {
     /// The client stack to send a request of `method` and `path` by; `keyed` says whether the
     /// server stack took it as keyed (the table it arrived under). A keyed request whose route
     /// this table does not key (a reload came between its arrival and its forward) is sent
-    /// once: its key's record promises it.
+    /// once: its key's record promises it. A keyed request of an `auto` route goes by the
+    /// route's own policy, `unsafe`: sent again only on an answer that says nothing ran.
     pub(crate) fn client_for(
         &self,
         method: &Method,
         path: &str,
         keyed: bool,
     ) -> &ClientService<Transport> {
-        if keyed && !self.table.policies.for_route(method, path).requires_key() {
+        if keyed && self.table.route_for(method, path).keying() == Keying::Never {
             &self.once
         } else {
             &self.client
@@ -178,8 +179,12 @@ impl Routes {
 ///   promises a retry the first answer, and a route no longer keyed would forward the retry
 ///   again. Checked on a path of every route of both tables, so a route removed, made safe or
 ///   unsafe, or hidden by a new route is refused alike;
+/// - a route that keys a request (keyed, or auto for a write that carries a key) keeps its
+///   scope (`scope = "shared"` or not): a retry must find its record where the first
+///   request left it;
 /// - the rate classes and their quotas: their buckets are made at start;
-/// - `[proxy] replay_headers`: answers are stored with the headers named at start.
+/// - `[proxy] replay_headers`: answers are stored with the headers named at start;
+/// - `[proxy] scope_headers`: every record is kept under a scope made of them.
 pub(crate) fn check_reload(in_effect: &RouteTable, next: &RouteTable) -> Result<(), String> {
     let restart = "changes only with a restart";
     if next.rate_classes != in_effect.rate_classes {
@@ -194,41 +199,71 @@ pub(crate) fn check_reload(in_effect: &RouteTable, next: &RouteTable) -> Result<
              start)"
         ));
     }
-    let keyed = |table: &RouteTable| table.routes.last().is_some_and(|r| r.policy.requires_key());
-    if keyed(in_effect) && !keyed(next) {
-        return Err(unkeyed("[policies.fallback]", "[policies.fallback]"));
+    if next.scope_headers != in_effect.scope_headers {
+        return Err(format!(
+            "[proxy] scope_headers {restart} (every record is kept under a scope made of them)"
+        ));
     }
+    kept(
+        "[policies.fallback]",
+        fallback_of(in_effect),
+        fallback_of(next),
+        "its new settings",
+    )?;
     for (method, path) in in_effect
         .routes
         .iter()
         .chain(&next.routes)
         .filter_map(|route| route.matches.as_ref().map(probe))
     {
-        let before = in_effect.policies.for_route(&method, &path);
-        let after = next.policies.for_route(&method, &path);
-        if before.requires_key() && !after.requires_key() {
-            return Err(unkeyed(
-                &format!("route {} ({})", before.name(), describe(&method, &path)),
-                &format!(
-                    "{} by {}",
-                    after.idempotency().as_str(),
-                    if after.name() == before.name() {
-                        "its new settings".to_owned()
-                    } else {
-                        format!("route {}", after.name())
-                    }
-                ),
-            ));
-        }
+        let before = in_effect.route_for(&method, &path);
+        let after = next.route_for(&method, &path);
+        let by = if after.policy.name() == before.policy.name() {
+            "its new settings".to_owned()
+        } else {
+            format!("route {}", after.policy.name())
+        };
+        kept(
+            &format!(
+                "route {} ({})",
+                before.policy.name(),
+                describe(&method, &path)
+            ),
+            before,
+            after,
+            &by,
+        )?;
     }
     Ok(())
 }
 
-fn unkeyed(route: &str, now: &str) -> String {
-    format!(
-        "{route} is keyed and stays so until a restart (its keys' records promise a retry the \
-         first answer, never a second forward), not {now}"
-    )
+fn fallback_of(table: &RouteTable) -> &Route {
+    table.routes.last().expect("the fallback")
+}
+
+/// Refuses `after` in place of `before` for `what` when it keys fewer requests, or moves keyed
+/// ones to another scope; `by` names what made `after`.
+fn kept(what: &str, before: &Route, after: &Route, by: &str) -> Result<(), String> {
+    let class = |route: &Route| match route.keying() {
+        Keying::WhenSent => "auto",
+        _ => route.policy.idempotency().as_str(),
+    };
+    if after.keying() < before.keying() {
+        return Err(format!(
+            "{what} is {} and stays so until a restart (its keys' records promise a retry the \
+             first answer, never a second forward), not {} by {by}",
+            class(before),
+            class(after),
+        ));
+    }
+    if before.keying() != Keying::Never && after.shared != before.shared {
+        return Err(format!(
+            "{what} keys requests and keeps its scope until a restart (a retry must find its \
+             key's record where the first request left it): scope = \"shared\" {} by {by}",
+            if after.shared { "added" } else { "removed" }
+        ));
+    }
+    Ok(())
 }
 
 /// `POST /v1/charges`, or `/shop.v1.Orders/Create` for a gRPC path.
@@ -381,10 +416,7 @@ mod tests {
             let hidden = format!("[[policies.route]]\n{hiding}\n{IN_EFFECT}");
             let error = check(&hidden).unwrap_err();
             assert!(error.contains("route Charge"), "{error}");
-            assert!(
-                error.contains(&format!("unsafe by route {name}")),
-                "{error}"
-            );
+            assert!(error.contains(&format!("auto by route {name}")), "{error}");
         }
         // Declared after the keyed route, a route it covers is never reached: nothing changes.
         check(&format!(
@@ -396,6 +428,35 @@ mod tests {
         let in_effect = RouteTable::parse(keyed_fallback).unwrap();
         let error = check_reload(&in_effect, &RouteTable::pass_through()).unwrap_err();
         assert!(error.contains("[policies.fallback] is keyed"), "{error}");
+        // The default fallback (auto) stays auto.
+        let error = check_reload(
+            &RouteTable::pass_through(),
+            &RouteTable::parse("[policies.fallback]\nidempotency = \"unsafe\"\n").unwrap(),
+        )
+        .unwrap_err();
+        assert!(error.contains("[policies.fallback] is auto"), "{error}");
+    }
+
+    #[test]
+    fn the_scope_of_keyed_requests_stays() {
+        let error = check(&edited(
+            "name = \"Charge\"\n        idempotency = \"keyed\"",
+            "name = \"Charge\"\nidempotency = \"keyed\"\nscope = \"shared\"",
+        ))
+        .unwrap_err();
+        assert!(error.contains("keeps its scope until a restart"), "{error}");
+        // A route that keys nothing may change its scope (its rate limit's only).
+        check(&edited(
+            "idempotency = \"safe\"\n        retries = 0",
+            "idempotency = \"safe\"\nretries = 0\nscope = \"shared\"",
+        ))
+        .unwrap();
+        let error = check(&edited(
+            "replay_headers = [\"etag\"]",
+            "replay_headers = [\"etag\"]\nscope_headers = [\"x-api-key\"]",
+        ))
+        .unwrap_err();
+        assert!(error.contains("scope_headers"), "{error}");
     }
 
     #[test]

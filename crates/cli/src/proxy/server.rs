@@ -3,7 +3,9 @@
 //!
 //! Outermost first, a request meets: the listener (header read and idle timeouts, connection
 //! cap, HTTP/1.1 and h2c), [`Front`] (a budget in a configured timeout header read as
-//! `grpc-timeout`; a keyed request moved onto a task of its own), then the library's
+//! `grpc-timeout`; the request's scope, a hash of its credentials (see [`super::scope`]); a
+//! write of an `auto` route that carries a key sent under its route's keyed twin; a keyed
+//! request moved onto a task of its own), then the library's
 //! [`ServerStack`]: deadline, metrics and request log, rate limit, idempotency intake (key,
 //! body, fingerprint; waits for a running attempt of the same key), the gate (bounded fair
 //! queue, 503 + `Retry-After`), the idempotency layer (claim, replay, conflict, takeover), and
@@ -21,14 +23,14 @@ use std::time::Duration;
 use backstop::admission::{FixedLimit, Gate, KeyedTokenBucket, QueueConfig, Quota, SlowStart};
 use backstop::clock::SystemClock;
 use backstop::db::sqlite::{Db, SqliteOptions};
+use backstop::idempotency::Sweeper;
 use backstop::idempotency::postgres::{PostgresOptions, PostgresStore};
 use backstop::idempotency::sqlite::SqliteStore;
-use backstop::idempotency::{Fingerprint, Sweeper};
 use backstop::server::listen::{ConnectionInfo, ListenConfig, Listener};
 use backstop::server::problem::Protocol;
 use backstop::server::{
     DEFAULT_MAX_TENANTS, DEFAULT_MIN_SERVICE, DeadlineLayer, IdempotencyLayer, RateLimitLayer,
-    ServerStack, Tenant,
+    ServerStack,
 };
 use backstop_payment::config::StoreLocation;
 use bytes::Bytes;
@@ -47,8 +49,9 @@ use super::budget::{self, TimeoutHeaders};
 use super::forward::{
     BoxFuture, ForwardSettings, Forwarder, OutcomeUnknown, ProxyStore, outcome_unknown,
 };
-use super::policy::RouteTable;
+use super::policy::{Keying, RouteTable};
 use super::routes::{self, Routes};
+use super::scope::ScopeHeaders;
 use crate::hangups::Hangups;
 
 /// `service` label of the request metrics.
@@ -177,6 +180,7 @@ async fn serve<St: ProxyStore>(
         stack: stack.layer(forwarder),
         routes: routes.clone(),
         timeouts: settings.timeouts.clone(),
+        scopes: settings.scopes.clone(),
         detached: detached.clone(),
     };
 
@@ -221,6 +225,8 @@ async fn serve<St: ProxyStore>(
         store = %settings.store.redacted(),
         routes = table.routes.len() - 1,
         keyed = table.routes.iter().filter(|r| r.policy.requires_key()).count(),
+        scope = %settings.scopes.describe(),
+        unrouted = %unrouted(table),
         "proxy listening"
     );
     let reloads = tokio::spawn(routes::reload_on_hangup(
@@ -285,11 +291,9 @@ fn stack<St: ProxyStore>(
         max_waiters: settings.queue_size,
         ..QueueConfig::default()
     };
-    let mut stack = ServerStack::new(SERVICE_NAME, store);
-    if let Some(name) = settings.scope_header.clone() {
-        stack = stack.authenticate(move |head| Ok(scope_of(head.headers.get(&name))));
-    }
-    stack
+    // The scope (the tenant) and an `auto` route's keyed twin are the front's to set.
+    ServerStack::new(SERVICE_NAME, store)
+        .matched_path_from(keyed_twin)
         .deadline(DeadlineLayer::new(backstop::policy::DEFAULT_TIMEOUT).max(settings.max_timeout))
         .rate_limit(rate_limit(table))
         .gate(gate(settings).with_queue(queue))
@@ -298,6 +302,17 @@ fn stack<St: ProxyStore>(
         .lease(settings.lease)
         .peer_from(|ext| ext.get::<ConnectionInfo>().map(ConnectionInfo::peer))
         .into_layer()
+}
+
+/// What becomes of a request no route names, in one line.
+fn unrouted(table: &RouteTable) -> &'static str {
+    match table.routes.last().map(|fallback| fallback.keying()) {
+        Some(Keying::WhenSent) => {
+            "a POST or PATCH carrying an Idempotency-Key is keyed; the rest passes through"
+        }
+        Some(Keying::Always) => "keyed: an Idempotency-Key is required",
+        _ => "passed through as it came, an Idempotency-Key too",
+    }
 }
 
 /// The admission gate: `--max-inflight` places, behind a slow start unless it is turned off
@@ -313,16 +328,13 @@ fn gate(settings: &Settings) -> Gate {
     }
 }
 
-/// The scope of a request's keys: a hash of its scope header's value, so that the value (a
-/// credential, often) is never stored; `default` without one.
-fn scope_of(value: Option<&http::HeaderValue>) -> Tenant {
-    match value {
-        Some(value) => {
-            let hash = Fingerprint::of_bytes("scope", value.as_bytes()).to_hex();
-            Tenant::new(format!("h:{}", &hash[..32]))
-        }
-        None => Tenant::new(Tenant::DEFAULT),
-    }
+/// The path of the keyed twin of an `auto` route a request runs under, set by the [`Front`]:
+/// the server stack looks its policy up there instead of at the request's path.
+#[derive(Debug, Clone)]
+struct KeyedTwin(Arc<str>);
+
+fn keyed_twin(extensions: &http::Extensions) -> Option<&str> {
+    extensions.get::<KeyedTwin>().map(|twin| &*twin.0)
 }
 
 /// The rate classes' buckets: the routes file's quotas, and no practical limit for the
@@ -373,16 +385,19 @@ fn full(response: Response<Bytes>) -> Response<AnswerBody> {
     boxed(response.map(Full::new))
 }
 
-/// In front of the stack: a budget in a timeout header read as `grpc-timeout`, and a keyed
-/// request run on a task of its own. Once a keyed request is forwarded its answer is worth
-/// recording whether or not its caller still waits: a caller that timed out and retries with
-/// the same key then gets it replayed instead of an unknown outcome. Its deadline still
-/// bounds it (the deadline layer runs inside the task).
+/// In front of the stack: a budget in a timeout header read as `grpc-timeout`, the scope
+/// (the [`Tenant`](backstop::server::Tenant) every layer reads), an `auto` route's keyed
+/// twin when the request is a write carrying a key, and a keyed request run on a task of its
+/// own. Once a keyed request is forwarded its answer is worth recording whether or not its
+/// caller still waits: a caller that timed out and retries with the same key then gets it
+/// replayed instead of an unknown outcome. Its deadline still bounds it (the deadline layer
+/// runs inside the task).
 #[derive(Clone)]
 struct Front<S> {
     stack: S,
     routes: Routes,
     timeouts: TimeoutHeaders,
+    scopes: ScopeHeaders,
     detached: Detached,
 }
 
@@ -411,12 +426,22 @@ where
             return Box::pin(async move { Ok(full(refusal)) });
         }
         let protocol = Protocol::of(request.headers());
-        let keyed = self
-            .routes
-            .server_policies()
-            .load()
-            .for_route(request.method(), request.uri().path())
-            .requires_key();
+        let keyed = {
+            let generation = self.routes.current();
+            let route = generation
+                .table
+                .route_for(request.method(), request.uri().path());
+            let scope = self.scopes.scope_of(route.shared, request.headers());
+            let twin = route
+                .twin_for(request.method(), request.headers())
+                .map(|twin| KeyedTwin(twin.clone()));
+            let keyed = route.keying() == Keying::Always || twin.is_some();
+            if let Some(twin) = twin {
+                request.extensions_mut().insert(twin);
+            }
+            request.extensions_mut().insert(scope);
+            keyed
+        };
         let call = self.stack.clone().oneshot(request);
         let answer = move |result: Result<Response<B>, OutcomeUnknown>| match result {
             Ok(response) => boxed(response),
@@ -539,27 +564,5 @@ impl Service<Request<Incoming>> for Admin {
 impl std::fmt::Debug for Admin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admin").finish_non_exhaustive()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_scope_is_a_hash_of_the_header_never_the_value() {
-        let value = http::HeaderValue::from_static("Bearer sk_live_123");
-        let scope = scope_of(Some(&value));
-        assert!(scope.as_str().starts_with("h:"));
-        assert_eq!(scope.as_str().len(), 34);
-        assert!(!scope.as_str().contains("sk_live"));
-        assert_eq!(
-            scope,
-            scope_of(Some(&value)),
-            "the same caller, the same scope"
-        );
-        let other = http::HeaderValue::from_static("Bearer sk_live_456");
-        assert_ne!(scope, scope_of(Some(&other)));
-        assert_eq!(scope_of(None).as_str(), Tenant::DEFAULT);
     }
 }

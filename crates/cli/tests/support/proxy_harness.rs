@@ -284,6 +284,8 @@ pub(crate) struct Proxy {
     pub(crate) base: String,
     /// `http://` and the admin address (`/metrics`, `/readyz`).
     pub(crate) admin: String,
+    /// Its "proxy listening" log line, as JSON.
+    pub(crate) listening: Value,
     /// Its log lines (JSON) after "proxy listening".
     logs: mpsc::UnboundedReceiver<String>,
 }
@@ -344,6 +346,7 @@ impl Proxy {
             child,
             base: format!("http://{}", field("listen")),
             admin: format!("http://{}", field("admin")),
+            listening,
             logs,
         }
     }
