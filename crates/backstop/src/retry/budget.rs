@@ -15,6 +15,33 @@
 //! (1.1x amplification per layer instead of 3x). The `burst` tokens, available from the start
 //! and the most the budget ever holds, let a quiet client retry its first few failures.
 //!
+//! # Why no minimum of concurrent retries
+//!
+//! Envoy's retry budget allows `budget_percent` (20 %) of the requests *active now* as
+//! concurrent retries, and adds `min_retry_concurrency` (3): at low traffic, 20 % of two
+//! active requests is no retry at all, so without the minimum a quiet client could never
+//! retry. This budget counts requests, not concurrency: a deposit stays until a retry spends
+//! it, however long ago the request ran, so a quiet client earns its retries as a busy one
+//! does, in proportion to the calls it makes, and starts with the `burst` in hand. The
+//! minimum would only add retries where the ratio says there should be none: one request at
+//! a time against a dependency that is down would retry every one of them.
+//!
+//! ```
+//! use backstop::retry::RetryBudget;
+//!
+//! // One request at a time, one in ten failing once: every failure is retried, burst or not.
+//! let budget = RetryBudget::new(0.1, 0)?;
+//! let mut refused = 0;
+//! for request in 1..=1_000 {
+//!     budget.deposit();
+//!     if request % 10 == 0 && !budget.try_withdraw() {
+//!         refused += 1;
+//!     }
+//! }
+//! assert_eq!(refused, 0);
+//! # Ok::<(), backstop::retry::BudgetError>(())
+//! ```
+//!
 //! A budget is shared: clone it (the clones share one balance) into every policy that calls
 //! the same destination. It is lock-free: the balance is one atomic fixed-point counter (in
 //! billionths of a token, so ratios well below 1 %, e.g. 0.001, are exact) updated by
