@@ -15,6 +15,7 @@
 //! Anything else is refused before any row is written.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -158,10 +159,13 @@ impl<'de> serde::de::Visitor<'de> for TopLevelVisitor {
         while let Some(name) = access.next_key::<String>()? {
             // Every value is still read, so a malformed document stays malformed_json.
             let value: Box<RawValue> = access.next_value()?;
-            if map.contains_key(&name) {
-                duplicate.get_or_insert_with(|| echo(&name));
-            } else {
-                map.insert(name, value);
+            match map.entry(name) {
+                Entry::Occupied(taken) => {
+                    duplicate.get_or_insert_with(|| echo(taken.key()));
+                }
+                Entry::Vacant(free) => {
+                    free.insert(value);
+                }
             }
         }
         Ok(match duplicate {
