@@ -20,8 +20,8 @@ use tokio::net::TcpStream;
 
 use self::proxy_harness::{PATIENCE, Proxy, Rig, call, client};
 
-/// Faulty requests sent, each answered before the next: more than the breaker's
-/// `min_requests` (20), so that, counted against the upstream, they would open it.
+/// Faulty requests sent to each route, each answered before the next: more than the
+/// breaker's `min_requests` (20), so that, counted against the upstream, they would open it.
 const FAULTY: usize = 24;
 /// Well-formed requests another client sends after them.
 const WELL_FORMED: usize = 40;
@@ -120,9 +120,10 @@ fn route(n: usize) -> (&'static str, String) {
     }
 }
 
-/// Sends [`FAULTY`] requests made by `request` (given the method and path) with `then`, each
-/// getting `expected` (status and problem code; `None`: no answer), then [`WELL_FORMED`]
-/// from another client: all succeed, the breaker stays closed and the limit where it was.
+/// Sends [`FAULTY`] requests to each route, made by `request` (given the method and path),
+/// with `then`, each getting `expected` (status and problem code; `None`: no answer), then
+/// [`WELL_FORMED`] from another client: all succeed, the breaker stays closed and the limit
+/// where it was.
 async fn faults_leave_the_upstream_healthy(
     args: &[&str],
     request: impl Fn(&str, &str) -> Vec<u8>,
@@ -146,7 +147,7 @@ async fn faults_leave_the_upstream_healthy(
     assert_eq!(breaker_state(&proxy, "upstream").await, Some(0.0));
 
     let addr = proxy.base.strip_prefix("http://").unwrap();
-    for n in 0..FAULTY {
+    for n in 0..2 * FAULTY {
         let (method, path) = route(n);
         let answer = raw(addr, &request(method, &path), then).await;
         match (expected, answer) {
