@@ -267,4 +267,82 @@ mod tests {
             Some(StatusCode::BAD_REQUEST)
         );
     }
+
+    type Broken = http_body_util::StreamBody<
+        futures_util::stream::Iter<
+            std::vec::IntoIter<Result<http_body::Frame<bytes::Bytes>, io::Error>>,
+        >,
+    >;
+
+    /// A body that sends a few bytes, then breaks (its sender cut it short).
+    fn broken() -> Broken {
+        use http_body::Frame;
+        let frames: Vec<Result<Frame<bytes::Bytes>, io::Error>> = vec![
+            Ok(Frame::data(bytes::Bytes::from_static(b"{\"a\":"))),
+            Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+        ];
+        http_body_util::StreamBody::new(futures_util::stream::iter(frames))
+    }
+
+    /// Through a stack whose breaker opens after two failures, `calls` calls of `method` with
+    /// a broken body, over a transport that reads the body and fails as hyper's HTTP/1 client
+    /// does (the body's error in its chain) or as an HTTP/2 stream reset does (`keeps`
+    /// false: a bare error); each fails as the caller's 400. Returns the attempts sent.
+    async fn broken_bodies(idempotency: crate::policy::Idempotency, keeps: bool) -> usize {
+        use crate::client::breaker::{BreakerConfig, BreakerState, CircuitBreaker};
+        use crate::client::{ClientStack, Destination, Error};
+        use crate::policy::MethodPolicy;
+        use http_body_util::BodyExt;
+        use std::sync::atomic::AtomicUsize;
+        use tower::ServiceExt;
+
+        let breaker = CircuitBreaker::new(BreakerConfig {
+            min_requests: 2,
+            ..BreakerConfig::default()
+        })
+        .unwrap();
+        let dest = Destination::new("gw").breaker(Some(breaker.clone()));
+        let sent = Arc::new(AtomicUsize::new(0));
+        let transport = tower::service_fn({
+            let sent = sent.clone();
+            move |request: http::Request<crate::client::replay::ReplayBody<Broken>>| {
+                sent.fetch_add(1, Ordering::Relaxed);
+                async move {
+                    match request.into_body().collect().await {
+                        Ok(_) => Ok(http::Response::new(())),
+                        Err(e) if keeps => Err(BoxError::from(e)),
+                        Err(_) => Err(BoxError::from(io::Error::other("stream reset: CANCEL"))),
+                    }
+                }
+            }
+        });
+        let policy = MethodPolicy::builder("Forward", idempotency).build();
+        let client = ClientStack::builder(&dest, policy)
+            .build()
+            .unwrap()
+            .layer(transport);
+        for _ in 0..10 {
+            let request = http::Request::post("http://peer/v1/orders")
+                .body(broken())
+                .unwrap();
+            let error: Error = client.clone().oneshot(request).await.unwrap_err();
+            assert!(error.is_request_body(), "{error}");
+            assert_eq!(error.status().http_status(), StatusCode::BAD_REQUEST);
+            assert_eq!(error.status().problem(), problem::REQUEST_BODY_INVALID);
+            assert_eq!(error.attempts(), 0, "no attempt of the peer's");
+        }
+        assert_eq!(breaker.state(), BreakerState::Closed);
+        sent.load(Ordering::Relaxed)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_broken_streamed_body_is_sent_once_and_never_opens_the_breaker() {
+        use crate::policy::Idempotency;
+        // Streamed (an unsafe method: sent once), the transport keeping the body's error in
+        // its own or not.
+        assert_eq!(broken_bodies(Idempotency::Unsafe, true).await, 10);
+        assert_eq!(broken_bodies(Idempotency::Unsafe, false).await, 10);
+        // Read first to be sent again (a safe method): broken before anything is sent.
+        assert_eq!(broken_bodies(Idempotency::Safe, true).await, 0);
+    }
 }
