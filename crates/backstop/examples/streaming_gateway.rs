@@ -121,7 +121,10 @@ pub(crate) async fn send_raw(addr: SocketAddr, request: &[u8]) -> Result<(u16, S
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or("no status line")?;
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
     Ok((status, body))
 }
 

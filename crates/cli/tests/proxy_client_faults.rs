@@ -165,7 +165,11 @@ async fn faults_leave_the_upstream_healthy(
         Some(0.0),
         "the caller's faults left the upstream's breaker closed"
     );
-    assert_eq!(limit(&proxy).await, before, "and the admission limit as it was");
+    assert_eq!(
+        limit(&proxy).await,
+        before,
+        "and the admission limit as it was"
+    );
 
     let other = client();
     for n in 0..WELL_FORMED {
@@ -190,18 +194,18 @@ async fn faults_leave_the_upstream_healthy(
 
 /// A head for `method` `path` with `headers`, then `body`.
 fn head(method: &str, path: &str, headers: &str, body: &[u8]) -> Vec<u8> {
-    let mut request =
-        format!("{method} {path} HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json\r\n{headers}\r\n")
-            .into_bytes();
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: proxy\r\ncontent-type: application/json\r\n{headers}\r\n"
+    )
+    .into_bytes();
     request.extend_from_slice(body);
     request
 }
 
 #[tokio::test]
 async fn a_malformed_chunk_size_is_a_400_and_not_the_upstreams_failure() {
-    let request = |method: &str, path: &str| {
-        head(method, path, "transfer-encoding: chunked\r\n", b"-4\r\n")
-    };
+    let request =
+        |method: &str, path: &str| head(method, path, "transfer-encoding: chunked\r\n", b"-4\r\n");
     faults_leave_the_upstream_healthy(
         &[],
         request,
@@ -213,9 +217,8 @@ async fn a_malformed_chunk_size_is_a_400_and_not_the_upstreams_failure() {
 
 #[tokio::test]
 async fn a_body_cut_short_then_half_closed_is_a_400_and_not_the_upstreams_failure() {
-    let request = |method: &str, path: &str| {
-        head(method, path, "content-length: 100\r\n", b"{\"a\":12345")
-    };
+    let request =
+        |method: &str, path: &str| head(method, path, "content-length: 100\r\n", b"{\"a\":12345");
     faults_leave_the_upstream_healthy(
         &[],
         request,
@@ -227,9 +230,8 @@ async fn a_body_cut_short_then_half_closed_is_a_400_and_not_the_upstreams_failur
 
 #[tokio::test]
 async fn a_body_reset_midway_gets_no_answer_and_is_not_the_upstreams_failure() {
-    let request = |method: &str, path: &str| {
-        head(method, path, "content-length: 100\r\n", b"{\"a\":12345")
-    };
+    let request =
+        |method: &str, path: &str| head(method, path, "content-length: 100\r\n", b"{\"a\":12345");
     faults_leave_the_upstream_healthy(&[], request, Then::Reset, None).await;
 }
 

@@ -120,7 +120,8 @@ fn status_of(error: &(dyn StdError + 'static)) -> Status {
         }
         let timed_out = e.is::<tokio::time::error::Elapsed>()
             || e.is::<DeadlineExceeded>()
-            || e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_timeout)
+            || e.downcast_ref::<hyper::Error>()
+                .is_some_and(hyper::Error::is_timeout)
             || e.downcast_ref::<io::Error>()
                 .is_some_and(|io| io.kind() == io::ErrorKind::TimedOut);
         if timed_out {
@@ -223,7 +224,10 @@ mod tests {
                 "cancelled",
             ),
             (
-                Box::new(io::Error::new(io::ErrorKind::InvalidInput, "bad chunk size")),
+                Box::new(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "bad chunk size",
+                )),
                 400,
                 problem::REQUEST_BODY_INVALID,
             ),

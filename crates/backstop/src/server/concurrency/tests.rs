@@ -411,7 +411,11 @@ async fn a_callers_broken_body_teaches_the_limit_nothing_however_long_it_took() 
             StatusCode::BAD_REQUEST
         );
     }
-    assert_eq!(gate.limit(), 8, "five seconds of a caller's body is no slow server");
+    assert_eq!(
+        gate.limit(),
+        8,
+        "five seconds of a caller's body is no slow server"
+    );
     assert_eq!(gate.inflight(), 0);
 }
 
