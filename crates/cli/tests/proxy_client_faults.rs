@@ -113,7 +113,7 @@ fn complete(answer: &[u8]) -> bool {
 /// The two routes a fault is sent to: one streaming the body (unsafe `POST`, the fallback
 /// policy), one reading it first (the safe `GET /v1/charges/{id}`).
 fn route(n: usize) -> (&'static str, String) {
-    if n.is_multiple_of(2) {
+    if n % 2 == 0 {
         ("POST", "/v1/orders".to_owned())
     } else {
         ("GET", format!("/v1/charges/c-{n}"))
