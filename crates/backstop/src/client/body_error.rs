@@ -1,27 +1,5 @@
 //! [`RequestBodyError`]: the request's own body failed on its way out, which is the caller's
 //! side of a call, not the peer's.
-//!
-//! A gateway forwards the body its own caller is still sending. When that body breaks
-//! (malformed chunked framing, cut short, reset, over the gateway's size limit, too slow), the
-//! attempt fails although the peer did nothing wrong. The stack tells the two apart: every
-//! error of a request body an attempt sends comes out as a [`RequestBodyError`], and a call
-//! whose body failed is never retried and never counts toward the destination's health (its
-//! circuit breaker, its retry budget, its storm alarm, adaptive throttling): the call stops
-//! with [`StopReason::RequestBody`](crate::retry::StopReason::RequestBody), and
-//! [`Error::is_request_body`](super::Error::is_request_body) says so. Its
-//! [`status`](RequestBodyError::status) is the answer the caller earned, whose outcome is
-//! `rejected` (a server stack's gate learns nothing from it):
-//!
-//! | what broke, in the body's error chain | HTTP | problem `code` | gRPC |
-//! |---|---|---|---|
-//! | over a size limit (`http_body_util::LengthLimitError`) | 413 | `body_too_large` | `RESOURCE_EXHAUSTED` |
-//! | too slow: a timeout (`tokio::time::error::Elapsed`, `io::ErrorKind::TimedOut`, hyper's), or the call's deadline passed while the body was still waiting on its sender | 408 | `request_body_timeout` | `INVALID_ARGUMENT` |
-//! | the caller's connection is gone (`ConnectionReset`, `ConnectionAborted`, `BrokenPipe`) | 499, which no one reads | `cancelled` | `CANCELLED` |
-//! | anything else: malformed framing, cut short | 400 | `request_body_invalid` | `INVALID_ARGUMENT` |
-//!
-//! The transport need not keep the body's error in its own: the body marks the attempt's
-//! request as it fails, and the breaker and the retry layer read that mark (an HTTP/2 stream
-//! reset for a broken body says only "cancelled").
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -35,12 +13,34 @@ use tower::BoxError;
 use crate::deadline::DeadlineExceeded;
 use crate::status::{Code, Status, problem};
 
-/// The request's own body failed while an attempt was sending it (see the
-/// [module docs](self)): the caller's side, never the peer's.
+/// The request's own body failed while an attempt was sending it: the caller's side, never
+/// the peer's.
+///
+/// A gateway forwards the body its own caller is still sending. When that body breaks
+/// (malformed chunked framing, cut short, reset, over the gateway's size limit, too slow), the
+/// attempt fails although the peer did nothing wrong. The stack tells the two apart: every
+/// error of a request body an attempt sends comes out as a [`RequestBodyError`], and a call
+/// whose body failed is never retried and never counts toward the destination's health (its
+/// circuit breaker, its retry budget, its storm alarm, adaptive throttling): the call stops
+/// with [`StopReason::RequestBody`](crate::retry::StopReason::RequestBody), and
+/// [`Error::is_request_body`](super::Error::is_request_body) says so. Its
+/// [`status`](RequestBodyError::status) is the answer the caller earned, whose outcome is
+/// `rejected` (a server stack's gate learns nothing from it):
+///
+/// | what broke, in the body's error chain | HTTP | problem `code` | gRPC |
+/// |---|---|---|---|
+/// | over a size limit (`http_body_util::LengthLimitError`) | 413 | `body_too_large` | `RESOURCE_EXHAUSTED` |
+/// | too slow: a timeout (`tokio::time::error::Elapsed`, `io::ErrorKind::TimedOut`, hyper's), or the call's deadline passed while the body was still waiting on its sender | 408 | `request_body_timeout` | `INVALID_ARGUMENT` |
+/// | the caller's connection is gone (`ConnectionReset`, `ConnectionAborted`, `BrokenPipe`) | 499, which no one reads | `cancelled` | `CANCELLED` |
+/// | anything else: malformed framing, cut short | 400 | `request_body_invalid` | `INVALID_ARGUMENT` |
+///
+/// The transport need not keep the body's error in its own: the body marks the attempt's
+/// request as it fails, and the breaker and the retry layer read that mark (an HTTP/2 stream
+/// reset for a broken body says only "cancelled").
 ///
 /// ```
 /// use backstop::client::RequestBodyError;
-/// use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+/// use http_body_util::{BodyExt, Full, Limited};
 /// use bytes::Bytes;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
