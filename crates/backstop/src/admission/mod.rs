@@ -46,7 +46,11 @@
 //! | refused inside the gate before any work, with outcome `rejected` | nothing | nothing | nothing | nothing | admitted |
 //! | refused by the gate itself (503 `overloaded`) | | | nothing: never ran | nothing | **refused** |
 //!
-//! A streamed call whose body then breaks has made its budget deposit (one request's share,
+//! One caller-made outcome still counts: a peer that answers `DEADLINE_EXCEEDED` because the
+//! budget it was sent was short (its caller's deadline was) reads, to the breaker, like a
+//! slow peer; the breaker keeps no latency to tell them apart. A budget that cannot cover the
+//! way there and back (less than the margin left) is never sent, which leaves only budgets
+//! just above the margin. A streamed call whose body then breaks has made its budget deposit (one request's share,
 //! as every request does) before the body broke; it takes nothing out. The columns are the
 //! inputs of [`Limit::on_sample`] (served), [`Limit::on_failure`] (failed) and
 //! [`Limit::on_abandoned`]; an answer with outcome `rejected` reaches none of them
