@@ -84,6 +84,13 @@ pub mod problem {
     pub const BODY_TOO_LARGE: &str = "body_too_large";
     /// The request body or parameters are invalid (400).
     pub const INVALID_REQUEST: &str = "invalid_request";
+    /// The request body broke on its way in: malformed framing (a bad chunk size) or cut
+    /// short (400). The caller's fault, never counted against the service called
+    /// (`client::RequestBodyError`).
+    pub const REQUEST_BODY_INVALID: &str = "request_body_invalid";
+    /// The request body came too slowly (408). The caller's fault, like
+    /// [`REQUEST_BODY_INVALID`].
+    pub const REQUEST_BODY_TIMEOUT: &str = "request_body_timeout";
     /// Missing or bad credentials (401).
     pub const UNAUTHENTICATED: &str = "unauthenticated";
     /// The shared rate limiter (Redis) did not answer and the policy is to refuse

@@ -155,6 +155,7 @@ impl Shared {
             admitted: now,
             finished: false,
             failed: false,
+            unmeasured: false,
         }
     }
 
@@ -199,7 +200,7 @@ impl Shared {
         let now = Instant::now();
         let elapsed = now.saturating_duration_since(permit.admitted);
         let mut state = self.lock();
-        if let Some(limiter) = &self.limiter {
+        if let Some(limiter) = self.limiter.as_ref().filter(|_| !permit.unmeasured) {
             let mut limiter = limiter.lock().unwrap_or_else(PoisonError::into_inner);
             if permit.finished {
                 limiter.on_sample(elapsed, state.running);
@@ -272,7 +273,9 @@ impl Drop for Leave<'_> {
 /// adaptive limit and the queue's expected service time. Work that failed goes back with
 /// [`GatePermit::fail`], which tells the limit the dependency or the server broke (see
 /// [`Limit::on_failure`]). A permit merely dropped counts as abandoned work (a cancelled
-/// request), whose latency is only a lower bound.
+/// request), whose latency is only a lower bound. Work whose outcome says nothing of this
+/// server or its dependencies (its caller's request body broke) goes back with
+/// [`GatePermit::discard`], which teaches the limit nothing.
 #[derive(Debug)]
 #[must_use = "the gate slot is released as soon as the permit is dropped"]
 pub struct GatePermit {
@@ -280,6 +283,7 @@ pub struct GatePermit {
     admitted: Instant,
     finished: bool,
     failed: bool,
+    unmeasured: bool,
 }
 
 impl GatePermit {
@@ -292,6 +296,13 @@ impl GatePermit {
     /// gate's limit so: a slow start drops to its floor when most recent work fails.
     pub fn fail(mut self) {
         self.failed = true;
+    }
+
+    /// Releases the slot of work whose outcome says nothing of serving: refused before it ran,
+    /// or failed on its caller's side (its request body broke, however long that took). The
+    /// limit learns neither a latency nor a failure from it.
+    pub fn discard(mut self) {
+        self.unmeasured = true;
     }
 }
 

@@ -21,6 +21,41 @@
 //!   `RESOURCE_EXHAUSTED` + `Retry-After`. With the `redis` feature, the `redis` module shares the
 //!   per-tenant buckets between instances.
 //!
+//! # What counts toward a destination's health
+//!
+//! Four mechanisms judge whether a service is well from what its requests end with: the
+//! client's circuit breaker (`client::breaker`, one per destination; the proxy's per-endpoint
+//! breakers are the same), the client's retry budget, storm alarm and adaptive throttle
+//! (`client::retry`), and the server's gate: [`SlowStart`] (is a dependency down?), an
+//! adaptive limit such as [`Gradient2`] (is serving getting slower?) and [`Shedding`] (is the
+//! gate refusing much?). Only the peer's own failures may move them; what a caller did to its
+//! own request must not, or one caller could take a service offline for everyone.
+//!
+//! | how a request ended | breaker | retry budget, storm alarm, throttle | slow start | adaptive limit | shedding |
+//! |---|---|---|---|---|---|
+//! | success (2xx, 3xx, gRPC `OK`) | success | a request (deposits), no retry | success | latency sample | admitted |
+//! | the peer failed: 5xx, `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DATA_LOSS`, a transport error (refused, reset or closed by the peer, no answer) | failure | retried within the policy: spends budget, counts toward the storm alarm | failure (answered 5xx) | like abandoned work | admitted |
+//! | the peer answered a timeout (504, `DEADLINE_EXCEEDED`) | failure | retried on keyed and safe methods only | nothing | abandoned: a sample only when it ran longer than recent requests | admitted |
+//! | the peer refused the request itself: 4xx (400, 404, 409, 422, ...) | success: the peer works | not retried (409 with `Retry-After` after the wait) | success | latency sample | admitted |
+//! | the peer refused load: 429 / `RESOURCE_EXHAUSTED` (503 `overloaded` is `UNAVAILABLE`, above) | success | retried after its pushback; the throttle counts the refusal | success | latency sample | admitted |
+//! | **the caller's request body broke** on its way in: malformed framing, cut short, reset, over a size limit, too slow (`client::RequestBodyError`; answered 400, 408, 413, or nothing) | **nothing** | **nothing**: no attempt counted, no retry, stop `request_body` | **nothing** (outcome `rejected`) | **nothing**, however long it took | admitted |
+//! | the caller cancelled (dropped the call, went away) | nothing: the attempt is dropped unanswered | nothing more | nothing | abandoned: a sample only when it ran longer than recent requests | admitted |
+//! | the caller's deadline passed during an attempt (cut off by the client stack) | nothing: dropped unanswered | stop `deadline`, nothing spent | nothing (504) | abandoned: a sample only when it ran longer than recent requests | admitted |
+//! | the caller's deadline too short to send at all (less than the margin left) | nothing: refused above the breaker | stop `deadline`, no attempt | nothing (504) | abandoned, fast: no sample | admitted |
+//! | not sent: the circuit is open, or local throttling refused it | not sent | stop `circuit_open` / `throttled`, nothing spent | failure when this hop answers 503 for it (its dependency is down) | like abandoned work | admitted |
+//! | refused inside the gate before any work, with outcome `rejected` | nothing | nothing | nothing | nothing | admitted |
+//! | refused by the gate itself (503 `overloaded`) | | | nothing: never ran | nothing | **refused** |
+//!
+//! One caller-made outcome still counts: a peer that answers `DEADLINE_EXCEEDED` because the
+//! budget it was sent was short (its caller's deadline was) reads, to the breaker, like a
+//! slow peer; the breaker keeps no latency to tell them apart. A budget that cannot cover the
+//! way there and back (less than the margin left) is never sent, which leaves only budgets
+//! just above the margin. A streamed call whose body then breaks has made its budget deposit (one request's share,
+//! as every request does) before the body broke; it takes nothing out. The columns are the
+//! inputs of [`Limit::on_sample`] (served), [`Limit::on_failure`] (failed) and
+//! [`Limit::on_abandoned`]; an answer with outcome `rejected` reaches none of them
+//! ([`GatePermit::discard`]).
+//!
 //! # Where it lives
 //!
 //! These are the primitives. On the server, the concurrency limit is

@@ -13,15 +13,17 @@
 //!   an endless pushback, which the executor refuses to wait for (`pushback`);
 //! - a gRPC response with HTTP 200 and no `grpc-status` header carries its status in trailers,
 //!   after the body: at this layer it counts as a success;
-//! - errors: an attempt the deadline layer refused is `DEADLINE_EXCEEDED`, an open circuit is
-//!   `UNAVAILABLE` marked [`problem::CIRCUIT_OPEN`], anything else (a transport failure) is
-//!   `UNAVAILABLE`.
+//! - errors: an attempt whose own request body failed is its caller's fault, with the status
+//!   [`RequestBodyError::status`] reads from it (400, 408, 413; never the peer's), an attempt
+//!   the deadline layer refused is `DEADLINE_EXCEEDED`, an open circuit is `UNAVAILABLE`
+//!   marked [`problem::CIRCUIT_OPEN`], anything else (a transport failure) is `UNAVAILABLE`.
 
 use std::error::Error as StdError;
 use std::time::Duration;
 
 use http::{HeaderMap, Response, StatusCode};
 
+use super::body_error::RequestBodyError;
 use super::circuit_open::CircuitOpen;
 use crate::deadline::DeadlineExceeded;
 use crate::status::{Code, Status, problem};
@@ -57,6 +59,9 @@ pub fn pushback(headers: &HeaderMap) -> Option<Duration> {
 
 /// The status of an attempt that ended in an error instead of a response.
 pub fn error_status(error: &(dyn StdError + 'static)) -> Status {
+    if let Some(body) = RequestBodyError::find(error) {
+        return body.status().clone();
+    }
     let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
     while let Some(e) = cause {
         if let Some(exceeded) = e.downcast_ref::<DeadlineExceeded>() {
@@ -183,5 +188,18 @@ mod tests {
             margin: Duration::from_millis(5),
         };
         assert_eq!(error_status(&late).code(), Code::DeadlineExceeded);
+    }
+
+    #[test]
+    fn a_failed_request_body_is_the_callers_not_a_transport_error() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("client error (SendRequest)")]
+        struct Transport(#[source] RequestBodyError);
+        let cut = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+        let status = error_status(&Transport(RequestBodyError::new(cut)));
+        assert_eq!(status.http_status(), StatusCode::BAD_REQUEST);
+        assert_eq!(status.problem(), problem::REQUEST_BODY_INVALID);
+        assert_eq!(status.outcome(), crate::status::Outcome::Rejected);
+        assert!(!is_failure_of_destination(&status));
     }
 }

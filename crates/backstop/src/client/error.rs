@@ -7,6 +7,7 @@ use tower::BoxError;
 
 use http::Response;
 
+use super::RequestBodyError;
 use super::classify::{classify_head, error_status};
 use super::retry::RetryStopped;
 use crate::retry::{RetryError, StopReason};
@@ -32,6 +33,7 @@ use crate::status::{Code, Status, problem};
 /// | the deadline passed, or too little of it was left to send | `DEADLINE_EXCEEDED`, `deadline_exceeded` | 504 | `DEADLINE_EXCEEDED` |
 /// | the circuit is open | `UNAVAILABLE`, `circuit_open` | 503 + `Retry-After` (when the breaker probes again) | `UNAVAILABLE` + `grpc-retry-pushback-ms` |
 /// | the peer is unreachable, or retries stopped on it (budget, storm, throttle, attempts) | `UNAVAILABLE`, `unavailable` | 503 + `Retry-After` | `UNAVAILABLE` + pushback |
+/// | the request's own body failed ([`Error::is_request_body`]: malformed, cut short, too large, too slow; the caller's side) | the [`RequestBodyError`]'s: `INVALID_ARGUMENT` `request_body_invalid`, `request_body_timeout`; `RESOURCE_EXHAUSTED` `body_too_large` | 400, 408, 413 | `INVALID_ARGUMENT`, `RESOURCE_EXHAUSTED` |
 /// | the peer answered another refusal ([`Error::for_status`]) | the peer's | the peer's | the peer's |
 ///
 /// The `Retry-After` of a 503 is the peer's own pushback when its last answer gave one, the
@@ -106,7 +108,8 @@ impl Error {
             None => {
                 let status = error_status(&*error);
                 let refused = status.code() == Code::DeadlineExceeded
-                    || status.problem() == problem::CIRCUIT_OPEN;
+                    || status.problem() == problem::CIRCUIT_OPEN
+                    || RequestBodyError::find(&*error).is_some();
                 (status, None, u32::from(!refused))
             }
         };
@@ -176,6 +179,15 @@ impl Error {
     /// cover a round trip.
     pub fn is_deadline(&self) -> bool {
         self.0.status.code() == Code::DeadlineExceeded
+    }
+
+    /// Whether the call failed because its own request body did (malformed, cut short, over a
+    /// size limit, too slow, its sender gone): the caller's fault, not the peer's. Such a call
+    /// is never retried and never counts toward the destination's health; [`Error::status`]
+    /// is the 4xx its caller earned (see [`RequestBodyError`]).
+    pub fn is_request_body(&self) -> bool {
+        self.0.reason == Some(StopReason::RequestBody)
+            || RequestBodyError::find(&*self.0.source).is_some()
     }
 
     /// Whether the destination's circuit breaker refused the call.
@@ -356,6 +368,30 @@ mod tests {
         assert_eq!(error.status().problem(), problem::CIRCUIT_OPEN);
         assert_eq!(error.status().http_status(), 503);
         assert_eq!(error.status().pushback(), Some(Duration::from_secs(4)));
+    }
+
+    #[test]
+    fn a_broken_request_body_is_the_callers_4xx_not_the_peers_5xx() {
+        // Read before anything was sent (a replayable body).
+        let cut = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+        let error = Error::from_box(boxed(RequestBodyError::new(cut)));
+        assert!(error.is_request_body());
+        assert_eq!(error.status().http_status(), 400);
+        assert_eq!(error.attempts(), 0);
+        // Failed while streamed: the retry layer stopped for it.
+        let stopped = RetryError {
+            last: error.status().clone(),
+            attempts: 0,
+            reason: StopReason::RequestBody,
+        };
+        let error = Error::from_box(boxed(stopped));
+        assert!(error.is_request_body());
+        assert_eq!(error.status().problem(), problem::REQUEST_BODY_INVALID);
+        assert_eq!(error.status().http_status(), 400);
+        assert!(!error.is_deadline());
+        // A peer that went away is not.
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(!Error::from_box(boxed(reset)).is_request_body());
     }
 
     #[test]

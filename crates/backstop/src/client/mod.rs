@@ -87,6 +87,7 @@
 //! # }
 //! ```
 
+mod body_error;
 pub mod breaker;
 mod circuit_open;
 pub mod classify;
@@ -106,6 +107,7 @@ pub mod slots;
 mod stack;
 pub mod transparent;
 
+pub use self::body_error::RequestBodyError;
 pub use self::error::Error;
 pub use self::observer::AttemptObserver;
 pub use self::select::SelectMethod;

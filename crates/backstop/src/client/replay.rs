@@ -38,6 +38,9 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tower::BoxError;
+
+use super::body_error::{BodyFault, RequestBodyError};
 
 /// Default byte cap of a replayable body: 64 KiB, far above a unary RPC's usual size.
 pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
@@ -134,7 +137,11 @@ pin_project! {
             resend: ResendBy,
         },
         Streaming {
-            prefix: VecDeque<Bytes>,
+            // The chunks already read, last first (popped from the end): a `Vec` is a word
+            // smaller than a `VecDeque`, which leaves room for the mark.
+            prefix: Vec<Bytes>,
+            // Marked when `rest` fails: the attempt's request carries the same mark.
+            fault: Option<BodyFault>,
             #[pin]
             rest: B,
         },
@@ -146,10 +153,19 @@ impl<B> ReplayBody<B> {
     pub fn once(body: B) -> Self {
         Self {
             kind: Kind::Streaming {
-                prefix: VecDeque::new(),
+                prefix: Vec::new(),
+                fault: None,
                 rest: body,
             },
         }
+    }
+
+    /// The same body, marking `fault` if it fails while being sent.
+    pub(crate) fn marking(mut self, mark: &BodyFault) -> Self {
+        if let Kind::Streaming { fault, .. } = &mut self.kind {
+            *fault = Some(mark.clone());
+        }
+        self
     }
 
     /// Whether this body can be sent again ([`try_clone`](Self::try_clone) succeeds).
@@ -175,17 +191,20 @@ impl<B> ReplayBody<B> {
     }
 }
 
+/// A body that is sent once streams the caller's body: its errors come out as
+/// [`RequestBodyError`], the caller's side of the call, whatever the transport makes of them.
 impl<B> Body for ReplayBody<B>
 where
     B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = RequestBodyError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, RequestBodyError>>> {
         match self.project().kind.project() {
             KindProj::Buffered {
                 replay,
@@ -205,9 +224,23 @@ where
                 }
                 Poll::Ready(None)
             }
-            KindProj::Streaming { prefix, rest } => match prefix.pop_front() {
+            KindProj::Streaming {
+                prefix,
+                fault,
+                rest,
+            } => match prefix.pop() {
                 Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
-                None => rest.poll_frame(cx),
+                None => Poll::Ready(match std::task::ready!(watch(rest.poll_frame(cx), fault)) {
+                    None => None,
+                    Some(Ok(frame)) => Some(Ok(frame)),
+                    Some(Err(e)) => {
+                        let error = RequestBodyError::new(e);
+                        if let Some(fault) = fault {
+                            fault.set(error.status());
+                        }
+                        Some(Err(error))
+                    }
+                }),
             },
         }
     }
@@ -219,7 +252,7 @@ where
                 trailers_sent,
                 ..
             } => *data_sent && *trailers_sent,
-            Kind::Streaming { prefix, rest } => prefix.is_empty() && rest.is_end_stream(),
+            Kind::Streaming { prefix, rest, .. } => prefix.is_empty() && rest.is_end_stream(),
         }
     }
 
@@ -241,7 +274,7 @@ where
                     SizeHint::with_exact(left)
                 }
             }
-            Kind::Streaming { prefix, rest } => {
+            Kind::Streaming { prefix, rest, .. } => {
                 let read: u64 = prefix.iter().map(|c| c.len() as u64).sum();
                 let hint = rest.size_hint();
                 let mut out = SizeHint::new();
@@ -253,6 +286,14 @@ where
             }
         }
     }
+}
+
+/// `polled`, telling `fault` whether the body now waits on its sender.
+fn watch<T>(polled: Poll<T>, fault: &Option<BodyFault>) -> Poll<T> {
+    if let Some(fault) = fault {
+        fault.waiting(polled.is_pending());
+    }
+    polled
 }
 
 /// Reads `body` into a [`Replay`] when it fits in `cap` bytes.
@@ -338,13 +379,16 @@ where
                         }
                     }
                     if self.len > self.cap {
-                        let mut prefix = std::mem::take(&mut self.more);
-                        if let Some(first) = self.first.take() {
-                            prefix.push_front(first);
-                        }
+                        let more = std::mem::take(&mut self.more);
+                        let prefix: Vec<Bytes> =
+                            more.into_iter().rev().chain(self.first.take()).collect();
                         let rest = self.body.take().expect("read above");
                         return Poll::Ready(Ok(Buffered::TooLarge(ReplayBody {
-                            kind: Kind::Streaming { prefix, rest },
+                            kind: Kind::Streaming {
+                                prefix,
+                                fault: None,
+                                rest,
+                            },
                         })));
                     }
                 }

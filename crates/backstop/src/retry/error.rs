@@ -33,11 +33,15 @@ pub enum StopReason {
     /// The request this call serves arrived as a retry: the layer above retries, this one
     /// does not ([`inbound`](super::inbound)).
     RetriedAbove,
+    /// The request's own body failed while it was being sent (malformed, cut short, too
+    /// large, too slow, its sender gone): the caller's side, which no retry fixes and which
+    /// says nothing of the destination (`client::RequestBodyError`).
+    RequestBody,
 }
 
 impl StopReason {
     /// Every reason, in declaration order.
-    pub const ALL: [StopReason; 10] = [
+    pub const ALL: [StopReason; 11] = [
         StopReason::NonRetryable,
         StopReason::MaxAttempts,
         StopReason::BudgetExhausted,
@@ -48,11 +52,12 @@ impl StopReason {
         StopReason::Throttled,
         StopReason::SwitchedOff,
         StopReason::RetriedAbove,
+        StopReason::RequestBody,
     ];
 
     /// The reason code used in metrics and logs: `non_retryable`, `max_attempts`,
     /// `budget_exhausted`, `deadline`, `pushback`, `circuit_open`, `storm`, `throttled`,
-    /// `switched_off` or `retried_above`.
+    /// `switched_off`, `retried_above` or `request_body`.
     pub const fn as_str(self) -> &'static str {
         match self {
             StopReason::NonRetryable => "non_retryable",
@@ -65,6 +70,7 @@ impl StopReason {
             StopReason::Throttled => "throttled",
             StopReason::SwitchedOff => "switched_off",
             StopReason::RetriedAbove => "retried_above",
+            StopReason::RequestBody => "request_body",
         }
     }
 }
@@ -116,7 +122,8 @@ mod tests {
                 "storm",
                 "throttled",
                 "switched_off",
-                "retried_above"
+                "retried_above",
+                "request_body"
             ]
         );
         assert_eq!(StopReason::Pushback.to_string(), "pushback");

@@ -21,6 +21,12 @@
 //! What it answers itself, as problem+json (or gRPC status):
 //!
 //! - 504 `deadline_exceeded` when the budget left cannot cover the margin: nothing is sent;
+//! - when the caller's own request body broke on its way in (the client stack's
+//!   [`Error::is_request_body`](backstop::client::Error::is_request_body)): 400
+//!   `request_body_invalid` (malformed framing, cut short), 408 `request_body_timeout`, 413
+//!   `body_too_large`, or nothing when the caller's connection is gone; outcome `rejected`, and
+//!   never counted against the upstream (its breakers, retry budget, storm alarm, the gate's
+//!   slow start and adaptive limit);
 //! - when no attempt reached the upstream (no connection could be made, or the circuit is
 //!   open): 503 `upstream_unavailable` (or `circuit_open`) + `Retry-After`, and on a keyed
 //!   route the key stays unused;
@@ -473,6 +479,12 @@ impl<St: ProxyStore> Forwarder<St> {
                 let (mut head, body) = response.into_parts();
                 strip_hop_by_hop(&mut head.headers);
                 Ok(Response::from_parts(head, ResponseBody::inner(body)))
+            }
+            Err(error) if error.is_request_body() => {
+                // The caller's own body broke: its 4xx (outcome `rejected`), which no health
+                // signal of the upstream's counts.
+                tracing::info!(error = %chain(&error), "the caller's request body failed");
+                refuse(Problem::from_status(error.status()))
             }
             Err(error) if !reach.maybe_reached() => {
                 tracing::warn!(error = %chain(&error), "nothing reached the upstream");

@@ -9,6 +9,8 @@ use pin_project_lite::pin_project;
 use tower::BoxError;
 
 use super::{CircuitOpen, Permit};
+use crate::client::RequestBodyError;
+use crate::client::body_error::BodyFault;
 use crate::client::classify::{is_failure_of_destination, response_status};
 use crate::client::transparent::ResendRequested;
 
@@ -25,15 +27,19 @@ pin_project! {
     #[project = KindProj]
     #[derive(Debug)]
     enum Kind<F> {
-        Running { #[pin] future: F, permit: Option<Permit> },
+        Running { #[pin] future: F, permit: Option<Permit>, fault: Option<BodyFault> },
         Open { open: CircuitOpen },
     }
 }
 
 impl<F> ResponseFuture<F> {
-    pub(super) fn running(future: F, permit: Option<Permit>) -> Self {
+    pub(super) fn running(future: F, permit: Option<Permit>, fault: Option<BodyFault>) -> Self {
         Self {
-            kind: Kind::Running { future, permit },
+            kind: Kind::Running {
+                future,
+                permit,
+                fault,
+            },
         }
     }
 
@@ -54,7 +60,11 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Open { open } => Poll::Ready(Err(Box::new(*open))),
-            KindProj::Running { future, permit } => {
+            KindProj::Running {
+                future,
+                permit,
+                fault,
+            } => {
                 let result = ready!(future.poll(cx)).map_err(Into::into);
                 let healthy = match &result {
                     Ok(response) => Some(
@@ -63,6 +73,13 @@ where
                     // Never sent, and sent again at once by the retry layer: the re-send's
                     // outcome is the one that counts (a dropped permit records nothing).
                     Err(e) if e.is::<ResendRequested>() => None,
+                    // The request's own body failed: its caller's fault, not the destination's.
+                    Err(e)
+                        if RequestBodyError::find(&**e).is_some()
+                            || fault.as_ref().is_some_and(|f| f.get().is_some()) =>
+                    {
+                        None
+                    }
                     Err(_) => Some(false),
                 };
                 if let (Some(permit), Some(healthy)) = (permit.take(), healthy) {

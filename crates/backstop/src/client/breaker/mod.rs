@@ -8,7 +8,11 @@
 //!
 //! A failure is a transport error or a response that says the destination is unwell
 //! (`UNAVAILABLE`, `DEADLINE_EXCEEDED`, `INTERNAL`, any 5xx). A fatal answer (4xx, `INVALID_ARGUMENT`, ...)
-//! or a quota refusal is the destination working as intended and counts as a success.
+//! or a quota refusal is the destination working as intended and counts as a success. An
+//! attempt whose own request body failed ([`RequestBodyError`](super::RequestBodyError): its
+//! caller's side) counts as nothing, nor does one dropped unanswered (its caller cancelled, a
+//! hedge won, the deadline passed). The whole list of what counts toward a destination's health
+//! and what does not is in [`crate::admission`]'s table.
 //!
 //! One [`CircuitBreaker`] belongs to one destination: clone it into every method's stack that
 //! calls it.
@@ -28,6 +32,7 @@ use tower::BoxError;
 use tower_service::Service;
 
 use self::future::ResponseFuture;
+use super::body_error::BodyFault;
 
 /// Sends attempts only while the destination's circuit lets them through.
 #[derive(Debug, Clone)]
@@ -69,8 +74,12 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         match self.breaker.as_ref().map(CircuitBreaker::try_acquire) {
-            None => ResponseFuture::running(self.inner.call(request), None),
-            Some(Ok(permit)) => ResponseFuture::running(self.inner.call(request), Some(permit)),
+            None => ResponseFuture::running(self.inner.call(request), None, None),
+            Some(Ok(permit)) => {
+                // A body that fails marks the request: the failure is then its caller's.
+                let fault = request.extensions().get::<BodyFault>().cloned();
+                ResponseFuture::running(self.inner.call(request), Some(permit), fault)
+            }
             Some(Err(open)) => ResponseFuture::open(open),
         }
     }

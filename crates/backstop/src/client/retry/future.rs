@@ -21,12 +21,13 @@ use tower::BoxError;
 use tower_service::Service;
 
 use super::{Config, GRPC_PREVIOUS_RPC_ATTEMPTS, RetryStopped};
+use crate::client::body_error::{BodyFault, RequestBodyError, caller_fault};
 use crate::client::classify::error_status;
 use crate::client::hedge::{HedgeAllowance, Side};
 use crate::client::observer::{AttemptEvent, AttemptKind, AttemptObserver, CallEnd, refusal};
 use crate::client::replay::{Buffered, Buffering, Replay, ReplayBody, ResendBy};
 use crate::client::transparent::ResendRequested;
-use crate::deadline::{Deadline, DeadlineExceeded};
+use crate::deadline::Deadline;
 use crate::retry::{Attempt, Attempts, CallInfo, RetryError, RetryPolicy, StopReason};
 use crate::status::{Code, Outcome as Classified, Status};
 
@@ -40,12 +41,22 @@ pub(super) enum Content<B> {
     Once(Option<ReplayBody<B>>),
 }
 
-impl<B> From<Buffered<B>> for Content<B> {
-    /// What the attempts send once the body is read.
-    fn from(buffered: Buffered<B>) -> Self {
+impl<B> Content<B> {
+    /// `body`, sent once by the first attempt. It marks the call's head (`parts`), which
+    /// every attempt's request copies, if it fails: the caller's fault, whatever error the
+    /// transport reports for it.
+    pub(super) fn once(body: ReplayBody<B>, parts: &mut Parts) -> Self {
+        let fault = BodyFault::default();
+        let body = body.marking(&fault);
+        parts.extensions.insert(fault);
+        Content::Once(Some(body))
+    }
+
+    /// What the attempts of the call with head `parts` send once the body is read.
+    pub(super) fn read(buffered: Buffered<B>, parts: &mut Parts) -> Self {
         match buffered {
             Buffered::Replayable(replay) => Content::Replay(replay),
-            Buffered::TooLarge(once) => Content::Once(Some(once)),
+            Buffered::TooLarge(once) => Content::once(once, parts),
         }
     }
 }
@@ -194,19 +205,24 @@ where
                         continue;
                     };
                     match buffering.poll_buffer(cx) {
-                        Poll::Ready(Ok(buffered)) => *this.content = buffered.into(),
+                        Poll::Ready(Ok(buffered)) => {
+                            *this.content = Content::read(buffered, this.parts);
+                        }
                         Poll::Ready(Err(e)) => {
-                            let e: BoxError = e.into();
-                            told(this.config, this.parts, this.key).end_unsent(&*e, None);
+                            // The caller's body broke before anything was sent.
+                            let e: BoxError = Box::new(RequestBodyError::new(e));
+                            told(this.config, this.parts, this.key)
+                                .end_unsent(&*e, Some(StopReason::RequestBody));
                             return done(this.step, Err(e));
                         }
                         Poll::Pending => {
-                            // Reading the body is part of the call: it too ends at the deadline.
+                            // Reading the body is part of the call: it too ends at the deadline,
+                            // and the body still coming in then is its sender's slowness.
                             ready!(this.timer.as_mut().poll(cx));
-                            let e = DeadlineExceeded::PASSED;
+                            let e: BoxError = Box::new(RequestBodyError::too_slow());
                             told(this.config, this.parts, this.key)
-                                .end_unsent(&e, Some(StopReason::Deadline));
-                            return done(this.step, Err(Box::new(e)));
+                                .end_unsent(&*e, Some(StopReason::RequestBody));
+                            return done(this.step, Err(e));
                         }
                     }
                     this.step.set(Step::Next);
@@ -346,19 +362,35 @@ where
                         Ok(never_sent) => never_sent.into_source(),
                         Err(e) => e,
                     };
-                    let status = error_status(&*e);
-                    if let Some(reason) = refusal(&*e) {
+                    if let Some(fault) = caller_fault(&*e, &this.parts.extensions) {
+                        // The caller's own body broke: the destination did nothing wrong and no
+                        // retry fixes it, so it is no attempt of the destination's (its budget,
+                        // storm alarm and throttle learn nothing) and the call stops here.
+                        let fault = fault.clone();
+                        tell.attempt(this.deadline, &current, None);
+                        Err(attempts.refused(policy, &call, fault, StopReason::RequestBody))
+                    } else if let Some(reason) = refusal(&*e) {
+                        let status = error_status(&*e);
                         // Refused before sending (an open circuit, or less than the peer's
                         // margin left): no attempt, and nothing a later one would change, so
                         // stop, spending nothing. The last answer, if any, stays the call's.
                         tell.attempt(this.deadline, &current, None);
                         Err(attempts.refused(policy, &call, status, reason))
                     } else {
+                        let status = error_status(&*e);
                         *this.last = None;
                         let sent = tell.observed() && on_wire;
                         tell.attempt(this.deadline, &current, sent.then(|| seen(&status)));
                         attempts.failed(policy, &call, status, remaining, elapsed)
                     }
+                }
+                Outcome::CutOff if waiting_on_caller(this.parts) => {
+                    // The deadline passed while the body still waited on its sender: the
+                    // caller was too slow, not the destination.
+                    *this.last = None;
+                    tell.attempt(this.deadline, &current, None);
+                    let slow = RequestBodyError::too_slow().status().clone();
+                    Err(attempts.refused(policy, &call, slow, StopReason::RequestBody))
                 }
                 Outcome::CutOff => {
                     *this.last = None;
@@ -426,6 +458,14 @@ fn abandon_at<B>(
     let remaining = deadline.remaining_at(current.started);
     let limit = limiter.limit.limit_by(&limiter.margin, remaining)?;
     Some(current.started + limit)
+}
+
+/// Whether the body of the call with head `parts` is streamed and waits on its sender.
+fn waiting_on_caller(parts: &Parts) -> bool {
+    parts
+        .extensions
+        .get::<BodyFault>()
+        .is_some_and(BodyFault::is_waiting)
 }
 
 /// Ends the call with `result`.

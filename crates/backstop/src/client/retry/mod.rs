@@ -71,6 +71,7 @@ use tower_service::Service;
 use self::attempt_limit::Limiter;
 pub(crate) use self::config::Config;
 use self::future::{Content, RetryCall};
+use super::body_error::RequestBodyError;
 use super::classify::Classifier;
 use super::hedge::HedgeAllowance;
 use super::idempotency::IDEMPOTENCY_KEY;
@@ -242,16 +243,18 @@ where
         let mut content = if replayable {
             Content::Buffering(Buffering::new(body, config.replay_cap))
         } else {
-            Content::Once(Some(ReplayBody::once(body)))
+            Content::once(ReplayBody::once(body), &mut parts)
         };
         // A body that is all there already (most are: one buffer) is read here, so that the
         // first attempt can leave at once.
         if let Content::Buffering(buffering) = &mut content {
             match buffering.poll_buffer(&mut Context::from_waker(Waker::noop())) {
-                Poll::Ready(Ok(buffered)) => content = buffered.into(),
+                Poll::Ready(Ok(buffered)) => content = Content::read(buffered, &mut parts),
                 Poll::Ready(Err(e)) => {
-                    let e: BoxError = e.into();
-                    future::told(&config, &parts, &key).end_unsent(&*e, None);
+                    // The caller's body broke before anything was sent.
+                    let e: BoxError = Box::new(RequestBodyError::new(e));
+                    future::told(&config, &parts, &key)
+                        .end_unsent(&*e, Some(StopReason::RequestBody));
                     return Box::pin(std::future::ready(Err(e)));
                 }
                 Poll::Pending => {}

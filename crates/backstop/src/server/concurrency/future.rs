@@ -16,7 +16,7 @@ use crate::server::body::ResponseBody;
 use crate::server::metrics::Route;
 use crate::server::problem::Protocol;
 use crate::server::tenant::Tenant;
-use crate::status::Code;
+use crate::status::{Code, Outcome};
 
 /// Memory a waiting request holds besides its body: head, extensions, futures (an estimate).
 const REQUEST_OVERHEAD: usize = 2 << 10;
@@ -188,6 +188,7 @@ where
                             Ok(Verdict::Served) => permit.finish(),
                             Ok(Verdict::Failed) | Err(_) => permit.fail(),
                             Ok(Verdict::Abandoned) => drop(permit),
+                            Ok(Verdict::NotServing) => permit.discard(),
                         }
                     }
                     return Poll::Ready(result.map(|response| response.map(ResponseBody::inner)));
@@ -210,9 +211,16 @@ enum Verdict {
     /// anything broke (a request that waited too long under overload is no outage), and other
     /// gRPC errors say nothing about serving.
     Abandoned,
+    /// A refusal made before any work, or the caller's own fault (its request body broke):
+    /// the answer's [`Outcome`] is `rejected`. It says nothing of serving, however long it
+    /// took (a body trickling in for seconds is no slow server), so the limit learns nothing.
+    NotServing,
 }
 
 fn verdict<B>(response: &Response<B>) -> Verdict {
+    if response.extensions().get::<Outcome>() == Some(&Outcome::Rejected) {
+        return Verdict::NotServing;
+    }
     if let Some(grpc) = response.headers().get("grpc-status") {
         let code = grpc.to_str().ok().and_then(|c| c.parse::<i32>().ok());
         return match code.map(Code::from_i32) {

@@ -22,7 +22,13 @@
 //! `DATA_LOSS`) is handed back as failed, which a [`SlowStart`](crate::admission::SlowStart)
 //! counts toward an outage and a latency limit treats like a dropped request (its caller went
 //! away, or a timeout): counted only when it took longer than recent requests. A request
-//! refused by the gate, or given up while waiting, never ran and teaches nothing.
+//! refused by the gate, or given up while waiting, never ran and teaches nothing; nor does an
+//! answer whose outcome is `rejected` (the [`Outcome`](crate::status::Outcome) response
+//! extension a [`Problem`] sets): a refusal by a layer inside the gate, or the caller's own
+//! fault, such as a request body that broke on its way in
+//! (`client::RequestBodyError`), which says nothing of serving
+//! however long it took. What counts toward health, and what does not, is
+//! [`crate::admission`]'s table.
 //!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
 //! the budget [`GateLayer::default_budget`].

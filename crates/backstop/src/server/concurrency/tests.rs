@@ -378,6 +378,48 @@ async fn a_request_cancelled_early_teaches_the_limit_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_callers_broken_body_teaches_the_limit_nothing_however_long_it_took() {
+    let gate = Gate::with_limit(
+        crate::admission::Gradient2::new(1, 8),
+        Duration::from_millis(5),
+    )
+    .with_queue(fifo());
+    let latency_ms = Arc::new(AtomicUsize::new(100));
+    let served = GateLayer::new(gate.clone())
+        .layer(slowed(latency_ms))
+        .map_response(flat);
+    rounds(&served, 8, 20).await;
+    assert_eq!(gate.limit(), 8);
+
+    // Bodies trickling in for seconds, then cut short: the caller's 400, outcome `rejected`.
+    let broken = GateLayer::new(gate.clone())
+        .layer(service_fn(|_req: Request<Bytes>| async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let status = crate::status::Status::new(crate::status::Code::InvalidArgument, "cut")
+                .with_problem(crate::status::problem::REQUEST_BODY_INVALID)
+                .as_rejected();
+            let res = crate::server::problem::Problem::from_status(&status).into_http_response();
+            Ok::<_, Infallible>(res)
+        }))
+        .map_response(flat);
+    let calls: Vec<_> = (0..40)
+        .map(|_| tokio::spawn(broken.clone().oneshot(request(Duration::from_secs(30)))))
+        .collect();
+    for call in calls {
+        assert_eq!(
+            call.await.unwrap().unwrap().status(),
+            StatusCode::BAD_REQUEST
+        );
+    }
+    assert_eq!(
+        gate.limit(),
+        8,
+        "five seconds of a caller's body is no slow server"
+    );
+    assert_eq!(gate.inflight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn fast_failures_do_not_raise_a_lowered_limit() {
     let gate = Gate::with_limit(
         crate::admission::Gradient2::new(1, 8),
