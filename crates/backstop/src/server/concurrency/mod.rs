@@ -42,7 +42,9 @@ use tower_service::Service;
 use self::future::ResponseFuture;
 use super::body::ResponseBody;
 use super::metrics::{Rejected, Route, count_rejected};
+use super::listen::ConnectionInfo;
 use super::problem::{Problem, Protocol};
+use super::tenant::Tenant;
 use crate::admission::{Gate, Overloaded};
 use crate::deadline::Deadline;
 use crate::status::Status;
@@ -89,7 +91,8 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // A free slot admits the request at once: the ready inner service is called here, so
         // it needs no clone and the request no waiting state.
-        if let Some(permit) = self.gate.try_admit() {
+        if let Some(permit) = self.gate.try_admit(Tenant::from_extensions(request.extensions())) {
+            mark_connection(&request, permit.within_share());
             return ResponseFuture::admitted(self.inner.call(request), permit);
         }
         let deadline = request
@@ -102,6 +105,14 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::new(self.gate.clone(), deadline, inner, request)
+    }
+}
+
+/// Tells the listener whether the request's tenant is within its share (see
+/// [`ConnectionInfo::set_within_share`]), so that push-away spares a quiet tenant.
+fn mark_connection<B>(request: &Request<B>, within_share: bool) {
+    if let Some(info) = request.extensions().get::<ConnectionInfo>() {
+        info.set_within_share(within_share);
     }
 }
 

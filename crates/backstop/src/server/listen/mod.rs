@@ -152,6 +152,32 @@ impl ConnectionInfo {
     pub fn close(&self) {
         self.conn.close.notify_one();
     }
+
+    /// Tells the listener whether the tenant of the request being served is within its fair
+    /// share of the server (the [`GateLayer`](crate::server::GateLayer) does, from
+    /// [`GatePermit::within_share`](crate::admission::GatePermit::within_share) or
+    /// [`Gate::within_share`](crate::admission::Gate::within_share)). Under sustained overload,
+    /// [`PushAway`] never pushes a connection whose latest request said "within": a quiet tenant
+    /// keeps its connections while a noisy one is moved. Nothing is allocated.
+    ///
+    /// ```
+    /// use backstop::server::listen::ConnectionInfo;
+    ///
+    /// fn mark(request: &http::Request<()>, within: bool) {
+    ///     if let Some(info) = request.extensions().get::<ConnectionInfo>() {
+    ///         info.set_within_share(within);
+    ///     }
+    /// }
+    /// # mark(&http::Request::new(()), true);
+    /// ```
+    pub fn set_within_share(&self, within: bool) {
+        let share = if within {
+            registry::share::WITHIN
+        } else {
+            registry::share::OVER
+        };
+        self.conn.share.store(share, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// A bound TCP listener and the limits it serves with.
