@@ -168,14 +168,19 @@ async fn a_noisy_merchant_does_not_get_a_quiet_one_refused_over_http() {
     }
     assert_eq!(answers.len(), QUIET_CLIENTS * QUIET_PAYMENTS);
     assert!(
-        answers.iter().all(|&(status, closed)| status == 201 && !closed),
+        answers
+            .iter()
+            .all(|&(status, closed)| status == 201 && !closed),
         "every quiet payment is created on the connection it came on: {answers:?}"
     );
     let (refused, closed) = (
         noisy.refused.load(Ordering::Acquire),
         noisy.closed.load(Ordering::Acquire),
     );
-    assert!(refused > 0 && closed > 0, "{refused} refused, {closed} closed");
+    assert!(
+        refused > 0 && closed > 0,
+        "{refused} refused, {closed} closed"
+    );
 }
 
 /// Counts the connections a channel opens.
@@ -262,13 +267,15 @@ async fn a_noisy_merchant_does_not_get_a_quiet_one_refused_over_grpc() {
     assert_eq!(answers.len(), QUIET_CLIENTS * QUIET_PAYMENTS);
     assert!(answers.iter().all(Result::is_ok), "{answers:?}");
     assert_eq!(
-        connects,
-        [1; QUIET_CLIENTS],
+        connects, [1; QUIET_CLIENTS],
         "each quiet client kept its one connection"
     );
     let (refused, closed) = (
         noisy.refused.load(Ordering::Acquire),
         noisy.closed.load(Ordering::Acquire),
     );
-    assert!(refused > 0 && closed > 0, "{refused} refused, {closed} closed");
+    assert!(
+        refused > 0 && closed > 0,
+        "{refused} refused, {closed} closed"
+    );
 }

@@ -734,12 +734,13 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Whether `more` requests of `key`'s line are protected from the others' load: the
-    /// requests served and waiting exceed the slots (someone pays for an overload) while
-    /// `key`'s, `more` included, fit an equal part of them.
+    /// requests served and waiting, `more` included, take every slot (someone pays for an
+    /// overload) while `key`'s fit an equal part of them. (A waiter handed the slot just freed
+    /// is protected even if it was the last one waiting.)
     fn protected(&self, key: &str, more: usize) -> bool {
         let usage = self.lines.get(key).map_or(0, Line::usage) + more;
         let active = self.active + usize::from(usage == more && more > 0);
-        self.running + self.entries.len() + more > self.slots
+        self.running + self.entries.len() + more >= self.slots
             && usage.saturating_mul(active) <= self.slots
     }
 

@@ -129,7 +129,8 @@ where
                 } => {
                     let admitted = match enter {
                         Some(enter) => std::task::ready!(enter.as_mut().poll(cx)),
-                        None => match gate.try_admit(Tenant::from_extensions(request.extensions())) {
+                        None => match gate.try_admit(Tenant::from_extensions(request.extensions()))
+                        {
                             Some(permit) => Ok(permit),
                             None => {
                                 let (gate, deadline) = (gate.clone(), *deadline);

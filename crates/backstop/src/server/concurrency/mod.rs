@@ -41,8 +41,8 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use super::body::ResponseBody;
-use super::metrics::{Rejected, Route, count_rejected};
 use super::listen::ConnectionInfo;
+use super::metrics::{Rejected, Route, count_rejected};
 use super::problem::{Problem, Protocol};
 use super::tenant::Tenant;
 use crate::admission::{Gate, Overloaded};
@@ -91,7 +91,10 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // A free slot admits the request at once: the ready inner service is called here, so
         // it needs no clone and the request no waiting state.
-        if let Some(permit) = self.gate.try_admit(Tenant::from_extensions(request.extensions())) {
+        if let Some(permit) = self
+            .gate
+            .try_admit(Tenant::from_extensions(request.extensions()))
+        {
             mark_connection(&request, permit.within_share());
             return ResponseFuture::admitted(self.inner.call(request), permit);
         }

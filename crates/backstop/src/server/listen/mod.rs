@@ -176,7 +176,9 @@ impl ConnectionInfo {
         } else {
             registry::share::OVER
         };
-        self.conn.share.store(share, std::sync::atomic::Ordering::Relaxed);
+        self.conn
+            .share
+            .store(share, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

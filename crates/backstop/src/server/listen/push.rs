@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{ConnState, registry};
 use super::accept::Shared;
+use super::{ConnState, registry};
 use crate::admission::Shedding;
 
 /// Asks clients to reconnect, and so to rebalance across instances, while a gate sheds under
