@@ -24,6 +24,11 @@
 //! away, or a timeout): counted only when it took longer than recent requests. A request
 //! refused by the gate, or given up while waiting, never ran and teaches nothing.
 //!
+//! Behind a [`Listener`](super::listen::Listener), each request also tells its connection
+//! whether its tenant is within its fair share of the gate ([`Gate::within_share`]; see
+//! [`ConnectionInfo::set_within_share`]), so that push-away under sustained overload moves only
+//! the connections of tenants over their share.
+//!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
 //! the budget [`GateLayer::default_budget`].
 

@@ -33,8 +33,9 @@
 //! requests dropped (and so cancelled). [`Listener::serve`] returns once every connection task
 //! has ended, so whatever a dropped request does on drop has already been started.
 //!
-//! Under sustained overload ([`ListenConfig::push_away`]), a share of the connections are asked
-//! to reconnect, so that clients rebalance across instances: HTTP/2 ones get a graceful
+//! Under sustained overload ([`ListenConfig::push_away`]), a share of the connections (never
+//! one whose tenant the gate said is within its share) are asked to reconnect, so that clients
+//! rebalance across instances: HTTP/2 ones get a graceful
 //! `GOAWAY`, HTTP/1 ones `Connection: close` on a response (see [`PushAway`]).
 //!
 //! Every request carries a [`ConnectionInfo`] extension: the peer address, and a way to close
