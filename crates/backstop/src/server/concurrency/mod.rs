@@ -3,7 +3,7 @@
 //! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
 //! permit is acquired when the request is called (at once when the gate has room) or *inside the
 //! response future* while it waits in the gate's queue, never in `poll_ready`: a request that
-//! merely waits to be called holds nothing. It waits as its [`Tenant`](super::tenant::Tenant)
+//! merely waits to be called holds nothing. It waits as its [`Tenant`]
 //! (the request extension, else the default tenant), declaring its body length plus a fixed
 //! overhead as its memory cost, and the queue decides: a request whose remaining budget cannot
 //! cover the expected service time is never served, one that waited too long while a standing
