@@ -138,8 +138,16 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Hands out a slot; `sojourn` is how long the request waited for it.
-    fn admit(self: &Arc<Self>, state: &mut State, now: Instant, sojourn: Duration) -> GatePermit {
+    /// Hands out a slot to a request of `tenant` (counted by the queue already); `sojourn` is
+    /// how long it waited for it, `within_share` whether its tenant was within its share.
+    fn admit(
+        self: &Arc<Self>,
+        state: &mut State,
+        now: Instant,
+        sojourn: Duration,
+        tenant: Arc<str>,
+        within_share: bool,
+    ) -> GatePermit {
         state.running += 1;
         state.shedding.record(true);
         if let Some(gauges) = self.gauges.get() {
@@ -152,6 +160,8 @@ impl Shared {
         }
         GatePermit {
             shared: Arc::clone(self),
+            tenant,
+            within_share,
             admitted: now,
             finished: false,
             failed: false,
@@ -180,10 +190,18 @@ impl Shared {
     fn dispatch(self: &Arc<Self>, state: &mut State, now: Instant) -> Vec<(Notify, Reply)> {
         let mut replies = Vec::new();
         while state.running < state.limit {
-            let Some(Admitted { item, sojourn }) = state.queue.pop(now) else {
+            let Some(Admitted {
+                item,
+                sojourn,
+                tenant,
+            }) = state.queue.pop(now)
+            else {
                 break;
             };
-            let permit = self.admit(state, now, sojourn);
+            // Counted already: this one and one more may exceed the share where this one
+            // alone does not, which only errs towards "over".
+            let within = state.queue.within_share(&tenant);
+            let permit = self.admit(state, now, sojourn, tenant, within);
             replies.push((item, Ok(permit)));
         }
         for (notify, reason) in state.queue.take_dropped() {
@@ -194,6 +212,21 @@ impl Shared {
             gauges.with(|h| h.queue.set(state.queue.len() as f64));
         }
         replies
+    }
+
+    /// A permit for `tenant` if a slot is free and nobody waits.
+    fn try_admit(
+        self: &Arc<Self>,
+        state: &mut State,
+        now: Instant,
+        tenant: &str,
+    ) -> Option<GatePermit> {
+        if state.running >= state.limit || !state.queue.is_empty() {
+            return None;
+        }
+        let within = state.queue.within_share(tenant);
+        let tenant = state.queue.admitted_directly(now, tenant);
+        Some(self.admit(state, now, Duration::ZERO, tenant, within))
     }
 
     fn release(self: &Arc<Self>, permit: &GatePermit) {
@@ -216,6 +249,7 @@ impl Shared {
         if permit.finished {
             state.queue.on_service(elapsed);
         }
+        state.queue.release(&permit.tenant);
         state.running -= 1;
         let replies = self.dispatch(&mut state, now);
         if let Some(gauges) = self.gauges.get() {
@@ -280,6 +314,8 @@ impl Drop for Leave<'_> {
 #[must_use = "the gate slot is released as soon as the permit is dropped"]
 pub struct GatePermit {
     shared: Arc<Shared>,
+    tenant: Arc<str>,
+    within_share: bool,
     admitted: Instant,
     finished: bool,
     failed: bool,
@@ -303,6 +339,12 @@ impl GatePermit {
     /// limit learns neither a latency nor a failure from it.
     pub fn discard(mut self) {
         self.unmeasured = true;
+    }
+
+    /// Whether the tenant of this request was within its fair share of the gate when the
+    /// request was admitted (see [`Gate::within_share`]).
+    pub fn within_share(&self) -> bool {
+        self.within_share
     }
 }
 
@@ -533,15 +575,13 @@ impl Gate {
         let shared = &self.shared;
         let now = Instant::now();
         let mut state = shared.lock();
-        if state.running < state.limit && state.queue.is_empty() {
-            state.queue.admitted_directly(now);
-            return Ok(Joined::Admitted(shared.admit(
-                &mut state,
-                now,
-                Duration::ZERO,
-            )));
+        if let Some(permit) = shared.try_admit(&mut state, now, tenant) {
+            return Ok(Joined::Admitted(permit));
         }
+        // Retries are shed first, but not those of a tenant within its share: another
+        // tenant's load is no reason to refuse them.
         if retry
+            && !state.queue.within_share(tenant)
             && (state.shedding.is_sustained()
                 || state.queue.len() * 2 >= state.queue.config().max_waiters)
         {
@@ -582,28 +622,52 @@ impl Gate {
         Ok(state.queue.next_check(ticket, now))
     }
 
-    /// A permit if a slot is free and nobody waits; `None` is no refusal (nothing is counted):
-    /// the caller goes on to [`Gate::enter_as`].
+    /// A permit for `tenant` if a slot is free and nobody waits; `None` is no refusal (nothing
+    /// is counted): the caller goes on to [`Gate::enter_as`].
     #[cfg_attr(not(feature = "server"), allow(dead_code))]
-    pub(crate) fn try_admit(&self) -> Option<GatePermit> {
-        let now = Instant::now();
-        let mut state = self.shared.lock();
-        (state.running < state.limit && state.queue.is_empty()).then(|| {
-            state.queue.admitted_directly(now);
-            self.shared.admit(&mut state, now, Duration::ZERO)
-        })
+    pub(crate) fn try_admit(&self, tenant: &str) -> Option<GatePermit> {
+        self.shared
+            .try_admit(&mut self.shared.lock(), Instant::now(), tenant)
     }
 
-    /// Enters the gate only if a slot is free and nobody waits.
+    /// Enters the gate as the default tenant only if a slot is free and nobody waits.
     pub fn try_enter(&self) -> Result<GatePermit, Overloaded> {
         let now = Instant::now();
         let mut state = self.shared.lock();
-        if state.running < state.limit && state.queue.is_empty() {
-            state.queue.admitted_directly(now);
-            Ok(self.shared.admit(&mut state, now, Duration::ZERO))
-        } else {
-            Err(Shared::refusal(&mut state, now, None))
+        match self.shared.try_admit(&mut state, now, DEFAULT_TENANT) {
+            Some(permit) => Ok(permit),
+            None => Err(Shared::refusal(&mut state, now, None)),
         }
+    }
+
+    /// Whether one more request of `tenant`, with its requests running and waiting, fits an
+    /// equal part of the gate's limit among the tenants with requests (see
+    /// [`AdmissionQueue::within_share`]). While the gate is overloaded, such a tenant is not
+    /// turned away at the door of the queue nor dropped on sojourn, and the listener does not
+    /// push its connections away; the tenants over their share pay for the overload.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use backstop::admission::Gate;
+    /// use backstop::deadline::Deadline;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let gate = Gate::new(4, Duration::from_millis(5));
+    /// let budget = Deadline::after(Duration::from_secs(1));
+    /// let mut noisy = Vec::new();
+    /// for _ in 0..3 {
+    ///     noisy.push(gate.enter_as("noisy", 0, &budget).await.unwrap());
+    /// }
+    /// let quiet = gate.enter_as("quiet", 0, &budget).await.unwrap();
+    /// // Two tenants with requests: two of the four places each.
+    /// assert!(!gate.within_share("noisy"));
+    /// assert!(gate.within_share("quiet"), "its request and one more");
+    /// assert!(quiet.within_share());
+    /// # }
+    /// ```
+    pub fn within_share(&self, tenant: &str) -> bool {
+        self.shared.lock().queue.within_share(tenant)
     }
 
     /// Requests holding a permit now.

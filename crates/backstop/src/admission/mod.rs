@@ -4,7 +4,8 @@
 //!
 //! - **capacity** (backpressure, protects this server): [`Gate`] bounds how many requests run
 //!   at once; those that find it full wait in its [`AdmissionQueue`], bounded by count and
-//!   memory, fair between tenants, which never hands out a request whose remaining budget
+//!   memory, fair between tenants (one within an equal part of the limit is never refused for
+//!   another's load, nor its connections pushed away), which never hands out a request whose remaining budget
 //!   cannot cover the expected service time and, once a standing queue forms, drops waiters
 //!   past a short sojourn target and serves the newest first. A refused request gets
 //!   [`Overloaded`] with its reason, answered `503` / `UNAVAILABLE` + `Retry-After` estimated

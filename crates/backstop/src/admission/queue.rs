@@ -157,6 +157,9 @@ pub struct Admitted<T> {
     pub item: T,
     /// How long it waited.
     pub sojourn: Duration,
+    /// Its tenant (its line's, under [`Discipline::Fifo`]): hand it to
+    /// [`AdmissionQueue::release`] once the request is served.
+    pub tenant: Arc<str>,
 }
 
 /// What to tell a refused client.
@@ -193,12 +196,25 @@ struct Entry<T> {
 }
 
 /// One tenant's line: tickets in arrival order. Tickets removed out of order stay behind as
-/// tombstones and are skipped when reached; `live` counts the others.
+/// tombstones and are skipped when reached; `live` counts the others. `running` counts the
+/// tenant's requests being served (admitted and not yet released).
 #[derive(Debug, Default)]
 struct Line {
     tickets: VecDeque<u64>,
     live: usize,
+    running: usize,
 }
+
+impl Line {
+    /// The tenant's requests served and waiting.
+    fn usage(&self) -> usize {
+        self.live + self.running
+    }
+}
+
+/// Lines of tenants with no request served or waiting kept for their next request (so that a
+/// tenant's requests do not allocate its name each time it goes idle), beyond the active ones.
+const IDLE_LINES: usize = 256;
 
 /// A bounded, fair queue that drops what cannot finish in time: who waits for a slot of the
 /// [`Gate`](super::Gate), who is served next, and who is refused because waiting longer would
@@ -231,10 +247,17 @@ struct Line {
 /// - **fairness**: each tenant has its own sub-queue and the sub-queues are served in turn
 ///   (deficit round robin where every request costs one slot). A tenant may hold at most an
 ///   equal share of the queue among the tenants waiting ([`DropReason::TenantShare`]); when the
-///   queue is full, a tenant under its share pushes out the oldest waiter of the tenant most
-///   over it, so a flood from one tenant cannot lock the others out.
+///   queue is full, a tenant under its share pushes out the newest waiter of the tenant with
+///   the most, so a flood from one tenant cannot lock the others out.
+/// - **fair share of the slots**: the queue also counts each tenant's requests being served
+///   (reported by [`Self::admitted_directly`], [`Self::pop`] and [`Self::release`]). While the
+///   requests served and waiting exceed the slots, a tenant whose own fit an equal part of the
+///   slots among the tenants with requests ([`Self::within_share`]) is never refused for the
+///   others' load: it is let in past the door (pushing out the newest waiter of the tenant with
+///   the most waiters over its share, if the door is reached) and its waiters are never dropped
+///   on sojourn. Only the bounds and its own deadlines refuse it.
 ///
-/// [`Discipline::Fifo`] turns the last three off: one first-come-first-served line whose wait is
+/// [`Discipline::Fifo`] turns the last four off: one first-come-first-served line whose wait is
 /// bounded only by each waiter's deadline.
 ///
 /// Waiters dropped by an operation on someone else's behalf (pushed out, found expired at the
@@ -288,8 +311,12 @@ pub struct AdmissionQueue<T> {
     /// Newcomers refused at the door of a standing queue, in the current interval: demand a
     /// free slot would have found waiting.
     turned_away: u32,
-    /// Requests served at once (the gate's limit), to scale the target.
+    /// Requests served at once (the gate's limit), to scale the target and share the slots.
     slots: usize,
+    /// Tenants with requests served or waiting.
+    active: usize,
+    /// Requests served now, of every tenant.
+    running: usize,
     dropped: Vec<(T, DropReason)>,
 }
 
@@ -330,6 +357,8 @@ impl<T> AdmissionQueue<T> {
             served: 0,
             turned_away: 0,
             slots: 1,
+            active: 0,
+            running: 0,
             dropped: Vec::new(),
         }
     }
@@ -384,12 +413,35 @@ impl<T> AdmissionQueue<T> {
         });
     }
 
-    /// Reports a request admitted without waiting (the queue was empty and a slot free): a
-    /// queueing delay of zero, evidence that no standing queue exists.
-    pub fn admitted_directly(&mut self, now: Instant) {
+    /// Reports a request of `tenant` admitted without waiting (the queue was empty and a slot
+    /// free): a queueing delay of zero, evidence that no standing queue exists. Returns the
+    /// tenant to hand to [`release`](Self::release) once it is served.
+    pub fn admitted_directly(&mut self, now: Instant, tenant: &str) -> Arc<str> {
         self.tick(now);
         self.sample(Duration::ZERO);
         self.idle += 1;
+        let tenant = self.line(self.line_key(tenant));
+        self.count(&tenant, |l| l.running += 1);
+        tenant
+    }
+
+    /// Reports that a request of `tenant` (as [`admitted_directly`](Self::admitted_directly)
+    /// or [`pop`](Self::pop) gave it) is no longer served.
+    pub fn release(&mut self, tenant: &str) {
+        if self.lines.get(tenant).is_some_and(|l| l.running > 0) {
+            self.count(tenant, |l| l.running -= 1);
+        }
+    }
+
+    /// Whether one more request of `tenant`, with its requests served and waiting, fits an
+    /// equal part of the slots among the tenants with requests (`tenant`'s included). Such a
+    /// tenant is never refused for the others' load; one that does not fit is *over its share*,
+    /// and pays first for an overload.
+    pub fn within_share(&self, tenant: &str) -> bool {
+        let key = self.line_key(tenant);
+        let usage = self.lines.get(key).map_or(0, Line::usage);
+        let active = self.active + usize::from(usage == 0);
+        (usage + 1).saturating_mul(active) <= self.slots
     }
 
     /// Enqueues a waiter of `tenant` whose budget ends at `deadline`, declaring `cost` bytes.
@@ -420,6 +472,7 @@ impl<T> AdmissionQueue<T> {
         if fair && mine >= share {
             return refuse(DropReason::TenantShare, item);
         }
+        let protected = fair && self.protected(key, 1);
         // A newcomer beyond what the slots can serve within the wait the queue allows (the
         // interval, or the target once a standing queue is known) would only wait to be dropped
         // on sojourn: it is refused at the door, at once, instead of after waiting.
@@ -434,20 +487,36 @@ impl<T> AdmissionQueue<T> {
             self.config.max_waiters
         };
         let cap_share = (cap / self.tenants_with(key)).max(1);
+        let active = self.active + usize::from(self.lines.get(key).is_none_or(|l| l.usage() == 0));
+        // Whether the requests served and waiting, the newcomer's included, exceed the slots:
+        // then a tenant within its share of them is never pushed out for another.
+        let contended = self.running + self.entries.len() + 1 > self.slots;
         while self.entries.len() >= cap || self.bytes + cost > self.config.max_bytes {
-            // Room is made only at the expense of a tenant over its share.
+            // Room is made only at the expense of the tenant with the most waiters, if it is
+            // over its share of the slots (under contention) and holds more than its share of
+            // the queue (unless the newcomer is protected).
             let victim = fair
                 .then(|| {
                     self.lines
                         .iter()
-                        .filter(|(t, l)| &***t != key && l.live > cap_share)
+                        .filter(|(t, l)| {
+                            &***t != key
+                                && l.live > 0
+                                && (!contended || l.usage().saturating_mul(active) > self.slots)
+                                && (protected || l.live > cap_share)
+                        })
                         .max_by_key(|(_, l)| l.live)
                         .map(|(t, _)| Arc::clone(t))
                 })
                 .flatten();
+            let full = self.entries.len() >= self.config.max_waiters
+                || self.bytes + cost > self.config.max_bytes;
             let Some(victim) = victim else {
-                let full = self.entries.len() >= self.config.max_waiters
-                    || self.bytes + cost > self.config.max_bytes;
+                // A tenant within its share waits past the door: its turn comes within a
+                // round of the tenants waiting, whatever the others' load.
+                if protected && !full {
+                    break;
+                }
                 let reason = if full {
                     DropReason::Full
                 } else {
@@ -456,24 +525,23 @@ impl<T> AdmissionQueue<T> {
                 };
                 return refuse(reason, item);
             };
-            if let Some(entry) = self.take_from(&victim, false) {
+            // The newest: the one that waited least for nothing.
+            if let Some(entry) = self.take_from(&victim, true) {
                 self.dropped.push((entry.item, DropReason::TenantShare));
             }
         }
 
         let vetted = if fair { self.overloaded_since } else { None };
-        let tenant: Arc<str> = match self.lines.get_key_value(key) {
-            Some((t, _)) => Arc::clone(t),
-            None => Arc::from(key),
-        };
+        let tenant = self.line(key);
         let ticket = self.next_ticket;
         self.next_ticket += 1;
-        let line = self.lines.entry(Arc::clone(&tenant)).or_default();
-        if line.live == 0 {
+        self.count(&tenant, |l| {
+            l.live += 1;
+            l.tickets.push_back(ticket);
+        });
+        if self.tenant_len(&tenant) == 1 {
             self.round.push_back(Arc::clone(&tenant));
         }
-        line.live += 1;
-        line.tickets.push_back(ticket);
         if self.entries.is_empty() {
             self.nonempty_since = Some(now);
         }
@@ -514,19 +582,21 @@ impl<T> AdmissionQueue<T> {
             let tenant = self.round.front().cloned()?;
             let entry = self.take_from(&tenant, lifo)?;
             // Served in turn: this tenant goes to the back of the round (if still waiting).
-            if self.lines.contains_key(&tenant) {
+            if self.round.front() == Some(&tenant) {
                 self.round.rotate_left(1);
             }
-            if let Some(reason) = self.verdict(&entry, now) {
+            if let Some(reason) = self.verdict(&entry, now, false) {
                 self.dropped.push((entry.item, reason));
                 continue;
             }
             let sojourn = now.saturating_duration_since(entry.enqueued);
             self.sample(sojourn);
             self.served += 1;
+            self.count(&tenant, |l| l.running += 1);
             return Some(Admitted {
                 item: entry.item,
                 sojourn,
+                tenant,
             });
         }
     }
@@ -534,18 +604,7 @@ impl<T> AdmissionQueue<T> {
     /// Removes a waiter that gave up; `None` if it is no longer queued.
     pub fn remove(&mut self, ticket: Ticket) -> Option<T> {
         let entry = self.entries.remove(&ticket.0)?;
-        self.bytes -= entry.cost;
-        let tenant = Arc::clone(&entry.tenant);
-        if let Some(line) = self.lines.get_mut(&tenant) {
-            line.live -= 1;
-            if line.live == 0 {
-                self.lines.remove(&tenant);
-                self.round.retain(|t| *t != tenant);
-            }
-        }
-        if self.entries.is_empty() {
-            self.nonempty_since = None;
-        }
+        self.left(&entry);
         Some(entry.item)
     }
 
@@ -554,7 +613,7 @@ impl<T> AdmissionQueue<T> {
     /// longer queued.
     pub fn check(&mut self, ticket: Ticket, now: Instant) -> Option<(T, DropReason)> {
         self.tick(now);
-        let reason = self.verdict(self.entries.get(&ticket.0)?, now)?;
+        let reason = self.verdict(self.entries.get(&ticket.0)?, now, true)?;
         self.remove(ticket).map(|item| (item, reason))
     }
 
@@ -671,7 +730,63 @@ impl<T> AdmissionQueue<T> {
 
     /// The tenants waiting, `key`'s included (at least 1).
     fn tenants_with(&self, key: &str) -> usize {
-        (self.round.len() + usize::from(!self.lines.contains_key(key))).max(1)
+        (self.round.len() + usize::from(self.tenant_len(key) == 0)).max(1)
+    }
+
+    /// Whether `more` requests of `key`'s line are protected from the others' load: the
+    /// requests served and waiting, `more` included, take every slot (someone pays for an
+    /// overload) while `key`'s fit an equal part of them. (A waiter handed the slot just freed
+    /// is protected even if it was the last one waiting.)
+    fn protected(&self, key: &str, more: usize) -> bool {
+        let usage = self.lines.get(key).map_or(0, Line::usage) + more;
+        let active = self.active + usize::from(usage == more && more > 0);
+        self.running + self.entries.len() + more >= self.slots
+            && usage.saturating_mul(active) <= self.slots
+    }
+
+    /// The line of `key`, made if it has none. Idle lines are kept for their tenant's next
+    /// request, up to [`IDLE_LINES`] beyond the active ones.
+    fn line(&mut self, key: &str) -> Arc<str> {
+        if let Some((tenant, _)) = self.lines.get_key_value(key) {
+            return Arc::clone(tenant);
+        }
+        if self.lines.len() >= self.active + IDLE_LINES {
+            self.lines.retain(|_, l| l.usage() > 0);
+        }
+        let tenant: Arc<str> = Arc::from(key);
+        self.lines.insert(Arc::clone(&tenant), Line::default());
+        tenant
+    }
+
+    /// Changes the counts of `tenant`'s line (which exists), keeping the active tenants.
+    fn count(&mut self, tenant: &str, change: impl FnOnce(&mut Line)) {
+        let Some(line) = self.lines.get_mut(tenant) else {
+            return;
+        };
+        let (usage, running) = (line.usage(), line.running);
+        change(line);
+        if line.live == 0 {
+            // Only tombstones left.
+            line.tickets.clear();
+        }
+        self.running = self.running + line.running - running;
+        match (usage, line.usage()) {
+            (0, 1..) => self.active += 1,
+            (1.., 0) => self.active -= 1,
+            _ => {}
+        }
+    }
+
+    /// Accounts for `entry` leaving the queue (its ticket already out of `entries`).
+    fn left(&mut self, entry: &Entry<T>) {
+        self.bytes -= entry.cost;
+        self.count(&entry.tenant, |l| l.live -= 1);
+        if self.tenant_len(&entry.tenant) == 0 {
+            self.round.retain(|t| *t != entry.tenant);
+        }
+        if self.entries.is_empty() {
+            self.nonempty_since = None;
+        }
     }
 
     /// How many waiters the slots can serve within the [target](Self::target).
@@ -693,12 +808,15 @@ impl<T> AdmissionQueue<T> {
         usize::try_from(n).unwrap_or(usize::MAX).max(1)
     }
 
-    /// Whether `entry` must leave now, and why.
-    fn verdict(&self, entry: &Entry<T>, now: Instant) -> Option<DropReason> {
+    /// Whether `entry` must leave now, and why; `queued` if it is still counted in its line.
+    fn verdict(&self, entry: &Entry<T>, now: Instant, queued: bool) -> Option<DropReason> {
         if entry.deadline.saturating_duration_since(now) <= self.expected_service() {
             return Some(DropReason::Deadline);
         }
-        if self.config.discipline == Discipline::Fifo {
+        // A tenant within its share is not dropped for the standing queue others made.
+        if self.config.discipline == Discipline::Fifo
+            || self.protected(&entry.tenant, usize::from(!queued))
+        {
             return None;
         }
         let age = now.saturating_duration_since(entry.enqueued);
@@ -729,15 +847,7 @@ impl<T> AdmissionQueue<T> {
                 break entry;
             }
         };
-        line.live -= 1;
-        if line.live == 0 {
-            self.lines.remove(tenant);
-            self.round.retain(|t| t != tenant);
-        }
-        self.bytes -= entry.cost;
-        if self.entries.is_empty() {
-            self.nonempty_since = None;
-        }
+        self.left(&entry);
         Some(entry)
     }
 

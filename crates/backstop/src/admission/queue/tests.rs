@@ -140,8 +140,8 @@ fn sojourn_drops_start_when_a_standing_queue_forms_and_stop_when_it_drains() {
 
     // The queue drained and a free slot found nobody waiting: the next interval ends the
     // overload, and a waiter may again wait up to the interval.
-    q.admitted_directly(t0 + 150 * MS);
-    q.admitted_directly(t0 + 210 * MS);
+    q.admitted_directly(t0 + 150 * MS, "a");
+    q.admitted_directly(t0 + 210 * MS, "a");
     assert!(!q.is_overloaded());
     let t = q.push(t0 + 210 * MS, "a", t0 + LONG, 0, 20).unwrap();
     assert_eq!(q.check(t, t0 + 250 * MS), None);
@@ -236,13 +236,15 @@ fn a_tenant_flood_does_not_starve_another_tenant() {
     assert_eq!(q.tenant_len("flood"), 8);
     let refused = q.push(t0, "flood", t0 + LONG, 0, 8).unwrap_err();
     assert_eq!(refused.reason, DropReason::TenantShare);
-    // Another tenant pushes out the flood's oldest waiters, up to an equal share.
+    // Another tenant pushes out the flood's newest waiters (those that waited least), up to an
+    // equal share.
     for i in 0..4 {
         q.push(t0, "quiet", t0 + LONG, 0, 100 + i).unwrap();
     }
     assert_eq!(
         reasons(&mut q),
-        (0..4)
+        (4..8)
+            .rev()
             .map(|i| (i, DropReason::TenantShare))
             .collect::<Vec<_>>()
     );
@@ -250,7 +252,7 @@ fn a_tenant_flood_does_not_starve_another_tenant() {
     let refused = q.push(t0, "quiet", t0 + LONG, 0, 104).unwrap_err();
     assert_eq!(refused.reason, DropReason::TenantShare);
     // And is served every other turn.
-    assert_eq!(drain(&mut q, t0 + MS), vec![4, 100, 5, 101, 6, 102, 7, 103]);
+    assert_eq!(drain(&mut q, t0 + MS), vec![0, 100, 1, 101, 2, 102, 3, 103]);
 }
 
 #[test]
@@ -453,7 +455,7 @@ fn a_standing_queue_refuses_at_the_door_what_it_could_not_serve_within_the_targe
     );
     // Another tenant still gets in, at the expense of the one holding the whole queue.
     q.push(now, "b", t0 + LONG, 0, 4).unwrap();
-    assert_eq!(reasons(&mut q), vec![(1, DropReason::TenantShare)]);
+    assert_eq!(reasons(&mut q), vec![(2, DropReason::TenantShare)]);
     assert_eq!(q.len(), 2);
     // Without a standing queue the door is open up to the bound.
     let mut calm = AdmissionQueue::new(config());
@@ -464,23 +466,38 @@ fn a_standing_queue_refuses_at_the_door_what_it_could_not_serve_within_the_targe
     assert!(!calm.is_overloaded());
 }
 
+/// What [`overload`] saw.
+#[derive(Debug, Default)]
+struct Run {
+    /// Requests served per second.
+    goodput: f64,
+    /// Refusals, and those that came after a wait of more than 5 ms.
+    refused: usize,
+    late: usize,
+    /// The quiet tenant's requests served, and why those refused were.
+    quiet_served: usize,
+    quiet_refused: Vec<DropReason>,
+}
+
 /// Drives the queue the way the gate does, in virtual time: 16 slots whose requests take
-/// 100 ms (+-10 %), random arrivals at `multiple` times their capacity (160/s) for 20 s, each
-/// with a 2 s budget; a waiter is looked at when [`AdmissionQueue::next_check`] says. Returns
-/// the requests served per second, the refusals, and the refusals that came after a wait of
-/// more than 5 ms.
-fn overload(multiple: f64) -> (f64, usize, usize) {
+/// 100 ms (+-10 %), random arrivals of tenant `noisy` at `multiple` times their capacity
+/// (160/s) for 20 s, each with a 2 s budget; a waiter is looked at when
+/// [`AdmissionQueue::next_check`] says. With `quiet`, two clients of tenant `quiet` send one
+/// request after another meanwhile, pausing 100 ms after each answer.
+fn overload(multiple: f64, quiet: bool) -> Run {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
 
     #[derive(PartialEq, Eq, PartialOrd, Ord)]
     enum Event {
-        Done,
+        Done(u32),
         Arrive(u32),
         Check(u32),
+        Quiet,
     }
     const SLOTS: usize = 16;
     const RUN: Duration = Duration::from_secs(20);
+    const PAUSE: Duration = Duration::from_millis(100);
     let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
     let mut unit = move || {
         // xorshift64*: deterministic, good enough for arrival gaps.
@@ -495,77 +512,113 @@ fn overload(multiple: f64) -> (f64, usize, usize) {
     q.set_slots(SLOTS);
     let mut events = BinaryHeap::new();
     let mut at = Duration::ZERO;
-    let mut id = 0;
+    let mut tenant = Vec::new();
     while at < RUN {
-        events.push(Reverse((at, Event::Arrive(id))));
+        events.push(Reverse((at, Event::Arrive(tenant.len() as u32))));
+        tenant.push("noisy");
         at += Duration::from_secs_f64(-(1.0 - unit()).ln() / rate);
-        id += 1;
     }
-    let mut arrived = vec![Duration::ZERO; id as usize];
+    if quiet {
+        for _ in 0..2 {
+            events.push(Reverse((Duration::from_secs(1), Event::Quiet)));
+        }
+    }
+    let mut arrived = vec![Duration::ZERO; tenant.len()];
     let mut tickets = HashMap::new();
-    let (mut inflight, mut served, mut refused, mut late) = (0, 0, 0, 0);
-    let mut refuse = |waited: Duration| {
-        refused += 1;
-        late += usize::from(waited > 5 * MS);
-    };
+    let mut inflight = 0;
+    let mut run = Run::default();
+    let mut served = 0;
     while let Some(Reverse((at, event))) = events.pop() {
         let now = t0 + at;
-        let mut start = |events: &mut BinaryHeap<_>| {
+        let mut start = |events: &mut BinaryHeap<_>, i: u32| {
             let took = Duration::from_secs_f64(0.1 * (0.9 + 0.2 * unit()));
-            events.push(Reverse((at + took, Event::Done)));
+            events.push(Reverse((at + took, Event::Done(i))));
+        };
+        // A refused request of `i`'s tenant; a quiet client sends again after its pause.
+        let refuse = |run: &mut Run, events: &mut BinaryHeap<_>, why, quiet: bool, waited| {
+            run.refused += 1;
+            run.late += usize::from(waited > 5 * MS);
+            if quiet {
+                run.quiet_refused.push(why);
+                events.push(Reverse((at + PAUSE, Event::Quiet)));
+            }
         };
         match event {
+            Event::Quiet if at < RUN => {
+                events.push(Reverse((at, Event::Arrive(tenant.len() as u32))));
+                tenant.push("quiet");
+                arrived.push(at);
+            }
+            Event::Quiet => {}
             Event::Arrive(i) => {
                 arrived[i as usize] = at;
+                let who = tenant[i as usize];
                 if q.is_empty() && inflight < SLOTS {
-                    q.admitted_directly(now);
+                    q.admitted_directly(now, who);
                     inflight += 1;
-                    start(&mut events);
+                    start(&mut events, i);
                 } else {
-                    match q.push(now, "t", now + Duration::from_secs(2), 0, i) {
+                    match q.push(now, who, now + Duration::from_secs(2), 0, i) {
                         Ok(ticket) => {
                             tickets.insert(i, ticket);
                             let check = q.next_check(ticket, now).unwrap();
                             events.push(Reverse((check - t0, Event::Check(i))));
                         }
-                        Err(_) => refuse(Duration::ZERO),
+                        Err(no) => {
+                            let quiet = who == "quiet";
+                            refuse(&mut run, &mut events, no.reason, quiet, Duration::ZERO);
+                        }
                     }
                 }
             }
-            Event::Done => {
+            Event::Done(i) => {
                 inflight -= 1;
                 served += 1;
                 q.on_service(100 * MS);
+                q.release(tenant[i as usize]);
+                if tenant[i as usize] == "quiet" {
+                    run.quiet_served += 1;
+                    events.push(Reverse((at + PAUSE, Event::Quiet)));
+                }
                 while inflight < SLOTS {
                     let Some(next) = q.pop(now) else { break };
+                    assert_eq!(&*next.tenant, tenant[next.item as usize]);
                     tickets.remove(&next.item);
                     inflight += 1;
-                    start(&mut events);
+                    start(&mut events, next.item);
                 }
             }
             Event::Check(i) => {
                 if let Some(&ticket) = tickets.get(&i) {
-                    if q.check(ticket, now).is_some() {
+                    if let Some((_, why)) = q.check(ticket, now) {
                         tickets.remove(&i);
-                        refuse(at - arrived[i as usize])
+                        let quiet = tenant[i as usize] == "quiet";
+                        refuse(&mut run, &mut events, why, quiet, at - arrived[i as usize])
                     } else if let Some(check) = q.next_check(ticket, now) {
                         events.push(Reverse(((check - t0).max(at), Event::Check(i))));
                     }
                 }
             }
         }
-        for (i, _) in q.take_dropped() {
+        for (i, why) in q.take_dropped() {
             tickets.remove(&i);
-            refuse(at - arrived[i as usize])
+            let quiet = tenant[i as usize] == "quiet";
+            refuse(&mut run, &mut events, why, quiet, at - arrived[i as usize])
         }
     }
-    (served as f64 / RUN.as_secs_f64(), refused, late)
+    run.goodput = served as f64 / RUN.as_secs_f64();
+    run
 }
 
 #[test]
 fn overload_is_refused_at_once_and_capacity_stays_in_use() {
     for multiple in [3.0, 5.0] {
-        let (goodput, refused, late) = overload(multiple);
+        let Run {
+            goodput,
+            refused,
+            late,
+            ..
+        } = overload(multiple, false);
         assert!(goodput >= 0.9 * 160.0, "{multiple}x: {goodput}/s served");
         assert!(
             refused as f64 >= 0.5 * (multiple - 1.0) / multiple * 160.0 * multiple * 20.0,
@@ -578,6 +631,65 @@ fn overload_is_refused_at_once_and_capacity_stays_in_use() {
             "{multiple}x: {late} of {refused} refusals waited more than 5 ms"
         );
     }
+}
+
+/// A noisy tenant at three and five times the capacity does not get a quiet one refused: its
+/// two clients are served every time, and the noisy tenant takes every refusal.
+#[test]
+fn a_noisy_tenant_does_not_get_a_quiet_one_refused() {
+    for multiple in [3.0, 5.0] {
+        let run = overload(multiple, true);
+        assert!(run.quiet_refused.is_empty(), "{multiple}x: {run:?}");
+        // Two clients, a request and a pause of 100 ms each in turn, for 19 s.
+        assert!(run.quiet_served >= 150, "{multiple}x: {run:?}");
+        assert!(run.refused > 1000 && run.goodput >= 0.9 * 160.0, "{run:?}");
+    }
+}
+
+/// Within its share of the slots, a tenant gets past the door of a standing queue, taking the
+/// place of the newest waiter of the tenant over its share, and its waiters are not dropped on
+/// sojourn; past its share, the usual rules hold.
+#[test]
+fn a_tenant_within_its_share_of_the_slots_is_not_refused_for_another_ones_load() {
+    // Four slots, 10 ms per request: the target is two gaps (5 ms); two waiters fill it.
+    let mut q = AdmissionQueue::new(config());
+    q.set_slots(4);
+    q.on_service(10 * MS);
+    let t0 = Instant::now();
+    for _ in 0..4 {
+        q.admitted_directly(t0, "noisy");
+    }
+    // A whole interval with noisy waiters and nobody served: a standing queue.
+    let t1 = t0 + 100 * MS;
+    q.push(t1, "noisy", t0 + LONG, 0, 1).unwrap();
+    q.push(t1 + 95 * MS, "noisy", t0 + LONG, 0, 2).unwrap();
+    let now = t1 + 101 * MS;
+    let refused = q.push(now, "noisy", t0 + LONG, 0, 3).unwrap_err();
+    assert_eq!(refused.reason, DropReason::Sojourn);
+    assert!(q.is_overloaded());
+    assert!(!q.within_share("noisy") && q.within_share("quiet"));
+    // The quiet tenant takes the places of the newest noisy waiters, up to its share (two of
+    // the four slots).
+    let quiet = q.push(now, "quiet", t0 + LONG, 0, 10).unwrap();
+    q.push(now, "quiet", t0 + LONG, 0, 11).unwrap();
+    assert_eq!(
+        reasons(&mut q),
+        vec![(2, DropReason::TenantShare), (1, DropReason::TenantShare)]
+    );
+    assert!(!q.within_share("quiet"), "a third would be over its share");
+    let refused = q.push(now, "quiet", t0 + LONG, 0, 12).unwrap_err();
+    assert_eq!(refused.reason, DropReason::Sojourn);
+    // Past the interval, a waiter of a standing queue would be dropped; the quiet one stays.
+    let later = now + 150 * MS;
+    assert_eq!(q.check(quiet, later), None);
+    assert!(q.is_overloaded());
+    assert_eq!(q.pop(later).map(|w| w.item), Some(10));
+    assert_eq!(q.pop(later).map(|w| w.item), Some(11));
+    // Served and released, the quiet tenant's requests no longer count.
+    q.release("quiet");
+    q.release("quiet");
+    assert_eq!(q.tenant_len("quiet"), 0);
+    assert!(q.within_share("quiet"));
 }
 
 #[test]

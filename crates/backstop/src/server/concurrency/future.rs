@@ -9,7 +9,7 @@ use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::overloaded;
+use super::{mark_connection, overloaded};
 use crate::admission::{Gate, GatePermit, Overloaded};
 use crate::deadline::Deadline;
 use crate::server::body::ResponseBody;
@@ -129,7 +129,8 @@ where
                 } => {
                     let admitted = match enter {
                         Some(enter) => std::task::ready!(enter.as_mut().poll(cx)),
-                        None => match gate.try_admit() {
+                        None => match gate.try_admit(Tenant::from_extensions(request.extensions()))
+                        {
                             Some(permit) => Ok(permit),
                             None => {
                                 let (gate, deadline) = (gate.clone(), *deadline);
@@ -155,6 +156,7 @@ where
                         },
                     };
                     let StateOwned::Waiting {
+                        gate,
                         mut service,
                         request,
                         ..
@@ -164,10 +166,13 @@ where
                     };
                     match admitted {
                         Ok(permit) => {
+                            mark_connection(&request, permit.within_share());
                             let fut = service.call(request);
                             state.set(State::Running { fut, permit });
                         }
                         Err(refused) => {
+                            let tenant = Tenant::from_extensions(request.extensions());
+                            mark_connection(&request, gate.within_share(tenant));
                             let route = Route::from_extensions(request.extensions());
                             let protocol = Protocol::of(request.headers());
                             return Poll::Ready(Ok(overloaded(&route, refused, protocol)));

@@ -3,7 +3,7 @@
 //! [`GateLayer`] admits a request through an [`admission::Gate`](crate::admission::Gate). The
 //! permit is acquired when the request is called (at once when the gate has room) or *inside the
 //! response future* while it waits in the gate's queue, never in `poll_ready`: a request that
-//! merely waits to be called holds nothing. It waits as its [`Tenant`](super::tenant::Tenant)
+//! merely waits to be called holds nothing. It waits as its [`Tenant`]
 //! (the request extension, else the default tenant), declaring its body length plus a fixed
 //! overhead as its memory cost, and the queue decides: a request whose remaining budget cannot
 //! cover the expected service time is never served, one that waited too long while a standing
@@ -30,6 +30,11 @@
 //! however long it took. What counts toward health, and what does not, is
 //! [`crate::admission`]'s table.
 //!
+//! Behind a [`Listener`](super::listen::Listener), each request also tells its connection
+//! whether its tenant is within its fair share of the gate ([`Gate::within_share`]; see
+//! [`ConnectionInfo::set_within_share`]), so that push-away under sustained overload moves only
+//! the connections of tenants over their share.
+//!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
 //! the budget [`GateLayer::default_budget`].
 
@@ -47,8 +52,10 @@ use tower_service::Service;
 
 use self::future::ResponseFuture;
 use super::body::ResponseBody;
+use super::listen::ConnectionInfo;
 use super::metrics::{Rejected, Route, count_rejected};
 use super::problem::{Problem, Protocol};
+use super::tenant::Tenant;
 use crate::admission::{Gate, Overloaded};
 use crate::deadline::Deadline;
 use crate::status::Status;
@@ -95,7 +102,11 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // A free slot admits the request at once: the ready inner service is called here, so
         // it needs no clone and the request no waiting state.
-        if let Some(permit) = self.gate.try_admit() {
+        if let Some(permit) = self
+            .gate
+            .try_admit(Tenant::from_extensions(request.extensions()))
+        {
+            mark_connection(&request, permit.within_share());
             return ResponseFuture::admitted(self.inner.call(request), permit);
         }
         let deadline = request
@@ -108,6 +119,14 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::new(self.gate.clone(), deadline, inner, request)
+    }
+}
+
+/// Tells the listener whether the request's tenant is within its share (see
+/// [`ConnectionInfo::set_within_share`]), so that push-away spares a quiet tenant.
+fn mark_connection<B>(request: &Request<B>, within_share: bool) {
+    if let Some(info) = request.extensions().get::<ConnectionInfo>() {
+        info.set_within_share(within_share);
     }
 }
 

@@ -534,7 +534,7 @@ fn queue_refusals_carry_their_reason_in_the_metric_and_the_answer() {
         let a1 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
         let a2 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
         assert_eq!(gate.queued(), 2);
-        // ...but not a third place, nor against another tenant's share: a1, the oldest, goes.
+        // ...but not a third place, nor against another tenant's share: a2, the newest, goes.
         let a3 = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "a")).await;
         let _b = spawn(&svc, as_tenant(request(Duration::from_secs(5)), "b")).await;
         let a3 = a3.await.unwrap();
@@ -546,16 +546,16 @@ fn queue_refusals_carry_their_reason_in_the_metric_and_the_answer() {
             .unwrap();
         // Nobody is served for an interval: a standing queue; waiters past the target go.
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let a2 = a2.await.unwrap();
+        let a1 = a1.await.unwrap();
         release.add_permits(10);
-        (a1.await.unwrap(), a3, late, a2)
+        (a2.await.unwrap(), a3, late, a1)
     });
-    let (a1, a3, late, a2) = responses;
+    let (a2, a3, late, a1) = responses;
     let expected = [
-        (&a1, "tenant_share"),
+        (&a2, "tenant_share"),
         (&a3, "tenant_share"),
         (&late, "deadline"),
-        (&a2, "sojourn"),
+        (&a1, "sojourn"),
     ];
     for (res, reason) in expected {
         assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{reason}");
@@ -572,7 +572,7 @@ fn queue_refusals_carry_their_reason_in_the_metric_and_the_answer() {
     assert_eq!(
         m.counter(RPC_SERVER_REJECTED_TOTAL, &[("reason", "tenant_share")]),
         2,
-        "a3 refused, a1 pushed out"
+        "a3 refused, a2 pushed out"
     );
 }
 

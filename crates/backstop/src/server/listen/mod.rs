@@ -33,8 +33,9 @@
 //! requests dropped (and so cancelled). [`Listener::serve`] returns once every connection task
 //! has ended, so whatever a dropped request does on drop has already been started.
 //!
-//! Under sustained overload ([`ListenConfig::push_away`]), a share of the connections are asked
-//! to reconnect, so that clients rebalance across instances: HTTP/2 ones get a graceful
+//! Under sustained overload ([`ListenConfig::push_away`]), a share of the connections (never
+//! one whose tenant the gate said is within its share) are asked to reconnect, so that clients
+//! rebalance across instances: HTTP/2 ones get a graceful
 //! `GOAWAY`, HTTP/1 ones `Connection: close` on a response (see [`PushAway`]).
 //!
 //! Every request carries a [`ConnectionInfo`] extension: the peer address, and a way to close
@@ -151,6 +152,34 @@ impl ConnectionInfo {
     /// dropped.
     pub fn close(&self) {
         self.conn.close.notify_one();
+    }
+
+    /// Tells the listener whether the tenant of the request being served is within its fair
+    /// share of the server (the [`GateLayer`](crate::server::GateLayer) does, from
+    /// [`GatePermit::within_share`](crate::admission::GatePermit::within_share) or
+    /// [`Gate::within_share`](crate::admission::Gate::within_share)). Under sustained overload,
+    /// [`PushAway`] never pushes a connection whose latest request said "within": a quiet tenant
+    /// keeps its connections while a noisy one is moved. Nothing is allocated.
+    ///
+    /// ```
+    /// use backstop::server::listen::ConnectionInfo;
+    ///
+    /// fn mark(request: &http::Request<()>, within: bool) {
+    ///     if let Some(info) = request.extensions().get::<ConnectionInfo>() {
+    ///         info.set_within_share(within);
+    ///     }
+    /// }
+    /// # mark(&http::Request::new(()), true);
+    /// ```
+    pub fn set_within_share(&self, within: bool) {
+        let share = if within {
+            registry::share::WITHIN
+        } else {
+            registry::share::OVER
+        };
+        self.conn
+            .share
+            .store(share, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

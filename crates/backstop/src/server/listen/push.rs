@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::ConnState;
 use super::accept::Shared;
+use super::{ConnState, registry};
 use crate::admission::Shedding;
 
 /// Asks clients to reconnect, and so to rebalance across instances, while a gate sheds under
@@ -28,7 +28,10 @@ use crate::admission::Shedding;
 ///
 /// At most [`share`](Self::with_share) of the open connections (at least one) are pushed per
 /// [`interval`](Self::with_interval), so that the fleet rebalances without every client
-/// reconnecting at once; a connection is pushed once. Each push is counted in
+/// reconnecting at once; a connection is pushed once. Only connections whose tenant is over
+/// its fair share are pushed (as the gate marks them, see
+/// [`ConnectionInfo::set_within_share`](super::ConnectionInfo::set_within_share); unmarked ones
+/// count as over): a quiet tenant is not moved for a noisy one's load. Each push is counted in
 /// [`RPC_SERVER_CONNECTIONS_PUSHED_TOTAL`](crate::observe::RPC_SERVER_CONNECTIONS_PUSHED_TOTAL)
 /// by `protocol`.
 ///
@@ -133,7 +136,11 @@ impl Shared {
         let Some(push) = &self.config.push_away else {
             return false;
         };
-        if conn.pushed.load(Ordering::Relaxed) || !push.shedding.is_sustained() {
+        // A connection of a tenant within its share stays: the overload is the others'.
+        if conn.pushed.load(Ordering::Relaxed)
+            || conn.share.load(Ordering::Relaxed) == registry::share::WITHIN
+            || !push.shedding.is_sustained()
+        {
             return false;
         }
         let open = self.open.len();

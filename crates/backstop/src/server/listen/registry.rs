@@ -2,7 +2,7 @@
 //! make room, refusal when every connection is busy.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -100,6 +100,16 @@ impl Registry {
     }
 }
 
+/// What [`ConnState::share`] says of the tenant a connection serves.
+pub(super) mod share {
+    /// Nobody said (no gate behind the listener, or no request yet).
+    pub(in super::super) const UNKNOWN: u8 = 0;
+    /// Within its share: never pushed away.
+    pub(in super::super) const WITHIN: u8 = 1;
+    /// Over its share.
+    pub(in super::super) const OVER: u8 = 2;
+}
+
 /// State of one connection, seen by its task, its requests and the registry.
 #[derive(Debug)]
 pub(super) struct ConnState {
@@ -122,6 +132,9 @@ pub(super) struct ConnState {
     pub(super) close: Notify,
     /// Set once the connection was pushed away under overload.
     pub(super) pushed: AtomicBool,
+    /// Whether the tenant of its latest request was within its share of the server, as the
+    /// gate said: [`share::UNKNOWN`], [`share::WITHIN`] or [`share::OVER`].
+    pub(super) share: AtomicU8,
     /// Notified to shut an HTTP/2 connection down gracefully (`GOAWAY`).
     pub(super) go_away: Notify,
 }
@@ -138,6 +151,7 @@ impl ConnState {
             evicted: Default::default(),
             close: Notify::new(),
             pushed: Default::default(),
+            share: AtomicU8::new(share::UNKNOWN),
             go_away: Notify::new(),
         }
     }

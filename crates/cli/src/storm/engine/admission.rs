@@ -150,6 +150,9 @@ impl Admission for FifoGate {
     }
 }
 
+/// The one tenant of the simulated clients.
+const TENANT: &str = "default";
+
 /// The library's [`AdmissionQueue`] behind a library [`Limit`]: what the `Gate` does, on the
 /// simulation's clock (virtual nanoseconds mapped onto instants from a fixed origin).
 #[derive(Debug)]
@@ -200,13 +203,13 @@ impl Admission for QueueGate {
     fn arrive(&mut self, now: u64, key: u64, deadline: Option<u64>) -> Arrive {
         let at = self.at(now);
         if self.queue.is_empty() && self.inflight < self.limit.limit() {
-            self.queue.admitted_directly(at);
+            self.queue.admitted_directly(at, TENANT);
             self.inflight += 1;
             return Arrive::Run;
         }
         // No deadline known: the request may wait as long as the queue lets anyone wait.
         let deadline = deadline.map_or(at + Duration::from_secs(3_600), |d| self.at(d));
-        let pushed = self.queue.push(at, "default", deadline, 1, key);
+        let pushed = self.queue.push(at, TENANT, deadline, 1, key);
         self.collect_dropped();
         match pushed {
             Ok(ticket) => {
@@ -247,6 +250,7 @@ impl Admission for QueueGate {
             self.queue.on_service(rtt);
         }
         self.queue.set_slots(self.limit.limit());
+        self.queue.release(TENANT);
         self.inflight -= 1;
     }
 

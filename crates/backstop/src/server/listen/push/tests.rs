@@ -134,3 +134,28 @@ fn settings_out_of_range_are_refused() {
             .contains("at most 1")
     );
 }
+
+/// A connection whose tenant the gate said is within its share is never pushed, however much
+/// budget is left; one over its share, or never marked, is.
+#[tokio::test(start_paused = true)]
+async fn connections_of_tenants_within_their_share_are_never_pushed() {
+    let shedding = at_once();
+    let shared = shared(PushAway::new(shedding.clone()).with_share(1.0).unwrap());
+    let conns: Vec<_> = (0..6).map(|_| shared.admit().unwrap()).collect();
+    let info = |c: &Registered| super::super::ConnectionInfo {
+        peer: "127.0.0.1:1".parse().unwrap(),
+        conn: std::sync::Arc::clone(&c.conn),
+    };
+    for c in &conns[..4] {
+        info(c).set_within_share(true);
+    }
+    info(&conns[4]).set_within_share(false);
+    // Said "over" once, then "within": the latest request counts.
+    info(&conns[3]).set_within_share(false);
+    info(&conns[3]).set_within_share(true);
+    shedding.record(false);
+    let pushed: Vec<_> = (0..conns.len())
+        .filter(|&i| shared.push_now(&conns[i].conn, false))
+        .collect();
+    assert_eq!(pushed, [4, 5]);
+}
