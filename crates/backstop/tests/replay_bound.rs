@@ -7,11 +7,11 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::Router;
 use backstop::idempotency::MemoryStore;
 use backstop::policy::{Idempotency, KEY_TTL_SYNC, MethodPolicies, MethodPolicy};
 use backstop::server::ServerStack;

@@ -9,7 +9,9 @@ const MAX: u64 = 1 << 30;
 /// at most 1 GiB.
 pub(crate) fn parse(text: &str) -> Result<usize, String> {
     let text = text.trim();
-    let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
     let (number, unit) = text.split_at(digits);
     let unit_size: u64 = match unit.trim() {
         "" | "B" => 1,
@@ -22,7 +24,9 @@ pub(crate) fn parse(text: &str) -> Result<usize, String> {
         .parse()
         .map_err(|_| format!("{text:?} is not a size like 65536, 64KiB or 1MiB"))?;
     match n.checked_mul(unit_size) {
-        Some(bytes) if bytes <= MAX => usize::try_from(bytes).map_err(|_| format!("{text} is too large")),
+        Some(bytes) if bytes <= MAX => {
+            usize::try_from(bytes).map_err(|_| format!("{text} is too large"))
+        }
         _ => Err(format!("{text:?} is more than 1GiB")),
     }
 }
@@ -59,7 +63,15 @@ mod tests {
         ] {
             assert_eq!(parse(text), Ok(want), "{text}");
         }
-        for text in ["", "MiB", "1MB", "1.5MiB", "-1", "2GiB", "99999999999999999999"] {
+        for text in [
+            "",
+            "MiB",
+            "1MB",
+            "1.5MiB",
+            "-1",
+            "2GiB",
+            "99999999999999999999",
+        ] {
             assert!(parse(text).is_err(), "{text}");
         }
     }

@@ -39,14 +39,12 @@ max_replay_body = 100
 replay_headers = ["x-upstream"]
 "#;
 
-/// The Python upstream and a proxy keeping [`BOUND`] bytes, plus `args`.
-async fn start(dir: &std::path::Path, args: &[&str]) -> (Upstream, Proxy) {
+/// The Python upstream and a proxy keeping `bound` (`--max-replay-body`).
+async fn start(dir: &std::path::Path, bound: &str) -> (Upstream, Proxy) {
     let upstream = Upstream::start(dir).await;
-    let bound = BOUND.to_string();
     let proxy = Proxy::options(dir, &[&upstream.url])
         .routes(ROUTES)
-        .args(&["--max-replay-body", &bound])
-        .args(args)
+        .args(&["--max-replay-body", bound])
         .start()
         .await;
     (upstream, proxy)
@@ -68,7 +66,10 @@ fn assert_too_large(answer: &Answer, bound: usize) {
     assert_eq!(answer.status, 200, "the original status: {}", answer.text());
     assert!(answer.replayed());
     assert_eq!(answer.headers["content-type"], "application/problem+json");
-    assert_eq!(answer.headers["x-upstream"], "python", "the original headers");
+    assert_eq!(
+        answer.headers["x-upstream"], "python",
+        "the original headers"
+    );
     let doc = answer.json();
     assert_eq!(doc["code"], "replay_body_too_large", "{doc}");
     assert_eq!(doc["max_replay_body"], bound, "{doc}");
@@ -81,7 +82,7 @@ async fn answers_below_at_and_above_the_bound_and_a_retry_of_each_is_never_forwa
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (upstream, proxy) = start(dir.path(), &[]).await;
+    let (upstream, proxy) = start(dir.path(), &BOUND.to_string()).await;
     let http = client();
     let cases = [
         ("/big/999", 999, true),
@@ -99,7 +100,10 @@ async fn answers_below_at_and_above_the_bound_and_a_retry_of_each_is_never_forwa
         let first = call(big(&http, &proxy, path, &key)).await;
         first.assert_status(200);
         assert!(!first.replayed());
-        assert!(first.body == pattern(n), "{path}: the whole answer streams through");
+        assert!(
+            first.body == pattern(n),
+            "{path}: the whole answer streams through"
+        );
         for _ in 0..2 {
             let again = call(big(&http, &proxy, path, &key)).await;
             if kept {
@@ -122,13 +126,12 @@ async fn answers_below_at_and_above_the_bound_and_a_retry_of_each_is_never_forwa
 }
 
 #[tokio::test]
-async fn an_answer_that_breaks_after_the_bound_has_an_unknown_outcome_and_is_not_forwarded_again()
-{
+async fn an_answer_that_breaks_after_the_bound_has_an_unknown_outcome_and_is_not_forwarded_again() {
     if !python_ready().await {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (upstream, proxy) = start(dir.path(), &[]).await;
+    let (upstream, proxy) = start(dir.path(), &BOUND.to_string()).await;
     let http = client();
     // A short budget, so that the record's lease ends soon after.
     let broken = send(
@@ -137,13 +140,20 @@ async fn an_answer_that_breaks_after_the_bound_has_an_unknown_outcome_and_is_not
             .header("X-Request-Timeout", "1000"),
     )
     .await;
-    assert!(broken.is_err(), "the caller sees the answer break: {broken:?}");
+    assert!(
+        broken.is_err(),
+        "the caller sees the answer break: {broken:?}"
+    );
     // The retry waits for the record's lease to end, then learns that the outcome is unknown.
     let retry = call(big(&http, &proxy, "/big/100000", "broken-1")).await;
     retry.assert_status(500);
     assert_eq!(retry.json()["code"], "outcome_unknown");
     let again = call(big(&http, &proxy, "/big/100000", "broken-1")).await;
-    assert_eq!(again.json()["code"], "outcome_unknown", "stored for the key");
+    assert_eq!(
+        again.json()["code"],
+        "outcome_unknown",
+        "stored for the key"
+    );
     assert_eq!(upstream.received("broken-1").len(), 1);
 }
 
@@ -153,7 +163,7 @@ async fn a_caller_that_leaves_midway_leaves_the_answer_recorded() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (upstream, proxy) = start(dir.path(), &[]).await;
+    let (upstream, proxy) = start(dir.path(), &BOUND.to_string()).await;
     let http = client();
     let n = 64 << 20;
     let response = big(&http, &proxy, &format!("/big/{n}"), "gone-1")
@@ -194,7 +204,7 @@ async fn eight_concurrent_256_mib_answers_leave_the_proxy_small() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (upstream, proxy) = start(dir.path(), &["--max-replay-body", "1MiB"]).await;
+    let (upstream, proxy) = start(dir.path(), "1MiB").await;
     let pid = proxy.child.id().expect("the proxy runs");
     let http = client();
     let mut calls = Vec::new();
@@ -220,6 +230,7 @@ async fn eight_concurrent_256_mib_answers_leave_the_proxy_small() {
         assert_eq!(call.await.unwrap(), N, "every answer streams through whole");
     }
     let peak = peak_rss(pid);
+    eprintln!("proxy peak RSS (VmHWM): {} MiB", peak >> 20);
     assert!(
         peak < LIMIT,
         "the proxy peaked at {} MiB while 8 answers of 256 MiB passed through",
@@ -241,6 +252,8 @@ async fn eight_concurrent_256_mib_answers_leave_the_proxy_small() {
         assert_too_large(&retry, 1 << 20);
         assert_eq!(upstream.received(&key).len(), 1);
     }
-    let store = std::fs::metadata(dir.path().join("proxy.db")).unwrap().len();
+    let store = std::fs::metadata(dir.path().join("proxy.db"))
+        .unwrap()
+        .len();
     assert!(store < 16 << 20, "the store holds no body: {store} bytes");
 }

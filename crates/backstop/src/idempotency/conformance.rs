@@ -211,7 +211,10 @@ pub async fn replay_returns_status_headers_and_body_byte_for_byte<S: Store>(stor
 pub async fn withheld_answer_replays_its_status_headers_and_marker<S: Store>(store: S) {
     let withheld = StoredResponse::withheld(200, response(3).headers, 1 << 20);
     let lease = claimed(&store, req("k1", fp(100), T0)).await;
-    store.complete(&lease, withheld.clone(), T0 + 10).await.unwrap();
+    store
+        .complete(&lease, withheld.clone(), T0 + 10)
+        .await
+        .unwrap();
     let claim = store.claim(req("k1", fp(100), T0 + 20)).await.unwrap();
     let Claim::Replay(stored) = claim else {
         panic!("expected Replay, got {claim:?}");

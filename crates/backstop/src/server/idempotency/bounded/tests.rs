@@ -76,7 +76,8 @@ impl Body for Script {
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.exact.map_or_else(SizeHint::default, SizeHint::with_exact)
+        self.exact
+            .map_or_else(SizeHint::default, SizeHint::with_exact)
     }
 }
 
@@ -87,7 +88,10 @@ fn trailers(status: &'static str) -> HeaderMap {
 }
 
 fn broken() -> Result<Frame<Bytes>, io::Error> {
-    Err(io::Error::new(io::ErrorKind::ConnectionReset, "upstream gone"))
+    Err(io::Error::new(
+        io::ErrorKind::ConnectionReset,
+        "upstream gone",
+    ))
 }
 
 fn len_of(read: &VecDeque<Bytes>) -> usize {
@@ -283,8 +287,11 @@ fn policies(takeover: Takeover) -> MethodPolicies {
         .takeover(takeover)
         .max_replay_body(BOUND)
         .build();
-    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
-        .route(Method::POST, "/v1/exports", export)
+    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build()).route(
+        Method::POST,
+        "/v1/exports",
+        export,
+    )
 }
 
 /// A keyed export route answering what `answer` makes, counting its runs.
@@ -304,11 +311,13 @@ fn service(
         .clock(ManualClock::new(NOW))
         .policies(policies(takeover))
         .any_body(true)
-        .layer(service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
-            calls.fetch_add(1, Ordering::SeqCst);
-            let answer = answer.clone();
-            async move { Ok::<_, Infallible>(answer()) }
-        }))
+        .layer(service_fn(
+            move |_req: Request<RequestBody<Full<Bytes>>>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let answer = answer.clone();
+                async move { Ok::<_, Infallible>(answer()) }
+            },
+        ))
 }
 
 fn export(key: &str) -> Request<Full<Bytes>> {
