@@ -3,15 +3,9 @@
 //! as it comes, and a retry with its key gets its status with `replay_body_too_large`, never
 //! a second forward. Against the Python upstream's `POST .../big/N`, which answers N bytes.
 
-#[path = "../../backstop/tests/support/postgres_schema.rs"]
-#[allow(dead_code)]
-mod postgres_schema;
 #[path = "../../backstop/tests/support/python.rs"]
 #[allow(dead_code)]
 mod python;
-#[path = "../../backstop/tests/support/services.rs"]
-#[allow(dead_code)]
-mod services;
 
 #[path = "support/proxy_harness.rs"]
 mod proxy_harness;
