@@ -82,6 +82,11 @@ pub mod problem {
     pub const CIRCUIT_OPEN: &str = "circuit_open";
     /// The request body is larger than allowed (413).
     pub const BODY_TOO_LARGE: &str = "body_too_large";
+    /// A retry of a keyed request that was carried out, whose answer's body was larger than
+    /// its method keeps for replay: the original status and headers with this problem as the
+    /// body, naming the limit (`max_replay_body`). Not retryable: the request is not run
+    /// again.
+    pub const REPLAY_BODY_TOO_LARGE: &str = "replay_body_too_large";
     /// The request body or parameters are invalid (400).
     pub const INVALID_REQUEST: &str = "invalid_request";
     /// The request body broke on its way in: malformed framing (a bad chunk size) or cut

@@ -23,6 +23,7 @@ use std::process::ExitCode;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod api_keys;
+mod byte_size;
 mod chaos;
 mod config_file;
 mod error_chain;

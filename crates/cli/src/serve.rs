@@ -65,6 +65,11 @@ pub(crate) struct ServeArgs {
         default_value_t = 256
     )]
     max_inflight: usize,
+    /// The largest answer body of a keyed method kept for replay where the method's policy
+    /// sets none (bytes, or with KiB, MiB, GiB): a larger answer streams to its caller, and a
+    /// retry with its key gets its status with `replay_body_too_large`.
+    #[arg(long, env = "BACKSTOP_MAX_REPLAY_BODY", value_name = "SIZE", default_value = "1MiB", value_parser = crate::byte_size::parse)]
+    max_replay_body: usize,
     /// Connections open at once on each port; at the cap an idle one is closed to make room,
     /// or the new one refused when all are busy. Keep it below the file descriptor limit.
     #[arg(long, env = "BACKSTOP_MAX_CONNECTIONS", value_name = "N", default_value_t = backstop_payment::config::DEFAULT_MAX_CONNECTIONS)]
@@ -259,6 +264,7 @@ impl ServeArgs {
             config.psp = PspTarget::Url(url.clone());
         }
         config.max_inflight = self.max_inflight;
+        config.max_replay_body = self.max_replay_body;
         config.max_connections = self.max_connections;
         config.drain_timeout = self.drain_timeout;
         config.sweep_every = self.sweep_every;

@@ -250,6 +250,11 @@ pub struct Config {
     pub key_ttl: Duration,
     /// How long a claimed key stays `running` before another request may take it over.
     pub lease: Duration,
+    /// The largest answer body of a keyed method kept for replay, for methods whose policy
+    /// sets none: a larger answer streams to its caller and a retry with its key gets its
+    /// status with `replay_body_too_large` (default
+    /// [`DEFAULT_MAX_REPLAY_BODY`](backstop::policy::DEFAULT_MAX_REPLAY_BODY), 1 MiB).
+    pub max_replay_body: usize,
     /// Bound on draining in-flight requests at shutdown.
     pub drain_timeout: Duration,
     /// How often expired idempotency records are deleted (a sweep also runs at start-up).
@@ -307,6 +312,7 @@ impl Config {
             psp_margin_floor: Duration::from_millis(20),
             key_ttl: Duration::from_secs(7 * 24 * 3600),
             lease: Duration::from_secs(5),
+            max_replay_body: backstop::policy::DEFAULT_MAX_REPLAY_BODY,
             drain_timeout: Duration::from_secs(10),
             sweep_every: Duration::from_secs(60),
             max_connections: DEFAULT_MAX_CONNECTIONS,

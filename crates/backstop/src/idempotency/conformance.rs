@@ -71,6 +71,7 @@ macro_rules! store_conformance {
                 first_claim_is_claimed_and_recorded_running,
                 unknown_key_has_no_record,
                 replay_returns_status_headers_and_body_byte_for_byte,
+                withheld_answer_replays_its_status_headers_and_marker,
                 other_fingerprint_conflicts_with_original_prefix,
                 live_lease_answers_in_progress_with_time_left,
                 failed_record_is_taken_over,
@@ -202,6 +203,29 @@ pub async fn replay_returns_status_headers_and_body_byte_for_byte<S: Store>(stor
     let rec = store.get(SCOPE, &key("k1")).await.unwrap().expect("record");
     assert_eq!(rec.status, RecordStatus::Succeeded);
     assert_eq!(rec.response, Some(response(7)));
+}
+
+/// An answer stored without its body (too large to keep) comes back with its status, its
+/// headers and the marker naming the limit.
+#[doc(hidden)]
+pub async fn withheld_answer_replays_its_status_headers_and_marker<S: Store>(store: S) {
+    let withheld = StoredResponse::withheld(200, response(3).headers, 1 << 20);
+    let lease = claimed(&store, req("k1", fp(100), T0)).await;
+    store
+        .complete(&lease, withheld.clone(), T0 + 10)
+        .await
+        .unwrap();
+    let claim = store.claim(req("k1", fp(100), T0 + 20)).await.unwrap();
+    let Claim::Replay(stored) = claim else {
+        panic!("expected Replay, got {claim:?}");
+    };
+    assert_eq!(stored, withheld);
+    assert_eq!(stored.body_withheld(), Some(1 << 20));
+    assert!(stored.body.is_empty());
+    let rec = store.get(SCOPE, &key("k1")).await.unwrap().expect("record");
+    assert_eq!(rec.response, Some(withheld));
+    // An answer stored whole carries no marker.
+    assert_eq!(response(3).body_withheld(), None);
 }
 
 #[doc(hidden)]

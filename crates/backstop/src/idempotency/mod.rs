@@ -115,7 +115,7 @@ pub use fingerprint::{Fingerprint, FingerprintError};
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use memory::MemoryStore;
 pub use store::{
-    BoxError, Claim, ClaimRequest, Ending, Lease, PriorRun, Record, RecordStatus, RecoveryPoint,
-    Resume, Store, StoreError, StoredResponse,
+    BODY_WITHHELD, BoxError, Claim, ClaimRequest, Ending, Lease, PriorRun, Record, RecordStatus,
+    RecoveryPoint, Resume, Store, StoreError, StoredResponse,
 };
 pub use sweeper::Sweeper;

@@ -188,6 +188,46 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
+/// The name, in [`StoredResponse::headers`], of the marker of an answer whose body was too
+/// large to keep (see [`StoredResponse::withheld`]); its value is the bound, in bytes. No HTTP
+/// header can have this name (it holds a colon), so every backend keeps the marker in the
+/// header list it already stores, and no replay can send it as a header.
+pub const BODY_WITHHELD: &str = "backstop:body-withheld";
+
+impl StoredResponse {
+    /// An answer whose body was larger than `limit` bytes, the most its method keeps for
+    /// replay: its status and headers, no body, and the [`BODY_WITHHELD`] marker naming the
+    /// limit. Replaying it tells the retry that the request was carried out and that its
+    /// answer's body cannot be sent again.
+    ///
+    /// ```
+    /// use backstop::idempotency::StoredResponse;
+    ///
+    /// let kept = StoredResponse::withheld(200, vec![("content-type".into(), "text/csv".into())], 1 << 20);
+    /// assert_eq!(kept.body_withheld(), Some(1 << 20));
+    /// assert!(kept.body.is_empty());
+    /// let whole = StoredResponse { status: 200, headers: vec![], body: "id,n\n".into() };
+    /// assert_eq!(whole.body_withheld(), None);
+    /// ```
+    pub fn withheld(status: u16, mut headers: Vec<(String, String)>, limit: usize) -> Self {
+        headers.push((BODY_WITHHELD.to_owned(), limit.to_string()));
+        Self {
+            status,
+            headers,
+            body: Bytes::new(),
+        }
+    }
+
+    /// The limit an answer's body was over when it was stored without it
+    /// ([`withheld`](Self::withheld)); `None` for an answer stored whole.
+    pub fn body_withheld(&self) -> Option<u64> {
+        self.headers
+            .iter()
+            .find(|(name, _)| name == BODY_WITHHELD)
+            .map(|(_, limit)| limit.parse().unwrap_or(0))
+    }
+}
+
 /// State of a record: running, then succeeded or failed (a failed key may run again).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RecordStatus {

@@ -47,6 +47,12 @@ pub const KEY_TTL_ASYNC: Duration = Duration::from_secs(30 * 24 * 3_600);
 /// Rate class of a method whose policy names none.
 pub const DEFAULT_RATE_CLASS: &str = "default";
 
+/// Largest answer body of a keyed method kept for replay, unless its policy or the server
+/// says otherwise: 1 MiB. A larger answer is streamed to its caller as it comes and its record
+/// keeps the status and headers only, so a retry learns that the request was carried out
+/// (`replay_body_too_large`) instead of getting the body again.
+pub const DEFAULT_MAX_REPLAY_BODY: usize = 1024 * 1024;
+
 #[cfg(test)]
 mod tests {
     use std::path::{Path, PathBuf};
@@ -54,7 +60,7 @@ mod tests {
     /// The names a default goes by, and the file (under `src/`) that defines it. A second
     /// definition of any of them, with the same value or another, is what this module exists
     /// to prevent.
-    const NAMES: [(&str, &str); 16] = [
+    const NAMES: [(&str, &str); 17] = [
         ("DEFAULT_TIMEOUT", HERE),
         ("DEFAULT_MAX_ATTEMPTS", HERE),
         ("MAX_ATTEMPTS", HERE),
@@ -71,6 +77,7 @@ mod tests {
         ("KEY_TTL_PAYMENTS", HERE),
         ("KEY_TTL_ASYNC", HERE),
         ("DEFAULT_RATE_CLASS", HERE),
+        ("DEFAULT_MAX_REPLAY_BODY", HERE),
     ];
     const HERE: &str = "policy/defaults.rs";
     const BACKOFF: &str = "retry/backoff.rs";

@@ -59,8 +59,8 @@ pub(crate) mod route;
 pub(crate) mod table;
 
 pub use self::defaults::{
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_RATE_CLASS, DEFAULT_TIMEOUT, KEY_TTL_ASYNC, KEY_TTL_PAYMENTS,
-    KEY_TTL_SYNC, MAX_ATTEMPTS_CAP,
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_REPLAY_BODY, DEFAULT_RATE_CLASS, DEFAULT_TIMEOUT,
+    KEY_TTL_ASYNC, KEY_TTL_PAYMENTS, KEY_TTL_SYNC, MAX_ATTEMPTS_CAP,
 };
 pub use self::reload::ReloadablePolicies;
 pub use self::table::MethodPolicies;
@@ -147,6 +147,7 @@ pub struct MethodPolicy {
     rate_class: String,
     buffer_body: bool,
     takeover: Takeover,
+    max_replay_body: Option<usize>,
 }
 
 /// Builder for [`MethodPolicy`]; check the result with [`MethodPolicy::validate`].
@@ -252,6 +253,7 @@ impl MethodPolicy {
                 rate_class: DEFAULT_RATE_CLASS.to_owned(),
                 buffer_body: false,
                 takeover: Takeover::Refuse,
+                max_replay_body: None,
             },
         }
     }
@@ -334,6 +336,14 @@ impl MethodPolicy {
     /// What a retry does when it finds the key's previous run abandoned (`Keyed` methods).
     pub fn takeover(&self) -> Takeover {
         self.takeover
+    }
+
+    /// The largest answer body of this (`Keyed`) method a server keeps for replay, if the
+    /// policy sets one; else the server's default
+    /// ([`DEFAULT_MAX_REPLAY_BODY`] unless the server sets its own). See
+    /// [`MethodPolicyBuilder::max_replay_body`].
+    pub fn max_replay_body(&self) -> Option<usize> {
+        self.max_replay_body
     }
 
     /// The rate-limit class: the server's rate limit spends the caller's tokens in this
@@ -465,6 +475,18 @@ impl MethodPolicyBuilder {
     /// [`Takeover::Refuse`]; `Keyed` methods only).
     pub fn takeover(mut self, takeover: Takeover) -> Self {
         self.policy.takeover = takeover;
+        self
+    }
+
+    /// The largest answer body of this `Keyed` method a server keeps for replay (default: the
+    /// server's, [`DEFAULT_MAX_REPLAY_BODY`] unless it sets its own). An answer within it is
+    /// stored whole and every retry with the key gets it byte for byte. A larger one is
+    /// streamed to its caller as it comes, never held whole, and its record keeps its status
+    /// and headers without the body: a retry with the key gets that status with a
+    /// `replay_body_too_large` problem saying the request was carried out, and the handler
+    /// does not run again. Zero keeps no body at all.
+    pub fn max_replay_body(mut self, bytes: usize) -> Self {
+        self.policy.max_replay_body = Some(bytes);
         self
     }
 

@@ -10,6 +10,10 @@
 //! [`http_body::Body<Data = Bytes>`]: an axum `Router`, tonic's generated servers and `Routes`
 //! under `tonic::transport::Server::builder().layer(..)`, a bare hyper `service_fn`.
 //!
+//! A keyed answer larger than its method keeps for replay is a third kind: the part of `B`
+//! already read, then the rest of `B` as it comes (see
+//! [`MethodPolicy::max_replay_body`](crate::policy::MethodPolicy::max_replay_body)).
+//!
 //! A body in memory cannot fail, so [`ResponseBody<B>`] keeps `B`'s error type. Layers stacked
 //! on one another nest the wrapper (`ResponseBody<ResponseBody<B>>`); the error type stays
 //! `B::Error` all the way out, and each level costs one `match` per frame.
@@ -50,10 +54,13 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use super::idempotency::bounded::Tail;
+
 pin_project! {
     /// The inner service's body, or an answer held in memory (a refusal, a stored answer,
     /// a replay) with its trailers: a replayed gRPC answer must end with the `grpc-status`
-    /// trailer it was stored with.
+    /// trailer it was stored with; or a keyed answer too large to keep, passed on as it
+    /// comes.
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         #[pin]
@@ -72,6 +79,9 @@ pin_project! {
         Buffered {
             data: Option<Bytes>,
             trailers: Option<HeaderMap>,
+        },
+        Streamed {
+            tail: Box<Tail<B>>,
         },
     }
 }
@@ -99,23 +109,33 @@ impl<B> ResponseBody<B> {
         }
     }
 
+    /// The rest of an answer too large to keep for replay.
+    pub(crate) fn streamed(tail: Tail<B>) -> Self {
+        Self {
+            kind: Kind::Streamed {
+                tail: Box::new(tail),
+            },
+        }
+    }
+
     /// Whether this is the inner service's body (not one a layer wrote).
     pub fn is_inner(&self) -> bool {
         matches!(self.kind, Kind::Inner { .. })
     }
 
-    /// The inner service's body, or `None` for a body a layer wrote.
+    /// The inner service's body, or `None` for a body a layer wrote (or one it read part
+    /// of).
     pub fn into_inner(self) -> Option<B> {
         match self.kind {
             Kind::Inner { body } => Some(body),
-            Kind::Buffered { .. } => None,
+            Kind::Buffered { .. } | Kind::Streamed { .. } => None,
         }
     }
 
     /// The bytes of a body a layer wrote and not yet read, or `None` for the inner body.
     pub fn buffered_data(&self) -> Option<&[u8]> {
         match &self.kind {
-            Kind::Inner { .. } => None,
+            Kind::Inner { .. } | Kind::Streamed { .. } => None,
             Kind::Buffered { data, .. } => Some(data.as_deref().unwrap_or_default()),
         }
     }
@@ -170,6 +190,7 @@ impl<B: Body<Data = Bytes>> Body for Kind<B> {
                     .or_else(|| trailers.take().map(Frame::trailers))
                     .map(Ok),
             ),
+            KindProj::Streamed { tail } => tail.poll_frame(cx),
         }
     }
 
@@ -177,6 +198,7 @@ impl<B: Body<Data = Bytes>> Body for Kind<B> {
         match self {
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Buffered { data, trailers } => data.is_none() && trailers.is_none(),
+            Kind::Streamed { tail } => tail.is_end_stream(),
         }
     }
 
@@ -186,6 +208,7 @@ impl<B: Body<Data = Bytes>> Body for Kind<B> {
             Kind::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
+            Kind::Streamed { tail } => tail.size_hint(),
         }
     }
 }
@@ -264,6 +287,7 @@ impl ResponseBody<Bytes> {
         match self.kind {
             Kind::Inner { body } => body,
             Kind::Buffered { data, .. } => data.unwrap_or_default(),
+            Kind::Streamed { .. } => panic!("a streamed body has no bytes at hand"),
         }
     }
 }

@@ -95,6 +95,12 @@ pub(crate) struct ProxyArgs {
     /// request's budget).
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_lease)]
     lease: Duration,
+    /// The largest answer body of a keyed route kept for replay, unless the route sets
+    /// `max_replay_body` (bytes, or with KiB, MiB, GiB). A larger answer streams through as it
+    /// comes, and a retry with its key gets its status with `replay_body_too_large`, never a
+    /// second forward.
+    #[arg(long, value_name = "SIZE", default_value = "1MiB", value_parser = crate::byte_size::parse)]
+    max_replay_body: usize,
     /// Requests forwarded at once; beyond it requests wait in a fair bounded queue, or get
     /// 503 + Retry-After.
     #[arg(long, value_name = "N", default_value_t = 1024)]
@@ -165,6 +171,8 @@ pub(crate) struct Settings {
     /// The breaker of each upstream endpoint (with more than one).
     pub(crate) endpoint_breaker: BreakerConfig,
     pub(crate) lease: Duration,
+    /// The largest keyed answer body kept for replay, where a route sets none.
+    pub(crate) max_replay_body: usize,
     pub(crate) max_inflight: usize,
     pub(crate) queue_size: usize,
     pub(crate) max_connections: usize,
@@ -256,6 +264,7 @@ impl ProxyArgs {
                 ..BreakerConfig::default()
             },
             lease: self.lease,
+            max_replay_body: self.max_replay_body,
             max_inflight: self.max_inflight,
             queue_size: self.queue_size,
             max_connections: self.max_connections,

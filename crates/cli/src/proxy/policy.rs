@@ -9,6 +9,7 @@
 //! idempotency = "keyed"          # safe | keyed | unsafe | auto (default auto)
 //! timeout = "5s"
 //! key_ttl = "24h"
+//! max_replay_body = "1MiB"       # largest answer kept for replay (default --max-replay-body)
 //! upstream_dedups_by_effect_key = true
 //!
 //! [[policies.route]]
@@ -128,6 +129,10 @@ pub(crate) struct RouteSpec {
     /// How long a keyed route's records (and replayable answers) are kept.
     #[serde(default, deserialize_with = "duration")]
     key_ttl: Option<Duration>,
+    /// The largest answer body of a keyed route kept for replay (bytes, or `"64KiB"`); a
+    /// larger one is streamed and a retry gets `replay_body_too_large`.
+    #[serde(default, deserialize_with = "crate::byte_size::deserialize")]
+    max_replay_body: Option<usize>,
     /// The rate class whose quota the route spends.
     rate_class: Option<String>,
     /// The upstream deduplicates by the effect key header: after a crash of the proxy, a retry
@@ -446,6 +451,15 @@ impl RouteTable {
                 );
             }
             if route.keying() != Keying::Never {
+                let bound = policy.max_replay_body().map_or_else(
+                    || "the --max-replay-body default".to_owned(),
+                    |bytes| format!("{bytes} bytes"),
+                );
+                let _ = writeln!(
+                    out,
+                    "  answers up to {bound} replayed whole; a larger one streamed, and a retry \
+                     gets its status with replay_body_too_large"
+                );
                 let crash = if route.upstream_dedups() {
                     "forwarded again with the same effect key (the upstream deduplicates by it)"
                 } else {
@@ -584,6 +598,11 @@ impl RouteSpec {
             (_, Some(_)) => return Err(format!("{what}: key_ttl is for keyed routes")),
             (_, None) => {}
         }
+        match (idempotency, self.max_replay_body) {
+            (Idempotency::Keyed, Some(bytes)) => builder = builder.max_replay_body(bytes),
+            (_, Some(_)) => return Err(format!("{what}: max_replay_body is for keyed routes")),
+            (_, None) => {}
+        }
         Ok(builder)
     }
 }
@@ -603,6 +622,7 @@ mod tests {
         timeout = "5s"
         key_ttl = "7d"
         rate_class = "payments"
+        max_replay_body = "64KiB"
 
         [[policies.route]]
         match = "POST /v1/refunds/{id}"
@@ -642,10 +662,12 @@ mod tests {
         assert_eq!(charge.key_ttl(), Some(Duration::from_secs(7 * 86_400)));
         assert_eq!(charge.rate_class(), "payments");
         assert_eq!(charge.takeover(), Takeover::Refuse);
+        assert_eq!(charge.max_replay_body(), Some(64 * 1024));
         let refund = p.for_route(&Method::POST, "/v1/refunds/r1");
         assert_eq!(refund.name(), "POST /v1/refunds/{id}");
         assert_eq!(refund.takeover(), Takeover::Resume);
         assert_eq!(refund.key_ttl(), Some(KEY_TTL_SYNC));
+        assert_eq!(refund.max_replay_body(), None, "the flag's default");
         let get = p.for_route(&Method::GET, "/v1/charges/c1");
         assert_eq!((get.max_attempts(), get.hedging()), (3, true));
         assert!(p.for_path("/shop.v1.Orders/Create").requires_key());
@@ -679,6 +701,8 @@ mod tests {
             "up to 3 attempts on UNAVAILABLE",
             "auto: a POST or PATCH carrying an Idempotency-Key is keyed",
             "scope: keys and rate limits are scoped by caller, a hash of authorization",
+            "answers up to 65536 bytes replayed whole",
+            "answers up to the --max-replay-body default replayed whole",
         ] {
             assert!(text.contains(want), "{want} missing from:\n{text}");
         }
@@ -729,6 +753,14 @@ mod tests {
             (
                 "[[policies.route]]\nmatch = \"POST /\"\nrate_class = \"gold\"\n",
                 "rate class `gold`",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /\"\nmax_replay_body = 10\n",
+                "max_replay_body is for keyed routes",
+            ),
+            (
+                "[[policies.route]]\nmatch = \"POST /\"\nidempotency = \"keyed\"\nmax_replay_body = \"1MB\"\n",
+                "not a size like",
             ),
             (
                 "[[policies.route]]\nmatch = \"POST /a\"\n[[policies.route]]\nmatch = \"POST /a\"\n",

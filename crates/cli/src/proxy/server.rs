@@ -283,7 +283,8 @@ fn stack<St: ProxyStore>(
     // byte.
     let mut idempotency = IdempotencyLayer::new(store.clone())
         .clock(SystemClock)
-        .any_body(true);
+        .any_body(true)
+        .max_replay_body(settings.max_replay_body);
     for name in REPLAYED.iter().chain(&table.replay_headers) {
         idempotency = idempotency.store_header(name.clone());
     }

@@ -25,6 +25,10 @@ How a request is served:
 - `X-Upstream-Drop: 1` closes the connection after the effect without answering (the answer
   lost on its way back);
 - POST: executes the effect, answers 201 with JSON naming the effect (a new id each time);
+- `POST .../big/N`: executes the effect, answers 200 with N bytes of `application/octet-stream`
+  (with `Content-Length`; with `?chunked=1`, chunked, its length unknown in advance), written
+  1 MiB at a time; `X-Upstream-Break-After: M` closes the connection after M bytes of it
+  (an answer that breaks midway);
 - GET: answers 200 with JSON echoing the method, path and headers;
 - `GET /_effects`: the effect ledger, a JSON array of every `effect` event so far (what
   `backstop chaos --target proxy` reads); not recorded itself.
@@ -46,6 +50,7 @@ DONE = {}  # effect key -> (status, body) of /dedup/ effects
 COUNTER = [0]
 IN_FLIGHT = [0]  # requests being served now
 WORKERS = None  # a semaphore with --workers
+BLOCK = bytes(range(256)) * 4096  # 1 MiB, what `/big/N` answers are written with
 
 
 def record(event, **fields):
@@ -182,7 +187,48 @@ class Handler(BaseHTTPRequestHandler):
         if self.headers.get("X-Upstream-Drop"):
             self.close_connection = True
             return
+        if "/big/" in self.path:
+            self.big()
+            return
         self.answer(status, payload)
+
+    def big(self):
+        """Answers `.../big/N[?chunked=1]`: N bytes, 1 MiB at a time."""
+        path, _, query = self.path.partition("?")
+        n = int(path.rsplit("/", 1)[1])
+        chunked = "chunked=1" in query
+        cut = self.headers.get("X-Upstream-Break-After")
+        cut = int(cut) if cut is not None else None
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("X-Upstream", "python")
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(n))
+        self.end_headers()
+        left, sent = n, 0
+        try:
+            while left > 0:
+                size = min(left, len(BLOCK))
+                if cut is not None and sent + size > cut:
+                    size = cut - sent
+                data = BLOCK if size == len(BLOCK) else BLOCK[:size]
+                if chunked:
+                    self.wfile.write(b"%x\r\n" % size + data + b"\r\n")
+                else:
+                    self.wfile.write(data)
+                sent += size
+                left -= size
+                if cut is not None and sent >= cut:
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.close_connection = True
 
 
 class Server(ThreadingHTTPServer):

@@ -287,7 +287,8 @@ pub fn build_routers<St: PaymentBackend>(
         .idempotency(
             IdempotencyLayer::new(store)
                 .clock(state.clock.clone())
-                .max_body(BODY_LIMIT),
+                .max_body(BODY_LIMIT)
+                .max_replay_body(config.max_replay_body),
         )
         // Which requests are keyed, their key TTL and their metric names: the same table the
         // clients use, looked up by the route axum matched (gRPC: by the method path).

@@ -9,7 +9,7 @@ use super::settled::Settled;
 use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
-use crate::policy::{MethodPolicies, Takeover};
+use crate::policy::{DEFAULT_MAX_REPLAY_BODY, MethodPolicies, Takeover};
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
 use crate::server::select::{MatchedPathFn, PolicyLookup, TableSource};
 
@@ -33,6 +33,8 @@ pub(super) struct Shared<St> {
     pub(super) lease: Duration,
     pub(super) max_body: usize,
     pub(super) max_message: usize,
+    /// The largest answer body kept for replay, for a keyed method whose policy sets none.
+    pub(super) max_replay_body: usize,
     /// Whether an HTTP body that is not JSON is fingerprinted byte for byte (else refused).
     pub(super) any_body: bool,
     pub(super) stored_headers: Vec<HeaderName>,
@@ -61,6 +63,7 @@ impl<St> fmt::Debug for IdempotencyLayer<St> {
             .field("policies", &self.shared.lookup.as_ref().map(|l| &l.source))
             .field("max_body", &self.shared.max_body)
             .field("max_message", &self.shared.max_message)
+            .field("max_replay_body", &self.shared.max_replay_body)
             .field("stored_headers", &self.shared.stored_headers)
             .finish_non_exhaustive()
     }
@@ -79,6 +82,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 lease: super::DEFAULT_LEASE,
                 max_body: DEFAULT_MAX_BODY,
                 max_message: DEFAULT_MAX_MESSAGE,
+                max_replay_body: DEFAULT_MAX_REPLAY_BODY,
                 any_body: false,
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
                 settled: Settled::default(),
@@ -166,6 +170,16 @@ impl<St: Store> IdempotencyLayer<St> {
         self.edit(|s| s.max_body = bytes)
     }
 
+    /// The largest answer body of a keyed method kept for replay when its policy sets none
+    /// (see [`MethodPolicy::max_replay_body`](crate::policy::MethodPolicy::max_replay_body);
+    /// default [`DEFAULT_MAX_REPLAY_BODY`], 1 MiB). An answer within it is stored whole and
+    /// replayed byte for byte; a larger one is streamed to its caller as it comes, and a
+    /// retry with its key gets its status and headers with a `replay_body_too_large` problem
+    /// (see the [module docs](super#answers-too-large-to-keep)).
+    pub fn max_replay_body(self, bytes: usize) -> Self {
+        self.edit(|s| s.max_replay_body = bytes)
+    }
+
     /// The largest gRPC message a keyed gRPC route accepts (default 4 MiB); a larger
     /// length prefix is refused with `RESOURCE_EXHAUSTED` before the message is read.
     pub fn max_message(self, bytes: usize) -> Self {
@@ -228,6 +242,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     lease: old.lease,
                     max_body: old.max_body,
                     max_message: old.max_message,
+                    max_replay_body: old.max_replay_body,
                     any_body: old.any_body,
                     stored_headers: old.stored_headers.clone(),
                     settled: Settled::default(),
@@ -266,7 +281,10 @@ impl<St> Shared<St> {
             let route = policy
                 .key_ttl()
                 .map_or_else(KeyedRoute::sync, KeyedRoute::new);
-            route.lease(self.lease).takeover(policy.takeover())
+            route
+                .lease(self.lease)
+                .takeover(policy.takeover())
+                .max_replay_body(policy.max_replay_body().unwrap_or(self.max_replay_body))
         })
     }
 
@@ -313,7 +331,20 @@ impl KeyedRoute {
             ttl,
             lease: super::DEFAULT_LEASE,
             takeover: Takeover::Refuse,
+            max_replay_body: DEFAULT_MAX_REPLAY_BODY,
         }
+    }
+
+    /// The largest answer body kept for replay (default [`DEFAULT_MAX_REPLAY_BODY`]).
+    pub(crate) fn max_replay_body(mut self, bytes: usize) -> Self {
+        self.max_replay_body = bytes;
+        self
+    }
+
+    /// The largest answer body kept for replay: a larger one is streamed, and its record
+    /// keeps its status and headers only.
+    pub fn replay_body_limit(&self) -> usize {
+        self.max_replay_body
     }
 
     /// What a retry does with an abandoned run (default [`Takeover::Refuse`]).

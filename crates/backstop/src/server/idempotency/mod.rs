@@ -18,7 +18,9 @@
 //!    - **claimed**: runs the inner service with the rebuilt body and the [`IdempotencyKey`],
 //!      the request's [`Fingerprint`], the [`Lease`] and the [`Phases`] as request extensions
 //!      (the handler uses the key as its request key). Then a
-//!      2xx answer is stored (status, the headers that matter, body byte for byte) and returned;
+//!      2xx answer is stored (status, the headers that matter, body byte for byte) and returned,
+//!      or, when its body is larger than the route keeps, streamed and stored without its body
+//!      (see [below](#answers-too-large-to-keep));
 //!      a retryable failure (5xx, 429, 409 with `Retry-After`) marks the record failed so the
 //!      same key can run again; any other answer (a client mistake), or one the handler marked
 //!      [`NothingDone`] (it refused before doing anything), releases the record so nothing is
@@ -34,6 +36,65 @@
 //!
 //! Steps 1 to 3 run in the [`IntakeLayer`], before the gate, when it is in front; this layer
 //! then takes what it read from a request extension.
+//!
+//! # Answers too large to keep
+//!
+//! An answer is kept for replay up to its method's
+//! [`max_replay_body`](crate::policy::MethodPolicy::max_replay_body), else the layer's
+//! ([`IdempotencyLayer::max_replay_body`], 1 MiB unless set). The layer reads a successful
+//! answer's body up to that bound, and not at all when its size is known to be larger (a
+//! `Content-Length` over it). An answer within the bound is stored whole and replayed byte
+//! for byte. A larger one is passed on as it comes, the part already read first, so that a
+//! request holds at most the bound plus the frames in flight whatever the handler (or an
+//! upstream) sends; when its body ends, the record is completed with its status, its stored
+//! headers and a marker instead of the body ([`StoredResponse::withheld`]). A retry with the
+//! key then gets a definite answer, and nothing runs again:
+//!
+//! - HTTP: the original status and stored headers (less those that describe the body:
+//!   `Content-*`, `ETag`, `Last-Modified`), `Idempotent-Replayed: true`, and an
+//!   `application/problem+json` body with code `replay_body_too_large` and `max_replay_body`
+//!   (the bound, in bytes): the request was carried out, and its answer cannot be sent again;
+//! - gRPC: `ALREADY_EXISTS` with the same words.
+//!
+//! How the streamed body ends decides the record:
+//!
+//! - read to its end: completed as above; a gRPC answer by the `grpc-status` of its trailers,
+//!   which come last (a code other than `OK` fails or releases the record as usual);
+//! - failed midway (the handler's stream or the connection to an upstream broke): the answer
+//!   never arrived whole, as when a body fails within the bound: on a
+//!   [`Takeover::Refuse`] route the record stays running and a retry learns
+//!   `outcome_unknown` when its lease ends; elsewhere it is marked failed;
+//! - dropped by a caller that went away: an HTTP answer's status already said what happened,
+//!   so its record is completed with the marker all the same, on a task of its own (the
+//!   record never waits for a caller to read to the end); a gRPC answer's status never came,
+//!   so its record ends as that of a request cut off before it answered (see below).
+//!
+//! While the body streams the record is running: a retry meanwhile waits for it, or gets
+//! `request_in_progress`. A body that streams for longer than the lease is a run that
+//! outlasts its lease, as a slow handler would be: a retry after the lease ended takes the key
+//! over (on a `Refuse` route, `outcome_unknown`), and the first run's completion is then
+//! refused by the fencing token.
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use backstop::idempotency::MemoryStore;
+//! use backstop::policy::{Idempotency, KEY_TTL_SYNC, MethodPolicies, MethodPolicy};
+//! use backstop::server::ServerStack;
+//! use http::Method;
+//!
+//! // An export answers up to a few MiB: keep 64 KiB of it for replay, stream the rest.
+//! let export = MethodPolicy::builder("Export", Idempotency::Keyed)
+//!     .key_ttl(KEY_TTL_SYNC)
+//!     .max_replay_body(64 * 1024)
+//!     .build();
+//! let policies = MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
+//!     .route(Method::POST, "/v1/exports", export)
+//!     .validated()
+//!     .unwrap();
+//! let app: Router = Router::new()
+//!     .route("/v1/exports", post(|| async { "id,amount\n1,100\n" }))
+//!     .layer(ServerStack::new("exports", MemoryStore::new()).policies(policies).into_layer());
+//! ```
 //!
 //! # gRPC
 //!
@@ -92,6 +153,7 @@
 //! [`Tenant`]: crate::server::tenant::Tenant
 //! [`Lease`]: crate::idempotency::Lease
 
+pub(crate) mod bounded;
 pub mod coverage;
 pub mod future;
 pub mod intake;
@@ -117,6 +179,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_service::Service;
 
+use self::bounded::{Read, Tail, Withheld};
 use self::future::ResponseFuture;
 use self::layer::Shared;
 use super::grpc::{GRPC_ENCODING, PREFIX_LEN, check_compression, encoding_refused, read_unary};
@@ -127,8 +190,8 @@ use crate::clock::Clock;
 use crate::deadline::Deadline;
 use crate::idempotency::protocol;
 use crate::idempotency::{
-    Claim, ClaimRequest, Ending, Fingerprint, IdempotencyKey, Lease, PriorRun, Store, StoreError,
-    StoredResponse,
+    BODY_WITHHELD, Claim, ClaimRequest, Ending, Fingerprint, IdempotencyKey, Lease, PriorRun,
+    Store, StoreError, StoredResponse,
 };
 use crate::policy::Takeover;
 use crate::status::{Code, Status, problem};
@@ -172,6 +235,7 @@ pub struct KeyedRoute {
     ttl: Duration,
     lease: Duration,
     takeover: Takeover,
+    max_replay_body: usize,
 }
 
 /// Deduplicates requests on keyed routes; see the [module docs](self).
@@ -425,15 +489,27 @@ where
     match decision {
         After::Complete => {
             let (parts, body) = response.into_parts();
-            // The body error is dropped before any await: it need not be `Send`.
-            let collected = body
-                .collect()
-                .await
-                .ok()
-                .map(|c| (c.trailers().cloned(), c.to_bytes()));
-            let (trailers, body) = match collected {
-                Some(collected) => collected,
-                None => {
+            let (trailers, body) = match bounded::read(body, route.max_replay_body).await {
+                Read::Whole { data, trailers } => (trailers, data),
+                // Too large to keep: passed on as it comes, and the record ended when it ends
+                // (or when its caller drops it), without the body.
+                Read::Over { read, rest } => {
+                    let withheld = Withheld {
+                        shared: shared.clone(),
+                        lease: lease.clone(),
+                        phases: phases.clone(),
+                        status: parts.status.as_u16(),
+                        headers: stored_headers(&parts.headers, &shared.stored_headers),
+                        protocol,
+                        limit: route.max_replay_body,
+                        takeover: route.takeover,
+                        nothing_done,
+                    };
+                    guard.disarm();
+                    let tail = Tail::new(read, rest, Box::new(withheld));
+                    return Ok(Response::from_parts(parts, ResponseBody::streamed(tail)));
+                }
+                Read::Failed => {
                     // As for a handler error: the effect may have happened.
                     if !guard.abandon {
                         end(&shared, &lease, &phases, Ending::Fail).await;
@@ -909,6 +985,9 @@ fn stored_headers(headers: &http::HeaderMap, names: &[HeaderName]) -> Vec<(Strin
 }
 
 pub(super) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    if let Some(limit) = stored.body_withheld() {
+        return replay_withheld(&stored, limit);
+    }
     let mut headers = HeaderMap::new();
     let mut trailers = HeaderMap::new();
     for (name, value) in &stored.headers {
@@ -929,6 +1008,53 @@ pub(super) fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
     *response.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     *response.headers_mut() = headers;
+    response
+}
+
+/// The answer to a retry of a request that was carried out and whose answer's body was over
+/// the bound kept for replay: its status and headers (less those that describe the body it
+/// no longer has), with a `replay_body_too_large` problem naming the bound as the body; for
+/// gRPC, `ALREADY_EXISTS` with the same words.
+fn replay_withheld<B>(stored: &StoredResponse, limit: u64) -> Response<ResponseBody<B>> {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let grpc = stored.headers.iter().any(|(name, value)| {
+        name.eq_ignore_ascii_case("content-type") && value.starts_with("application/grpc")
+    });
+    let problem = Problem::new(status, problem::REPLAY_BODY_TOO_LARGE)
+        .title("Answer too large to replay")
+        .detail(format!(
+            "the request with this Idempotency-Key was carried out and answered {}; its body \
+             was larger than the {limit} bytes kept for replay, so it cannot be sent again, \
+             and the request is not run again",
+            status.as_u16()
+        ))
+        .with("max_replay_body", limit);
+    let mut response: Response<ResponseBody<B>> = if grpc {
+        problem
+            .grpc_code(Code::AlreadyExists)
+            .outcome(crate::status::Outcome::of_code(Code::AlreadyExists))
+            .into_grpc_response()
+    } else {
+        problem.into_http_response()
+    };
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        // The trailers and the marker stay in the store; the headers that describe the body
+        // would describe one that is not sent.
+        let lower = name.to_ascii_lowercase();
+        let describes_body =
+            lower.starts_with("content-") || lower == "etag" || lower == "last-modified";
+        if lower.starts_with(TRAILER_PREFIX) || lower == BODY_WITHHELD || describes_body {
+            continue;
+        }
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
 }
 
