@@ -755,7 +755,7 @@ mod tests {
                 "rate class `gold`",
             ),
             (
-                "[[policies.route]]\nmatch = \"POST /\"\nmax_replay_body = 10\n",
+                "[[policies.route]]\nmatch = \"POST /\"\nidempotency = \"unsafe\"\nmax_replay_body = 10\n",
                 "max_replay_body is for keyed routes",
             ),
             (

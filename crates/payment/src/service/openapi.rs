@@ -123,6 +123,9 @@ enum ProblemCode {
     CircuitOpen,
     Unavailable,
     Throttled,
+    RequestBodyInvalid,
+    RequestBodyTimeout,
+    ReplayBodyTooLarge,
 }
 
 /// `GET /openapi.json`: this document.
