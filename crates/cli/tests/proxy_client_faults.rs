@@ -18,34 +18,13 @@ mod python;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use self::proxy_harness::{PATIENCE, Proxy, Rig, call, client};
+use self::proxy_harness::{PATIENCE, Rig, breaker_state, call, client, limit};
 
 /// Faulty requests sent to each route, each answered before the next: more than the
 /// breaker's `min_requests` (20), so that, counted against the upstream, they would open it.
 const FAULTY: usize = 24;
 /// Well-formed requests another client sends after them.
 const WELL_FORMED: usize = 40;
-
-/// The value of `rpc_client_breaker_state` for `service` (0 closed, 1 half-open, 2 open).
-async fn breaker_state(proxy: &Proxy, service: &str) -> Option<f64> {
-    let label = format!(r#"service="{service}""#);
-    proxy
-        .metrics()
-        .await
-        .lines()
-        .find(|l| l.starts_with("rpc_client_breaker_state{") && l.contains(&label))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
-/// The admission limit (`rpc_server_concurrency_limit`).
-async fn limit(proxy: &Proxy) -> f64 {
-    let metrics = proxy.metrics().await;
-    metrics
-        .lines()
-        .find(|l| l.starts_with("rpc_server_concurrency_limit{"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no limit gauge in\n{metrics}"))
-}
 
 /// What the caller does after the head and the first bytes of its body.
 #[derive(Debug, Clone, Copy)]

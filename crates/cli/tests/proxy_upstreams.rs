@@ -14,19 +14,9 @@ mod proxy_harness;
 mod python;
 
 use self::proxy_harness::{
-    Proxy, ROUTES, Rig, Upstream, call, charge, client, free_port, python_ready, wait_for,
+    Proxy, ROUTES, Rig, Upstream, breaker_state, call, charge, client, free_port, limit,
+    python_ready, wait_for,
 };
-
-/// The value of `rpc_client_breaker_state` for `service` (0 closed, 1 half-open, 2 open).
-async fn breaker_state(proxy: &Proxy, service: &str) -> Option<f64> {
-    let label = format!(r#"service="{service}""#);
-    proxy
-        .metrics()
-        .await
-        .lines()
-        .find(|l| l.starts_with("rpc_client_breaker_state{") && l.contains(&label))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
 
 #[tokio::test]
 async fn an_upstream_that_goes_down_is_left_out_by_its_breaker_until_it_is_back() {
@@ -166,16 +156,6 @@ async fn with_every_endpoint_down_every_breaker_opens_and_requests_get_503_until
     )
     .await;
     assert!(!one.of("received", None).is_empty());
-}
-
-/// The admission limit (`rpc_server_concurrency_limit`).
-async fn limit(proxy: &Proxy) -> f64 {
-    let metrics = proxy.metrics().await;
-    metrics
-        .lines()
-        .find(|l| l.starts_with("rpc_server_concurrency_limit{"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no limit gauge in\n{metrics}"))
 }
 
 #[tokio::test]

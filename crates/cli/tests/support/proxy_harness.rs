@@ -552,3 +552,24 @@ pub(crate) async fn grpc_unary(
         .or_else(|| trailers.get("grpc-status"))
         .map(|v| v.to_str().unwrap().to_owned())
 }
+
+/// The value of `rpc_client_breaker_state` for `service` (0 closed, 1 half-open, 2 open).
+pub(crate) async fn breaker_state(proxy: &Proxy, service: &str) -> Option<f64> {
+    let label = format!(r#"service="{service}""#);
+    proxy
+        .metrics()
+        .await
+        .lines()
+        .find(|l| l.starts_with("rpc_client_breaker_state{") && l.contains(&label))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The admission limit (`rpc_server_concurrency_limit`).
+pub(crate) async fn limit(proxy: &Proxy) -> f64 {
+    let metrics = proxy.metrics().await;
+    metrics
+        .lines()
+        .find(|l| l.starts_with("rpc_server_concurrency_limit{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no limit gauge in\n{metrics}"))
+}
