@@ -174,6 +174,12 @@ impl MethodPolicies {
         &self.entries[index].1
     }
 
+    /// What the entry at `index` of [`select`](Self::select) applies to.
+    #[cfg_attr(not(feature = "server"), allow(dead_code))]
+    pub(crate) fn key_at(&self, index: usize) -> &Key {
+        &self.entries[index].0
+    }
+
     /// The policy of calls no other entry names.
     pub fn fallback_policy(&self) -> &MethodPolicy {
         &self.entries[0].1

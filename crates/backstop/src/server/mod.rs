@@ -170,13 +170,11 @@ pub use self::tenant::{Tenant, TenantLayer};
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::Duration;
 
-use http::Method;
 use tower::ServiceBuilder;
 use tower_layer::Layer;
 
 use crate::admission::{Gate, KeyedTokenBucket, Quota};
 use crate::idempotency::Store;
-use crate::policy::table::Key;
 use crate::policy::{MethodPolicies, ReloadablePolicies};
 use crate::status::Status;
 
@@ -308,7 +306,7 @@ impl<St: Store> ServerStack<St> {
     /// `buffer_body` ones are read before the gate (see [`IdempotencyLayer::policies`]), the
     /// rate limit spends from each
     /// method's rate class (see [`RateLimitLayer::class`]), and its gRPC paths (as `POST`)
-    /// and HTTP routes are named in the metrics. Applied when the layer is made, whatever
+    /// and HTTP routes are named in the metrics (by the table in effect, after a reload too). Applied when the layer is made, whatever
     /// [`ServerStack::deadline`], [`ServerStack::idempotency`], [`ServerStack::rate_limit`]
     /// or [`ServerStack::metrics`] replaced.
     pub fn policies(mut self, policies: MethodPolicies) -> Self {
@@ -341,15 +339,9 @@ impl<St: Store> ServerStack<St> {
     /// The finished layer.
     pub fn into_layer(mut self) -> ServerStackLayer<St> {
         if let Some(source) = self.policies.take() {
-            // The routes' metric labels come from the table the stack is built with.
-            let policies = source.load();
-            for (key, _) in policies.entries() {
-                self.metrics = match key {
-                    Key::Path(path) => self.metrics.route(Method::POST, path),
-                    Key::Route(method, pattern) => self.metrics.route(method.clone(), pattern),
-                    Key::Fallback | Key::Service(_) => self.metrics,
-                };
-            }
+            self.metrics = self
+                .metrics
+                .policies_shared(source.clone(), self.matched_path);
             self.deadline = self
                 .deadline
                 .policies_shared(source.clone(), self.matched_path);

@@ -113,8 +113,16 @@ impl PolicyLookup {
     /// [`policy_of`](Self::policy_of), remembered on `request` for the layers after this one:
     /// the outermost layer of a stack selects, the others read.
     pub(crate) fn select<B>(&self, request: &mut Request<B>) -> PolicyRef<'_> {
-        if self.selected(request).is_some() {
-            return self.policy_of(request);
+        let (table, index) = self.select_entry(request);
+        self.policy_at(table, index)
+    }
+
+    /// The table and the index of the entry `request` runs by, selected once as
+    /// [`select`](Self::select) does: for a layer that keeps something of its own per entry
+    /// (the metrics layer's labels).
+    pub(crate) fn select_entry<B>(&self, request: &mut Request<B>) -> (Arc<MethodPolicies>, usize) {
+        if let Some(selected) = self.selected(request) {
+            return (selected.table.clone(), selected.index);
         }
         let table = self.source.load();
         let index = self.match_in(&table, request);
@@ -123,7 +131,7 @@ impl PolicyLookup {
             source: self.source.id(),
             index,
         });
-        self.policy_at(table, index)
+        (table, index)
     }
 
     /// The table in effect.

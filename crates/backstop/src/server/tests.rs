@@ -169,3 +169,63 @@ async fn deadline_cut_on_a_refuse_route_leaves_the_key_in_progress() {
     assert_eq!(problem_code(&body), "request_in_progress");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// The metrics name a request by the policy entry selected for it from the table in effect:
+/// a route a reload adds is counted under its own name from its first request, never as
+/// `other` until a restart; a gRPC method by its path; a path entry called with another
+/// method than gRPC's POST, and whole services, as `other`; an entry at a path no request has
+/// (a variant of a route the application selects, as the proxy's keyed `auto` requests) as the
+/// route of the request's own path.
+#[test]
+fn a_route_added_by_a_reload_is_counted_under_its_own_name() {
+    use crate::observe::RPC_SERVER_REQUESTS_TOTAL;
+    use crate::policy::{Idempotency, MethodPolicy};
+    use crate::server::testing::with_metrics;
+
+    let table = |routes: &[&str]| {
+        let other = MethodPolicy::builder("other", Idempotency::Unsafe).build();
+        let named = |name: &str| MethodPolicy::builder(name, Idempotency::Unsafe).build();
+        routes.iter().fold(
+            MethodPolicies::new(other)
+                .method("/pay.v1.Pay/Charge", named("Charge"))
+                .method("keyed /v1/payments", named("PayKeyed"))
+                .service("pay.v1.Refunds", named("Refunds")),
+            |table, route| table.route(Method::POST, route, named(route)),
+        )
+    };
+    let policies = ReloadablePolicies::new(table(&["/v1/payments"])).unwrap();
+    let ((), m) = with_metrics(|| async {
+        #[derive(Clone)]
+        struct Variant;
+        let svc = ServerStack::new("payments", MemoryStore::new())
+            .reloadable_policies(policies.clone())
+            .matched_path_from(|ext| ext.get::<Variant>().map(|_| "keyed /v1/payments"))
+            .into_layer()
+            .layer(service_fn(|_req: Request<ServerStackBody<Body>>| async {
+                Ok::<_, Infallible>(Response::new(Body::from("{}")))
+            }));
+        let send = |method: Method, path: &'static str| {
+            let request = Request::builder().method(method).uri(path);
+            svc.clone().oneshot(request.body(Body::default()).unwrap())
+        };
+        send(Method::POST, "/v1/payments").await.unwrap();
+        send(Method::POST, "/v1/refunds/r_1").await.unwrap();
+        policies
+            .replace(table(&["/v1/payments", "/v1/refunds/{id}"]))
+            .unwrap();
+        send(Method::POST, "/v1/payments").await.unwrap();
+        send(Method::POST, "/v1/refunds/r_2").await.unwrap();
+        send(Method::POST, "/pay.v1.Pay/Charge").await.unwrap();
+        send(Method::GET, "/pay.v1.Pay/Charge").await.unwrap();
+        send(Method::POST, "/pay.v1.Refunds/Refund").await.unwrap();
+        let mut variant = Request::post("/v1/payments").body(Body::default()).unwrap();
+        variant.extensions_mut().insert(Variant);
+        svc.clone().oneshot(variant).await.unwrap();
+    });
+    let count = |label: &str| m.counter(RPC_SERVER_REQUESTS_TOTAL, &[("method", label)]);
+    assert_eq!(count("POST /v1/payments"), 3, "with its variant");
+    assert_eq!(count("POST /v1/refunds/{id}"), 1, "the reloaded route");
+    assert_eq!(count("POST /pay.v1.Pay/Charge"), 1);
+    assert_eq!(count("GET other"), 1);
+    assert_eq!(count("POST other"), 2, "before the reload, and the service");
+}

@@ -2,12 +2,16 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 
-use http::{Extensions, Method};
+use arc_swap::ArcSwapOption;
+use http::{Extensions, Method, Request};
 use metrics::SharedString;
 use tower_layer::Layer;
 
 use super::{Metrics, Route};
+use crate::policy::MethodPolicies;
 use crate::policy::route::{OTHER_LABELS, RoutePattern, other_index};
+use crate::policy::table::Key;
+use crate::server::select::{MatchedPathFn, PolicyLookup, TableSource};
 
 /// Names the route of a request from its method and path: must return one of a small, fixed
 /// set of names (never a value taken from the path).
@@ -40,6 +44,48 @@ pub(super) struct Shared {
     named: RwLock<Vec<Route>>,
     /// Set by [`MetricsLayer::unmatched`]: the one `Route` of every request.
     unmatched: Option<Route>,
+    /// The stack's policy table: a request is labelled by the entry selected for it, from
+    /// the table in effect, so a route a reload adds is counted under its own name.
+    policies: Option<PolicyLookup>,
+    /// The labels of the last table a request was selected from.
+    labels: ArcSwapOption<EntryLabels>,
+}
+
+/// The `Route` of each entry of one policy table that names a route (`None`: the fallback
+/// and whole gRPC services, labelled as if the table had no entry for them).
+struct EntryLabels {
+    /// Held, so that another table cannot take its address while these labels are kept.
+    table: Arc<MethodPolicies>,
+    routes: Box<[Option<(Method, Route)>]>,
+}
+
+impl EntryLabels {
+    /// The labels of `table`'s entries, keeping the `Route` (and its resolved metric
+    /// handles) of every label `previous` already had.
+    fn new(table: Arc<MethodPolicies>, service: &SharedString, previous: Option<&Self>) -> Self {
+        let kept = |label: &str| {
+            previous?
+                .routes
+                .iter()
+                .flatten()
+                .find(|(_, route)| route.method() == label)
+                .map(|(_, route)| route.clone())
+        };
+        let routes = (0..table.len())
+            .map(|index| {
+                // A gRPC method (or an HTTP path) is called with POST.
+                let (method, label) = match table.key_at(index) {
+                    Key::Path(path) => (Method::POST, format!("POST {path}")),
+                    key @ Key::Route(method, _) => (method.clone(), key.to_string()),
+                    Key::Fallback | Key::Service(_) => return None,
+                };
+                let route = kept(&label)
+                    .unwrap_or_else(|| Route::new(service.clone(), Arc::<str>::from(label)));
+                Some((method, route))
+            })
+            .collect();
+        Self { table, routes }
+    }
 }
 
 /// The `method` label of the requests no route of the server matched (see
@@ -56,6 +102,8 @@ impl Clone for Shared {
             peer_fn: self.peer_fn,
             named: RwLock::default(),
             unmatched: self.unmatched.clone(),
+            policies: self.policies.clone(),
+            labels: ArcSwapOption::empty(),
         }
     }
 }
@@ -101,6 +149,8 @@ impl MetricsLayer {
                 peer_fn: None,
                 named: RwLock::default(),
                 unmatched: None,
+                policies: None,
+                labels: ArcSwapOption::empty(),
             }),
         }
     }
@@ -144,6 +194,17 @@ impl MetricsLayer {
         self
     }
 
+    /// Labels a request by its entry in `source`, the table the stack selects each request's
+    /// policy from: routes and gRPC methods by their own names, whatever table is in effect.
+    pub(crate) fn policies_shared(
+        mut self,
+        source: TableSource,
+        matched_path: Option<MatchedPathFn>,
+    ) -> Self {
+        Arc::make_mut(&mut self.shared).policies = Some(PolicyLookup::new(source, matched_path));
+        self
+    }
+
     /// The `service` label.
     pub fn service(&self) -> &str {
         &self.shared.service
@@ -155,19 +216,51 @@ impl MetricsLayer {
 }
 
 impl Shared {
-    /// The `Route` of a request: the first declared pattern it matches, else the route
-    /// function's name for it, else `"<METHOD> other"`.
-    pub(super) fn route_of(&self, method: &Method, path: &str) -> Route {
+    /// The `Route` of a request: the first declared pattern it matches, else the entry of the
+    /// stack's policy table selected for it, else the route function's name for it, else
+    /// `"<METHOD> other"`.
+    pub(super) fn route_of<B>(&self, request: &mut Request<B>) -> Route {
         if let Some(route) = &self.unmatched {
             return route.clone();
         }
+        let (method, path) = (request.method(), request.uri().path());
         if let Some((_, route)) = self.routes.iter().find(|(p, _)| p.matches(method, path)) {
             return route.clone();
         }
+        if let Some(route) = self.policy_route(request) {
+            return route;
+        }
+        let (method, path) = (request.method(), request.uri().path());
         if let Some(name) = self.route_fn.as_ref().and_then(|f| f(method, path)) {
             return self.named(name);
         }
         self.others[other_index(method)].clone()
+    }
+
+    /// The `Route` of the policy entry selected for `request`, when that entry names a route
+    /// of the request's method.
+    fn policy_route<B>(&self, request: &mut Request<B>) -> Option<Route> {
+        let (table, mut index) = self.policies.as_ref()?.select_entry(request);
+        if let Key::Path(path) = table.key_at(index)
+            && !path.starts_with('/')
+        {
+            // An entry at a path no request has, which the application selected by naming it
+            // as the matched path (a variant of a route, such as the proxy's keyed `auto`
+            // requests): labelled as the route the request's own path is.
+            index = table.select(request.method(), request.uri().path());
+        }
+        let labels = match self.labels.load_full() {
+            Some(labels) if Arc::ptr_eq(&labels.table, &table) => labels,
+            // A table not seen before (the first request, or a reload): its labels are made
+            // once and kept until the next one.
+            previous => {
+                let labels = Arc::new(EntryLabels::new(table, &self.service, previous.as_deref()));
+                self.labels.store(Some(labels.clone()));
+                labels
+            }
+        };
+        let (method, route) = labels.routes.get(index)?.as_ref()?;
+        (method == request.method()).then(|| route.clone())
     }
 
     /// The kept `Route` of a name given by the route function, kept on first sight.

@@ -25,7 +25,10 @@
 //! The `method` label is a route name such as `POST /v1/payments`, never the raw path: paths
 //! carry ids and keys, and a label per id would grow the metric set without bound. Routes are
 //! declared with [`MetricsLayer::route`] (`{param}` matches one segment) or named by a function
-//! ([`MetricsLayer::route_name`]); anything else is labelled `"<METHOD> other"`. A router's
+//! ([`MetricsLayer::route_name`]); in a [`ServerStack`](crate::server::ServerStack) with
+//! policies, a request is named by the entry of the table selected for it (once, by the
+//! deadline layer), from the table in effect, so a route a reload adds is counted under its own
+//! name at once. Anything else is labelled `"<METHOD> other"`. A router's
 //! fallback (no route matched: 404, 405) goes under [`MetricsLayer::unmatched`], labelled
 //! `"unmatched"`.
 //!
@@ -320,7 +323,7 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
-        let route = self.shared.route_of(request.method(), request.uri().path());
+        let route = self.shared.route_of(&mut request);
         let deadline = request.extensions().get::<Deadline>().copied();
         let record = future::Record::start(route.clone(), deadline, &request, self.shared.peer_fn);
         request.extensions_mut().insert(route);
