@@ -193,11 +193,9 @@ enum Backend {
 }
 
 impl Intents {
-    /// Runs the `payment_intent` migrations on `db` (once per database) and returns the handle.
+    /// Runs the `payment_intent` migration on `db` (once per database) and returns the handle.
     pub async fn open(db: Db) -> Result<Self, DbError> {
         db.migrate(sqlite::MIGRATION_NAME, sqlite::MIGRATION_SQL)
-            .await?;
-        db.migrate(sqlite::MIGRATION_V2_NAME, sqlite::MIGRATION_V2_SQL)
             .await?;
         Ok(Intents {
             backend: Backend::Sqlite(db),

@@ -28,11 +28,12 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use super::{
-    Created, Intent, IntentStatus, IntentsError, NewIntent, RunningStats,
-    sqlite::{MIGRATION_NAME, MIGRATION_V2_NAME},
+    Created, Intent, IntentStatus, IntentsError, NewIntent, RunningStats, sqlite::MIGRATION_NAME,
 };
 
-/// Schema of `payment_intent` on PostgreSQL.
+/// Schema of `payment_intent` on PostgreSQL: as on SQLite, the business key binds live
+/// intents only (a `failed` intent frees its order), and running intents are indexed by age
+/// for the resolver.
 pub const MIGRATION_SQL: &str = "
 CREATE TABLE payment_intent (
   intent_id     TEXT   PRIMARY KEY,
@@ -46,20 +47,12 @@ CREATE TABLE payment_intent (
   psp_charge_id TEXT,
   created_at    BIGINT NOT NULL,
   currency      TEXT   NOT NULL DEFAULT 'USD',
-  UNIQUE (merchant_id, order_id),
   UNIQUE (merchant_id, request_key)
 );
 CREATE UNIQUE INDEX idx_effect_key ON payment_intent (merchant_id, effect_key);
-";
-
-/// Second migration: the business key binds live intents only (a `failed` intent frees its
-/// order), and running intents are indexed by age for the resolver.
-pub const MIGRATION_V2_SQL: &str = "
-ALTER TABLE payment_intent DROP CONSTRAINT IF EXISTS payment_intent_merchant_id_order_id_key;
-CREATE UNIQUE INDEX IF NOT EXISTS idx_live_order ON payment_intent (merchant_id, order_id)
+CREATE UNIQUE INDEX idx_live_order ON payment_intent (merchant_id, order_id)
   WHERE status <> 'failed';
-CREATE INDEX IF NOT EXISTS idx_running_age ON payment_intent (created_at)
-  WHERE status = 'running';
+CREATE INDEX idx_running_age ON payment_intent (created_at) WHERE status = 'running';
 ";
 
 const COLUMNS: &str = "intent_id, merchant_id, order_id, amount_cents, currency, request_key, \
@@ -223,7 +216,6 @@ static FAIL_SQL: LazyLock<String> = LazyLock::new(|| {
 impl PgIntents {
     pub(crate) async fn open(pool: Pool, timeout: Duration) -> Result<PgIntents, PgError> {
         migrate(&pool, MIGRATION_NAME, MIGRATION_SQL).await?;
-        migrate(&pool, MIGRATION_V2_NAME, MIGRATION_V2_SQL).await?;
         Ok(PgIntents { pool, timeout })
     }
 

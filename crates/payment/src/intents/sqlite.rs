@@ -12,40 +12,8 @@ use super::{Created, Intent, IntentStatus, NewIntent, RunningStats};
 /// Migration name registered with the shared database.
 pub const MIGRATION_NAME: &str = "payment_intent_v1";
 
-/// Name of the second migration ([`MIGRATION_V2_SQL`]).
-pub const MIGRATION_V2_NAME: &str = "payment_intent_v2_live_order";
-
-/// Second migration: the business key binds live intents only (a `failed` intent frees its
-/// order), and running intents are indexed by age for the resolver. SQLite cannot drop a
-/// table constraint, so the table is rebuilt (once, in the migration's transaction).
-pub const MIGRATION_V2_SQL: &str = "
-CREATE TABLE payment_intent_v2 (
-  intent_id     TEXT PRIMARY KEY,
-  merchant_id   TEXT    NOT NULL,
-  order_id      TEXT    NOT NULL,
-  amount_cents  INTEGER NOT NULL,
-  request_key   TEXT    NOT NULL,
-  fingerprint   TEXT    NOT NULL,
-  effect_key    TEXT    NOT NULL,
-  status        TEXT    NOT NULL CHECK (status IN ('running','succeeded','failed')),
-  psp_charge_id TEXT,
-  created_at    INTEGER NOT NULL,
-  currency      TEXT    NOT NULL DEFAULT 'USD',
-  UNIQUE (merchant_id, request_key)
-);
-INSERT INTO payment_intent_v2 (intent_id, merchant_id, order_id, amount_cents, request_key,
-  fingerprint, effect_key, status, psp_charge_id, created_at, currency)
-  SELECT intent_id, merchant_id, order_id, amount_cents, request_key, fingerprint, effect_key,
-  status, psp_charge_id, created_at, currency FROM payment_intent;
-DROP TABLE payment_intent;
-ALTER TABLE payment_intent_v2 RENAME TO payment_intent;
-CREATE UNIQUE INDEX idx_effect_key ON payment_intent (merchant_id, effect_key);
-CREATE UNIQUE INDEX idx_live_order ON payment_intent (merchant_id, order_id)
-  WHERE status <> 'failed';
-CREATE INDEX idx_running_age ON payment_intent (created_at) WHERE status = 'running';
-";
-
-/// Schema of `payment_intent`: three keys, three unique constraints, plus `currency`.
+/// Schema of `payment_intent`: three keys. The business key binds live intents only (a
+/// `failed` intent frees its order), and running intents are indexed by age for the resolver.
 pub const MIGRATION_SQL: &str = "
 CREATE TABLE IF NOT EXISTS payment_intent (
   intent_id     TEXT PRIMARY KEY,
@@ -59,10 +27,12 @@ CREATE TABLE IF NOT EXISTS payment_intent (
   psp_charge_id TEXT,
   created_at    INTEGER NOT NULL,
   currency      TEXT    NOT NULL DEFAULT 'USD',
-  UNIQUE (merchant_id, order_id),
   UNIQUE (merchant_id, request_key)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS idx_effect_key ON payment_intent (merchant_id, effect_key);
+CREATE UNIQUE INDEX IF NOT EXISTS idx_live_order ON payment_intent (merchant_id, order_id)
+  WHERE status <> 'failed';
+CREATE INDEX IF NOT EXISTS idx_running_age ON payment_intent (created_at) WHERE status = 'running';
 ";
 
 const COLUMNS: &str = "intent_id, merchant_id, order_id, amount_cents, currency, request_key, \
@@ -322,7 +292,6 @@ mod tests {
     fn db() -> Connection {
         let conn = Connection::open_in_memory().unwrap();
         conn.execute_batch(MIGRATION_SQL).unwrap();
-        conn.execute_batch(MIGRATION_V2_SQL).unwrap();
         conn
     }
 
@@ -453,14 +422,10 @@ mod tests {
     }
 
     #[test]
-    fn v2_migration_keeps_existing_rows() {
-        let c = Connection::open_in_memory().unwrap();
-        c.execute_batch(MIGRATION_SQL).unwrap();
+    fn a_live_intent_holds_its_order() {
+        let c = db();
         insert(&c, &new("i1", "m", "o1", "k1", "f")).unwrap();
         assert!(mark_succeeded(&c, "m", "i1", "ch_1").unwrap());
-        c.execute_batch(MIGRATION_V2_SQL).unwrap();
-        let i = get(&c, "m", "i1").unwrap().unwrap();
-        assert_eq!(i.psp_charge_id.as_deref(), Some("ch_1"));
         assert!(matches!(
             insert(&c, &new("i2", "m", "o1", "k2", "f")).unwrap(),
             Created::OrderConflict(_)

@@ -9,6 +9,8 @@ CREATE TABLE idempotency_key (
   response_headers TEXT,              -- JSON [[name, value], ...]
   created_at       BIGINT  NOT NULL,
   expires_at       BIGINT  NOT NULL,
+  phase            TEXT,              -- recovery point: the last phase committed
+  phase_data       BYTEA,             -- and what it recorded
   PRIMARY KEY (scope, key)
 );
 

@@ -92,15 +92,9 @@ use crate::deadline::Deadline;
 /// Name under which [`MIGRATION`] is recorded by [`migrate`].
 pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
 
-/// The `idempotency_key` table and its expiry index.
+/// The `idempotency_key` table (with each record's recovery point: the last phase its handler
+/// committed and what it recorded) and its expiry index.
 pub const MIGRATION: &str = include_str!("migration_v1.sql");
-
-/// Name under which [`MIGRATION_V2`] is recorded.
-pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2_phases";
-
-/// The recovery point of a record: the last phase its handler committed and what it recorded.
-pub const MIGRATION_V2: &str = "ALTER TABLE idempotency_key \
-ADD COLUMN IF NOT EXISTS phase TEXT, ADD COLUMN IF NOT EXISTS phase_data BYTEA;";
 
 /// The writes a phase commits with a [`PostgresStore`] record: a closure given the pooled
 /// connection inside the record's transaction (after the lease was checked). An error rolls
@@ -198,7 +192,6 @@ impl PostgresStore {
     /// migration and starts the writers.
     pub async fn new(pool: Pool, options: PostgresOptions) -> Result<PostgresStore, StoreError> {
         migrate(&pool, MIGRATION_NAME, MIGRATION).await?;
-        migrate(&pool, MIGRATION_V2_NAME, MIGRATION_V2).await?;
         let max_batch = if options.group_commit {
             options.max_batch
         } else {

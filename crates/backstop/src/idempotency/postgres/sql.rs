@@ -177,12 +177,11 @@ mod tests {
         let client = connect("public").await;
         client
             .batch_execute(&format!(
-                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} {} \
+                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} \
                  INSERT INTO idempotency_key \
                    (scope, key, fingerprint, status, lease_until, created_at, expires_at) \
                  VALUES ('s', 'k', 'f', 'running', 10000, 1000, 999999);",
                 super::super::MIGRATION,
-                super::super::MIGRATION_V2
             ))
             .await
             .expect("create table");
@@ -347,9 +346,8 @@ mod tests {
         );
         client
             .batch_execute(&format!(
-                "CREATE SCHEMA {schema}; SET search_path = {schema}; {} {}",
+                "CREATE SCHEMA {schema}; SET search_path = {schema}; {}",
                 super::super::MIGRATION,
-                super::super::MIGRATION_V2
             ))
             .await
             .expect("create table");

@@ -1,8 +1,9 @@
-//! Exhaustive check of the windowed idempotency store's design (stateright), before its code.
+//! Exhaustive check of the windowed idempotency store's design (stateright).
 //!
-//! Today every record lives in one table whose key index grows with the number of live
-//! records. The windowed design puts records in **time windows** and expires whole windows by
-//! dropping them. This model is that design, rule by rule:
+//! The SQLite store puts records in **time windows** and expires whole windows by dropping
+//! them, so no key index grows with the number of live records (the PostgreSQL store keeps one
+//! table: the README says why). This model is that design, rule by rule (the PostgreSQL
+//! variants of a rule are the ones a windowed PostgreSQL store would need):
 //!
 //! - **One clock for placement.** The store's own clock (the SQLite process; PostgreSQL's
 //!   `clock_timestamp()` on the server) chooses the window: window index = floor(t / W).
@@ -32,8 +33,8 @@
 //!   `a_completion_after_its_lease_lands_between_the_check_and_the_detach`.)
 //! - **Drop.** A sweeper drops a sealed window when every record in it has
 //!   `expires_at < now` and none runs under a live lease. It reads that (the real store reads
-//!   max(expires_at) through the expiry index) and detaches the window later (drops the table,
-//!   detaches then drops the partition); anything may happen in between, and the detach waits
+//!   max(expires_at) through the expiry index) and detaches the window later (drops the table);
+//!   anything may happen in between, and the detach waits
 //!   for claim transactions that read the window. The detach is atomic: after it, probes no
 //!   longer see the window.
 //! - **Crashes.** An instance may crash: its claim transaction in flight aborts (nothing of it

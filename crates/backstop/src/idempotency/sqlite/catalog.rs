@@ -1,6 +1,5 @@
-//! Which tables hold records: the window tables and, in a store upgraded from the single-table
-//! layout, the `idempotency_key` table it kept. An immutable snapshot, swapped on change, so a
-//! claim reads it without holding a lock while it queries.
+//! Which tables hold records: the window tables. An immutable snapshot, swapped on change, so
+//! a claim reads it without holding a lock while it queries.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -9,18 +8,13 @@ use rusqlite::Connection;
 
 use crate::idempotency::window::{HighWater, Summary, TABLE_PREFIX, Window};
 
-/// The table of the single-table layout (migrations v1 and v2), kept after an upgrade as a
-/// sealed window until its records have expired.
-pub(super) const LEGACY_TABLE: &str = "idempotency_key";
-
 /// Keys a window's summary is sized for when its class has no summarised window yet.
 const DEFAULT_EXPECTED_KEYS: usize = 1_000_000;
 
 /// One table holding records, with its statements written out once.
 #[derive(Debug, Clone)]
 pub(super) struct Table {
-    /// `None`: the legacy table.
-    pub(super) window: Option<Window>,
+    pub(super) window: Window,
     pub(super) name: String,
     /// Set once the table is sealed and summarised.
     pub(super) summary: Option<Arc<Summary>>,
@@ -31,7 +25,7 @@ pub(super) struct Table {
 }
 
 impl Table {
-    fn new(name: String, window: Option<Window>) -> Table {
+    fn new(name: String, window: Window) -> Table {
         Table {
             sql: Arc::new(TableSql::new(&name)),
             name,
@@ -61,7 +55,7 @@ impl Table {
 
     /// Whether nothing is inserted into it any more at the store's time `high_water_ms`.
     pub(super) fn sealed_at(&self, high_water_ms: i64) -> bool {
-        self.window.is_none_or(|w| w.sealed_at(high_water_ms))
+        self.window.sealed_at(high_water_ms)
     }
 }
 
@@ -144,7 +138,7 @@ impl TableSql {
     }
 }
 
-/// The DDL of a window's table: the legacy table's columns, key and expiry index.
+/// The DDL of a window's table: its columns, key and expiry index.
 pub(super) fn create_sql(window: Window) -> String {
     let t = window.table_name();
     format!(
@@ -167,7 +161,7 @@ CREATE INDEX IF NOT EXISTS {t}_expires ON {t} (expires_at);"
     )
 }
 
-/// The tables holding records, newest window first, the legacy table last.
+/// The tables holding records, newest window first.
 #[derive(Debug, Default)]
 pub(super) struct Catalog {
     pub(super) tables: Vec<Table>,
@@ -177,24 +171,16 @@ impl Catalog {
     /// Reads which record tables the database has.
     pub(super) fn load(conn: &Connection) -> rusqlite::Result<Catalog> {
         let mut stmt = conn.prepare(
-            "SELECT name FROM sqlite_master WHERE type = 'table' \
-             AND (name = ?1 OR substr(name, 1, ?3) = ?2)",
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND substr(name, 1, ?2) = ?1",
         )?;
         let names = stmt
-            .query_map(
-                rusqlite::params![LEGACY_TABLE, TABLE_PREFIX, TABLE_PREFIX.len()],
-                |r| r.get::<_, String>(0),
-            )?
+            .query_map(rusqlite::params![TABLE_PREFIX, TABLE_PREFIX.len()], |r| {
+                r.get::<_, String>(0)
+            })?
             .collect::<rusqlite::Result<Vec<_>>>()?;
         let mut tables: Vec<Table> = names
             .into_iter()
-            .filter_map(|name| {
-                if name == LEGACY_TABLE {
-                    Some(Table::new(name, None))
-                } else {
-                    Window::from_table_name(&name).map(|w| Table::new(name, Some(w)))
-                }
-            })
+            .filter_map(|name| Window::from_table_name(&name).map(|w| Table::new(name, w)))
             .collect();
         sort(&mut tables);
         Ok(Catalog { tables })
@@ -202,13 +188,14 @@ impl Catalog {
 
     /// The table of `window`, if it exists.
     pub(super) fn find(&self, window: Window) -> Option<&Table> {
-        self.tables.iter().find(|t| t.window == Some(window))
+        self.tables.iter().find(|t| t.window == window)
     }
 }
 
-/// Newest window first (by end, then class), the legacy table last.
+/// Newest window first (by end, then class).
 fn sort(tables: &mut [Table]) {
-    tables.sort_by_key(|t| std::cmp::Reverse(t.window.map(|w| (w.end_ms(), w.class_ms, w.index))));
+    tables
+        .sort_by_key(|t| std::cmp::Reverse((t.window.end_ms(), t.window.class_ms, t.window.index)));
 }
 
 /// The catalog shared by a store's clones, and the store's time.
@@ -247,13 +234,13 @@ impl Tables {
         self.change(|c| {
             let mut tables = c.tables.to_vec();
             if c.find(window).is_none() {
-                let mut table = Table::new(window.table_name(), Some(window));
+                let mut table = Table::new(window.table_name(), window);
                 if empty {
                     // Sized like the class's last summarised window, with room to grow.
                     let expected = c
                         .tables
                         .iter()
-                        .filter(|t| t.window.is_some_and(|w| w.class_ms == window.class_ms))
+                        .filter(|t| t.window.class_ms == window.class_ms)
                         .find_map(|t| t.summary.as_ref().map(|s| s.keys() + s.keys() / 2))
                         .unwrap_or(DEFAULT_EXPECTED_KEYS)
                         .max(DEFAULT_EXPECTED_KEYS / 10);
@@ -278,7 +265,7 @@ impl Tables {
     }
 
     /// Puts back a table whose drop rolled back.
-    pub(super) fn restore(&self, name: &str, window: Option<Window>) {
+    pub(super) fn restore(&self, name: &str, window: Window) {
         self.change(|c| {
             let mut tables = c.tables.to_vec();
             if !c.tables.iter().any(|t| t.name == name) {

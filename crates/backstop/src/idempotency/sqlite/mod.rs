@@ -20,15 +20,9 @@
 //! of deleting them one by one at random places of a large index. Uniqueness across windows
 //! needs no lock of its own: the single writer decides every claim in turn.
 //!
-//! Each window table has the columns and indexes the single table had:
-//!
-//! ```sql
-#![doc = include_str!("migration_v1.sql")]
-//! ```
-//!
-//! (with the phase columns of [`MIGRATION_V2`]). A database written by an earlier release keeps
-//! its `idempotency_key` table as a sealed window: claims still find its records, a takeover
-//! moves them out, expiry deletes them record by record, and the table is dropped once empty.
+//! Each window table holds a record per `(scope, key)` with its fingerprint, status, lease
+//! (the fencing token), stored answer, expiry and recovery point (the last phase committed),
+//! and an index on expiry.
 //!
 //! ```
 //! use std::time::Duration;
@@ -72,24 +66,10 @@ mod catalog;
 mod records;
 mod upkeep;
 
-use catalog::{Catalog, LEGACY_TABLE, Tables};
+use catalog::{Catalog, Tables};
 use records::{
     ClaimJob, Found, corrupt, existing_columns, fenced, headers_json, point_columns, response_from,
 };
-
-/// Name under which [`MIGRATION`] was recorded by the single-table layout.
-pub const MIGRATION_NAME: &str = "backstop_idempotency_key_v1";
-
-/// The single-table layout's `idempotency_key` table and its expiry index: the columns every
-/// window table has.
-pub const MIGRATION: &str = include_str!("migration_v1.sql");
-
-/// Name under which [`MIGRATION_V2`] is recorded.
-pub const MIGRATION_V2_NAME: &str = "backstop_idempotency_key_v2_phases";
-
-/// The recovery point of a record: the last phase its handler committed and what it recorded.
-pub const MIGRATION_V2: &str = "ALTER TABLE idempotency_key ADD COLUMN phase TEXT; \
-ALTER TABLE idempotency_key ADD COLUMN phase_data BLOB;";
 
 /// The writes a phase commits with a [`SqliteStore`] record: a closure run on the writer's
 /// connection inside the record's transaction (after the lease was checked). An error rolls
@@ -148,22 +128,9 @@ impl SqliteStore {
         SqliteStore::new(Db::open(path, options)?).await
     }
 
-    /// A store on an existing [`Db`] (shared with the application). A database written by the
-    /// single-table layout gets its phase columns if it lacks them, and keeps its table as a
-    /// sealed window; a new one has no table until the first claim creates its window.
+    /// A store on an existing [`Db`] (shared with the application). A new database has no
+    /// table until the first claim creates its window.
     pub async fn new(db: Db) -> Result<SqliteStore, StoreError> {
-        let legacy = db
-            .read(|c| {
-                c.query_row(
-                    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
-                    [LEGACY_TABLE],
-                    |r| r.get::<_, bool>(0),
-                )
-            })
-            .await?;
-        if legacy {
-            db.migrate(MIGRATION_V2_NAME, MIGRATION_V2).await?;
-        }
         let catalog = db.write(Catalog::load).await?;
         Ok(SqliteStore {
             db,
@@ -182,9 +149,8 @@ impl SqliteStore {
     }
 }
 
-/// How many idempotency records the database on `conn` holds, in every window (and in the
-/// single-table layout's table, if it is still there): for tests and tools reading the file
-/// directly.
+/// How many idempotency records the database on `conn` holds, in every window: for tests and
+/// tools reading the file directly.
 pub fn count_records(conn: &rusqlite::Connection) -> rusqlite::Result<u64> {
     let catalog = Catalog::load(conn)?;
     let mut total = 0u64;
@@ -521,8 +487,9 @@ impl Store for SqliteStore {
         Ok(usize::try_from(deleted).unwrap_or(0))
     }
 
-    async fn expire(&self, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
-        upkeep::expire(self, now_ms, limit).await
+    /// Drops whole windows: `_limit` bounds nothing, a window goes in one statement.
+    async fn expire(&self, now_ms: i64, _limit: usize) -> Result<usize, StoreError> {
+        upkeep::expire(self, now_ms).await
     }
 }
 

@@ -153,7 +153,7 @@ pub(super) fn decide(
     };
     // At most one table holds the key: every claim looked in all of them before inserting.
     for table in &catalog.tables {
-        if table.window == Some(window) || !table.may_hold(&job.scope, &job.key) {
+        if table.window == window || !table.may_hold(&job.scope, &job.key) {
             continue;
         }
         if let Some(existing) = select(conn, &table.sql, job)? {

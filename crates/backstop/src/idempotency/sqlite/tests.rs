@@ -324,73 +324,7 @@ async fn expiry_drops_whole_windows() {
     claim_at(store, "done0", T0 + DAY + HOUR + 3, ttl).await;
 }
 
-/// A store written by the single-table layout opens in place: its records are found, replayed
 /// and taken over (moved out), and expire record by record until the old table goes.
-#[tokio::test]
-async fn a_single_table_store_upgrades_in_place() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("idem.db");
-    {
-        // The earlier release's schema and rows, as it wrote them.
-        let db = Db::open(&path, SqliteOptions::default()).unwrap();
-        db.migrate(MIGRATION_NAME, MIGRATION).await.unwrap();
-        db.write(|c| {
-            c.execute_batch(
-                "INSERT INTO idempotency_key (scope, key, fingerprint, status, lease_until, \
-                 http_status, response_body, response_headers, created_at, expires_at) VALUES \
-                 ('s', 'done', '3082170e7fc392d4aea915a73dafcce8f29af3adbcfacdba42370e4b52167505', \
-                  'succeeded', 1700002805000, 201, CAST('{\"ok\":true}' AS BLOB), \
-                  '[[\"content-type\",\"application/json\"]]', 1700002800000, 1700089200000), \
-                 ('s', 'failed', '3082170e7fc392d4aea915a73dafcce8f29af3adbcfacdba42370e4b52167505', \
-                  'failed', 1700002805000, NULL, NULL, NULL, 1700002800000, 1700089200000);",
-            )
-        })
-        .await
-        .unwrap();
-    }
-    assert_eq!(
-        Fingerprint::of_bytes("M", b"x").to_hex(),
-        "3082170e7fc392d4aea915a73dafcce8f29af3adbcfacdba42370e4b52167505",
-        "the rows above carry request()'s fingerprint"
-    );
-    let store = SqliteStore::open(&path, SqliteOptions::default())
-        .await
-        .unwrap();
-    let done = store
-        .get("s", &IdempotencyKey::new("done").unwrap())
-        .await
-        .unwrap();
-    assert_eq!(done.expect("kept").response, Some(created()));
-    assert_eq!(
-        store
-            .claim(request("done", T0 + HOUR, DAY as u64))
-            .await
-            .unwrap(),
-        Claim::Replay(created())
-    );
-    // A failed record is taken over: it moves to a window.
-    let lease = claim_at(&store, "failed", T0 + HOUR, DAY as u64).await;
-    assert_eq!(lease.created_at_ms, T0);
-    assert_eq!(
-        tables_of(&store).await,
-        [
-            ("idempotency_key".to_owned(), 1),
-            (day_window(T0 + HOUR), 1)
-        ]
-    );
-    // The old table is swept record by record, then dropped.
-    assert_eq!(store.expire(T0 + HOUR + 1, 100).await.unwrap(), 0);
-    assert_eq!(store.expire(T0 + DAY + 1, 100).await.unwrap(), 1);
-    assert_eq!(tables_of(&store).await, [(day_window(T0 + HOUR), 1)]);
-    drop(store);
-    // Reopened: still the windowed layout, nothing lost.
-    let store = SqliteStore::open(&path, SqliteOptions::default())
-        .await
-        .unwrap();
-    let record = store.get("s", &lease.key).await.unwrap().expect("record");
-    assert_eq!(record.status, RecordStatus::Running);
-}
-
 #[tokio::test]
 async fn corrupt_rows_are_typed_errors() {
     let guard = store().await;

@@ -9,10 +9,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
-use rusqlite::{Connection, params};
+use rusqlite::Connection;
 
 use super::SqliteStore;
-use super::catalog::{LEGACY_TABLE, Table, create_sql};
+use super::catalog::{Table, create_sql};
 use crate::idempotency::StoreError;
 use crate::idempotency::window::{Summary, Window};
 
@@ -86,7 +86,7 @@ impl SqliteStore {
         let next: Vec<Window> = catalog
             .tables
             .iter()
-            .filter_map(|t| t.window)
+            .map(|t| t.window)
             .filter(|w| {
                 !w.sealed_at(sealed_by)
                     && sealed_by >= w.end_ms() - w.width_ms() / 4
@@ -158,25 +158,17 @@ fn summarise(conn: &Connection, table: &str) -> rusqlite::Result<Summary> {
 }
 
 /// [`Store::expire`](crate::idempotency::Store::expire) for [`SqliteStore`]: upkeep, then every
-/// sealed window whose records may all be swept dropped whole, then the legacy table swept
-/// record by record (at most `limit`) and dropped once empty.
-pub(super) async fn expire(
-    store: &SqliteStore,
-    now_ms: i64,
-    limit: usize,
-) -> Result<usize, StoreError> {
+/// sealed window whose records may all be swept dropped whole.
+pub(super) async fn expire(store: &SqliteStore, now_ms: i64) -> Result<usize, StoreError> {
     let sealed_by = store.upkeep(now_ms).await?;
     let mut total = 0;
     let catalog = store.tables.snapshot();
     for table in catalog
         .tables
         .iter()
-        .filter(|t| t.window.is_some_and(|w| w.sealed_at(sealed_by)))
+        .filter(|t| t.window.sealed_at(sealed_by))
     {
         total += drop_if_expired(store, table, now_ms).await?;
-    }
-    if catalog.tables.iter().any(|t| t.window.is_none()) {
-        total += sweep_legacy(store, now_ms, limit).await?;
     }
     Ok(total)
 }
@@ -259,49 +251,6 @@ async fn drop_if_expired(
         Err(e) => {
             // The transaction rolled back: the table is still there.
             store.tables.restore(&table.name, table.window);
-            Err(e.into())
-        }
-    }
-}
-
-/// Sweeps the single-table layout's table record by record; drops it once empty.
-async fn sweep_legacy(store: &SqliteStore, now_ms: i64, limit: usize) -> Result<usize, StoreError> {
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let tables = Arc::clone(&store.tables);
-    let outcome = store
-        .db
-        .write(move |conn| {
-            let deleted = conn
-                .prepare_cached(&format!(
-                    "DELETE FROM {LEGACY_TABLE} WHERE rowid IN (SELECT rowid FROM {LEGACY_TABLE} \
-                     WHERE expires_at <= ?1 AND NOT (status = 'running' AND lease_until > ?1) \
-                     LIMIT ?2)"
-                ))?
-                .execute(params![now_ms, limit])?;
-            let empty: bool = conn.query_row(
-                &format!("SELECT NOT EXISTS (SELECT 1 FROM {LEGACY_TABLE})"),
-                [],
-                |r| r.get(0),
-            )?;
-            if empty {
-                tables.remove(LEGACY_TABLE);
-                if let Err(e) = conn.execute_batch(&format!("DROP TABLE {LEGACY_TABLE}")) {
-                    tables.restore(LEGACY_TABLE, None);
-                    return Err(e);
-                }
-            }
-            Ok((deleted, empty))
-        })
-        .await;
-    match outcome {
-        Ok((deleted, empty)) => {
-            if empty {
-                tracing::info!("idempotency store: the single-table layout's last records expired");
-            }
-            Ok(deleted)
-        }
-        Err(e) => {
-            store.tables.restore(LEGACY_TABLE, None);
             Err(e.into())
         }
     }
