@@ -48,9 +48,24 @@ pub type HttpClient<B> = Client<HttpConnector, B>;
 /// Requests queued for the balancer before callers wait.
 pub const DEFAULT_BUFFER: usize = 1024;
 
-/// A pooled client with `TCP_NODELAY`, idle connections kept 90 s; HTTP/2 only when
-/// `http2_only` (gRPC), else HTTP/1.1.
+/// How long [`pooled`] keeps an idle connection.
+pub const DEFAULT_POOL_IDLE: Duration = Duration::from_secs(90);
+
+/// A pooled client with `TCP_NODELAY`, a 5 s connect timeout, idle connections kept
+/// [`DEFAULT_POOL_IDLE`]; HTTP/2 only when `http2_only` (gRPC), else HTTP/1.1.
 pub fn pooled<B>(http2_only: bool) -> HttpClient<B>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    pooled_idle(http2_only, DEFAULT_POOL_IDLE)
+}
+
+/// [`pooled`], keeping idle connections `idle`. Keep it shorter than the peer keeps them: a
+/// request written on a connection the peer is closing is lost without an answer, and a
+/// keyed request's outcome is then unknown although the peer never read it.
+pub fn pooled_idle<B>(http2_only: bool, idle: Duration) -> HttpClient<B>
 where
     B: Body + Send + 'static,
     B::Data: Send,
@@ -60,7 +75,7 @@ where
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_secs(5)));
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_idle_timeout(idle)
         .http2_only(http2_only)
         .build(connector)
 }

@@ -318,21 +318,6 @@ pub(crate) struct ForwardSettings {
     pub(crate) retry_switch: Option<backstop::retry::RetrySwitch>,
 }
 
-/// A pooled client with the settings of the library's
-/// [`connect::pooled`] (`TCP_NODELAY`, 5 s connect timeout),
-/// but idle connections kept only `idle`: shorter than the upstream keeps them, so that a
-/// request is never written on a connection the upstream is closing. That race would leave a
-/// keyed request's outcome unknown although the upstream never read it.
-fn pooled(http2: bool, idle: Duration) -> connect::HttpClient<UpstreamBody> {
-    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(5)));
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(idle)
-        .http2_only(http2)
-        .build(connector)
-}
-
 impl<St: ProxyStore> Forwarder<St> {
     /// A forwarder balancing over `upstreams` (each `http://HOST:PORT`) through the library's
     /// client stack. Call it inside the runtime: the balancers' workers are spawned on it.
@@ -344,7 +329,11 @@ impl<St: ProxyStore> Forwarder<St> {
         let breakers = endpoints::breakers(upstreams, settings.endpoint_breaker)
             .map_err(super::server::ProxyError::Breaker)?;
         let balanced = |http2: bool| -> Upstream {
-            endpoints::balanced(pooled(http2, settings.idle_timeout), upstreams, &breakers)
+            endpoints::balanced(
+                connect::pooled_idle(http2, settings.idle_timeout),
+                upstreams,
+                &breakers,
+            )
         };
         let destination = Destination::new(UPSTREAM_DESTINATION)
             .margin_floor(settings.margin)
