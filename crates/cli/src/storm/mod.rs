@@ -2,11 +2,20 @@
 //!
 //! `backstop storm sim` reproduces retry storms, overload and recovery in a deterministic
 //! discrete-event simulation whose clients and server admission are the library's own policy
-//! types, so a policy is judged by the code that ships.
+//! types, so a policy is judged by the code that ships; `backstop storm run` runs the same
+//! scenarios against the real service.
+//!
+//! # Layout
+//! - `kind`: the scenarios, one list for both commands, and which command runs which.
+//! - `scenario`: the simulated scenarios' models and variants (and the mirrors of the live
+//!   ones); `claims`: the chapter's claims, simulated; `engine`: the discrete-event engine;
+//!   `series`, `dist`, `output`: its rows, draws and output.
+//! - `run`: the live runs: their plans, the processes, the figures and the report.
 
 mod claims;
 mod dist;
 mod engine;
+mod kind;
 mod output;
 mod run;
 mod scenario;
@@ -18,7 +27,8 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
-use self::scenario::{Knobs, Scenario, ScenarioKind, ServerLimit};
+use self::kind::ScenarioKind;
+use self::scenario::{Knobs, Scenario, ServerLimit};
 use self::series::{Row, Summary};
 
 /// Flags of `backstop storm`.
@@ -49,7 +59,7 @@ enum StormCommand {
 #[derive(Debug, Clone, Args)]
 pub(crate) struct SimArgs {
     /// The scenario.
-    #[arg(long, value_enum, default_value_t = ScenarioKind::Slowdown)]
+    #[arg(long, value_parser = kind::simulated(), default_value = "slowdown")]
     scenario: ScenarioKind,
     /// Which variant to run: `all`, or one of the scenario's (slowdown: `naive`, `backstop`;
     /// outage-recovery: `naive`, `backstop`, `backstop-no-slow-start`,

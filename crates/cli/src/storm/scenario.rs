@@ -8,67 +8,8 @@ use super::dist::LogNormal;
 use super::engine::{
     ClientConfig, Deadlines, Downstream, LimitKind, Model, Phase, RetryAfter, ServerConfig,
 };
+use super::kind::ScenarioKind;
 use super::series::Focus;
-
-/// Which scenario to simulate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum ScenarioKind {
-    /// A downstream slows from 60 ms to 600 ms mean (p99 1.5 s) for 30 s: capacity falls from
-    /// 5000/s to about 833/s under 2000/s of offered load.
-    Slowdown,
-    /// 1000/s at 250 ms: the concurrency Little's law asks for, and what a limit too small or
-    /// a queue too long does to latency and memory.
-    LittlesLaw,
-    /// The downstream fails for 10 s, then comes back cold (slow) before it is warm again.
-    OutageRecovery,
-    /// Hedging at the p95 of recent latencies against hedging at the p50.
-    Hedging,
-    /// Retry pulses after a synchronized failure: no jitter against full, equal and
-    /// decorrelated jitter on the same outage (100 ms rows by default).
-    Jitter,
-    /// The same jittered retries after the same short slowdown at 50 to 95 % utilization.
-    Utilization,
-    /// A downstream that is slow and narrow when cold, after an outage, with and without the
-    /// server's slow start.
-    Cold,
-    /// Queue sizes below, at and above (lambda_peak - mu) x T_burst under a burst, and a queue
-    /// against a rate limit under sustained overload.
-    Burst,
-    /// Hedging after a fixed delay (the unloaded p95) as load rises, with and without a budget.
-    HedgeDrift,
-    /// A client's connection (MAX_CONCURRENT_STREAMS) or pool as a hidden concurrency limit.
-    HiddenQueue,
-    /// Three hops of retrying clients in front of a failing one: attempts reaching it per
-    /// user request.
-    Amplification,
-}
-
-impl ScenarioKind {
-    /// The name used on the command line and in reports.
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            ScenarioKind::Slowdown => "slowdown",
-            ScenarioKind::LittlesLaw => "littles-law",
-            ScenarioKind::OutageRecovery => "outage-recovery",
-            ScenarioKind::Hedging => "hedging",
-            ScenarioKind::Jitter => "jitter",
-            ScenarioKind::Utilization => "utilization",
-            ScenarioKind::Cold => "cold",
-            ScenarioKind::Burst => "burst",
-            ScenarioKind::HedgeDrift => "hedge-drift",
-            ScenarioKind::HiddenQueue => "hidden-queue",
-            ScenarioKind::Amplification => "amplification",
-        }
-    }
-
-    /// The length of a row unless `--interval` says otherwise: pulses need 100 ms rows.
-    pub(crate) fn default_interval(self) -> Duration {
-        match self {
-            ScenarioKind::Jitter => 100 * MS,
-            _ => SECOND,
-        }
-    }
-}
 
 /// Which server limit the `backstop` variants use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
