@@ -35,8 +35,9 @@
 //!
 //! # Layout
 //! - `plan`: what a live scenario is made of (the PSP's phases, the load, the variants);
-//!   `mirrored`: the plans of `slowdown`, `overload` and `outage`, which the simulator mirrors;
-//!   `claims`: the plans of the claims.
+//!   `mirrored`: the plans of `slowdown`, `overload` and `outage`, each with the window its
+//!   simulated mirror is read in; `mirror`: a plan as the simulator sees it (`storm sim`'s
+//!   mirror, built from the plan itself); `claims`: the plans of the claims.
 //! - `variant`: one variant run end to end; `server`: its `backstop serve` child.
 //! - `figures`: each claim's own figures; `output`: the summary and the files; `report`: the
 //!   HTML report with the simulator's mirror beside the measured runs; `claims_text`: the
@@ -45,6 +46,7 @@
 mod claims;
 mod claims_text;
 mod figures;
+mod mirror;
 mod mirrored;
 mod output;
 mod plan;
@@ -205,23 +207,14 @@ pub(crate) async fn execute(
     scenario: ScenarioKind,
     scale: f64,
 ) -> Result<RunResult, Box<dyn std::error::Error>> {
-    let Some(mut plan) = plan(scenario) else {
+    let Some(plan) = plan(scenario) else {
         return Err(format!(
             "scenario {} has no live run; `storm sim --scenario {0}` simulates it",
             scenario.as_str()
         )
         .into());
     };
-    plan.duration = plan.duration.mul_f64(scale);
-    plan.recovery_at = plan.recovery_at.map(|d| d.mul_f64(scale));
-    for phase in &mut plan.phases {
-        phase.at = phase.at.mul_f64(scale);
-        phase.hold = phase.hold.map(|d| d.mul_f64(scale));
-    }
-    if let Some(burst) = &mut plan.burst {
-        burst.at = burst.at.mul_f64(scale);
-        burst.duration = burst.duration.mul_f64(scale);
-    }
+    let plan = plan.scaled(scale);
     let work = tempfile::tempdir()?;
     let capacity = match plan.rate {
         Some(_) => None,

@@ -92,6 +92,23 @@ pub(super) struct Plan {
     pub(super) probe_rate: f64,
 }
 
+impl Plan {
+    /// The plan with every duration multiplied by `scale` (`--time-scale`).
+    pub(super) fn scaled(mut self, scale: f64) -> Plan {
+        self.duration = self.duration.mul_f64(scale);
+        self.recovery_at = self.recovery_at.map(|d| d.mul_f64(scale));
+        for phase in &mut self.phases {
+            phase.at = phase.at.mul_f64(scale);
+            phase.hold = phase.hold.map(|d| d.mul_f64(scale));
+        }
+        if let Some(burst) = &mut self.burst {
+            burst.at = burst.at.mul_f64(scale);
+            burst.duration = burst.duration.mul_f64(scale);
+        }
+        self
+    }
+}
+
 /// The PSP's latency when healthy.
 pub(super) const NORMAL: Duration = Duration::from_millis(100);
 

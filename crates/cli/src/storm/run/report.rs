@@ -1,7 +1,7 @@
 //! The run's HTML report: the measured variants beside the simulator's mirror of the same
 //! scenario, with a text on where the two are expected to differ.
 
-use super::RunResult;
+use super::{RunResult, mirrored};
 use crate::report;
 use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario;
@@ -74,31 +74,15 @@ pub(super) fn to_report(result: &RunResult) -> report::Report {
 /// Seeds the simulator's mirrors on the report.
 const MIRROR_SEED: u64 = 1;
 
-/// `storm sim`'s mirror of the scenario `result` ran: the same rate (or the same multiple of
-/// the measured capacity), places, PSP phases, deadlines and variants, on the same time scale.
-/// The claims' scenarios have none: `storm sim --scenario NAME` is their deterministic version,
-/// at its own parameters.
+/// `storm sim`'s mirror of the scenario `result` ran, on the same time scale (see
+/// [`mirrored::mirror`]).
 fn mirror(result: &RunResult) -> Option<scenario::Scenario> {
-    let scale = result.time_scale;
-    match result.scenario {
-        ScenarioKind::Slowdown => Some(scenario::live_slowdown(MIRROR_SEED, scale)),
-        ScenarioKind::Overload => Some(scenario::live_overload(
-            MIRROR_SEED,
-            scale,
-            result.capacity_per_s,
-        )),
-        ScenarioKind::Outage => Some(scenario::live_outage(MIRROR_SEED, scale)),
-        ScenarioKind::Jitter
-        | ScenarioKind::Utilization
-        | ScenarioKind::Cold
-        | ScenarioKind::Burst
-        | ScenarioKind::HedgeDrift
-        | ScenarioKind::HiddenQueue
-        | ScenarioKind::LittlesLaw
-        | ScenarioKind::OutageRecovery
-        | ScenarioKind::Hedging
-        | ScenarioKind::Amplification => None,
-    }
+    mirrored::mirror(
+        result.scenario,
+        MIRROR_SEED,
+        result.time_scale,
+        result.capacity_per_s,
+    )
 }
 
 /// A figure as the report shows it: shares and ratios with three decimals, counts whole.
