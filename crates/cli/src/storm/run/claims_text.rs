@@ -1,8 +1,8 @@
 //! What the report says about each claim's scenario: what ran, how to read its figures, and
 //! where the live run cannot show what `storm sim` shows.
 
-use super::RunResult;
 use super::claims::{COLD_KNEE, HEDGE_DELAY, JITTER_BACKOFF};
+use super::result::RunResult;
 use crate::storm::kind::ScenarioKind;
 
 /// The report's text for a claim's scenario; `None` for the mirrored ones (and those never run

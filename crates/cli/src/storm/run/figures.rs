@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::plan::Plan;
-use super::{Second, VariantResult};
+use super::result::{Second, VariantResult};
 use crate::storm::kind::ScenarioKind;
 
 /// The window of `jitter`'s pulse figure: the share of the retries sent within the busiest

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use super::RunResult;
 use super::report::figure;
+use super::result::RunResult;
 
 pub(super) fn write_out(dir: &Path, result: &RunResult) -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(dir)

@@ -1,7 +1,8 @@
 //! The run's HTML report: the measured variants beside the simulator's mirror of the same
 //! scenario, with a text on where the two are expected to differ.
 
-use super::{RunResult, mirrored};
+use super::mirrored;
+use super::result::RunResult;
 use crate::report;
 use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario;
@@ -223,7 +224,7 @@ mod tests {
     fn plan(scenario: ScenarioKind) -> Plan {
         crate::storm::run::plan(scenario).expect("a live scenario")
     }
-    use crate::storm::run::{Second, VariantResult};
+    use crate::storm::run::result::{Second, VariantResult};
 
     /// A measured run of `scenario` as `execute` returns it, one second per variant, without
     /// running anything.
