@@ -175,7 +175,7 @@ async fn main() -> ExitCode {
                 }
             }
             if args.print_config() {
-                let table = backstop_payment::server::method_policies(&config);
+                let table = config.method_policies();
                 let merchants: Vec<String> =
                     config.api_keys.iter().map(|k| k.merchant.clone()).collect();
                 print!(

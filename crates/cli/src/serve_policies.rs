@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use backstop::admission::Quota;
 use backstop::policy::{MethodPolicies, MethodPolicy};
 use backstop_payment::config::Config;
-use backstop_payment::server::{POLICY_ENTRIES, check_policies, default_policies, method_policies};
+use backstop_payment::policies::{POLICY_ENTRIES, check_policies, default_policies};
 
 use crate::proxy::policy::{PoliciesSection, RouteMatch, RouteSpec};
 
@@ -38,7 +38,7 @@ pub(crate) fn apply(config: &mut Config, section: toml::Value) -> Result<(), Str
     let section: PoliciesSection = section
         .try_into()
         .map_err(|e: toml::de::Error| format!("[policies]: {}", e.message()))?;
-    let base = default_policies(config);
+    let base = default_policies(config.default_timeout, config.key_ttl);
     let mut specs: BTreeMap<String, &RouteSpec> = BTreeMap::new();
     for (i, spec) in section.routes.iter().enumerate() {
         let Some(text) = &spec.matches else {
@@ -119,7 +119,7 @@ pub(crate) fn reload(config: &Config, file: &std::path::Path) -> Result<MethodPo
                 .into(),
         );
     }
-    Ok(method_policies(&next))
+    Ok(next.method_policies())
 }
 
 /// `policy` with what `spec` sets; refused where the spec would change what the service's
@@ -304,6 +304,9 @@ mod tests {
     fn an_empty_section_is_the_services_own_table() {
         let config = applied("[policies]\n").unwrap();
         let ours = config.policies.as_ref().unwrap().to_string();
-        assert_eq!(ours, default_policies(&config).to_string());
+        assert_eq!(
+            ours,
+            default_policies(config.default_timeout, config.key_ttl).to_string()
+        );
     }
 }

@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::policies;
+
 /// Default HTTP listen address.
 pub const DEFAULT_HTTP: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8081));
 /// Default gRPC listen address.
@@ -277,9 +279,9 @@ pub struct Config {
     /// set (see [`backstop::retry::switch`]).
     pub retry_switch_key: String,
     /// The method policy table the server stack runs by, when a config file gives one;
-    /// `None`: [`method_policies`](crate::server::method_policies) builds it from the settings
-    /// above. [`validate`](Self::validate) holds it to the service's rules
-    /// ([`check_policies`](crate::server::check_policies)).
+    /// `None`: [`method_policies`](Self::method_policies) builds it from the settings above.
+    /// [`validate`](Self::validate) holds it to the service's rules
+    /// ([`check_policies`](crate::policies::check_policies)).
     pub policies: Option<MethodPolicies>,
     /// Per-merchant quotas of the rate classes the policies name, each with its own buckets;
     /// the `default` class spends `tenant_rate` and `tenant_burst`.
@@ -380,10 +382,19 @@ impl Config {
             return Err(ConfigError::Durations);
         }
         if let Some(policies) = &self.policies {
-            crate::server::check_policies(policies, &self.rate_classes)
+            policies::check_policies(policies, &self.rate_classes)
                 .map_err(ConfigError::Policies)?;
         }
         Ok(())
+    }
+
+    /// The policy of every method the service serves, for its server stack and its clients
+    /// alike: [`policies`](Self::policies) when a config file gave the table, else
+    /// [`default_policies`](policies::default_policies) from the default timeout and key TTL.
+    pub fn method_policies(&self) -> MethodPolicies {
+        self.policies
+            .clone()
+            .unwrap_or_else(|| policies::default_policies(self.default_timeout, self.key_ttl))
     }
 
     /// Whether requests need a bearer key.
@@ -450,7 +461,7 @@ pub enum ConfigError {
     #[error("timeouts and leases must be positive and the key TTL at least the lease")]
     Durations,
     /// A policy table the service cannot run by (see
-    /// [`check_policies`](crate::server::check_policies)).
+    /// [`check_policies`](crate::policies::check_policies)).
     #[error("policies: {0}")]
     Policies(String),
 }

@@ -12,6 +12,8 @@
 //! - [`psp_client`]: the PSP client: effect key, child deadline, `traceparent`, the client stack.
 //! - [`auth`]: bearer API keys to merchant (the library's `Tenant`).
 //! - [`config`]: what `backstop serve` flags configure, validated before start.
+//! - [`policies`]: the service's method table: its entries, its default, the rules a table
+//!   from a config file is held to.
 //! - [`psp`]: the PSP simulator (a fake payment provider with its own store and dedup).
 //! - [`reconcile`]: compares the PSP's charges with the intents, refunds duplicates and
 //!   records what it did.
@@ -19,7 +21,8 @@
 //!   PSP and failed).
 //!
 //! Dependencies run one way: [`server`] builds on [`grpc`] and [`service`], [`grpc`] on
-//! [`service`], and both on [`state`].
+//! [`service`], and both on [`state`]; [`server`] reads [`config`], which builds on
+//! [`policies`] and imports no server.
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
@@ -27,6 +30,7 @@ pub mod auth;
 pub mod config;
 pub mod grpc;
 pub mod intents;
+pub mod policies;
 pub mod psp;
 pub mod psp_client;
 pub mod reconcile;

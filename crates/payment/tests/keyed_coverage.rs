@@ -13,16 +13,14 @@ use backstop_payment::config::{Config, StoreLocation};
 use backstop_payment::grpc;
 use backstop_payment::intents::Intents;
 use backstop_payment::psp_client::PspClient;
-use backstop_payment::server::{
-    build_routers, method_policies, prometheus_handle, rate_limit_layer,
-};
+use backstop_payment::server::{build_routers, prometheus_handle, rate_limit_layer};
 use backstop_payment::state::AppState;
 use http::Method;
 
 #[test]
 fn one_table_describes_every_method() {
     let config = Config::new(StoreLocation::Sqlite("unused.db".into()));
-    let policies = method_policies(&config);
+    let policies = config.method_policies();
     assert!(policies.for_path(grpc::CHARGE).requires_key());
     assert_eq!(
         policies.for_path(grpc::CHARGE).key_ttl(),
@@ -64,7 +62,7 @@ async fn every_keyed_http_route_is_claimed_before_its_handler() {
     let rate_limit = rate_limit_layer(&config).unwrap();
     let routers = build_routers(state, store, &config, rate_limit);
 
-    let uncovered = keyed_routes_uncovered(routers.http, &method_policies(&config), |b| b).await;
+    let uncovered = keyed_routes_uncovered(routers.http, &config.method_policies(), |b| b).await;
     // `Charge` over HTTP is claimed; its gRPC path is served on the other port only.
     let routes: Vec<(&str, bool)> = uncovered
         .iter()

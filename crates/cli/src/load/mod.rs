@@ -28,9 +28,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use self::logical::Logical;
-use self::policy::{Driver, Hedge, PolicyKind};
+use self::policy::{Driver, PolicyKind};
 use self::report::Tally;
 use self::series::Series;
+use self::stack::Hedge;
 use self::target::Target;
 
 /// Most logical requests one run may schedule: a typo in `--rate` or `--duration` must not

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::logical::Logical;
 use super::report::{AttemptRecord, LogicalRecord, Tally};
-use super::stack::StackClient;
+use super::stack::{Hedge, StackClient};
 use super::target::{Client, Send, Target};
 
 /// Attempts of the naive preset.
@@ -50,15 +50,6 @@ pub(crate) enum Driver {
     /// The naive loop over a plain client, its delays drawn from the backoff if it has one
     /// (shared: every logical request clones the driver).
     Naive(std::sync::Arc<(Client, Option<Backoff>)>),
-}
-
-/// When the `backstop` policy hedges.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Hedge {
-    /// Never sooner than this, whatever the rolling p95.
-    pub(crate) floor: Duration,
-    /// Exactly this long after the attempt (instead of the p95).
-    pub(crate) fixed: Option<Duration>,
 }
 
 impl Driver {

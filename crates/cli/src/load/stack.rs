@@ -41,12 +41,20 @@ use tower::ServiceExt;
 use tower::util::MapRequest;
 
 use super::logical::Logical;
-use super::policy::Hedge;
 use super::report::{AttemptOutcome, AttemptRecord, LogicalRecord};
 use super::target::{Target, from_tonic};
 
 /// Most bytes of an answer read (and dropped) so its connection can be reused.
 const MAX_BODY: usize = 64 * 1024;
+
+/// When the `backstop` policy hedges.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Hedge {
+    /// Never sooner than this, whatever the rolling p95.
+    pub(crate) floor: Duration,
+    /// Exactly this long after the attempt (instead of the p95).
+    pub(crate) fixed: Option<Duration>,
+}
 
 /// The policy of `Charge` (`POST /v1/payments`, `payment.v1.Payment/Charge`) as the payment
 /// service states it: `Keyed` (the same key on every attempt and hedge makes a repeat safe, so

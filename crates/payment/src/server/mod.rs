@@ -42,10 +42,7 @@ use tokio::task::JoinHandle;
 mod leases;
 mod routers;
 
-pub use self::routers::{
-    GrpcService, POLICY_ENTRIES, Routers, SERVICE_NAME, build_routers, check_policies,
-    default_policies, method_policies, rate_limit_layer,
-};
+pub use self::routers::{GrpcService, Routers, SERVICE_NAME, build_routers, rate_limit_layer};
 
 use self::leases::OpenLeases;
 use crate::config::{Config, ConfigError, PspTarget, StoreLocation};
@@ -336,7 +333,8 @@ impl Server {
     }
 
     /// The method table the server stack runs by: replace it to reload the policies without a
-    /// restart (hold the new table to [`check_policies`] first).
+    /// restart (hold the new table to
+    /// [`check_policies`](crate::policies::check_policies) first).
     pub fn policies(&self) -> &backstop::policy::ReloadablePolicies {
         &self.policies
     }

@@ -13,12 +13,11 @@ use backstop::admission::redis::{RedisLimitError, RedisTokenBucket, SharedLimite
 use backstop::admission::{
     FixedLimit, Gate, Gradient2, KeyedTokenBucket, Quota, Shedding, SlowStart,
 };
-use backstop::policy::{Idempotency, MethodPolicies, MethodPolicy, ReloadablePolicies, Takeover};
+use backstop::policy::ReloadablePolicies;
 use backstop::server::listen::ConnectionInfo;
 use backstop::server::{DeadlineLayer, FaultLayer, IdempotencyLayer, RateLimitLayer, ServerStack};
-use backstop::status::Code;
 use futures_util::future::BoxFuture;
-use http::{Method, Request};
+use http::Request;
 use hyper::body::Incoming;
 use tonic::service::Routes;
 use tower::util::{BoxCloneService, MapRequestLayer};
@@ -89,7 +88,8 @@ pub struct Routers {
     /// The status `grpc.health.v1` reports: the server checks the store into it and drains it.
     pub health: Health,
     /// The method table the stack runs by, replaceable while it serves (a reload of the
-    /// config file's `[policies]`; see [`check_policies`] for what the service accepts).
+    /// config file's `[policies]`; see [`check_policies`](crate::policies::check_policies) for what
+    /// the service accepts).
     pub policies: ReloadablePolicies,
     /// The gate's record of its refusals: while it sheds under sustained overload, the
     /// listeners push clients away.
@@ -132,129 +132,6 @@ fn gate(config: &Config) -> Gate {
     }
 }
 
-/// The entries of the service's method table, as a policy file names them: a config file's
-/// `[policies]` may tune these (and the fallback), and only these.
-pub const POLICY_ENTRIES: [&str; 4] = [
-    "POST /v1/payments",
-    "GET /v1/payments/{intent_id}",
-    grpc::CHARGE,
-    grpc::GET_CHARGE,
-];
-
-/// The policy of every method the service serves, for its server stack and its clients alike:
-/// `config.policies` when a config file gave the table, else [`default_policies`].
-pub fn method_policies(config: &Config) -> MethodPolicies {
-    config
-        .policies
-        .clone()
-        .unwrap_or_else(|| default_policies(config))
-}
-
-/// Why the service cannot run by `policies`, checked before it starts: `Charge` (by either
-/// protocol) stays `Keyed`, since the handler moves money only under a claimed key, and keeps
-/// resuming a dead run's key under the same effect key (the PSP charges once); every entry
-/// [`POLICY_ENTRIES`] names keeps its policy's name, which the metrics, the dashboard and the
-/// alerts go by; and every rate class a policy names has a quota in `rate_classes`.
-pub fn check_policies(
-    policies: &MethodPolicies,
-    rate_classes: &std::collections::BTreeMap<String, Quota>,
-) -> Result<(), String> {
-    policies.validate().map_err(|e| e.to_string())?;
-    let charges = [
-        (
-            "POST /v1/payments",
-            policies.for_route(&Method::POST, "/v1/payments"),
-        ),
-        (grpc::CHARGE, policies.for_path(grpc::CHARGE)),
-    ];
-    for (entry, policy) in charges {
-        if policy.idempotency() != Idempotency::Keyed {
-            return Err(format!(
-                "{entry} moves money: it stays keyed (idempotency = \"keyed\")"
-            ));
-        }
-        if policy.takeover() != Takeover::Resume {
-            return Err(format!(
-                "{entry} resumes a dead run's key under the same effect key: its takeover \
-                 stays `resume`"
-            ));
-        }
-    }
-    let names = [
-        (
-            "POST /v1/payments",
-            policies.for_route(&Method::POST, "/v1/payments"),
-            "Charge",
-        ),
-        (
-            "GET /v1/payments/{intent_id}",
-            policies.for_route(&Method::GET, "/v1/payments/{intent_id}"),
-            "GetPayment",
-        ),
-        (grpc::CHARGE, policies.for_path(grpc::CHARGE), "Charge"),
-        (
-            grpc::GET_CHARGE,
-            policies.for_path(grpc::GET_CHARGE),
-            "GetCharge",
-        ),
-    ];
-    for (entry, policy, name) in names {
-        if policy.name() != name {
-            return Err(format!(
-                "{entry} is named {name} (its metrics and alerts go by it), not {:?}",
-                policy.name()
-            ));
-        }
-    }
-    for policy in policies.iter() {
-        let class = policy.rate_class();
-        if class != backstop::policy::DEFAULT_RATE_CLASS && !rate_classes.contains_key(class) {
-            return Err(format!(
-                "{} spends rate class `{class}`, which has no quota",
-                policy.name()
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The service's own table: `Charge` (`POST /v1/payments` and `payment.v1.Payment/Charge`)
-/// is `Keyed`, its keys kept `config.key_ttl`, retried after the answers its error tables
-/// call retryable and hedged; the reads (`GET /v1/payments/{intent_id}` and `GetCharge`) are
-/// `Safe`; anything else is `Unsafe`. Validated: `Config::validate` keeps the key TTL
-/// positive.
-pub fn default_policies(config: &Config) -> MethodPolicies {
-    let charge = MethodPolicy::builder("Charge", Idempotency::Keyed)
-        .timeout(config.default_timeout)
-        .key_ttl(config.key_ttl)
-        .retryable([
-            Code::Unavailable,
-            Code::Aborted,
-            Code::ResourceExhausted,
-            Code::DeadlineExceeded,
-        ])
-        .hedging(true)
-        // A run that took over a dead one's key charges its intent again under the same
-        // effect key (the PSP charges once), so it may resume; see `service::phases`.
-        .takeover(Takeover::Resume)
-        .build();
-    // Unary and small, so read whole before the gate, like Charge's: a client sending a read
-    // slowly holds no permit.
-    let read = |name: &str| {
-        MethodPolicy::builder(name, Idempotency::Safe)
-            .timeout(config.default_timeout)
-            .buffer_body(true)
-            .build()
-    };
-    MethodPolicies::new(MethodPolicy::builder("other", Idempotency::Unsafe).build())
-        .route(Method::POST, "/v1/payments", charge.clone())
-        .route(Method::GET, "/v1/payments/{intent_id}", read("GetPayment"))
-        .method(grpc::CHARGE, charge)
-        .method(grpc::GET_CHARGE, read("GetCharge"))
-        .validated()
-        .expect("the payment service's policies are valid")
-}
-
 /// The route template axum's router matched, for the stack's policy lookup.
 fn matched_path(extensions: &http::Extensions) -> Option<&str> {
     extensions
@@ -270,7 +147,7 @@ pub fn build_routers<St: PaymentBackend>(
     rate_limit: RateLimitLayer,
 ) -> Routers {
     let auth = Authenticator::new(&config.api_keys);
-    let policies = ReloadablePolicies::new(method_policies(config))
+    let policies = ReloadablePolicies::new(config.method_policies())
         .expect("Config::validate checked the table");
     let gate = gate(config);
     let stack = ServerStack::new(SERVICE_NAME, store.clone())

@@ -16,10 +16,10 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use super::answer::{self, ChargeAnswer, PAYMENT_OUTCOME_UNKNOWN};
-#[allow(unused_imports)] // Named by the `utoipa::path` annotations.
-use super::openapi::ProblemDocument;
 use super::payments::{self, Claimed};
 use super::phases::Charging;
+#[allow(unused_imports)] // Named by the `utoipa::path` annotations.
+use super::problem_schema::ProblemDocument;
 use super::request::{self, PaymentRequest};
 use crate::intents::{Intent, IntentStatus};
 use crate::state::AppState;

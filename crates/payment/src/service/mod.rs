@@ -48,6 +48,8 @@
 //! - [`request`]: the `POST /v1/payments` body, validated with one problem code per mistake.
 //! - [`trace`]: W3C `traceparent` read, generated and propagated (also at [`crate::trace`]).
 //! - [`handlers`]: the route handlers.
+//! - [`openapi`]: the OpenAPI document of the HTTP API, built from the handlers' annotations;
+//!   `problem_schema`: the schema of a refusal they name.
 //! - `payments`: the payment logic the HTTP handlers and the gRPC service share.
 //! - [`protocol`]: one protocol per port (`415` for the other one).
 //! - `store`: [`PaymentStore`], the idempotency store on SQLite or PostgreSQL.
@@ -57,6 +59,7 @@ pub mod handlers;
 pub mod openapi;
 pub(crate) mod payments;
 pub(crate) mod phases;
+mod problem_schema;
 pub mod protocol;
 pub mod request;
 mod store;

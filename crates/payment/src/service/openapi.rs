@@ -2,14 +2,16 @@
 //!
 //! utoipa builds it from the handlers' own annotations and wire types ([`PaymentRequest`],
 //! the payment view, [`IntentStatus`]), so a field or route that changes changes the
-//! document. Refusals are one schema, `Problem` (RFC 9457 problem+json), whose
-//! `code` lists every problem code the service answers; a test reads the codes from the
-//! sources and checks each is listed, so the list cannot fall behind.
+//! document. Refusals are one schema, `Problem` (RFC 9457 problem+json, declared in
+//! `problem_schema` beside the handlers that name it), whose `code` lists every problem code
+//! the service answers; a test reads the codes from the sources and checks each is listed, so
+//! the list cannot fall behind.
 
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{Modify, OpenApi};
 
 use super::handlers;
+use super::problem_schema::ProblemDocument;
 use super::request::PaymentRequest;
 use crate::intents::IntentStatus;
 
@@ -50,82 +52,6 @@ impl Modify for BearerKeys {
             SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
         );
     }
-}
-
-/// A refusal: `application/problem+json` (RFC 9457) with a stable `code`.
-#[derive(Debug, ToSchema)]
-#[schema(as = Problem)]
-#[allow(dead_code)] // A schema only: the answers are built by `Problem`.
-pub(crate) struct ProblemDocument {
-    /// A URI naming the problem type (`about:blank` when the code says it all).
-    #[schema(rename = "type")]
-    kind: String,
-    /// Short summary of the problem type.
-    title: String,
-    /// The HTTP status; `"unknown"` on `payment_outcome_unknown` (the status line says 504).
-    #[schema(value_type = serde_json::Value)]
-    status: u16,
-    /// What happened to this request.
-    detail: Option<String>,
-    /// The stable problem code a client acts on.
-    #[schema(inline)]
-    code: ProblemCode,
-    /// The payment the problem is about (`order_conflict`, `psp_unavailable`,
-    /// `payment_outcome_unknown`, `deadline_exceeded` after the intent was written).
-    intent_id: Option<String>,
-    /// First 8 hex digits of the fingerprint the key was first used with
-    /// (`idempotency_key_reused`).
-    fingerprint_prefix: Option<String>,
-    /// The body member at fault (400 on the body).
-    field: Option<String>,
-}
-
-/// Every problem code of the service and of the library's catalogue (a test reads them from
-/// the sources); the descriptions of each answer say which codes it carries.
-#[derive(Debug, ToSchema)]
-#[schema(rename_all = "snake_case")]
-#[allow(dead_code)] // A schema only.
-enum ProblemCode {
-    MissingIdempotencyKey,
-    InvalidIdempotencyKey,
-    InvalidBody,
-    MalformedJson,
-    DuplicateField,
-    UnknownField,
-    MissingField,
-    InvalidOrderId,
-    InvalidAmount,
-    InvalidCurrency,
-    InvalidGrpcTimeout,
-    InvalidGrpcFrame,
-    InvalidRequest,
-    Unauthenticated,
-    PaymentDeclined,
-    NotFound,
-    PaymentNotFound,
-    MethodNotAllowed,
-    IdempotencyKeyReused,
-    RequestInProgress,
-    OrderConflict,
-    BodyTooLarge,
-    GrpcOnHttpPort,
-    RateLimited,
-    Overloaded,
-    RateLimiterUnavailable,
-    OutcomeUnknown,
-    Internal,
-    PspConflict,
-    StoreUnavailable,
-    PspUnavailable,
-    DeadlineExceeded,
-    PaymentOutcomeUnknown,
-    FaultInjected,
-    CircuitOpen,
-    Unavailable,
-    Throttled,
-    RequestBodyInvalid,
-    RequestBodyTimeout,
-    ReplayBodyTooLarge,
 }
 
 /// `GET /openapi.json`: this document.

@@ -20,8 +20,8 @@ use tower::ServiceExt;
 use tower::util::Oneshot;
 use tower_service::Service;
 
-use super::accept::Shared;
 use super::registry::{Registered, Unregister};
+use super::shared::Shared;
 use super::timeouts::{ReadWatch, head_too_slow, idle_for};
 use super::{BoxError, ConnState, ConnectionInfo};
 
@@ -49,7 +49,8 @@ pub(super) async fn serve_connection<S, B>(
     B::Error: Into<BoxError>,
 {
     let _registered = Unregister {
-        shared: &shared,
+        open: &shared.open,
+        metrics: &shared.metrics,
         id: registered.id,
     };
     let conn_state = registered.conn;

@@ -62,11 +62,14 @@
 
 // The accept loop and the drain are in `accept`, the open connections and the cap in `registry`,
 // one connection's task and its request accounting in `connection`, the header read and idle
-// timers in `timeouts`.
+// timers in `timeouts`, the push-away budget in `push`, the HTTP/2 stream tasks in `streams`,
+// and what the connection tasks share (built by `accept`) in `shared`.
 mod accept;
 mod connection;
 mod push;
 mod registry;
+mod shared;
+mod streams;
 #[cfg(test)]
 mod test_support;
 mod timeouts;

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::accept::Shared;
-use super::{ConnState, registry};
+use super::ConnState;
+use super::registry::{self, Registry};
 use crate::admission::Shedding;
 
 /// Asks clients to reconnect, and so to rebalance across instances, while a gate sheds under
@@ -116,26 +116,25 @@ impl PushAway {
 
 /// The pushes of the current interval.
 #[derive(Debug)]
-pub(super) struct Pushed {
+pub(super) struct Pushed(Mutex<Interval>);
+
+#[derive(Debug)]
+struct Interval {
     since: Instant,
     count: usize,
 }
 
 impl Pushed {
-    pub(super) fn new() -> Mutex<Self> {
-        Mutex::new(Pushed {
+    pub(super) fn new() -> Self {
+        Pushed(Mutex::new(Interval {
             since: Instant::now(),
             count: 0,
-        })
+        }))
     }
-}
 
-impl Shared {
-    /// Whether to push `conn` away with the response being sent now; counts it if so.
-    pub(super) fn push_now(&self, conn: &ConnState, http2: bool) -> bool {
-        let Some(push) = &self.config.push_away else {
-            return false;
-        };
+    /// Whether `push` moves `conn` away with the response being sent now, among the `open`
+    /// connections; counts it if so.
+    pub(super) fn push_now(&self, push: &PushAway, conn: &ConnState, open: &Registry) -> bool {
         // A connection of a tenant within its share stays: the overload is the others'.
         if conn.pushed.load(Ordering::Relaxed)
             || conn.share.load(Ordering::Relaxed) == registry::share::WITHIN
@@ -143,11 +142,11 @@ impl Shared {
         {
             return false;
         }
-        let open = self.open.len();
-        let mut pushed = self.pushed.lock().unwrap_or_else(PoisonError::into_inner);
+        let open = open.len();
+        let mut pushed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         if now.saturating_duration_since(pushed.since) >= push.interval {
-            *pushed = Pushed {
+            *pushed = Interval {
                 since: now,
                 count: 0,
             };
@@ -158,8 +157,6 @@ impl Shared {
             return false;
         }
         pushed.count += 1;
-        drop(pushed);
-        self.metrics.pushed(http2);
         true
     }
 }

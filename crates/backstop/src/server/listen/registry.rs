@@ -7,58 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::accept::Shared;
 use crate::observe::{self, connection_rejected, label, protocol};
-
-// Admission is the registry's side of what the connection tasks share.
-impl Shared {
-    /// Connections picked to make room close on their own task: an eighth over the cap is
-    /// left for them, so a fast flood cannot outrun the closing and exhaust descriptors.
-    fn hard_cap(&self) -> usize {
-        let cap = self.config.max_connections;
-        cap.saturating_add((cap / 8).max(1))
-    }
-
-    /// Waits while the hard cap is reached and some connections are closing to make room.
-    ///
-    /// New connections wait in the kernel's backlog meanwhile: accepting one only to refuse
-    /// it would reset a well-behaved client that happened to arrive right behind a flood.
-    /// Closing connections end without waiting on anything, so the wait is short.
-    pub(super) async fn room_to_accept(&self) {
-        loop {
-            let freed = self.open.freed.notified();
-            let mut freed = std::pin::pin!(freed);
-            freed.as_mut().enable();
-            {
-                let open = self.open.lock();
-                let closing = || open.values().any(|c| c.evicted.load(Ordering::Acquire));
-                if open.len() < self.hard_cap() || !closing() {
-                    return;
-                }
-            }
-            freed.await;
-        }
-    }
-
-    /// Registers a new connection, making room at the cap; `None` when it must be refused.
-    pub(super) fn admit(&self) -> Option<Registered> {
-        let cap = self.config.max_connections;
-        let hard_cap = self.hard_cap();
-        let mut open = self.open.lock();
-        if open.len() >= cap
-            && (open.len() >= hard_cap || !Registry::evict_in(&open, &self.metrics))
-        {
-            self.metrics.rejected(connection_rejected::REFUSED);
-            return None;
-        }
-        let id = self.open.next_id.fetch_add(1, Ordering::Relaxed);
-        let conn = Arc::new(ConnState::new());
-        open.insert(id, Arc::clone(&conn));
-        drop(open);
-        self.metrics.open.increment(1.0);
-        Some(Registered { id, conn })
-    }
-}
 
 /// The open connections of a listener, oldest first.
 #[derive(Default)]
@@ -70,6 +19,50 @@ pub(super) struct Registry {
 }
 
 impl Registry {
+    /// Connections picked to make room close on their own task: an eighth over `cap` is left
+    /// for them, so a fast flood cannot outrun the closing and exhaust descriptors.
+    fn hard_cap(cap: usize) -> usize {
+        cap.saturating_add((cap / 8).max(1))
+    }
+
+    /// Waits while the hard cap over `cap` is reached and some connections are closing to
+    /// make room.
+    ///
+    /// New connections wait in the kernel's backlog meanwhile: accepting one only to refuse
+    /// it would reset a well-behaved client that happened to arrive right behind a flood.
+    /// Closing connections end without waiting on anything, so the wait is short.
+    pub(super) async fn room_to_accept(&self, cap: usize) {
+        loop {
+            let freed = self.freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let open = self.lock();
+                let closing = || open.values().any(|c| c.evicted.load(Ordering::Acquire));
+                if open.len() < Registry::hard_cap(cap) || !closing() {
+                    return;
+                }
+            }
+            freed.await;
+        }
+    }
+
+    /// Registers a new connection, making room at `cap`; `None` when it must be refused.
+    pub(super) fn admit(&self, cap: usize, metrics: &Metrics) -> Option<Registered> {
+        let hard_cap = Registry::hard_cap(cap);
+        let mut open = self.lock();
+        if open.len() >= cap && (open.len() >= hard_cap || !Registry::evict_in(&open, metrics)) {
+            metrics.rejected(connection_rejected::REFUSED);
+            return None;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let conn = Arc::new(ConnState::new());
+        open.insert(id, Arc::clone(&conn));
+        drop(open);
+        metrics.open.increment(1.0);
+        Some(Registered { id, conn })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<ConnState>>> {
         // A poisoned map is still consistent: every update is a single insert or remove.
         self.conns.lock().unwrap_or_else(|e| e.into_inner())
@@ -203,15 +196,16 @@ impl Metrics {
 
 /// Removes a connection from the registry when its task ends, however it ends.
 pub(super) struct Unregister<'a> {
-    pub(super) shared: &'a Shared,
+    pub(super) open: &'a Registry,
+    pub(super) metrics: &'a Metrics,
     pub(super) id: u64,
 }
 
 impl Drop for Unregister<'_> {
     fn drop(&mut self) {
-        self.shared.open.lock().remove(&self.id);
-        self.shared.open.freed.notify_waiters();
-        self.shared.metrics.open.decrement(1.0);
+        self.open.lock().remove(&self.id);
+        self.open.freed.notify_waiters();
+        self.metrics.open.decrement(1.0);
     }
 }
 

@@ -20,7 +20,8 @@ use rand::rngs::StdRng;
 use tokio::time::Instant;
 
 use crate::storm::dist::exponential_nanos;
-use crate::storm::scenario::{Knobs, ScenarioKind};
+use crate::storm::kind::ScenarioKind;
+use crate::storm::scenario::Knobs;
 use crate::storm::series::{self, Focus, Row, Totals};
 use crate::storm::{Report, SimError, VariantRun};
 

@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use super::{Claim, find, ratio, rows_in};
 use crate::storm::engine::{ClientConfig, Downstream, Phase, ServerConfig};
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario::{
-    Knobs, SECOND, Scenario, ScenarioKind, Variant, capacity, lognormal, model, naive_client,
-    naive_server, scaled,
+    Knobs, SECOND, Scenario, Variant, capacity, lognormal, model, naive_client, naive_server,
+    scaled,
 };
 use crate::storm::series::Focus;
 use crate::storm::{SimError, VariantRun};

@@ -7,9 +7,10 @@ use std::time::Duration;
 use super::{Claim, find, ratio, rows_in};
 use crate::storm::VariantRun;
 use crate::storm::engine::{Cold, Downstream, Phase, ServerConfig};
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario::{
-    Knobs, MS, SECOND, Scenario, ScenarioKind, ServerLimit, Variant, backstop_client,
-    backstop_server, capacity, lognormal, model, scaled,
+    Knobs, MS, SECOND, Scenario, ServerLimit, Variant, backstop_client, backstop_server, capacity,
+    lognormal, model, scaled,
 };
 use crate::storm::series::Focus;
 

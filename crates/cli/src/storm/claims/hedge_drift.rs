@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use super::{Claim, ratio, rows_in};
 use crate::storm::engine::{ClientConfig, Downstream, Phase};
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario::{
-    Knobs, SECOND, Scenario, ScenarioKind, Variant, backstop_client, capacity, lognormal, model,
-    naive_server, scaled,
+    Knobs, SECOND, Scenario, Variant, backstop_client, capacity, lognormal, model, naive_server,
+    scaled,
 };
 use crate::storm::series::Focus;
 use crate::storm::{SimError, VariantRun};

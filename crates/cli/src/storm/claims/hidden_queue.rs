@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use super::{Claim, ratio, rows_in};
 use crate::storm::engine::{ClientConfig, Downstream, Phase};
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario::{
-    Knobs, SECOND, Scenario, ScenarioKind, Variant, lognormal, model, naive_client, naive_server,
-    scaled,
+    Knobs, SECOND, Scenario, Variant, lognormal, model, naive_client, naive_server, scaled,
 };
 use crate::storm::series::Focus;
 use crate::storm::{SimError, VariantRun};

@@ -9,9 +9,9 @@ use backstop::retry::{Backoff, Jitter};
 use super::{Claim, find, ratio, rows_in};
 use crate::storm::VariantRun;
 use crate::storm::engine::{ClientConfig, Deadlines, Downstream, Phase};
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario::{
-    Knobs, MS, Scenario, ScenarioKind, Variant, capacity, lognormal, model, naive_client,
-    naive_server, scaled,
+    Knobs, MS, Scenario, Variant, capacity, lognormal, model, naive_client, naive_server, scaled,
 };
 use crate::storm::series::Focus;
 

@@ -15,7 +15,8 @@ mod hidden_queue;
 mod jitter;
 mod utilization;
 
-use super::scenario::{Knobs, Scenario, ScenarioKind};
+use super::kind::ScenarioKind;
+use super::scenario::{Knobs, Scenario};
 use super::{Report, SimError, VariantRun};
 
 /// A claim ready to run: its parts, what it is (notes) and how to read its runs.
@@ -48,7 +49,9 @@ pub(super) fn simulate(kind: ScenarioKind, knobs: Knobs, policy: &str) -> Result
         ScenarioKind::Slowdown
         | ScenarioKind::LittlesLaw
         | ScenarioKind::OutageRecovery
-        | ScenarioKind::Hedging => {
+        | ScenarioKind::Hedging
+        | ScenarioKind::Overload
+        | ScenarioKind::Outage => {
             return Err(SimError::Unfit(format!(
                 "{} is a scenario of its own, not one of the chapter's claims",
                 kind.as_str()

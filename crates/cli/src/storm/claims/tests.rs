@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use crate::storm::scenario::{ScenarioKind, ServerLimit};
+use crate::storm::kind::ScenarioKind;
+use crate::storm::scenario::ServerLimit;
 use crate::storm::{Report, SimArgs, VariantRun, simulate};
 
 /// A scaled-down run of `scenario` (debug builds run these in CI).

@@ -9,9 +9,10 @@ use backstop::retry::Backoff;
 use super::{Claim, ratio, rows_in};
 use crate::storm::VariantRun;
 use crate::storm::engine::{ClientConfig, Deadlines, Downstream, Phase};
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario::{
-    Knobs, MS, SECOND, Scenario, ScenarioKind, Variant, capacity, lognormal, model, naive_client,
-    naive_server, scaled,
+    Knobs, MS, SECOND, Scenario, Variant, capacity, lognormal, model, naive_client, naive_server,
+    scaled,
 };
 use crate::storm::series::Focus;
 

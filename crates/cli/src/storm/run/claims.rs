@@ -7,9 +7,7 @@
 //! do not study slow start run without it (`--no-slow-start`), so that its ramp after start-up
 //! does not add to what is measured.
 
-use std::time::Duration;
-
-use super::plan::{Burst, MS, Phase, Plan, S, Variant, healthy, variant};
+use super::plan::{Burst, MS, NORMAL, Phase, Plan, S, Variant, healthy, variant};
 
 /// The naive client's first backoff delay in `jitter`: long against the time the service
 /// takes to answer a whole cohort, so that the spread of the jittered modes shows.
@@ -19,9 +17,6 @@ pub(super) const JITTER_BACKOFF: &str = "1s";
 pub(super) const HEDGE_DELAY: &str = "130ms";
 /// `cold`'s knee: above this many charges in flight the cold PSP slows down.
 pub(super) const COLD_KNEE: u32 = 8;
-
-/// The PSP's latency when healthy.
-const NORMAL: Duration = Duration::from_millis(100);
 
 /// What the claims' plans share unless they say otherwise: 200/s for 15 s on a PSP answering
 /// after 100 ms.

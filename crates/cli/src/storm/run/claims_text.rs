@@ -2,14 +2,21 @@
 //! where the live run cannot show what `storm sim` shows.
 
 use super::claims::{COLD_KNEE, HEDGE_DELAY, JITTER_BACKOFF};
-use super::report::scenario_name;
-use super::{LiveScenario, RunResult};
+use super::result::RunResult;
+use crate::storm::kind::ScenarioKind;
 
-/// The report's text for a claim's scenario; `None` for the three mirrored ones.
+/// The report's text for a claim's scenario; `None` for the mirrored ones (and those never run
+/// live).
 pub(super) fn describe(result: &RunResult) -> Option<String> {
     let what = match result.scenario {
-        LiveScenario::Slowdown | LiveScenario::Overload | LiveScenario::Outage => return None,
-        LiveScenario::Jitter => format!(
+        ScenarioKind::Slowdown
+        | ScenarioKind::Overload
+        | ScenarioKind::Outage
+        | ScenarioKind::LittlesLaw
+        | ScenarioKind::OutageRecovery
+        | ScenarioKind::Hedging
+        | ScenarioKind::Amplification => return None,
+        ScenarioKind::Jitter => format!(
             "Retry pulses. The PSP holds every charge arriving during 1 s (of 100/s offered), \
              then refuses the whole stalled cohort at the same moment (503 with a pushback of \
              10 s, longer than any deadline, so that the service's own PSP client does not \
@@ -27,7 +34,7 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              refuses (409, the order's first intent holds it): the figure is about when the \
              retries arrive, not what they get."
         ),
-        LiveScenario::Utilization => "The same client policy at two utilizations. Capacity is \
+        ScenarioKind::Utilization => "The same client policy at two utilizations. Capacity is \
              measured first (16 places, the PSP at 100 ms); then the naive client with full \
              jitter (3 attempts, a fresh 2 s timeout each) is offered 70% and 90% of it, and \
              the PSP slows to 300 ms for 4 s. The server keeps what waits in a FIFO queue, up \
@@ -37,7 +44,7 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              slowdown, over the rate offered (1: drained); `retries_per_logical` what the \
              retries added. The library's client at 90% is beside them."
             .to_owned(),
-        LiveScenario::Cold => format!(
+        ScenarioKind::Cold => format!(
             "A cold downstream with and without slow start. The PSP is down (503) for 5 s, \
              then back cold for 10 s: above {COLD_KNEE} charges in flight each one's latency \
              is multiplied by (in flight / {COLD_KNEE})^2, so that past the knee more calls at \
@@ -49,7 +56,7 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              `server_inflight_peak_while_cold` the service's own gauge then (sampled once a \
              second)."
         ),
-        LiveScenario::Burst => "Queue sizing under a burst. 100/s, and 1 s of 200/s more on \
+        ScenarioKind::Burst => "Queue sizing under a burst. 100/s, and 1 s of 200/s more on \
              top (a second `backstop load`): lambda_peak = 300/s against mu <= 16 places / \
              100 ms = 160/s, so Q >= (lambda_peak - mu) x T_burst asks for about 140 to 150 \
              waiting places. The service keeps a FIFO queue of 200 in one variant and of 20 in \
@@ -59,7 +66,7 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              included). The queue's peak is the service's gauge, sampled once a second, so it \
              can miss the very top."
             .to_owned(),
-        LiveScenario::HedgeDrift => format!(
+        ScenarioKind::HedgeDrift => format!(
             "Hedge drift with load. Capacity is measured first (16 places, the PSP at 100 ms); \
              then the library's client hedges every attempt unanswered after a fixed \
              {HEDGE_DELAY} (just above the unloaded latency) at 30%, 90% and 110% of it, \
@@ -77,7 +84,7 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
              charging twice: in this service a hedge costs a request's admission and a store \
              lookup, not a second PSP call."
         ),
-        LiveScenario::HiddenQueue => "Client-side hidden queues. 150/s through the library's \
+        ScenarioKind::HiddenQueue => "Client-side hidden queues. 150/s through the library's \
              client to a service with 256 places (the PSP at 100 ms): with no limit of its \
              own, with `Destination::max_in_flight` 20 (a ceiling of about 20 / 105 ms = \
              190/s, enough on average) and 12 (about 115/s, less than offered). Past the limit \
@@ -93,6 +100,6 @@ pub(super) fn describe(result: &RunResult) -> Option<String> {
          `backstop load`, on one machine. `backstop storm sim --scenario {}` is this claim's \
          deterministic version, at its own parameters; there is no simulated mirror beside \
          these runs.",
-        scenario_name(result.scenario)
+        result.scenario.as_str()
     ))
 }

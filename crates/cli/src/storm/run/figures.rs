@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::plan::Plan;
-use super::{LiveScenario, Second, VariantResult};
+use super::result::{Second, VariantResult};
+use crate::storm::kind::ScenarioKind;
 
 /// The window of `jitter`'s pulse figure: the share of the retries sent within the busiest
 /// 300 ms.
@@ -16,7 +17,7 @@ pub(super) const PULSE_WINDOW_S: f64 = 0.3;
 /// `capacity` is the measured one, for scenarios that measure it; `rows` are the load's series
 /// rows.
 pub(super) fn of(
-    scenario: LiveScenario,
+    scenario: ScenarioKind,
     plan: &Plan,
     capacity: Option<f64>,
     variant: &VariantResult,
@@ -37,15 +38,21 @@ pub(super) fn of(
     };
     let load_share = capacity.filter(|c| *c > 0.0).map(|c| variant.rate / c);
     match scenario {
-        LiveScenario::Slowdown | LiveScenario::Overload | LiveScenario::Outage => {}
-        LiveScenario::Jitter => {
+        ScenarioKind::Slowdown
+        | ScenarioKind::Overload
+        | ScenarioKind::Outage
+        | ScenarioKind::LittlesLaw
+        | ScenarioKind::OutageRecovery
+        | ScenarioKind::Hedging
+        | ScenarioKind::Amplification => {}
+        ScenarioKind::Jitter => {
             let retries: u64 = rows.iter().map(|r| r.retries).sum();
             put("retries", retries as f64);
             if let Some(share) = pulse_share(rows, PULSE_WINDOW_S) {
                 put("retry_pulse_share", share);
             }
         }
-        LiveScenario::Utilization => {
+        ScenarioKind::Utilization => {
             if let Some(share) = load_share {
                 put("load_share", share);
             }
@@ -69,7 +76,7 @@ pub(super) fn of(
                 }
             }
         }
-        LiveScenario::Cold => {
+        ScenarioKind::Cold => {
             let cold = plan.phases.iter().position(|p| p.slow_above > 0);
             if let Some(i) = cold {
                 let from = plan.phases[i].at.as_secs_f64();
@@ -89,7 +96,7 @@ pub(super) fn of(
             }
             put("timeouts", outcome(load, "timeout") as f64);
         }
-        LiveScenario::Burst => {
+        ScenarioKind::Burst => {
             // Attempts the server refused (429, or 503 with its queue full: the PSP is healthy
             // throughout), the burst's load included.
             let refused = |l: &Value| {
@@ -111,7 +118,7 @@ pub(super) fn of(
                 put("p99_ms_worst_second", p99);
             }
         }
-        LiveScenario::HedgeDrift => {
+        ScenarioKind::HedgeDrift => {
             if let Some(share) = load_share {
                 put("load_share", share);
             }
@@ -125,7 +132,7 @@ pub(super) fn of(
                 (count(load, "retries") + count(load, "hedges")) as f64,
             );
         }
-        LiveScenario::HiddenQueue => {
+        ScenarioKind::HiddenQueue => {
             if let Some(peak) = load["client_pending_peak"].as_u64() {
                 put("client_pending_peak", peak as f64);
             }

@@ -29,34 +29,49 @@
 //!   and without the retry budget;
 //! - `hidden-queue`: the library's client with no limit of its own, and with
 //!   `Destination::max_in_flight` near and below what the load needs.
+//!
+//! The scenarios are the lab's one list (`storm::kind`), shared with `storm sim`; this command
+//! takes those with a live plan.
+//!
+//! # Layout
+//! - `plan`: what a live scenario is made of (the PSP's phases, the load, the variants);
+//!   `mirrored`: the plans of `slowdown`, `overload` and `outage`, each with the window its
+//!   simulated mirror is read in; `mirror`: a plan as the simulator sees it (`storm sim`'s
+//!   mirror, built from the plan itself); `claims`: the plans of the claims.
+//! - `variant`: one variant run end to end; `server`: its `backstop serve` child.
+//! - `result`: what a run measured; `figures`: each claim's own figures; `output`: the summary
+//!   and the files; `report`: the HTML report with the simulator's mirror beside the measured
+//!   runs; `claims_text`: the report's text on each claim.
 
 mod claims;
 mod claims_text;
 mod figures;
+mod mirror;
+mod mirrored;
 mod output;
 mod plan;
 mod report;
+mod result;
 mod server;
 mod variant;
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use clap::{Args, ValueEnum};
-use serde::Serialize;
-use serde_json::Value;
+use clap::Args;
 
 use self::output::{render, write_out};
-use self::plan::plan;
+use self::plan::Plan;
 use self::report::to_report;
+use self::result::RunResult;
 use self::variant::{measure_capacity, run_variant};
+use super::kind::{self, ScenarioKind};
 
 /// Flags of `backstop storm run`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct RunArgs {
     /// Which experiment to run.
-    #[arg(long, value_enum)]
-    scenario: LiveScenario,
+    #[arg(long, value_parser = kind::live())]
+    scenario: ScenarioKind,
     /// Directory for the per-second series of each variant (CSV) and the summary (JSON);
     /// created if missing.
     #[arg(long, value_name = "DIR")]
@@ -70,108 +85,6 @@ pub(crate) struct RunArgs {
     /// Multiplies every duration of the scenario (phases and load), e.g. 0.2 for a quick look.
     #[arg(long, value_name = "F", default_value_t = 1.0, value_parser = parse_scale)]
     time_scale: f64,
-}
-
-/// The experiments `storm run` knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub(crate) enum LiveScenario {
-    /// The PSP slows from 100 ms to 600 ms for 20 s: naive vs backstop clients.
-    Slowdown,
-    /// 3x the measured capacity for 20 s.
-    Overload,
-    /// The PSP refuses everything for 10 s, then comes back with cold-start latency.
-    Outage,
-    /// A stalled cohort fails at once: retries without jitter vs full, equal, decorrelated.
-    Jitter,
-    /// The same client and slowdown at 70% and at 90% of the measured capacity.
-    Utilization,
-    /// The PSP comes back cold (slower with more calls at once): slow start on or off.
-    Cold,
-    /// A 1 s burst against a queue that holds its excess and one that does not.
-    Burst,
-    /// A fixed hedge delay as load rises, with and without the retry budget.
-    HedgeDrift,
-    /// A client-side limit on attempts in flight, and the waits it hides.
-    HiddenQueue,
-}
-
-/// One second of one variant: the load's series and the server's samples.
-#[derive(Debug, Clone, Default, Serialize)]
-pub(crate) struct Second {
-    /// Seconds from the start of the load.
-    pub(crate) t_s: f64,
-    /// First attempts sent.
-    pub(crate) originals: u64,
-    /// Retries sent.
-    pub(crate) retries: u64,
-    /// Hedged copies sent.
-    pub(crate) hedges: u64,
-    /// Logical requests that succeeded.
-    pub(crate) ok: u64,
-    /// ... refused by admission.
-    pub(crate) rejected: u64,
-    /// ... whose deadline passed.
-    pub(crate) timeout: u64,
-    /// ... that failed otherwise.
-    pub(crate) failed: u64,
-    /// p99 latency of those that succeeded, in ms.
-    pub(crate) p99_ms: Option<f64>,
-    /// The gate's limit, as the server published it.
-    pub(crate) limit: Option<f64>,
-    /// Requests holding a gate slot.
-    pub(crate) inflight: Option<f64>,
-    /// Requests waiting in the gate's queue.
-    pub(crate) queue: Option<f64>,
-    /// The server's resident memory, in MiB.
-    pub(crate) rss_mib: Option<f64>,
-}
-
-/// What one variant did.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct VariantResult {
-    /// The variant's name.
-    pub(crate) name: String,
-    /// Flags its `serve` got.
-    pub(crate) serve_flags: Vec<String>,
-    /// Flags its `load` got.
-    pub(crate) load_flags: Vec<String>,
-    /// Logical requests offered per second.
-    pub(crate) rate: f64,
-    /// The load's own summary (`backstop load --json`).
-    pub(crate) load: Value,
-    /// Logical requests that succeeded per second of load.
-    pub(crate) goodput_per_s: f64,
-    /// Attempts sent per logical request.
-    pub(crate) attempts_per_logical: f64,
-    /// Seconds from the moment the load or the dependency recovered until a whole second
-    /// served at least 90% of the offered rate (`None`: never within the run).
-    pub(crate) recovery_s: Option<f64>,
-    /// Highest resident memory of the server seen, in MiB.
-    pub(crate) peak_rss_mib: Option<f64>,
-    /// Intents left `running` once the load stopped.
-    pub(crate) intents_running: Option<u64>,
-    /// The summary of the burst's own `load`, for a scenario with a burst (its counts are in
-    /// `seconds`, `goodput_per_s` and `attempts_per_logical` too).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) burst_load: Option<Value>,
-    /// The scenario's own figures (e.g. the hedge share), by name.
-    pub(crate) figures: BTreeMap<String, f64>,
-    /// Per second.
-    pub(crate) seconds: Vec<Second>,
-}
-
-/// What a `storm run` measured.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct RunResult {
-    /// Which scenario.
-    pub(crate) scenario: LiveScenario,
-    /// Measured capacity (logical requests per second), for scenarios that offer a multiple.
-    pub(crate) capacity_per_s: Option<f64>,
-    /// What every duration of the scenario was multiplied by.
-    pub(crate) time_scale: f64,
-    /// Each variant, in order.
-    pub(crate) variants: Vec<VariantResult>,
 }
 
 /// Runs the scenario and prints (or writes) what it measured.
@@ -191,22 +104,38 @@ pub(crate) async fn run(args: RunArgs) -> Result<(), Box<dyn std::error::Error>>
     Ok(())
 }
 
+/// The plan of `scenario`'s live run; `None` for the scenarios only simulated.
+fn plan(scenario: ScenarioKind) -> Option<Plan> {
+    match scenario {
+        ScenarioKind::Slowdown => Some(mirrored::slowdown()),
+        ScenarioKind::Overload => Some(mirrored::overload()),
+        ScenarioKind::Outage => Some(mirrored::outage()),
+        ScenarioKind::Jitter => Some(claims::jitter()),
+        ScenarioKind::Utilization => Some(claims::utilization()),
+        ScenarioKind::Cold => Some(claims::cold()),
+        ScenarioKind::Burst => Some(claims::burst()),
+        ScenarioKind::HedgeDrift => Some(claims::hedge_drift()),
+        ScenarioKind::HiddenQueue => Some(claims::hidden_queue()),
+        ScenarioKind::LittlesLaw
+        | ScenarioKind::OutageRecovery
+        | ScenarioKind::Hedging
+        | ScenarioKind::Amplification => None,
+    }
+}
+
 /// Runs `scenario` with every duration multiplied by `scale`.
 pub(crate) async fn execute(
-    scenario: LiveScenario,
+    scenario: ScenarioKind,
     scale: f64,
 ) -> Result<RunResult, Box<dyn std::error::Error>> {
-    let mut plan = plan(scenario);
-    plan.duration = plan.duration.mul_f64(scale);
-    plan.recovery_at = plan.recovery_at.map(|d| d.mul_f64(scale));
-    for phase in &mut plan.phases {
-        phase.at = phase.at.mul_f64(scale);
-        phase.hold = phase.hold.map(|d| d.mul_f64(scale));
-    }
-    if let Some(burst) = &mut plan.burst {
-        burst.at = burst.at.mul_f64(scale);
-        burst.duration = burst.duration.mul_f64(scale);
-    }
+    let Some(plan) = plan(scenario) else {
+        return Err(format!(
+            "scenario {} has no live run; `storm sim --scenario {0}` simulates it",
+            scenario.as_str()
+        )
+        .into());
+    };
+    let plan = plan.scaled(scale);
     let work = tempfile::tempdir()?;
     let capacity = match plan.rate {
         Some(_) => None,
@@ -244,6 +173,23 @@ fn parse_scale(s: &str) -> Result<f64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_live_scenario_has_a_plan_with_variants_and_ordered_phases() {
+        for &scenario in <ScenarioKind as clap::ValueEnum>::value_variants() {
+            let Some(plan) = plan(scenario) else {
+                assert!(!scenario.live(), "{scenario:?} has no plan");
+                continue;
+            };
+            assert!(
+                scenario.live(),
+                "{scenario:?} is not offered to `storm run`"
+            );
+            assert!(!plan.variants.is_empty());
+            assert!(plan.phases.windows(2).all(|w| w[0].at < w[1].at));
+            assert!(plan.phases.iter().all(|p| p.at < plan.duration));
+        }
+    }
 
     #[test]
     fn the_time_scale_is_bounded() {

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use super::RunResult;
-use super::report::{figure, scenario_name};
+use super::report::figure;
+use super::result::RunResult;
 
 pub(super) fn write_out(dir: &Path, result: &RunResult) -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(dir)
@@ -40,7 +40,7 @@ pub(super) fn write_out(dir: &Path, result: &RunResult) -> Result<(), Box<dyn st
 }
 
 pub(super) fn render(result: &RunResult) -> String {
-    let mut out = format!("scenario {}\n", scenario_name(result.scenario));
+    let mut out = format!("scenario {}\n", result.scenario.as_str());
     if let Some(capacity) = result.capacity_per_s {
         out.push_str(&format!("measured capacity {capacity:.1}/s\n"));
     }

@@ -1,8 +1,8 @@
-//! What each live scenario does: the PSP's phases, the offered load and the variants compared.
+//! What a live scenario is made of: the PSP's phases, the offered load and the variants
+//! compared. The plans themselves are in `mirrored` (the scenarios with a simulated mirror) and
+//! `claims`.
 
 use std::time::Duration;
-
-use super::{LiveScenario, claims};
 
 /// How the PSP behaves from `at` on.
 #[derive(Debug, Clone, Copy)]
@@ -92,117 +92,25 @@ pub(super) struct Plan {
     pub(super) probe_rate: f64,
 }
 
+impl Plan {
+    /// The plan with every duration multiplied by `scale` (`--time-scale`).
+    pub(super) fn scaled(mut self, scale: f64) -> Plan {
+        self.duration = self.duration.mul_f64(scale);
+        self.recovery_at = self.recovery_at.map(|d| d.mul_f64(scale));
+        for phase in &mut self.phases {
+            phase.at = phase.at.mul_f64(scale);
+            phase.hold = phase.hold.map(|d| d.mul_f64(scale));
+        }
+        if let Some(burst) = &mut self.burst {
+            burst.at = burst.at.mul_f64(scale);
+            burst.duration = burst.duration.mul_f64(scale);
+        }
+        self
+    }
+}
+
+/// The PSP's latency when healthy.
+pub(super) const NORMAL: Duration = Duration::from_millis(100);
+
 pub(super) const MS: fn(u64) -> Duration = Duration::from_millis;
 pub(super) const S: fn(u64) -> Duration = Duration::from_secs;
-
-pub(super) fn plan(scenario: LiveScenario) -> Plan {
-    let normal = MS(100);
-    match scenario {
-        LiveScenario::Slowdown => Plan {
-            rate: Some(200.0),
-            capacity_multiple: 1.0,
-            duration: S(40),
-            recovery_at: Some(S(30)),
-            burst: None,
-            series_interval: None,
-            probe: None,
-            probe_rate: 2_000.0,
-            phases: vec![
-                healthy(S(0), normal),
-                healthy(S(10), MS(600)),
-                healthy(S(30), normal),
-            ],
-            variants: vec![
-                variant(
-                    "naive",
-                    vec!["--max-inflight", "64"],
-                    vec!["--policy", "naive"],
-                ),
-                variant("backstop", vec!["--max-inflight", "64"], vec![]),
-            ],
-        },
-        LiveScenario::Overload => Plan {
-            rate: None,
-            capacity_multiple: 3.0,
-            duration: S(20),
-            recovery_at: None,
-            burst: None,
-            series_interval: None,
-            probe: None,
-            probe_rate: 2_000.0,
-            phases: vec![healthy(S(0), normal)],
-            variants: vec![variant("backstop", vec!["--max-inflight", "16"], vec![])],
-        },
-        LiveScenario::Outage => Plan {
-            rate: Some(200.0),
-            capacity_multiple: 1.0,
-            duration: S(40),
-            recovery_at: Some(S(20)),
-            burst: None,
-            series_interval: None,
-            probe: None,
-            probe_rate: 2_000.0,
-            phases: vec![
-                healthy(S(0), normal),
-                Phase {
-                    unavailable: true,
-                    ..healthy(S(10), normal)
-                },
-                // Back, cold: slow for a while before it is warm again.
-                healthy(S(20), MS(400)),
-                healthy(S(25), normal),
-            ],
-            variants: vec![
-                variant("backstop", vec!["--max-inflight", "64"], vec![]),
-                variant(
-                    "no-slow-start",
-                    vec!["--max-inflight", "64", "--no-slow-start"],
-                    vec![],
-                ),
-                variant(
-                    "no-storm-alarm",
-                    vec!["--max-inflight", "64"],
-                    vec!["--no-storm-alarm"],
-                ),
-                variant(
-                    "naive",
-                    vec!["--max-inflight", "64"],
-                    vec!["--policy", "naive"],
-                ),
-            ],
-        },
-        LiveScenario::Jitter => claims::jitter(),
-        LiveScenario::Utilization => claims::utilization(),
-        LiveScenario::Cold => claims::cold(),
-        LiveScenario::Burst => claims::burst(),
-        LiveScenario::HedgeDrift => claims::hedge_drift(),
-        LiveScenario::HiddenQueue => claims::hidden_queue(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_scenario_has_variants_and_ordered_phases() {
-        for &scenario in <LiveScenario as clap::ValueEnum>::value_variants() {
-            let plan = plan(scenario);
-            assert!(!plan.variants.is_empty());
-            assert!(plan.phases.windows(2).all(|w| w[0].at < w[1].at));
-            assert!(plan.phases.iter().all(|p| p.at < plan.duration));
-        }
-    }
-
-    #[test]
-    fn the_outage_plan_compares_with_and_without_slow_start() {
-        let plan = plan(LiveScenario::Outage);
-        let flags = |name: &str| {
-            let v = plan.variants.iter().find(|v| v.name == name).unwrap();
-            (v.serve.clone(), v.load.clone())
-        };
-        let (serve, load) = flags("no-slow-start");
-        assert!(serve.contains(&"--no-slow-start"));
-        assert_eq!(load, flags("backstop").1, "only the server differs");
-    }
-}

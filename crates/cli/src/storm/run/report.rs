@@ -1,8 +1,10 @@
 //! The run's HTML report: the measured variants beside the simulator's mirror of the same
 //! scenario, with a text on where the two are expected to differ.
 
-use super::{LiveScenario, RunResult};
+use super::mirrored;
+use super::result::RunResult;
 use crate::report;
+use crate::storm::kind::ScenarioKind;
 use crate::storm::scenario;
 
 /// The run as a report: one chart series per variant.
@@ -64,7 +66,7 @@ pub(super) fn to_report(result: &RunResult) -> report::Report {
     }
     report::Report {
         format: String::new(),
-        title: format!("storm run: {}", scenario_name(result.scenario)),
+        title: format!("storm run: {}", result.scenario.as_str()),
         description: describe(result),
         runs,
     }
@@ -73,41 +75,15 @@ pub(super) fn to_report(result: &RunResult) -> report::Report {
 /// Seeds the simulator's mirrors on the report.
 const MIRROR_SEED: u64 = 1;
 
-/// `storm sim`'s mirror of the scenario `result` ran: the same rate (or the same multiple of
-/// the measured capacity), places, PSP phases, deadlines and variants, on the same time scale.
-/// The claims' scenarios have none: `storm sim --scenario NAME` is their deterministic version,
-/// at its own parameters.
+/// `storm sim`'s mirror of the scenario `result` ran, on the same time scale (see
+/// [`mirrored::mirror`]).
 fn mirror(result: &RunResult) -> Option<scenario::Scenario> {
-    let scale = result.time_scale;
-    match result.scenario {
-        LiveScenario::Slowdown => Some(scenario::live_slowdown(MIRROR_SEED, scale)),
-        LiveScenario::Overload => Some(scenario::live_overload(
-            MIRROR_SEED,
-            scale,
-            result.capacity_per_s,
-        )),
-        LiveScenario::Outage => Some(scenario::live_outage(MIRROR_SEED, scale)),
-        LiveScenario::Jitter
-        | LiveScenario::Utilization
-        | LiveScenario::Cold
-        | LiveScenario::Burst
-        | LiveScenario::HedgeDrift
-        | LiveScenario::HiddenQueue => None,
-    }
-}
-
-pub(super) fn scenario_name(scenario: LiveScenario) -> &'static str {
-    match scenario {
-        LiveScenario::Slowdown => "slowdown",
-        LiveScenario::Overload => "overload",
-        LiveScenario::Outage => "outage",
-        LiveScenario::Jitter => "jitter",
-        LiveScenario::Utilization => "utilization",
-        LiveScenario::Cold => "cold",
-        LiveScenario::Burst => "burst",
-        LiveScenario::HedgeDrift => "hedge-drift",
-        LiveScenario::HiddenQueue => "hidden-queue",
-    }
+    mirrored::mirror(
+        result.scenario,
+        MIRROR_SEED,
+        result.time_scale,
+        result.capacity_per_s,
+    )
 }
 
 /// A figure as the report shows it: shares and ratios with three decimals, counts whole.
@@ -124,25 +100,30 @@ fn describe(result: &RunResult) -> String {
         return text;
     }
     let what = match result.scenario {
-        LiveScenario::Slowdown => {
+        ScenarioKind::Slowdown => {
             "The PSP's latency goes from 100 ms to 600 ms for half the run, then back, under a \
              steady offered load; each variant runs on its own fresh service."
         }
-        LiveScenario::Overload => {
+        ScenarioKind::Overload => {
             "The service's capacity is measured first, then it is offered three times that."
         }
-        LiveScenario::Outage => {
+        ScenarioKind::Outage => {
             "The PSP refuses every charge for a quarter of the run, then comes back slow (a cold \
              start) before it is warm again; recovery is the time from its return until a whole \
              second serves 90% of the offered load."
         }
         // Described by `claims_text`.
-        LiveScenario::Jitter
-        | LiveScenario::Utilization
-        | LiveScenario::Cold
-        | LiveScenario::Burst
-        | LiveScenario::HedgeDrift
-        | LiveScenario::HiddenQueue => "",
+        ScenarioKind::Jitter
+        | ScenarioKind::Utilization
+        | ScenarioKind::Cold
+        | ScenarioKind::Burst
+        | ScenarioKind::HedgeDrift
+        | ScenarioKind::HiddenQueue => "",
+        // Never run live (`storm run` does not take them).
+        ScenarioKind::LittlesLaw
+        | ScenarioKind::OutageRecovery
+        | ScenarioKind::Hedging
+        | ScenarioKind::Amplification => "",
     };
     let mut text = format!(
         "{what}\n\nMeasured on loopback: a real `backstop serve` (SQLite), the PSP simulator and \
@@ -172,14 +153,14 @@ fn describe(result: &RunResult) -> String {
          by about 14 requests either way, a measured one does not.",
     );
     text.push_str(&match result.scenario {
-        LiveScenario::Slowdown => "\n\nIn this scenario: while the PSP takes 600 ms, 64 \
+        ScenarioKind::Slowdown => "\n\nIn this scenario: while the PSP takes 600 ms, 64 \
              places serve about 106/s of the 200/s offered in both. In the real service each of \
              the naive client's extra attempts goes through the idempotency store and the \
              intents table under a fresh key (SQLite writes), which the simulated service does \
              not pay for: a gap in goodput between the measured and the simulated naive runs is \
              that cost."
             .to_owned(),
-        LiveScenario::Overload => {
+        ScenarioKind::Overload => {
             let capacity = result
                 .capacity_per_s
                 .map_or("160/s (16 places / 100 ms)".to_owned(), |c| {
@@ -195,7 +176,7 @@ fn describe(result: &RunResult) -> String {
                  generator uses too); the simulated one refuses for free."
             )
         }
-        LiveScenario::Outage => {
+        ScenarioKind::Outage => {
             let scale = result.time_scale;
             format!(
                 "\n\nIn this scenario: during the outage the PSP simulator answers every charge \
@@ -220,12 +201,16 @@ fn describe(result: &RunResult) -> String {
             )
         }
         // Described by `claims_text`.
-        LiveScenario::Jitter
-        | LiveScenario::Utilization
-        | LiveScenario::Cold
-        | LiveScenario::Burst
-        | LiveScenario::HedgeDrift
-        | LiveScenario::HiddenQueue => String::new(),
+        ScenarioKind::Jitter
+        | ScenarioKind::Utilization
+        | ScenarioKind::Cold
+        | ScenarioKind::Burst
+        | ScenarioKind::HedgeDrift
+        | ScenarioKind::HiddenQueue
+        | ScenarioKind::LittlesLaw
+        | ScenarioKind::OutageRecovery
+        | ScenarioKind::Hedging
+        | ScenarioKind::Amplification => String::new(),
     });
     text
 }
@@ -233,12 +218,17 @@ fn describe(result: &RunResult) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storm::run::plan::{S, plan};
-    use crate::storm::run::{Second, VariantResult};
+    use crate::storm::run::plan::{Plan, S};
+
+    /// The live plan of `scenario`.
+    fn plan(scenario: ScenarioKind) -> Plan {
+        crate::storm::run::plan(scenario).expect("a live scenario")
+    }
+    use crate::storm::run::result::{Second, VariantResult};
 
     /// A measured run of `scenario` as `execute` returns it, one second per variant, without
     /// running anything.
-    fn measured(scenario: LiveScenario, time_scale: f64) -> RunResult {
+    fn measured(scenario: ScenarioKind, time_scale: f64) -> RunResult {
         let variants = plan(scenario)
             .variants
             .iter()
@@ -265,7 +255,7 @@ mod tests {
             .collect();
         RunResult {
             scenario,
-            capacity_per_s: (scenario == LiveScenario::Overload).then_some(143.6),
+            capacity_per_s: (scenario == ScenarioKind::Overload).then_some(143.6),
             time_scale,
             variants,
         }
@@ -274,9 +264,9 @@ mod tests {
     #[test]
     fn every_live_scenario_is_mirrored_with_its_variants() {
         for scenario in [
-            LiveScenario::Slowdown,
-            LiveScenario::Overload,
-            LiveScenario::Outage,
+            ScenarioKind::Slowdown,
+            ScenarioKind::Overload,
+            ScenarioKind::Outage,
         ] {
             let live: Vec<&str> = plan(scenario).variants.iter().map(|v| v.name).collect();
             let mirror = mirror(&measured(scenario, 1.0)).expect("mirrored");
@@ -284,7 +274,7 @@ mod tests {
             assert_eq!(mirror.model.duration, plan(scenario).duration);
         }
         // The overload mirror offers three times the measured capacity.
-        let overload = mirror(&measured(LiveScenario::Overload, 0.5)).expect("mirrored");
+        let overload = mirror(&measured(ScenarioKind::Overload, 0.5)).expect("mirrored");
         assert!((overload.model.rate - 3.0 * 143.6).abs() < 1e-9);
         assert_eq!(overload.model.duration, S(10));
     }
@@ -294,9 +284,9 @@ mod tests {
     #[test]
     fn the_report_puts_the_simulated_mirror_beside_every_live_scenario() {
         for scenario in [
-            LiveScenario::Slowdown,
-            LiveScenario::Overload,
-            LiveScenario::Outage,
+            ScenarioKind::Slowdown,
+            ScenarioKind::Overload,
+            ScenarioKind::Outage,
         ] {
             let result = measured(scenario, 0.05);
             let report = to_report(&result);
@@ -330,19 +320,19 @@ mod tests {
     #[test]
     fn a_claims_report_holds_the_measured_runs_and_names_its_simulation() {
         for scenario in [
-            LiveScenario::Jitter,
-            LiveScenario::Utilization,
-            LiveScenario::Cold,
-            LiveScenario::Burst,
-            LiveScenario::HedgeDrift,
-            LiveScenario::HiddenQueue,
+            ScenarioKind::Jitter,
+            ScenarioKind::Utilization,
+            ScenarioKind::Cold,
+            ScenarioKind::Burst,
+            ScenarioKind::HedgeDrift,
+            ScenarioKind::HiddenQueue,
         ] {
             let result = measured(scenario, 0.1);
             let report = to_report(&result);
             let names: Vec<&str> = report.runs.iter().map(|r| r.name.as_str()).collect();
             let live: Vec<&str> = plan(scenario).variants.iter().map(|v| v.name).collect();
             assert_eq!(names, live, "{scenario:?}");
-            let name = scenario_name(scenario);
+            let name = scenario.as_str();
             assert!(
                 report
                     .description

@@ -12,8 +12,8 @@ use tokio::process::Command;
 use tokio::time::Instant;
 
 use super::plan::{Phase, Plan, S, Variant, healthy};
+use super::result::{Second, VariantResult};
 use super::server::Server;
-use super::{Second, VariantResult};
 
 /// Offers far more than the service can take for a few seconds and counts what it served per
 /// second while it was offered that: the whole seconds after the first (which fills the

@@ -8,8 +8,9 @@ use hyper_util::server::conn::auto;
 use super::{InvalidPushAway, PushAway, Pushed};
 use crate::admission::{Shedding, SheddingConfig};
 use crate::server::listen::ListenConfig;
-use crate::server::listen::accept::{Shared, Streams};
 use crate::server::listen::registry::{Metrics, Registered, Registry};
+use crate::server::listen::shared::Shared;
+use crate::server::listen::streams::Streams;
 
 fn shared(push: PushAway) -> Shared {
     Shared {
