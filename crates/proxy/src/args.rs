@@ -18,7 +18,7 @@ use super::scope::ScopeHeaders;
 
 /// Flags of `backstop proxy`.
 #[derive(Debug, Clone, Args)]
-pub(crate) struct ProxyArgs {
+pub struct ProxyArgs {
     /// Validate a routes file, print each route's effective policy, and exit (status 2 when
     /// the file is refused, naming what is wrong).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["config", "upstream"])]

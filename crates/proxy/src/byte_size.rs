@@ -7,7 +7,7 @@ const MAX: u64 = 1 << 30;
 
 /// Parses a size: a whole number of bytes, optionally followed by `B`, `KiB`, `MiB` or `GiB`,
 /// at most 1 GiB.
-pub(crate) fn parse(text: &str) -> Result<usize, String> {
+pub fn parse(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let digits = text
         .find(|c: char| !c.is_ascii_digit())
@@ -32,7 +32,7 @@ pub(crate) fn parse(text: &str) -> Result<usize, String> {
 }
 
 /// A size in a TOML file: a number of bytes, or a string [`parse`] reads.
-pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum Size {

@@ -10,7 +10,7 @@ use std::fmt;
 /// Displays an error followed by each cause in its `source()` chain, separated by `": "`, on
 /// one line, leaving out a cause whose text the line already contains.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Chain<'a>(pub(crate) &'a (dyn Error + 'static));
+pub struct Chain<'a>(pub &'a (dyn Error + 'static));
 
 impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

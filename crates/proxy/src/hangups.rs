@@ -6,7 +6,8 @@
 //! answers.
 
 /// SIGHUP, watched (where there are signals).
-pub(crate) struct Hangups {
+#[derive(Debug)]
+pub struct Hangups {
     #[cfg(unix)]
     signal: Option<tokio::signal::unix::Signal>,
 }
@@ -14,7 +15,7 @@ pub(crate) struct Hangups {
 impl Hangups {
     /// Starts watching; from now on a SIGHUP no longer ends the process. `what` names what a
     /// hangup would reload, for the warning when it cannot be watched.
-    pub(crate) fn watch(what: &str) -> Self {
+    pub fn watch(what: &str) -> Self {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{SignalKind, signal};
@@ -33,7 +34,7 @@ impl Hangups {
     }
 
     /// The next SIGHUP; `None` once none can come (not watched, or no signals here).
-    pub(crate) async fn recv(&mut self) -> Option<()> {
+    pub async fn recv(&mut self) -> Option<()> {
         #[cfg(unix)]
         match &mut self.signal {
             Some(signal) => signal.recv().await,

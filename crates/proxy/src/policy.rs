@@ -54,7 +54,7 @@ use serde::{Deserialize, Deserializer};
 
 use super::auto::twin_path;
 pub(crate) use super::auto::{KeyedTwin, Keying};
-pub(crate) use super::route_match::RouteMatch;
+pub use super::route_match::RouteMatch;
 use super::scope::ScopeHeaders;
 
 /// Largest routes file read.
@@ -88,34 +88,34 @@ pub(crate) struct ProxySection {
 /// `[policies]`: the fallback, the routes and the rate classes.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct PoliciesSection {
+pub struct PoliciesSection {
     /// The policy of requests no route names.
     #[serde(default)]
-    pub(crate) fallback: Option<RouteSpec>,
+    pub fallback: Option<RouteSpec>,
     /// The routes, matched in the library's order (exact path, then HTTP route, then gRPC
     /// service, then the fallback).
     #[serde(default, rename = "route")]
-    pub(crate) routes: Vec<RouteSpec>,
+    pub routes: Vec<RouteSpec>,
     /// Quotas of the rate classes the routes name.
     #[serde(default, rename = "rate_class")]
-    pub(crate) rate_classes: BTreeMap<String, RateSpec>,
+    pub rate_classes: BTreeMap<String, RateSpec>,
 }
 
 /// One `[[policies.route]]` (or the `[policies.fallback]`, which has no `match`).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct RouteSpec {
+pub struct RouteSpec {
     /// `METHOD /path/{param}`, `/pkg.Service/Method` (or an HTTP path, any method), or
     /// `/pkg.Service/*` (every method of a gRPC service).
     #[serde(rename = "match")]
-    pub(crate) matches: Option<String>,
+    pub matches: Option<String>,
     /// The route's name in `--check-config` and the policy table (default: the `match`
     /// text). The metrics label a request by the `match` text.
-    pub(crate) name: Option<String>,
+    pub name: Option<String>,
     /// `safe`, `keyed`, `unsafe` or `auto` (default).
-    pub(crate) idempotency: Option<IdempotencySpec>,
+    pub idempotency: Option<IdempotencySpec>,
     /// `caller` (default: keys and rate limits per caller) or `shared` (one scope for all).
-    pub(crate) scope: Option<ScopeSpec>,
+    pub scope: Option<ScopeSpec>,
     /// Budget of a request that brings none.
     #[serde(default, deserialize_with = "duration")]
     timeout: Option<Duration>,
@@ -137,15 +137,18 @@ pub(crate) struct RouteSpec {
     rate_class: Option<String>,
     /// The upstream deduplicates by the effect key header: after a crash of the proxy, a retry
     /// forwards again (with the same effect key) instead of answering `outcome_unknown`.
-    pub(crate) upstream_dedups_by_effect_key: Option<bool>,
+    pub upstream_dedups_by_effect_key: Option<bool>,
 }
 
 /// A route's `idempotency`.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum IdempotencySpec {
+pub enum IdempotencySpec {
+    /// Safe to repeat: retried and hedged freely.
     Safe,
+    /// Forwarded at most once per key, its answer replayed to a retry.
     Keyed,
+    /// Never repeated by the proxy.
     Unsafe,
     /// Keyed when a `POST` or `PATCH` carries an `Idempotency-Key`, else unsafe: the proxy's
     /// default.
@@ -154,7 +157,7 @@ pub(crate) enum IdempotencySpec {
 
 impl IdempotencySpec {
     /// The library's class, or `None` for `auto` (the proxy's alone).
-    pub(crate) fn class(self) -> Option<Idempotency> {
+    pub fn class(self) -> Option<Idempotency> {
         match self {
             IdempotencySpec::Safe => Some(Idempotency::Safe),
             IdempotencySpec::Keyed => Some(Idempotency::Keyed),
@@ -167,19 +170,21 @@ impl IdempotencySpec {
 /// A route's `scope`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub(crate) enum ScopeSpec {
+pub enum ScopeSpec {
+    /// Keys and rate limits per caller.
     Caller,
+    /// One scope for all callers.
     Shared,
 }
 
 /// `[policies.rate_class.NAME]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct RateSpec {
+pub struct RateSpec {
     /// Requests per second.
-    pub(crate) rate: NonZeroU32,
+    pub rate: NonZeroU32,
     /// Requests at once after a quiet spell (default: the rate).
-    pub(crate) burst: Option<NonZeroU32>,
+    pub burst: Option<NonZeroU32>,
 }
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
@@ -565,7 +570,7 @@ impl RouteSpec {
     /// The settings this spec gives that tune a policy of class `idempotency` (timeout,
     /// retries, hedging, rate class, key TTL), applied onto `builder`; `what` names the spec
     /// in errors. The class itself, the name and the takeover are the caller's.
-    pub(crate) fn apply(
+    pub fn apply(
         &self,
         mut builder: MethodPolicyBuilder,
         idempotency: Idempotency,

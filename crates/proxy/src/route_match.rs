@@ -6,7 +6,7 @@ use http::Method;
 
 /// What a route applies to, as the library's table keys it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum RouteMatch {
+pub enum RouteMatch {
     /// An HTTP method and path pattern.
     Route(Method, String),
     /// One path, any method: a gRPC method or an HTTP path without parameters.
@@ -27,7 +27,7 @@ impl std::fmt::Display for RouteMatch {
 
 impl RouteMatch {
     /// Parses a `match` text.
-    pub(crate) fn parse(text: &str) -> Result<RouteMatch, String> {
+    pub fn parse(text: &str) -> Result<RouteMatch, String> {
         let text = text.trim();
         if let Some((method, pattern)) = text.split_once(char::is_whitespace) {
             let method = Method::from_bytes(method.as_bytes())
