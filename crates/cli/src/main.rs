@@ -20,20 +20,17 @@ use std::error::Error;
 use std::ffi::OsString;
 use std::process::ExitCode;
 
+use backstop_proxy::error_chain::Chain;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod api_keys;
-mod byte_size;
 mod chaos;
 mod config_file;
-mod error_chain;
-mod hangups;
 mod load;
 mod logging;
 #[cfg(feature = "otel")]
 mod otel;
 mod package_assets;
-mod proxy;
 mod psp;
 mod reconcile;
 mod report;
@@ -118,7 +115,7 @@ enum Command {
     /// budget (grpc-timeout or a timeout header) reaches the upstream minus the hop's margin,
     /// 504 when it runs out; a bounded fair queue answers 503 + Retry-After under overload.
     /// Prometheus metrics on --admin.
-    Proxy(Box<proxy::ProxyArgs>),
+    Proxy(Box<backstop_proxy::ProxyArgs>),
     /// Turn the fleet's retries off, on, or down to a budget, for every client at once
     ///
     /// Every backstop client watching the same Redis key (serve --redis, load and proxy with
@@ -227,15 +224,16 @@ async fn main() -> ExitCode {
             chaos::run(args).await
         }
         Command::Retries(args) => retries::run(args, shutdown_signal()).await,
-        Command::Proxy(args) => match proxy::run(&args, shutdown_signal()).await {
+        Command::Proxy(args) => match backstop_proxy::run(&args, shutdown_signal()).await {
             Ok(code) => return code,
-            Err(error) => Err(error),
+            Err(backstop_proxy::Error::Usage(error)) => usage_error(error, "proxy"),
+            Err(error) => Err(error.into()),
         },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            let message = error_chain::Chain(&*error).to_string();
+            let message = Chain(&*error).to_string();
             // One line: the logs go to the same stderr.
             eprintln!("error: {message}");
             ExitCode::FAILURE

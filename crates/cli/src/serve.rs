@@ -10,10 +10,10 @@ use backstop::admission::{Discipline, QueueConfig, SheddingConfig};
 use backstop::server::listen::PushAway;
 use backstop_payment::config::{ApiKey, Config, LimitMode, PspTarget, StoreLocation};
 use backstop_payment::server::{self, ServeError};
+use backstop_proxy::hangups::Hangups;
 use clap::Args;
 use clap::error::ErrorKind;
 
-use crate::hangups::Hangups;
 use crate::{api_keys, serve_policies};
 
 /// Flags of `backstop serve`.
@@ -68,7 +68,7 @@ pub(crate) struct ServeArgs {
     /// The largest answer body of a keyed method kept for replay where the method's policy
     /// sets none (bytes, or with KiB, MiB, GiB): a larger answer streams to its caller, and a
     /// retry with its key gets its status with `replay_body_too_large`.
-    #[arg(long, env = "BACKSTOP_MAX_REPLAY_BODY", value_name = "SIZE", default_value = "1MiB", value_parser = crate::byte_size::parse)]
+    #[arg(long, env = "BACKSTOP_MAX_REPLAY_BODY", value_name = "SIZE", default_value = "1MiB", value_parser = backstop_proxy::byte_size::parse)]
     max_replay_body: usize,
     /// Connections open at once on each port; at the cap an idle one is closed to make room,
     /// or the new one refused when all are busy. Keep it below the file descriptor limit.

@@ -13,7 +13,7 @@
 //! burst = 100
 //! ```
 //!
-//! The format is the proxy's routes file ([`crate::proxy::policy`]), so one table reads the
+//! The format is the proxy's routes file ([`backstop_proxy::policy`]), so one table reads the
 //! same in front of a service and inside one. What differs is whose routes they are: the
 //! service's handlers exist already, so the file tunes the entries the service declares
 //! ([`POLICY_ENTRIES`]) and its fallback, and nothing else. An entry keeps its idempotency
@@ -28,8 +28,7 @@ use backstop::admission::Quota;
 use backstop::policy::{MethodPolicies, MethodPolicy};
 use backstop_payment::config::Config;
 use backstop_payment::policies::{POLICY_ENTRIES, check_policies, default_policies};
-
-use crate::proxy::policy::{PoliciesSection, RouteMatch, RouteSpec};
+use backstop_proxy::policy::{PoliciesSection, RouteMatch, RouteSpec};
 
 /// Sets `config.policies` and `config.rate_classes` from a config file's `[policies]` table,
 /// over the table the rest of `config` gives (its default timeout and key TTL). The error says

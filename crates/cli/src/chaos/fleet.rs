@@ -139,7 +139,7 @@ impl Role {
     fn log_filter(&self) -> &'static str {
         match self {
             Role::Serve { .. } => "warn,backstop_payment::server=info",
-            Role::Proxy { .. } => "warn,backstop::proxy::server=info",
+            Role::Proxy { .. } => "warn,backstop_proxy::server=info",
         }
     }
 }
