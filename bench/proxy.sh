@@ -68,7 +68,8 @@ start_proxy() {
       local config=(--config "$work/passthrough.toml") bin=$target/backstop
       [ "$mode" = keyed ] && config=(--config "$work/keyed.toml")
       [ "$mode" = previous ] && bin=$previous_bin
-      (RUST_LOG=warn,backstop::proxy::server=info TOKIO_WORKER_THREADS=1 taskset -c 0 \
+      # The listening line's target: backstop::proxy::server in the previous binary.
+      (RUST_LOG=warn,backstop::proxy::server=info,backstop_proxy::server=info TOKIO_WORKER_THREADS=1 taskset -c 0 \
         "$bin" --log-format json proxy --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
         --upstream "http://$upstream" --store "sqlite://$work/$mode-$round.db" "${config[@]}" \
         >"$work/proxy.out" 2>&1 & echo $! >"$work/proxy.pid")

@@ -11,7 +11,8 @@
 //!   with the library's own policies as clients and admission; `backstop storm run`: the same
 //!   experiments against the real service, with HTML reports.
 //! - `backstop proxy`: a reverse proxy giving any HTTP or gRPC service durable idempotency,
-//!   deadlines across the hop and admission control, from the library's server stack.
+//!   deadlines across the hop and admission control, from the library's server stack; it
+//!   lives in its own crate, `backstop_proxy` (crates/proxy), which this command dispatches to.
 //! - `backstop chaos`: an exactly-once checker: payments retried through SIGKILLs and PSP
 //!   faults, then the history checked.
 
