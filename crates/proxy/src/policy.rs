@@ -31,13 +31,13 @@
 //! A route (or the fallback) that names no `idempotency` is `auto`: a `POST` or `PATCH`
 //! carrying an `Idempotency-Key` is keyed, anything else passes through as `unsafe` does. The
 //! server stack sees such a request under the route's keyed twin, an entry of the library's
-//! table at a path no request has ([`Route::keyed_twin`]), chosen by the proxy's front.
+//! table at a path no request has (`Route::keyed_twin`), chosen by the proxy's front.
 //!
 //! The section is self-contained (`[policies]` and below), so that another command's config
 //! file can hold the same table. Every key is checked: one this file does not know is an error
 //! naming it, and the table is validated by the library's own rules
 //! ([`MethodPolicies::validate`]) before anything starts, and again before a reload on SIGHUP
-//! puts it in effect (see [`super::routes`]).
+//! puts it in effect (see `routes`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
