@@ -51,6 +51,8 @@
 //! - [`byte_size`], [`hangups`], [`error_chain`]: sizes as an operator writes them, SIGHUP
 //!   watched, an error on one line; the `backstop` binary's other commands use them too.
 //!
+//! # Promises
+//!
 //! What the proxy promises on a keyed route: a request is forwarded at most once per
 //! `Idempotency-Key` and scope (the caller, a hash of its credentials: see `scope`) while the
 //! key's record lives (its `key_ttl`), and every retry with the key gets the first answer
@@ -69,6 +71,7 @@ mod auto;
 mod budget;
 pub mod byte_size;
 mod endpoints;
+mod error;
 pub mod error_chain;
 mod forward;
 pub mod hangups;
@@ -78,13 +81,12 @@ mod routes;
 mod scope;
 mod server;
 
-use std::error::Error as StdError;
-use std::fmt;
 use std::future::Future;
 use std::process::ExitCode;
 
 use self::args::Mode;
 pub use self::args::ProxyArgs;
+pub use self::error::Error;
 use self::policy::{PolicyFileError, RouteTable};
 use self::scope::ScopeHeaders;
 
@@ -117,35 +119,6 @@ pub async fn run(
                 .await
                 .map_err(|error| Error::Serve(Box::new(error)))?;
             Ok(ExitCode::SUCCESS)
-        }
-    }
-}
-
-/// Why [`run`] did not serve until shutdown.
-#[derive(Debug)]
-pub enum Error {
-    /// The flags do not make a proxy (a combination `clap` cannot refuse itself): report it as
-    /// `clap` does its own, with the command's usage ([`clap::Error::format`]).
-    Usage(clap::Error),
-    /// The proxy could not start (an address, the store), or stopped on an error.
-    Serve(Box<dyn StdError + Send + Sync>),
-}
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Usage(error) => error.fmt(f),
-            Error::Serve(error) => error.fmt(f),
-        }
-    }
-}
-
-// Transparent: the inner error's text, then its causes.
-impl StdError for Error {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        match self {
-            Error::Usage(error) => error.source(),
-            Error::Serve(error) => error.source(),
         }
     }
 }
