@@ -99,6 +99,7 @@ pub mod hedge;
 pub mod idempotency;
 pub mod observer;
 mod previous_attempts;
+mod reach;
 pub mod replay;
 pub mod retry;
 mod select;
@@ -110,6 +111,7 @@ pub mod transparent;
 pub use self::body_error::RequestBodyError;
 pub use self::error::Error;
 pub use self::observer::AttemptObserver;
+pub use self::reach::Reach;
 pub use self::select::SelectMethod;
 pub use self::stack::{
     ClientService, ClientStack, ClientStackBuilder, Destination, HttpService, StackError,
