@@ -46,6 +46,10 @@
 //! physical send (first attempt, retry, hedge, transparent re-send) as it ends, and each
 //! call's end with why its attempts stopped (see [`observer`]).
 //!
+//! A call that fails says whether its request may have reached the server ([`Error::reach`]:
+//! never sent, sent with the outcome unknown, or answered), over every attempt, hedge and
+//! re-send the layers made of it: what decides whether sending it again is safe.
+//!
 //! ```
 //! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
