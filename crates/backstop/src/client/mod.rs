@@ -46,6 +46,10 @@
 //! physical send (first attempt, retry, hedge, transparent re-send) as it ends, and each
 //! call's end with why its attempts stopped (see [`observer`]).
 //!
+//! A call that fails says whether its request may have reached the server ([`Error::reach`]:
+//! never sent, sent with the outcome unknown, or answered), over every attempt, hedge and
+//! re-send the layers made of it: what decides whether sending it again is safe.
+//!
 //! ```
 //! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
@@ -99,6 +103,7 @@ pub mod hedge;
 pub mod idempotency;
 pub mod observer;
 mod previous_attempts;
+mod reach;
 pub mod replay;
 pub mod retry;
 mod select;
@@ -110,6 +115,7 @@ pub mod transparent;
 pub use self::body_error::RequestBodyError;
 pub use self::error::Error;
 pub use self::observer::AttemptObserver;
+pub use self::reach::Reach;
 pub use self::select::SelectMethod;
 pub use self::stack::{
     ClientService, ClientStack, ClientStackBuilder, Destination, HttpService, StackError,
