@@ -317,7 +317,7 @@ async fn seen_by_handler(response: reqwest::Response) -> String {
 /// One place, and a budget too short to wait for it: the second request is refused at once.
 fn gate_layer() -> GateLayer {
     GateLayer::new(Gate::new(1, Duration::from_millis(50)))
-        .default_budget(Duration::from_millis(30))
+        .default_timeout(Duration::from_millis(30))
 }
 
 /// One request per tenant, then nothing for a long while.

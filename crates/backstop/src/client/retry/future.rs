@@ -240,7 +240,11 @@ where
                             told(this.config, this.parts, this.key).end_stopped(&stopped);
                             return done(
                                 this.step,
-                                stop(this.last.take(), stopped, policy.retries_at_one_layer()),
+                                stop(
+                                    this.last.take(),
+                                    stopped,
+                                    policy.spend().retries_at_one_layer(),
+                                ),
                             );
                         }
                     };
@@ -254,7 +258,11 @@ where
                                 told(this.config, this.parts, this.key).end_stopped(&stopped);
                                 return done(
                                     this.step,
-                                    stop(this.last.take(), stopped, policy.retries_at_one_layer()),
+                                    stop(
+                                        this.last.take(),
+                                        stopped,
+                                        policy.spend().retries_at_one_layer(),
+                                    ),
                                 );
                             }
                         }
@@ -424,7 +432,7 @@ where
                 }
                 Err(stopped) => {
                     tell.end_stopped(&stopped);
-                    let one_layer = policy.retries_at_one_layer();
+                    let one_layer = policy.spend().retries_at_one_layer();
                     return done(this.step, stop(this.last.take(), stopped, one_layer));
                 }
             }
@@ -451,7 +459,7 @@ fn abandon_at<B>(
         && policy
             .retryable_codes()
             .is_none_or(|codes| codes.contains(&Code::Unavailable))
-        && policy.budget().available() >= 1.0;
+        && policy.spend().has_retry_token();
     if !retryable {
         return None;
     }

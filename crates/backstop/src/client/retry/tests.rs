@@ -21,7 +21,7 @@ const MS: Duration = Duration::from_millis(1);
 fn policy_builder(budget: RetryBudget) -> crate::retry::RetryPolicyBuilder {
     RetryPolicy::builder("psp", "Charge")
         .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
-        .budget(budget)
+        .spend(budget)
         .keyed(true)
 }
 

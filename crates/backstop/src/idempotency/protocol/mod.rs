@@ -95,7 +95,7 @@ pub(crate) fn sweepable(
     expires_at_ms <= now_ms && !(status == RecordStatus::Running && lease_until_ms > now_ms)
 }
 
-/// How long a claim's lease must be: the route's lease or the request's remaining budget,
+/// How long a claim's lease must be: the route's lease or the request's time left,
 /// whichever is longer, plus `max_clock_skew`.
 ///
 /// The holder works until its deadline, which its own monotonic clock measures, while another

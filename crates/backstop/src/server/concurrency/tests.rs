@@ -146,11 +146,11 @@ async fn dropping_the_response_future_releases_the_permit() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn request_without_deadline_uses_the_default_budget() {
+async fn request_without_deadline_uses_the_default_timeout() {
     let gate = Gate::new(1, Duration::from_millis(10));
     let release = Arc::new(Semaphore::new(0));
     let svc = GateLayer::new(gate.clone())
-        .default_budget(Duration::from_millis(60))
+        .default_timeout(Duration::from_millis(60))
         .layer(held(release))
         .map_response(flat);
     let _first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));
