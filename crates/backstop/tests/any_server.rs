@@ -468,7 +468,7 @@ fn budget_ms(seen: &str) -> u64 {
 }
 
 #[tokio::test]
-async fn deadline_on_tonic_sets_the_budget_and_cuts_late_answers() {
+async fn deadline_on_tonic_sets_the_timeout_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_tonic!(deadline_layer(), app);
 
@@ -505,14 +505,14 @@ async fn expect_deadline_over_http(addr: SocketAddr) {
 }
 
 #[tokio::test]
-async fn deadline_on_hyper_sets_the_budget_and_cuts_late_answers() {
+async fn deadline_on_hyper_sets_the_timeout_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_hyper(deadline_layer().layer(handler::<Incoming>(&app))).await;
     expect_deadline_over_http(addr).await;
 }
 
 #[tokio::test]
-async fn deadline_on_axum_sets_the_budget_and_cuts_late_answers() {
+async fn deadline_on_axum_sets_the_timeout_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_axum!(deadline_layer(), app);
     expect_deadline_over_http(addr).await;

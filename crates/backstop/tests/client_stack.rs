@@ -84,7 +84,7 @@ impl Recorder {
 }
 
 #[tokio::test]
-async fn one_logical_call_is_attempts_with_one_key_and_a_shrinking_budget() {
+async fn one_logical_call_is_attempts_with_one_key_and_a_shrinking_timeout() {
     let recorder = Recorder::default();
     let app = Router::new()
         .route(

@@ -772,7 +772,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn rejects_at_once_when_no_budget_for_waiting() {
+    async fn rejects_at_once_when_no_time_for_waiting() {
         let gate = Gate::new(1, 50 * MS).with_retry_after(3 * MS);
         let _held = gate
             .enter(&Deadline::after(Duration::from_secs(1)))
@@ -814,7 +814,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn free_slot_is_granted_even_with_little_budget() {
+    async fn free_slot_is_granted_even_with_little_time_left() {
         let gate = Gate::new(1, 50 * MS);
         let permit = gate.enter(&Deadline::after(MS)).await;
         assert!(permit.is_ok());
@@ -875,7 +875,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn fifo_waits_as_long_as_the_budget_allows() {
+    async fn fifo_waits_as_long_as_the_deadline_allows() {
         let gate = Gate::new(1, 10 * MS).with_queue(QueueConfig {
             discipline: Discipline::Fifo,
             ..QueueConfig::default()

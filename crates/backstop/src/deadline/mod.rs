@@ -696,7 +696,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn huge_budget_does_not_overflow() {
+    async fn huge_timeout_does_not_overflow() {
         let d = Deadline::after(Duration::MAX);
         assert!(d.remaining() >= FAR_FUTURE);
         let h = Deadline::from_grpc_timeout("99999999H").unwrap();

@@ -180,7 +180,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[tokio::test(start_paused = true)]
-    async fn each_attempt_sends_the_remaining_budget_minus_the_margin() {
+    async fn each_attempt_sends_the_time_left_minus_the_margin() {
         let margin = Arc::new(Margin::new(20 * MS));
         let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
         let mut svc = AttemptTimeout::new(svc, margin.clone());
@@ -229,7 +229,7 @@ mod tests {
     /// A backend that takes 300 ms per answer costs later calls nothing: the margin learns
     /// the round trip, not the work. A peer that does not report its work teaches nothing.
     #[tokio::test(start_paused = true)]
-    async fn a_slow_server_does_not_shrink_the_next_calls_budget() {
+    async fn a_slow_server_does_not_shrink_the_next_calls_timeout() {
         let margin = Arc::new(Margin::new(5 * MS));
         let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
         let mut svc = AttemptTimeout::new(svc, margin.clone());
@@ -266,7 +266,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_attempt_without_budget_fails_at_once_and_is_not_sent() {
+    async fn an_attempt_without_time_left_fails_at_once_and_is_not_sent() {
         let margin = Arc::new(Margin::new(50 * MS));
         let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
         let mut svc = AttemptTimeout::new(svc, margin);

@@ -366,7 +366,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_waiter_keeps_a_fifth_of_its_budget_for_the_answer_within_bounds() {
+    fn a_waiter_keeps_a_fifth_of_its_time_left_for_the_answer_within_bounds() {
         assert_eq!(
             answer_margin(Duration::from_millis(300)),
             Duration::from_millis(60)

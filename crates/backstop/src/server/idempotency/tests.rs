@@ -588,7 +588,7 @@ async fn two_idempotency_key_headers_are_400_never_first_wins() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn expired_budget_is_504_and_claims_nothing() {
+async fn expired_deadline_is_504_and_claims_nothing() {
     let store = MemoryStore::new();
     let handler = Handler::new(StatusCode::CREATED);
     let svc = layer(&store).layer(handler.service());
@@ -604,7 +604,7 @@ async fn expired_budget_is_504_and_claims_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_budget_below_the_minimum_is_504_and_claims_nothing() {
+async fn time_left_below_the_minimum_is_504_and_claims_nothing() {
     let store = MemoryStore::new();
     let handler = Handler::new(StatusCode::CREATED);
     let budget = |ms| {
