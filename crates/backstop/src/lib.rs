@@ -56,7 +56,8 @@
 //!   gRPC path or HTTP route, validated at start-up; every default in
 //!   [`policy::defaults`], each defined once (the backoff's beside it, in [`retry`]).
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
-//!   [`RetryBudget`](retry::RetryBudget), and the executor
+//!   [`RetryBudget`](retry::RetryBudget), [`RetrySpend`](retry::RetrySpend) (everything a
+//!   destination's retries and hedges spend from, with the decisions), and the executor
 //!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
 //!   deadline.
 //! - [`hedge`]: [`HedgePolicy`](hedge::HedgePolicy) (when a slow attempt gets a hedge, and
