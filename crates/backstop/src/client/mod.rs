@@ -22,7 +22,7 @@
 //!    set (attempts rejected locally while the server refuses load), full jitter,
 //!    pushback, `grpc-previous-rpc-attempts`, and a stop reason on every stop. An attempt
 //!    that could still be retried and is left unanswered past the destination's
-//!    [`AttemptLimit`](retry::AttemptLimit) (half the budget left, when that is more than
+//!    [`AttemptLimit`](retry::AttemptLimit) (half the time left, when that is more than
 //!    `max(1 s, 10 x RTT_p99)`, by default) is abandoned for the next one, so an attempt
 //!    stranded on a connection that went away costs half the deadline, not all of it, even
 //!    without hedging.

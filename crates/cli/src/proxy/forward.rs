@@ -12,9 +12,9 @@
 //! that say nothing ran). The routes are those in effect when the request is forwarded
 //! ([`Routes`]: replaced together with the server stack's on a reload).
 //!
-//! What it adds to the request: the remaining budget minus the hop's margin (learned by the
-//! client stack, at least `--margin`), in the caller's header form ([`budget`](super::budget));
-//! on a keyed route the record's effect key ([`Lease::effect_key`]: the same for every run of
+//! What it adds to the request: the time left minus the hop's margin (learned by the client
+//! stack, at least `--margin`), in the caller's header form
+//! ([`timeout_headers`](super::timeout_headers)); on a keyed route the record's effect key ([`Lease::effect_key`]: the same for every run of
 //! the key), in the effect key header, which a caller can never set itself;
 //! `X-Forwarded-For`, `-Host` and `-Proto`. Hop-by-hop headers are removed both ways.
 //!
@@ -77,10 +77,10 @@ use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use tower::{BoxError, Service, ServiceExt};
 
-use super::budget::{BudgetForm, TimeoutHeaders};
 use super::endpoints;
 use super::policy::RouteTable;
 use super::routes::{ClientMaker, Routes};
+use super::timeout_headers::{TimeoutForm, TimeoutHeaders};
 
 /// A boxed future that can move between threads.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -221,9 +221,9 @@ where
         let (mut parts, body) = request.into_parts();
         let form = parts
             .extensions
-            .get::<BudgetForm>()
+            .get::<TimeoutForm>()
             .cloned()
-            .unwrap_or(BudgetForm::Absent);
+            .unwrap_or(TimeoutForm::Absent);
         // The upstream gets what is left of the deadline minus the margin, now, in the
         // caller's form. The `grpc-timeout` the client stack wrote is an upper bound too (the
         // margin may have grown since); it alone would not do, being rounded up.

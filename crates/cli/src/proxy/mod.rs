@@ -7,7 +7,7 @@
 //! - `route_match`: a route's `match`;
 //! - `scope`: whose a key is (a hash of the caller's credentials, or the shared scope);
 //! - `auto`: the default class, keyed when a write carries a key;
-//! - `budget`: deadlines across the hop (timeout headers in, the same form out);
+//! - `timeout_headers`: deadlines across the hop (timeout headers in, the same form out);
 //! - `forward`: the service at the bottom of the stack, sending requests upstream;
 //! - `endpoints`: the upstream endpoints, balanced, each behind a breaker of its own;
 //! - `routes`: the routes in effect for both stacks, and their reload on SIGHUP;
@@ -26,7 +26,6 @@
 
 mod args;
 mod auto;
-mod budget;
 mod endpoints;
 mod forward;
 pub(crate) mod policy;
@@ -34,6 +33,7 @@ mod route_match;
 mod routes;
 mod scope;
 mod server;
+mod timeout_headers;
 
 use std::error::Error;
 use std::future::Future;

@@ -243,7 +243,7 @@ where
                         Err(stopped) => {
                             told(this.config, this.parts, this.key).end_stopped(&stopped);
                             let reach = call_reach(*this.reach, this.parts);
-                            let one_layer = policy.retries_at_one_layer();
+                            let one_layer = policy.spend().retries_at_one_layer();
                             return done(
                                 this.step,
                                 stop(this.last.take(), stopped, one_layer, reach),
@@ -259,7 +259,7 @@ where
                             Err(stopped) => {
                                 told(this.config, this.parts, this.key).end_stopped(&stopped);
                                 let reach = call_reach(*this.reach, this.parts);
-                                let one_layer = policy.retries_at_one_layer();
+                                let one_layer = policy.spend().retries_at_one_layer();
                                 let result = stop(this.last.take(), stopped, one_layer, reach);
                                 return done(this.step, result);
                             }
@@ -440,7 +440,7 @@ where
                 }
                 Err(stopped) => {
                     tell.end_stopped(&stopped);
-                    let one_layer = policy.retries_at_one_layer();
+                    let one_layer = policy.spend().retries_at_one_layer();
                     let reach = call_reach(*this.reach, this.parts);
                     return done(this.step, stop(this.last.take(), stopped, one_layer, reach));
                 }
@@ -468,7 +468,7 @@ fn abandon_at<B>(
         && policy
             .retryable_codes()
             .is_none_or(|codes| codes.contains(&Code::Unavailable))
-        && policy.budget().available() >= 1.0;
+        && policy.spend().has_retry_token();
     if !retryable {
         return None;
     }

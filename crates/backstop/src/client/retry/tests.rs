@@ -36,7 +36,7 @@ fn reach_of(err: &BoxError) -> Reach {
 fn policy_builder(budget: RetryBudget) -> crate::retry::RetryPolicyBuilder {
     RetryPolicy::builder("psp", "Charge")
         .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
-        .budget(budget)
+        .spend(budget)
         .keyed(true)
 }
 

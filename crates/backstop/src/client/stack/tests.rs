@@ -504,7 +504,7 @@ async fn attempts_retries_and_hedges_are_counted() {
     );
     assert_eq!(count("rpc_client_attempts_total", &attempt("2", "ok")), 1);
     // Two budget tokens: the retry and the hedge.
-    assert!((dest.retry_budget().available() - 18.0).abs() < 1e-9);
+    assert!((dest.spend().retry_budget().available() - 18.0).abs() < 1e-9);
 }
 
 /// What 1,000 logical `GetCharge` calls, 10 ms apart, cost a transport that fails each
@@ -574,7 +574,7 @@ async fn a_dead_dependency_gets_at_most_1_02_attempts_per_call() {
         stops.iter().filter(|r| **r == StopReason::Storm).count() > 900,
         "{stops:?}"
     );
-    assert_eq!(storm.storm().unwrap().level(), StormLevel::Tripped);
+    assert_eq!(storm.spend().storm().unwrap().level(), StormLevel::Tripped);
 
     // The same calls with the budget alone.
     let budget_only = Destination::new("psp").breaker(None).storm_alarm(None);
@@ -594,7 +594,7 @@ async fn ten_percent_random_failures_still_succeed_99_percent() {
     assert!(ok >= 990, "{ok} of 1,000 succeeded; stops {stops:?}");
     assert!(!stops.contains(&StopReason::Storm), "{stops:?}");
     assert!(attempts < 1_150, "{attempts}");
-    assert_ne!(psp.storm().unwrap().level(), StormLevel::Tripped);
+    assert_ne!(psp.spend().storm().unwrap().level(), StormLevel::Tripped);
 }
 
 /// Issue 15, item 5: with adaptive throttling a client facing a server that sheds every
