@@ -32,11 +32,11 @@
 //! | concept | primitive | client layer | server layer |
 //! |---|---|---|---|
 //! | deadline | [`deadline`] | `client::deadline` | `server::deadline` |
-//! | retry, hedging | [`retry`], [`hedge`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent` | pushback from [`admission`] |
+//! | retry, hedging | [`retry`] (what extra sends spend: [`retry::RetrySpend`]), [`hedge`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent`; how far a failed call got: `client::Reach` | pushback from [`admission`] |
 //! | idempotency | [`idempotency`] (stores on [`db`]) | `client::idempotency` (key, intent journal) | `server::idempotency` |
 //! | concurrency limit | [`admission::Gate`] | | `server::concurrency` |
 //! | quota | [`admission::KeyedTokenBucket`], `admission::redis` | | `server::rate_limit` |
-//! | per-method policy | [`policy`] | `client::SelectMethod`, `client::service_config` | read by `server::idempotency` and `server::rate_limit` |
+//! | per-method policy | [`policy`] | `client::SelectMethod`, `client::service_config` | selected once by `server::deadline` from the table in effect, read by every layer after it |
 //! | metrics, logs | [`observe`] | `client::observer` | `server::metrics` |
 //!
 //! The folders are by side, not by concept: `client/` and `server/` are whole features, so a
