@@ -119,7 +119,8 @@ async fn client_layers(layers: usize, calls: u64) -> Result<(), BoxError> {
         .clone();
     let timeout = Duration::from_secs(10);
     let once = ReplayBody::once;
-    let transparent = TransparentRetry::new(transport, Some(destination.retry_budget().clone()));
+    let transparent =
+        TransparentRetry::new(transport, Some(destination.spend().retry_budget().clone()));
     if layers == 0 {
         return drive(transport, calls, once).await;
     }

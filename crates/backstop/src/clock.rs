@@ -2,7 +2,7 @@
 //!
 //! Two clocks matter to an RPC layer and they must not be mixed up:
 //!
-//! - the **monotonic** clock measures budgets inside one process. [`Deadline`](crate::deadline::Deadline)
+//! - the **monotonic** clock measures time left inside one process. [`Deadline`](crate::deadline::Deadline)
 //!   and the [`Gate`](crate::admission::Gate) read it through `tokio::time::Instant`, so a test
 //!   can pause and advance it. The token buckets decide on every request, where a clock read is
 //!   most of the cost, so they read a [`MonotonicClock`]: the CPU's invariant time-stamp counter

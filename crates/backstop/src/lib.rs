@@ -10,11 +10,11 @@
 //! - A **logical request** is one user intent: one idempotency key, one [`Deadline`]. An
 //!   **attempt** is one physical send of it; retries and hedges are attempts.
 //! - The deadline is absolute on the receiver's monotonic clock, carried on the wire as the
-//!   remaining budget (`grpc-timeout`, for HTTP too), and every hop forwards a
+//!   time left (`grpc-timeout`, for HTTP too), and every hop forwards a
 //!   [`child`](deadline::Deadline::child) that leaves a margin for the way back. All attempts
 //!   share it: a retry never extends it. The server stack runs each handler under its
 //!   request's deadline ([`Deadline::current`]) and the client stack sends what is left of it,
-//!   so a handler that calls another service the natural way forwards a shrinking budget
+//!   so a handler that calls another service the natural way forwards a shrinking timeout
 //!   without a line of code (`examples/two_hop.rs`).
 //! - Retries are bounded by a [`RetryBudget`](retry::RetryBudget) (a ratio of logical
 //!   requests), not only by a count per call, so a failing dependency sees at most
@@ -32,11 +32,11 @@
 //! | concept | primitive | client layer | server layer |
 //! |---|---|---|---|
 //! | deadline | [`deadline`] | `client::deadline` | `server::deadline` |
-//! | retry, hedging | [`retry`], [`hedge`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent` | pushback from [`admission`] |
+//! | retry, hedging | [`retry`] (what extra sends spend: [`retry::RetrySpend`]), [`hedge`] | `client::retry`, `client::hedge`, `client::breaker`, `client::transparent`; how far a failed call got: `client::Reach` | pushback from [`admission`] |
 //! | idempotency | [`idempotency`] (stores on [`db`]) | `client::idempotency` (key, intent journal) | `server::idempotency` |
 //! | concurrency limit | [`admission::Gate`] | | `server::concurrency` |
 //! | quota | [`admission::KeyedTokenBucket`], `admission::redis` | | `server::rate_limit` |
-//! | per-method policy | [`policy`] | `client::SelectMethod`, `client::service_config` | read by `server::idempotency` and `server::rate_limit` |
+//! | per-method policy | [`policy`] | `client::SelectMethod`, `client::service_config` | selected once by `server::deadline` from the table in effect, read by every layer after it |
 //! | metrics, logs | [`observe`] | `client::observer` | `server::metrics` |
 //!
 //! The folders are by side, not by concept: `client/` and `server/` are whole features, so a
@@ -56,7 +56,8 @@
 //!   gRPC path or HTTP route, validated at start-up; every default in
 //!   [`policy::defaults`], each defined once (the backoff's beside it, in [`retry`]).
 //! - [`retry`]: [`Backoff`](retry::Backoff) with jitter, the lock-free
-//!   [`RetryBudget`](retry::RetryBudget), and the executor
+//!   [`RetryBudget`](retry::RetryBudget), [`RetrySpend`](retry::RetrySpend) (everything a
+//!   destination's retries and hedges spend from, with the decisions), and the executor
 //!   ([`RetryPolicy::execute`](retry::RetryPolicy::execute)) in which all attempts share one
 //!   deadline.
 //! - [`hedge`]: [`HedgePolicy`](hedge::HedgePolicy) (when a slow attempt gets a hedge, and
@@ -69,7 +70,7 @@
 //!   application's own tables: SQLite's group-commit writer, read pool and migrations
 //!   (`db::sqlite`), PostgreSQL's pool, migrations and batching writer (`db::postgres`), each
 //!   with its typed error. It depends on no other module here.
-//! - [`admission`]: [`Gate`](admission::Gate) (bounded concurrency with budget-bounded
+//! - [`admission`]: [`Gate`](admission::Gate) (bounded concurrency with deadline-bounded
 //!   waiting), [`TokenBucket`](admission::TokenBucket) and its per-tenant keyed variant,
 //!   [`RetryAfter`](admission::RetryAfter).
 //! - [`observe`]: metric and log names.
@@ -134,7 +135,7 @@
 //! # Layer order
 //!
 //! [`ServerStack`](server::ServerStack) applies, outermost first: **deadline** (read
-//! `grpc-timeout` the moment the request arrives, so queueing counts against the budget; a late
+//! `grpc-timeout` the moment the request arrives, so queueing counts against the deadline; a late
 //! answer becomes 504) -> **metrics** (sees every request, the refused ones too) -> **tenant**
 //! (who is calling) -> **rate limit** (429: the cheapest refusal first) -> **idempotency
 //! intake** (reads a keyed request's body, and waits for a running attempt with the same key,

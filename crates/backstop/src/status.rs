@@ -9,7 +9,7 @@
 //!
 //! The easy mistake this module guards against: `DEADLINE_EXCEEDED` means "I stopped waiting",
 //! not "the server did nothing". It is its own class, [`RetryClass::Timeout`], retried only with
-//! an idempotency key and budget left.
+//! an idempotency key and time left.
 //!
 //! ```
 //! use std::time::Duration;
@@ -150,7 +150,7 @@ pub enum RetryClass {
     Retryable,
     /// The server said "not now": retry only after its pushback / `Retry-After`.
     RetryAfterPushback,
-    /// The caller stopped waiting; retry only with an idempotency key and budget left, else the
+    /// The caller stopped waiting; retry only with an idempotency key and time left, else the
     /// outcome is unknown.
     Timeout,
     /// Retrying cannot help (also the class of [`Code::Ok`], which has nothing to retry).

@@ -317,7 +317,7 @@ async fn seen_by_handler(response: reqwest::Response) -> String {
 /// One place, and a budget too short to wait for it: the second request is refused at once.
 fn gate_layer() -> GateLayer {
     GateLayer::new(Gate::new(1, Duration::from_millis(50)))
-        .default_budget(Duration::from_millis(30))
+        .default_timeout(Duration::from_millis(30))
 }
 
 /// One request per tenant, then nothing for a long while.
@@ -468,7 +468,7 @@ fn budget_ms(seen: &str) -> u64 {
 }
 
 #[tokio::test]
-async fn deadline_on_tonic_sets_the_budget_and_cuts_late_answers() {
+async fn deadline_on_tonic_sets_the_timeout_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_tonic!(deadline_layer(), app);
 
@@ -505,14 +505,14 @@ async fn expect_deadline_over_http(addr: SocketAddr) {
 }
 
 #[tokio::test]
-async fn deadline_on_hyper_sets_the_budget_and_cuts_late_answers() {
+async fn deadline_on_hyper_sets_the_timeout_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_hyper(deadline_layer().layer(handler::<Incoming>(&app))).await;
     expect_deadline_over_http(addr).await;
 }
 
 #[tokio::test]
-async fn deadline_on_axum_sets_the_budget_and_cuts_late_answers() {
+async fn deadline_on_axum_sets_the_timeout_and_cuts_late_answers() {
     let app = App::default();
     let addr = serve_axum!(deadline_layer(), app);
     expect_deadline_over_http(addr).await;

@@ -162,7 +162,7 @@ async fn problem_code(res: reqwest::Response) -> String {
 /// 200 requests with a 1 µs or 1 ms budget, each followed at once by the same key with a normal
 /// budget: the second is always 201, never `request_in_progress` for a key that a request cut
 /// mid-claim left behind.
-async fn tiny_budgets_leave_the_key_free<St: Store>(store: St) {
+async fn tiny_timeouts_leave_the_key_free<St: Store>(store: St) {
     let server = start(store, 64).await;
     for i in 0..200 {
         let key = format!("tiny-{i}");
@@ -254,8 +254,8 @@ async fn same_key_in_flight_is_replayed(first: &Server, second: &Server) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn memory_tiny_budgets_leave_the_key_free() {
-    tiny_budgets_leave_the_key_free(MemoryStore::new()).await;
+async fn memory_tiny_timeouts_leave_the_key_free() {
+    tiny_timeouts_leave_the_key_free(MemoryStore::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,9 +403,9 @@ mod sqlite {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite_tiny_budgets_leave_the_key_free() {
+    async fn sqlite_tiny_timeouts_leave_the_key_free() {
         let (store, _dir) = store().await;
-        super::tiny_budgets_leave_the_key_free(store).await;
+        super::tiny_timeouts_leave_the_key_free(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -447,12 +447,12 @@ mod postgres {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_tiny_budgets_leave_the_key_free() {
+    async fn postgres_tiny_timeouts_leave_the_key_free() {
         if !services::postgres() {
             return;
         }
         let schema = Schema::create("claim_edges").await;
-        tiny_budgets_leave_the_key_free(store(&schema).await).await;
+        tiny_timeouts_leave_the_key_free(store(&schema).await).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -84,7 +84,7 @@ impl Recorder {
 }
 
 #[tokio::test]
-async fn one_logical_call_is_attempts_with_one_key_and_a_shrinking_budget() {
+async fn one_logical_call_is_attempts_with_one_key_and_a_shrinking_timeout() {
     let recorder = Recorder::default();
     let app = Router::new()
         .route(
@@ -315,7 +315,7 @@ async fn a_refused_connection_is_sent_again_transparently() {
     assert_eq!(hits.load(Ordering::SeqCst), 1);
     // The transparent retry did not count as an attempt and spent one budget token.
     assert!(response.extensions().get::<RetryStopped>().is_none());
-    assert_eq!(psp.retry_budget().available(), 19.0);
+    assert_eq!(psp.spend().retry_budget().available(), 19.0);
 }
 
 #[tokio::test]
@@ -424,7 +424,7 @@ async fn a_refused_http2_stream_is_sent_again_transparently() {
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(streams.load(Ordering::SeqCst), 2);
     assert!(response.extensions().get::<RetryStopped>().is_none());
-    assert_eq!(psp.retry_budget().available(), 19.0);
+    assert_eq!(psp.spend().retry_budget().available(), 19.0);
 }
 
 mod support {

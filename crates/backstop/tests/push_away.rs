@@ -91,7 +91,7 @@ impl Server {
                 }
             })
             // No budget to wait: a request finding the place taken is refused at once.
-            .layer(GateLayer::new(gate).default_budget(Duration::ZERO))
+            .layer(GateLayer::new(gate).default_timeout(Duration::ZERO))
             .service(handler);
         let mut config = ListenConfig::default();
         config.push_away = Some(

@@ -61,11 +61,11 @@ async fn every_watching_switch_follows_the_key() {
     for switch in &switches {
         settles(switch, RetrySetting::Off).await;
     }
-    write_redis(&redis_url(), &key, RetrySetting::Budget(0.02), None)
+    write_redis(&redis_url(), &key, RetrySetting::Ratio(0.02), None)
         .await
         .unwrap();
     for switch in &switches {
-        settles(switch, RetrySetting::Budget(0.02)).await;
+        settles(switch, RetrySetting::Ratio(0.02)).await;
     }
     // `on` removes the key: no key is on.
     write_redis(&redis_url(), &key, RetrySetting::On, None)

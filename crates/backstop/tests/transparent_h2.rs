@@ -377,7 +377,7 @@ async fn goaway_below_the_stream_is_sent_again_to_another_endpoint() {
 
     let warm = svc.clone().oneshot(post_charge()).await.unwrap();
     assert_eq!(warm.status(), StatusCode::OK);
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET);
+    assert_eq!(payments.spend().retry_budget().available(), FULL_BUDGET);
 
     let response = svc.oneshot(post_charge()).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
@@ -398,7 +398,10 @@ async fn goaway_below_the_stream_is_sent_again_to_another_endpoint() {
     // With one attempt allowed, the re-send was not an attempt: no retry stopped, and it was
     // paid with one token of the destination's budget.
     assert!(response.extensions().get::<RetryStopped>().is_none());
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET - 1.0);
+    assert_eq!(
+        payments.spend().retry_budget().available(),
+        FULL_BUDGET - 1.0
+    );
 }
 
 #[tokio::test]
@@ -420,7 +423,10 @@ async fn goaway_on_the_first_stream_is_sent_again_to_another_endpoint() {
     assert!(sends.failures()[0].never_sent && sends.failures()[0].remote_go_away);
     assert_eq!((sends.sent(), other.requests()), (2, 1));
     assert!(response.extensions().get::<RetryStopped>().is_none());
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET - 1.0);
+    assert_eq!(
+        payments.spend().retry_budget().available(),
+        FULL_BUDGET - 1.0
+    );
 }
 
 #[tokio::test]
@@ -446,7 +452,10 @@ async fn goaway_below_the_stream_is_sent_again_on_a_new_connection() {
     assert_eq!(server.streams(), [1, 3, 1]);
     assert_eq!(server.connections(), 2);
     assert!(response.extensions().get::<RetryStopped>().is_none());
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET - 1.0);
+    assert_eq!(
+        payments.spend().retry_budget().available(),
+        FULL_BUDGET - 1.0
+    );
 }
 
 #[tokio::test]
@@ -474,7 +483,10 @@ async fn a_refused_stream_is_sent_again_on_the_same_connection() {
     assert_eq!(server.streams(), [1, 3]);
     assert_eq!(server.connections(), 1);
     assert!(response.extensions().get::<RetryStopped>().is_none());
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET - 1.0);
+    assert_eq!(
+        payments.spend().retry_budget().available(),
+        FULL_BUDGET - 1.0
+    );
 }
 
 // ---- a stream the server may have processed is not ----
@@ -515,7 +527,7 @@ async fn goaway_at_the_stream_then_close_is_not_sent_again_for_an_unsafe_method(
     assert_eq!(other.requests(), 0);
     assert_eq!(sends.sent(), 1);
     assert!(!sends.failures()[0].never_sent, "{:?}", sends.failures());
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET);
+    assert_eq!(payments.spend().retry_budget().available(), FULL_BUDGET);
 }
 
 #[tokio::test]
@@ -535,5 +547,5 @@ async fn goaway_at_the_stream_then_close_is_not_sent_again_even_when_replayable(
         !failure.never_sent && !failure.remote_go_away,
         "{failure:?}"
     );
-    assert_eq!(payments.retry_budget().available(), FULL_BUDGET);
+    assert_eq!(payments.spend().retry_budget().available(), FULL_BUDGET);
 }

@@ -193,7 +193,7 @@ async fn call_as_attempt(
 /// The first finding: `grpc-timeout: 500m` at the gateway became a fresh 2 s at the
 /// backend; `100m` gave a 504 at the gateway while the backend had been told 1.8 s.
 #[tokio::test]
-async fn the_natural_handler_forwards_what_is_left_of_the_budget() {
+async fn the_natural_handler_forwards_what_is_left_of_the_deadline() {
     let (backend, told) = backend(Duration::from_millis(300)).await;
     let state = Gateway::new(
         backend,
@@ -250,7 +250,7 @@ async fn work_spawned_off_the_handler_keeps_the_deadline_it_carries() {
 /// 500 ms budget left the backend 249 ms and both hops answered 504. The margin now learns
 /// the round trip only (the backend reports its own time in `Server-Timing`).
 #[tokio::test]
-async fn a_slow_backend_does_not_eat_the_next_calls_budget() {
+async fn a_slow_backend_does_not_eat_the_next_calls_timeout() {
     let (backend, told) = backend(Duration::from_millis(300)).await;
     let destination = Destination::new("b4");
     let state = Gateway::new(backend, &destination, keyed_policy(Duration::from_secs(2)));

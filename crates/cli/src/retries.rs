@@ -3,7 +3,7 @@
 //!
 //! Every backstop client given the same Redis and key (`serve --redis`, `load
 //! --retry-switch-redis`, `proxy --retry-switch-redis`) applies the setting within a poll
-//! (250 ms): `off` stops retries and hedges, `budget R` holds them to a share R of requests,
+//! (250 ms): `off` stops retries and hedges, `ratio R` holds them to a share R of requests,
 //! `on` (no key) lets each destination's own budget decide. `--for` makes a setting end by
 //! itself, so a forgotten `off` does not outlive the outage it was set for.
 
@@ -33,7 +33,7 @@ enum Action {
     /// Let each destination's own retry budget decide again (removes the key)
     On,
     /// Hold retries and hedges to at most RATIO of logical requests (e.g. 0.02)
-    Budget {
+    Ratio {
         /// Retries and hedges per logical request, between 0 and 1.
         #[arg(value_parser = parse_ratio)]
         ratio: f64,
@@ -63,7 +63,7 @@ struct Webhook {
         default_value = "BackstopRetryStorm"
     )]
     alerts: Vec<String>,
-    /// The setting held while such an alert fires: `off` or `budget=R`.
+    /// The setting held while such an alert fires: `off` or `ratio=R`.
     #[arg(long, value_name = "SETTING", default_value = "off", value_parser = parse_held)]
     setting: RetrySetting,
     /// How long a firing notification holds the setting (renewed by the next one).
@@ -73,7 +73,7 @@ struct Webhook {
 
 fn parse_held(s: &str) -> Result<RetrySetting, String> {
     match s.parse::<RetrySetting>().map_err(|e| e.to_string())? {
-        RetrySetting::On => Err("an alert holds `off` or `budget=R`, not `on`".into()),
+        RetrySetting::On => Err("an alert holds `off` or `ratio=R`, not `on`".into()),
         setting => Ok(setting),
     }
 }
@@ -89,7 +89,7 @@ fn parse_ratio(s: &str) -> Result<f64, String> {
     let ratio: f64 = s
         .parse()
         .map_err(|_| format!("{s:?} is not a number between 0 and 1"))?;
-    RetrySetting::budget(ratio)
+    RetrySetting::ratio(ratio)
         .map(|_| ratio)
         .map_err(|e| e.to_string())
 }
@@ -125,7 +125,7 @@ pub(crate) async fn run(
         }
         Action::Off(lasting) => (RetrySetting::Off, lasting.lasting),
         Action::On => (RetrySetting::On, None),
-        Action::Budget { ratio, lasting } => (RetrySetting::budget(ratio)?, lasting.lasting),
+        Action::Ratio { ratio, lasting } => (RetrySetting::ratio(ratio)?, lasting.lasting),
     };
     write_redis(url, &args.key, setting, lasting).await?;
     println!("{}", describe(setting, lasting));
@@ -136,8 +136,8 @@ fn describe(setting: RetrySetting, left: Option<Duration>) -> String {
     let what = match setting {
         RetrySetting::On => "on: each destination's retry budget decides".to_owned(),
         RetrySetting::Off => "off: no retries, no hedges".to_owned(),
-        RetrySetting::Budget(ratio) => {
-            format!("budget={ratio}: retries and hedges within {ratio} per request")
+        RetrySetting::Ratio(ratio) => {
+            format!("ratio={ratio}: retries and hedges within {ratio} per request")
         }
     };
     match left {

@@ -252,7 +252,7 @@ fn package_assets_are_the_flags_of_this_binary() {
                 "backstop-storm-run.1",
                 "backstop-retries-off.1",
                 "backstop-retries-on.1",
-                "backstop-retries-budget.1",
+                "backstop-retries-ratio.1",
                 "backstop-retries-status.1",
                 "backstop-retries-webhook.1",
             ]

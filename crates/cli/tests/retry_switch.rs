@@ -202,13 +202,13 @@ async fn a_service_with_redis_follows_the_switch() {
     ]);
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let mut process = serve_process::spawn(command, &http).await;
-    retries(&["budget", "0.02", "--for", "1m"], &key);
+    retries(&["ratio", "0.02", "--for", "1m"], &key);
     loop {
         let line = tokio::time::timeout(Duration::from_secs(60), process.logs.recv())
             .await
             .expect("the service applies the switch")
             .expect("the service runs");
-        if line.contains("rpc_retry_switch") && line.contains("budget=0.02") {
+        if line.contains("rpc_retry_switch") && line.contains("ratio=0.02") {
             break;
         }
     }
@@ -224,7 +224,7 @@ async fn a_service_with_redis_follows_the_switch() {
         .output()
         .unwrap();
     let printed = String::from_utf8_lossy(&status.stdout);
-    assert!(printed.starts_with("budget=0.02"), "{printed}");
+    assert!(printed.starts_with("ratio=0.02"), "{printed}");
     assert!(printed.contains("more)"), "{printed}");
 }
 

@@ -26,29 +26,22 @@
 //! | 409 (effect key seen with other parameters) | fatal | [`ChargeError::EffectKeyConflict`] |
 //! | other 4xx (`410` when the effect key was voided) | fatal: a definitive refusal, nothing charged | [`ChargeError::Declined`] |
 //!
-//! "Unknown" is said only when a charge may have been sent. Below the client stack each
-//! attempt is recorded as it meets the transport: an attempt answered by the PSP with an error
-//! charged nothing (the PSP's contract), one that provably never left (connection refused,
-//! refused stream: [`never_sent`]) neither; one that got no answer (reset, cut at the deadline,
-//! a hedge that lost) may have. When no attempt may have charged, the result is
+//! "Unknown" is said only when a charge may have been sent, which the client stack tells
+//! ([`Reach`], over every attempt of the call): an attempt answered by the PSP with an error
+//! charged nothing (the PSP's contract), one that provably never left (connection refused, an
+//! attempt refused for lack of time) neither; one that got no answer (reset, cut at the
+//! deadline, a hedge that lost) may have. When no attempt may have charged, the result is
 //! [`ChargeError::NotCharged`] instead of [`ChargeError::Unknown`].
 //!
 //! [`PspClient::void`] settles an effect key whose outcome is unknown for good: the PSP answers
 //! with the charge it made, or voids the key so that no charge with it can ever land. That is
 //! what makes it safe to mark an abandoned intent failed and free its order.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backstop::client::connect::{self, HttpClient};
-use backstop::client::replay::ReplayBody;
 use backstop::client::retry::RetryStopped;
-use backstop::client::transparent::never_sent;
-use backstop::client::{ClientService, ClientStack, Destination, StackError};
+use backstop::client::{ClientStack, Destination, HttpService, Reach, StackError};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, encode_grpc_timeout};
 use backstop::policy::{Idempotency, KEY_TTL_PAYMENTS, MethodPolicy};
 use backstop::retry::{RetryBudget, RetryError, StopReason};
@@ -57,7 +50,7 @@ use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full, Limited};
 use tokio::time::Instant;
-use tower::{BoxError, Service, ServiceExt};
+use tower::ServiceExt;
 
 use crate::psp::{Charge, ChargeRequest, Void};
 use crate::trace::{self, SpanContext, TRACEPARENT};
@@ -173,100 +166,6 @@ pub enum ClientError {
     Url(String),
 }
 
-/// The body of a charge request, as the client stack sends it.
-type PspBody = ReplayBody<Full<Bytes>>;
-
-/// What the attempts of one charge did at the transport (see the module documentation). A
-/// request extension: every attempt's head is a copy of the call's, so all share one log.
-#[derive(Debug, Clone, Default)]
-struct SendLog(Arc<SendFlags>);
-
-#[derive(Debug, Default)]
-struct SendFlags {
-    /// An attempt was handed to the transport.
-    tried: AtomicBool,
-    /// An attempt may have reached the PSP and charged.
-    maybe_charged: AtomicBool,
-}
-
-impl SendLog {
-    fn tried(&self) -> bool {
-        self.0.tried.load(Ordering::Acquire)
-    }
-
-    fn maybe_charged(&self) -> bool {
-        self.0.maybe_charged.load(Ordering::Acquire)
-    }
-}
-
-/// One attempt at the transport: may have charged unless settled otherwise, so an attempt
-/// whose future is dropped unanswered (cut at the deadline, a lost hedge) counts as sent.
-struct AttemptRecord {
-    log: Option<SendLog>,
-    settled: bool,
-}
-
-impl AttemptRecord {
-    fn start(log: Option<SendLog>) -> Self {
-        if let Some(log) = &log {
-            log.0.tried.store(true, Ordering::Release);
-        }
-        AttemptRecord {
-            log,
-            settled: false,
-        }
-    }
-
-    fn settle(&mut self, maybe_charged: bool) {
-        self.settled = !maybe_charged;
-    }
-}
-
-impl Drop for AttemptRecord {
-    fn drop(&mut self) {
-        if let (false, Some(log)) = (self.settled, &self.log) {
-            log.0.maybe_charged.store(true, Ordering::Release);
-        }
-    }
-}
-
-/// The transport under the client stack, recording each attempt in the request's [`SendLog`].
-#[derive(Debug, Clone)]
-struct Recorded<S> {
-    inner: S,
-}
-
-impl<S, B, ResB> Service<http::Request<B>> for Recorded<S>
-where
-    S: Service<http::Request<B>, Response = http::Response<ResB>>,
-    S::Error: Into<BoxError>,
-    S::Future: Send + 'static,
-    ResB: Send + 'static,
-{
-    type Response = http::Response<ResB>;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<http::Response<ResB>, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let log = request.extensions().get::<SendLog>().cloned();
-        let sent = self.inner.call(request);
-        Box::pin(async move {
-            let mut attempt = AttemptRecord::start(log);
-            let result = sent.await.map_err(Into::into);
-            match &result {
-                // An answer says what the attempt did: a 2xx charged, an error charged nothing.
-                Ok(response) => attempt.settle(response.status().is_success()),
-                Err(error) => attempt.settle(!never_sent(&**error)),
-            }
-            result
-        })
-    }
-}
-
 /// A pooled HTTP client for one PSP, with its retry policy, shared budget and margin estimator.
 /// Cheap to clone.
 #[derive(Debug, Clone)]
@@ -277,7 +176,7 @@ pub struct PspClient {
 #[derive(Debug)]
 struct Inner {
     http: reqwest::Client,
-    charges: ClientService<Recorded<HttpClient<PspBody>>>,
+    charges: HttpService,
     base: String,
     charges_url: http::Uri,
     margin: Margin,
@@ -334,12 +233,7 @@ impl PspClient {
             .classifier(psp_answer)
             .build()
             .map_err(ClientError::Stack)?;
-        let charges = tower::Layer::layer(
-            &stack,
-            Recorded {
-                inner: connect::pooled(false),
-            },
-        );
+        let charges = stack.http();
         Ok(PspClient {
             inner: Arc::new(Inner {
                 http,
@@ -400,7 +294,6 @@ impl PspClient {
             .deadline
             .child(self.inner.margin.current())
             .map_err(ChargeError::NoBudget)?;
-        let log = SendLog::default();
         let body = ChargeRequest {
             reference: psp_reference(&call.merchant_id, &call.order_id),
             amount_cents: call.amount_cents,
@@ -427,7 +320,6 @@ impl PspClient {
             request.headers_mut().insert(TRACEPARENT, traceparent);
         }
         request.extensions_mut().insert(child);
-        request.extensions_mut().insert(log.clone());
         let response = match self.inner.charges.clone().oneshot(request).await {
             Ok(response) => response,
             Err(e) => {
@@ -436,7 +328,7 @@ impl PspClient {
                     attempts: e.attempts(),
                     reason: e.reason().unwrap_or(StopReason::NonRetryable),
                 };
-                return Err(classify_failure(stopped, &log));
+                return Err(classify_failure(stopped, e.reach()));
             }
         };
         if let Some(stopped) = response.extensions().get::<RetryStopped>().copied() {
@@ -448,7 +340,7 @@ impl PspClient {
                     attempts: stopped.attempts,
                     reason: stopped.reason,
                 },
-                &log,
+                stopped.reach,
             ));
         }
         let bytes = tokio::time::timeout_at(
@@ -626,17 +518,17 @@ fn transport_status(e: &reqwest::Error) -> Status {
     }
 }
 
-/// A failed charge by its last status and by what its attempts did at the transport.
-fn classify_failure(e: RetryError, log: &SendLog) -> ChargeError {
+/// A failed charge by its last status and by how far its attempts got.
+fn classify_failure(e: RetryError, reach: Reach) -> ChargeError {
     match e.last.code() {
         Code::AlreadyExists => ChargeError::EffectKeyConflict(e),
         Code::FailedPrecondition => ChargeError::Declined {
             status: e.last.http_status(),
             source: e,
         },
-        _ if log.maybe_charged() => ChargeError::Unknown(e),
+        _ if reach == Reach::Unknown => ChargeError::Unknown(e),
         _ => ChargeError::NotCharged {
-            tried: log.tried(),
+            tried: e.attempts > 0,
             source: e,
         },
     }
@@ -685,34 +577,26 @@ mod tests {
         }
     }
 
-    fn sent(maybe_charged: bool) -> SendLog {
-        let log = SendLog::default();
-        let mut attempt = AttemptRecord::start(Some(log.clone()));
-        attempt.settle(maybe_charged);
-        drop(attempt);
-        log
-    }
-
     #[test]
     fn a_declined_last_attempt_is_declined_anything_unclear_is_unknown() {
-        let log = sent(true);
+        let sent = Reach::Unknown;
         assert!(matches!(
-            classify_failure(stop(answer_status(StatusCode::PAYMENT_REQUIRED, None)), &log),
+            classify_failure(stop(answer_status(StatusCode::PAYMENT_REQUIRED, None)), sent),
             ChargeError::Declined { status, .. } if status == StatusCode::PAYMENT_REQUIRED
         ));
         assert!(matches!(
-            classify_failure(stop(answer_status(StatusCode::GONE, None)), &log),
+            classify_failure(stop(answer_status(StatusCode::GONE, None)), sent),
             ChargeError::Declined { status, .. } if status == StatusCode::GONE
         ));
         assert!(matches!(
-            classify_failure(stop(answer_status(StatusCode::CONFLICT, None)), &log),
+            classify_failure(stop(answer_status(StatusCode::CONFLICT, None)), sent),
             ChargeError::EffectKeyConflict(_)
         ));
         for s in [500, 503, 504] {
             assert!(matches!(
                 classify_failure(
                     stop(answer_status(StatusCode::from_u16(s).unwrap(), None)),
-                    &log
+                    sent
                 ),
                 ChargeError::Unknown(_)
             ));
@@ -721,34 +605,35 @@ mod tests {
 
     #[test]
     fn unknown_only_when_an_attempt_may_have_charged() {
-        let answered = sent(false);
         let e = classify_failure(
             stop(answer_status(
                 StatusCode::SERVICE_UNAVAILABLE,
                 Some(Duration::from_secs(3)),
             )),
-            &answered,
+            Reach::Answered,
         );
         assert!(
             matches!(e, ChargeError::NotCharged { tried: true, .. }),
             "{e:?}"
         );
         assert_eq!(e.retry_after(), Duration::from_secs(3));
-        let nothing = SendLog::default();
-        let e = classify_failure(
-            stop(Status::new(Code::DeadlineExceeded, "no time")),
-            &nothing,
-        );
+        // Refused before sending: no attempt.
+        let refused = RetryError {
+            attempts: 0,
+            ..stop(Status::new(Code::DeadlineExceeded, "no time"))
+        };
+        let e = classify_failure(refused, Reach::NotSent);
         assert!(
             matches!(e, ChargeError::NotCharged { tried: false, .. }),
             "{e:?}"
         );
         assert_eq!(e.retry_after(), DEFAULT_RETRY_AFTER);
         // An attempt dropped unanswered may have charged.
-        let dropped = SendLog::default();
-        drop(AttemptRecord::start(Some(dropped.clone())));
         assert!(matches!(
-            classify_failure(stop(Status::new(Code::DeadlineExceeded, "cut")), &dropped),
+            classify_failure(
+                stop(Status::new(Code::DeadlineExceeded, "cut")),
+                Reach::Unknown
+            ),
             ChargeError::Unknown(_)
         ));
     }

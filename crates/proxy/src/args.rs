@@ -11,10 +11,10 @@ use clap::Args;
 use clap::error::ErrorKind;
 use http::{HeaderName, Uri};
 
-use super::budget::{DEFAULT_TIMEOUT_HEADERS, TimeoutHeaders};
 use super::forward::{DEFAULT_EFFECT_KEY_HEADER, UpstreamProtocol};
 use super::policy::RouteTable;
 use super::scope::ScopeHeaders;
+use super::timeout_headers::{DEFAULT_TIMEOUT_HEADERS, TimeoutHeaders};
 
 /// Flags of `backstop proxy`.
 #[derive(Debug, Clone, Args)]
@@ -36,7 +36,7 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "PROTOCOL", value_enum, default_value_t = UpstreamProtocol::Auto)]
     upstream_protocol: UpstreamProtocol,
     /// The routes file (TOML): each route's idempotency class, timeout, attempts, hedging and
-    /// rate class. Without it every request passes through with the defaults (10 s budget),
+    /// rate class. Without it every request passes through with the defaults (10 s timeout),
     /// but a POST or PATCH carrying an `Idempotency-Key`, which is keyed (the `auto` class of a
     /// route that names none). See `--check-config`.
     ///
@@ -55,11 +55,11 @@ pub struct ProxyArgs {
     /// port so that no upstream path is hidden (port 0: any free port, logged at start).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9901")]
     admin: SocketAddr,
-    /// Headers of milliseconds a caller may send its budget in, besides `grpc-timeout`
+    /// Headers of milliseconds a caller may send its timeout in, besides `grpc-timeout`
     /// (repeatable; replaces the defaults).
     #[arg(long = "timeout-header", value_name = "NAME", default_values_t = DEFAULT_TIMEOUT_HEADERS.map(String::from))]
     timeout_headers: Vec<String>,
-    /// Kept from the budget for the way to the upstream and back: the upstream gets what is
+    /// Kept from the time left for the way to the upstream and back: the upstream gets what is
     /// left minus this.
     #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = parse_margin)]
     margin: Duration,
@@ -88,11 +88,11 @@ pub struct ProxyArgs {
     /// How long an endpoint's open breaker leaves it out before one request probes it.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_open_for)]
     endpoint_breaker_open_for: Duration,
-    /// Longest budget a caller may ask for; longer ones are cut to it.
+    /// Longest timeout a caller may ask for; longer ones are cut to it.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_max_timeout)]
     max_timeout: Duration,
     /// How long a keyed request holds its key before a retry may take it over (at least the
-    /// request's budget).
+    /// request's timeout).
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_lease)]
     lease: Duration,
     /// The largest answer body of a keyed route kept for replay, unless the route sets
@@ -130,7 +130,7 @@ pub struct ProxyArgs {
     /// How often expired idempotency records are deleted.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_sweep)]
     sweep_every: Duration,
-    /// Follow the fleet's retry switch kept in this Redis (`backstop retries off|on|budget R`):
+    /// Follow the fleet's retry switch kept in this Redis (`backstop retries off|on|ratio R`):
     /// the retries and hedges to the upstream stop or lower with the fleet's.
     #[arg(long, value_name = "URL")]
     retry_switch_redis: Option<String>,

@@ -12,9 +12,9 @@
 //! that say nothing ran). The routes are those in effect when the request is forwarded
 //! ([`Routes`]: replaced together with the server stack's on a reload).
 //!
-//! What it adds to the request: the remaining budget minus the hop's margin (learned by the
-//! client stack, at least `--margin`), in the caller's header form ([`budget`](super::budget));
-//! on a keyed route the record's effect key ([`Lease::effect_key`]: the same for every run of
+//! What it adds to the request: the time left minus the hop's margin (learned by the client
+//! stack, at least `--margin`), in the caller's header form
+//! ([`timeout_headers`](super::timeout_headers)); on a keyed route the record's effect key ([`Lease::effect_key`]: the same for every run of
 //! the key), in the effect key header, which a caller can never set itself;
 //! `X-Forwarded-For`, `-Host` and `-Proto`. Hop-by-hop headers are removed both ways.
 //!
@@ -27,9 +27,10 @@
 //!   `body_too_large`, or nothing when the caller's connection is gone; outcome `rejected`, and
 //!   never counted against the upstream (its breakers, retry budget, storm alarm, the gate's
 //!   slow start and adaptive limit);
-//! - when no attempt reached the upstream (no connection could be made, or the circuit is
-//!   open): 503 `upstream_unavailable` (or `circuit_open`) + `Retry-After`, and on a keyed
-//!   route the key stays unused;
+//! - when no attempt reached the upstream (the client stack's
+//!   [`Error::reach`](backstop::client::Error::reach) is `NotSent`: no connection could be
+//!   made, or the circuit is open): 503 `upstream_unavailable` (or `circuit_open`) +
+//!   `Retry-After`, and on a keyed route the key stays unused;
 //! - 502 `upstream_failed` (504 when the deadline ended the wait) when a request of a route
 //!   that is not keyed was sent and no answer came back;
 //! - on a keyed route, a request sent without an answer coming back is an error
@@ -51,13 +52,12 @@ use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backstop::client::breaker::{BreakerConfig, CircuitOpen};
+use backstop::client::breaker::BreakerConfig;
 use backstop::client::connect::{self, Balanced};
-use backstop::client::{Destination, Error as ClientError};
+use backstop::client::{Destination, Error as ClientError, Reach};
 use backstop::deadline::{Deadline, DeadlineExceeded, GRPC_TIMEOUT, Margin, decode_grpc_timeout};
 use backstop::idempotency::postgres::PostgresStore;
 use backstop::idempotency::sqlite::SqliteStore;
@@ -77,10 +77,10 @@ use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use tower::{BoxError, Service, ServiceExt};
 
-use super::budget::{BudgetForm, TimeoutHeaders};
 use super::endpoints;
 use super::policy::RouteTable;
 use super::routes::{ClientMaker, Routes};
+use super::timeout_headers::{TimeoutForm, TimeoutHeaders};
 
 /// A boxed future that can move between threads.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -184,8 +184,7 @@ impl<St> std::fmt::Debug for Forwarder<St> {
 
 /// The bottom of the client stack: the balanced, pooled upstream connections, one set per
 /// protocol. It writes each attempt's budget (what is left of the request's deadline minus the
-/// client stack's margin) in the caller's header form, and counts the attempts that may have
-/// reached the upstream.
+/// client stack's margin) in the caller's header form.
 #[derive(Clone)]
 pub(crate) struct Transport {
     http1: Upstream,
@@ -201,17 +200,6 @@ impl std::fmt::Debug for Transport {
         f.debug_struct("Transport")
             .field("protocol", &self.protocol)
             .finish_non_exhaustive()
-    }
-}
-
-/// Request extension: how many of a request's attempts may have reached the upstream (sent, or
-/// in flight when dropped); an attempt that could not connect did not.
-#[derive(Debug, Clone, Default)]
-struct Reach(Arc<AtomicUsize>);
-
-impl Reach {
-    fn maybe_reached(&self) -> bool {
-        self.0.load(Ordering::Acquire) > 0
     }
 }
 
@@ -233,9 +221,9 @@ where
         let (mut parts, body) = request.into_parts();
         let form = parts
             .extensions
-            .get::<BudgetForm>()
+            .get::<TimeoutForm>()
             .cloned()
-            .unwrap_or(BudgetForm::Absent);
+            .unwrap_or(TimeoutForm::Absent);
         // The upstream gets what is left of the deadline minus the margin, now, in the
         // caller's form. The `grpc-timeout` the client stack wrote is an upper bound too (the
         // margin may have grown since); it alone would not do, being rounded up.
@@ -275,27 +263,13 @@ where
         } else {
             Version::HTTP_11
         };
-        let reach = parts.extensions.get::<Reach>().cloned();
-        if let Some(reach) = &reach {
-            reach.0.fetch_add(1, Ordering::AcqRel);
-        }
         let body: UpstreamBody = body.map_err(|e| -> BoxError { e.into() }).boxed_unsync();
         let upstream = if http2 {
             self.h2c.clone()
         } else {
             self.http1.clone()
         };
-        let sent: BoxFuture<'static, Result<Response<Incoming>, BoxError>> =
-            Box::pin(upstream.oneshot(Request::from_parts(parts, body)));
-        Box::pin(async move {
-            let result = sent.await;
-            if let (Err(error), Some(reach)) = (&result, &reach) {
-                if never_sent(&**error) {
-                    reach.0.fetch_sub(1, Ordering::AcqRel);
-                }
-            }
-            result
-        })
+        Box::pin(upstream.oneshot(Request::from_parts(parts, body)))
     }
 }
 
@@ -455,8 +429,6 @@ impl<St: ProxyStore> Forwarder<St> {
             .map_or("/", |p| p.as_str())
             .to_owned();
         parts.uri = path.parse().unwrap_or_else(|_| Uri::from_static("/"));
-        let reach = Reach::default();
-        parts.extensions.insert(reach.clone());
         let body: UpstreamBody = body.map_err(|e| -> BoxError { e.into() }).boxed_unsync();
         let client = routes
             .client_for(&parts.method, parts.uri.path(), keyed)
@@ -475,7 +447,7 @@ impl<St: ProxyStore> Forwarder<St> {
                 tracing::info!(error = %chain(&error), "the caller's request body failed");
                 refuse(Problem::from_status(error.status()))
             }
-            Err(error) if !reach.maybe_reached() => {
+            Err(error) if error.reach() == Reach::NotSent => {
                 tracing::warn!(error = %chain(&error), "nothing reached the upstream");
                 let status = error.status();
                 let status = if error.is_deadline()
@@ -553,22 +525,6 @@ pub(crate) fn outcome_unknown<B: From<Bytes>>(
             .detail(DETAIL)
     };
     problem.into_response_for(protocol)
-}
-
-/// Whether `error` says the request never reached the upstream: no connection could be made,
-/// or the endpoint's breaker refused it.
-fn never_sent(error: &(dyn StdError + 'static)) -> bool {
-    let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
-    while let Some(e) = cause {
-        if e.is::<CircuitOpen>() {
-            return true;
-        }
-        if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
-            return client.is_connect();
-        }
-        cause = e.source();
-    }
-    false
 }
 
 /// `error` and its sources on one line.

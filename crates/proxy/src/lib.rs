@@ -43,7 +43,7 @@
 //! - `route_match`: a route's `match`;
 //! - `scope`: whose a key is (a hash of the caller's credentials, or the shared scope);
 //! - `auto`: the default class, keyed when a write carries a key;
-//! - `budget`: deadlines across the hop (timeout headers in, the same form out);
+//! - `timeout_headers`: deadlines across the hop (timeout headers in, the same form out);
 //! - `forward`: the service at the bottom of the stack, sending requests upstream;
 //! - `endpoints`: the upstream endpoints, balanced, each behind a breaker of its own;
 //! - `routes`: the routes in effect for both stacks, and their reload on SIGHUP;
@@ -68,7 +68,6 @@
 
 mod args;
 mod auto;
-mod budget;
 pub mod byte_size;
 mod endpoints;
 mod error;
@@ -80,6 +79,7 @@ mod route_match;
 mod routes;
 mod scope;
 mod server;
+mod timeout_headers;
 
 use std::future::Future;
 use std::process::ExitCode;

@@ -378,7 +378,7 @@ impl RouteTable {
     /// effect key is sent once (its promise is "forwarded at most once"); a keyed route whose
     /// upstream does, a safe one and an unsafe one keep their attempts and hedging (an unsafe
     /// route retries only answers that say nothing ran, as the library validates). The
-    /// timeouts are `max_timeout`: the budget is the server stack's, never cut again by a
+    /// timeouts are `max_timeout`: the deadline is the server stack's, never cut again by a
     /// route's timeout.
     pub(crate) fn client_policies(&self, max_timeout: Duration) -> MethodPolicies {
         let sent = |route: &Route| -> MethodPolicy {

@@ -103,7 +103,7 @@ pub(crate) struct ClientMaker {
     pub(crate) destination: Destination,
     pub(crate) transport: Transport,
     pub(crate) replay_cap: usize,
-    /// The client stacks' timeout: the budget is the server stack's.
+    /// The client stacks' timeout: the deadline is the server stack's.
     pub(crate) max_timeout: Duration,
 }
 

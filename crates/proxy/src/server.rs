@@ -45,13 +45,13 @@ use tokio::sync::{Notify, watch};
 use tower::{BoxError, Layer, Service, ServiceExt};
 
 use super::args::Settings;
-use super::budget::{self, TimeoutHeaders};
 use super::forward::{
     BoxFuture, ForwardSettings, Forwarder, OutcomeUnknown, ProxyStore, outcome_unknown,
 };
 use super::policy::{Keying, RouteTable};
 use super::routes::{self, Routes};
 use super::scope::ScopeHeaders;
+use super::timeout_headers::{self, TimeoutHeaders};
 use crate::hangups::Hangups;
 
 /// `service` label of the request metrics.
@@ -423,7 +423,7 @@ where
 
     fn call(&mut self, mut request: Request<Incoming>) -> Self::Future {
         if let Err(problem) = self.timeouts.read(&mut request) {
-            let refusal = budget::refusal::<Bytes>(problem, request.headers());
+            let refusal = timeout_headers::refusal::<Bytes>(problem, request.headers());
             return Box::pin(async move { Ok(full(refusal)) });
         }
         let protocol = Protocol::of(request.headers());

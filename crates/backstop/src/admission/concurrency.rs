@@ -20,10 +20,10 @@ pub const DEFAULT_TENANT: &str = "default";
 /// Bounded concurrency with a bounded, fair wait.
 ///
 /// At most [`Gate::limit`] requests hold a [`GatePermit`] at once. A request that finds a slot
-/// free (and nobody waiting) is admitted at once, whatever its budget: the deadline itself is
+/// free (and nobody waiting) is admitted at once, whatever its deadline: the deadline itself is
 /// the deadline layer's business. Otherwise it waits in the gate's [`AdmissionQueue`], which
 /// decides who gets the next free slot and who is refused with [`Overloaded`] instead: no
-/// request waits beyond the point where its budget can no longer cover the expected service
+/// request waits beyond the point where its time left can no longer cover the expected service
 /// time (at least `min_service`), and with the default [`Discipline::Fair`](super::Discipline)
 /// tenants are served in turn, a standing queue is cut short (waiters older than the target
 /// are dropped, the newest served first) and the queue is bounded by count and by memory. The
@@ -49,7 +49,7 @@ pub const DEFAULT_TENANT: &str = "default";
 /// let permit = gate.enter(&deadline).await.unwrap();
 /// assert_eq!(gate.inflight(), 1);
 ///
-/// // Full: a second request waits at most until its budget only covers the service time.
+/// // Full: a second request waits at most until its time left only covers the service time.
 /// let refused = gate.enter(&deadline).await.unwrap_err();
 /// assert_eq!(refused.reason, Some(DropReason::Deadline));
 /// assert!(refused.retry && refused.retry_after >= Duration::from_millis(100));
@@ -493,7 +493,7 @@ impl Gate {
 
     /// Enters the gate as `tenant`, whose waiting request holds `cost` bytes: at once if a slot
     /// is free and nobody waits, else through the queue, which hands it a slot or refuses it
-    /// (at the latest when its budget only covers the expected service time).
+    /// (at the latest when its time left only covers the expected service time).
     pub async fn enter_as(
         &self,
         tenant: &str,
@@ -654,12 +654,12 @@ impl Gate {
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
     /// # async fn main() {
     /// let gate = Gate::new(4, Duration::from_millis(5));
-    /// let budget = Deadline::after(Duration::from_secs(1));
+    /// let deadline = Deadline::after(Duration::from_secs(1));
     /// let mut noisy = Vec::new();
     /// for _ in 0..3 {
-    ///     noisy.push(gate.enter_as("noisy", 0, &budget).await.unwrap());
+    ///     noisy.push(gate.enter_as("noisy", 0, &deadline).await.unwrap());
     /// }
-    /// let quiet = gate.enter_as("quiet", 0, &budget).await.unwrap();
+    /// let quiet = gate.enter_as("quiet", 0, &deadline).await.unwrap();
     /// // Two tenants with requests: two of the four places each.
     /// assert!(!gate.within_share("noisy"));
     /// assert!(gate.within_share("quiet"), "its request and one more");
@@ -772,7 +772,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn rejects_at_once_when_no_budget_for_waiting() {
+    async fn rejects_at_once_when_no_time_for_waiting() {
         let gate = Gate::new(1, 50 * MS).with_retry_after(3 * MS);
         let _held = gate
             .enter(&Deadline::after(Duration::from_secs(1)))
@@ -814,7 +814,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn free_slot_is_granted_even_with_little_budget() {
+    async fn free_slot_is_granted_even_with_little_time_left() {
         let gate = Gate::new(1, 50 * MS);
         let permit = gate.enter(&Deadline::after(MS)).await;
         assert!(permit.is_ok());
@@ -875,7 +875,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn fifo_waits_as_long_as_the_budget_allows() {
+    async fn fifo_waits_as_long_as_the_deadline_allows() {
         let gate = Gate::new(1, 10 * MS).with_queue(QueueConfig {
             discipline: Discipline::Fifo,
             ..QueueConfig::default()

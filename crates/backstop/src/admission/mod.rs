@@ -5,7 +5,7 @@
 //! - **capacity** (backpressure, protects this server): [`Gate`] bounds how many requests run
 //!   at once; those that find it full wait in its [`AdmissionQueue`], bounded by count and
 //!   memory, fair between tenants (one within an equal part of the limit is never refused for
-//!   another's load, nor its connections pushed away), which never hands out a request whose remaining budget
+//!   another's load, nor its connections pushed away), which never hands out a request whose time left
 //!   cannot cover the expected service time and, once a standing queue forms, drops waiters
 //!   past a short sojourn target and serves the newest first. A refused request gets
 //!   [`Overloaded`] with its reason, answered `503` / `UNAVAILABLE` + `Retry-After` estimated
@@ -48,9 +48,9 @@
 //! | refused by the gate itself (503 `overloaded`) | | | nothing: never ran | nothing | **refused** |
 //!
 //! One caller-made outcome still counts: a peer that answers `DEADLINE_EXCEEDED` because the
-//! budget it was sent was short (its caller's deadline was) reads, to the breaker, like a
-//! slow peer; the breaker keeps no latency to tell them apart. A budget that cannot cover the
-//! way there and back (less than the margin left) is never sent, which leaves only budgets
+//! timeout it was sent was short (its caller's deadline was) reads, to the breaker, like a
+//! slow peer; the breaker keeps no latency to tell them apart. A timeout that cannot cover the
+//! way there and back (less than the margin left) is never sent, which leaves only timeouts
 //! just above the margin. A streamed call whose body then breaks has made its budget deposit (one request's share,
 //! as every request does) before the body broke; it takes nothing out. The columns are the
 //! inputs of [`Limit::on_sample`] (served), [`Limit::on_failure`] (failed) and

@@ -60,7 +60,7 @@ pub enum DropReason {
     Full,
     /// The waiter's tenant holds more than its share of the queue.
     TenantShare,
-    /// The remaining budget cannot cover the expected service time.
+    /// The time left cannot cover the expected service time.
     Deadline,
     /// Waited longer than the queue allows (its target while overloaded, else its interval).
     Sojourn,
@@ -227,7 +227,7 @@ const IDLE_LINES: usize = 256;
 ///
 /// - **bounds**: at most [`QueueConfig::max_waiters`] waiters and
 ///   [`QueueConfig::max_bytes`] of declared cost; beyond, [`DropReason::Full`].
-/// - **deadlines**: a waiter whose remaining budget cannot cover the expected service time is
+/// - **deadlines**: a waiter whose time left cannot cover the expected service time is
 ///   never handed out ([`DropReason::Deadline`]), neither at enqueue nor at the head. The
 ///   expected service time is the larger of [`QueueConfig::min_service`] and a smoothed
 ///   average of recent service times ([`Self::on_service`]).
@@ -270,10 +270,10 @@ const IDLE_LINES: usize = 256;
 ///
 /// let mut queue = AdmissionQueue::new(QueueConfig::default());
 /// let t0 = Instant::now();
-/// let budget = t0 + Duration::from_secs(1);
-/// let a = queue.push(t0, "acme", budget, 512, "a").unwrap();
-/// queue.push(t0, "acme", budget, 512, "b").unwrap();
-/// queue.push(t0, "globex", budget, 512, "c").unwrap();
+/// let deadline = t0 + Duration::from_secs(1);
+/// let a = queue.push(t0, "acme", deadline, 512, "a").unwrap();
+/// queue.push(t0, "acme", deadline, 512, "b").unwrap();
+/// queue.push(t0, "globex", deadline, 512, "c").unwrap();
 /// assert_eq!(queue.len(), 3);
 ///
 /// // Tenants take turns: acme, then globex, then acme again.
@@ -394,7 +394,7 @@ impl<T> AdmissionQueue<T> {
         self.overloaded_since.is_some()
     }
 
-    /// The service time a waiter's budget must still cover: the larger of the configured
+    /// The service time a waiter's time left must still cover: the larger of the configured
     /// minimum and the smoothed recent service time.
     pub fn expected_service(&self) -> Duration {
         let recent = self
@@ -444,7 +444,7 @@ impl<T> AdmissionQueue<T> {
         (usage + 1).saturating_mul(active) <= self.slots
     }
 
-    /// Enqueues a waiter of `tenant` whose budget ends at `deadline`, declaring `cost` bytes.
+    /// Enqueues a waiter of `tenant` whose deadline is `deadline`, declaring `cost` bytes.
     /// Refused with the item handed back when it cannot be served in time, the queue is full
     /// or the tenant holds its share. Waiters pushed out to make room are collected for
     /// [`take_dropped`](Self::take_dropped).

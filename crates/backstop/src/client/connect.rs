@@ -19,7 +19,6 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
-use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -41,6 +40,8 @@ use tower::discover::ServiceList;
 use tower::load::{CompleteOnResponse, PendingRequests};
 use tower::util::BoxService;
 use tower_service::Service;
+
+use super::reach::{Unsent, unsent};
 
 /// A pooled hyper-util HTTP client.
 pub type HttpClient<B> = Client<HttpConnector, B>;
@@ -203,26 +204,9 @@ impl<S> CoolDown<S> {
 }
 
 /// Whether `error` says the connection could not be made (refused, or any connect error of
-/// the hyper-util client). Walks the `source()` chain, matching types.
+/// the hyper-util client).
 fn failed_to_connect(error: &(dyn StdError + 'static)) -> bool {
-    let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
-    while let Some(e) = cause {
-        if let Some(io) = e.downcast_ref::<io::Error>() {
-            if io.kind() == io::ErrorKind::ConnectionRefused {
-                return true;
-            }
-            if io.get_ref().is_some_and(|inner| failed_to_connect(inner)) {
-                return true;
-            }
-        }
-        if e.downcast_ref::<hyper_util::client::legacy::Error>()
-            .is_some_and(hyper_util::client::legacy::Error::is_connect)
-        {
-            return true;
-        }
-        cause = e.source();
-    }
-    false
+    unsent(error) == Some(Unsent::Connect)
 }
 
 impl<S, Req> Service<Req> for CoolDown<S>
@@ -318,6 +302,7 @@ where
 mod tests {
     use super::*;
     use http::Response;
+    use std::io;
     use tower::ServiceExt;
     use tower::service_fn;
 

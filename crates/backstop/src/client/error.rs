@@ -7,9 +7,9 @@ use tower::BoxError;
 
 use http::Response;
 
-use super::RequestBodyError;
 use super::classify::{classify_head, error_status};
 use super::retry::RetryStopped;
+use super::{Reach, RequestBodyError};
 use crate::retry::{RetryError, StopReason};
 use crate::status::{Code, Status, problem};
 
@@ -20,7 +20,9 @@ use crate::status::{Code, Status, problem};
 /// saying why it sent no further attempt. A call that ends with no answer to show (its deadline
 /// passed, the peer could not be reached, the circuit is open, the retry budget or the storm
 /// alarm stopped it) fails with an [`Error`]: the [`Status`] to tell the caller, the
-/// [`StopReason`], the attempts sent and the last attempt's own status.
+/// [`StopReason`], the attempts sent, the last attempt's own status, and whether the request
+/// may have reached the peer ([`Error::reach`]: never sent, sent with the outcome unknown, or
+/// answered), which decides whether sending it again is safe.
 ///
 /// A handler that must turn a peer's refusal into an answer of its own (a tonic method; an
 /// HTTP handler may relay the answer as it is) reads it as an `Error` too, with
@@ -49,7 +51,7 @@ use crate::status::{Code, Status, problem};
 ///
 /// ```
 /// use std::time::Duration;
-/// use backstop::client::{ClientStack, Destination, Error};
+/// use backstop::client::{ClientStack, Destination, Error, Reach};
 /// use backstop::policy::{Idempotency, MethodPolicy};
 /// use backstop::retry::StopReason;
 /// use backstop::status::Code;
@@ -74,6 +76,8 @@ use crate::status::{Code, Status, problem};
 /// assert_eq!(error.status().code(), Code::DeadlineExceeded);
 /// assert_eq!(error.status().http_status(), 504);
 /// assert_eq!(error.reason(), Some(StopReason::Deadline));
+/// // Sent and never answered: whether it ran is unknown.
+/// assert_eq!(error.reach(), Reach::Unknown);
 /// # }
 /// ```
 ///
@@ -87,6 +91,7 @@ struct Inner {
     last: Status,
     reason: Option<StopReason>,
     attempts: u32,
+    reach: Reach,
     source: BoxError,
 }
 
@@ -96,11 +101,25 @@ impl Error {
     pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
     /// Reads what a layer of the stack failed with.
+    ///
+    /// The retry layer fails with an [`Error`] that knows how far its attempts got; any other
+    /// error is read from its types alone: [`Reach::NotSent`] when they prove it, else
+    /// [`Reach::Unknown`].
     pub fn from_box(error: BoxError) -> Self {
         let error = match error.downcast::<Error>() {
             Ok(error) => return *error,
             Err(error) => error,
         };
+        let reach = match error.downcast_ref::<RetryError>() {
+            Some(stopped) if stopped.attempts == 0 => Reach::NotSent,
+            Some(_) => Reach::Unknown,
+            None => Reach::of_error(&*error),
+        };
+        Self::reached(error, reach)
+    }
+
+    /// `error`, from a call whose attempts got as far as `reach`.
+    pub(crate) fn reached(error: BoxError, reach: Reach) -> Self {
         let (last, reason, attempts) = match error.downcast_ref::<RetryError>() {
             Some(stopped) => (stopped.last.clone(), Some(stopped.reason), stopped.attempts),
             // Refused before any attempt (no budget left to send one), or failed below the
@@ -118,6 +137,7 @@ impl Error {
             last,
             reason,
             attempts,
+            reach,
             source: error,
         }))
     }
@@ -149,6 +169,7 @@ impl Error {
             last,
             reason,
             attempts,
+            reach: stopped.map_or(Reach::Answered, |s| s.reach),
         })))
     }
 
@@ -173,6 +194,15 @@ impl Error {
     /// the circuit was open).
     pub fn attempts(&self) -> u32 {
         self.0.attempts
+    }
+
+    /// Whether the request may have reached the peer, over every attempt the stack made
+    /// (retries, hedges, transparent re-sends): [`Reach::NotSent`] when none can have,
+    /// [`Reach::Unknown`] when one may have and got no answer, else [`Reach::Answered`]. A call
+    /// whose effect must not happen twice (a payment) is sent again blindly only when it was
+    /// not sent; one whose reach is unknown is reconciled first (see [`Reach`]).
+    pub fn reach(&self) -> Reach {
+        self.0.reach
     }
 
     /// Whether the call ran out of time: its deadline passed, or what was left could not
@@ -334,6 +364,7 @@ mod tests {
         let error = Error::from_box(boxed(refused));
         assert_eq!(error.status().http_status(), 504);
         assert_eq!(error.attempts(), 0);
+        assert_eq!(error.reach(), Reach::NotSent);
     }
 
     #[test]
@@ -347,6 +378,8 @@ mod tests {
         assert_eq!(error.status().http_status(), 503);
         assert_eq!(error.status().pushback(), Some(Error::DEFAULT_RETRY_AFTER));
         assert!(!error.is_circuit_open());
+        // Attempts were sent, and nothing here says how far they got.
+        assert_eq!(error.reach(), Reach::Unknown);
         // The peer's own pushback wins, never below a second.
         let stopped = RetryError {
             last: Status::new(Code::Unavailable, "").with_pushback(Duration::from_secs(7)),
@@ -365,6 +398,7 @@ mod tests {
         let error = Error::from_box(boxed(open));
         assert!(error.is_circuit_open());
         assert_eq!(error.attempts(), 0);
+        assert_eq!(error.reach(), Reach::NotSent);
         assert_eq!(error.status().problem(), problem::CIRCUIT_OPEN);
         assert_eq!(error.status().http_status(), 503);
         assert_eq!(error.status().pushback(), Some(Duration::from_secs(4)));

@@ -22,7 +22,7 @@
 //!    set (attempts rejected locally while the server refuses load), full jitter,
 //!    pushback, `grpc-previous-rpc-attempts`, and a stop reason on every stop. An attempt
 //!    that could still be retried and is left unanswered past the destination's
-//!    [`AttemptLimit`](retry::AttemptLimit) (half the budget left, when that is more than
+//!    [`AttemptLimit`](retry::AttemptLimit) (half the time left, when that is more than
 //!    `max(1 s, 10 x RTT_p99)`, by default) is abandoned for the next one, so an attempt
 //!    stranded on a connection that went away costs half the deadline, not all of it, even
 //!    without hedging.
@@ -45,6 +45,10 @@
 //! set with [`ClientStackBuilder::observer`] is told the same, from the same places: each
 //! physical send (first attempt, retry, hedge, transparent re-send) as it ends, and each
 //! call's end with why its attempts stopped (see [`observer`]).
+//!
+//! A call that fails says whether its request may have reached the server ([`Error::reach`]:
+//! never sent, sent with the outcome unknown, or answered), over every attempt, hedge and
+//! re-send the layers made of it: what decides whether sending it again is safe.
 //!
 //! ```
 //! use std::sync::{Arc, Mutex};
@@ -99,6 +103,7 @@ pub mod hedge;
 pub mod idempotency;
 pub mod observer;
 mod previous_attempts;
+mod reach;
 pub mod replay;
 pub mod retry;
 mod select;
@@ -110,6 +115,7 @@ pub mod transparent;
 pub use self::body_error::RequestBodyError;
 pub use self::error::Error;
 pub use self::observer::AttemptObserver;
+pub use self::reach::Reach;
 pub use self::select::SelectMethod;
 pub use self::stack::{
     ClientService, ClientStack, ClientStackBuilder, Destination, HttpService, StackError,

@@ -570,7 +570,7 @@ mod tests {
             .budget(RetryBudget::new(0.1, 2).unwrap())
             .storm_alarm(None)
             .breaker(None);
-        while dest.retry_budget().try_withdraw() {}
+        while dest.spend().retry_budget().try_withdraw() {}
         let client = ClientStack::builder(&dest, get_charge().build())
             .observer(recorder.clone())
             .build()

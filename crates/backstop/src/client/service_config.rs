@@ -692,7 +692,7 @@ mod tests {
             let retry = RetryPolicy::builder("s", "M")
                 .method_policy(method)
                 .backoff(method.backoff().with_jitter(Jitter::None))
-                .budget(RetryBudget::new(0.1, 100).unwrap())
+                .spend(RetryBudget::new(0.1, 100).unwrap())
                 .build()
                 .unwrap();
             let sent = Arc::new(Mutex::new(Vec::new()));

@@ -22,8 +22,8 @@ use crate::deadline::Margin;
 use crate::hedge::{HedgePolicy, LatencyWindow};
 use crate::policy::{Idempotency, InvalidPolicy, MethodPolicies, MethodPolicy};
 use crate::retry::{
-    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, RetrySwitch, RetryThrottle,
-    StormAlarm, StormConfig,
+    AdaptiveThrottle, PolicyError, RetryBudget, RetryPolicy, RetrySpend, RetrySwitch,
+    RetryThrottle, StormAlarm, StormConfig,
 };
 
 /// What limits a destination's retries and hedges (and transparent re-sends, which the budget
@@ -48,22 +48,17 @@ pub enum Throttling {
     Grpc(RetryThrottle),
 }
 
-/// What every method calling one destination shares: its name, its retry budget (retries,
-/// hedges and transparent retries all spend it), its storm alarm (retries and hedges stop
-/// while the retry ratio says the destination is down for everyone), its adaptive throttle if
-/// any (attempts rejected locally while the server refuses load), its margin estimator (whose
-/// round trips also set the attempt limit), its circuit breaker and its latency window. Cheap
-/// to clone; clones share the state.
+/// What every method calling one destination shares: its name, what its extra sends spend
+/// from (a [`RetrySpend`]: the retry budget that retries, hedges and transparent retries all
+/// spend, the storm alarm that stops retries and hedges while the retry ratio says the
+/// destination is down for everyone, the fleet's switch, and the throttles), its margin
+/// estimator (whose round trips also set the attempt limit), its circuit breaker and its
+/// latency window. Cheap to clone; clones share the state.
 #[derive(Debug, Clone)]
 pub struct Destination {
     name: Arc<str>,
-    budget: RetryBudget,
-    storm: Option<StormAlarm>,
-    switch: Option<RetrySwitch>,
-    one_layer: bool,
+    spend: RetrySpend,
     slots: Option<CallSlots>,
-    throttle: Option<AdaptiveThrottle>,
-    retry_throttle: Option<RetryThrottle>,
     margin: Arc<Margin>,
     breaker: Option<CircuitBreaker>,
     latencies: Arc<LatencyWindow>,
@@ -78,22 +73,17 @@ impl Destination {
     /// it to a small fixed set) with the default budget (ratio 0.1, burst 20), a storm alarm
     /// with [`StormConfig::default`] (warns above 0.1 retries per request, stops retries and
     /// hedges above 0.2), no adaptive throttle, a margin floor of 5 ms, a breaker with
-    /// [`BreakerConfig::default`] and the default [`AttemptLimit`] (half the budget left, when
+    /// [`BreakerConfig::default`] and the default [`AttemptLimit`] (half the time left, when
     /// that is more than `max(1 s, 10 x RTT_p99)`).
     pub fn new(name: impl Into<Arc<str>>) -> Self {
         let name: Arc<str> = name.into();
         Self {
-            storm: Some(StormAlarm::new(
+            spend: RetrySpend::default().storm_alarm(Some(StormAlarm::new(
                 metrics::SharedString::from(Arc::clone(&name)),
                 StormConfig::default(),
-            )),
-            switch: None,
-            one_layer: true,
+            ))),
             slots: None,
-            throttle: None,
-            retry_throttle: None,
             name,
-            budget: RetryBudget::default(),
             margin: Arc::new(Margin::new(Self::DEFAULT_MARGIN_FLOOR)),
             breaker: CircuitBreaker::new(BreakerConfig::default()).ok(),
             latencies: Arc::new(LatencyWindow::new(
@@ -113,34 +103,30 @@ impl Destination {
     /// What limits the retries and hedges: backstop's budget (the default, ratio 0.1 and
     /// burst 20) or gRPC's retry throttling (see [`Throttling`]).
     pub fn throttling(mut self, throttling: Throttling) -> Self {
-        match throttling {
-            Throttling::Budget(budget) => {
-                self.budget = budget;
-                self.retry_throttle = None;
-            }
-            Throttling::Grpc(throttle) => {
-                self.budget = RetryBudget::unlimited();
-                self.retry_throttle = Some(throttle);
-            }
-        }
+        let (budget, throttle) = match throttling {
+            Throttling::Budget(budget) => (budget, None),
+            Throttling::Grpc(throttle) => (RetryBudget::unlimited(), Some(throttle)),
+        };
+        self.spend = self.spend.budget(budget).retry_throttle(throttle);
         self
     }
 
     /// The storm alarm's thresholds and window, or `None` for no alarm (retries then stop
     /// only on the budget).
     pub fn storm_alarm(mut self, config: Option<StormConfig>) -> Self {
-        self.storm = config.map(|config| {
+        let alarm = config.map(|config| {
             StormAlarm::new(metrics::SharedString::from(Arc::clone(&self.name)), config)
         });
+        self.spend = self.spend.storm_alarm(alarm);
         self
     }
 
     /// The fleet's retry switch (none unless set), shared by every destination of the
-    /// process: while it is off, no retry and no hedge is sent; while it sets a budget, each
+    /// process: while it is off, no retry and no hedge is sent; while it sets a ratio, each
     /// logical request deposits at most that ratio into this destination's budget (see
     /// [`RetrySwitch`]).
     pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
-        self.switch = switch;
+        self.spend = self.spend.retry_switch(switch);
         self
     }
 
@@ -148,7 +134,7 @@ impl Destination {
     /// arrived as a retry or a hedge is sent once, neither retried nor hedged (stop reason
     /// `retried_above`): the layer above retries (see [`inbound`](crate::retry::inbound)).
     pub fn retry_at_one_layer(mut self, on: bool) -> Self {
-        self.one_layer = on;
+        self.spend = self.spend.retry_at_one_layer(on);
         self
     }
 
@@ -173,7 +159,7 @@ impl Destination {
     /// [`AdaptiveThrottle`]); such a call stops with
     /// [`StopReason::Throttled`](crate::retry::StopReason::Throttled).
     pub fn throttle(mut self, throttle: Option<AdaptiveThrottle>) -> Self {
-        self.throttle = throttle;
+        self.spend = self.spend.throttle(throttle);
         self
     }
 
@@ -218,29 +204,10 @@ impl Destination {
         &self.name
     }
 
-    /// The shared retry budget.
-    pub fn retry_budget(&self) -> &RetryBudget {
-        &self.budget
-    }
-
-    /// gRPC's retry throttling, if chosen ([`Throttling::Grpc`]).
-    pub fn retry_throttle(&self) -> Option<&RetryThrottle> {
-        self.retry_throttle.as_ref()
-    }
-
-    /// The storm alarm, if any.
-    pub fn storm(&self) -> Option<&StormAlarm> {
-        self.storm.as_ref()
-    }
-
-    /// The fleet's retry switch, if any.
-    pub fn switch(&self) -> Option<&RetrySwitch> {
-        self.switch.as_ref()
-    }
-
-    /// The adaptive throttle, if any.
-    pub fn adaptive_throttle(&self) -> Option<&AdaptiveThrottle> {
-        self.throttle.as_ref()
+    /// What the destination's retries, hedges and transparent re-sends spend from, shared
+    /// by every method calling it.
+    pub fn spend(&self) -> &RetrySpend {
+        &self.spend
     }
 
     /// The margin estimator.
@@ -404,7 +371,7 @@ impl<S: Clone> Layer<S> for ClientStack {
         // own, chosen by `SelectMethod`.
         let fallback = &self.table.resolved[0];
         let slotted = Slotted::new(transport, d.slots.clone());
-        let transparent = TransparentRetry::new(slotted, Some(d.budget.clone()));
+        let transparent = TransparentRetry::new(slotted, Some(d.spend.retry_budget().clone()));
         let breaker = match &d.breaker {
             Some(b) => Breaker::new(transparent, b.clone()),
             None => Breaker::disabled(transparent),
@@ -481,7 +448,7 @@ impl ClientStackBuilder {
         self.policies.validate()?;
         // The destination's shared state as gauges (the first stack built for it names them).
         let d = &self.destination;
-        d.budget.publish_as(d.name.to_string());
+        d.spend.retry_budget().publish_as(d.name.to_string());
         if let Some(breaker) = &d.breaker {
             breaker.publish_as(d.name.to_string());
         }
@@ -508,20 +475,11 @@ impl ClientStackBuilder {
         let method = policy.name().to_owned();
         let retry = RetryPolicy::builder(service.clone(), method.clone())
             .method_policy(policy)
-            .budget(d.budget.clone())
-            .storm_alarm(d.storm.clone())
-            .retry_switch(d.switch.clone())
-            .retry_at_one_layer(d.one_layer)
-            .throttle(d.throttle.clone())
-            .retry_throttle(d.retry_throttle.clone())
+            .spend(d.spend.clone())
             .build()?;
         let hedge = policy.hedging().then(|| {
-            HedgePolicy::new(d.budget.clone(), service, method)
+            HedgePolicy::new(d.spend.clone(), service, method)
                 .latencies(d.latencies.clone())
-                .storm_alarm(d.storm.clone())
-                .retry_switch(d.switch.clone())
-                .retry_at_one_layer(d.one_layer)
-                .retry_throttle(d.retry_throttle.clone())
                 .min_delay(policy.min_hedge_delay())
                 .fixed_delay(policy.hedge_delay())
                 .hedges(policy.max_hedges())

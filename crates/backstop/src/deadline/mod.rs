@@ -2,8 +2,8 @@
 //!
 //! A timeout says "how long I am willing to wait"; a deadline says "when this request must be
 //! done". Over several hops only the deadline stays correct: a gateway that forwards with a fresh
-//! timeout resets the caller's budget, and the server goes on committing effects long after the
-//! caller gave up. So a request carries its *remaining* budget on the wire (`grpc-timeout`, a
+//! timeout resets the caller's clock, and the server goes on committing effects long after the
+//! caller gave up. So a request carries its *remaining* time on the wire (`grpc-timeout`, a
 //! relative value immune to clock skew between hosts), and the receiver turns it back into an
 //! absolute [`Deadline`] on its own monotonic clock the moment the request arrives.
 //!
@@ -16,7 +16,7 @@
 //! This module is the primitive. The client sets one deadline per call and stamps each attempt
 //! with what is left ([`client::deadline`](crate::client::deadline): `SetDeadline`,
 //! `AttemptTimeout`); the server reads it the moment a request arrives and answers 504 at the
-//! deadline ([`server::deadline`](crate::server::deadline)). A method's default budget is its
+//! deadline ([`server::deadline`](crate::server::deadline)). A method's default timeout is its
 //! [`MethodPolicy::timeout`](crate::policy::MethodPolicy::timeout).
 //!
 //! Time is `tokio::time::Instant`, so tests pause it instead of sleeping.
@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// Header (HTTP) and metadata key (gRPC) carrying the remaining budget.
+/// Header (HTTP) and metadata key (gRPC) carrying the time left.
 pub const GRPC_TIMEOUT: &str = "grpc-timeout";
 
 /// [`GRPC_TIMEOUT`] as a header name, so setting or reading it allocates nothing.
@@ -69,7 +69,7 @@ const UNITS: [(u8, u64); 6] = [
     (b'H', 3_600 * 1_000_000_000),
 ];
 
-/// How far in the future a deadline lies when its budget overflows the clock (about 30 years).
+/// How far in the future a deadline lies when its timeout overflows the clock (about 30 years).
 const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
 tokio::task_local! {
@@ -126,14 +126,15 @@ pub enum GrpcTimeoutError {
 }
 
 impl Deadline {
-    /// A deadline `budget` from now. A budget too large for the clock is clamped to about 30 years.
-    pub fn after(budget: Duration) -> Self {
-        Self::after_at(Instant::now(), budget)
+    /// A deadline `timeout` from now. A timeout too large for the clock is clamped to about 30
+    /// years.
+    pub fn after(timeout: Duration) -> Self {
+        Self::after_at(Instant::now(), timeout)
     }
 
     /// [`after`](Self::after) as of `now`.
-    pub fn after_at(now: Instant, budget: Duration) -> Self {
-        let end = now.checked_add(budget).unwrap_or_else(|| now + FAR_FUTURE);
+    pub fn after_at(now: Instant, timeout: Duration) -> Self {
+        let end = now.checked_add(timeout).unwrap_or_else(|| now + FAR_FUTURE);
         Self { end }
     }
 
@@ -142,7 +143,7 @@ impl Deadline {
         Self { end }
     }
 
-    /// Decodes a `grpc-timeout` value and starts the budget now: call this as soon as a request
+    /// Decodes a `grpc-timeout` value and starts the deadline now: call this as soon as a request
     /// arrives, so time spent queueing and decoding counts against it.
     pub fn from_grpc_timeout(value: &str) -> Result<Self, GrpcTimeoutError> {
         decode_grpc_timeout(value).map(Self::after)
@@ -164,13 +165,13 @@ impl Deadline {
         self.end.saturating_duration_since(now)
     }
 
-    /// Whether no budget is left.
+    /// Whether no time is left.
     pub fn expired(&self) -> bool {
         self.end <= Instant::now()
     }
 
     /// A deadline `margin` earlier than this one, for an outbound call that must leave time for
-    /// its reply to come back. Fails when the remaining budget is not larger than `margin`: the
+    /// its reply to come back. Fails when the time left is not larger than `margin`: the
     /// call could not produce a useful answer, so it should not be made.
     pub fn child(&self, margin: Duration) -> Result<Deadline, DeadlineExceeded> {
         self.child_at(Instant::now(), margin)
@@ -215,7 +216,7 @@ impl Deadline {
         CURRENT.sync_scope(self, f)
     }
 
-    /// The remaining budget as a `grpc-timeout` value, or an error when nothing is left.
+    /// The time left as a `grpc-timeout` value, or an error when nothing is left.
     pub fn to_grpc_timeout(&self) -> Result<String, DeadlineExceeded> {
         let remaining = self.remaining();
         if remaining.is_zero() {
@@ -232,7 +233,7 @@ impl Deadline {
 /// polled: the one line that keeps the deadline when work leaves the request's task.
 ///
 /// A spawned task does not inherit task-locals, so a client call made from it would otherwise
-/// start a fresh budget:
+/// start a fresh deadline:
 ///
 /// ```
 /// use std::time::Duration;
@@ -244,7 +245,7 @@ impl Deadline {
 /// # request_deadline.scope(async {
 /// // In a handler, where the server stack set the request's deadline:
 /// let background = tokio::spawn(deadline::carry(async {
-///     // Calls made here send what is left of the request's budget.
+///     // Calls made here send what is left of the request's time.
 ///     Deadline::current()
 /// }));
 /// assert_eq!(background.await.unwrap(), Deadline::current());
@@ -312,7 +313,7 @@ pub fn encode_grpc_timeout(d: Duration) -> String {
 /// [`encode_grpc_timeout`] as a header value, without an intermediate `String`: it is set on
 /// every attempt a client sends.
 ///
-/// The value is marked sensitive, which HTTP/2 encodes as a never-indexed literal: a budget
+/// The value is marked sensitive, which HTTP/2 encodes as a never-indexed literal: a timeout
 /// differs on every attempt, so indexing it would only fill the peer's HPACK table with
 /// entries nobody reuses, evict the ones that are reused, and make each encode walk a chain of
 /// stale `grpc-timeout` entries.
@@ -695,7 +696,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn huge_budget_does_not_overflow() {
+    async fn huge_timeout_does_not_overflow() {
         let d = Deadline::after(Duration::MAX);
         assert!(d.remaining() >= FAR_FUTURE);
         let h = Deadline::from_grpc_timeout("99999999H").unwrap();

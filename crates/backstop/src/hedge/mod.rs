@@ -8,8 +8,8 @@
 //! - [`HedgePolicy`]: when an attempt is hedged (at the rolling p95 of recent latencies, or
 //!   after a fixed delay such as a gRPC `hedgingDelay`), how many hedges a call may send, and
 //!   whether one may be sent now: paid from the destination's
-//!   [`RetryBudget`](crate::retry::RetryBudget) while it holds at least half its burst, never
-//!   while the [`StormAlarm`](crate::retry::StormAlarm) is tripped.
+//!   [`RetrySpend`](crate::retry::RetrySpend) (its retry budget while it holds at least half
+//!   its burst, never while its storm alarm is tripped).
 //! - [`LatencyWindow`]: the last few hundred latencies of a destination and their quantiles,
 //!   which the p95 delay is read from.
 //!

@@ -10,16 +10,12 @@ use metrics::SharedString;
 use tokio::time::Instant;
 
 use super::latency::LatencyWindow;
-use crate::retry::{RetryBudget, RetrySwitch, RetryThrottle, StormAlarm};
+use crate::retry::RetrySpend;
 
 /// How a destination is hedged.
 #[derive(Debug, Clone)]
 pub struct HedgePolicy {
-    budget: RetryBudget,
-    storm: Option<StormAlarm>,
-    switch: Option<RetrySwitch>,
-    one_layer: bool,
-    retry_throttle: Option<RetryThrottle>,
+    spend: RetrySpend,
     latencies: Arc<LatencyWindow>,
     quantile: f64,
     min_delay: Duration,
@@ -38,19 +34,16 @@ impl HedgePolicy {
     /// Samples needed before hedging starts.
     pub const MIN_SAMPLES: usize = 20;
 
-    /// Hedge at the rolling p95, paying from `budget` (the destination's retry budget);
-    /// `service` and `method` label `rpc_client_hedges_total`.
+    /// Hedge at the rolling p95, paying from `spend` (the destination's, or a
+    /// [`RetryBudget`](crate::retry::RetryBudget) alone); `service` and `method` label
+    /// `rpc_client_hedges_total`.
     pub fn new(
-        budget: RetryBudget,
+        spend: impl Into<RetrySpend>,
         service: impl Into<SharedString>,
         method: impl Into<SharedString>,
     ) -> Self {
         Self {
-            budget,
-            storm: None,
-            switch: None,
-            one_layer: true,
-            retry_throttle: None,
+            spend: spend.into(),
             latencies: Arc::new(LatencyWindow::new(Self::WINDOW, Self::MIN_SAMPLES)),
             quantile: 0.95,
             min_delay: Duration::ZERO,
@@ -59,33 +52,6 @@ impl HedgePolicy {
             service: service.into(),
             method: method.into(),
         }
-    }
-
-    /// Sends no hedge while `alarm` (the destination's storm alarm) is tripped; a hedge that
-    /// would be sent counts as a retry asked for.
-    pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
-        self.storm = alarm;
-        self
-    }
-
-    /// Sends no hedge while `switch` (the fleet's retry switch) is off.
-    pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
-        self.switch = switch;
-        self
-    }
-
-    /// Hedge at one layer (default on): no hedge for a call made while serving a request that
-    /// arrived as a retry or a hedge (see [`inbound`](crate::retry::inbound)).
-    pub fn retry_at_one_layer(mut self, on: bool) -> Self {
-        self.one_layer = on;
-        self
-    }
-
-    /// Sends no hedge while `throttle` (the destination's gRPC retry throttling) holds half
-    /// its tokens or fewer, as gRPC holds back hedges; a hedge takes no token from it.
-    pub fn retry_throttle(mut self, throttle: Option<RetryThrottle>) -> Self {
-        self.retry_throttle = throttle;
-        self
     }
 
     /// Never hedge sooner than `delay`, whatever the p95.
@@ -149,29 +115,14 @@ impl HedgePolicy {
         self.latencies.record(latency);
     }
 
-    /// Whether a hedge may be sent at `now`. A hedge answers a slow attempt, not a failed one:
-    /// it is not counted in the storm alarm's retry ratio (hedging at the p95 would otherwise
-    /// take half of its margin in calm weather), but none is sent while the alarm is tripped;
-    /// and it takes a token from the retry budget only while the budget holds at least half
-    /// its burst, leaving the rest to retries (taken when `true`); with a gRPC retry
-    /// throttle, only while that holds more than half its tokens. None while the fleet's
-    /// retry switch is off, nor for a request that arrived as a retry (at one layer).
-    pub fn try_hedge_at(&self, now: Instant) -> bool {
-        let storming = self
-            .storm
-            .as_ref()
-            .is_some_and(|s| s.level_at(now) == crate::retry::StormLevel::Tripped);
-        let throttled = self
-            .retry_throttle
-            .as_ref()
-            .is_some_and(|t| !t.allows_retry());
-        let switched_off = self.switch.as_ref().is_some_and(|s| !s.allows_retries());
-        let retried_above = self.one_layer && crate::retry::inbound::previous_attempts() > 0;
-        !storming && !throttled && !switched_off && !retried_above && hedge_token(&self.budget)
+    /// What the hedges spend from.
+    pub fn spend(&self) -> &RetrySpend {
+        &self.spend
     }
-}
 
-/// Takes a token for a hedge, only while the budget holds at least half its burst.
-fn hedge_token(budget: &RetryBudget) -> bool {
-    budget.available() >= f64::from(budget.burst()) / 2.0 && budget.try_withdraw()
+    /// Whether a hedge may be sent at `now`, taking its token when it may (see
+    /// [`RetrySpend::try_hedge_at`]).
+    pub fn try_hedge_at(&self, now: Instant) -> bool {
+        self.spend.try_hedge_at(now)
+    }
 }

@@ -81,7 +81,7 @@ pub const RPC_CLIENT_PENDING_REQUESTS: &str = "rpc_client_pending_requests";
 /// label `service`.
 pub const RPC_CLIENT_PENDING_SECONDS: &str = "rpc_client_pending_seconds";
 /// Gauge: the fleet's retry setting this process applies (see
-/// [`RetrySwitch`](crate::retry::RetrySwitch)), labelled `setting` (`on`, `off`, `budget`):
+/// [`RetrySwitch`](crate::retry::RetrySwitch)), labelled `setting` (`on`, `off`, `ratio`):
 /// 1 for the setting in effect, 0 for the others.
 pub const RPC_CLIENT_RETRY_SWITCH: &str = "rpc_client_retry_switch";
 /// Gauge: retry-budget tokens a destination has left now (retries and hedges it may still
@@ -212,7 +212,7 @@ pub mod reject_reason {
     pub const OVERLOADED: &str = "overloaded";
     /// The tenant's quota: 429.
     pub const RATE_LIMITED: &str = "rate_limited";
-    /// Too little budget left to serve the request in time: refused at the gate, or dropped
+    /// Too little time left to serve the request in time: refused at the gate, or dropped
     /// from its queue before being served.
     pub const DEADLINE: &str = "deadline";
     /// Waited in the gate's queue longer than it allows (a standing queue formed): 503.
@@ -282,7 +282,7 @@ pub mod event {
     pub const ATTEMPT: &str = "attempt";
     /// Field: outcome label.
     pub const OUTCOME: &str = "outcome";
-    /// Field: budget left when the attempt started, in milliseconds.
+    /// Field: time left before the deadline when the attempt started, in milliseconds.
     pub const DEADLINE_REMAINING_MS: &str = "deadline_remaining_ms";
     /// Field: peer address.
     pub const PEER: &str = "peer";

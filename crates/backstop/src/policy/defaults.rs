@@ -19,7 +19,7 @@ use crate::status::Code;
 /// Budget of a logical request when neither its caller (an incoming deadline, a `Deadline`
 /// extension, `grpc-timeout`) nor its method policy says how long it may take: the client
 /// stack's deadline for such a call, the retry layer's when no deadline layer sits above it,
-/// and the server's budget for a request that arrives without `grpc-timeout`.
+/// and the server's timeout for a request that arrives without `grpc-timeout`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Attempts per logical request, first included, unless a policy says otherwise (`Safe` and
@@ -96,7 +96,7 @@ mod tests {
 
     /// Each default is a `const` in its home file and in no other source file of the crate
     /// (`admission/` excepted: its `DEFAULT_TIMEOUT` is how long a Redis round trip may take,
-    /// not a request's budget).
+    /// not a request's deadline).
     #[test]
     fn each_default_is_defined_once_in_its_home() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");

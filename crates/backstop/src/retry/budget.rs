@@ -578,7 +578,7 @@ mod tests {
             let policy = RetryPolicy::builder("psp", "Charge")
                 .max_attempts(ATTEMPTS)
                 .backoff(Backoff::new(tick, tick, Jitter::None, Duration::ZERO).unwrap())
-                .budget(ours.clone())
+                .spend(ours.clone())
                 .build()
                 .unwrap();
             let mut our_sent = 0;

@@ -8,7 +8,7 @@ use rand::{Rng, RngExt};
 use tokio::time::Instant;
 
 use super::throttle::is_overload_refusal;
-use super::{RetryError, RetryPolicy, RetrySwitch, StopReason};
+use super::{RetryError, RetryPolicy, StopReason};
 use crate::deadline::Deadline;
 use crate::observe::{event, label};
 use crate::status::{Code, Outcome, RetryClass, Status, problem};
@@ -103,7 +103,7 @@ impl RetryPolicy {
     ///   counts as `DEADLINE_EXCEEDED` and the request stops with [`StopReason::Deadline`]).
     /// - The budget gets one deposit per call of this method (one logical request) and loses
     ///   one token per retry; no token, no retry ([`StopReason::BudgetExhausted`]). With a
-    ///   [gRPC retry throttle](super::RetryPolicyBuilder::retry_throttle), a failure with a
+    ///   [gRPC retry throttle](super::RetrySpend::retry_throttle), a failure with a
     ///   retried code also takes a token from it, a success gives back its ratio, and no retry
     ///   follows a failure that leaves half its tokens or fewer (the same stop reason).
     /// - Fatal codes stop at once ([`StopReason::NonRetryable`]), and so does
@@ -199,8 +199,7 @@ impl RetryPolicy {
     ///
     /// Creating it counts one logical request: it deposits into the budget.
     pub fn attempts(&self, deadline: Deadline) -> Attempts {
-        self.budget
-            .deposit_capped(self.switch.as_ref().and_then(RetrySwitch::ratio_cap));
+        self.spend.record_request();
         self.metrics.request(&self.service, &self.method);
         Attempts {
             deadline,
@@ -244,29 +243,14 @@ impl RetryPolicy {
         // gRPC counts a failure with a retried code before it looks at the attempts left, so
         // a call's last failure drains the bucket too; counted the same way, the same answers
         // send the same retries as a gRPC client would.
-        if let Some(throttle) = self.counted_throttle() {
-            if !throttle.record_failure() {
-                return Err(StopReason::BudgetExhausted);
-            }
+        if self.counts_throttle() && !self.spend.record_retryable_failure() {
+            return Err(StopReason::BudgetExhausted);
         }
         if attempts >= self.max_attempts {
             return Err(StopReason::MaxAttempts);
         }
         // A retry is asked for: the storm alarm counts it whether or not it is sent.
-        if self
-            .storm
-            .as_ref()
-            .is_some_and(|storm| !storm.retry_wanted_at(now))
-        {
-            return Err(StopReason::Storm);
-        }
-        // After the alarm: it counts the retries asked for while the switch holds them back.
-        if self.switch.as_ref().is_some_and(|s| !s.allows_retries()) {
-            return Err(StopReason::SwitchedOff);
-        }
-        if self.one_layer && super::inbound::previous_attempts() > 0 {
-            return Err(StopReason::RetriedAbove);
-        }
+        self.spend.retry_wanted_at(now)?;
         let remaining = deadline.remaining_at(now);
         let wait = match status.pushback() {
             Some(pushback) => {
@@ -284,18 +268,16 @@ impl RetryPolicy {
                 Wait::Backoff(delay)
             }
         };
-        if !self.budget.try_withdraw() {
+        if !self.spend.take_retry_token() {
             return Err(StopReason::BudgetExhausted);
         }
         Ok(wait)
     }
 
-    /// The gRPC retry throttle, when this policy's answers feed it: as in gRPC, only a method
+    /// Whether this policy's answers feed gRPC's retry throttling: as in gRPC, only a method
     /// that may be retried counts its attempts.
-    fn counted_throttle(&self) -> Option<&super::RetryThrottle> {
-        self.retry_throttle
-            .as_ref()
-            .filter(|_| self.max_attempts > 1)
+    fn counts_throttle(&self) -> bool {
+        self.max_attempts > 1
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -413,7 +395,7 @@ impl Attempts {
             });
             return Err(policy.stop(call, last, self.number, StopReason::Deadline));
         }
-        if policy.throttle.as_ref().is_some_and(|t| !t.admit_at(now)) {
+        if !policy.spend.admit_at(now) {
             // Rejected locally: never sent, so not an attempt.
             let status = Status::new(
                 Code::Unavailable,
@@ -437,9 +419,7 @@ impl Attempts {
     /// retries the earliest answers ask for, and let a storm run on before the alarm trips.
     fn first_answered(&self, policy: &RetryPolicy, now: Instant) {
         if self.number == 1 {
-            if let Some(storm) = &policy.storm {
-                storm.record_request_at(now);
-            }
+            policy.spend.record_first_answer_at(now);
         }
     }
 
@@ -464,11 +444,9 @@ impl Attempts {
         elapsed: Duration,
         now: Instant,
     ) {
-        if let Some(throttle) = &policy.throttle {
-            throttle.record_accept_at(now);
-        }
-        if let Some(throttle) = policy.counted_throttle() {
-            throttle.record_success();
+        policy.spend.record_accepted_at(now);
+        if policy.counts_throttle() {
+            policy.spend.record_retryable_success();
         }
         self.first_answered(policy, now);
         policy.record_attempt(
@@ -612,9 +590,7 @@ impl Attempts {
     ) -> Result<Duration, RetryError> {
         self.first_answered(policy, now);
         if !cut_off && !is_overload_refusal(&status) {
-            if let Some(throttle) = &policy.throttle {
-                throttle.record_accept_at(now);
-            }
+            policy.spend.record_accepted_at(now);
         }
         let next = policy.next_delay(
             &status,

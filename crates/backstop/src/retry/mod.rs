@@ -14,12 +14,14 @@
 //! - [`inbound`]: retry at one layer: a request that arrived as a retry is served without the
 //!   calls it makes retrying again.
 //! - [`RetrySwitch`]: the fleet's setting (retries and hedges on, off, or within a lower
-//!   budget), set for every process at once through Redis ([`switch`]).
+//!   ratio), set for every process at once through Redis ([`switch`]).
 //! - [`RetryThrottle`] (instead of the budget, when asked for): gRPC's `retryThrottling` token
 //!   bucket, retries sent only while failures have not drained half of it.
 //! - [`AdaptiveThrottle`] (optional): attempts rejected locally, before the transport, with a
 //!   probability that grows with the share of attempts the server refused
 //!   ([`StopReason::Throttled`]).
+//! - [`RetrySpend`]: the above for one destination in one object, and the decisions that read
+//!   them (may this retry or hedge be sent?), shared by every policy calling it.
 //! - [`RetryPolicy::execute`]: one logical request run as attempts that share ONE
 //!   [`Deadline`](crate::deadline::Deadline), waiting between them only when the deadline
 //!   leaves room for the wait and a minimal attempt, honouring the server's pushback, and
@@ -48,14 +50,14 @@
 //! ```
 //! use std::time::Duration;
 //! use backstop::deadline::Deadline;
-//! use backstop::retry::{RetryBudget, RetryPolicy, StopReason};
+//! use backstop::retry::{RetryBudget, RetryPolicy, RetrySpend, StopReason};
 //! use backstop::status::{Code, Status};
 //!
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // One budget per destination, shared by every method that calls it.
-//! let psp = RetryBudget::new(0.1, 20)?;
-//! let charge = RetryPolicy::builder("psp", "Charge").budget(psp.clone()).keyed(true).build()?;
+//! // One spend (here a budget alone) per destination, shared by every method that calls it.
+//! let psp = RetrySpend::new(RetryBudget::new(0.1, 20)?);
+//! let charge = RetryPolicy::builder("psp", "Charge").spend(psp.clone()).keyed(true).build()?;
 //!
 //! let err = charge
 //!     .execute(Deadline::after(Duration::from_millis(300)), |_attempt| async {
@@ -84,6 +86,7 @@
 //! - [`retry_throttle`]: [`RetryThrottle`], gRPC's retry throttling.
 //! - [`throttle`]: [`AdaptiveThrottle`], attempts rejected locally while the server refuses
 //!   load.
+//! - `spend`: [`RetrySpend`], a destination's budget, alarm, switch and throttles together.
 //!
 //! # Metrics and logs
 //!
@@ -113,6 +116,7 @@ pub mod inbound;
 mod metrics;
 mod policy;
 pub mod retry_throttle;
+mod spend;
 pub mod storm;
 pub mod switch;
 pub mod throttle;
@@ -127,6 +131,7 @@ pub use error::{RetryError, StopReason};
 pub use executor::{Attempt, Attempts, CallInfo, RPC_CLIENT_RETRY_STOPS_TOTAL};
 pub use policy::{DEFAULT_MIN_ATTEMPT, PolicyError, RetryPolicy, RetryPolicyBuilder};
 pub use retry_throttle::{RetryThrottle, RetryThrottleError};
+pub use spend::RetrySpend;
 pub use storm::{RPC_CLIENT_STORM_ALARM, StormAlarm, StormConfig, StormConfigError, StormLevel};
 pub use switch::{RetrySetting, RetrySwitch, SettingError};
 pub use throttle::{AdaptiveThrottle, ThrottleError};

@@ -1,5 +1,5 @@
-//! The retry policy: how many attempts, which backoff, which budget, and the labels it reports
-//! under.
+//! The retry policy: how many attempts, which backoff, what the retries spend from, and the
+//! labels it reports under.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use std::time::Duration;
 use metrics::SharedString;
 
 use super::metrics::PolicyMetrics;
-use super::{AdaptiveThrottle, Backoff, RetryBudget, RetrySwitch, RetryThrottle, StormAlarm};
+use super::{Backoff, RetrySpend};
 use crate::policy::{DEFAULT_MAX_ATTEMPTS, Idempotency, MAX_ATTEMPTS_CAP, MethodPolicy};
 use crate::status::Code;
 
@@ -31,18 +31,13 @@ pub enum PolicyError {
 /// How one method's calls to one destination are retried.
 ///
 /// Built with [`RetryPolicy::builder`]; run calls with [`RetryPolicy::execute`] or
-/// [`RetryPolicy::execute_with`]. Cloning is cheap and the clones share the budget; give every
-/// policy that calls the same destination the same [`RetryBudget`].
+/// [`RetryPolicy::execute_with`]. Cloning is cheap and the clones share what they spend from;
+/// give every policy that calls the same destination the same [`RetrySpend`].
 #[derive(Debug, Clone)]
 pub struct RetryPolicy {
     pub(super) max_attempts: u32,
     pub(super) backoff: Backoff,
-    pub(super) budget: RetryBudget,
-    pub(super) storm: Option<StormAlarm>,
-    pub(super) switch: Option<RetrySwitch>,
-    pub(super) one_layer: bool,
-    pub(super) throttle: Option<AdaptiveThrottle>,
-    pub(super) retry_throttle: Option<RetryThrottle>,
+    pub(super) spend: RetrySpend,
     pub(super) min_attempt: Duration,
     pub(super) keyed: bool,
     pub(super) retryable: Option<Arc<[Code]>>,
@@ -54,7 +49,7 @@ pub struct RetryPolicy {
 
 impl RetryPolicy {
     /// A builder with the defaults: [`DEFAULT_MAX_ATTEMPTS`]
-    /// attempts, [`Backoff::default`], a fresh [`RetryBudget::default`],
+    /// attempts, [`Backoff::default`], a fresh [`RetrySpend::default`],
     /// [`DEFAULT_MIN_ATTEMPT`] minimal attempt, not keyed, every retryable code.
     ///
     /// `service` and `method` label the metrics and logs (`service` names the destination,
@@ -67,12 +62,7 @@ impl RetryPolicy {
         RetryPolicyBuilder {
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             backoff: Backoff::default(),
-            budget: None,
-            storm: None,
-            switch: None,
-            one_layer: true,
-            throttle: None,
-            retry_throttle: None,
+            spend: RetrySpend::default(),
             min_attempt: DEFAULT_MIN_ATTEMPT,
             keyed: false,
             retryable: None,
@@ -91,35 +81,9 @@ impl RetryPolicy {
         &self.backoff
     }
 
-    /// The shared retry budget.
-    pub fn budget(&self) -> &RetryBudget {
-        &self.budget
-    }
-
-    /// The destination's storm alarm, if any.
-    pub fn storm_alarm(&self) -> Option<&StormAlarm> {
-        self.storm.as_ref()
-    }
-
-    /// The fleet's retry switch, if any.
-    pub fn retry_switch(&self) -> Option<&RetrySwitch> {
-        self.switch.as_ref()
-    }
-
-    /// Whether retries happen at one layer (see
-    /// [`RetryPolicyBuilder::retry_at_one_layer`]).
-    pub fn retries_at_one_layer(&self) -> bool {
-        self.one_layer
-    }
-
-    /// The destination's adaptive throttle, if any.
-    pub fn throttle(&self) -> Option<&AdaptiveThrottle> {
-        self.throttle.as_ref()
-    }
-
-    /// The destination's gRPC retry throttling, if any.
-    pub fn retry_throttle(&self) -> Option<&RetryThrottle> {
-        self.retry_throttle.as_ref()
+    /// What the retries spend from, shared with the destination's other policies.
+    pub fn spend(&self) -> &RetrySpend {
+        &self.spend
     }
 
     /// The shortest time worth starting an attempt with: a retry is sent only if the deadline
@@ -141,7 +105,7 @@ impl RetryPolicy {
         self.retryable.as_deref()
     }
 
-    /// The same policy (labels, budget, backoff) with a single attempt: for calls that may
+    /// The same policy (labels, spend, backoff) with a single attempt: for calls that may
     /// not be retried, so they are still counted and logged like the others.
     pub fn single_attempt(&self) -> RetryPolicy {
         RetryPolicy {
@@ -166,12 +130,7 @@ impl RetryPolicy {
 pub struct RetryPolicyBuilder {
     max_attempts: u32,
     backoff: Backoff,
-    budget: Option<RetryBudget>,
-    storm: Option<StormAlarm>,
-    switch: Option<RetrySwitch>,
-    one_layer: bool,
-    throttle: Option<AdaptiveThrottle>,
-    retry_throttle: Option<RetryThrottle>,
+    spend: RetrySpend,
     min_attempt: Duration,
     keyed: bool,
     retryable: Option<Arc<[Code]>>,
@@ -193,52 +152,10 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The retry budget, shared with every other policy calling the same destination.
-    pub fn budget(mut self, budget: RetryBudget) -> Self {
-        self.budget = Some(budget);
-        self
-    }
-
-    /// The storm alarm, shared with every other policy calling the same destination (default
-    /// none): while it is tripped no retry is sent ([`StopReason::Storm`](super::StopReason)).
-    pub fn storm_alarm(mut self, alarm: Option<StormAlarm>) -> Self {
-        self.storm = alarm;
-        self
-    }
-
-    /// The fleet's retry switch, shared with every policy of the process (default none):
-    /// while it is off no retry is sent ([`StopReason::SwitchedOff`](super::StopReason)), and
-    /// while it sets a budget each logical request deposits at most that ratio.
-    pub fn retry_switch(mut self, switch: Option<RetrySwitch>) -> Self {
-        self.switch = switch;
-        self
-    }
-
-    /// Retry at one layer (default on): a call made while serving a request that arrived as a
-    /// retry ([`inbound::previous_attempts`](super::inbound::previous_attempts) above 0) is
-    /// sent once ([`StopReason::RetriedAbove`](super::StopReason)). `false` retries it anyway.
-    pub fn retry_at_one_layer(mut self, on: bool) -> Self {
-        self.one_layer = on;
-        self
-    }
-
-    /// Client-side adaptive throttling, shared with every other policy calling the same
-    /// destination (default none): attempts it rejects are not sent
-    /// ([`StopReason::Throttled`](super::StopReason)).
-    pub fn throttle(mut self, throttle: Option<AdaptiveThrottle>) -> Self {
-        self.throttle = throttle;
-        self
-    }
-
-    /// gRPC's retry throttling, shared with every other policy calling the same destination
-    /// (default none): every attempt that fails with a retried code takes a token, every
-    /// success gives back a fraction of one, and no retry follows a failure that leaves half
-    /// the tokens or fewer ([`StopReason::BudgetExhausted`](super::StopReason)). It is
-    /// consulted beside the [budget](Self::budget); to limit retries by the bucket alone, as
-    /// gRPC does, give a budget that never runs out (see
-    /// [`Throttling`](crate::client::Throttling)).
-    pub fn retry_throttle(mut self, throttle: Option<RetryThrottle>) -> Self {
-        self.retry_throttle = throttle;
+    /// What the retries spend from (a [`RetrySpend`], or a [`RetryBudget`](super::RetryBudget)
+    /// alone), shared with every other policy calling the same destination.
+    pub fn spend(mut self, spend: impl Into<RetrySpend>) -> Self {
+        self.spend = spend.into();
         self
     }
 
@@ -284,12 +201,7 @@ impl RetryPolicyBuilder {
         Ok(RetryPolicy {
             max_attempts: self.max_attempts,
             backoff: self.backoff,
-            budget: self.budget.unwrap_or_default(),
-            storm: self.storm,
-            switch: self.switch,
-            one_layer: self.one_layer,
-            throttle: self.throttle,
-            retry_throttle: self.retry_throttle,
+            spend: self.spend,
             min_attempt: self.min_attempt,
             keyed: self.keyed,
             retryable: self.retryable,
@@ -319,8 +231,8 @@ mod tests {
         assert_eq!(p.backoff(), &Backoff::default());
         assert_eq!(p.min_attempt(), Duration::from_millis(20));
         assert!(!p.keyed());
-        assert_eq!(p.budget().ratio(), 0.1);
-        assert_eq!(p.budget().burst(), 20);
+        assert_eq!(p.spend().retry_budget().ratio(), 0.1);
+        assert_eq!(p.spend().retry_budget().burst(), 20);
         assert_eq!((p.service(), p.method()), ("psp", "Charge"));
     }
 
@@ -345,11 +257,11 @@ mod tests {
     #[test]
     fn clones_share_the_budget() {
         let p = RetryPolicy::builder("s", "m")
-            .budget(RetryBudget::new(0.0, 1).unwrap())
+            .spend(super::super::RetryBudget::new(0.0, 1).unwrap())
             .build()
             .unwrap();
         let q = p.clone();
-        assert!(p.budget().try_withdraw());
-        assert!(!q.budget().try_withdraw());
+        assert!(p.spend().take_retry_token());
+        assert!(!q.spend().take_retry_token());
     }
 }

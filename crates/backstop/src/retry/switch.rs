@@ -1,4 +1,4 @@
-//! The retry switch: retries and hedges turned off, or held to a lower budget, for a whole
+//! The retry switch: retries and hedges turned off, or held to a lower ratio, for a whole
 //! fleet at once.
 //!
 //! Every other limit on retries is local: a destination's [budget](super::RetryBudget) and
@@ -11,7 +11,7 @@
 //! [`Destination`](crate::client::Destination) (or [`RetryPolicy`](super::RetryPolicy)
 //! and [`HedgePolicy`](crate::hedge::HedgePolicy)) and set it from wherever the fleet's setting
 //! lives; with the `redis` feature, [`watch_redis`](RetrySwitch::watch_redis) keeps it equal
-//! to one Redis key that `backstop retries off|on|budget R` sets for every process watching
+//! to one Redis key that `backstop retries off|on|ratio R` sets for every process watching
 //! it. What each setting does to a call:
 //!
 //! - [`RetrySetting::On`] (the default): retries and hedges as the destination's budget and
@@ -19,14 +19,14 @@
 //! - [`RetrySetting::Off`]: no retry and no hedge; a call that fails stops with
 //!   [`StopReason::SwitchedOff`](super::StopReason::SwitchedOff). Its storm alarm still counts
 //!   the retries asked for, so it does not clear itself while the switch holds them back.
-//! - [`RetrySetting::Budget`]: each logical request deposits at most this ratio into the
+//! - [`RetrySetting::Ratio`]: each logical request deposits at most this ratio into the
 //!   destination's budget (a lower one of its own stays), so retries and hedges added from now
 //!   on stay within `ratio x requests`, plus what the budget already held (at most its burst).
 //!   Under gRPC's retry throttling (whose budget is unlimited) only `Off` applies.
 //!
 //! A change is logged once as an `rpc_retry_switch` event (with the new setting and who set
 //! it) and shown by the gauge `rpc_client_retry_switch{setting}`: 1 for the setting in effect
-//! (`on`, `off` or `budget`), 0 for the others.
+//! (`on`, `off` or `ratio`), 0 for the others.
 //!
 //! ```
 //! use backstop::retry::{RetrySetting, RetrySwitch};
@@ -35,7 +35,7 @@
 //! assert_eq!(switch.setting(), RetrySetting::On);
 //! switch.set("off".parse()?, "operator");
 //! assert!(!switch.allows_retries());
-//! switch.set(RetrySetting::budget(0.02)?, "alert");
+//! switch.set(RetrySetting::ratio(0.02)?, "alert");
 //! assert_eq!(switch.ratio_cap(), Some(0.02));
 //! # Ok::<(), backstop::retry::SettingError>(())
 //! ```
@@ -60,36 +60,36 @@ pub enum RetrySetting {
     /// No retries and no hedges.
     Off,
     /// At most this share of logical requests (in `[0, 1]`) as retries and hedges.
-    Budget(f64),
+    Ratio(f64),
 }
 
 /// A setting that cannot be read.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SettingError {
-    /// Neither `on`, `off` nor `budget=R`.
-    #[error("{0:?} is not a retry setting: on, off or budget=R (R between 0 and 1)")]
+    /// Neither `on`, `off` nor `ratio=R`.
+    #[error("{0:?} is not a retry setting: on, off or ratio=R (R between 0 and 1)")]
     Unknown(String),
-    /// A budget ratio outside `[0, 1]`.
-    #[error("a retry budget is a share of requests between 0 and 1, got {0}")]
+    /// A ratio outside `[0, 1]`.
+    #[error("a retry ratio is a share of requests between 0 and 1, got {0}")]
     Ratio(f64),
 }
 
 impl RetrySetting {
-    /// [`Budget`](Self::Budget)`(ratio)`, checked: `ratio` is within `[0, 1]`.
-    pub fn budget(ratio: f64) -> Result<Self, SettingError> {
+    /// [`Ratio`](Self::Ratio)`(ratio)`, checked: `ratio` is within `[0, 1]`.
+    pub fn ratio(ratio: f64) -> Result<Self, SettingError> {
         if (0.0..=1.0).contains(&ratio) {
-            Ok(RetrySetting::Budget(ratio))
+            Ok(RetrySetting::Ratio(ratio))
         } else {
             Err(SettingError::Ratio(ratio))
         }
     }
 
-    /// The label of the gauge: `on`, `off` or `budget`.
+    /// The label of the gauge: `on`, `off` or `ratio`.
     pub const fn as_str(self) -> &'static str {
         match self {
             RetrySetting::On => "on",
             RetrySetting::Off => "off",
-            RetrySetting::Budget(_) => "budget",
+            RetrySetting::Ratio(_) => "ratio",
         }
     }
 
@@ -99,7 +99,7 @@ impl RetrySetting {
         match self {
             RetrySetting::On => ON,
             RetrySetting::Off => OFF,
-            RetrySetting::Budget(ratio) => ratio.to_bits(),
+            RetrySetting::Ratio(ratio) => ratio.to_bits(),
         }
     }
 
@@ -107,7 +107,7 @@ impl RetrySetting {
         match bits {
             ON => RetrySetting::On,
             OFF => RetrySetting::Off,
-            ratio => RetrySetting::Budget(f64::from_bits(ratio)),
+            ratio => RetrySetting::Ratio(f64::from_bits(ratio)),
         }
     }
 }
@@ -116,10 +116,10 @@ const ON: u64 = u64::MAX;
 const OFF: u64 = u64::MAX - 1;
 
 impl fmt::Display for RetrySetting {
-    /// `on`, `off` or `budget=R`: what [`FromStr`] reads.
+    /// `on`, `off` or `ratio=R`: what [`FromStr`] reads.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RetrySetting::Budget(ratio) => write!(f, "budget={ratio}"),
+            RetrySetting::Ratio(ratio) => write!(f, "ratio={ratio}"),
             other => f.write_str(other.as_str()),
         }
     }
@@ -128,17 +128,17 @@ impl fmt::Display for RetrySetting {
 impl FromStr for RetrySetting {
     type Err = SettingError;
 
-    /// `on`, `off` or `budget=R`; nothing else (an unreadable value is refused, not guessed).
+    /// `on`, `off` or `ratio=R`; nothing else (an unreadable value is refused, not guessed).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "on" => Ok(RetrySetting::On),
             "off" => Ok(RetrySetting::Off),
             _ => {
                 let ratio = s
-                    .strip_prefix("budget=")
+                    .strip_prefix("ratio=")
                     .and_then(|r| r.parse::<f64>().ok())
                     .ok_or_else(|| SettingError::Unknown(s.chars().take(64).collect()))?;
-                RetrySetting::budget(ratio)
+                RetrySetting::ratio(ratio)
             }
         }
     }
@@ -214,7 +214,7 @@ impl RetrySwitch {
     /// The most a logical request may deposit into a budget, when the setting lowers it.
     pub fn ratio_cap(&self) -> Option<f64> {
         match self.setting() {
-            RetrySetting::Budget(ratio) => Some(ratio),
+            RetrySetting::Ratio(ratio) => Some(ratio),
             RetrySetting::Off => Some(0.0),
             RetrySetting::On => None,
         }
@@ -222,7 +222,7 @@ impl RetrySwitch {
 }
 
 fn set_gauge(setting: RetrySetting) {
-    for label in ["on", "off", "budget"] {
+    for label in ["on", "off", "ratio"] {
         metrics::gauge!(RPC_CLIENT_RETRY_SWITCH, crate::observe::label::SETTING => label)
             .set(if label == setting.as_str() { 1.0 } else { 0.0 });
     }
@@ -237,9 +237,9 @@ mod tests {
         for setting in [
             RetrySetting::On,
             RetrySetting::Off,
-            RetrySetting::Budget(0.0),
-            RetrySetting::Budget(0.025),
-            RetrySetting::Budget(1.0),
+            RetrySetting::Ratio(0.0),
+            RetrySetting::Ratio(0.025),
+            RetrySetting::Ratio(1.0),
         ] {
             assert_eq!(setting.to_string().parse::<RetrySetting>(), Ok(setting));
             assert_eq!(RetrySetting::from_bits(setting.to_bits()), setting);
@@ -248,12 +248,13 @@ mod tests {
             "",
             "ON",
             "of",
-            "budget",
-            "budget=",
-            "budget=1.5",
-            "budget=-0.1",
-            "budget=NaN",
-            "budget=x",
+            "ratio",
+            "ratio=",
+            "ratio=1.5",
+            "ratio=-0.1",
+            "ratio=NaN",
+            "ratio=x",
+            "budget=0.1",
         ] {
             assert!(bad.parse::<RetrySetting>().is_err(), "{bad:?} was read");
         }
@@ -274,7 +275,7 @@ mod tests {
         );
         assert!(!clone.allows_retries());
         assert_eq!(clone.ratio_cap(), Some(0.0));
-        clone.set(RetrySetting::Budget(0.05), "test");
+        clone.set(RetrySetting::Ratio(0.05), "test");
         assert!(switch.allows_retries());
         assert_eq!(switch.ratio_cap(), Some(0.05));
         switch.set(RetrySetting::On, "test");

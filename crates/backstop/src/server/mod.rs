@@ -24,7 +24,7 @@
 //! [`ServerStack`] composes the layers outermost first:
 //!
 //! 1. [`deadline`]: reads `grpc-timeout` the moment the request arrives. It goes first so that
-//!    everything after it, queueing at the gate included, is paid out of the caller's budget,
+//!    everything after it, queueing at the gate included, is paid out of the caller's time,
 //!    and so that a late answer is cut at the deadline into a 504.
 //! 2. [`metrics`]: sees every request, the refused ones too, and names the route once for the
 //!    layers below.
@@ -38,12 +38,12 @@
 //!    and the deadline) before the gate, so a client sending its body slowly, or never
 //!    finishing it, holds no permit another tenant needs; and waits, holding no permit, for a
 //!    running attempt with the same key to finish, then has its answer replayed.
-//! 7. [`concurrency`] (the gate): our own capacity; 503 when the request could not start within its budget.
+//! 7. [`concurrency`] (the gate): our own capacity; 503 when the request could not start before its deadline.
 //! 8. [`idempotency`]: last, so that every request refused above (bad deadline, over quota,
 //!    overloaded) leaves its key unused and the client's retry with the same key starts fresh;
-//!    and only admitted requests pay for a store round trip. A keyed request with less budget
+//!    and only admitted requests pay for a store round trip. A keyed request with less time
 //!    left than the gate's minimal service time is refused here before its claim
-//!    ([`IdempotencyLayer::min_budget`]), so it leaves its key unused too.
+//!    ([`IdempotencyLayer::min_time_left`]), so it leaves its key unused too.
 //!
 //! # Which requests are keyed
 //!
@@ -181,7 +181,7 @@ use crate::status::Status;
 /// Default concurrency limit of the stack's gate.
 pub const DEFAULT_MAX_INFLIGHT: usize = 1024;
 
-/// Default minimal service time: the gate does not admit a request with less budget left.
+/// Default minimal service time: the gate does not admit a request with less time left.
 pub const DEFAULT_MIN_SERVICE: Duration = Duration::from_millis(5);
 
 /// Default per-tenant rate (requests per second) of the stack's rate limit.
@@ -357,9 +357,9 @@ impl<St: Store> ServerStack<St> {
             self.idempotency = self.idempotency.matched_path_from(f);
         }
         // A keyed request the gate would not have let wait for a slot is not worth a claim.
-        if !self.idempotency.has_min_budget() {
+        if !self.idempotency.has_min_time_left() {
             let min_service = self.gate.gate().min_service();
-            self.idempotency = self.idempotency.min_budget(min_service);
+            self.idempotency = self.idempotency.min_time_left(min_service);
         }
         self.gate
             .gate()
@@ -382,7 +382,7 @@ pub type ServerStackService<S, St> = deadline::DeadlineService<
             fault::Fault<
                 rate_limit::RateLimit<
                     idempotency::intake::Intake<
-                        concurrency::GateService<idempotency::Idempotency<S, St>>,
+                        concurrency::GateService<idempotency::IdempotencyService<S, St>>,
                         St,
                     >,
                 >,

@@ -106,7 +106,7 @@ pub(crate) struct LoadArgs {
     /// (`backstop` policy only; for comparison).
     #[arg(long)]
     no_storm_alarm: bool,
-    /// Follow the fleet's retry switch kept in this Redis (`backstop retries off|on|budget R`;
+    /// Follow the fleet's retry switch kept in this Redis (`backstop retries off|on|ratio R`;
     /// `backstop` policy only).
     #[arg(long, value_name = "URL")]
     retry_switch_redis: Option<String>,
@@ -276,7 +276,7 @@ pub(crate) async fn run(args: LoadArgs) -> Result<(), Box<dyn std::error::Error>
     }
     let mut summary = tally.summary(elapsed, args.policy.as_str(), args.target.name());
     if args.policy == PolicyKind::Backstop {
-        summary.storm_alarm(destination.storm());
+        summary.storm_alarm(destination.spend().storm());
     }
     if destination.call_slots().is_some() {
         summary.client_pending_peak(pending_peak.load(Ordering::Relaxed));

@@ -16,7 +16,7 @@ pin_project! {
     /// The logical call, cut off at its deadline with [`DeadlineExceeded`] (unless a layer
     /// below enforces it: see [`SetDeadline::untimed`](super::SetDeadline::untimed)).
     #[derive(Debug)]
-    pub struct ResponseFuture<F> {
+    pub struct SetDeadlineFuture<F> {
         #[pin]
         kind: CallKind<F>,
     }
@@ -31,7 +31,7 @@ pin_project! {
     }
 }
 
-impl<F: Future> ResponseFuture<F> {
+impl<F: Future> SetDeadlineFuture<F> {
     pub(super) fn timed(inner: F, deadline: Deadline) -> Self {
         Self {
             kind: CallKind::Timed {
@@ -47,7 +47,7 @@ impl<F: Future> ResponseFuture<F> {
     }
 }
 
-impl<F, T, E> Future for ResponseFuture<F>
+impl<F, T, E> Future for SetDeadlineFuture<F>
 where
     F: Future<Output = Result<T, E>>,
     E: Into<BoxError>,
@@ -68,7 +68,7 @@ where
 
 pin_project! {
     /// One attempt: its duration, less the server's own reported processing time, feeds the
-    /// peer's margin; refused when no budget was left.
+    /// peer's margin; refused when no time was left.
     #[derive(Debug)]
     pub struct AttemptFuture<F> {
         #[pin]

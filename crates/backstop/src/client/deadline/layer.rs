@@ -8,11 +8,11 @@ use crate::deadline::Margin;
 
 /// Applies [`SetDeadline`]: one deadline per logical call.
 #[derive(Debug, Clone, Copy)]
-pub struct DeadlineLayer {
+pub struct SetDeadlineLayer {
     default: Duration,
 }
 
-impl DeadlineLayer {
+impl SetDeadlineLayer {
     /// Calls get `default` from now, or the earlier deadline they carry (a
     /// [`Deadline`](crate::deadline::Deadline) extension) or run under
     /// ([`Deadline::current`](crate::deadline::Deadline::current)).
@@ -21,7 +21,7 @@ impl DeadlineLayer {
     }
 }
 
-impl<S> Layer<S> for DeadlineLayer {
+impl<S> Layer<S> for SetDeadlineLayer {
     type Service = SetDeadline<S>;
 
     fn layer(&self, inner: S) -> Self::Service {

@@ -7,7 +7,7 @@
 //!   runs under ([`Deadline::current`]: inside a handler behind the server stack, the incoming
 //!   request's) and `now + the method's timeout` (which caps the others, as gRPC's service
 //!   config timeout does). So a handler that calls another service the natural way,
-//!   `client.oneshot(request)`, forwards what is left of its own budget; it never starts a
+//!   `client.oneshot(request)`, forwards what is left of its own time; it never starts a
 //!   fresh one. Every attempt, retry and hedge shares that deadline, and the whole call is cut
 //!   off when it passes. Work that leaves the handler's task keeps the deadline with
 //!   [`deadline::carry`](crate::deadline::carry).
@@ -17,7 +17,7 @@
 //!   still travel back. The round trips are what the server did not spend: each attempt's
 //!   duration minus the processing time the server reports in
 //!   [`Server-Timing`](crate::deadline::server_timing) (backstop servers do). A server that
-//!   takes 300 ms therefore costs the next call's budget nothing; an answer without the header
+//!   takes 300 ms therefore costs the next call's time nothing; an answer without the header
 //!   teaches the margin nothing, and the destination's floor (or a margin fixed with
 //!   [`Destination::fixed_margin`](crate::client::Destination::fixed_margin)) stands. An
 //!   attempt that would start with no more than the margin left fails at once with
@@ -28,7 +28,7 @@
 pub mod future;
 mod layer;
 
-pub use self::layer::{AttemptTimeoutLayer, DeadlineLayer};
+pub use self::layer::{AttemptTimeoutLayer, SetDeadlineLayer};
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tower::BoxError;
 use tower_service::Service;
 
-use self::future::{AttemptFuture, ResponseFuture};
+use self::future::{AttemptFuture, SetDeadlineFuture};
 use super::select::Selected;
 use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, Margin, grpc_timeout_header_value};
 
@@ -81,7 +81,7 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Future>;
+    type Future = SetDeadlineFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -101,9 +101,9 @@ where
         request.extensions_mut().insert(deadline);
         let future = self.inner.call(request);
         if self.timed {
-            ResponseFuture::timed(future, deadline)
+            SetDeadlineFuture::timed(future, deadline)
         } else {
-            ResponseFuture::untimed(future)
+            SetDeadlineFuture::untimed(future)
         }
     }
 }
@@ -122,7 +122,7 @@ fn call_deadline(
         .fold(Deadline::after(timeout), Ord::min)
 }
 
-/// Sends each attempt with the remaining budget minus the peer's margin, or not at all.
+/// Sends each attempt with the time left minus the peer's margin, or not at all.
 #[derive(Debug, Clone)]
 pub struct AttemptTimeout<S> {
     inner: S,
@@ -180,7 +180,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[tokio::test(start_paused = true)]
-    async fn each_attempt_sends_the_remaining_budget_minus_the_margin() {
+    async fn each_attempt_sends_the_time_left_minus_the_margin() {
         let margin = Arc::new(Margin::new(20 * MS));
         let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
         let mut svc = AttemptTimeout::new(svc, margin.clone());
@@ -229,7 +229,7 @@ mod tests {
     /// A backend that takes 300 ms per answer costs later calls nothing: the margin learns
     /// the round trip, not the work. A peer that does not report its work teaches nothing.
     #[tokio::test(start_paused = true)]
-    async fn a_slow_server_does_not_shrink_the_next_calls_budget() {
+    async fn a_slow_server_does_not_shrink_the_next_calls_timeout() {
         let margin = Arc::new(Margin::new(5 * MS));
         let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
         let mut svc = AttemptTimeout::new(svc, margin.clone());
@@ -266,7 +266,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_attempt_without_budget_fails_at_once_and_is_not_sent() {
+    async fn an_attempt_without_time_left_fails_at_once_and_is_not_sent() {
         let margin = Arc::new(Margin::new(50 * MS));
         let (svc, mut handle) = mock::pair::<Request<()>, Response<()>>();
         let mut svc = AttemptTimeout::new(svc, margin);

@@ -61,7 +61,7 @@ pub use self::layer::HedgeLayer;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -73,6 +73,7 @@ use tokio::time::Instant;
 use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
+use super::Reach;
 use super::classify::{error_status, response_status};
 use super::future::LayerFuture;
 use super::observer::refused_locally;
@@ -90,6 +91,8 @@ pub type ResponseFuture<F, T> = LayerFuture<F, T>;
 /// The hedges of one logical call: put in the request's extensions by the retry layer and
 /// shared by the call's attempts, so that a call is hedged at most as many times as its
 /// policy allows ([`HedgePolicy::max_hedges`]), whichever of its attempts the hedges race.
+/// It also keeps how far the sends of its races got ([`Reach`]): the retry layer sees only the
+/// result each race returns, not the sends it dropped.
 #[derive(Debug, Clone, Default)]
 pub struct HedgeAllowance(Arc<Allowance>);
 
@@ -97,6 +100,8 @@ pub struct HedgeAllowance(Arc<Allowance>);
 struct Allowance {
     /// Hedges sent for the call so far.
     taken: AtomicU32,
+    /// The furthest [`Reach`] of the sends of the call's races ([`Reach::as_u8`]).
+    reach: AtomicU8,
     /// Whether the call is observed: the race of its hedged attempt is then kept in `race`.
     observed: bool,
     /// The race of the attempt that was hedged, once it is over, until the retry layer takes it
@@ -126,6 +131,16 @@ impl HedgeAllowance {
             observed: true,
             ..Allowance::default()
         }))
+    }
+
+    /// Records that a send of one of the call's races got as far as `reach`.
+    pub(crate) fn reached(&self, reach: Reach) {
+        self.0.reach.fetch_max(reach.as_u8(), Ordering::AcqRel);
+    }
+
+    /// How far the sends of the call's races got, as far as this layer saw them.
+    pub(crate) fn reach(&self) -> Reach {
+        Reach::from_u8(self.0.reach.load(Ordering::Acquire))
     }
 
     /// The race of the call's hedged attempt, once it is over (once: it is taken).
@@ -444,7 +459,15 @@ where
                 next = (sent < max).then(|| now + delay);
             }
             Some((side, leg_started, result)) = legs.next() => {
-                if is_final(&result) || (legs.is_empty() && next.is_none()) {
+                let settled = is_final(&result) || (legs.is_empty() && next.is_none());
+                if let Some(allowance) = &allowance {
+                    allowance.reached(Reach::of_result(&result));
+                    if settled && !legs.is_empty() {
+                        // The sends still running are dropped unanswered.
+                        allowance.reached(Reach::Unknown);
+                    }
+                }
+                if settled {
                     leg_ended(&mut log, side, &result, true);
                     // The first final answer wins; dropping `legs` cancels the other sends.
                     record(&policy, &result, leg_started);

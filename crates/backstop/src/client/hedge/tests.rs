@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::*;
 use crate::client::replay::{Replay, ReplayBody};
-use crate::retry::{RetryBudget, StormAlarm};
+use crate::retry::{RetryBudget, RetrySpend, StormAlarm};
 
 type Body = ReplayBody<Full<Bytes>>;
 
@@ -25,8 +25,8 @@ fn request(allowance: &HedgeAllowance) -> Request<Body> {
 }
 
 /// A policy whose window already says p95 = 100 ms.
-fn warmed(budget: &RetryBudget) -> HedgePolicy {
-    let policy = HedgePolicy::new(budget.clone(), "psp", "GetCharge");
+fn warmed(spend: impl Into<RetrySpend>) -> HedgePolicy {
+    let policy = HedgePolicy::new(spend, "psp", "GetCharge");
     for _ in 0..HedgePolicy::MIN_SAMPLES {
         policy.record_latency(100 * MS);
     }
@@ -69,7 +69,7 @@ async fn a_slow_attempt_is_hedged_after_the_p95_and_the_loser_is_cancelled() {
             }
         })
     };
-    let svc = Hedge::new(svc, warmed(&budget));
+    let svc = Hedge::new(svc, warmed(budget.clone()));
     let start = Instant::now();
     let response = svc
         .oneshot(request(&HedgeAllowance::default()))
@@ -93,7 +93,7 @@ async fn a_slow_attempt_is_hedged_after_the_p95_and_the_loser_is_cancelled() {
 async fn a_fast_attempt_is_not_hedged() {
     let budget = RetryBudget::new(0.1, 5).unwrap();
     let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
-    let svc = Hedge::new(svc, warmed(&budget));
+    let svc = Hedge::new(svc, warmed(budget.clone()));
     handle.allow(2);
     let call = tokio::spawn(svc.oneshot(request(&HedgeAllowance::default())));
     let (_, send) = handle.next_request().await.unwrap();
@@ -107,7 +107,7 @@ async fn a_fast_attempt_is_not_hedged() {
 async fn one_hedge_per_logical_call_and_none_without_budget() {
     let budget = RetryBudget::new(0.0, 1).unwrap();
     let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
-    let svc = Hedge::new(svc, warmed(&budget));
+    let svc = Hedge::new(svc, warmed(budget.clone()));
     handle.allow(10);
     let allowance = HedgeAllowance::default();
     assert!(allowance.clone().take());
@@ -138,7 +138,7 @@ async fn one_hedge_per_logical_call_and_none_without_budget() {
 async fn a_retryable_failure_waits_for_the_other_attempt() {
     let budget = RetryBudget::new(0.1, 5).unwrap();
     let (svc, mut handle) = mock::pair::<Request<Body>, Response<&'static str>>();
-    let svc = Hedge::new(svc, warmed(&budget));
+    let svc = Hedge::new(svc, warmed(budget.clone()));
     handle.allow(2);
     let call = tokio::spawn(svc.oneshot(request(&HedgeAllowance::default())));
     let (_, first) = handle.next_request().await.unwrap();
@@ -186,7 +186,10 @@ async fn no_hedge_while_the_storm_alarm_is_tripped() {
             }
         })
     };
-    let svc = Hedge::new(svc, warmed(&budget).storm_alarm(Some(alarm.clone())));
+    let svc = Hedge::new(
+        svc,
+        warmed(RetrySpend::new(budget.clone()).storm_alarm(Some(alarm.clone()))),
+    );
     let response = svc
         .clone()
         .oneshot(request(&HedgeAllowance::default()))
@@ -229,7 +232,10 @@ async fn no_hedge_while_the_retry_switch_is_off() {
             }
         })
     };
-    let svc = Hedge::new(svc, warmed(&budget).retry_switch(Some(switch.clone())));
+    let svc = Hedge::new(
+        svc,
+        warmed(RetrySpend::new(budget.clone()).retry_switch(Some(switch.clone()))),
+    );
     svc.clone()
         .oneshot(request(&HedgeAllowance::default()))
         .await
@@ -263,7 +269,7 @@ fn try_hedge_at_pays_from_the_budget_and_records_latencies() {
 #[tokio::test(start_paused = true)]
 async fn hedges_leave_half_the_burst_to_retries() {
     let budget = RetryBudget::new(0.1, 5).unwrap();
-    let policy = warmed(&budget);
+    let policy = warmed(budget.clone());
     let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let svc = {
         let sent = sent.clone();
@@ -294,7 +300,7 @@ async fn a_fixed_delay_hedges_after_exactly_that_delay() {
     for policy in [
         HedgePolicy::new(RetryBudget::new(0.1, 5).unwrap(), "psp", "GetCharge"),
         // p95 = 100 ms and a 300 ms floor: both ignored.
-        warmed(&RetryBudget::new(0.1, 5).unwrap()).min_delay(300 * MS),
+        warmed(RetryBudget::new(0.1, 5).unwrap()).min_delay(300 * MS),
     ] {
         let policy = policy.fixed_delay(Some(30 * MS));
         assert_eq!(policy.delay(), Some(30 * MS));
@@ -335,9 +341,8 @@ async fn no_hedge_while_the_grpc_throttle_is_at_half() {
     use crate::retry::RetryThrottle;
 
     let throttle = RetryThrottle::new(4, 0.5).unwrap();
-    let policy = HedgePolicy::new(RetryBudget::unlimited(), "psp", "GetCharge")
-        .fixed_delay(Some(10 * MS))
-        .retry_throttle(Some(throttle.clone()));
+    let spend = RetrySpend::new(RetryBudget::unlimited()).retry_throttle(Some(throttle.clone()));
+    let policy = HedgePolicy::new(spend, "psp", "GetCharge").fixed_delay(Some(10 * MS));
     let now = Instant::now();
     assert!(policy.try_hedge_at(now));
     assert_eq!(throttle.tokens(), 4.0, "a hedge takes no token");

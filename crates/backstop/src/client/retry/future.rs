@@ -27,6 +27,7 @@ use crate::client::hedge::{HedgeAllowance, Side};
 use crate::client::observer::{AttemptEvent, AttemptKind, AttemptObserver, CallEnd, refusal};
 use crate::client::replay::{Buffered, Buffering, Replay, ReplayBody, ResendBy};
 use crate::client::transparent::ResendRequested;
+use crate::client::{Error, Reach};
 use crate::deadline::Deadline;
 use crate::retry::{Attempt, Attempts, CallInfo, RetryError, RetryPolicy, StopReason};
 use crate::status::{Code, Outcome as Classified, Status};
@@ -119,6 +120,8 @@ pin_project! {
         // An attempt that never reached the server, to be sent again at once (see
         // `ResendRequested`).
         resend: Option<(Attempt, Duration)>,
+        // How far the attempts got so far (the hedge layer keeps its dropped sends' own).
+        reach: Reach,
         current: Option<Current>,
         // When the attempt in flight is abandoned if still unanswered (see `AttemptLimit`);
         // `None` when it runs until the deadline.
@@ -168,6 +171,7 @@ where
             attempts,
             last: None,
             resend: None,
+            reach: Reach::NotSent,
             current,
             abandon_at,
             timer: tokio::time::sleep_until(abandon_at.unwrap_or(deadline.instant())),
@@ -213,7 +217,7 @@ where
                             let e: BoxError = Box::new(RequestBodyError::new(e));
                             told(this.config, this.parts, this.key)
                                 .end_unsent(&*e, Some(StopReason::RequestBody));
-                            return done(this.step, Err(e));
+                            return done(this.step, Err(unsent(e)));
                         }
                         Poll::Pending => {
                             // Reading the body is part of the call: it too ends at the deadline,
@@ -222,7 +226,7 @@ where
                             let e: BoxError = Box::new(RequestBodyError::too_slow());
                             told(this.config, this.parts, this.key)
                                 .end_unsent(&*e, Some(StopReason::RequestBody));
-                            return done(this.step, Err(e));
+                            return done(this.step, Err(unsent(e)));
                         }
                     }
                     this.step.set(Step::Next);
@@ -238,9 +242,11 @@ where
                         Ok(current) => current,
                         Err(stopped) => {
                             told(this.config, this.parts, this.key).end_stopped(&stopped);
+                            let reach = call_reach(*this.reach, this.parts);
+                            let one_layer = policy.spend().retries_at_one_layer();
                             return done(
                                 this.step,
-                                stop(this.last.take(), stopped, policy.retries_at_one_layer()),
+                                stop(this.last.take(), stopped, one_layer, reach),
                             );
                         }
                     };
@@ -252,10 +258,10 @@ where
                             Ok(_) => continue,
                             Err(stopped) => {
                                 told(this.config, this.parts, this.key).end_stopped(&stopped);
-                                return done(
-                                    this.step,
-                                    stop(this.last.take(), stopped, policy.retries_at_one_layer()),
-                                );
+                                let reach = call_reach(*this.reach, this.parts);
+                                let one_layer = policy.spend().retries_at_one_layer();
+                                let result = stop(this.last.take(), stopped, one_layer, reach);
+                                return done(this.step, result);
                             }
                         }
                     }
@@ -331,6 +337,16 @@ where
             let tell = told(this.config, this.parts, this.key);
             let elapsed = current.started.elapsed();
             let remaining = current.remaining;
+            *this.reach = (*this.reach).max(match &sent {
+                Outcome::Response(_) => Reach::Answered,
+                // Not handed to the service below: it cannot have left.
+                _ if !on_wire => Reach::NotSent,
+                Outcome::Failed(e) if caller_fault(&**e, &this.parts.extensions).is_none() => {
+                    Reach::of_error(&**e)
+                }
+                // The body broke on its way out, or the attempt got no answer in time.
+                Outcome::Failed(_) | Outcome::CutOff | Outcome::Abandoned => Reach::Unknown,
+            });
             let next = match sent {
                 Outcome::Response(response) => {
                     match (this.config.classifier)(response.status(), response.headers()) {
@@ -424,8 +440,9 @@ where
                 }
                 Err(stopped) => {
                     tell.end_stopped(&stopped);
-                    let one_layer = policy.retries_at_one_layer();
-                    return done(this.step, stop(this.last.take(), stopped, one_layer));
+                    let one_layer = policy.spend().retries_at_one_layer();
+                    let reach = call_reach(*this.reach, this.parts);
+                    return done(this.step, stop(this.last.take(), stopped, one_layer, reach));
                 }
             }
         }
@@ -451,7 +468,7 @@ fn abandon_at<B>(
         && policy
             .retryable_codes()
             .is_none_or(|codes| codes.contains(&Code::Unavailable))
-        && policy.budget().available() >= 1.0;
+        && policy.spend().has_retry_token();
     if !retryable {
         return None;
     }
@@ -466,6 +483,20 @@ fn waiting_on_caller(parts: &Parts) -> bool {
         .extensions
         .get::<BodyFault>()
         .is_some_and(BodyFault::is_waiting)
+}
+
+/// How far the attempts of the call with head `parts` got: `reach` as this layer saw them,
+/// and the sends its hedge races dropped.
+fn call_reach(reach: Reach, parts: &Parts) -> Reach {
+    parts
+        .extensions
+        .get::<HedgeAllowance>()
+        .map_or(reach, |allowance| reach.max(allowance.reach()))
+}
+
+/// A call that failed before any attempt was sent.
+fn unsent(error: BoxError) -> BoxError {
+    Error::reached(error, Reach::NotSent).into()
 }
 
 /// Ends the call with `result`.
@@ -547,8 +578,8 @@ pub(super) fn attempt_request<B>(
     request
 }
 
-/// The call's result once the attempts stopped: the last failed response, if the last attempt
-/// got one, marked with why they stopped; else the error.
+/// The call's result once the attempts stopped, having got as far as `reach`: the last failed
+/// response, if the last attempt got one, marked with why they stopped; else the error.
 ///
 /// With retries at one layer (`one_layer`), an unavailable answer this layer already retried
 /// (or stopped retrying for the destination's sake) also says "do not retry"
@@ -559,6 +590,7 @@ pub(super) fn stop<ResB>(
     last: Option<Box<Response<ResB>>>,
     stopped: RetryError,
     one_layer: bool,
+    reach: Reach,
 ) -> Result<Response<ResB>, BoxError> {
     match last.map(|last| *last) {
         Some(mut response) => {
@@ -571,10 +603,11 @@ pub(super) fn stop<ResB>(
             response.extensions_mut().insert(RetryStopped {
                 reason: stopped.reason,
                 attempts: stopped.attempts,
+                reach,
             });
             Ok(response)
         }
-        None => Err(Box::new(stopped)),
+        None => Err(Error::reached(Box::new(stopped), reach).into()),
     }
 }
 

@@ -42,8 +42,11 @@
 //!
 //! When the attempts stop on a response (a 503 after three tries, a 400 at once), that
 //! response is returned, with a [`RetryStopped`] extension saying why. When they stop without
-//! one (transport errors, the deadline, an open circuit), the error is a
-//! [`RetryError`](crate::retry::RetryError).
+//! one (transport errors, the deadline, an open circuit), the error is an
+//! [`Error`] whose source is the [`RetryError`](crate::retry::RetryError). Both
+//! say how far the attempts got ([`Reach`]), read from each attempt's end: an answer, an error
+//! that proves nothing was sent (a refused connection, an open circuit), or no answer to a
+//! request that may have left (a reset, a cut-off, a hedge dropped unanswered).
 
 mod attempt_limit;
 pub(super) mod config;
@@ -77,6 +80,7 @@ use super::hedge::HedgeAllowance;
 use super::idempotency::IDEMPOTENCY_KEY;
 use super::replay::{Buffering, ReplayBody};
 use super::select::Selected;
+use super::{Error, Reach};
 use crate::deadline::{Deadline, Margin};
 use crate::policy::{DEFAULT_TIMEOUT, Idempotency};
 use crate::retry::{RetryPolicy, StopReason};
@@ -84,14 +88,17 @@ use crate::retry::{RetryPolicy, StopReason};
 /// The response future of [`Retry`].
 pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
 
-/// Put on a response that ended the attempts without succeeding: how many were sent and why
-/// no further one was.
+/// Put on a response that ended the attempts without succeeding: how many were sent, why
+/// no further one was, and how far they got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryStopped {
     /// Why the attempts stopped.
     pub reason: StopReason,
     /// Attempts sent, first included.
     pub attempts: u32,
+    /// How far the call's attempts got: [`Reach::Answered`], or [`Reach::Unknown`] when an
+    /// earlier attempt (or a hedge) got no answer.
+    pub reach: Reach,
 }
 
 /// Runs each logical call as attempts (see the [module docs](self)).
@@ -255,7 +262,8 @@ where
                     let e: BoxError = Box::new(RequestBodyError::new(e));
                     future::told(&config, &parts, &key)
                         .end_unsent(&*e, Some(StopReason::RequestBody));
-                    return Box::pin(std::future::ready(Err(e)));
+                    let e = Error::reached(e, Reach::NotSent);
+                    return Box::pin(std::future::ready(Err(e.into())));
                 }
                 Poll::Pending => {}
             }
@@ -277,7 +285,8 @@ where
                 }
                 Err(stopped) => {
                     future::told(&config, &parts, &key).end_stopped(&stopped);
-                    return Box::pin(std::future::ready(future::stop(None, stopped, false)));
+                    let stopped = future::stop(None, stopped, false, Reach::NotSent);
+                    return Box::pin(std::future::ready(stopped));
                 }
             }
         } else {

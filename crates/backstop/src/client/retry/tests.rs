@@ -18,10 +18,25 @@ type Mocked = Retry<mock::Mock<Request<Body>, Response<()>>>;
 
 const MS: Duration = Duration::from_millis(1);
 
+/// The stop of a call that failed, under the typed error the retry layer fails with.
+fn stopped_by(err: &BoxError) -> Option<&RetryError> {
+    use std::error::Error as _;
+    err.downcast_ref::<crate::client::Error>()?
+        .source()?
+        .downcast_ref::<RetryError>()
+}
+
+/// How far the attempts of a call that failed got.
+fn reach_of(err: &BoxError) -> Reach {
+    err.downcast_ref::<crate::client::Error>()
+        .expect("the retry layer fails with a typed error")
+        .reach()
+}
+
 fn policy_builder(budget: RetryBudget) -> crate::retry::RetryPolicyBuilder {
     RetryPolicy::builder("psp", "Charge")
         .backoff(Backoff::new(10 * MS, 10 * MS, Jitter::None, Duration::ZERO).unwrap())
-        .budget(budget)
+        .spend(budget)
         .keyed(true)
 }
 
@@ -200,7 +215,8 @@ async fn transport_errors_end_in_a_retry_error_with_its_reason() {
         send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
     }
     let err = call.await.unwrap().unwrap_err();
-    let err = err.downcast_ref::<RetryError>().unwrap();
+    assert_eq!(reach_of(&err), Reach::Unknown, "reset after sending");
+    let err = stopped_by(&err).unwrap();
     assert_eq!((err.attempts, err.reason), (2, StopReason::BudgetExhausted));
     assert_eq!(err.last.code(), Code::Unavailable);
 }
@@ -217,7 +233,7 @@ async fn retries_never_extend_the_deadline() {
     let (_, _hanging) = handle.next_request().await.unwrap();
     let err = call.await.unwrap().unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_secs(1));
-    let err = err.downcast_ref::<RetryError>().unwrap();
+    let err = stopped_by(&err).unwrap();
     assert_eq!(err.reason, StopReason::Deadline);
 }
 
@@ -257,9 +273,10 @@ async fn an_attempt_refused_for_lack_of_time_stops_on_the_deadline() {
     let svc = RetryLayer::new(policy(budget.clone()), Idempotency::Keyed)
         .layer(AttemptTimeout::new(svc, margin));
     let err = svc.oneshot(request("{}", Some("k-1"))).await.unwrap_err();
-    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    let stopped = stopped_by(&err).expect("a retry error");
     assert_eq!(stopped.reason, StopReason::Deadline);
     assert_eq!(stopped.attempts, 0);
+    assert_eq!(reach_of(&err), Reach::NotSent);
     assert_eq!(stopped.last.outcome(), crate::status::Outcome::Rejected);
     assert!((budget.available() - 20.0).abs() < 1e-9, "no token spent");
     assert!(handle.next_request().await.is_none(), "nothing was sent");
@@ -342,9 +359,10 @@ async fn a_never_sent_attempt_is_sent_again_once() {
         send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
     }
     let err = call.await.unwrap().unwrap_err();
-    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    let stopped = stopped_by(&err).expect("a retry error");
     assert_eq!(stopped.attempts, 1);
     assert_eq!(stopped.reason, StopReason::MaxAttempts);
+    assert_eq!(reach_of(&err), Reach::NotSent);
     let pending = futures_util::FutureExt::now_or_never(handle.next_request());
     assert!(!matches!(pending, Some(Some(_))), "nothing else was sent");
 }
@@ -360,7 +378,7 @@ async fn a_never_sent_attempt_without_a_token_is_a_failed_attempt() {
     let (_, send) = handle.next_request().await.unwrap();
     send.send_error(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
     let err = call.await.unwrap().unwrap_err();
-    assert!(err.downcast_ref::<RetryError>().is_some());
+    assert!(stopped_by(&err).is_some());
     let pending = futures_util::FutureExt::now_or_never(handle.next_request());
     assert!(!matches!(pending, Some(Some(_))), "nothing else was sent");
 }
@@ -519,11 +537,12 @@ async fn an_attempt_that_cannot_be_retried_is_never_cut_short() {
     let (_first, _unanswered) = handle.next_request().await.unwrap();
     let (_last, _unanswered_too) = handle.next_request().await.unwrap();
     let err = call.await.unwrap().unwrap_err();
-    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    let stopped = stopped_by(&err).expect("a retry error");
     assert_eq!(
         (stopped.attempts, stopped.reason),
         (2, StopReason::Deadline)
     );
+    assert_eq!(reach_of(&err), Reach::Unknown);
     assert_eq!(started.elapsed(), Duration::from_secs(1));
 
     // An `Unsafe` call is sent once and waits for its answer until the deadline.
@@ -533,7 +552,7 @@ async fn an_attempt_that_cannot_be_retried_is_never_cut_short() {
     let call = tokio::spawn(svc.oneshot(request("{\"a\":1}", None)));
     let (_once, _unanswered) = handle.next_request().await.unwrap();
     let err = call.await.unwrap().unwrap_err();
-    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    let stopped = stopped_by(&err).expect("a retry error");
     assert_eq!(
         (stopped.attempts, stopped.reason),
         (1, StopReason::Deadline)
@@ -553,7 +572,7 @@ async fn a_deadline_too_short_for_two_limits_leaves_the_attempt_alone() {
     let call = tokio::spawn(svc.oneshot(call));
     let (_only, _unanswered) = handle.next_request().await.unwrap();
     let err = call.await.unwrap().unwrap_err();
-    let stopped = err.downcast_ref::<RetryError>().expect("a retry error");
+    let stopped = stopped_by(&err).expect("a retry error");
     assert_eq!(
         (stopped.attempts, stopped.reason),
         (1, StopReason::Deadline)
@@ -620,6 +639,6 @@ async fn without_a_deadline_above_a_call_gets_the_documented_default() {
         assert_eq!(deadline.remaining_at(started), timeout);
         let err = call.await.unwrap().unwrap_err();
         assert_eq!(started.elapsed(), timeout, "{err}");
-        assert!(err.downcast_ref::<RetryError>().is_some(), "{err}");
+        assert!(stopped_by(&err).is_some(), "{err}");
     }
 }

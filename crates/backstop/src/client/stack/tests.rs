@@ -504,7 +504,7 @@ async fn attempts_retries_and_hedges_are_counted() {
     );
     assert_eq!(count("rpc_client_attempts_total", &attempt("2", "ok")), 1);
     // Two budget tokens: the retry and the hedge.
-    assert!((dest.retry_budget().available() - 18.0).abs() < 1e-9);
+    assert!((dest.spend().retry_budget().available() - 18.0).abs() < 1e-9);
 }
 
 /// What 1,000 logical `GetCharge` calls, 10 ms apart, cost a transport that fails each
@@ -574,7 +574,7 @@ async fn a_dead_dependency_gets_at_most_1_02_attempts_per_call() {
         stops.iter().filter(|r| **r == StopReason::Storm).count() > 900,
         "{stops:?}"
     );
-    assert_eq!(storm.storm().unwrap().level(), StormLevel::Tripped);
+    assert_eq!(storm.spend().storm().unwrap().level(), StormLevel::Tripped);
 
     // The same calls with the budget alone.
     let budget_only = Destination::new("psp").breaker(None).storm_alarm(None);
@@ -594,7 +594,7 @@ async fn ten_percent_random_failures_still_succeed_99_percent() {
     assert!(ok >= 990, "{ok} of 1,000 succeeded; stops {stops:?}");
     assert!(!stops.contains(&StopReason::Storm), "{stops:?}");
     assert!(attempts < 1_150, "{attempts}");
-    assert_ne!(psp.storm().unwrap().level(), StormLevel::Tripped);
+    assert_ne!(psp.spend().storm().unwrap().level(), StormLevel::Tripped);
 }
 
 /// Issue 15, item 5: with adaptive throttling a client facing a server that sheds every
@@ -723,4 +723,55 @@ async fn attempts_past_the_destinations_slots_wait_in_sight() {
         assert_eq!(call.await.unwrap().unwrap().status(), 200);
     }
     assert_eq!((slots.in_flight(), slots.waiting()), (0, 0));
+}
+
+/// A hedged attempt whose hedge is refused with a final answer while the attempt it raced is
+/// still unanswered: the answer is returned, and the call's reach is unknown, not answered,
+/// since the attempt dropped may have reached the server. Without the hedge, the same answer
+/// leaves the call answered.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_answered_over_an_unanswered_attempt_leaves_the_outcome_unknown() {
+    use crate::client::Reach;
+    use crate::client::retry::RetryStopped;
+    use http::{Request, Response};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tower::{ServiceExt, service_fn};
+
+    let call = |stranded: bool| {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let transport = service_fn(move |_: Request<_>| {
+            let first = sent.fetch_add(1, Ordering::Relaxed) == 0;
+            async move {
+                if first && stranded {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, std::io::Error>(Response::builder().status(400).body(()).unwrap())
+            }
+        });
+        let get = MethodPolicy::builder("Get", Idempotency::Safe)
+            .timeout(Duration::from_secs(10))
+            .hedging(true)
+            .hedge_delay(Duration::from_secs(1))
+            .build();
+        let svc = ClientStack::builder(&Destination::new("peer"), get)
+            .build()
+            .unwrap()
+            .layer(transport);
+        let request = Request::get("http://peer/x")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        svc.oneshot(request)
+    };
+    for (stranded, reach) in [(true, Reach::Unknown), (false, Reach::Answered)] {
+        let response = call(stranded).await.unwrap();
+        assert_eq!(response.status(), 400);
+        let stopped = response
+            .extensions()
+            .get::<RetryStopped>()
+            .copied()
+            .unwrap();
+        assert_eq!(stopped.reach, reach, "stranded: {stranded}");
+        let error = crate::client::Error::for_status(response).unwrap_err();
+        assert_eq!(error.reach(), reach);
+    }
 }

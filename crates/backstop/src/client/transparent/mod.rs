@@ -46,7 +46,6 @@ pub use self::layer::TransparentRetryLayer;
 
 use std::error::Error as StdError;
 use std::future::Future;
-use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
@@ -57,41 +56,14 @@ use tower::{BoxError, ServiceExt};
 use tower_service::Service;
 
 use super::future::BoxResponseFuture;
+use super::reach::unsent;
 use super::replay::{ReplayBody, ResendBy, try_clone_request};
 use crate::retry::RetryBudget;
 
 /// Whether `error` proves the request never reached the server (see the [module docs](self)).
 /// Walks the `source()` chain, matching types, never messages.
 pub fn never_sent(error: &(dyn StdError + 'static)) -> bool {
-    let mut cause: Option<&(dyn StdError + 'static)> = Some(error);
-    while let Some(e) = cause {
-        if let Some(io) = e.downcast_ref::<io::Error>() {
-            if io.kind() == io::ErrorKind::ConnectionRefused {
-                return true;
-            }
-            // An io::Error's source() skips the error it wraps; look at that one too.
-            if let Some(inner) = io.get_ref() {
-                if never_sent(inner) {
-                    return true;
-                }
-            }
-        }
-        if let Some(h2) = e.downcast_ref::<h2::Error>() {
-            if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
-                return true;
-            }
-            if h2.is_go_away() && h2.is_remote() {
-                return true;
-            }
-        }
-        if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
-            if client.is_connect() {
-                return true;
-            }
-        }
-        cause = e.source();
-    }
-    false
+    unsent(error).is_some()
 }
 
 /// The failure of an attempt made by the [retry layer](super::retry) above that never reached
@@ -298,6 +270,7 @@ mod tests {
     use http::Response;
     use http_body::Body as _;
     use http_body_util::Full;
+    use std::io;
     use tower_test::mock;
 
     type Body = ReplayBody<Full<Bytes>>;

@@ -95,7 +95,7 @@ pub(crate) fn sweepable(
     expires_at_ms <= now_ms && !(status == RecordStatus::Running && lease_until_ms > now_ms)
 }
 
-/// How long a claim's lease must be: the route's lease or the request's remaining budget,
+/// How long a claim's lease must be: the route's lease or the request's time left,
 /// whichever is longer, plus `max_clock_skew`.
 ///
 /// The holder works until its deadline, which its own monotonic clock measures, while another
@@ -105,10 +105,10 @@ pub(crate) fn sweepable(
 #[cfg_attr(not(feature = "server"), allow(dead_code))]
 pub(crate) fn lease_for(
     route_lease: Duration,
-    budget: Option<Duration>,
+    time_left: Option<Duration>,
     max_clock_skew: Duration,
 ) -> Duration {
-    let work = budget.map_or(route_lease, |b| route_lease.max(b));
+    let work = time_left.map_or(route_lease, |t| route_lease.max(t));
     work.saturating_add(max_clock_skew.saturating_mul(2))
 }
 
@@ -117,7 +117,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_lease_covers_the_longer_of_route_and_budget_plus_twice_the_skew() {
+    fn the_lease_covers_the_longer_of_route_and_timeout_plus_twice_the_skew() {
         let s = Duration::from_secs;
         let ms = Duration::from_millis;
         assert_eq!(lease_for(s(5), None, ms(250)), ms(5_500));

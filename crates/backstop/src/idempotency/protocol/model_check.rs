@@ -101,8 +101,8 @@ struct ClaimProtocol {
     horizon: i64,
     /// The route's lease, in ticks.
     lease: i64,
-    /// Each request's deadline budget, in ticks.
-    budget: i64,
+    /// Each request's timeout, in ticks.
+    timeout: i64,
     /// Record TTL, in ticks.
     ttl: i64,
     /// Claims each executor may make (bounds the state space).
@@ -280,7 +280,7 @@ impl ClaimProtocol {
             max_skew: 1,
             horizon: 7,
             lease: 2,
-            budget: 3,
+            timeout: 3,
             ttl: 5,
             max_attempts: 2,
             takeover: Takeover::Refuse,
@@ -315,7 +315,7 @@ impl ClaimProtocol {
         };
         let lease = lease_for(
             Duration::from_millis((self.lease * TICK) as u64),
-            Some(Duration::from_millis((self.budget * TICK) as u64)),
+            Some(Duration::from_millis((self.timeout * TICK) as u64)),
             skew,
         );
         lease.as_millis() as i64
@@ -406,7 +406,7 @@ impl ClaimProtocol {
     fn claim(&self, state: &mut State, i: usize, dropped: bool) {
         state.attempts[i] += 1;
         let now_ms = self.clock(state, i);
-        let deadline = state.now + self.budget;
+        let deadline = state.now + self.timeout;
         let rule = self.rule(state, i);
         if matches!(rule, ClaimRule::Insert { .. } | ClaimRule::TakeOver { .. }) {
             // A deferred claim becomes durable with the next durable commit; a dropped one is

@@ -2,7 +2,7 @@ use super::*;
 use crate::observe::{
     RPC_CLIENT_ATTEMPTS_TOTAL, RPC_CLIENT_REQUESTS_TOTAL, RPC_CLIENT_RETRIES_TOTAL,
 };
-use crate::retry::{Backoff, Jitter, RetryBudget};
+use crate::retry::{Backoff, Jitter, RetryBudget, RetrySpend};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +19,7 @@ fn fixed(delay: Duration) -> Backoff {
 fn policy() -> crate::retry::RetryPolicyBuilder {
     RetryPolicy::builder("psp", "Charge")
         .backoff(fixed(50 * MS))
-        .budget(RetryBudget::new(0.1, 100).unwrap())
+        .spend(RetryBudget::new(0.1, 100).unwrap())
 }
 
 fn unavailable() -> Status {
@@ -82,7 +82,7 @@ async fn first_success_makes_one_attempt() {
         .await
         .unwrap();
     assert_eq!((v, calls), (1, 1));
-    assert_eq!(policy.budget().available(), 100.0);
+    assert_eq!(policy.spend().retry_budget().available(), 100.0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -100,7 +100,11 @@ async fn sleep_is_skipped_when_delay_and_min_call_exceed_remaining() {
     assert_eq!((err.attempts, err.reason), (1, StopReason::Deadline));
     assert_eq!(err.last.code(), Code::Unavailable);
     assert_eq!(start.elapsed(), 60 * MS, "stopped without sleeping");
-    assert_eq!(policy.budget().available(), 100.0, "no token spent");
+    assert_eq!(
+        policy.spend().retry_budget().available(),
+        100.0,
+        "no token spent"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -200,7 +204,7 @@ async fn pushback_past_the_deadline_stops_with_pushback() {
     assert_eq!((err.attempts, err.reason), (1, StopReason::Pushback));
     assert_eq!(err.last.pushback(), Some(Duration::from_secs(5)));
     assert_eq!(start.elapsed(), Duration::ZERO);
-    assert_eq!(policy.budget().available(), 100.0);
+    assert_eq!(policy.spend().retry_budget().available(), 100.0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -218,7 +222,7 @@ async fn huge_pushback_does_not_overflow() {
 #[tokio::test(start_paused = true)]
 async fn budget_exhaustion_stops_with_the_reason() {
     let policy = policy()
-        .budget(RetryBudget::new(0.0, 1).unwrap())
+        .spend(RetryBudget::new(0.0, 1).unwrap())
         .build()
         .unwrap();
     let always_down = |_| async { Err::<(), _>(unavailable()) };
@@ -242,10 +246,12 @@ async fn the_retry_switch_stops_or_lowers_retries_and_lets_them_go_again() {
     let alarm = StormAlarm::new("psp", StormConfig::default());
     let budget = RetryBudget::new(0.5, 0).unwrap();
     let policy = policy()
-        .budget(budget.clone())
+        .spend(
+            RetrySpend::new(budget.clone())
+                .storm_alarm(Some(alarm.clone()))
+                .retry_switch(Some(switch.clone())),
+        )
         .max_attempts(2)
-        .storm_alarm(Some(alarm.clone()))
-        .retry_switch(Some(switch.clone()))
         .build()
         .unwrap();
     let fails_then_succeeds = |a: Attempt| async move {
@@ -268,7 +274,7 @@ async fn the_retry_switch_stops_or_lowers_retries_and_lets_them_go_again() {
     assert_eq!(budget.available(), before, "off deposits nothing");
 
     // A budget of 0.1 below the destination's 0.5: each request deposits 0.1.
-    switch.set(RetrySetting::Budget(0.1), "test");
+    switch.set(RetrySetting::Ratio(0.1), "test");
     while budget.try_withdraw() {}
     for _ in 0..5 {
         let _ = policy
@@ -329,7 +335,7 @@ async fn an_open_circuit_stops_with_circuit_open() {
         .await
         .unwrap_err();
     assert_eq!((err.attempts, err.reason), (1, StopReason::CircuitOpen));
-    assert_eq!(policy.budget().available(), 100.0);
+    assert_eq!(policy.spend().retry_budget().available(), 100.0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -353,7 +359,7 @@ async fn non_retryable_stops_at_once() {
         assert_eq!(err.last.code(), code);
     }
     assert_eq!(start.elapsed(), Duration::ZERO);
-    assert_eq!(policy.budget().available(), 100.0);
+    assert_eq!(policy.spend().retry_budget().available(), 100.0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -394,7 +400,7 @@ async fn max_attempts_stops_after_the_last_attempt() {
             .unwrap_err();
         assert_eq!((err.attempts, err.reason), (max, StopReason::MaxAttempts));
         assert_eq!(numbers, (1..=max).collect::<Vec<_>>());
-        let spent = 100.0 - policy.budget().available();
+        let spent = 100.0 - policy.spend().retry_budget().available();
         assert!((spent - f64::from(max - 1)).abs() < 0.2, "{spent} tokens");
     }
 }
@@ -460,7 +466,7 @@ async fn retries_without_a_budget() {
     }
 
     let budgeted = policy()
-        .budget(RetryBudget::new(ratio, burst).unwrap())
+        .spend(RetryBudget::new(ratio, burst).unwrap())
         .build()
         .unwrap();
     let retries = run(&budgeted).await;
@@ -473,7 +479,7 @@ async fn retries_without_a_budget() {
 
     // The accident: a budget that never runs out multiplies load by max_attempts.
     let unbudgeted = policy()
-        .budget(RetryBudget::new(1.0, u32::MAX).unwrap())
+        .spend(RetryBudget::new(1.0, u32::MAX).unwrap())
         .build()
         .unwrap();
     assert_eq!(run(&unbudgeted).await, 2 * N);
@@ -694,8 +700,7 @@ async fn a_tripped_storm_alarm_stops_retries_with_storm() {
     let alarm = StormAlarm::new("psp", StormConfig::default());
     let budget = RetryBudget::new(0.1, 100).unwrap();
     let policy = policy()
-        .budget(budget.clone())
-        .storm_alarm(Some(alarm.clone()))
+        .spend(RetrySpend::new(budget.clone()).storm_alarm(Some(alarm.clone())))
         .build()
         .unwrap();
     let fail = |_| async { Err::<(), _>(unavailable()) };
@@ -762,7 +767,10 @@ async fn a_throttled_attempt_is_not_sent() {
         throttle.record_request();
     }
     let policy = policy()
-        .throttle(Some(throttle.clone().seeded(1)))
+        .spend(
+            RetrySpend::new(RetryBudget::new(0.1, 100).unwrap())
+                .throttle(Some(throttle.clone().seeded(1))),
+        )
         .build()
         .unwrap();
     let sent = AtomicU64::new(0);
@@ -815,8 +823,10 @@ async fn a_grpc_retry_throttle_stops_retries_below_half_its_tokens() {
 
     let throttle = RetryThrottle::new(10, 0.5).unwrap();
     let policy = policy()
-        .budget(RetryBudget::new(1.0, 1_000).unwrap())
-        .retry_throttle(Some(throttle.clone()))
+        .spend(
+            RetrySpend::new(RetryBudget::new(1.0, 1_000).unwrap())
+                .retry_throttle(Some(throttle.clone())),
+        )
         .build()
         .unwrap();
     let down = |_| async { Err::<(), _>(unavailable()) };

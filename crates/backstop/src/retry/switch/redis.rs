@@ -1,6 +1,6 @@
 //! The switch's setting kept in one Redis key, for every process watching it.
 //!
-//! The key holds `off` or `budget=R`; no key means `on`, so a setting written with an expiry
+//! The key holds `off` or `ratio=R`; no key means `on`, so a setting written with an expiry
 //! (`backstop retries off --for 10m`) ends by itself. Each process reads the key every
 //! [`DEFAULT_POLL`] (a `GET` of a few bytes: 4 per second per process); a fleet is switched
 //! within one poll and a round trip. Polling rather than pub/sub because a process that

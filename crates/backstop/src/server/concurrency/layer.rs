@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::{DEFAULT_BUDGET, GateService};
+use super::{DEFAULT_TIMEOUT, GateService};
 use crate::admission::Gate;
 
 /// Applies [`GateService`]: bounded concurrency with deadline-bounded waiting.
@@ -12,7 +12,7 @@ use crate::admission::Gate;
 #[doc(alias = "concurrency limit", alias = "ConcurrencyLimitLayer")]
 pub struct GateLayer {
     gate: Gate,
-    default_budget: Duration,
+    default_timeout: Duration,
 }
 
 impl GateLayer {
@@ -20,13 +20,13 @@ impl GateLayer {
     pub fn new(gate: Gate) -> Self {
         Self {
             gate,
-            default_budget: DEFAULT_BUDGET,
+            default_timeout: DEFAULT_TIMEOUT,
         }
     }
 
-    /// The budget of a request that carries no deadline (10 s unless set).
-    pub fn default_budget(mut self, budget: Duration) -> Self {
-        self.default_budget = budget;
+    /// The timeout of a request that carries no deadline (10 s unless set).
+    pub fn default_timeout(mut self, timeout: Duration) -> Self {
+        self.default_timeout = timeout;
         self
     }
 
@@ -40,6 +40,6 @@ impl<S> Layer<S> for GateLayer {
     type Service = GateService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        GateService::new(inner, self.gate.clone(), self.default_budget)
+        GateService::new(inner, self.gate.clone(), self.default_timeout)
     }
 }

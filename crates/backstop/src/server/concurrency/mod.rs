@@ -5,7 +5,7 @@
 //! response future* while it waits in the gate's queue, never in `poll_ready`: a request that
 //! merely waits to be called holds nothing. It waits as its [`Tenant`]
 //! (the request extension, else the default tenant), declaring its body length plus a fixed
-//! overhead as its memory cost, and the queue decides: a request whose remaining budget cannot
+//! overhead as its memory cost, and the queue decides: a request whose time left cannot
 //! cover the expected service time is never served, one that waited too long while a standing
 //! queue exists is dropped, and a tenant holding more than its share is refused.
 //!
@@ -36,7 +36,7 @@
 //! the connections of tenants over their share.
 //!
 //! A request without a [`Deadline`] extension (no deadline layer outside) is given
-//! the budget [`GateLayer::default_budget`].
+//! the timeout [`GateLayer::default_timeout`].
 
 mod layer;
 
@@ -64,24 +64,25 @@ use crate::status::Status;
 /// the queue carry its reason (`deadline`, `sojourn`, `full`, `tenant_share`).
 pub const REASON: &str = crate::observe::reject_reason::OVERLOADED;
 
-/// Budget of a request that reaches the gate without a [`Deadline`].
-pub const DEFAULT_BUDGET: Duration = Duration::from_secs(10);
+/// Timeout of a request that reaches the gate without a [`Deadline`]: the one default
+/// timeout of every method policy.
+pub use crate::policy::DEFAULT_TIMEOUT;
 
 /// Admits requests through a [`Gate`].
 #[derive(Debug, Clone)]
 pub struct GateService<S> {
     inner: S,
     gate: Gate,
-    default_budget: Duration,
+    default_timeout: Duration,
 }
 
 impl<S> GateService<S> {
     /// Wraps `inner` with `gate`.
-    pub fn new(inner: S, gate: Gate, default_budget: Duration) -> Self {
+    pub fn new(inner: S, gate: Gate, default_timeout: Duration) -> Self {
         Self {
             inner,
             gate,
-            default_budget,
+            default_timeout,
         }
     }
 }
@@ -113,7 +114,7 @@ where
             .extensions()
             .get::<Deadline>()
             .copied()
-            .unwrap_or_else(|| Deadline::after(self.default_budget));
+            .unwrap_or_else(|| Deadline::after(self.default_timeout));
         // The ready service goes into the future; `self` keeps a fresh clone (tower's idiom for
         // calling later).
         let clone = self.inner.clone();

@@ -61,7 +61,7 @@ async fn no_permit_is_taken_in_poll_ready() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn full_gate_waits_at_most_budget_minus_min_service_then_503() {
+async fn full_gate_waits_at_most_time_left_minus_min_service_then_503() {
     let gate = Gate::new(1, Duration::from_millis(20));
     let release = Arc::new(Semaphore::new(0));
     let svc = GateLayer::new(gate.clone())
@@ -95,7 +95,7 @@ async fn full_gate_waits_at_most_budget_minus_min_service_then_503() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn budget_below_min_service_is_refused_at_once() {
+async fn time_left_below_min_service_is_refused_at_once() {
     let gate = Gate::new(1, Duration::from_millis(50));
     let release = Arc::new(Semaphore::new(0));
     let svc = GateLayer::new(gate.clone())
@@ -146,11 +146,11 @@ async fn dropping_the_response_future_releases_the_permit() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn request_without_deadline_uses_the_default_budget() {
+async fn request_without_deadline_uses_the_default_timeout() {
     let gate = Gate::new(1, Duration::from_millis(10));
     let release = Arc::new(Semaphore::new(0));
     let svc = GateLayer::new(gate.clone())
-        .default_budget(Duration::from_millis(60))
+        .default_timeout(Duration::from_millis(60))
         .layer(held(release))
         .map_response(flat);
     let _first = tokio::spawn(svc.clone().oneshot(request(Duration::from_secs(5))));

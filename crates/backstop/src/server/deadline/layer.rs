@@ -18,7 +18,7 @@ pub struct DeadlineLayer {
 }
 
 impl DeadlineLayer {
-    /// A layer giving requests without `grpc-timeout` the budget `default` (clamped by the
+    /// A layer giving requests without `grpc-timeout` the timeout `default` (clamped by the
     /// maximum, 60 s unless [`DeadlineLayer::max`] is set).
     pub fn new(default: Duration) -> Self {
         Self {
@@ -31,7 +31,7 @@ impl DeadlineLayer {
 
     /// The methods' policies: a request without `grpc-timeout` gets its method's
     /// [`timeout`](crate::policy::MethodPolicy::timeout) (clamped by the maximum) instead of
-    /// the layer's default, the same budget the method's clients set. With
+    /// the layer's default, the same timeout the method's clients set. With
     /// [`ServerStack::policies`](crate::server::ServerStack::policies) the stack gives its
     /// table here too.
     pub fn policies(self, policies: MethodPolicies) -> Self {
@@ -47,7 +47,7 @@ impl DeadlineLayer {
         self
     }
 
-    /// The largest budget a caller may ask for; larger `grpc-timeout` values are clamped to it.
+    /// The largest timeout a caller may ask for; larger `grpc-timeout` values are clamped to it.
     pub fn max(mut self, max: Duration) -> Self {
         self.max = max;
         self
@@ -62,20 +62,20 @@ impl DeadlineLayer {
         self
     }
 
-    /// The budget of a request without `grpc-timeout` whose method no
+    /// The timeout of a request without `grpc-timeout` whose method no
     /// [policies](Self::policies) name.
     pub fn default_timeout(&self) -> Duration {
         self.default.min(self.max)
     }
 
-    /// The largest budget a request can get.
+    /// The largest timeout a request can get.
     pub fn max_timeout(&self) -> Duration {
         self.max
     }
 }
 
 impl Default for DeadlineLayer {
-    /// 10 s default budget, 60 s maximum.
+    /// 10 s default timeout, 60 s maximum.
     fn default() -> Self {
         Self::new(DEFAULT_TIMEOUT)
     }

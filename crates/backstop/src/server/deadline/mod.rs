@@ -1,9 +1,9 @@
 //! Deadline extraction: the first thing a request meets.
 //!
-//! The caller sends its remaining budget in `grpc-timeout` (the same header gRPC uses; HTTP
+//! The caller sends the time it has left in `grpc-timeout` (the same header gRPC uses; HTTP
 //! callers send it too, as grpc-gateway does). [`DeadlineLayer`] converts it into an absolute
 //! [`Deadline`] on the local monotonic clock *in `call`*, before any other layer, so that queueing,
-//! authentication and decoding are paid out of the caller's budget. The deadline is
+//! authentication and decoding are paid out of the caller's time. The deadline is
 //! stored as a request extension for the layers and the handler below, and is the task's
 //! [`Deadline::current`] while they run: a handler that calls another service through the
 //! [client stack](crate::client::ClientStack) forwards what is left of it without a line of
@@ -16,8 +16,8 @@
 //!
 //! - no header: the method's [`MethodPolicy::timeout`](crate::policy::MethodPolicy::timeout)
 //!   when the layer has the methods' [policies](DeadlineLayer::policies), else a configured
-//!   default budget (10 s unless set, the same default every policy has);
-//! - a budget above the configured maximum (60 s unless set) is clamped to it;
+//!   default timeout (10 s unless set, the same default every policy has);
+//! - a timeout above the configured maximum (60 s unless set) is clamped to it;
 //! - a malformed value (no unit, a 9-digit value, zero, garbage) is answered at once with 400
 //!   problem+json `invalid_grpc_timeout`;
 //! - when the deadline passes before the inner service answers, the inner future is dropped and
@@ -55,11 +55,11 @@ use crate::deadline::{Deadline, GRPC_TIMEOUT_HEADER, decode_grpc_timeout};
 /// The `grpc-timeout` header, named once.
 use crate::status::{Code, Status, problem};
 
-/// Default budget of a request that carries no `grpc-timeout`: the one default timeout of
+/// Default timeout of a request that carries no `grpc-timeout`: the one default timeout of
 /// every method policy.
 pub use crate::policy::DEFAULT_TIMEOUT;
 
-/// Default upper bound on the budget a caller may ask for.
+/// Default upper bound on the timeout a caller may ask for.
 pub const DEFAULT_MAX_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Sets the request's [`Deadline`] from `grpc-timeout` and answers 504 when it passes.
@@ -73,7 +73,7 @@ pub struct DeadlineService<S> {
 }
 
 impl<S> DeadlineService<S> {
-    /// Wraps `inner` with the given default and maximum budgets.
+    /// Wraps `inner` with the given default and maximum timeouts.
     pub fn new(inner: S, default: Duration, max: Duration) -> Self {
         Self {
             inner,
@@ -84,9 +84,9 @@ impl<S> DeadlineService<S> {
         }
     }
 
-    /// The budget for `request`'s `grpc-timeout` (or, without one, its method's). The first
+    /// The timeout for `request`'s `grpc-timeout` (or, without one, its method's). The first
     /// layer of a stack: it selects the request's policy for the layers after it.
-    fn budget<B>(&self, request: &mut Request<B>) -> Result<Duration, Status> {
+    fn timeout<B>(&self, request: &mut Request<B>) -> Result<Duration, Status> {
         let timeout = match &self.policies {
             Some(lookup) => lookup.select(request).timeout(),
             None => self.default,
@@ -102,8 +102,8 @@ impl<S> DeadlineService<S> {
             .with_problem(problem::INVALID_GRPC_TIMEOUT)
         };
         let text = value.to_str().map_err(|_| invalid())?;
-        let budget = decode_grpc_timeout(text).map_err(|_| invalid())?;
-        Ok(budget.min(self.max))
+        let timeout = decode_grpc_timeout(text).map_err(|_| invalid())?;
+        Ok(timeout.min(self.max))
     }
 }
 
@@ -121,10 +121,10 @@ where
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let protocol = Protocol::of(request.headers());
-        match self.budget(&mut request) {
-            Ok(budget) => {
+        match self.timeout(&mut request) {
+            Ok(timeout) => {
                 let arrived = Instant::now();
-                let deadline = Deadline::after_at(arrived, budget);
+                let deadline = Deadline::after_at(arrived, timeout);
                 request.extensions_mut().insert(deadline);
                 let stamp = self.server_timing.then_some(arrived);
                 let previous = crate::retry::inbound::parse(

@@ -43,14 +43,14 @@ async fn header_becomes_a_deadline_extension() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn absent_header_gets_the_default_budget() {
+async fn absent_header_gets_the_default_timeout() {
     let svc = DeadlineLayer::new(Duration::from_secs(3)).layer(service_fn(report_budget));
     let res = flat(svc.oneshot(request(None)).await.unwrap());
     assert_eq!(res.body(), "3000");
 }
 
 #[tokio::test(start_paused = true)]
-async fn budget_is_clamped_to_the_maximum() {
+async fn timeout_is_clamped_to_the_maximum() {
     let layer = DeadlineLayer::new(Duration::from_secs(120)).max(Duration::from_secs(30));
     assert_eq!(layer.default_timeout(), Duration::from_secs(30));
     let res = flat(
@@ -166,7 +166,7 @@ async fn answer_before_the_deadline_passes_through() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn budget_starts_when_the_request_arrives_not_when_polled() {
+async fn deadline_starts_when_the_request_arrives_not_when_polled() {
     let mut svc = DeadlineLayer::default().layer(service_fn(report_budget));
     let svc = svc.ready().await.unwrap();
     let fut = svc.call(request(Some("1S")));

@@ -258,10 +258,16 @@ async fn the_default_client_retries_through_ten_percent_and_stops_against_all() 
         "{ok} of 1,000 succeeded with {attempts} attempts"
     );
     assert!(attempts > 1_050, "failed attempts were retried: {attempts}");
-    assert_ne!(destination.storm().unwrap().level(), StormLevel::Tripped);
+    assert_ne!(
+        destination.spend().storm().unwrap().level(),
+        StormLevel::Tripped
+    );
 
     let (attempts, ok, destination) = default_client_against(100.0).await;
     assert_eq!(ok, 0);
     assert!(attempts <= 1_020, "{attempts} attempts for 1,000 calls");
-    assert_eq!(destination.storm().unwrap().level(), StormLevel::Tripped);
+    assert_eq!(
+        destination.spend().storm().unwrap().level(),
+        StormLevel::Tripped
+    );
 }

@@ -1,4 +1,4 @@
-//! Response future of [`Idempotency`](super::Idempotency).
+//! Response future of [`IdempotencyService`](super::IdempotencyService).
 
 use std::fmt;
 use std::future::Future;

@@ -11,14 +11,14 @@
 //!   store with backoff, so it works across instances sharing a store): the stored answer is
 //!   replayed from here (no second pass through the gate), or, if the attempt failed
 //!   retryably or was released, the request goes through the gate again and runs itself.
-//!   Only when its budget ends first is it answered 409 `request_in_progress` +
+//!   Only when its deadline comes first is it answered 409 `request_in_progress` +
 //!   `Retry-After`. A waiter is woken at once when the attempt runs on the same instance.
 //!
 //! Requests of methods that are not keyed but whose policy
 //! [buffers the body](crate::policy::MethodPolicy::buffers_body) (unary calls) have their
 //! bodies read here too, within the same caps.
 //!
-//! The key, fingerprint and body read here travel to [`Idempotency`](super::Idempotency) as a
+//! The key, fingerprint and body read here travel to [`IdempotencyService`](super::IdempotencyService) as a
 //! request extension, so the request is read and fingerprinted once.
 
 use std::fmt;
@@ -53,13 +53,13 @@ const FIRST_PAUSE: Duration = Duration::from_millis(2);
 /// Longest pause between two looks at a running attempt.
 const MAX_PAUSE: Duration = Duration::from_millis(50);
 
-/// Least budget kept, when the wait ends, to claim again and answer before the deadline.
+/// Least time kept, when the wait ends, to claim again and answer before the deadline.
 const MIN_ANSWER_MARGIN: Duration = Duration::from_millis(10);
 
-/// Most budget kept back for the answer.
+/// Most time kept back for the answer.
 const MAX_ANSWER_MARGIN: Duration = Duration::from_millis(250);
 
-/// The budget a waiter keeps for its own answer: a fifth of what it had when it began to wait,
+/// The time a waiter keeps for its own answer: a fifth of what it had when it began to wait,
 /// within [`MIN_ANSWER_MARGIN`, `MAX_ANSWER_MARGIN`]. The caller's clock started before ours
 /// (the request had to travel), so an answer sent at our deadline arrives after the caller
 /// stopped listening; the 409 and its `Retry-After` are only useful if they arrive in time.
@@ -245,7 +245,7 @@ where
     }
 }
 
-/// Reads the request, then sends it on until it is not refused as in progress, or its budget
+/// Reads the request, then sends it on until it is not refused as in progress, or its deadline
 /// ends.
 async fn intake<S, St, ReqBody, ResBody>(
     shared: Arc<Shared<St>>,
@@ -319,7 +319,7 @@ where
 
 /// How a wait for a running attempt ended.
 enum Wait {
-    /// The waiter's own budget came first.
+    /// The waiter's own deadline came first.
     GaveUp,
     /// The record is no longer running under a live lease: as the store read it, if it could.
     Settled(Option<Box<Record>>),
@@ -366,7 +366,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_waiter_keeps_a_fifth_of_its_budget_for_the_answer_within_bounds() {
+    fn a_waiter_keeps_a_fifth_of_its_time_left_for_the_answer_within_bounds() {
         assert_eq!(
             answer_margin(Duration::from_millis(300)),
             Duration::from_millis(60)

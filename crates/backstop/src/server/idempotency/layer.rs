@@ -6,14 +6,14 @@ use http::{HeaderName, Method, Request, header};
 use tower_layer::Layer;
 
 use super::settled::Settled;
-use super::{DEFAULT_MAX_BODY, Idempotency, IntakeLayer, KeyedRoute};
+use super::{DEFAULT_MAX_BODY, IdempotencyService, IntakeLayer, KeyedRoute};
 use crate::clock::{Clock, SystemClock};
 use crate::idempotency::Store;
 use crate::policy::{DEFAULT_MAX_REPLAY_BODY, MethodPolicies, Takeover};
 use crate::server::grpc::DEFAULT_MAX_MESSAGE;
 use crate::server::select::{MatchedPathFn, PolicyLookup, TableSource};
 
-/// Applies [`Idempotency`] to the keyed methods of a [`MethodPolicies`] table: the one place
+/// Applies [`IdempotencyService`] to the keyed methods of a [`MethodPolicies`] table: the one place
 /// a service says which of its methods are keyed (see [`IdempotencyLayer::policies`]).
 ///
 /// Clones share the store, the clock and the table.
@@ -42,12 +42,12 @@ pub(super) struct Shared<St> {
     pub(super) settled: Settled,
     /// Bound on any instance's wall-clock error; leases outlast work by twice this.
     pub(super) max_clock_skew: Duration,
-    /// The least budget a keyed request must have left to be claimed; unset: the default.
-    pub(super) min_budget: Option<MinBudget>,
+    /// The least time a keyed request must have left to be claimed; unset: the default.
+    pub(super) min_time_left: Option<MinTimeLeft>,
 }
 
-/// The least budget of a keyed request, fixed or asked at each request.
-pub(super) type MinBudget = Arc<dyn Fn() -> Duration + Send + Sync>;
+/// The least time left of a keyed request, fixed or asked at each request.
+pub(super) type MinTimeLeft = Arc<dyn Fn() -> Duration + Send + Sync>;
 
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
@@ -87,7 +87,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
                 settled: Settled::default(),
                 max_clock_skew: super::DEFAULT_MAX_CLOCK_SKEW,
-                min_budget: None,
+                min_time_left: None,
             }),
         }
     }
@@ -140,29 +140,29 @@ impl<St: Store> IdempotencyLayer<St> {
         self.edit(|s| s.max_clock_skew = skew)
     }
 
-    /// The least budget a keyed request must have left when it reaches this layer (default
-    /// [`DEFAULT_MIN_BUDGET`](super::DEFAULT_MIN_BUDGET), 5 ms; in a
+    /// The least time a keyed request must have left before its deadline when it reaches this
+    /// layer (default [`DEFAULT_MIN_TIME_LEFT`](super::DEFAULT_MIN_TIME_LEFT), 5 ms; in a
     /// [`ServerStack`](crate::server::ServerStack), the gate's minimal service time unless set
     /// here). With less, it is answered 504 `deadline_exceeded` (gRPC `DEADLINE_EXCEEDED`)
     /// before its claim: no record is written for a request that could not have run, and its
-    /// key stays unused (a replay is not looked up either; the caller retries with a longer
-    /// budget).
-    pub fn min_budget(self, budget: Duration) -> Self {
-        self.min_budget_with(move || budget)
+    /// key stays unused (a replay is not looked up either; the caller retries with a later
+    /// deadline).
+    pub fn min_time_left(self, time: Duration) -> Self {
+        self.min_time_left_with(move || time)
     }
 
-    /// [`min_budget`](Self::min_budget) asked of `budget` at each keyed request, for a service
-    /// whose handlers need a budget that changes (one that covers a downstream round trip
-    /// measured as it goes): the budget check the handler would make before its first write,
-    /// made before the claim instead.
-    pub fn min_budget_with(self, budget: impl Fn() -> Duration + Send + Sync + 'static) -> Self {
-        let budget: MinBudget = Arc::new(budget);
-        self.edit(|s| s.min_budget = Some(budget))
+    /// [`min_time_left`](Self::min_time_left) asked of `time` at each keyed request, for a
+    /// service whose handlers need a time that changes (one that covers a downstream round
+    /// trip measured as it goes): the deadline check the handler would make before its first
+    /// write, made before the claim instead.
+    pub fn min_time_left_with(self, time: impl Fn() -> Duration + Send + Sync + 'static) -> Self {
+        let time: MinTimeLeft = Arc::new(time);
+        self.edit(|s| s.min_time_left = Some(time))
     }
 
-    /// Whether [`min_budget`](Self::min_budget) was set.
-    pub(crate) fn has_min_budget(&self) -> bool {
-        self.shared.min_budget.is_some()
+    /// Whether [`min_time_left`](Self::min_time_left) was set.
+    pub(crate) fn has_min_time_left(&self) -> bool {
+        self.shared.min_time_left.is_some()
     }
 
     /// The largest request body a keyed route buffers (default 1 MiB); larger is 413.
@@ -247,7 +247,7 @@ impl<St: Store> IdempotencyLayer<St> {
                     stored_headers: old.stored_headers.clone(),
                     settled: Settled::default(),
                     max_clock_skew: old.max_clock_skew,
-                    min_budget: old.min_budget.clone(),
+                    min_time_left: old.min_time_left.clone(),
                 };
                 f(&mut shared);
                 self.shared = Arc::new(shared);
@@ -258,11 +258,11 @@ impl<St: Store> IdempotencyLayer<St> {
 }
 
 impl<St> Shared<St> {
-    /// The least budget a keyed request needs to be claimed.
-    pub(super) fn min_budget(&self) -> Duration {
-        self.min_budget
+    /// The least time left a keyed request needs to be claimed.
+    pub(super) fn min_time_left(&self) -> Duration {
+        self.min_time_left
             .as_ref()
-            .map_or(super::DEFAULT_MIN_BUDGET, |budget| budget())
+            .map_or(super::DEFAULT_MIN_TIME_LEFT, |time| time())
     }
 
     /// The one place a request's keyed route is decided.
@@ -315,10 +315,10 @@ pub(super) enum IntakeKind {
 }
 
 impl<S, St> Layer<S> for IdempotencyLayer<St> {
-    type Service = Idempotency<S, St>;
+    type Service = IdempotencyService<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.shared.clone())
+        IdempotencyService::new(inner, self.shared.clone())
     }
 }
 

@@ -32,7 +32,7 @@
 //!    - **in progress**: 409 `request_in_progress` with `Retry-After`. Behind the
 //!      [`IntakeLayer`] (as in [`ServerStack`](crate::server::ServerStack)) the request first
 //!      waits, holding no gate permit, for the running attempt's outcome and has it replayed;
-//!      it gets this answer only when its own budget ends first.
+//!      it gets this answer only when its own deadline comes first.
 //!
 //! Steps 1 to 3 run in the [`IntakeLayer`], before the gate, when it is in front; this layer
 //! then takes what it read from a request extension.
@@ -135,12 +135,12 @@
 //! the run may have performed its effect: a retry learns `outcome_unknown` when the lease ends
 //! (before that, `request_in_progress` by its own deadline). A request whose deadline has
 //! passed, or that has less
-//! budget left than [`IdempotencyLayer::min_budget`], claims nothing (504
+//! time left than [`IdempotencyLayer::min_time_left`], claims nothing (504
 //! `deadline_exceeded`), and a store that gives up because the request's deadline passed
 //! ([`StoreError::DeadlineExceeded`]) is answered the same; only a store that fails is 503
 //! `store_unavailable`.
 //!
-//! The lease is the route's lease (5 s unless set) or the request's remaining deadline budget,
+//! The lease is the route's lease (5 s unless set) or the request's time left,
 //! whichever is longer, plus twice the instances' clock skew bound
 //! ([`IdempotencyLayer::max_clock_skew`], 250 ms unless set): while the first attempt may still
 //! be running, a retry gets `request_in_progress` rather than a second concurrent execution,
@@ -214,9 +214,9 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 /// Default claim lease.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(5);
 
-/// Default least budget a keyed request must have left to be claimed (see
-/// [`IdempotencyLayer::min_budget`]): the gate's default minimal service time.
-pub const DEFAULT_MIN_BUDGET: Duration = crate::server::DEFAULT_MIN_SERVICE;
+/// Default least time a keyed request must have left to be claimed (see
+/// [`IdempotencyLayer::min_time_left`]): the gate's default minimal service time.
+pub const DEFAULT_MIN_TIME_LEFT: Duration = crate::server::DEFAULT_MIN_SERVICE;
 
 /// Default bound on how far an instance's wall clock may be from true time.
 pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_millis(250);
@@ -239,12 +239,12 @@ pub struct KeyedRoute {
 }
 
 /// Deduplicates requests on keyed routes; see the [module docs](self).
-pub struct Idempotency<S, St> {
+pub struct IdempotencyService<S, St> {
     inner: S,
     shared: Arc<Shared<St>>,
 }
 
-impl<S: Clone, St> Clone for Idempotency<S, St> {
+impl<S: Clone, St> Clone for IdempotencyService<S, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -253,21 +253,21 @@ impl<S: Clone, St> Clone for Idempotency<S, St> {
     }
 }
 
-impl<S: std::fmt::Debug, St> std::fmt::Debug for Idempotency<S, St> {
+impl<S: std::fmt::Debug, St> std::fmt::Debug for IdempotencyService<S, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Idempotency")
+        f.debug_struct("IdempotencyService")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, St> Idempotency<S, St> {
+impl<S, St> IdempotencyService<S, St> {
     fn new(inner: S, shared: Arc<Shared<St>>) -> Self {
         Self { inner, shared }
     }
 }
 
-impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St>
+impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, St>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
         + Clone
@@ -341,7 +341,7 @@ where
     // Budget checks come before any write: a request out of time, or with less left than a
     // keyed request needs to claim and run, claims nothing.
     if let Some(deadline) = head.extensions.get::<Deadline>() {
-        if deadline.expired() || deadline.remaining() < shared.min_budget() {
+        if deadline.expired() || deadline.remaining() < shared.min_time_left() {
             return Ok(deadline_exceeded(protocol));
         }
     }
@@ -634,7 +634,7 @@ async fn outcome_unknown<St: Store, B: From<Bytes>>(
 
 /// What a keyed request brings to its claim: its key, its fingerprint and its whole body.
 ///
-/// The intake reads it before the gate and hands it to [`Idempotency`] as a request extension,
+/// The intake reads it before the gate and hands it to [`IdempotencyService`] as a request extension,
 /// so the body is read once, and without holding a gate permit.
 #[derive(Clone)]
 struct Prepared {
@@ -659,8 +659,8 @@ impl InProgress {
 }
 
 /// A response extension saying that the answer was given before anything was done: the
-/// handler (or a layer between it and [`Idempotency`]) refused the request before any write
-/// or effect, e.g. because its budget could not cover the downstream call.
+/// handler (or a layer between it and [`IdempotencyService`]) refused the request before any write
+/// or effect, e.g. because its time left could not cover the downstream call.
 ///
 /// A keyed request's record is then released whatever the status, instead of being marked
 /// failed for a retryable answer (a 504, a 503): the refusal leaves no record behind. Only the

@@ -588,7 +588,7 @@ async fn two_idempotency_key_headers_are_400_never_first_wins() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn expired_budget_is_504_and_claims_nothing() {
+async fn expired_deadline_is_504_and_claims_nothing() {
     let store = MemoryStore::new();
     let handler = Handler::new(StatusCode::CREATED);
     let svc = layer(&store).layer(handler.service());
@@ -604,7 +604,7 @@ async fn expired_budget_is_504_and_claims_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_budget_below_the_minimum_is_504_and_claims_nothing() {
+async fn time_left_below_the_minimum_is_504_and_claims_nothing() {
     let store = MemoryStore::new();
     let handler = Handler::new(StatusCode::CREATED);
     let budget = |ms| {
@@ -623,10 +623,10 @@ async fn a_budget_below_the_minimum_is_504_and_claims_nothing() {
     let asked = needed.clone();
     for svc in [
         layer(&store)
-            .min_budget(Duration::from_millis(30))
+            .min_time_left(Duration::from_millis(30))
             .layer(handler.service()),
         layer(&store)
-            .min_budget_with(move || Duration::from_millis(asked.load(Ordering::SeqCst) as u64))
+            .min_time_left_with(move || Duration::from_millis(asked.load(Ordering::SeqCst) as u64))
             .layer(handler.service()),
     ] {
         let (status, _, _) = send(&svc, budget(29)).await;
@@ -638,7 +638,7 @@ async fn a_budget_below_the_minimum_is_504_and_claims_nothing() {
     assert_eq!(status, StatusCode::CREATED, "5 ms is enough by default");
     needed.store(10, Ordering::SeqCst);
     let svc = layer(&store)
-        .min_budget_with(move || Duration::from_millis(needed.load(Ordering::SeqCst) as u64))
+        .min_time_left_with(move || Duration::from_millis(needed.load(Ordering::SeqCst) as u64))
         .layer(handler.service());
     let mut req = post(Some("k2"), PAY);
     req.extensions_mut()

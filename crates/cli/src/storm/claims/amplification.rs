@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use backstop::deadline::Deadline;
 use backstop::retry::{
-    Attempts, Backoff, CallInfo, Jitter, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
+    Attempts, Backoff, CallInfo, Jitter, RetryBudget, RetryPolicy, RetrySpend, StormAlarm,
+    StormConfig,
 };
 use backstop::status::{Code, Status};
 use rand::SeedableRng;
@@ -250,28 +251,28 @@ impl Chain {
                 let builder = RetryPolicy::builder(service, "call")
                     .max_attempts(3)
                     .keyed(true);
-                let builder = if kind.budget {
-                    builder
-                        .backoff(Backoff::default())
-                        .budget(RetryBudget::new(0.1, 20).expect("valid"))
+                let (builder, budget) = if kind.budget {
+                    (
+                        builder.backoff(Backoff::default()),
+                        RetryBudget::new(0.1, 20).expect("valid"),
+                    )
                 } else {
-                    builder
-                        .backoff(
-                            Backoff::new(
-                                Duration::from_nanos(1),
-                                Duration::from_nanos(1),
-                                Jitter::None,
-                                Duration::ZERO,
-                            )
-                            .expect("valid"),
-                        )
-                        .budget(RetryBudget::new(1.0, u32::MAX).expect("valid"))
+                    let tick = Duration::from_nanos(1);
+                    (
+                        builder.backoff(
+                            Backoff::new(tick, tick, Jitter::None, Duration::ZERO).expect("valid"),
+                        ),
+                        RetryBudget::new(1.0, u32::MAX).expect("valid"),
+                    )
                 };
                 let alarm = kind
                     .alarm
                     .then(|| StormAlarm::new_at(service, StormConfig::default(), base));
                 alarms.extend(alarm.clone());
-                let policy = builder.storm_alarm(alarm).build().expect("valid policy");
+                let policy = builder
+                    .spend(RetrySpend::new(budget).storm_alarm(alarm))
+                    .build()
+                    .expect("valid policy");
                 Hop {
                     once: policy.single_attempt(),
                     policy,

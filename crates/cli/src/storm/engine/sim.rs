@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use backstop::hedge::{HedgePolicy, LatencyWindow};
 use backstop::retry::{
-    AdaptiveThrottle, Attempts, CallInfo, RetryBudget, RetryPolicy, StormAlarm, StormConfig,
+    AdaptiveThrottle, Attempts, CallInfo, RetryBudget, RetryPolicy, RetrySpend, StormAlarm,
+    StormConfig,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -122,7 +123,6 @@ pub(super) struct Sim<'a> {
     /// Draws the jitter of computed pushback.
     pushback_rng: StdRng,
     policy: RetryPolicy,
-    storm: Option<StormAlarm>,
     hedge: Option<HedgePolicy>,
     call: CallInfo<'static>,
     logicals: Slab<Logical>,
@@ -176,22 +176,22 @@ impl<'a> Sim<'a> {
             .expect("defaults are valid")
             .seeded(model.seed ^ 0x5eed)
         });
+        let spend = RetrySpend::new(budget)
+            .storm_alarm(storm)
+            .throttle(throttle);
         let policy = RetryPolicy::builder("sim", "call")
             .max_attempts(client.max_attempts)
             .backoff(client.backoff)
-            .budget(budget.clone())
-            .storm_alarm(storm.clone())
-            .throttle(throttle)
+            .spend(spend.clone())
             // Calls carry an idempotency key, so an attempt that timed out may be sent again.
             .keyed(true)
             .build()
             .expect("attempts checked by the scenario");
         let hedges = client.hedge_quantile.is_some() || client.hedge_delay.is_some();
         let hedge = hedges.then(|| {
-            HedgePolicy::new(budget, "sim", "call")
+            HedgePolicy::new(spend, "sim", "call")
                 .quantile(client.hedge_quantile.unwrap_or(0.95))
                 .fixed_delay(client.hedge_delay)
-                .storm_alarm(storm.clone())
                 .latencies(Arc::new(LatencyWindow::new(
                     HedgePolicy::WINDOW,
                     HedgePolicy::MIN_SAMPLES,
@@ -226,7 +226,6 @@ impl<'a> Sim<'a> {
             // and service times as one that does not.
             pushback_rng: StdRng::seed_from_u64(model.seed ^ 0x9ac6_b4c6),
             policy,
-            storm,
             hedge,
             call: CallInfo::new(),
             logicals: Slab::new(),
@@ -359,8 +358,9 @@ impl<'a> Sim<'a> {
     /// Closes interval `i`: the gauges at its end and its latency percentile.
     fn tick(&mut self, i: usize) {
         let storm = self
-            .storm
-            .as_ref()
+            .policy
+            .spend()
+            .storm()
             .map(|s| s.level_at(self.at(self.now)).as_str());
         let service_p99 = p99(&mut self.service);
         self.service.clear();

@@ -1,18 +1,18 @@
-//! Deadlines across the hop: the header a caller's budget came in, and the same form on the
+//! Deadlines across the hop: the header a caller's timeout came in, and the same form on the
 //! way to the upstream.
 //!
-//! The library's deadline layer reads `grpc-timeout`. A caller that sends its budget in
+//! The library's deadline layer reads `grpc-timeout`. A caller that sends its timeout in
 //! another header the proxy is told about (`X-Request-Timeout`, Envoy's
 //! `x-envoy-expected-rq-timeout-ms`, both in milliseconds) has it read as if it came in
-//! `grpc-timeout`; without either, the route's timeout is the budget. The upstream gets what
+//! `grpc-timeout`; without either, the route's timeout applies. The upstream gets what
 //! is left of it minus the hop's margin, written the way the caller wrote it (`grpc-timeout`
 //! when the caller sent none), and every other timeout header is removed, so that the
-//! upstream never sees a budget the caller had before the proxy spent part of it.
+//! upstream never sees a timeout the caller had before the proxy spent part of it.
 //!
 //! The value written is truncated, never rounded up: the upstream must give up before the
 //! proxy does, so it may get a little less than is left, never more. `grpc-timeout` keeps
 //! eight digits of the finest unit they fit (a loss below one part in 10^5); a header of
-//! milliseconds loses less than a millisecond. A budget no value can carry (under a
+//! milliseconds loses less than a millisecond. A timeout no value can carry (under a
 //! millisecond in a header of milliseconds) is not sent at all.
 
 use std::sync::Arc;
@@ -40,18 +40,18 @@ use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 /// Problem code of a timeout header whose value is not a number of milliseconds.
 pub(crate) const INVALID_TIMEOUT_HEADER: &str = "invalid_timeout_header";
 
-/// The headers, besides `grpc-timeout`, a caller may send its budget in (milliseconds).
+/// The headers, besides `grpc-timeout`, a caller may send its timeout in (milliseconds).
 pub(crate) const DEFAULT_TIMEOUT_HEADERS: [&str; 2] =
     ["x-request-timeout", "x-envoy-expected-rq-timeout-ms"];
 
-/// Request extension: how the caller wrote its budget.
+/// Request extension: how the caller wrote its timeout.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum BudgetForm {
+pub(crate) enum TimeoutForm {
     /// `grpc-timeout`.
     GrpcTimeout,
     /// A header of milliseconds.
     Millis(HeaderName),
-    /// None: the route's timeout is the budget.
+    /// None: the route's timeout applies.
     Absent,
 }
 
@@ -69,14 +69,14 @@ impl TimeoutHeaders {
         }
     }
 
-    /// On arrival, before the deadline layer: a budget given in one of the configured headers
+    /// On arrival, before the deadline layer: a timeout given in one of the configured headers
     /// (and no `grpc-timeout`) is written into `grpc-timeout`, which the layer reads. Records
-    /// the form in a [`BudgetForm`] extension. A value that is not a whole number of
-    /// milliseconds is refused (400 `invalid_timeout_header`); `0` counts as no budget.
+    /// the form in a [`TimeoutForm`] extension. A value that is not a whole number of
+    /// milliseconds is refused (400 `invalid_timeout_header`); `0` counts as no timeout.
     pub(crate) fn read<B>(&self, request: &mut Request<B>) -> Result<(), Problem> {
         let headers = request.headers();
         let form = if headers.contains_key(GRPC_TIMEOUT) {
-            BudgetForm::GrpcTimeout
+            TimeoutForm::GrpcTimeout
         } else if let Some((name, value)) = self
             .names
             .iter()
@@ -91,17 +91,17 @@ impl TimeoutHeaders {
                         .detail(format!("{name} must be a whole number of milliseconds"))
                 })?;
             if millis == 0 {
-                BudgetForm::Absent
+                TimeoutForm::Absent
             } else {
                 let value = grpc_timeout_header_value(Duration::from_millis(millis));
                 let name = name.clone();
                 request
                     .headers_mut()
                     .insert(HeaderName::from_static(GRPC_TIMEOUT), value);
-                BudgetForm::Millis(name)
+                TimeoutForm::Millis(name)
             }
         } else {
-            BudgetForm::Absent
+            TimeoutForm::Absent
         };
         request.extensions_mut().insert(form);
         Ok(())
@@ -123,13 +123,13 @@ impl TimeoutHeaders {
     pub(crate) fn write(
         &self,
         headers: &mut HeaderMap,
-        form: &BudgetForm,
+        form: &TimeoutForm,
         remaining: Duration,
     ) -> Option<()> {
         self.strip(headers);
         let (name, value) = match form {
-            BudgetForm::Millis(name) => (name.clone(), millis_at_most(remaining)?),
-            BudgetForm::GrpcTimeout | BudgetForm::Absent => (
+            TimeoutForm::Millis(name) => (name.clone(), millis_at_most(remaining)?),
+            TimeoutForm::GrpcTimeout | TimeoutForm::Absent => (
                 HeaderName::from_static(GRPC_TIMEOUT),
                 grpc_timeout_at_most(remaining)?,
             ),
@@ -149,7 +149,7 @@ fn millis_at_most(d: Duration) -> Option<HeaderValue> {
 /// fits in eight digits (`99999999H` beyond). `None` for zero, which no value carries.
 ///
 /// The library's [`grpc_timeout_header_value`] rounds up instead, for a client that sends
-/// its own budget; the proxy passes on a budget someone else gave it.
+/// its own timeout; the proxy passes on a timeout someone else gave it.
 pub(crate) fn grpc_timeout_at_most(d: Duration) -> Option<HeaderValue> {
     let nanos = d.as_nanos();
     if nanos == 0 {
@@ -162,7 +162,7 @@ pub(crate) fn grpc_timeout_at_most(d: Duration) -> Option<HeaderValue> {
         .unwrap_or((GRPC_MAX_VALUE, 'H'));
     let mut value = HeaderValue::from_str(&format!("{value}{unit}"))
         .expect("digits and a unit letter make a header value");
-    // As the library's: a budget differs on every request, so HPACK should not index it.
+    // As the library's: a timeout differs on every request, so HPACK should not index it.
     value.set_sensitive(true);
     Some(value)
 }
@@ -203,22 +203,22 @@ mod tests {
         let r = read(&[("x-request-timeout", "1500")]).unwrap();
         assert_eq!(r.headers()[GRPC_TIMEOUT], "1500000u");
         assert_eq!(
-            r.extensions().get::<BudgetForm>(),
-            Some(&BudgetForm::Millis(HeaderName::from_static(
+            r.extensions().get::<TimeoutForm>(),
+            Some(&TimeoutForm::Millis(HeaderName::from_static(
                 "x-request-timeout"
             )))
         );
         let r = read(&[("grpc-timeout", "2S"), ("x-request-timeout", "10")]).unwrap();
         assert_eq!(r.headers()[GRPC_TIMEOUT], "2S", "grpc-timeout wins");
         assert_eq!(
-            r.extensions().get::<BudgetForm>(),
-            Some(&BudgetForm::GrpcTimeout)
+            r.extensions().get::<TimeoutForm>(),
+            Some(&TimeoutForm::GrpcTimeout)
         );
         let r = read(&[("x-envoy-expected-rq-timeout-ms", "0")]).unwrap();
         assert!(!r.headers().contains_key(GRPC_TIMEOUT));
         assert_eq!(
-            r.extensions().get::<BudgetForm>(),
-            Some(&BudgetForm::Absent)
+            r.extensions().get::<TimeoutForm>(),
+            Some(&TimeoutForm::Absent)
         );
         for bad in ["1.5", "-1", "soon", ""] {
             let problem = read(&[("x-request-timeout", bad)]).unwrap_err();
@@ -233,7 +233,7 @@ mod tests {
         out.insert("grpc-timeout", "9S".parse().unwrap());
         out.insert("x-request-timeout", "9000".parse().unwrap());
         out.insert("x-envoy-expected-rq-timeout-ms", "9000".parse().unwrap());
-        let form = BudgetForm::Millis(HeaderName::from_static("x-request-timeout"));
+        let form = TimeoutForm::Millis(HeaderName::from_static("x-request-timeout"));
         h.write(&mut out, &form, Duration::from_micros(1_234_900))
             .unwrap();
         assert_eq!(out["x-request-timeout"], "1234");
@@ -243,7 +243,7 @@ mod tests {
             h.write(&mut out, &form, Duration::from_micros(900))
                 .is_none()
         );
-        h.write(&mut out, &BudgetForm::Absent, Duration::from_millis(250))
+        h.write(&mut out, &TimeoutForm::Absent, Duration::from_millis(250))
             .unwrap();
         assert_eq!(out["grpc-timeout"], "250000u");
         assert!(!out.contains_key("x-request-timeout"));
