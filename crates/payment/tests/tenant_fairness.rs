@@ -93,6 +93,26 @@ impl Noisy {
             notified.await;
         }
     }
+
+    /// Stops the noisy clients (the quiet ones are done) and waits for them.
+    async fn stop(&self, workers: Vec<tokio::task::JoinHandle<()>>) {
+        self.stop.store(true, Ordering::Release);
+        for w in workers {
+            w.await.unwrap();
+        }
+    }
+
+    /// The noisy tenant was refused and had connections pushed away.
+    fn assert_refused_and_pushed(&self) {
+        let (refused, closed) = (
+            self.refused.load(Ordering::Acquire),
+            self.closed.load(Ordering::Acquire),
+        );
+        assert!(
+            refused > 0 && closed > 0,
+            "{refused} refused, {closed} closed"
+        );
+    }
 }
 
 /// One HTTP payment as `key`: its status and whether the answer closes the connection.
@@ -162,10 +182,7 @@ async fn a_noisy_merchant_does_not_get_a_quiet_one_refused_over_http() {
     for q in quiet {
         answers.extend(q.await.unwrap());
     }
-    noisy.stop.store(true, Ordering::Release);
-    for w in workers {
-        w.await.unwrap();
-    }
+    noisy.stop(workers).await;
     assert_eq!(answers.len(), QUIET_CLIENTS * QUIET_PAYMENTS);
     assert!(
         answers
@@ -173,14 +190,7 @@ async fn a_noisy_merchant_does_not_get_a_quiet_one_refused_over_http() {
             .all(|&(status, closed)| status == 201 && !closed),
         "every quiet payment is created on the connection it came on: {answers:?}"
     );
-    let (refused, closed) = (
-        noisy.refused.load(Ordering::Acquire),
-        noisy.closed.load(Ordering::Acquire),
-    );
-    assert!(
-        refused > 0 && closed > 0,
-        "{refused} refused, {closed} closed"
-    );
+    noisy.assert_refused_and_pushed();
 }
 
 /// Counts the connections a channel opens.
@@ -260,22 +270,12 @@ async fn a_noisy_merchant_does_not_get_a_quiet_one_refused_over_grpc() {
         answers.extend(a);
         connects.push(c);
     }
-    noisy.stop.store(true, Ordering::Release);
-    for w in workers {
-        w.await.unwrap();
-    }
+    noisy.stop(workers).await;
     assert_eq!(answers.len(), QUIET_CLIENTS * QUIET_PAYMENTS);
     assert!(answers.iter().all(Result::is_ok), "{answers:?}");
     assert_eq!(
         connects, [1; QUIET_CLIENTS],
         "each quiet client kept its one connection"
     );
-    let (refused, closed) = (
-        noisy.refused.load(Ordering::Acquire),
-        noisy.closed.load(Ordering::Acquire),
-    );
-    assert!(
-        refused > 0 && closed > 0,
-        "{refused} refused, {closed} closed"
-    );
+    noisy.assert_refused_and_pushed();
 }
